@@ -1,0 +1,237 @@
+"""Runtime tokenizer: tokenizer.json + the checkpoint's jinja2 chat template, no model code.
+
+The runtime ships next to an AOTInductor package and must not import torch model definitions
+or transformers, so this wraps the `tokenizers` library directly and renders chat templates the
+way transformers' `apply_chat_template` does.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2 import nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+Message = dict[str, Any]
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    # jinja2's built-in tojson HTML-escapes and sorts keys; transformers overrides it like this.
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask tag) as a no-op."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_render", []), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template with the same environment transformers uses."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def render_chatml(messages: list[Message], add_generation_prompt: bool = True) -> str:
+    """Plain ChatML, exactly what llama.cpp produces for ChatML models: no injected turns."""
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_str(value: Any) -> str | None:
+    """tokenizer_config stores special tokens as a string or as an AddedToken dict."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+class Tokenizer:
+    """Text <-> ids plus chat prompt formatting for one checkpoint directory."""
+
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        eos_ids: set[int] | None = None,
+        bos_id: int | None = None,
+    ) -> None:
+        self._tok = tokenizer
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_id = bos_id if bos_id is not None else self.token_to_id(bos_token)
+        eos = set(eos_ids or ())
+        if (eos_id := self.token_to_id(eos_token)) is not None:
+            eos.add(eos_id)
+        self.eos_ids: set[int] = eos
+        self._template = compile_chat_template(chat_template) if chat_template else None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load tokenizer.json, tokenizer_config.json and, if present, the eos ids in
+        generation_config.json / config.json (models often stop on more than one token)."""
+        path = Path(path)
+        tok_config = _read_json(path / "tokenizer_config.json")
+        gen_config = _read_json(path / "generation_config.json")
+        config = _read_json(path / "config.json")
+
+        template = tok_config.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            named = {t["name"]: t["template"] for t in template}
+            template = named.get("default")
+        if (path / "chat_template.jinja").is_file():  # newer transformers save it separately
+            template = (path / "chat_template.jinja").read_text()
+
+        eos_ids = set(_as_list(gen_config.get("eos_token_id")))
+        eos_ids |= set(_as_list(config.get("eos_token_id")))
+        bos_ids = _as_list(gen_config.get("bos_token_id", config.get("bos_token_id")))
+        return cls(
+            HFTokenizer.from_file(str(path / "tokenizer.json")),
+            chat_template=template,
+            bos_token=_token_str(tok_config.get("bos_token")),
+            eos_token=_token_str(tok_config.get("eos_token")),
+            eos_ids=eos_ids,
+            bos_id=bos_ids[0] if bos_ids else None,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Special-token text such as "<|im_start|>" maps to its single id. Default False:
+        chat prompts already spell out their special tokens."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[Message], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render the checkpoint's own template exactly as transformers would (including any
+        default system prompt it injects)."""
+        if self._template is None:
+            raise ValueError("this checkpoint has no chat_template")
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
+
+    @property
+    def is_chatml(self) -> bool:
+        """Same test llama.cpp uses to pick its built-in ChatML formatter."""
+        return self._template is not None and "<|im_start|>" in (self.chat_template or "")
+
+    def chat_prompt(
+        self,
+        messages: list[Message],
+        system: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """Prompt text for a chat; `system=None` means no system turn at all.
+
+        Why not just apply_chat_template: SmolLM2's template (like Qwen2.5's) injects a default
+        system prompt ("You are a helpful AI assistant named SmolLM, ...") whenever the first
+        message is not a system message. llama.cpp, our reference, formats ChatML models itself
+        and adds nothing. So for ChatML templates without a system message we render plain
+        ChatML; in every other case the checkpoint's template is used as is.
+        """
+        if system is not None:
+            if messages and messages[0].get("role") == "system":
+                raise ValueError("pass the system prompt either as `system` or as a message")
+            messages = [{"role": "system", "content": system}, *messages]
+        has_system = bool(messages) and messages[0].get("role") == "system"
+        if self.is_chatml and not has_system:
+            return render_chatml(messages, add_generation_prompt)
+        return self.apply_chat_template(messages, add_generation_prompt)
+
+
+class StreamDecoder:
+    """Incremental detokenization: feed ids one at a time, print what comes back.
+
+    Decoding ids one by one breaks multi-byte characters (an emoji spans several byte-level
+    tokens) and loses context-dependent spacing. Instead we decode a short window before and
+    after the new id and emit the difference, holding text back while it ends in U+FFFD (an
+    incomplete UTF-8 sequence). The concatenated output equals decode(all ids).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0  # window start: ids kept as context for the decode
+        self._read = 0  # ids before this have been emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def put(self, token_id: int) -> str:
+        """Add one id; return the newly completed text (often "", never half a character)."""
+        self.ids.append(int(token_id))
+        prefix = self._decode(self.ids[self._prefix : self._read])
+        full = self._decode(self.ids[self._prefix :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return full[len(prefix) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (e.g. a truncated character at the end of generation)."""
+        prefix = self._decode(self.ids[self._prefix : self._read])
+        full = self._decode(self.ids[self._prefix :])
+        self._prefix = self._read = len(self.ids)
+        return full[len(prefix) :]
