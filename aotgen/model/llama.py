@@ -9,7 +9,7 @@ The KV cache is *not* owned by the model: every forward takes per-layer cache te
 `input_pos` (position overwrite: rejected speculative positions are simply overwritten
 later, no rollback). This is the contract every exported graph keeps:
 
-    forward(tokens [1, T] int64, input_pos [T] int64, caches [k0, v0, k1, v1, ...]) -> logits [1, T, V]
+    forward(tokens [1, T], input_pos [T], caches [k0, v0, k1, v1, ...]) -> logits [1, T, V]
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ class ModelConfig:
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {arch!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         if hf.get("attention_bias") or hf.get("mlp_bias"):
             raise ValueError("checkpoints with attention/MLP biases are not supported yet")
@@ -132,8 +133,15 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, mask: Tensor,
-        k_cache: Tensor, v_cache: Tensor, attn_len: int,
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        input_pos: Tensor,
+        mask: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        attn_len: int,
     ) -> Tensor:
         b, t, _ = x.shape
         # Heads are sized from the weights, not the config, so a tensor-parallel shard
@@ -220,3 +228,38 @@ def new_kv_cache(cfg: ModelConfig, cache_len: int, dtype=torch.float32) -> list[
     """Per-layer `[k0, v0, k1, v1, ...]` cache, the layout every graph takes."""
     shape = (1, cfg.num_key_value_heads, cache_len, cfg.head_dim)
     return [torch.zeros(shape, dtype=dtype) for _ in range(2 * cfg.num_hidden_layers)]
+
+
+def load_model(
+    cfg: ModelConfig, weights: dict[str, Tensor], cache_len: int, dtype: torch.dtype
+) -> Transformer:
+    """Instantiate on the meta device and adopt the checkpoint tensors (no random init)."""
+    weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = Transformer(cfg, cache_len)
+    expected = {
+        k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")
+    }
+    missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint does not match the {cfg.architecture} config: "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
+    for name, tensor in weights.items():
+        want = model.get_parameter(name).shape
+        if tensor.shape != want:
+            raise ValueError(
+                f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                f"the config implies {tuple(want)}"
+            )
+    model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    cos, sin = rope_tables(cfg, cache_len)
+    model.rope_cos, model.rope_sin = cos, sin
+    model.key_positions = torch.arange(cache_len)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,80 @@
+"""Hugging Face-layout checkpoint directories: config, safetensors weights, tokenizer files."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded, with the reason and the fix."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: dict
+    weight_files: list[Path]
+    tokenizer_files: list[Path]
+
+    def load_weights(self) -> dict[str, torch.Tensor]:
+        """All tensors, as fp32 CPU tensors (the build's reference precision)."""
+        weights: dict[str, torch.Tensor] = {}
+        for f in self.weight_files:
+            try:
+                with safe_open(str(f), framework="pt") as sf:
+                    for name in sf.keys():
+                        weights[name] = sf.get_tensor(name).float()
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(
+                    f"cannot read {f}: {e}. The file is truncated or corrupt: re-create it "
+                    "(e.g. `aotgen import-gguf` again)"
+                ) from None
+        return weights
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); re-create the checkpoint") from None
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Find and sanity-check the files of an HF checkpoint dir without loading weights."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(
+            f"checkpoint dir not found: {path}. Create one with "
+            "`aotgen import-gguf FILE.gguf DIR` or point the recipe at an HF model dir"
+        )
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path} has no config.json: not a Hugging Face checkpoint dir")
+    config = _read_json(path / "config.json")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(_read_json(index)["weight_map"].values()))
+        weight_files = [path / s for s in shards]
+    else:
+        weight_files = [path / "model.safetensors"]
+    missing = [f.name for f in weight_files if not f.is_file()]
+    if missing:
+        raise CheckpointError(
+            f"{path} is missing weight file(s) {', '.join(missing)}; "
+            "only .safetensors weights are read (never pickles)"
+        )
+    if not (path / "tokenizer.json").is_file():
+        raise CheckpointError(f"{path} has no tokenizer.json; the package needs the tokenizer")
+    tokenizer_files = [path / f for f in TOKENIZER_FILES if (path / f).is_file()]
+    return Checkpoint(path, config, weight_files, tokenizer_files)

@@ -1,0 +1,92 @@
+"""torch.export + AOTInductor: the three graphs of a model, compiled without their weights.
+
+Every graph keeps one signature, `(tokens [1, T], input_pos [T], *kv_caches) -> logits`,
+and differs only in T: `prefill` (dynamic, 2..prefill_chunk), `decode` (1) and `verify`
+(verify_k + 1). Weights stay out of the `.so` (`package_constants_in_so=False`): the
+package stores them once, and the runtime binds that one copy to every graph.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torch.export import Dim, ExportedProgram
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    name: str
+    min_tokens: int
+    max_tokens: int
+
+    @property
+    def dynamic(self) -> bool:
+        return self.min_tokens != self.max_tokens
+
+
+def graph_specs(prefill_chunk: int, verify_k: int) -> list[GraphSpec]:
+    return [
+        GraphSpec("prefill", 2, prefill_chunk),
+        GraphSpec("decode", 1, 1),
+        GraphSpec("verify", verify_k + 1, verify_k + 1),
+    ]
+
+
+def example_inputs(spec: GraphSpec, caches: list[Tensor]) -> tuple:
+    t = spec.max_tokens if spec.dynamic else spec.min_tokens
+    # Positions near the start keep the data-dependent attention length valid in tracing.
+    return (torch.zeros(1, t, dtype=torch.long), torch.arange(t), caches)
+
+
+def export_graph(model: nn.Module, spec: GraphSpec, caches: list[Tensor]) -> ExportedProgram:
+    dynamic_shapes = None
+    if spec.dynamic:
+        t = Dim(f"{spec.name}_tokens", min=spec.min_tokens, max=spec.max_tokens)
+        dynamic_shapes = ({1: t}, {0: t}, [None] * len(caches))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return torch.export.export(
+            model, example_inputs(spec, caches), dynamic_shapes=dynamic_shapes, strict=False
+        )
+
+
+def inductor_options(max_autotune: bool) -> dict:
+    return {
+        "aot_inductor.package": True,
+        "aot_inductor.package_constants_in_so": False,
+        "max_autotune": max_autotune,
+    }
+
+
+def compile_graph(ep: ExportedProgram, args: tuple, max_autotune: bool) -> list[str]:
+    """AOTInductor-compile one exported graph; returns the files for `package_aoti`."""
+    import torch._inductor
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return torch._inductor.aot_compile(
+            ep.module(), args, options=inductor_options(max_autotune)
+        )
+
+
+def package_graphs(path: Path, files: dict[str, list[str]]) -> None:
+    from torch._inductor.package import package_aoti
+
+    package_aoti(str(path), files)
+
+
+def constant_sources(ep: ExportedProgram) -> dict[str, Tensor]:
+    """Every tensor the compiled graph may ask for by name: parameters, buffers, constants."""
+    return {**ep.state_dict, **ep.constants}
+
+
+def use_cache_dir(cache_dir: Path) -> None:
+    """Keep Inductor's compile cache in the project cache so unchanged graphs rebuild fast."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cache_dir).resolve() / "inductor"))
+
+

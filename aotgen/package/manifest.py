@@ -1,0 +1,124 @@
+"""The package manifest: what was built, with what, and the sha256 of every file.
+
+Shared by the builder (writes it) and the runtime (checks it before any `.so` is loaded),
+so it imports nothing but the standard library and torch's version/ISA queries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+ISA_ORDER = ("DEFAULT", "AVX2", "AVX512")
+
+
+class PackageError(RuntimeError):
+    """A package that must not be loaded, with the reason and what to do."""
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def target_info() -> dict[str, str]:
+    """Where compiled code built now can run: the ISA inductor compiled for, and the OS."""
+    return {
+        "device": "cpu",
+        "isa": torch.backends.cpu.get_cpu_capability(),
+        "platform": f"{platform.system().lower()}-{platform.machine()}",
+    }
+
+
+def hash_files(root: Path) -> dict[str, dict[str, Any]]:
+    """sha256 and size of every file under `root` except the manifest itself."""
+    files = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            files[p.relative_to(root).as_posix()] = {
+                "sha256": sha256_file(p),
+                "bytes": p.stat().st_size,
+            }
+    return files
+
+
+def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
+    manifest = {**manifest, "files": hash_files(root)}
+    (root / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def read_manifest(root: str | Path) -> dict[str, Any]:
+    root = Path(root)
+    path = root / MANIFEST
+    if not path.is_file():
+        raise PackageError(
+            f"{root} is not an aotgen package (no {MANIFEST}); build one with `aotgen build RECIPE`"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise PackageError(f"{path} is corrupt ({e}); rebuild the package") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise PackageError(
+            f"{root}: package format {manifest.get('format_version')}, this aotgen reads "
+            f"format {FORMAT_VERSION}; rebuild the package with this aotgen"
+        )
+    return manifest
+
+
+def check_compatible(manifest: dict[str, Any], root: Path) -> None:
+    """Refuse packages whose native code was built for another torch or a larger ISA."""
+    built = manifest["torch_version"]
+    if built != torch.__version__:
+        raise PackageError(
+            f"{root} was built with torch {built} but this is torch {torch.__version__}; "
+            "compiled AOTInductor code is tied to the torch version: rebuild the package"
+        )
+    want, have = manifest["target"], target_info()
+    if want["platform"] != have["platform"]:
+        raise PackageError(
+            f"{root} was built for {want['platform']}, this machine is {have['platform']}"
+        )
+    if ISA_ORDER.index(want["isa"]) > ISA_ORDER.index(have["isa"]):
+        raise PackageError(
+            f"{root} was compiled for {want['isa']} but this CPU supports {have['isa']}; "
+            "rebuild the package on (or for) this machine"
+        )
+
+
+def verify_files(manifest: dict[str, Any], root: Path) -> None:
+    """Every listed file present with its recorded hash, and no unlisted native code."""
+    listed = manifest["files"]
+    for rel, entry in listed.items():
+        path = root / rel
+        if not path.is_file():
+            raise PackageError(f"{root}: file {rel} is missing; rebuild or re-copy the package")
+        if path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
+            raise PackageError(
+                f"{root}: {rel} does not match its sha256 in the manifest (corrupt or "
+                "tampered); refusing to load native code from it. Rebuild the package"
+            )
+    for path in root.rglob("*"):
+        rel = path.relative_to(root).as_posix()
+        if path.is_file() and rel != MANIFEST and rel not in listed:
+            raise PackageError(f"{root}: unexpected file {rel} not in the manifest; refusing")
+
+
+def verify_package(root: str | Path, check_hashes: bool = True) -> dict[str, Any]:
+    """Read and check a package; returns the manifest. Call before loading any `.so`."""
+    root = Path(root)
+    manifest = read_manifest(root)
+    check_compatible(manifest, root)
+    if check_hashes:
+        verify_files(manifest, root)
+    return manifest

@@ -1,0 +1,123 @@
+"""Build recipes (YAML) and project defaults (`aotgen.toml`).
+
+A recipe is plain data validated once, at the entry point; every stage below receives
+the typed `Recipe` and never re-reads YAML. Unknown keys are errors that list the valid
+keys, because a typo silently ignored builds the wrong package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be built, with a message that says how to fix it."""
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    max_autotune: bool = False
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    checkpoint: Path
+    max_seq_len: int = 2048  # prompt + generated tokens the package supports
+    prefill_chunk: int = 256  # max tokens per prefill call; longer prompts are chunked
+    verify_k: int = 4  # the verify graph scores verify_k + 1 positions
+    dtype: str = "float32"
+    quantize: dict[str, Any] | None = None
+    speculative: dict[str, Any] | None = None
+    parallel: dict[str, Any] | None = None
+    compile: CompileOptions = field(default_factory=CompileOptions)
+
+    @property
+    def cache_len(self) -> int:
+        """KV positions per layer: a full verify block may run past max_seq_len."""
+        return self.max_seq_len + self.verify_k + 1
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["checkpoint"] = str(self.checkpoint)
+        return d
+
+
+DTYPES = ("float32", "bfloat16")
+
+
+def _check_keys(where: str, given: dict, valid: list[str]) -> None:
+    unknown = sorted(set(given) - set(valid))
+    if unknown:
+        raise RecipeError(
+            f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(valid)}"
+        )
+
+
+def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
+    """Validate a recipe dict; relative checkpoint paths resolve against `base_dir`."""
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe {name!r} must be a YAML mapping, got {type(data).__name__}")
+    valid = [f.name for f in dataclasses.fields(Recipe)]
+    _check_keys(f"recipe {name!r}", data, valid)
+    if "checkpoint" not in data:
+        raise RecipeError(f"recipe {name!r}: 'checkpoint' is required (an HF checkpoint dir)")
+    data = dict(data)
+    compile_opts = data.pop("compile", None) or {}
+    _check_keys(
+        f"recipe {name!r} compile", compile_opts, [f.name for f in dataclasses.fields(CompileOptions)]
+    )
+    ckpt = Path(data.pop("checkpoint"))
+    if not ckpt.is_absolute():
+        ckpt = base_dir / ckpt
+    recipe = Recipe(
+        name=data.pop("name", name), checkpoint=ckpt, compile=CompileOptions(**compile_opts), **data
+    )
+    for key in ("max_seq_len", "prefill_chunk", "verify_k"):
+        value = getattr(recipe, key)
+        if not isinstance(value, int) or value < 1:
+            raise RecipeError(f"recipe {name!r}: {key} must be a positive integer, got {value!r}")
+    if recipe.prefill_chunk < 2:
+        raise RecipeError(f"recipe {name!r}: prefill_chunk must be >= 2 (1 token is decode)")
+    if recipe.dtype not in DTYPES:
+        raise RecipeError(f"recipe {name!r}: dtype {recipe.dtype!r}; valid: {', '.join(DTYPES)}")
+    return recipe
+
+
+def load_recipe(path: str | Path, base_dir: Path | None = None) -> Recipe:
+    """Read a YAML recipe. Relative checkpoint paths are taken from the project dir (cwd)."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise RecipeError(f"recipe {path} is not valid YAML: {e}") from None
+    return parse_recipe(data or {}, path.stem, base_dir or Path.cwd())
+
+
+@dataclass(frozen=True)
+class Project:
+    """Project defaults from `aotgen.toml` (all optional)."""
+
+    artifacts_dir: Path = Path("artifacts")
+    checkpoints_dir: Path = Path("checkpoints")
+    cache_dir: Path = Path(".aotgen-cache")
+    threads: int = 0  # 0: torch's default
+
+    @classmethod
+    def load(cls, root: Path | None = None) -> Project:
+        root = root or Path.cwd()
+        path = root / "aotgen.toml"
+        if not path.is_file():
+            return cls()
+        data = tomllib.loads(path.read_text())
+        _check_keys(str(path), data, [f.name for f in dataclasses.fields(cls)])
+        paths = {k: root / v for k, v in data.items() if k.endswith("_dir")}
+        return cls(**{**data, **paths})
