@@ -71,7 +71,9 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
     data = dict(data)
     compile_opts = data.pop("compile", None) or {}
     _check_keys(
-        f"recipe {name!r} compile", compile_opts, [f.name for f in dataclasses.fields(CompileOptions)]
+        f"recipe {name!r} compile",
+        compile_opts,
+        [f.name for f in dataclasses.fields(CompileOptions)],
     )
     ckpt = Path(data.pop("checkpoint"))
     if not ckpt.is_absolute():

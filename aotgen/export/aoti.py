@@ -88,5 +88,3 @@ def constant_sources(ep: ExportedProgram) -> dict[str, Tensor]:
 def use_cache_dir(cache_dir: Path) -> None:
     """Keep Inductor's compile cache in the project cache so unchanged graphs rebuild fast."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cache_dir).resolve() / "inductor"))
-
-

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 from torch import Tensor
+from torch.export import ExportedProgram
 
 from aotgen import __version__
 from aotgen.checkpoint.hf import Checkpoint, open_checkpoint
@@ -111,8 +112,12 @@ def graph_signature(spec: GraphSpec, cfg: ModelConfig, cache: list[Tensor]) -> d
         "inputs": [
             {"name": "tokens", "shape": [1, t], "dtype": "int64"},
             {"name": "input_pos", "shape": [t], "dtype": "int64"},
-            {"name": "kv_caches", "count": len(cache), "shape": list(cache[0].shape),
-             "dtype": str(cache[0].dtype).removeprefix("torch.")},
+            {
+                "name": "kv_caches",
+                "count": len(cache),
+                "shape": list(cache[0].shape),
+                "dtype": str(cache[0].dtype).removeprefix("torch."),
+            },
         ],
         "outputs": [{"name": "logits", "shape": [1, t, cfg.vocab_size], "dtype": "float32"}],
     }
@@ -143,6 +148,8 @@ class ModelBuild:
     model: Transformer
     config: ModelConfig
     graphs: list[GraphSpec]
+    # ExportedProgram -> ExportedProgram transforms, applied to each graph in order.
+    graph_passes: list[Callable[[ExportedProgram], ExportedProgram]] = field(default_factory=list)
 
 
 def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
@@ -164,6 +171,8 @@ def _compile_model(
     for spec in mb.graphs:
         t0 = time.perf_counter()
         ep = export_graph(mb.model, spec, cache)
+        for graph_pass in mb.graph_passes:
+            ep = graph_pass(ep)
         t1 = time.perf_counter()
         progress.advance("export", f"{mb.role}/{spec.name}")
         graph_files = compile_graph(ep, example_inputs(spec, cache), recipe.compile.max_autotune)
@@ -237,8 +246,12 @@ def build(
                     "layout": "per-layer [k0, v0, k1, v1, ...], each [1, kv_heads, cache_len, "
                     "head_dim], written in place at input_pos",
                     "layers": mb.config.num_hidden_layers,
-                    "shape": [1, mb.config.num_key_value_heads, recipe.cache_len,
-                              mb.config.head_dim],
+                    "shape": [
+                        1,
+                        mb.config.num_key_value_heads,
+                        recipe.cache_len,
+                        mb.config.head_dim,
+                    ],
                     "dtype": recipe.dtype,
                     "cache_len": recipe.cache_len,
                 },

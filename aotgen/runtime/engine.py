@@ -1,0 +1,390 @@
+"""Load a package and generate text — with no model code.
+
+Imports torch (for tensors and the AOTInductor loader), safetensors, the tokenizer and
+the manifest checks; never aotgen's model/export/pass code, never torch.export or
+torch.compile. `tests/test_runtime_isolation.py` enforces it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+
+from aotgen.package.manifest import PackageError, verify_package
+from aotgen.runtime.sampling import (
+    SamplingParams,
+    logits_to_probs,
+    make_generator,
+    sample,
+    select_next,
+)
+from aotgen.runtime.speculative import (
+    AdaptiveK,
+    NgramProposer,
+    SpecStats,
+    verify_greedy,
+    verify_stochastic,
+)
+from aotgen.runtime.tokenizer import StreamDecoder, Tokenizer
+
+
+class GenerationError(ValueError):
+    """A request the package cannot serve (e.g. longer than its context)."""
+
+
+class CompiledGraph:
+    """One AOTInductor graph; checks the token count the graph was compiled for."""
+
+    def __init__(self, pt2: Path, package_model: str, signature: dict[str, Any]):
+        self.name = package_model
+        self.min_tokens = signature["tokens"]["min"]
+        self.max_tokens = signature["tokens"]["max"]
+        # (path, model name, run single-threaded, runners, device index): -1 is CPU.
+        self.loader = torch._C._aoti.AOTIModelPackageLoader(str(pt2), package_model, False, 1, -1)
+
+    def bind(self, weights: dict[str, Tensor]) -> None:
+        names = self.loader.get_constant_fqns()
+        missing = [n for n in names if n not in weights]
+        if missing:
+            raise PackageError(
+                f"graph {self.name} needs weights missing from the package: {missing}"
+            )
+        # user_managed: the graph uses our tensors, so all graphs share one copy.
+        self.loader.load_constants({n: weights[n] for n in names}, False, True, True)
+
+    def __call__(self, tokens: Tensor, input_pos: Tensor, caches: list[Tensor]) -> Tensor:
+        t = tokens.shape[1]
+        if not self.min_tokens <= t <= self.max_tokens:
+            raise ValueError(
+                f"{self.name} takes {self.min_tokens}..{self.max_tokens} tokens, got {t}"
+            )
+        return self.loader.boxed_run([tokens, input_pos, *caches])[0]
+
+
+class ModelRunner:
+    """One model of a package: its graphs, weights bound once, and the KV cache it owns."""
+
+    def __init__(self, root: Path, pt2: Path, entry: dict[str, Any]):
+        self.config = entry["config"]
+        self.vocab_size = self.config["vocab_size"]
+        weights = load_file(str(root / entry["weights"]["file"]))
+        for alias, name in entry["weights"]["aliases"].items():
+            weights[alias] = weights[name]
+        self.weights = weights  # keep alive: the graphs use these tensors in place
+        self.graphs = {
+            name: CompiledGraph(pt2, sig["package_model"], sig)
+            for name, sig in entry["graphs"].items()
+        }
+        for g in self.graphs.values():
+            g.bind(weights)
+        kv = entry["kv_cache"]
+        self.cache_len = kv["cache_len"]
+        dtype = getattr(torch, kv["dtype"])
+        self.caches = [torch.zeros(kv["shape"], dtype=dtype) for _ in range(2 * kv["layers"])]
+        self.prefill_chunk = self.graphs["prefill"].max_tokens
+        self.verify_len = self.graphs["verify"].max_tokens if "verify" in self.graphs else 0
+
+    def forward(self, tokens: list[int], start_pos: int, all_logits: bool = False) -> Tensor:
+        """Run `tokens` at positions start_pos.. through the fitting graph(s).
+
+        Returns logits `[T, V]` for every position if `all_logits`, else for the last.
+        """
+        end = start_pos + len(tokens)
+        if end > self.cache_len:
+            raise GenerationError(f"position {end} is past the KV cache ({self.cache_len})")
+        outs = []
+        pos = start_pos
+        while pos < end:
+            n = min(end - pos, self.prefill_chunk)
+            if n == 1:
+                graph = self.graphs["decode"]
+            elif n == self.verify_len:
+                graph = self.graphs["verify"]
+            else:
+                graph = self.graphs["prefill"]
+            chunk = torch.tensor([tokens[pos - start_pos : pos - start_pos + n]], dtype=torch.long)
+            logits = graph(chunk, torch.arange(pos, pos + n), self.caches)[0]
+            outs.append(logits if all_logits else logits[-1:])
+            pos += n
+        return torch.cat(outs) if all_logits else outs[-1][0]
+
+    def decode(self, token: int, pos: int) -> Tensor:
+        """The per-token hot path: one decode call, logits `[V]`."""
+        return self.graphs["decode"](torch.tensor([[token]]), torch.tensor([pos]), self.caches)[
+            0, 0
+        ]
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    speculative: str | None = None  # None | "draft" | "ngram"
+    k: int | None = None  # draft length; default: the package's verify_k
+    adaptive_k: bool = False
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str  # "eos" | "stop" | "length"
+    prefill_s: float
+    decode_s: float
+    spec: SpecStats | None = None
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens after the first one, over the time spent producing them."""
+        n = len(self.token_ids) - 1
+        return n / self.decode_s if n > 0 and self.decode_s else 0.0
+
+
+class _StopText:
+    """Streams text while holding back anything that could still become a stop string."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+        self.stopped = False
+
+    def add(self, piece: str) -> str:
+        self.text += piece
+        for s in self.stops:
+            i = self.text.find(s, max(0, self.emitted - len(s)))
+            if i >= 0:
+                self.text = self.text[:i]
+                self.stopped = True
+                return self.flush()
+        safe = len(self.text) - self.hold if self.stops else len(self.text)
+        out = self.text[self.emitted : max(safe, self.emitted)]
+        self.emitted += len(out)
+        return out
+
+    def flush(self) -> str:
+        out = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return out
+
+
+class Engine:
+    """A loaded package: tokenizer, target model, optional draft model."""
+
+    def __init__(
+        self,
+        root: Path,
+        manifest: dict[str, Any],
+        tokenizer: Tokenizer,
+        target: ModelRunner,
+        draft: ModelRunner | None,
+        load_s: float,
+    ):
+        self.root, self.manifest, self.tokenizer = root, manifest, tokenizer
+        self.target, self.draft = target, draft
+        self.max_seq_len: int = manifest["max_seq_len"]
+        self.verify_k: int = manifest["verify_k"]
+        self.load_s = load_s
+
+    @classmethod
+    def load(cls, path: str | Path, threads: int | None = None, verify: bool = True) -> Engine:
+        """Verify the manifest (hashes, torch version, ISA) first, then load native code."""
+        t0 = time.perf_counter()
+        root = Path(path)
+        manifest = verify_package(root, check_hashes=verify)
+        if manifest.get("world_size", 1) != 1:
+            raise PackageError(
+                f"{root} is a tensor-parallel package ({manifest['world_size']} ranks): "
+                "launch it with `aotgen run` (it starts the ranks) or torchrun"
+            )
+        if threads:
+            torch.set_num_threads(threads)
+        tokenizer = Tokenizer.from_dir(root / manifest["tokenizer"]["dir"])
+        pt2 = root / manifest["package"]
+        models = manifest["models"]
+        target = ModelRunner(root, pt2, models["target"])
+        draft = ModelRunner(root, pt2, models["draft"]) if "draft" in models else None
+        return cls(root, manifest, tokenizer, target, draft, time.perf_counter() - t0)
+
+    # ---- prompts -------------------------------------------------------------------------
+    def chat_ids(self, user: str, system: str | None = None) -> list[int]:
+        prompt = self.tokenizer.chat_prompt([{"role": "user", "content": user}], system=system)
+        return self.tokenizer.encode(prompt)
+
+    # ---- generation ----------------------------------------------------------------------
+    def generate(
+        self,
+        prompt_ids: list[int],
+        config: GenerationConfig | None = None,
+        on_text: Callable[[str], None] | None = None,
+    ) -> GenerationResult:
+        """Generate from token ids, streaming text through `on_text` as it is decoded."""
+        config = config or GenerationConfig()
+        if not prompt_ids:
+            raise GenerationError("empty prompt: give at least one token")
+        total = len(prompt_ids) + config.max_new_tokens
+        if total > self.max_seq_len:
+            raise GenerationError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) "
+                f"= {total} exceeds the package context of {self.max_seq_len} tokens; shorten "
+                "the prompt, lower max_new_tokens, or rebuild with a larger max_seq_len"
+            )
+        if config.speculative == "draft" and self.draft is None:
+            raise GenerationError(
+                f"{self.root} has no draft model; build with a `speculative: draft:` recipe "
+                "or use n-gram lookup (--lookup ngram)"
+            )
+        eos = set() if config.ignore_eos else self.tokenizer.eos_ids
+        stream = StreamDecoder(self.tokenizer)
+        stop = _StopText(config.stop)
+        out: list[int] = []
+        finish = "length"
+        spec = SpecStats() if config.speculative else None
+        t0 = time.perf_counter()
+        t_first = None
+        steps = self._token_steps(prompt_ids, config, spec)
+        for new_tokens in steps:
+            if t_first is None:
+                t_first = time.perf_counter()
+            for tok in new_tokens:
+                if tok in eos:
+                    finish = "eos"
+                    break
+                out.append(tok)
+                piece = stop.add(stream.put(tok))
+                if piece and on_text:
+                    on_text(piece)
+                if stop.stopped:
+                    finish = "stop"
+                    break
+                if len(out) >= config.max_new_tokens:
+                    break
+            if finish != "length" or len(out) >= config.max_new_tokens:
+                break
+        steps.close()
+        t_end = time.perf_counter()
+        if not stop.stopped:
+            tail = stop.add(stream.flush()) + stop.flush()
+            if tail and on_text:
+                on_text(tail)
+        return GenerationResult(
+            text=stop.text,
+            token_ids=out,
+            prompt_tokens=len(prompt_ids),
+            finish_reason=finish,
+            prefill_s=(t_first or t_end) - t0,
+            decode_s=t_end - (t_first or t_end),
+            spec=spec,
+        )
+
+    def _token_steps(
+        self, prompt: list[int], config: GenerationConfig, spec: SpecStats | None
+    ) -> Iterator[list[int]]:
+        """Yield newly accepted tokens, one list per model step."""
+        params = config.sampling
+        gen = make_generator(params.seed)
+        target = self.target
+        logits = target.forward(prompt, 0)
+        tok = select_next(logits, params, gen)
+        yield [tok]
+        pos = len(prompt)  # position of `tok`, not yet in the cache
+        if config.speculative is None:
+            while True:
+                tok = select_next(target.decode(tok, pos), params, gen)
+                pos += 1
+                yield [tok]
+        yield from self._speculative_steps(prompt, tok, pos, config, spec, gen)
+
+    def _speculative_steps(
+        self,
+        prompt: list[int],
+        tok: int,
+        pos: int,
+        config: GenerationConfig,
+        spec: SpecStats,
+        gen: torch.Generator,
+    ) -> Iterator[list[int]]:
+        params, draft = config.sampling, self.draft
+        max_k = self.verify_k
+        k = min(config.k or max_k, max_k)
+        adaptive = AdaptiveK(k=k, k_min=1, k_max=max_k) if config.adaptive_k else None
+        history = list(prompt) + [tok]
+        proposer = NgramProposer(config.ngram_min, config.ngram_max)
+        if draft is not None and config.speculative == "draft":
+            draft.forward(prompt, 0)
+        draft_pos = len(prompt)  # first position missing from the draft's cache
+        while True:
+            k = adaptive.k if adaptive else k
+            k = min(k, self.max_seq_len + max_k - pos)
+            draft_probs = None
+            if config.speculative == "ngram":
+                proposal = proposer.propose(history, k)
+            else:
+                # Catch the draft cache up on accepted tokens it has not seen, then draft.
+                proposal, rows = [], []
+                pending = history[draft_pos:]
+                logits = draft.forward(pending, draft_pos)
+                draft_pos += len(pending)
+                for i in range(k):
+                    if params.greedy:
+                        nxt = int(logits.argmax())
+                    else:
+                        rows.append(logits_to_probs(logits[None], params)[0])
+                        nxt = int(sample(rows[-1][None], gen))
+                    proposal.append(nxt)
+                    if i + 1 < k:
+                        logits = draft.decode(nxt, draft_pos)
+                        draft_pos += 1
+                if not params.greedy:
+                    draft_probs = torch.stack(rows)
+            n = len(proposal)
+            # Score tok + proposal: row i predicts the token after history[:pos+i+1].
+            block = [tok] + proposal
+            logits = self.target.forward(block, pos, all_logits=True)
+            if params.greedy:
+                accepted = verify_greedy(proposal, logits)
+            elif n == 0:
+                accepted = [select_next(logits[0], params, gen)]
+            else:
+                accepted = verify_stochastic(
+                    proposal,
+                    draft_probs if draft_probs is not None else _one_hot(proposal, logits),
+                    logits_to_probs(logits, params),
+                    gen,
+                )
+            n_acc = len(accepted) - 1
+            spec.update(n, n_acc)
+            if adaptive:
+                adaptive.update(n, n_acc)
+            pos += n_acc + 1
+            # The draft cache is valid up to the accepted prefix; later positions are stale
+            # and get overwritten next round (position overwrite: no rollback). After a full
+            # accept the last proposal is not in it yet: it is fed with the next round.
+            draft_pos = min(draft_pos, pos)
+            history.extend(accepted)
+            tok = accepted[-1]
+            yield accepted
+
+
+def _one_hot(tokens: list[int], logits: Tensor) -> Tensor:
+    """A deterministic proposer (n-gram) is a draft distribution with all mass on its token."""
+    q = torch.zeros(len(tokens), logits.shape[-1])
+    q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+    return q
