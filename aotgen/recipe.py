@@ -87,9 +87,40 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
             raise RecipeError(f"recipe {name!r}: {key} must be a positive integer, got {value!r}")
     if recipe.prefill_chunk < 2:
         raise RecipeError(f"recipe {name!r}: prefill_chunk must be >= 2 (1 token is decode)")
+    if recipe.speculative is not None:
+        recipe = _parse_speculative(recipe, "verify_k" in data, base_dir)
     if recipe.dtype not in DTYPES:
         raise RecipeError(f"recipe {name!r}: dtype {recipe.dtype!r}; valid: {', '.join(DTYPES)}")
     return recipe
+
+
+DRAFT_KINDS = ("checkpoint", "layers", "quantize")
+
+
+def _parse_speculative(recipe: Recipe, explicit_k: bool, base_dir: Path) -> Recipe:
+    """`speculative: {draft: {checkpoint|layers|quantize: ...}, k: K}`; k sizes the verify graph."""
+    where = f"recipe {recipe.name!r} speculative"
+    spec = recipe.speculative
+    if not isinstance(spec, dict):
+        raise RecipeError(f"{where}: must be a mapping with keys draft, k")
+    _check_keys(where, spec, ["draft", "k"])
+    k = spec.get("k", recipe.verify_k)
+    if not isinstance(k, int) or not 1 <= k <= 16:
+        raise RecipeError(f"{where}: k must be an integer in 1..16, got {k!r}")
+    if explicit_k and k != recipe.verify_k:
+        raise RecipeError(f"{where}: k={k} contradicts verify_k={recipe.verify_k}; give one")
+    draft = spec.get("draft")
+    if draft is not None:
+        if not isinstance(draft, dict) or len(draft) != 1 or next(iter(draft)) not in DRAFT_KINDS:
+            raise RecipeError(
+                f"{where}: draft must have exactly one of {', '.join(DRAFT_KINDS)}, got {draft!r}"
+            )
+        if "checkpoint" in draft:
+            path = Path(draft["checkpoint"])
+            draft = {"checkpoint": str(path if path.is_absolute() else base_dir / path)}
+        if "layers" in draft and (not isinstance(draft["layers"], int) or draft["layers"] < 1):
+            raise RecipeError(f"{where}: draft layers must be a positive integer")
+    return dataclasses.replace(recipe, verify_k=k, speculative={"draft": draft, "k": k})
 
 
 def load_recipe(path: str | Path, base_dir: Path | None = None) -> Recipe:

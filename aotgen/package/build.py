@@ -10,6 +10,7 @@ no-op.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -47,7 +48,7 @@ from aotgen.package.manifest import (
     verify_files,
     write_manifest,
 )
-from aotgen.recipe import Project, Recipe
+from aotgen.recipe import Project, Recipe, RecipeError
 
 PACKAGE_FILE = "model.pt2"
 
@@ -84,11 +85,19 @@ class BuildReport:
 def build_hash(ckpt: Checkpoint, recipe: Recipe) -> str:
     """Identity of a build: same inputs and toolchain → same package."""
     h = hashlib.sha256()
-    files = [ckpt.path / "config.json", *ckpt.weight_files, *ckpt.tokenizer_files]
+    ckpts = [ckpt]
+    draft = (recipe.speculative or {}).get("draft") or {}
+    if "checkpoint" in draft:
+        ckpts.append(open_checkpoint(draft["checkpoint"]))
+    files = [
+        f for c in ckpts for f in (c.path / "config.json", *c.weight_files, *c.tokenizer_files)
+    ]
     for f in files:
         h.update(f"{f.name}:{sha256_file(f)}\n".encode())
     recipe_dict = recipe.to_dict()
     recipe_dict.pop("checkpoint")  # the content counts, not where it lies
+    if "checkpoint" in draft:
+        recipe_dict["speculative"] = {**recipe_dict["speculative"], "draft": "checkpoint"}
     h.update(json.dumps(recipe_dict, sort_keys=True, default=str).encode())
     h.update(f"{__version__}|{torch.__version__}|{json.dumps(target_info())}".encode())
     return h.hexdigest()
@@ -152,13 +161,76 @@ class ModelBuild:
     graph_passes: list[Callable[[ExportedProgram], ExportedProgram]] = field(default_factory=list)
 
 
+def _layer_index(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[2]) if name.startswith("model.layers.") else None
+
+
+def _same_vocab(a: Checkpoint, b: Checkpoint) -> None:
+    """Draft and target must tokenize identically, or verification compares nonsense."""
+    va = json.loads((a.path / "tokenizer.json").read_text())["model"]["vocab"]
+    vb = json.loads((b.path / "tokenizer.json").read_text())["model"]["vocab"]
+    if va != vb:
+        raise RecipeError(
+            f"draft checkpoint {b.path} has a different vocabulary from the target {a.path} "
+            f"({len(vb)} vs {len(va)} tokens, or different ids): speculative decoding needs "
+            "the same tokenizer"
+        )
+
+
+def _quantize_passes(options: dict | None) -> list[Callable[[ExportedProgram], ExportedProgram]]:
+    if not options:
+        return []
+    from aotgen.passes.quantize import quantize_passes
+
+    return quantize_passes(options)
+
+
 def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
-    """checkpoint → model(s), with module-level passes applied."""
+    """checkpoint → model(s): the target, plus the draft when the recipe speculates."""
     cfg = ModelConfig.from_hf(ckpt.config)
     weights = ckpt.load_weights()
     dtype = getattr(torch, recipe.dtype)
-    model = load_model(cfg, weights, recipe.cache_len, dtype)
-    return [ModelBuild("target", model, cfg, graph_specs(recipe.prefill_chunk, recipe.verify_k))]
+    graphs = graph_specs(recipe.prefill_chunk, recipe.verify_k)
+    models = [
+        ModelBuild(
+            "target",
+            load_model(cfg, weights, recipe.cache_len, dtype),
+            cfg,
+            graphs,
+            _quantize_passes(recipe.quantize),
+        )
+    ]
+    draft = (recipe.speculative or {}).get("draft")
+    if draft:
+        draft_graphs = [g for g in graphs if g.name != "verify"]  # the draft never verifies
+        passes: list = []
+        if "checkpoint" in draft:
+            dckpt = open_checkpoint(draft["checkpoint"])
+            _same_vocab(ckpt, dckpt)
+            dcfg, dweights = ModelConfig.from_hf(dckpt.config), dckpt.load_weights()
+        elif "layers" in draft:
+            n = draft["layers"]
+            if n >= cfg.num_hidden_layers:
+                raise RecipeError(
+                    f"draft layers={n} must be fewer than the target's {cfg.num_hidden_layers}"
+                )
+            # Self-speculation: the target's first n layers with its final norm and head.
+            dcfg = dataclasses.replace(cfg, num_hidden_layers=n)
+            dweights = {k: v for k, v in weights.items() if (_layer_index(k) or 0) < n}
+        else:
+            dcfg, dweights = cfg, weights
+            passes = _quantize_passes(draft["quantize"])
+        models.append(
+            ModelBuild(
+                "draft",
+                load_model(dcfg, dweights, recipe.cache_len, dtype),
+                dcfg,
+                draft_graphs,
+                passes,
+            )
+        )
+    return models
 
 
 def _compile_model(

@@ -89,7 +89,8 @@ def check_compatible(manifest: dict[str, Any], root: Path) -> None:
         raise PackageError(
             f"{root} was built for {want['platform']}, this machine is {have['platform']}"
         )
-    if ISA_ORDER.index(want["isa"]) > ISA_ORDER.index(have["isa"]):
+    rank = {isa: i for i, isa in enumerate(ISA_ORDER)}
+    if rank.get(want["isa"], len(ISA_ORDER)) > rank.get(have["isa"], 0):
         raise PackageError(
             f"{root} was compiled for {want['isa']} but this CPU supports {have['isa']}; "
             "rebuild the package on (or for) this machine"

@@ -190,18 +190,18 @@ class Engine:
 
     def __init__(
         self,
-        root: Path,
-        manifest: dict[str, Any],
         tokenizer: Tokenizer,
         target: ModelRunner,
         draft: ModelRunner | None,
-        load_s: float,
+        max_seq_len: int,
+        verify_k: int,
+        root: Path | None = None,
+        manifest: dict[str, Any] | None = None,
+        load_s: float = 0.0,
     ):
-        self.root, self.manifest, self.tokenizer = root, manifest, tokenizer
-        self.target, self.draft = target, draft
-        self.max_seq_len: int = manifest["max_seq_len"]
-        self.verify_k: int = manifest["verify_k"]
-        self.load_s = load_s
+        self.tokenizer, self.target, self.draft = tokenizer, target, draft
+        self.max_seq_len, self.verify_k = max_seq_len, verify_k
+        self.root, self.manifest, self.load_s = root, manifest or {}, load_s
 
     @classmethod
     def load(cls, path: str | Path, threads: int | None = None, verify: bool = True) -> Engine:
@@ -221,7 +221,16 @@ class Engine:
         models = manifest["models"]
         target = ModelRunner(root, pt2, models["target"])
         draft = ModelRunner(root, pt2, models["draft"]) if "draft" in models else None
-        return cls(root, manifest, tokenizer, target, draft, time.perf_counter() - t0)
+        return cls(
+            tokenizer,
+            target,
+            draft,
+            manifest["max_seq_len"],
+            manifest["verify_k"],
+            root,
+            manifest,
+            time.perf_counter() - t0,
+        )
 
     # ---- prompts -------------------------------------------------------------------------
     def chat_ids(self, user: str, system: str | None = None) -> list[int]:

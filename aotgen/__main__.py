@@ -1,0 +1,3 @@
+from aotgen.cli import main
+
+main()

@@ -1,0 +1,289 @@
+"""The `aotgen` command line: import-gguf, build, run, inspect, bench.
+
+Errors that come from the user's input (recipe, checkpoint, package, prompt) print one
+line and exit 1; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+console = Console(stderr=True)
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from aotgen.checkpoint.hf import CheckpointError
+    from aotgen.package.manifest import PackageError
+    from aotgen.recipe import RecipeError
+    from aotgen.runtime.engine import GenerationError
+
+    return (
+        RecipeError,
+        CheckpointError,
+        PackageError,
+        GenerationError,
+        FileNotFoundError,
+        FileExistsError,
+        ValueError,
+    )
+
+
+def _fail(e: Exception) -> None:
+    console.print(f"[bold red]error:[/] {e}", highlight=False)
+    raise typer.Exit(1)
+
+
+@app.command("import-gguf")
+def import_gguf_cmd(
+    gguf_file: Annotated[
+        Path, typer.Argument(help="a .gguf file, or 'smollm2' for the bundled one")
+    ],
+    out_dir: Annotated[Path, typer.Argument(help="HF-layout checkpoint dir to write")],
+    overwrite: bool = False,
+) -> None:
+    """GGUF → Hugging Face-layout checkpoint dir (dequantized fp32 safetensors + tokenizer)."""
+    from aotgen.checkpoint.gguf import find_smollm2_gguf, import_gguf
+
+    try:
+        src = find_smollm2_gguf() if str(gguf_file) == "smollm2" else gguf_file
+        with console.status(f"importing {src.name}"):
+            import_gguf(src, out_dir, overwrite=overwrite)
+    except _user_errors() as e:
+        _fail(e)
+    console.print(f"wrote {out_dir}")
+
+
+class _RichProgress:
+    def __init__(self, progress: Progress):
+        self.progress, self.tasks = progress, {}
+
+    def stage(self, name: str, total: int) -> None:
+        self.tasks[name] = self.progress.add_task(name, total=total)
+
+    def advance(self, name: str, detail: str = "") -> None:
+        self.progress.update(self.tasks[name], advance=1, description=f"{name} {detail}")
+
+
+@app.command()
+def build(
+    recipe: Annotated[Path, typer.Argument(help="recipes/NAME.yaml")],
+    force: Annotated[bool, typer.Option(help="rebuild even if up to date")] = False,
+    artifacts_dir: Annotated[Path | None, typer.Option(help="override aotgen.toml")] = None,
+) -> None:
+    """Compile a recipe into artifacts/NAME (prefill/decode/verify graphs + weights)."""
+    from aotgen.package.build import build as run_build
+    from aotgen.recipe import Project, load_recipe
+
+    project = Project.load()
+    if artifacts_dir:
+        project = Project(
+            artifacts_dir, project.checkpoints_dir, project.cache_dir, project.threads
+        )
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+    )
+    try:
+        r = load_recipe(recipe)
+        with Progress(*columns, console=console) as progress:
+            report = run_build(r, project, _RichProgress(progress), force=force)
+    except _user_errors() as e:
+        _fail(e)
+    if report.up_to_date:
+        console.print(
+            f"{report.path} is up to date (same checkpoint, recipe and toolchain): "
+            "nothing to do. Use --force to rebuild."
+        )
+        return
+    table = Table(title=f"built {report.path}")
+    for col in ("model", "graph", "export s", "compile s", ".so bytes"):
+        table.add_column(col, justify="right" if "s" in col.split()[-1] else "left")
+    for g in report.graphs:
+        table.add_row(
+            g.model, g.graph, f"{g.export_s:.1f}", f"{g.compile_s:.1f}", f"{g.so_bytes:,}"
+        )
+    console.print(table)
+    console.print(
+        f"weights {report.weight_bytes:,} B, package {report.package_bytes:,} B "
+        f"({report.package_bytes / max(report.weight_bytes, 1):.2f}× weights), "
+        f"{report.seconds:.0f} s"
+    )
+    for note in report.notes:
+        console.print(f"note: {note}")
+
+
+@app.command()
+def run(
+    package: Annotated[Path, typer.Argument(help="artifacts/NAME")],
+    prompt: Annotated[str | None, typer.Option(help="raw prompt text")] = None,
+    prompt_file: Annotated[Path | None, typer.Option(help="read the prompt from a file")] = None,
+    chat: Annotated[
+        str | None, typer.Option(help="user message, wrapped in the chat template")
+    ] = None,
+    system: Annotated[str | None, typer.Option(help="system message for --chat")] = None,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
+    lookup: Annotated[str | None, typer.Option(help="'ngram': prompt-lookup speculation")] = None,
+    speculative: Annotated[bool, typer.Option(help="use the package's draft model")] = False,
+    k: Annotated[int | None, typer.Option(help="draft length (default: the package's)")] = None,
+    adaptive_k: bool = False,
+    threads: int | None = None,
+) -> None:
+    """Generate text from a package (streams it, then prints speed and speculation stats)."""
+    from aotgen.recipe import Project
+    from aotgen.runtime.engine import Engine, GenerationConfig
+    from aotgen.runtime.sampling import SamplingParams
+
+    try:
+        given = [x for x in (prompt, prompt_file, chat) if x is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of --prompt, --prompt-file, --chat")
+        if lookup not in (None, "ngram"):
+            raise ValueError(f"--lookup {lookup!r}: the only lookup proposer is 'ngram'")
+        engine = Engine.load(package, threads=threads or Project.load().threads or None)
+        if chat is not None:
+            ids = engine.chat_ids(chat, system=system)
+        else:
+            text = prompt if prompt is not None else prompt_file.read_text()
+            ids = engine.tokenizer.encode(text)
+        mode = "ngram" if lookup else ("draft" if speculative else None)
+        cfg = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+            stop=tuple(stop or ()),
+            speculative=mode,
+            k=k,
+            adaptive_k=adaptive_k,
+        )
+        result = engine.generate(
+            ids, cfg, on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush())
+        )
+    except _user_errors() as e:
+        _fail(e)
+    sys.stdout.write("\n")
+    console.print(
+        f"[dim]load {engine.load_s:.2f} s · prompt {result.prompt_tokens} tok, prefill "
+        f"{result.prefill_tok_s:.1f} tok/s · {len(result.token_ids)} tok, decode "
+        f"{result.decode_tok_s:.1f} tok/s · finish: {result.finish_reason}[/]",
+        highlight=False,
+    )
+    if result.spec:
+        s = result.spec
+        by_pos = ", ".join(f"{r:.2f}" for r in s.acceptance_rate_by_position)
+        console.print(
+            f"[dim]speculative ({mode}): drafted {s.drafted}, accepted {s.accepted}, "
+            f"acceptance {s.acceptance_rate:.2f}, mean accepted length "
+            f"{s.mean_accepted_length:.2f} tok/step, by position [{by_pos}][/]",
+            highlight=False,
+        )
+
+
+@app.command()
+def inspect(package: Annotated[Path, typer.Argument(help="artifacts/NAME")]) -> None:
+    """Summarise a package's manifest: model, graphs, files, versions."""
+    from aotgen.package.manifest import read_manifest
+
+    try:
+        m = read_manifest(package)
+    except _user_errors() as e:
+        _fail(e)
+    out = Console()
+    out.print(
+        f"[bold]{m['name']}[/]  format {m['format_version']} · aotgen {m['aotgen_version']} · "
+        f"torch {m['torch_version']} · {m['target']['device']} {m['target']['isa']} "
+        f"{m['target']['platform']} · world size {m['world_size']}"
+    )
+    out.print(
+        f"context {m['max_seq_len']} tokens · verify k {m['verify_k']} · built {m['built_at']}"
+    )
+    for role, entry in m["models"].items():
+        c = entry["config"]
+        out.print(
+            f"[bold]{role}[/]: {c['architecture']} {c['num_hidden_layers']} layers, "
+            f"hidden {c['hidden_size']}, heads {c['num_attention_heads']}/"
+            f"{c['num_key_value_heads']}, vocab {c['vocab_size']}; kv cache "
+            f"{entry['kv_cache']['shape']} × {2 * entry['kv_cache']['layers']} "
+            f"{entry['kv_cache']['dtype']}"
+        )
+        if entry.get("quantization"):
+            out.print(f"  quantization: {json.dumps(entry['quantization'])}")
+        for name, g in entry["graphs"].items():
+            t = g["tokens"]
+            out.print(f"  graph {name:8s} tokens {t['min']}..{t['max']}  ({g['package_model']})")
+    table = Table("file", "bytes", "sha256")
+    for rel, f in m["files"].items():
+        table.add_row(rel, f"{f['bytes']:,}", f["sha256"][:16])
+    out.print(table)
+
+
+@app.command()
+def bench(
+    packages: Annotated[list[Path], typer.Argument(help="one or more artifacts/NAME")],
+    prompt_len: int = 128,
+    gen_tokens: int = 64,
+    runs: int = 5,
+    threads: int | None = None,
+) -> None:
+    """Prefill/decode tok/s, ms/token, weight bytes/token and roofline ratio, side by side."""
+    from aotgen.bench import bench_package, measure_bandwidth
+    from aotgen.recipe import Project
+
+    threads = threads or Project.load().threads or None
+    try:
+        results = [
+            bench_package(p, prompt_len, gen_tokens, runs, threads=threads) for p in packages
+        ]
+    except _user_errors() as e:
+        _fail(e)
+    bw = measure_bandwidth()
+    table = Table(
+        title=f"decode greedy, prompt {prompt_len}, {gen_tokens} new tokens, median of {runs}"
+    )
+    for col in (
+        "package",
+        "load s",
+        "prefill tok/s",
+        "decode tok/s",
+        "ms/token",
+        "weights MB/token",
+        "roofline",
+    ):
+        table.add_column(col, justify="left" if col == "package" else "right")
+    for r in results:
+        table.add_row(
+            Path(r.package).name,
+            f"{r.load_s:.2f}",
+            f"{r.prefill_tok_s:.1f}",
+            f"{r.decode_tok_s:.1f}",
+            f"{r.decode_ms:.2f}",
+            f"{r.weight_bytes / 1e6:.0f}",
+            f"{r.roofline(bw):.0%}",
+        )
+    Console().print(table)
+    Console().print(
+        f"measured read bandwidth {bw:.1f} GB/s (torch sum over 512 MiB, best of 5), "
+        f"threads {threads or 'torch default'}"
+    )
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+// aotgen-tokenize: line-oriented front end to aotgen::Tokenizer, for tests and debugging.
+//
+//   aotgen-tokenize TOKENIZER_JSON [MODE] [--skip-special-tokens] [--no-generation-prompt]
+//
+// Every stdin line is one JSON value; every input line gives one JSON output line:
+//   (default)       "text"               -> [ids...]              Tokenizer::encode
+//   --decode        [ids...]             -> "text"                Tokenizer::decode
+//   --stream        [ids...]             -> ["chunk", ...]        StreamDecoder::push per id,
+//                                                                 then flush() as last chunk
+//   --pre-tokenize  "text"               -> ["piece", ...]        byte-level spelling
+//   --chatml        [[role, content]...] -> "prompt"              chatml_prompt
+// Exits 1 with a message on stderr at the first bad line or tokenizer error.
+#include <cstdlib>
+#include <iostream>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "tokenizer.h"
+
+namespace {
+
+using json = nlohmann::json;
+
+enum class Mode { Encode, Decode, Stream, PreTokenize, ChatML };
+
+int usage() {
+  std::cerr << "usage: aotgen-tokenize TOKENIZER_JSON [--decode | --stream | --pre-tokenize | "
+               "--chatml] [--skip-special-tokens] [--no-generation-prompt]\n"
+               "  reads one JSON value per stdin line, writes one JSON value per line\n";
+  return 2;
+}
+
+std::string dump(const json& value) {
+  return value.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+std::vector<int64_t> parse_ids(const json& value) {
+  if (!value.is_array()) throw std::invalid_argument("expected a JSON array of token ids");
+  return value.get<std::vector<int64_t>>();
+}
+
+std::string parse_text(const json& value) {
+  if (!value.is_string()) throw std::invalid_argument("expected a JSON string");
+  return value.get<std::string>();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string path;
+  Mode mode = Mode::Encode;
+  bool skip_special = false;
+  bool generation_prompt = true;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    if (arg == "--decode") {
+      mode = Mode::Decode;
+    } else if (arg == "--stream") {
+      mode = Mode::Stream;
+    } else if (arg == "--pre-tokenize") {
+      mode = Mode::PreTokenize;
+    } else if (arg == "--chatml") {
+      mode = Mode::ChatML;
+    } else if (arg == "--skip-special-tokens") {
+      skip_special = true;
+    } else if (arg == "--no-generation-prompt") {
+      generation_prompt = false;
+    } else if (arg == "-h" || arg == "--help") {
+      usage();
+      return 0;
+    } else if (arg.starts_with("-") || !path.empty()) {
+      return usage();
+    } else {
+      path = arg;
+    }
+  }
+  if (path.empty() && mode != Mode::ChatML) return usage();
+
+  std::size_t line_no = 0;
+  try {
+    std::optional<aotgen::Tokenizer> tokenizer;
+    if (!path.empty()) tokenizer = aotgen::Tokenizer::from_file(path);
+    std::string line;
+    while (std::getline(std::cin, line)) {
+      ++line_no;
+      const json input = json::parse(line);
+      json output;
+      switch (mode) {
+        case Mode::Encode:
+          output = tokenizer->encode(parse_text(input));
+          break;
+        case Mode::Decode:
+          output = tokenizer->decode(parse_ids(input), skip_special);
+          break;
+        case Mode::Stream: {
+          aotgen::StreamDecoder stream(*tokenizer, skip_special);
+          output = json::array();
+          for (const int64_t id : parse_ids(input)) output.push_back(stream.push(id));
+          output.push_back(stream.flush());
+          break;
+        }
+        case Mode::PreTokenize:
+          output = tokenizer->pre_tokenize(parse_text(input));
+          break;
+        case Mode::ChatML: {
+          std::vector<std::pair<std::string, std::string>> messages;
+          for (const json& message : input) {
+            messages.emplace_back(message.at(0).get<std::string>(),
+                                  message.at(1).get<std::string>());
+          }
+          output = aotgen::chatml_prompt(messages, generation_prompt);
+          break;
+        }
+      }
+      std::cout << dump(output) << '\n' << std::flush;
+    }
+  } catch (const std::exception& e) {
+    std::cerr << "aotgen-tokenize: ";
+    if (line_no > 0) std::cerr << "line " << line_no << ": ";
+    std::cerr << e.what() << '\n';
+    return 1;
+  }
+  return EXIT_SUCCESS;
+}

@@ -1,0 +1,69 @@
+"""Eager PyTorch reference: the same model definition run without compilation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from aotgen.checkpoint.hf import open_checkpoint
+from aotgen.model.llama import ModelConfig, Transformer, load_model, new_kv_cache
+
+
+class EagerModel:
+    def __init__(self, checkpoint: Path, cache_len: int):
+        ckpt = open_checkpoint(checkpoint)
+        self.config = ModelConfig.from_hf(ckpt.config)
+        weights = ckpt.load_weights()
+        self.model: Transformer = load_model(self.config, weights, cache_len, torch.float32)
+        self.cache_len = cache_len
+        self.reset()
+
+    def reset(self) -> None:
+        self.caches = new_kv_cache(self.config, self.cache_len)
+
+    @torch.no_grad()
+    def forward(self, tokens: list[int], start_pos: int) -> torch.Tensor:
+        t = torch.tensor([tokens])
+        return self.model(t, torch.arange(start_pos, start_pos + len(tokens)), self.caches)[0]
+
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        self.reset()
+        tok = int(self.forward(prompt, 0)[-1].argmax())
+        out, pos = [tok], len(prompt)
+        while len(out) < n:
+            tok = int(self.forward([tok], pos)[-1].argmax())
+            out.append(tok)
+            pos += 1
+        return out
+
+
+class EagerRunner(EagerModel):
+    """The eager model behind the runtime's `ModelRunner` interface, so the runtime's own
+    generation loops (plain and speculative) can run against the reference."""
+
+    def __init__(self, checkpoint: Path, cache_len: int):
+        super().__init__(checkpoint, cache_len)
+        self.vocab_size = self.config.vocab_size
+
+    def forward(self, tokens: list[int], start_pos: int, all_logits: bool = False) -> torch.Tensor:
+        logits = super().forward(tokens, start_pos)
+        return logits if all_logits else logits[-1]
+
+    def decode(self, token: int, pos: int) -> torch.Tensor:
+        return super().forward([token], pos)[-1]
+
+
+def eager_engine(target: Path, draft: Path | None, max_seq_len: int, verify_k: int):
+    """A runtime `Engine` whose models are eager references."""
+    from aotgen.runtime.engine import Engine
+    from aotgen.runtime.tokenizer import Tokenizer
+
+    cache_len = max_seq_len + verify_k + 1
+    return Engine(
+        Tokenizer.from_dir(target),
+        EagerRunner(target, cache_len),
+        EagerRunner(draft, cache_len) if draft else None,
+        max_seq_len,
+        verify_k,
+    )

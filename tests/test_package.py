@@ -1,0 +1,263 @@
+"""The vertical slice on a tiny model: compiled graphs vs the eager reference, package
+format, rebuild no-op, and every bad input the issue lists."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY_RECIPE
+from reference import EagerModel
+
+from aotgen.checkpoint.hf import CheckpointError
+from aotgen.package import build as build_mod
+from aotgen.package.manifest import PackageError, verify_package
+from aotgen.recipe import RecipeError, parse_recipe
+from aotgen.runtime.engine import Engine, GenerationConfig, GenerationError
+
+PROMPTS = [
+    "The quick brown fox",
+    "Paris is the capital of",
+    # Longer than one prefill chunk (16 tokens): exercises chunked prefill.
+    "Speculative decoding drafts tokens and verifies them in one pass. Ahead-of-time "
+    "compilation turns a checkpoint into a package. 1 2 3 4 5 6 7 8 9 10",
+]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_package) -> Engine:
+    return Engine.load(tiny_package)
+
+
+@pytest.fixture(scope="module")
+def eager(tiny_checkpoint, engine) -> EagerModel:
+    return EagerModel(tiny_checkpoint, engine.target.cache_len)
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize(
+    "graph,length,start",
+    [("prefill", 11, 0), ("prefill", 16, 5), ("decode", 1, 7), ("verify", 5, 9)],
+)
+def test_graph_logits_match_eager(engine, eager, graph, length, start):
+    """Each compiled graph, on the same cache state, gives the eager logits (fp32 < 1e-4)."""
+    runner = engine.target
+    g = torch.Generator().manual_seed(length + start)
+    history = torch.randint(0, runner.vocab_size, (start + length,), generator=g).tolist()
+    for c in (*runner.caches, *eager.caches):
+        c.zero_()
+    if start:  # fill the cache identically through the prefill path
+        runner.forward(history[:start], 0)
+        eager.forward(history[:start], 0)
+    tokens = torch.tensor([history[start:]])
+    pos = torch.arange(start, start + length)
+    got = runner.graphs[graph](tokens, pos, runner.caches)[0]
+    want = eager.forward(history[start:], start)
+    assert got.shape == want.shape == (length, runner.vocab_size)
+    assert _rel_err(got, want) < 1e-4
+    for c_got, c_want in zip(runner.caches, eager.caches, strict=True):
+        assert _rel_err(c_got[:, :, : start + length], c_want[:, :, : start + length]) < 1e-4
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_tokens_equal_eager(engine, eager, prompt):
+    ids = engine.tokenizer.encode(prompt)
+    result = engine.generate(ids, GenerationConfig(max_new_tokens=32, ignore_eos=True))
+    assert len(result.token_ids) == 32
+    assert result.token_ids == eager.greedy(ids, 32)
+    assert result.text == engine.tokenizer.decode(result.token_ids)
+
+
+def test_prompt_longer_than_chunk_is_chunked(engine):
+    ids = engine.tokenizer.encode(PROMPTS[2])
+    assert len(ids) > engine.target.prefill_chunk
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    from aotgen.runtime.sampling import SamplingParams
+
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    cfg = GenerationConfig(
+        max_new_tokens=20,
+        ignore_eos=True,
+        sampling=SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=3),
+    )
+    a, b = engine.generate(ids, cfg), engine.generate(ids, cfg)
+    assert a.token_ids == b.token_ids
+    other = engine.generate(
+        ids,
+        GenerationConfig(
+            max_new_tokens=20, ignore_eos=True, sampling=SamplingParams(temperature=1.0, seed=4)
+        ),
+    )
+    assert other.token_ids != a.token_ids
+
+
+def test_stop_strings_and_streaming(engine):
+    ids = engine.tokenizer.encode(PROMPTS[1])
+    full = engine.generate(ids, GenerationConfig(max_new_tokens=24, ignore_eos=True))
+    assert len(full.text) > 6
+    stop = full.text[3:6]
+    pieces: list[str] = []
+    cut = engine.generate(
+        ids,
+        GenerationConfig(max_new_tokens=24, ignore_eos=True, stop=(stop,)),
+        on_text=pieces.append,
+    )
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.find(stop)]
+    assert "".join(pieces) == cut.text
+
+
+def test_eos_ends_generation(engine, eager):
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    first = eager.greedy(ids, 5)
+    engine.tokenizer.eos_ids.add(first[2])
+    try:
+        r = engine.generate(ids, GenerationConfig(max_new_tokens=20))
+    finally:
+        engine.tokenizer.eos_ids.discard(first[2])
+    assert r.finish_reason == "eos" and r.token_ids == first[:2]
+
+
+def test_manifest_contents(tiny_package):
+    m = verify_package(tiny_package)
+    assert m["torch_version"] == torch.__version__
+    target = m["models"]["target"]
+    assert set(target["graphs"]) == {"prefill", "decode", "verify"}
+    assert target["graphs"]["verify"]["tokens"] == {"min": 5, "max": 5}
+    assert target["graphs"]["prefill"]["tokens"] == {"min": 2, "max": 16}
+    assert (
+        target["kv_cache"]["cache_len"] == TINY_RECIPE["max_seq_len"] + TINY_RECIPE["verify_k"] + 1
+    )
+    files = m["files"]
+    assert {"rank0/model.pt2", "rank0/target.safetensors", "tokenizer/tokenizer.json"} <= set(files)
+    # Weights stored once: the package is the weights plus small compiled code.
+    weights = files["rank0/target.safetensors"]["bytes"]
+    assert sum(1 for f in files if f.endswith(".safetensors")) == 1
+    assert weights > 0.9 * _checkpoint_bytes(m)
+
+
+def _checkpoint_bytes(m: dict) -> int:
+    c = m["models"]["target"]["config"]
+    h, layers, v, i = (
+        c["hidden_size"],
+        c["num_hidden_layers"],
+        c["vocab_size"],
+        c["intermediate_size"],
+    )
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    per_layer = h * q * 2 + h * kv * 2 + 3 * h * i + 2 * h
+    return 4 * (layers * per_layer + v * h * (1 if c["tie_word_embeddings"] else 2) + h)
+
+
+def test_unchanged_rebuild_is_a_noop(tiny_checkpoint, tiny_package, project):
+    recipe = parse_recipe({"checkpoint": str(tiny_checkpoint), **TINY_RECIPE}, "tiny", Path("."))
+    before = (tiny_package / "manifest.json").stat().st_mtime_ns
+    report = build_mod.build(recipe, project)
+    assert report.up_to_date
+    assert (tiny_package / "manifest.json").stat().st_mtime_ns == before
+
+
+# ---- bad input ------------------------------------------------------------------------------
+
+
+def test_unknown_recipe_key_names_valid_keys(tiny_checkpoint):
+    with pytest.raises(RecipeError, match=r"unknown key\(s\) max_seq.*valid keys: .*max_seq_len"):
+        parse_recipe({"checkpoint": str(tiny_checkpoint), "max_seq": 10}, "r", Path("."))
+
+
+def test_missing_checkpoint_file(tmp_path, tiny_checkpoint, project):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    (ckpt / "model.safetensors").unlink()
+    recipe = parse_recipe({"checkpoint": str(ckpt), **TINY_RECIPE}, "missing", Path("."))
+    with pytest.raises(CheckpointError, match="missing weight file"):
+        build_mod.build(recipe, project)
+    assert not (project.artifacts_dir / "missing").exists()
+
+
+def test_truncated_checkpoint_file(tmp_path, tiny_checkpoint, project):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    data = (ckpt / "model.safetensors").read_bytes()
+    (ckpt / "model.safetensors").write_bytes(data[: len(data) // 2])
+    recipe = parse_recipe({"checkpoint": str(ckpt), **TINY_RECIPE}, "truncated", Path("."))
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        build_mod.build(recipe, project)
+    assert not (project.artifacts_dir / "truncated").exists()
+
+
+def test_unsupported_architecture(tmp_path, tiny_checkpoint, project):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["architectures"] = ["MambaForCausalLM"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    recipe = parse_recipe({"checkpoint": str(ckpt), **TINY_RECIPE}, "mamba", Path("."))
+    with pytest.raises(ValueError, match="unsupported architecture 'MambaForCausalLM'"):
+        build_mod.build(recipe, project)
+
+
+def test_prompt_beyond_context(engine):
+    with pytest.raises(GenerationError, match="exceeds the package context of 160 tokens"):
+        engine.generate([1] * 150, GenerationConfig(max_new_tokens=20))
+
+
+def _copy_package(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_manifest(pkg: Path, fn) -> None:
+    m = json.loads((pkg / "manifest.json").read_text())
+    fn(m)
+    (pkg / "manifest.json").write_text(json.dumps(m))
+
+
+def test_other_torch_version_refused(tmp_path, tiny_package):
+    pkg = _copy_package(tiny_package, tmp_path / "pkg")
+    _edit_manifest(pkg, lambda m: m.update(torch_version="2.0.0"))
+    with pytest.raises(PackageError, match="built with torch 2.0.0"):
+        Engine.load(pkg)
+
+
+def test_other_isa_refused(tmp_path, tiny_package):
+    pkg = _copy_package(tiny_package, tmp_path / "pkg")
+    _edit_manifest(pkg, lambda m: m["target"].update(isa="AMX_FP16"))
+    with pytest.raises(PackageError, match="compiled for AMX_FP16"):
+        Engine.load(pkg)
+
+
+def test_hash_mismatch_refused_before_loading(tmp_path, tiny_package):
+    pkg = _copy_package(tiny_package, tmp_path / "pkg")
+    weights = pkg / "rank0" / "target.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(PackageError, match="does not match its sha256"):
+        Engine.load(pkg)
+
+
+def test_interrupted_build_leaves_nothing(monkeypatch, tiny_checkpoint, project):
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(build_mod, "compile_graph", interrupted)
+    recipe = parse_recipe(
+        {"checkpoint": str(tiny_checkpoint), **TINY_RECIPE}, "interrupted", Path(".")
+    )
+    with pytest.raises(KeyboardInterrupt):
+        build_mod.build(recipe, project)
+    assert calls
+    leftovers = [p.name for p in project.artifacts_dir.iterdir() if "interrupted" in p.name]
+    assert leftovers == []
