@@ -74,7 +74,12 @@ class ModelRunner:
     def __init__(self, root: Path, pt2: Path, entry: dict[str, Any]):
         self.config = entry["config"]
         self.vocab_size = self.config["vocab_size"]
-        weights = load_file(str(root / entry["weights"]["file"]))
+        # safetensors aligns tensors to 8 bytes and mmaps them; the compiled kernels want
+        # 64-byte aligned, resident memory (misaligned AVX-512 loads made decode 2.5x slower).
+        weights = {
+            name: t.clone() if t.data_ptr() % 64 else t
+            for name, t in load_file(str(root / entry["weights"]["file"])).items()
+        }
         for alias, name in entry["weights"]["aliases"].items():
             weights[alias] = weights[name]
         self.weights = weights  # keep alive: the graphs use these tensors in place

@@ -1,0 +1,531 @@
+"""Weight-only quantization as a graph pass on the ExportedProgram.
+
+    quantize: {linear: int8}                                   # per-channel symmetric
+    quantize: {linear: {int4: {groupsize: 64}}, embedding: int8, skip: [lm_head]}
+
+The pass finds `aten.linear` / `aten.embedding` nodes whose weight is a lifted parameter or
+constant, swaps in the quantized kernel with new constants, and drops the float weight
+from the program so the package never stores it. It works on the exported graph, not on
+`nn.Module`s, so it needs no knowledge of the model definition and leaves every graph's
+inputs, outputs and KV-cache contract as they were: the runtime runs the result unchanged.
+
+Kernels (CPU; measured on this 2-core AVX-512 machine, see docs in the report):
+- int8: `aten._weight_int8pack_mm(x[M, K], w_int8[N, K], scales[N])`, w ≈ w_int8 * scale.
+- int4: `aten._weight_int4pack_mm_for_cpu(x[M, K], packed, groupsize, scales_zeros[K/g, N, 2])`
+  with w ≈ (q - 8) * scale + zero per group of `groupsize` inputs, q in 0..15, packed by
+  `aten._convert_weight_to_int4pack_for_cpu`.
+Both are 10-30x slower with float32 activations than with bfloat16 ones, and want scales
+in the activation dtype, so by default the pass casts the activation to bfloat16 just
+around each quantized op (norms, attention, residuals, KV cache and logits stay float32).
+Scales are rounded to that dtype *before* the weights are quantized against them, so the
+kernel sees exactly the scales the integers were chosen for.
+
+CUDA (`_weight_int4pack_mm`, int8 dequantize-then-linear): written to the documented op
+contracts but UNTESTED - this project has no GPU build yet.
+
+Skip patterns are shell globs (`fnmatch`, case-sensitive), matched against the module path
+of the op (`lm_head`, `model.layers.0.mlp.down_proj`, `model.embed_tokens`) and against
+the weight's parameter name (`...down_proj.weight`). Globs, not regexes, because module
+paths are full of dots that a regex would treat as wildcards.
+
+The pass is called once per graph (prefill, decode, verify); it caches the quantized
+tensors by source tensor so all graphs share the same tensor objects and the builder
+stores each quantized weight once.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._guards import detect_fake_mode
+from torch.export import ExportedProgram
+from torch.export.graph_signature import (
+    ExportGraphSignature,
+    InputKind,
+    InputSpec,
+    TensorArgument,
+)
+from torch.fx import Node
+from torch.fx.node import map_arg
+
+from aotgen.recipe import RecipeError
+
+aten = torch.ops.aten
+
+SCHEMES = ("int8", "int4")
+EMBEDDING_SCHEMES = ("int8",)
+GROUP_SIZES = (32, 64, 128, 256)
+DEFAULT_GROUPSIZE = 64
+ACTIVATION_DTYPES = ("bfloat16", "float32")
+OPTION_KEYS = ("linear", "embedding", "skip", "activations")
+CUDA_INNER_K_TILES = 8
+
+
+# ---- options -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Scheme:
+    kind: str  # "int8" | "int4"
+    groupsize: int | None = None  # int4 only
+
+    @property
+    def label(self) -> str:
+        return self.kind if self.groupsize is None else f"{self.kind}-g{self.groupsize}"
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    linear: Scheme | None = None
+    embedding: Scheme | None = None
+    skip: tuple[str, ...] = ()
+    activations: str = "bfloat16"  # dtype the quantized kernels compute in
+
+
+def _scheme(where: str, value: Any) -> Scheme:
+    """`int8` | `int4` | `{int4: {groupsize: 64}}` | `{int8: {}}`."""
+    if isinstance(value, str):
+        kind, params = value, {}
+    elif isinstance(value, dict) and len(value) == 1:
+        kind, params = next(iter(value.items()))
+        params = params or {}
+    else:
+        raise RecipeError(
+            f"quantize.{where}: expected a scheme name ({', '.join(SCHEMES)}) or "
+            f"{{int4: {{groupsize: N}}}}, got {value!r}"
+        )
+    if kind not in SCHEMES:
+        raise RecipeError(f"quantize.{where}: unknown scheme {kind!r}; valid: {', '.join(SCHEMES)}")
+    if not isinstance(params, dict):
+        raise RecipeError(f"quantize.{where}.{kind}: expected a mapping, got {params!r}")
+    valid = ["groupsize"] if kind == "int4" else []
+    unknown = sorted(set(params) - set(valid))
+    if unknown:
+        raise RecipeError(
+            f"quantize.{where}.{kind}: unknown key(s) {', '.join(unknown)}; "
+            f"valid keys: {', '.join(valid) or '(none)'}"
+        )
+    if kind == "int8":
+        return Scheme("int8")
+    g = params.get("groupsize", DEFAULT_GROUPSIZE)
+    if g not in GROUP_SIZES:
+        raise RecipeError(
+            f"quantize.{where}.int4: groupsize {g!r} is not supported by the int4 kernels; "
+            f"valid: {', '.join(map(str, GROUP_SIZES))}"
+        )
+    return Scheme("int4", g)
+
+
+def parse_quantize(raw: dict[str, Any] | None) -> QuantizeOptions | None:
+    """Validate a recipe's `quantize:` mapping; errors say what to write instead."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"quantize: expected a mapping like {{linear: int8}}, got {raw!r}")
+    unknown = sorted(set(raw) - set(OPTION_KEYS))
+    if unknown:
+        raise RecipeError(
+            f"quantize: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(OPTION_KEYS)}"
+        )
+    linear = _scheme("linear", raw["linear"]) if raw.get("linear") is not None else None
+    embedding = None
+    if raw.get("embedding") is not None:
+        embedding = _scheme("embedding", raw["embedding"])
+        if embedding.kind not in EMBEDDING_SCHEMES:
+            raise RecipeError(
+                f"quantize.embedding: {embedding.kind} is not supported for embeddings; "
+                f"valid: {', '.join(EMBEDDING_SCHEMES)}"
+            )
+    if linear is None and embedding is None:
+        raise RecipeError("quantize: nothing to do; set `linear:` and/or `embedding:`")
+    skip = raw.get("skip") or []
+    if isinstance(skip, str):
+        skip = [skip]
+    if not isinstance(skip, list) or not all(isinstance(p, str) and p for p in skip):
+        raise RecipeError(f"quantize.skip: expected a list of glob patterns, got {skip!r}")
+    act = raw.get("activations", "bfloat16")
+    if act not in ACTIVATION_DTYPES:
+        raise RecipeError(f"quantize.activations: {act!r}; valid: {', '.join(ACTIVATION_DTYPES)}")
+    return QuantizeOptions(linear, embedding, tuple(skip), act)
+
+
+# ---- quantize / dequantize (plain tensors) ---------------------------------------------------
+def quantize_int8(w: Tensor, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Per-output-channel symmetric: w[n] ≈ q[n] * scale[n], q int8 [N, K], scale [N]."""
+    w = w.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(scale_dtype)
+    q = (w / scale.float()[:, None]).round().clamp(-128, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
+    return q.float() * scale.float()[:, None]
+
+
+def quantize_int4(w: Tensor, groupsize: int, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Group-wise asymmetric: w ≈ (q - 8) * scale + zero per `groupsize` inputs, q in 0..15.
+
+    Returns q int32 [N, K] and scales_zeros [K / groupsize, N, 2] (the kernels' layout).
+    """
+    n, k = w.shape
+    wg = w.detach().float().reshape(n, k // groupsize, groupsize)
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-12).to(scale_dtype).float()
+    zero = (lo + 8 * scale).to(scale_dtype).float()  # q = 0 lands on the group minimum
+    q = ((wg - zero[..., None]) / scale[..., None] + 8).round().clamp(0, 15)
+    scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+    return q.to(torch.int32).reshape(n, k), scales_zeros.to(scale_dtype)
+
+
+def dequantize_int4(q: Tensor, scales_zeros: Tensor, groupsize: int) -> Tensor:
+    n, k = q.shape
+    sz = scales_zeros.float().transpose(0, 1)  # [N, K/g, 2]
+    qg = q.float().reshape(n, k // groupsize, groupsize)
+    return ((qg - 8) * sz[..., :1] + sz[..., 1:]).reshape(n, k)
+
+
+def pack_int4(q: Tensor, device: str) -> Tensor:
+    """The kernel's weight layout. CPU: uint8 [N, K/2]. CUDA (untested): tinygemm tiles."""
+    if device == "cpu":
+        return aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 2)
+    q8 = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).to(device)  # UNTESTED (no GPU here)
+    return aten._convert_weight_to_int4pack(q8, CUDA_INNER_K_TILES)
+
+
+def int4_fits(n: int, k: int, groupsize: int, device: str) -> str | None:
+    """Why a [N, K] weight cannot use the int4 kernel, or None if it can."""
+    if k % groupsize:
+        return f"in_features {k} is not a multiple of groupsize {groupsize}"
+    if device != "cpu":
+        tile = CUDA_INNER_K_TILES * 16
+        if k % tile or n % 8:
+            return f"CUDA tinygemm needs in_features % {tile} == 0 and out_features % 8 == 0"
+    return None
+
+
+@cache
+def kernel_problem(kind: str, device: str, act: str) -> str | None:
+    """Run the kernel once on a tiny weight: None if it works here, else the error."""
+    if device != "cpu":
+        return None  # CUDA is not probed: no GPU on the build machines (untested path)
+    dtype = getattr(torch, act)
+    w = torch.randn(64, 64)
+    x = torch.randn(2, 64, dtype=dtype)
+    try:
+        if kind == "int8":
+            q, s = quantize_int8(w, dtype)
+            aten._weight_int8pack_mm(x, q, s)
+        else:
+            q, sz = quantize_int4(w, 32, dtype)
+            aten._weight_int4pack_mm_for_cpu(x, pack_int4(q, "cpu"), 32, sz)
+    except (RuntimeError, NotImplementedError) as e:
+        return str(e).splitlines()[0]
+    return None
+
+
+# ---- the graph pass --------------------------------------------------------------------------
+@dataclass
+class _Quantized:
+    """The constants that replace one source weight, shared by every graph."""
+
+    tensors: dict[str, Tensor]  # suffix -> tensor
+    scheme: Scheme
+    nbytes: int
+
+
+def _layer_glob(name: str) -> str:
+    return re.sub(r"\.layers\.\d+\.", ".layers.*.", name)
+
+
+class QuantizePass:
+    """`ExportedProgram -> ExportedProgram`; one instance per model, reused for its graphs."""
+
+    def __init__(self, options: QuantizeOptions):
+        self.options = options
+        self.act_dtype = getattr(torch, options.activations)
+        for where, scheme in (("linear", options.linear), ("embedding", options.embedding)):
+            if scheme is None:
+                continue
+            problem = kernel_problem(scheme.kind, "cpu", options.activations)
+            if problem:
+                raise RecipeError(
+                    f"quantize.{where}: the {scheme.kind} kernel does not run on this "
+                    f"platform ({torch.backends.cpu.get_cpu_capability()}, torch "
+                    f"{torch.__version__}): {problem}. Use another scheme or drop `quantize`"
+                )
+        self._cache: dict[tuple, _Quantized] = {}
+        self._keep: list[Tensor] = []  # sources stay alive so their ids stay unique
+        self.quantized: dict[str, str] = {}  # op name -> scheme label
+        self.skipped: dict[str, str] = {}  # op name -> reason
+        self.seen: set[str] = set()  # names skip patterns were tried on
+        self.float_bytes = 0
+        self.quant_bytes = 0
+
+    # -- bookkeeping used by the builder -----------------------------------------------------
+    def notes(self) -> list[str]:
+        """Human-readable build-report lines: what was quantized, skipped, and warnings."""
+        o = self.options
+        notes = []
+        by_scheme: dict[str, int] = {}
+        for label in self.quantized.values():
+            by_scheme[label] = by_scheme.get(label, 0) + 1
+        if by_scheme:
+            summary = ", ".join(f"{n} x {label}" for label, n in sorted(by_scheme.items()))
+            notes.append(
+                f"quantize: {summary}; weights {self.float_bytes / 2**20:.1f} MiB float -> "
+                f"{self.quant_bytes / 2**20:.1f} MiB, kernels compute in {o.activations}"
+            )
+        reasons: dict[str, set[str]] = {}
+        for name, reason in self.skipped.items():
+            reasons.setdefault(reason, set()).add(_layer_glob(name))
+        for reason, names in sorted(reasons.items()):
+            notes.append(f"quantize: kept in float ({reason}): {', '.join(sorted(names))}")
+        for pattern in o.skip:
+            if not any(fnmatch.fnmatchcase(n, pattern) for n in self.seen):
+                notes.append(
+                    f"warning: quantize.skip pattern {pattern!r} matched no linear or embedding; "
+                    "patterns are globs on module paths like 'lm_head' or "
+                    "'model.layers.*.mlp.down_proj' (or on weight names)"
+                )
+        return notes
+
+    def manifest_entry(self) -> dict[str, Any]:
+        """What the manifest records: schemes, dtypes, and which ops stayed float."""
+
+        def describe(s: Scheme | None, kernel: str) -> dict[str, Any] | None:
+            if s is None:
+                return None
+            return {
+                "scheme": s.kind,
+                "groupsize": s.groupsize,
+                "symmetric": s.kind == "int8",
+                "granularity": "per-channel" if s.kind == "int8" else "per-group",
+                "weight_dtype": "int8" if s.kind == "int8" else "uint4 (packed)",
+                "scale_dtype": self.options.activations,
+                "activation_dtype": self.options.activations,
+                "kernel": kernel,
+            }
+
+        lin = self.options.linear
+        lin_kernel = (
+            "aten._weight_int8pack_mm"
+            if lin and lin.kind == "int8"
+            else "aten._weight_int4pack_mm_for_cpu"
+        )
+        return {
+            "linear": describe(lin, lin_kernel),
+            "embedding": describe(self.options.embedding, "gather + scale"),
+            "skip": list(self.options.skip),
+            "quantized": dict(sorted(self.quantized.items())),
+            "kept_float": dict(sorted(self.skipped.items())),
+        }
+
+    # -- the pass ----------------------------------------------------------------------------
+    def __call__(self, ep: ExportedProgram) -> ExportedProgram:
+        gm = ep.graph_module
+        graph = gm.graph
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        specs = list(ep.graph_signature.input_specs)
+        spec_of = {s.arg.name: s for s in specs if isinstance(s.arg, TensorArgument)}
+        tensors = {**ep.state_dict, **ep.constants}
+        fake_mode = detect_fake_mode([n.meta.get("val") for n in placeholders])
+        first_user = next(n for n in placeholders if spec_of[n.name].kind == InputKind.USER_INPUT)
+        state_dict, constants = dict(ep.state_dict), dict(ep.constants)
+        new_specs: list[InputSpec] = []
+        added: dict[str, Node] = {}  # target -> placeholder (one per graph)
+        replaced: set[Node] = set()
+
+        def constant(target: str, t: Tensor) -> Node:
+            if target not in added:
+                with graph.inserting_before(first_user):
+                    node = graph.placeholder("c_" + target.replace(".", "_"))
+                node.meta["val"] = fake_mode.from_tensor(t, static_shapes=True)
+                new_specs.append(
+                    InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(node.name), target)
+                )
+                constants[target] = t
+                added[target] = node
+            return added[target]
+
+        def emit(node: Node, target: Any, *args: Any, **kwargs: Any) -> Node:
+            new = graph.call_function(target, args, kwargs)
+            vals = map_arg((args, kwargs), lambda a: a.meta["val"])
+            with fake_mode:
+                new.meta["val"] = target(*vals[0], **vals[1])
+            for key in ("nn_module_stack", "stack_trace"):
+                if key in node.meta:
+                    new.meta[key] = node.meta[key]
+            return new
+
+        for node in list(graph.nodes):
+            if node.op != "call_function":
+                continue
+            if node.target is aten.linear.default and self.options.linear:
+                weight = node.args[1]
+                scheme = self.options.linear
+            elif node.target is aten.embedding.default and self.options.embedding:
+                weight = node.args[0]
+                scheme = self.options.embedding
+            else:
+                continue
+            spec = spec_of.get(getattr(weight, "name", None))
+            if spec is None or spec.kind not in (
+                InputKind.PARAMETER,
+                InputKind.BUFFER,
+                InputKind.CONSTANT_TENSOR,
+            ):
+                continue  # computed weight: not ours to quantize
+            source = tensors[spec.target]
+            name = _op_name(node, spec.target)
+            self.seen.update((name, spec.target))
+            pattern = next(
+                (
+                    p
+                    for p in self.options.skip
+                    if fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(spec.target, p)
+                ),
+                None,
+            )
+            if pattern is not None:
+                self.skipped[name] = f"skip pattern {pattern!r}"
+                continue
+            device = source.device.type
+            if scheme.kind == "int4":
+                problem = int4_fits(*source.shape, scheme.groupsize, device)
+                if problem:
+                    self.skipped[name] = f"int4: {problem}"
+                    continue
+            q = self._quantize(source, scheme, device)
+            nodes = {sfx: constant(f"{spec.target}_{sfx}", t) for sfx, t in q.tensors.items()}
+            with graph.inserting_before(node):
+                if node.target is aten.linear.default:
+                    out = self._linear(node, nodes, scheme, device, emit)
+                else:
+                    out = self._embedding(node, nodes, emit)
+            node.replace_all_uses_with(out)
+            graph.erase_node(node)
+            replaced.add(weight)
+            self.quantized[name] = scheme.label
+
+        # Drop float weights no graph op reads any more, so the package does not store them.
+        dropped = {n.name for n in replaced if not n.users}
+        for n in placeholders:
+            if n.name in dropped:
+                graph.erase_node(n)
+                target = spec_of[n.name].target
+                state_dict.pop(target, None)
+                constants.pop(target, None)
+        specs = [s for s in specs if getattr(s.arg, "name", None) not in dropped]
+        first = next(i for i, s in enumerate(specs) if s.kind == InputKind.USER_INPUT)
+        signature = ExportGraphSignature(
+            input_specs=specs[:first] + new_specs + specs[first:],
+            output_specs=list(ep.graph_signature.output_specs),
+        )
+        graph.lint()
+        gm.recompile()
+        return ExportedProgram(
+            root=gm,
+            graph=graph,
+            graph_signature=signature,
+            state_dict=state_dict,
+            range_constraints=ep.range_constraints,
+            module_call_graph=ep.module_call_graph,
+            example_inputs=ep.example_inputs,
+            constants=constants,
+            verifiers=ep.verifiers,
+        )
+
+    def _quantize(self, source: Tensor, scheme: Scheme, device: str) -> _Quantized:
+        """Quantize once per (source tensor, scheme): every graph gets the same objects."""
+        key = (id(source), scheme, self.options.activations)
+        if key not in self._cache:
+            self._keep.append(source)
+            act = self.act_dtype
+            if scheme.kind == "int8":
+                q, s = quantize_int8(source, act)
+                tensors = {"int8": q, "int8_scales": s}
+            else:
+                q, sz = quantize_int4(source, scheme.groupsize, act)
+                sfx = f"int4g{scheme.groupsize}"
+                tensors = {sfx: pack_int4(q, device), f"{sfx}_scales_zeros": sz.to(device)}
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            self._cache[key] = _Quantized(tensors, scheme, nbytes)
+            self.float_bytes += source.numel() * source.element_size()
+            self.quant_bytes += nbytes
+        return self._cache[key]
+
+    def _linear(
+        self, node: Node, consts: dict[str, Node], scheme: Scheme, device: str, emit
+    ) -> Node:
+        x, _w, *rest = node.args
+        bias = rest[0] if rest else None
+        x_val, out_val = x.meta["val"], node.meta["val"]
+        k, n = x_val.shape[-1], out_val.shape[-1]
+        lead = list(x_val.shape[:-1])
+        # The kernels take 2-D activations; a single dynamic dim (the token count) is -1.
+        if sum(not isinstance(d, int) for d in lead) <= 1:
+            out_shape = [d if isinstance(d, int) else -1 for d in lead] + [n]
+        else:
+            out_shape = [
+                d if isinstance(d, int) else emit(node, aten.sym_size.int, x, i)
+                for i, d in enumerate(lead)
+            ] + [n]
+        h = emit(node, aten.view.default, x, [-1, k])
+        act = self.act_dtype
+        if x_val.dtype != act:
+            h = emit(node, aten._to_copy.default, h, dtype=act)
+        if scheme.kind == "int8" and device == "cpu":
+            h = emit(
+                node, aten._weight_int8pack_mm.default, h, consts["int8"], consts["int8_scales"]
+            )
+        elif scheme.kind == "int8":
+            # UNTESTED (no GPU here): gpt-fast's dequantize-then-linear, which Inductor
+            # fuses on CUDA; `_weight_int8pack_mm` has no CUDA kernel to rely on.
+            w = emit(node, aten._to_copy.default, consts["int8"], dtype=act)
+            h = emit(node, aten.mm.default, h, emit(node, aten.t.default, w))
+            h = emit(node, aten.mul.Tensor, h, consts["int8_scales"])
+        else:
+            sfx = f"int4g{scheme.groupsize}"
+            op = (
+                aten._weight_int4pack_mm_for_cpu.default
+                if device == "cpu"
+                else aten._weight_int4pack_mm.default  # UNTESTED (no GPU here)
+            )
+            h = emit(node, op, h, consts[sfx], scheme.groupsize, consts[f"{sfx}_scales_zeros"])
+        if out_val.dtype != act:
+            h = emit(node, aten._to_copy.default, h, dtype=out_val.dtype)
+        h = emit(node, aten.view.default, h, out_shape)
+        if bias is not None:
+            h = emit(node, aten.add.Tensor, h, bias)
+        return h
+
+    def _embedding(self, node: Node, consts: dict[str, Node], emit) -> Node:
+        """Gather int8 rows and their scales, dequantize in the output dtype."""
+        ids = node.args[1]
+        dtype = node.meta["val"].dtype
+        rows = emit(node, aten.embedding.default, consts["int8"], ids)
+        scales = emit(node, aten.index.Tensor, consts["int8_scales"], [ids])
+        rows = emit(node, aten._to_copy.default, rows, dtype=dtype)
+        scales = emit(node, aten._to_copy.default, scales, dtype=dtype)
+        return emit(node, aten.mul.Tensor, rows, emit(node, aten.unsqueeze.default, scales, -1))
+
+
+def _op_name(node: Node, weight_target: str) -> str:
+    """The module path of the op (`lm_head`, `model.layers.0.mlp.up_proj`) when export
+    recorded it, else the weight's name without `.weight`."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        if path:
+            return path
+    return weight_target.removesuffix(".weight")
+
+
+def quantize_pass(raw: dict[str, Any] | None) -> QuantizePass | None:
+    """Recipe `quantize:` → the pass (None when the recipe does not quantize)."""
+    options = parse_quantize(raw)
+    return QuantizePass(options) if options else None

@@ -1,0 +1,166 @@
+// aotgen C++ runtime: load an aotgen package and generate text, with no model code.
+//
+//   auto engine = aotgen::Engine::load("artifacts/smollm2-135m");
+//   aotgen::GenerationConfig config;
+//   config.max_new_tokens = 64;
+//   auto result = engine.generate(engine.chat_ids("What is the capital of France?"), config,
+//                                 [](std::string_view text) { std::cout << text << std::flush; });
+//
+// Mirrors the Python runtime (aotgen/runtime/engine.py): the manifest is verified before
+// any native code is loaded (format version, torch version, platform / ISA, the sha256 of
+// every file, no unlisted files); the weights are read once from the package's safetensors
+// file and bound to every graph of a model (prefill, decode, verify); the engine owns the
+// per-layer KV caches, written in place at each position. Sampling (greedy, temperature,
+// top-k, top-p) and speculative verification follow aotgen/runtime/sampling.py and
+// speculative.py operation for operation, with a torch CPU generator: a seeded C++ run is
+// reproducible (and draws the same random numbers as a Python run with the same seed).
+//
+// An Engine is movable, not copyable, and not thread-safe: one generate() at a time.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tokenizer.h"
+
+namespace aotgen {
+
+// A package that must not be loaded (missing, corrupt, built for another torch or CPU).
+class PackageError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A request the package cannot serve (too long for its context, no draft model, ...).
+class GenerationError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+// How to pick the next token; applied in this order (as in HF): temperature, top-k, top-p.
+struct SamplingParams {
+  double temperature = 0.0;  // < 1e-5 -> greedy (argmax)
+  int64_t top_k = 0;         // 0 -> off
+  double top_p = 1.0;        // 1 -> off
+  std::optional<uint64_t> seed;  // none -> seeded from std::random_device
+
+  bool greedy() const { return temperature < 1e-5; }
+  // Throws std::invalid_argument for values sampling.py rejects too.
+  void validate() const;
+};
+
+enum class Speculative { None, Ngram, Draft };
+
+struct GenerationConfig {
+  int64_t max_new_tokens = 256;
+  SamplingParams sampling;
+  std::vector<std::string> stop;  // stop strings (not part of the returned text)
+  bool ignore_eos = false;
+  Speculative speculative = Speculative::None;
+  std::optional<int64_t> k;  // draft length; default (and maximum): the package's verify_k
+  bool adaptive_k = false;   // HF schedule: +2 after a full accept, else -1
+  int64_t ngram_min = 1;
+  int64_t ngram_max = 4;
+};
+
+struct SpecStats {
+  int64_t drafted = 0;
+  int64_t accepted = 0;
+  int64_t steps = 0;
+  double acceptance_rate() const { return drafted ? double(accepted) / double(drafted) : 0.0; }
+  // Tokens emitted per verify step: accepted drafts plus the target's own token.
+  double mean_accepted_length() const {
+    return steps ? double(accepted + steps) / double(steps) : 0.0;
+  }
+};
+
+struct GenerationResult {
+  std::string text;
+  std::vector<int64_t> token_ids;
+  int64_t prompt_tokens = 0;
+  std::string finish_reason;  // "eos" | "stop" | "length"
+  double prefill_s = 0;       // generate() start to the first token
+  double decode_s = 0;        // first token to the end
+  std::optional<SpecStats> spec;
+
+  double prefill_tok_s() const { return prefill_s > 0 ? double(prompt_tokens) / prefill_s : 0; }
+  // Tokens after the first one, over the time spent producing them.
+  double decode_tok_s() const {
+    const auto n = static_cast<double>(token_ids.size()) - 1;
+    return n > 0 && decode_s > 0 ? n / decode_s : 0;
+  }
+};
+
+struct LoadOptions {
+  int threads = 0;            // intra-op threads (at::set_num_threads); 0 -> torch's default
+  bool verify_hashes = true;  // sha256 of every file; false only for trusted, huge packages
+};
+
+// Receives generated text as soon as it is final (complete UTF-8, past any stop string).
+using TextCallback = std::function<void(std::string_view)>;
+
+class Engine {
+ public:
+  // Verifies the package (before loading any .so), then loads graphs, weights, tokenizer.
+  // Throws PackageError with the reason and what to do.
+  static Engine load(const std::filesystem::path& package_dir, const LoadOptions& options = {});
+
+  Engine(Engine&&) noexcept;
+  Engine& operator=(Engine&&) noexcept;
+  ~Engine();
+
+  // Generates from token ids, streaming text through on_text. Throws GenerationError for
+  // requests the package cannot serve (empty prompt, prompt + max_new_tokens > max_seq_len,
+  // draft speculation without a draft model) and std::invalid_argument for bad sampling.
+  GenerationResult generate(const std::vector<int64_t>& prompt_ids,
+                            const GenerationConfig& config = {},
+                            const TextCallback& on_text = {});
+
+  // Prompt ids for one user turn. A ChatML chat template without a system message gives
+  // plain ChatML with no injected system turn (as the Python runtime and llama.cpp do);
+  // other templates need a jinja renderer: std::runtime_error.
+  std::vector<int64_t> chat_ids(const std::string& user,
+                                const std::optional<std::string>& system = {}) const;
+
+  const Tokenizer& tokenizer() const;
+  const std::vector<int64_t>& eos_ids() const;
+  int64_t max_seq_len() const;
+  int64_t verify_k() const;
+  bool has_draft() const;
+  double load_s() const;  // wall time of load(), verification included
+  const std::filesystem::path& root() const;
+
+ private:
+  struct Impl;
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// ---- Pieces exposed for tests and embedding ---------------------------------------------
+
+// Reads and checks manifest.json (format, torch version, platform, ISA and, if
+// check_hashes, every file's size and sha256, refusing unlisted files); returns its text.
+// Throws PackageError. Engine::load calls this before loading any native code.
+std::string verify_package(const std::filesystem::path& package_dir, bool check_hashes = true);
+
+// Lowercase hex sha256 of a file (OpenSSL EVP).
+std::string sha256_file(const std::filesystem::path& path);
+
+// The CPU capability torch dispatches to here ("DEFAULT", "AVX2", "AVX512", ...) and the
+// platform string the manifest uses ("linux-x86_64").
+std::string cpu_capability();
+std::string platform_string();
+
+// Prompt-lookup drafting (speculative.py NgramProposer): the tokens that followed the most
+// recent earlier occurrence of the longest suffix (max_n down to min_n tokens) of history.
+std::vector<int64_t> ngram_propose(const std::vector<int64_t>& history, int64_t k,
+                                   int64_t min_n = 1, int64_t max_n = 4);
+
+}  // namespace aotgen

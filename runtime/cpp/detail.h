@@ -1,0 +1,58 @@
+// Internals of the aotgen runtime shared by its .cpp files (not part of the public API).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "aotgen.h"
+
+namespace aotgen::detail {
+
+// ---- package.cpp -------------------------------------------------------------------------
+
+// Tensors of a safetensors file. Tensors whose data is 64-byte aligned in the file view a
+// private read-only mapping of it (kept alive by the tensors); the others are copied into
+// aligned memory, as the Python runtime's load_file does.
+std::unordered_map<std::string, at::Tensor> load_safetensors(const std::filesystem::path& path);
+
+// Manifest dtype name ("float32", "bfloat16", ...) -> scalar type; PackageError otherwise.
+at::ScalarType dtype_from_name(const std::string& name);
+
+// ---- sampling.cpp: aotgen/runtime/sampling.py and speculative.py, op for op ----------------
+
+// A CPU generator seeded with `seed`, or from std::random_device.
+at::Generator make_generator(std::optional<uint64_t> seed);
+
+// [N, V] logits -> [N, V] float32 probabilities after temperature, top-k and top-p
+// (greedy: one-hot of the argmax).
+at::Tensor logits_to_probs(const at::Tensor& logits, const SamplingParams& params);
+
+// [N, V] probabilities (need not be normalised) -> [N] int64 ids, inverse-CDF sampling.
+at::Tensor sample(const at::Tensor& probs, at::Generator& generator);
+
+// Logits of one position ([V] or [1, V]) -> next token id; greedy is a bare argmax.
+int64_t select_next(const at::Tensor& logits, const SamplingParams& params,
+                    at::Generator& generator);
+
+// Accept draft tokens while they equal the target's argmax, then the target's own token.
+// target_logits: [K+1, V].
+std::vector<int64_t> verify_greedy(const std::vector<int64_t>& draft,
+                                   const at::Tensor& target_logits);
+
+// Speculative sampling: accept draft token i with probability min(1, p/q), on rejection
+// sample from max(0, p - q) normalised, after a full accept sample the bonus token from p.
+// draft_probs [K, V], target_probs [K+1, V].
+std::vector<int64_t> verify_stochastic(const std::vector<int64_t>& draft,
+                                       const at::Tensor& draft_probs,
+                                       const at::Tensor& target_probs, at::Generator& generator);
+
+// A deterministic proposer (n-gram) as a draft distribution: one-hot rows [K, V].
+at::Tensor one_hot(const std::vector<int64_t>& tokens, int64_t vocab);
+
+}  // namespace aotgen::detail
