@@ -85,3 +85,104 @@ def bench_package(
         weight_bytes=weight_bytes(engine),
         load_s=engine.load_s,
     )
+
+
+PROMPTS_FILE = Path(__file__).parent / "data" / "bench_prompts.json"
+
+
+def step_costs(engine: Engine, reps: int = 20) -> dict[str, float]:
+    """Median ms of one target decode, one verify block and one draft decode step.
+
+    These decide speculative speed-up: (tokens per verify) / (k·c + v), with c = draft step /
+    decode step and v = verify step / decode step.
+    """
+    prompt = list(range(100, 164))
+    costs: dict[str, float] = {}
+
+    def median_ms(fn) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    t = engine.target
+    t.forward(prompt, 0)
+    costs["decode_ms"] = median_ms(lambda: t.decode(5, len(prompt)))
+    block = [5] * (engine.verify_k + 1)
+    costs["verify_ms"] = median_ms(lambda: t.forward(block, len(prompt), all_logits=True))
+    if engine.draft is not None:
+        d = engine.draft
+        d.forward(prompt, 0)
+        costs["draft_ms"] = median_ms(lambda: d.decode(5, len(prompt)))
+    return costs
+
+
+@dataclass
+class SpecBenchRow:
+    mode: str
+    task: str
+    tok_s: float
+    tokens: int
+    acceptance: float = float("nan")
+    mean_accepted_length: float = float("nan")
+    by_position: list[float] | None = None
+    same_as_plain: bool = True
+
+
+def bench_speculative(
+    path: str | Path, max_new_tokens: int = 96, k: int | None = None, threads: int | None = None
+) -> tuple[list[SpecBenchRow], dict[str, float]]:
+    """Plain vs speculative greedy decode in one run: chat prompts (draft model, n-gram)
+    and an input-grounded copy/edit task (n-gram), on the same loaded package."""
+    import json
+
+    engine = Engine.load(path, threads=threads)
+    prompts = json.loads(PROMPTS_FILE.read_text())
+    tasks = {
+        "chat": [engine.chat_ids(p) for p in prompts["chat"]],
+        "grounded": [
+            engine.chat_ids(t.format(text=prompts["grounded_text"])) for t in prompts["grounded"]
+        ],
+    }
+    modes = ["plain", "ngram"] + (["draft"] if engine.draft is not None else [])
+    rows = []
+    for task, prompt_ids in tasks.items():
+        plain_ids: list[list[int]] = []
+        for mode in modes:
+            spec = None if mode == "plain" else mode
+            cfg = GenerationConfig(max_new_tokens=max_new_tokens, speculative=spec, k=k)
+            engine.generate(prompt_ids[0], cfg)  # warm-up
+            n_tok, secs, stats, outs = 0, 0.0, [], []
+            for ids in prompt_ids:
+                r = engine.generate(ids, cfg)
+                n_tok += len(r.token_ids)
+                secs += r.decode_s + r.prefill_s
+                outs.append(r.token_ids)
+                if r.spec:
+                    stats.append(r.spec)
+            if mode == "plain":
+                plain_ids = outs
+            row = SpecBenchRow(mode, task, n_tok / secs, n_tok, same_as_plain=outs == plain_ids)
+            if stats:
+                drafted = sum(s.drafted for s in stats)
+                accepted = sum(s.accepted for s in stats)
+                steps = sum(s.steps for s in stats)
+                row.acceptance = accepted / max(drafted, 1)
+                row.mean_accepted_length = (accepted + steps) / max(steps, 1)
+                width = max(len(s.accepted_by_position) for s in stats)
+                acc = [
+                    sum(s.accepted_by_position[i] for s in stats if i < len(s.accepted_by_position))
+                    for i in range(width)
+                ]
+                prop = [
+                    sum(s.proposed_by_position[i] for s in stats if i < len(s.proposed_by_position))
+                    for i in range(width)
+                ]
+                row.by_position = [
+                    a / p if p else float("nan") for a, p in zip(acc, prop, strict=True)
+                ]
+            rows.append(row)
+    return rows, step_costs(engine)

@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -24,6 +25,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from aotgen.checkpoint.hf import CheckpointError
     from aotgen.package.manifest import PackageError
     from aotgen.recipe import RecipeError
+    from aotgen.runtime.distributed import LaunchError
     from aotgen.runtime.engine import GenerationError
 
     return (
@@ -31,6 +33,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
         CheckpointError,
         PackageError,
         GenerationError,
+        LaunchError,
         FileNotFoundError,
         FileExistsError,
         ValueError,
@@ -38,7 +41,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
 
 def _fail(e: Exception) -> None:
-    console.print(f"[bold red]error:[/] {e}", highlight=False)
+    console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
     raise typer.Exit(1)
 
 
@@ -143,10 +146,19 @@ def run(
     k: Annotated[int | None, typer.Option(help="draft length (default: the package's)")] = None,
     adaptive_k: bool = False,
     threads: int | None = None,
+    nnodes: Annotated[int, typer.Option(help="tensor parallel: nodes taking part")] = 1,
+    node_rank: Annotated[int, typer.Option(help="tensor parallel: this node's rank")] = 0,
+    master_addr: Annotated[str | None, typer.Option(help="tensor parallel: node 0's host")] = None,
+    master_port: Annotated[int | None, typer.Option(help="tensor parallel: node 0's port")] = None,
 ) -> None:
-    """Generate text from a package (streams it, then prints speed and speculation stats)."""
+    """Generate text from a package (streams it, then prints speed and speculation stats).
+
+    A tensor-parallel package starts its ranks through torch.distributed.run (or runs
+    under `torchrun --nproc-per-node N -m aotgen run ...`); only rank 0 prints.
+    """
     from aotgen.recipe import Project
-    from aotgen.runtime.engine import Engine, GenerationConfig
+    from aotgen.runtime import distributed
+    from aotgen.runtime.engine import GenerationConfig
     from aotgen.runtime.sampling import SamplingParams
 
     try:
@@ -155,7 +167,22 @@ def run(
             raise ValueError("give exactly one of --prompt, --prompt-file, --chat")
         if lookup not in (None, "ngram"):
             raise ValueError(f"--lookup {lookup!r}: the only lookup proposer is 'ngram'")
-        engine = Engine.load(package, threads=threads or Project.load().threads or None)
+        threads = threads or Project.load().threads or None
+        if distributed.needs_launch(package):
+            # Re-run this same command as the package's ranks.
+            distributed.launch(
+                ["aotgen", *sys.argv[1:]],
+                distributed.package_world_size(package),
+                nnodes=nnodes,
+                node_rank=node_rank,
+                master_addr=master_addr,
+                master_port=master_port,
+                threads=threads,
+            )
+            return
+        engine = distributed.start(package, threads=threads)
+        if engine is None:  # a tensor-parallel rank other than 0: it served rank 0's calls
+            return
         if chat is not None:
             ids = engine.chat_ids(chat, system=system)
         else:
@@ -238,12 +265,20 @@ def bench(
     gen_tokens: int = 64,
     runs: int = 5,
     threads: int | None = None,
+    speculative: Annotated[
+        bool, typer.Option(help="plain vs n-gram vs draft speculative decode, in one run")
+    ] = False,
+    k: Annotated[int | None, typer.Option(help="draft length for --speculative")] = None,
 ) -> None:
     """Prefill/decode tok/s, ms/token, weight bytes/token and roofline ratio, side by side."""
     from aotgen.bench import bench_package, measure_bandwidth
     from aotgen.recipe import Project
 
     threads = threads or Project.load().threads or None
+    if speculative:
+        for p in packages:
+            _bench_speculative(p, gen_tokens, k, threads)
+        return
     try:
         results = [
             bench_package(p, prompt_len, gen_tokens, runs, threads=threads) for p in packages
@@ -279,6 +314,47 @@ def bench(
         f"measured read bandwidth {bw:.1f} GB/s (torch sum over 512 MiB, best of 5), "
         f"threads {threads or 'torch default'}"
     )
+
+
+def _bench_speculative(package: Path, gen_tokens: int, k: int | None, threads: int | None) -> None:
+    from aotgen.bench import bench_speculative
+
+    try:
+        rows, costs = bench_speculative(package, max(gen_tokens, 96), k, threads)
+    except _user_errors() as e:
+        _fail(e)
+    plain = {r.task: r.tok_s for r in rows if r.mode == "plain"}
+    table = Table(title=f"{package.name}: greedy, plain vs speculative (same run)")
+    for col in (
+        "task",
+        "mode",
+        "tok/s",
+        "speed-up",
+        "acceptance",
+        "tok/step",
+        "by position",
+        "same text",
+    ):
+        table.add_column(col)
+    for r in rows:
+        by_pos = " ".join(f"{a:.2f}" for a in r.by_position) if r.by_position else ""
+        table.add_row(
+            r.task,
+            r.mode,
+            f"{r.tok_s:.1f}",
+            f"{r.tok_s / plain[r.task]:.2f}×",
+            "" if r.mode == "plain" else f"{r.acceptance:.2f}",
+            "" if r.mode == "plain" else f"{r.mean_accepted_length:.2f}",
+            by_pos,
+            "yes" if r.same_as_plain else "no (near-tie)",
+        )
+    Console().print(table)
+    d = costs["decode_ms"]
+    v = costs["verify_ms"]
+    line = f"decode step {d:.2f} ms · verify step {v:.2f} ms (v = {v / d:.2f})"
+    if "draft_ms" in costs:
+        line += f" · draft step {costs['draft_ms']:.2f} ms (c = {costs['draft_ms'] / d:.2f})"
+    Console().print(line)
 
 
 def main() -> None:

@@ -142,3 +142,82 @@ def test_sampled_distribution_matches_plain(engines, mode):
 def _greedy_tokens(engine, ids, position, n):
     tok = _greedy(engine, ids).token_ids[position]
     return [tok] * n
+
+
+# ---- compiled packages ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def spec_package(tiny_checkpoint, other_checkpoint, project) -> Path:
+    """Target + a separate draft model compiled into one package."""
+    from conftest import TINY_RECIPE
+
+    from aotgen.package.build import build
+    from aotgen.recipe import parse_recipe
+
+    recipe = parse_recipe(
+        {
+            "checkpoint": str(tiny_checkpoint),
+            **{k: v for k, v in TINY_RECIPE.items() if k != "verify_k"},
+            "speculative": {"draft": {"checkpoint": str(other_checkpoint)}, "k": 4},
+        },
+        "tiny-spec",
+        Path("."),
+    )
+    return build(recipe, project).path
+
+
+def test_spec_package_has_draft_graphs(spec_package):
+    from aotgen.package.manifest import verify_package
+
+    m = verify_package(spec_package)
+    assert set(m["models"]) == {"target", "draft"}
+    assert set(m["models"]["draft"]["graphs"]) == {"prefill", "decode"}
+    assert m["models"]["draft"]["config"]["num_hidden_layers"] == 1
+
+
+@pytest.mark.parametrize("mode", ["ngram", "draft"])
+def test_compiled_speculative_greedy_equals_plain(spec_package, mode):
+    from aotgen.runtime.engine import Engine
+
+    engine = Engine.load(spec_package)
+    for prompt in PROMPTS:
+        ids = engine.tokenizer.encode(prompt)
+        plain = _greedy(engine, ids)
+        for k in (1, 3, 4):
+            spec = _greedy(engine, ids, speculative=mode, k=k)
+            assert spec.token_ids == plain.token_ids, (prompt, mode, k)
+
+
+def test_compiled_sampling_distribution_matches_plain(spec_package):
+    from aotgen.runtime.engine import Engine
+
+    engine = Engine.load(spec_package)
+    ids = engine.tokenizer.encode(PROMPTS[1])
+    n, position = 600, 2
+    plain = _samples(engine, ids, n, position)
+    spec = _samples(engine, ids, n, position, speculative="draft", k=4)
+    stat, dof, crit = _chi_square_same(plain, spec)
+    assert dof >= 2 and stat < crit, (stat, dof, crit)
+
+
+def test_draft_with_other_vocabulary_is_refused(tmp_path, tiny_checkpoint, project):
+    import json
+
+    from aotgen.package.build import build
+    from aotgen.recipe import RecipeError, parse_recipe
+
+    other = make_tiny_checkpoint(tmp_path / "other-vocab", seed=3, layers=1)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[40], list(vocab)[41]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    recipe = parse_recipe(
+        {"checkpoint": str(tiny_checkpoint), "speculative": {"draft": {"checkpoint": str(other)}}},
+        "bad-draft",
+        Path("."),
+    )
+    with pytest.raises(RecipeError, match="different vocabulary"):
+        build(recipe, project)
+    assert not (project.artifacts_dir / "bad-draft").exists()

@@ -156,8 +156,13 @@ class Attention(nn.Module):
         # Attend only to the filled prefix of the cache, not all of it.
         keys = k_cache[:, :, :attn_len].to(q.dtype)
         values = v_cache[:, :, :attn_len].to(q.dtype)
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+        # GQA without repeating K/V: fold each KV head's group of query heads into the
+        # query-length axis ([b, kv, group * t, d]), so no expanded K/V copy per layer.
+        kv_heads = keys.shape[1]
+        group = q.shape[1] // kv_heads
+        q = q.reshape(b, kv_heads, group * t, self.head_dim)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.repeat(group, 1))
+        return self.o_proj(y.view(b, -1, t, self.head_dim).transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
