@@ -261,3 +261,25 @@ def test_interrupted_build_leaves_nothing(monkeypatch, tiny_checkpoint, project)
     assert calls
     leftovers = [p.name for p in project.artifacts_dir.iterdir() if "interrupted" in p.name]
     assert leftovers == []
+
+
+def test_cli_errors_are_one_line(tmp_path, tiny_checkpoint):
+    from typer.testing import CliRunner
+
+    from aotgen.cli import app
+
+    runner = CliRunner()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"checkpoint: {tiny_checkpoint}\nmax_seq: 4\n")
+    cases = [
+        (["build", str(tmp_path / "nope.yaml")], "recipe file not found"),
+        (["build", str(bad)], "unknown key(s) max_seq"),
+        (["run", str(tmp_path), "--prompt", "hi"], "is not an aotgen package"),
+        (["inspect", str(tmp_path)], "is not an aotgen package"),
+    ]
+    for args, message in cases:
+        result = runner.invoke(app, args)
+        assert result.exit_code == 1, (args, result.output)
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert len(lines) == 1 and message in lines[0], (args, result.output)
+        assert "Traceback" not in result.output
