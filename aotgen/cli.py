@@ -41,7 +41,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
 
 def _fail(e: Exception) -> None:
-    console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+    console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
     raise typer.Exit(1)
 
 

@@ -162,7 +162,9 @@ class Attention(nn.Module):
         group = q.shape[1] // kv_heads
         q = q.reshape(b, kv_heads, group * t, self.head_dim)
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.repeat(group, 1))
-        return self.o_proj(y.view(b, -1, t, self.head_dim).transpose(1, 2).reshape(b, t, -1))
+        # unflatten+permute, not view(b, -1, t, d): export cannot prove the view's stride
+        # guard for a dynamic t (prefill failed to export).
+        return self.o_proj(y.unflatten(2, (group, t)).permute(0, 3, 1, 2, 4).reshape(b, t, -1))
 
 
 class MLP(nn.Module):

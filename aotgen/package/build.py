@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import shutil
 import time
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from torch import Tensor
+from torch import Tensor, nn
 from torch.export import ExportedProgram
 
 from aotgen import __version__
@@ -47,6 +48,14 @@ from aotgen.package.manifest import (
     target_info,
     verify_files,
     write_manifest,
+)
+from aotgen.passes.tp import (
+    fake_process_group,
+    parse_parallel,
+    plan_summary,
+    rank_config,
+    resolve_plan,
+    shard_model,
 )
 from aotgen.recipe import Project, Recipe, RecipeError
 
@@ -80,6 +89,8 @@ class BuildReport:
     package_bytes: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # Held-out perplexity of a quantized target: {"reference": eager float, "package": ...}.
+    perplexity: dict[str, float] = field(default_factory=dict)
 
 
 def build_hash(ckpt: Checkpoint, recipe: Recipe) -> str:
@@ -234,17 +245,35 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
 
 
 def _compile_model(
-    mb: ModelBuild, recipe: Recipe, progress: BuildProgress, report: BuildReport
-) -> tuple[dict[str, list[str]], dict[str, Tensor], dict[str, Any]]:
-    cache = new_kv_cache(mb.config, recipe.cache_len, dtype=getattr(torch, recipe.dtype))
+    mb: ModelBuild,
+    recipe: Recipe,
+    progress: BuildProgress,
+    report: BuildReport,
+    ranks: list[nn.Module] | None = None,
+    rank_cfg: ModelConfig | None = None,
+) -> tuple[dict[str, list[str]], list[dict[str, Tensor]], dict[str, Any]]:
+    """Export and compile each graph; returns files, constants per rank, signatures.
+
+    Tensor parallel: `ranks` are the per-rank shards. Each rank is exported (cheaper than
+    a compile), but only rank 0 is compiled: the ranks' graphs are identical but for the
+    values of their constants (checked here), so one compiled graph serves every rank.
+    """
+    ranks = ranks or [mb.model]
+    dtype = getattr(torch, recipe.dtype)
+    cache = new_kv_cache(rank_cfg or mb.config, recipe.cache_len, dtype=dtype)
     files: dict[str, list[str]] = {}
-    sources: dict[str, Tensor] = {}
+    sources: list[dict[str, Tensor]] = [{} for _ in ranks]
     signatures: dict[str, Any] = {}
     for spec in mb.graphs:
         t0 = time.perf_counter()
-        ep = export_graph(mb.model, spec, cache)
-        for graph_pass in mb.graph_passes:
-            ep = graph_pass(ep)
+        eps = []
+        for model in ranks:
+            ep = export_graph(model, spec, cache)
+            for graph_pass in mb.graph_passes:
+                ep = graph_pass(ep)
+            eps.append(ep)
+        _check_same_code(eps, f"{mb.role}/{spec.name}")
+        ep = eps[0]
         t1 = time.perf_counter()
         progress.advance("export", f"{mb.role}/{spec.name}")
         graph_files = compile_graph(ep, example_inputs(spec, cache), recipe.compile.max_autotune)
@@ -252,11 +281,52 @@ def _compile_model(
         progress.advance("compile", f"{mb.role}/{spec.name}")
         key = f"{mb.role}_{spec.name}"
         files[key] = graph_files
-        sources.update(constant_sources(ep))
+        for rank_sources, rank_ep in zip(sources, eps, strict=True):
+            rank_sources.update(constant_sources(rank_ep))
         signatures[spec.name] = {"package_model": key, **graph_signature(spec, mb.config, cache)}
         so_bytes = sum(os.path.getsize(f) for f in graph_files if f.endswith(".so"))
         report.graphs.append(GraphReport(mb.role, spec.name, t1 - t0, t2 - t1, so_bytes))
     return files, sources, signatures
+
+
+def _compile_sharded(
+    mb: ModelBuild,
+    recipe: Recipe,
+    progress: BuildProgress,
+    report: BuildReport,
+    styles: dict[str, str],
+    world: int,
+) -> tuple[dict[str, list[str]], list[dict[str, Tensor]], dict[str, Any], str]:
+    """All ranks of one model, compiled in this process against a fake process group;
+    also returns the group name the compiled collectives refer to."""
+    with fake_process_group(world) as group_name:
+        ranks = [shard_model(mb.model, styles, r, world, group_name) for r in range(world)]
+        compiled = _compile_model(
+            mb, recipe, progress, report, ranks, rank_config(mb.config, world)
+        )
+    return (*compiled, group_name)
+
+
+def _check_same_code(eps: list[ExportedProgram], where: str) -> None:
+    """One compile may serve all ranks only if their graphs differ in constant values alone."""
+
+    def shape(ep: ExportedProgram) -> tuple:
+        consts = constant_sources(ep)
+        return (
+            ep.graph_module.code,
+            # Storage offsets too: Inductor bakes them into the constant table.
+            sorted(
+                (n, t.shape, t.stride(), t.storage_offset(), t.dtype) for n, t in consts.items()
+            ),
+        )
+
+    first = shape(eps[0])
+    for rank, ep in enumerate(eps[1:], start=1):
+        if shape(ep) != first:
+            raise RuntimeError(
+                f"{where}: rank {rank}'s exported graph differs from rank 0's beyond its "
+                "weights, so one compiled graph cannot serve both (a sharding bug)"
+            )
 
 
 def _bound_constant_names(pt2: Path, package_models: list[str]) -> set[str]:
@@ -293,6 +363,10 @@ def build(
         torch.set_num_threads(project.threads)
     progress.stage("load", 1)
     models = prepare_models(recipe, ckpt)
+    tp = parse_parallel(recipe.parallel)
+    world = tp.world_size if tp else 1
+    # Check every model's TP plan before compiling anything: a bad plan fails in seconds.
+    tp_styles = {mb.role: resolve_plan(mb.model, tp) for mb in models} if world > 1 else {}
     progress.advance("load", str(ckpt.path))
     n_graphs = sum(len(m.graphs) for m in models)
     progress.stage("export", n_graphs)
@@ -306,13 +380,23 @@ def build(
         rank_dir.mkdir(parents=True)
         all_files: dict[str, list[str]] = {}
         entries: dict[str, Any] = {}
-        sources_by_role: dict[str, dict[str, Tensor]] = {}
+        sources_by_role: dict[str, list[dict[str, Tensor]]] = {}
+        group_name = None
         for mb in models:
-            files, sources, signatures = _compile_model(mb, recipe, progress, report)
+            if world > 1:
+                files, sources, signatures, group_name = _compile_sharded(
+                    mb, recipe, progress, report, tp_styles[mb.role], world
+                )
+            else:
+                files, sources, signatures = _compile_model(mb, recipe, progress, report)
             all_files.update(files)
             sources_by_role[mb.role] = sources
+            quantizer = _quantizer(mb)
+            if quantizer:
+                report.notes.extend(f"{mb.role}: {n}" for n in quantizer.notes())
             entries[mb.role] = {
                 "config": {**mb.config.__dict__, "extra": None},
+                "quantization": quantizer.manifest_entry() if quantizer else None,
                 "graphs": signatures,
                 "kv_cache": {
                     "layout": "per-layer [k0, v0, k1, v1, ...], each [1, kv_heads, cache_len, "
@@ -320,7 +404,7 @@ def build(
                     "layers": mb.config.num_hidden_layers,
                     "shape": [
                         1,
-                        mb.config.num_key_value_heads,
+                        mb.config.num_key_value_heads // world,  # per rank
                         recipe.cache_len,
                         mb.config.head_dim,
                     ],
@@ -328,21 +412,34 @@ def build(
                     "cache_len": recipe.cache_len,
                 },
             }
-        package_graphs(rank_dir / PACKAGE_FILE, all_files)
+        # One compiled package; with TP it is shared by all ranks and lies at the top level.
+        pt2 = tmp / PACKAGE_FILE if world > 1 else rank_dir / PACKAGE_FILE
+        package_graphs(pt2, all_files)
+        ranks: list[dict[str, Any]] = [
+            {"package": pt2.relative_to(tmp).as_posix(), "weights": {}} for _ in range(world)
+        ]
         for mb in models:
             entry = entries[mb.role]
             names = _bound_constant_names(
-                rank_dir / PACKAGE_FILE, [g["package_model"] for g in entry["graphs"].values()]
+                pt2, [g["package_model"] for g in entry["graphs"].values()]
             )
-            missing = names - set(sources_by_role[mb.role])
-            if missing:
-                raise RuntimeError(f"compiled graph needs constants not found: {sorted(missing)}")
             weights_file = f"{mb.role}.safetensors"
-            aliases, nbytes = _save_constants(
-                rank_dir / weights_file, {n: sources_by_role[mb.role][n] for n in names}
-            )
-            entry["weights"] = {"file": f"rank0/{weights_file}", "aliases": aliases}
-            report.weight_bytes += nbytes
+            for rank, sources in enumerate(sources_by_role[mb.role]):
+                missing = names - set(sources)
+                if missing:
+                    raise RuntimeError(
+                        f"compiled graph needs constants not found: {sorted(missing)}"
+                    )
+                (tmp / f"rank{rank}").mkdir(exist_ok=True)
+                aliases, nbytes = _save_constants(
+                    tmp / f"rank{rank}" / weights_file, {n: sources[n] for n in names}
+                )
+                ranks[rank]["weights"][mb.role] = {
+                    "file": f"rank{rank}/{weights_file}",
+                    "aliases": aliases,
+                }
+                report.weight_bytes += nbytes
+            entry["weights"] = ranks[0]["weights"][mb.role]
         tok_dir = tmp / "tokenizer"
         tok_dir.mkdir()
         for f in ckpt.tokenizer_files:
@@ -356,20 +453,81 @@ def build(
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "target": target_info(),
             "recipe": recipe.to_dict(),
-            "world_size": 1,
+            "world_size": world,
             "max_seq_len": recipe.max_seq_len,
             "verify_k": recipe.verify_k,
-            "package": f"rank0/{PACKAGE_FILE}",
+            "package": pt2.relative_to(tmp).as_posix(),
             "models": entries,
             "tokenizer": {"dir": "tokenizer", "files": [f.name for f in ckpt.tokenizer_files]},
         }
+        if world > 1:
+            manifest["parallel"] = {
+                "tensor": world,
+                # Baked into the compiled all_reduces: the runtime registers its group so.
+                "group_name": group_name,
+                "plan": {role: plan_summary(st) for role, st in tp_styles.items()},
+                "shared_code": "one compiled package for all ranks; weights per rank",
+            }
+            manifest["ranks"] = ranks
         write_manifest(tmp, manifest)
+        if _quantizer(models[0]) and world > 1:
+            report.notes.append(
+                "perplexity not measured: a tensor-parallel package runs only with its ranks"
+            )
+        elif _quantizer(models[0]):
+            _measure_quality(tmp, models[0], recipe, manifest, report)
+            write_manifest(tmp, manifest)
         _replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     report.package_bytes = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     report.seconds = time.perf_counter() - t_start
     return report
+
+
+# All of heldout.txt for real BPE vocabularies (~3.5k tokens); tiny test vocabularies
+# split it into ~13k, which would only make test builds slower.
+HELDOUT_TOKENS = 4096
+
+
+def _quantizer(mb: ModelBuild) -> Any:
+    """The model's quantization pass, if any (it reports notes and a manifest entry)."""
+    from aotgen.passes.quantize import QuantizePass
+
+    return next((p for p in mb.graph_passes if isinstance(p, QuantizePass)), None)
+
+
+def _measure_quality(
+    root: Path, mb: ModelBuild, recipe: Recipe, manifest: dict[str, Any], report: BuildReport
+) -> None:
+    """Held-out perplexity of the eager float model vs the compiled package (same tokens,
+    same windows), so a quantized build reports what it cost."""
+    from aotgen.runtime.engine import Engine
+    from aotgen.runtime.quality import HELDOUT, cross_entropy, cross_entropy_of, heldout_ids
+
+    engine = Engine.load(root, verify=False)
+    ids = heldout_ids(engine.tokenizer)[:HELDOUT_TOKENS]
+    cache = new_kv_cache(mb.config, recipe.cache_len, dtype=getattr(torch, recipe.dtype))
+
+    @torch.no_grad()
+    def eager(chunk: list[int]) -> Tensor:
+        return mb.model(torch.tensor([chunk]), torch.arange(len(chunk)), cache)[0]
+
+    ref = math.exp(cross_entropy_of(eager, ids, recipe.max_seq_len))
+    got = math.exp(cross_entropy(engine, ids))
+    del engine
+    report.perplexity = {"reference": ref, "package": got}
+    manifest["models"][mb.role]["quantization"]["perplexity"] = {
+        "text": HELDOUT.name,
+        "tokens": len(ids),
+        "window": recipe.max_seq_len,
+        "reference": round(ref, 4),
+        "package": round(got, 4),
+    }
+    report.notes.append(
+        f"{mb.role}: perplexity on {HELDOUT.name} ({len(ids)} tokens): {recipe.dtype} eager "
+        f"{ref:.3f}, quantized package {got:.3f} ({100 * (got / ref - 1):+.2f}%)"
+    )
 
 
 def _replace_dir(new: Path, out: Path) -> None:
