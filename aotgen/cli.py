@@ -279,6 +279,17 @@ def bench(
         for p in packages:
             _bench_speculative(p, gen_tokens, k, threads)
         return
+    from aotgen.runtime.distributed import package_world_size
+
+    try:
+        tp = [p for p in packages if package_world_size(p) > 1]
+    except _user_errors() as e:
+        _fail(e)
+    for p in tp:
+        _bench_tp(p, prompt_len, gen_tokens, runs, threads)
+    packages = [p for p in packages if p not in tp]
+    if not packages:
+        return
     try:
         results = [
             bench_package(p, prompt_len, gen_tokens, runs, threads=threads) for p in packages
@@ -313,6 +324,22 @@ def bench(
     Console().print(
         f"measured read bandwidth {bw:.1f} GB/s (torch sum over 512 MiB, best of 5), "
         f"threads {threads or 'torch default'}"
+    )
+
+
+def _bench_tp(package: Path, prompt_len: int, gen_tokens: int, runs: int, threads: int | None):
+    from aotgen.runtime.distributed import bench_tp
+
+    try:
+        r = bench_tp(package, prompt_len, gen_tokens, runs, threads)
+    except _user_errors() as e:
+        _fail(e)
+    Console().print(
+        f"{package.name}: tensor parallel ×{r.world_size} ({r.threads_per_rank} thread/rank) · "
+        f"prefill {r.prefill_tok_s:.1f} tok/s · decode {r.decode_tok_s:.1f} tok/s "
+        f"({r.decode_ms:.2f} ms/step) · all_reduce {r.all_reduce_ms:.3f} ms × "
+        f"{r.all_reduces_per_step}/step ≈ {r.comm_ms:.2f} ms collective, "
+        f"≈ {max(r.decode_ms - r.comm_ms, 0):.2f} ms compute per step"
     )
 
 
