@@ -23,6 +23,8 @@ class RecipeError(ValueError):
 @dataclass(frozen=True)
 class CompileOptions:
     max_autotune: bool = False
+    # Single-token linears: "reduction" (Inductor-generated, see passes/gemv.py) or "blas".
+    decode_gemv: str = "reduction"
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,8 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
         compile_opts,
         [f.name for f in dataclasses.fields(CompileOptions)],
     )
+    if compile_opts.get("decode_gemv", "reduction") not in ("reduction", "blas"):
+        raise RecipeError(f"recipe {name!r} compile.decode_gemv: 'reduction' or 'blas'")
     ckpt = Path(data.pop("checkpoint"))
     if not ckpt.is_absolute():
         ckpt = base_dir / ckpt

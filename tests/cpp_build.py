@@ -10,9 +10,11 @@ Test modules that need a C++ binary ask for it through a session fixture::
 
 ``require_cpp_build`` configures the project once per session (and per distinct set of
 ``cmake_args``), builds the requested targets (each at most once) and returns the build
-directory. It skips the calling test when cmake / a C++ compiler are missing or when CMake
-configuration fails (typically missing packages: see runtime/cpp/install_deps.sh); a failing
-*compile* is a real error and fails the test.
+directory (an empty ``targets`` only configures). It skips the calling test when cmake / a C++
+compiler are missing or when CMake configuration fails (typically missing packages: see
+runtime/cpp/install_deps.sh); a failing *compile* is a real error and fails the test. The
+torch-linked targets (aotgen-run) exist only where CMake found torch: check
+``cmake_cache_value(build_dir, "AOTGEN_WITH_TORCH")`` first (tests/test_cpp_runtime.py).
 
 Set ``AOTGEN_CPP_BUILD_DIR`` to build in a persistent directory instead of the session's
 temporary one, so that later sessions rebuild incrementally.
@@ -24,6 +26,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -60,6 +63,8 @@ def configure_cpp(
     """Run CMake configuration in ``build_dir``; raises RuntimeError with CMake's output."""
     build_dir.mkdir(parents=True, exist_ok=True)
     cmd = ["cmake", "-S", CPP_SOURCE_DIR, "-B", build_dir, f"-DCMAKE_BUILD_TYPE={build_type}"]
+    # The torch-linked targets find torch through this interpreter (the one running the tests).
+    cmd.append(f"-DAOTGEN_PYTHON={sys.executable}")
     result = _run([*cmd, *cmake_args])
     if result.returncode != 0:
         raise RuntimeError(f"CMake configuration failed:\n{result.stdout}\n{result.stderr}")
@@ -73,6 +78,18 @@ def build_targets(build_dir: Path, targets: Iterable[str]) -> Path:
     if result.returncode != 0:
         raise RuntimeError(f"C++ build failed:\n{result.stdout}\n{result.stderr}")
     return build_dir
+
+
+def cmake_cache_value(build_dir: Path, name: str) -> str | None:
+    """The value of a CMake cache variable in a configured ``build_dir`` (None if unset)."""
+    cache = build_dir / "CMakeCache.txt"
+    if not cache.is_file():
+        return None
+    for line in cache.read_text().splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.split(":", 1)[0] == name:
+            return value
+    return None
 
 
 def require_cpp_build(

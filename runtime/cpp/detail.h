@@ -8,7 +8,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
 
 #include "aotgen.h"
 

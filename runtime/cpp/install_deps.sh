@@ -5,7 +5,7 @@
 #   runtime/cpp/install_deps.sh
 set -euo pipefail
 
-packages=(nlohmann-json3-dev libpcre2-dev)
+packages=(nlohmann-json3-dev libpcre2-dev libssl-dev)
 # Build tools, unless the image already provides them (possibly not through dpkg).
 command -v cmake >/dev/null 2>&1 || packages+=(cmake)
 command -v c++ >/dev/null 2>&1 || packages+=(g++)

@@ -14,6 +14,8 @@
 #include <set>
 
 #include <ATen/Version.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <nlohmann/json.hpp>
 #include <openssl/evp.h>
 #include <torch/version.h>
@@ -257,7 +259,7 @@ std::unordered_map<std::string, at::Tensor> load_safetensors(const fs::path& pat
 
   json header;
   try {
-    header = json::parse(mapping->data() + 8, base);
+    header = json::parse(std::string_view(mapping->data() + 8, header_len));
   } catch (const json::exception& e) {
     throw bad(e.what());
   }

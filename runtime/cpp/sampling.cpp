@@ -2,8 +2,20 @@
 // the same ATen operations in the same order, so that results (and the random numbers drawn
 // from a seeded generator) are the same as in Python.
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/rand.h>
+#include <ATen/ops/rsub.h>
+#include <ATen/ops/searchsorted.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/topk.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 
 #include <algorithm>
+#include <array>
+#include <charconv>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -13,13 +25,21 @@
 namespace aotgen {
 
 namespace {
+
 constexpr int64_t kTopPHead = 256;  // top-p first looks at this many most likely tokens
+
+std::string shortest(double value) {  // 0.9, not 0.900000
+  std::array<char, 32> buf{};
+  const auto end = std::to_chars(buf.data(), buf.data() + buf.size(), value).ptr;
+  return {buf.data(), end};
+}
+
 }  // namespace
 
 void SamplingParams::validate() const {
   if (!std::isfinite(temperature) || temperature < 0) {
     throw std::invalid_argument("temperature must be a finite number >= 0, got " +
-                                std::to_string(temperature));
+                                shortest(temperature));
   }
   if (top_k < 0) {
     throw std::invalid_argument("top_k must be >= 0 (0 disables it), got " +
@@ -27,7 +47,7 @@ void SamplingParams::validate() const {
   }
   if (!(top_p > 0.0 && top_p <= 1.0)) {
     throw std::invalid_argument("top_p must be in (0, 1] (1 disables it), got " +
-                                std::to_string(top_p));
+                                shortest(top_p));
   }
 }
 

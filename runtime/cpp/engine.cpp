@@ -1,0 +1,566 @@
+// The engine: graphs, weights, KV caches and the generation loops of
+// aotgen/runtime/engine.py (ModelRunner, Engine.generate, _token_steps, _speculative_steps).
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <set>
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
+#include <nlohmann/json.hpp>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+
+#include "detail.h"
+
+namespace aotgen {
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+json read_json_if_present(const fs::path& path) {
+  if (!fs::is_regular_file(path)) return json::object();
+  std::ifstream in(path);
+  try {
+    return json::parse(in);
+  } catch (const json::exception& e) {
+    throw PackageError(path.string() + " is not valid JSON: " + e.what());
+  }
+}
+
+// An int, a list of ints, or null -> ids.
+void add_ids(const json& value, std::set<int64_t>& ids) {
+  if (value.is_number_integer()) {
+    ids.insert(value.get<int64_t>());
+  } else if (value.is_array()) {
+    for (const auto& v : value) ids.insert(v.get<int64_t>());
+  }
+}
+
+// tokenizer_config stores special tokens as a string or as an AddedToken object.
+std::optional<std::string> token_str(const json& value) {
+  if (value.is_string()) return value.get<std::string>();
+  if (value.is_object() && value.contains("content")) return value["content"].get<std::string>();
+  return std::nullopt;
+}
+
+// One AOTInductor graph; checks the token count it was compiled for and its output.
+class Graph {
+ public:
+  Graph(const fs::path& pt2, const json& signature, int64_t vocab)
+      : name_(signature.at("package_model").get<std::string>()),
+        min_tokens_(signature.at("tokens").at("min").get<int64_t>()),
+        max_tokens_(signature.at("tokens").at("max").get<int64_t>()),
+        vocab_(vocab),
+        // (path, model name, run single-threaded, runners, device index): -1 is CPU.
+        loader_(std::make_unique<torch::inductor::AOTIModelPackageLoader>(pt2.string(), name_,
+                                                                          false, 1, -1)) {}
+
+  int64_t min_tokens() const { return min_tokens_; }
+  int64_t max_tokens() const { return max_tokens_; }
+
+  // user_managed: the graph uses our tensors in place, so all graphs share one copy.
+  void bind(const std::unordered_map<std::string, at::Tensor>& weights) {
+    std::unordered_map<std::string, at::Tensor> constants;
+    std::string missing;
+    for (const auto& name : loader_->get_constant_fqns()) {
+      const auto it = weights.find(name);
+      if (it == weights.end()) {
+        missing += (missing.empty() ? "" : ", ") + name;
+      } else {
+        constants.emplace(name, it->second);
+      }
+    }
+    if (!missing.empty()) {
+      throw PackageError("graph " + name_ + " needs weights missing from the package: " +
+                         missing);
+    }
+    loader_->load_constants(constants, /*use_inactive=*/false, /*check_full_update=*/true,
+                            /*user_managed=*/true);
+  }
+
+  // tokens [1, T], input_pos [T] -> logits [T, V]; the caches are updated in place.
+  at::Tensor operator()(const at::Tensor& tokens, const at::Tensor& input_pos,
+                        const std::vector<at::Tensor>& caches) {
+    const int64_t t = tokens.size(1);
+    if (t < min_tokens_ || t > max_tokens_) {
+      throw std::logic_error(name_ + " takes " + std::to_string(min_tokens_) + ".." +
+                             std::to_string(max_tokens_) + " tokens, got " + std::to_string(t));
+    }
+    std::vector<at::Tensor> inputs;
+    inputs.reserve(2 + caches.size());
+    inputs.push_back(tokens);
+    inputs.push_back(input_pos);
+    inputs.insert(inputs.end(), caches.begin(), caches.end());
+    auto outputs = loader_->boxed_run(std::move(inputs));
+    if (outputs.empty() || outputs[0].dim() != 3 || outputs[0].size(0) != 1 ||
+        outputs[0].size(1) != t || outputs[0].size(2) != vocab_ ||
+        outputs[0].scalar_type() != at::kFloat) {
+      throw PackageError("graph " + name_ + " returned no float32 [1, T, vocab] logits");
+    }
+    return outputs[0][0];
+  }
+
+ private:
+  std::string name_;
+  int64_t min_tokens_;
+  int64_t max_tokens_;
+  int64_t vocab_;
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
+};
+
+// One model of a package: its graphs, weights bound once, and the KV cache it owns.
+class ModelRunner {
+ public:
+  ModelRunner(const fs::path& root, const fs::path& pt2, const json& entry)
+      : vocab_size_(entry.at("config").at("vocab_size").get<int64_t>()) {
+    weights_ = detail::load_safetensors(root / entry.at("weights").at("file").get<std::string>());
+    const json aliases = entry.at("weights").value("aliases", json::object());
+    for (const auto& [alias, name] : aliases.items()) {
+      const auto it = weights_.find(name.get<std::string>());
+      if (it == weights_.end()) throw PackageError("weight alias " + alias + " -> missing tensor");
+      const at::Tensor tensor = it->second;
+      weights_.insert_or_assign(alias, tensor);
+    }
+    const auto& kv = entry.at("kv_cache");
+    const auto layers = kv.at("layers").get<int64_t>();
+    const auto shape = kv.at("shape").get<std::vector<int64_t>>();
+    cache_len_ = kv.at("cache_len").get<int64_t>();
+    const auto& graphs = entry.at("graphs");
+    for (const auto& [name, signature] : graphs.items()) {
+      check_signature(name, signature, layers, shape);
+    }
+    if (!graphs.contains("prefill") || !graphs.contains("decode")) {
+      throw PackageError("the package has no prefill or no decode graph");
+    }
+    prefill_ = std::make_unique<Graph>(pt2, graphs["prefill"], vocab_size_);
+    decode_ = std::make_unique<Graph>(pt2, graphs["decode"], vocab_size_);
+    if (graphs.contains("verify")) {
+      verify_ = std::make_unique<Graph>(pt2, graphs["verify"], vocab_size_);
+    }
+    for (Graph* g : {prefill_.get(), decode_.get(), verify_.get()}) {
+      if (g) g->bind(weights_);
+    }
+    const auto options = at::TensorOptions().dtype(detail::dtype_from_name(kv.at("dtype")));
+    for (int64_t i = 0; i < 2 * layers; ++i) caches_.push_back(at::zeros(shape, options));
+    prefill_chunk_ = prefill_->max_tokens();
+    verify_len_ = verify_ ? verify_->max_tokens() : 0;
+  }
+
+  int64_t vocab_size() const { return vocab_size_; }
+
+  // Runs tokens at positions start_pos.. through the fitting graph(s): logits [T, V] for
+  // every position if all_logits, else [V] for the last one.
+  at::Tensor forward(const std::vector<int64_t>& tokens, int64_t start_pos,
+                     bool all_logits = false) {
+    const auto count = static_cast<int64_t>(tokens.size());
+    const int64_t end = start_pos + count;
+    if (count == 0) throw std::logic_error("forward needs at least one token");
+    if (end > cache_len_) {
+      throw GenerationError("position " + std::to_string(end) + " is past the KV cache (" +
+                            std::to_string(cache_len_) + ")");
+    }
+    std::vector<at::Tensor> outs;
+    for (int64_t pos = start_pos; pos < end;) {
+      const int64_t n = std::min(end - pos, prefill_chunk_);
+      Graph& graph = n == 1 ? *decode_ : (n == verify_len_ ? *verify_ : *prefill_);
+      at::Tensor chunk = at::empty({1, n}, at::kLong);
+      std::copy_n(tokens.begin() + (pos - start_pos), n, chunk.data_ptr<int64_t>());
+      at::Tensor logits = graph(chunk, at::arange(pos, pos + n, at::kLong), caches_);
+      outs.push_back(all_logits ? logits : logits.narrow(0, n - 1, 1));
+      pos += n;
+    }
+    return all_logits ? at::cat(outs) : outs.back()[0];
+  }
+
+  // The per-token hot path: one decode call, logits [V].
+  at::Tensor decode(int64_t token, int64_t pos) {
+    return (*decode_)(at::full({1, 1}, token, at::kLong), at::full({1}, pos, at::kLong),
+                      caches_)[0];
+  }
+
+ private:
+  static void check_signature(const std::string& name, const json& signature, int64_t layers,
+                              const std::vector<int64_t>& shape) {
+    for (const auto& input : signature.value("inputs", json::array())) {
+      if (input.value("name", "") != "kv_caches") continue;
+      if (input.value("count", int64_t{-1}) != 2 * layers ||
+          input.value("shape", std::vector<int64_t>{}) != shape) {
+        throw PackageError("graph " + name + " expects other KV caches than kv_cache describes");
+      }
+    }
+  }
+
+  int64_t vocab_size_;
+  std::unordered_map<std::string, at::Tensor> weights_;  // the graphs use these in place
+  std::unique_ptr<Graph> prefill_, decode_, verify_;
+  std::vector<at::Tensor> caches_;
+  int64_t cache_len_ = 0;
+  int64_t prefill_chunk_ = 0;
+  int64_t verify_len_ = 0;
+};
+
+// Streams text while holding back anything that could still become a stop string.
+// Works on UTF-8 bytes and only ever cuts at character boundaries.
+class StopText {
+ public:
+  explicit StopText(const std::vector<std::string>& stops) {
+    for (const auto& s : stops) {
+      if (!s.empty()) stops_.push_back(s);
+    }
+    for (const auto& s : stops_) hold_ = std::max(hold_, s.size() - 1);
+  }
+
+  std::string add(std::string_view piece) {
+    text_ += piece;
+    for (const auto& s : stops_) {
+      const auto i = text_.find(s, emitted_ > s.size() ? emitted_ - s.size() : 0);
+      if (i != std::string::npos) {
+        text_.resize(i);
+        stopped_ = true;
+        return flush();
+      }
+    }
+    std::size_t safe = text_.size() > hold_ ? text_.size() - hold_ : 0;
+    while (safe > emitted_ && safe < text_.size() && (text_[safe] & 0xC0) == 0x80) --safe;
+    if (safe <= emitted_) return {};
+    auto out = text_.substr(emitted_, safe - emitted_);
+    emitted_ = safe;
+    return out;
+  }
+
+  std::string flush() {
+    auto out = text_.substr(std::min(emitted_, text_.size()));
+    emitted_ = text_.size();
+    return out;
+  }
+
+  bool stopped() const { return stopped_; }
+  const std::string& text() const { return text_; }
+
+ private:
+  std::vector<std::string> stops_;
+  std::size_t hold_ = 0;
+  std::string text_;
+  std::size_t emitted_ = 0;
+  bool stopped_ = false;
+};
+
+// Draft-length schedule of HF assisted generation: +2 after a full accept, else -1.
+struct AdaptiveK {
+  int64_t k, k_min, k_max;
+  void update(int64_t drafted, int64_t accepted) {
+    if (drafted > 0) k = std::clamp(k + (accepted >= drafted ? 2 : -1), k_min, k_max);
+  }
+};
+
+}  // namespace
+
+struct Engine::Impl {
+  fs::path root;
+  json manifest;
+  std::optional<Tokenizer> tokenizer;  // always set once loaded
+  std::vector<int64_t> eos_ids;
+  std::optional<std::string> chat_template;
+  std::unique_ptr<ModelRunner> target;
+  std::unique_ptr<ModelRunner> draft;
+  int64_t max_seq_len = 0;
+  int64_t verify_k = 0;
+  double load_s = 0;
+};
+
+namespace {
+
+// Yields the newly accepted tokens, one list per model step (engine.py _token_steps).
+class TokenSteps {
+ public:
+  TokenSteps(ModelRunner& target, ModelRunner* draft, int64_t max_seq_len, int64_t verify_k,
+             const std::vector<int64_t>& prompt, const GenerationConfig& config,
+             std::optional<SpecStats>& spec)
+      : target_(target), draft_(draft), max_seq_len_(max_seq_len), max_k_(verify_k),
+        prompt_(prompt), config_(config), params_(config.sampling), spec_(spec),
+        gen_(detail::make_generator(config.sampling.seed)) {}
+
+  std::vector<int64_t> next() {
+    if (!started_) {
+      started_ = true;
+      tok_ = detail::select_next(target_.forward(prompt_, 0), params_, gen_);
+      pos_ = static_cast<int64_t>(prompt_.size());  // position of tok_, not yet cached
+      return {tok_};
+    }
+    if (config_.speculative == Speculative::None) {
+      tok_ = detail::select_next(target_.decode(tok_, pos_), params_, gen_);
+      ++pos_;
+      return {tok_};
+    }
+    if (!spec_started_) start_speculative();
+    return speculative_round();
+  }
+
+ private:
+  void start_speculative() {
+    spec_started_ = true;
+    k_ = std::min(config_.k.value_or(max_k_), max_k_);
+    if (config_.adaptive_k) adaptive_ = AdaptiveK{std::clamp<int64_t>(k_, 1, max_k_), 1, max_k_};
+    history_ = prompt_;
+    history_.push_back(tok_);
+    if (config_.speculative == Speculative::Draft) draft_->forward(prompt_, 0);
+    draft_pos_ = static_cast<int64_t>(prompt_.size());  // first position missing from draft
+  }
+
+  std::vector<int64_t> speculative_round() {
+    int64_t k = adaptive_ ? adaptive_->k : k_;
+    k = std::min(k, max_seq_len_ + max_k_ - pos_);
+    std::vector<int64_t> proposal;
+    at::Tensor draft_probs;
+    if (config_.speculative == Speculative::Ngram) {
+      proposal = ngram_propose(history_, k, config_.ngram_min, config_.ngram_max);
+    } else {
+      // Catch the draft cache up on accepted tokens it has not seen, then draft.
+      ModelRunner& draft = *draft_;
+      const std::vector<int64_t> pending(history_.begin() + draft_pos_, history_.end());
+      at::Tensor logits = draft.forward(pending, draft_pos_);
+      draft_pos_ += static_cast<int64_t>(pending.size());
+      std::vector<at::Tensor> rows;
+      for (int64_t i = 0; i < k; ++i) {
+        int64_t next;
+        if (params_.greedy()) {
+          next = logits.argmax().item<int64_t>();
+        } else {
+          rows.push_back(detail::logits_to_probs(logits.unsqueeze(0), params_)[0]);
+          next = detail::sample(rows.back().unsqueeze(0), gen_).item<int64_t>();
+        }
+        proposal.push_back(next);
+        if (i + 1 < k) logits = draft.decode(next, draft_pos_++);
+      }
+      if (!params_.greedy() && !rows.empty()) draft_probs = at::stack(rows);
+    }
+    const auto n = static_cast<int64_t>(proposal.size());
+    // Score tok + proposal: row i predicts the token after history[:pos+i+1].
+    std::vector<int64_t> block{tok_};
+    block.insert(block.end(), proposal.begin(), proposal.end());
+    const at::Tensor logits = target_.forward(block, pos_, /*all_logits=*/true);
+    std::vector<int64_t> accepted;
+    if (params_.greedy()) {
+      accepted = detail::verify_greedy(proposal, logits);
+    } else if (n == 0) {
+      accepted = {detail::select_next(logits[0], params_, gen_)};
+    } else {
+      accepted = detail::verify_stochastic(
+          proposal,
+          draft_probs.defined() ? draft_probs : detail::one_hot(proposal, logits.size(-1)),
+          detail::logits_to_probs(logits, params_), gen_);
+    }
+    const auto n_acc = static_cast<int64_t>(accepted.size()) - 1;
+    spec_->drafted += n;
+    spec_->accepted += n_acc;
+    spec_->steps += 1;
+    if (adaptive_) adaptive_->update(n, n_acc);
+    pos_ += n_acc + 1;
+    // The draft cache is valid up to the accepted prefix; later positions are stale and get
+    // overwritten next round (position overwrite: no rollback). After a full accept the last
+    // proposal is not in it yet: it is fed with the next round.
+    draft_pos_ = std::min(draft_pos_, pos_);
+    history_.insert(history_.end(), accepted.begin(), accepted.end());
+    tok_ = accepted.back();
+    return accepted;
+  }
+
+  ModelRunner& target_;
+  ModelRunner* draft_;
+  int64_t max_seq_len_;
+  int64_t max_k_;
+  const std::vector<int64_t>& prompt_;
+  const GenerationConfig& config_;
+  const SamplingParams& params_;
+  std::optional<SpecStats>& spec_;
+  at::Generator gen_;
+  bool started_ = false;
+  bool spec_started_ = false;
+  int64_t tok_ = 0;
+  int64_t pos_ = 0;
+  int64_t k_ = 0;
+  std::optional<AdaptiveK> adaptive_;
+  std::vector<int64_t> history_;
+  int64_t draft_pos_ = 0;
+};
+
+}  // namespace
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Engine::Engine(Engine&&) noexcept = default;
+Engine& Engine::operator=(Engine&&) noexcept = default;
+Engine::~Engine() = default;
+
+Engine Engine::load(const fs::path& package_dir, const LoadOptions& options) {
+  const auto t0 = Clock::now();
+  auto impl = std::make_unique<Impl>();
+  impl->root = package_dir;
+  impl->manifest = json::parse(verify_package(package_dir, options.verify_hashes));
+  const auto& m = impl->manifest;
+  try {
+    if (m.value("world_size", 1) != 1) {
+      throw PackageError(package_dir.string() + " is a tensor-parallel package (" +
+                         m["world_size"].dump() +
+                         " ranks); the C++ runtime runs single-process packages: launch it "
+                         "with `aotgen run` (Python) or torchrun");
+    }
+    if (options.threads > 0) at::set_num_threads(options.threads);
+    const fs::path tok_dir = package_dir / m.at("tokenizer").at("dir").get<std::string>();
+    impl->tokenizer = Tokenizer::from_file((tok_dir / "tokenizer.json").string());
+    const json tok_config = read_json_if_present(tok_dir / "tokenizer_config.json");
+    std::set<int64_t> eos;
+    add_ids(read_json_if_present(tok_dir / "generation_config.json").value("eos_token_id", json()),
+            eos);
+    add_ids(read_json_if_present(tok_dir / "config.json").value("eos_token_id", json()), eos);
+    if (const auto eos_token = token_str(tok_config.value("eos_token", json()))) {
+      if (const auto id = impl->tokenizer->token_id(*eos_token)) eos.insert(*id);
+    }
+    impl->eos_ids.assign(eos.begin(), eos.end());
+    const json& template_value = tok_config.value("chat_template", json());
+    if (template_value.is_string()) {
+      impl->chat_template = template_value.get<std::string>();
+    } else if (template_value.is_array()) {  // named templates: [{"name", "template"}]
+      for (const auto& t : template_value) {
+        if (t.value("name", "") == "default") impl->chat_template = t.value("template", "");
+      }
+    }
+    if (fs::is_regular_file(tok_dir / "chat_template.jinja")) {
+      std::ifstream in(tok_dir / "chat_template.jinja");
+      impl->chat_template = std::string(std::istreambuf_iterator<char>(in), {});
+    }
+
+    const fs::path pt2 = package_dir / m.at("package").get<std::string>();
+    const auto& models = m.at("models");
+    impl->target = std::make_unique<ModelRunner>(package_dir, pt2, models.at("target"));
+    if (models.contains("draft")) {
+      impl->draft = std::make_unique<ModelRunner>(package_dir, pt2, models.at("draft"));
+    }
+    impl->max_seq_len = m.at("max_seq_len").get<int64_t>();
+    impl->verify_k = m.at("verify_k").get<int64_t>();
+  } catch (const json::exception& e) {
+    throw PackageError(package_dir.string() + "/manifest.json is malformed (" + e.what() +
+                       "); rebuild the package");
+  }
+  impl->load_s = seconds_since(t0);
+  return Engine(std::move(impl));
+}
+
+GenerationResult Engine::generate(const std::vector<int64_t>& prompt_ids,
+                                  const GenerationConfig& config, const TextCallback& on_text) {
+  Impl& e = *impl_;
+  config.sampling.validate();
+  if (prompt_ids.empty()) throw GenerationError("empty prompt: give at least one token");
+  if (config.max_new_tokens < 1) {
+    throw GenerationError("max_new_tokens must be >= 1, got " +
+                          std::to_string(config.max_new_tokens));
+  }
+  const auto vocab = e.target->vocab_size();
+  for (const auto id : prompt_ids) {
+    if (id < 0 || id >= vocab) {
+      throw GenerationError("prompt token id " + std::to_string(id) + " is outside the model's "
+                            "vocabulary (0.." + std::to_string(vocab - 1) + ")");
+    }
+  }
+  const auto prompt_len = static_cast<int64_t>(prompt_ids.size());
+  if (prompt_len + config.max_new_tokens > e.max_seq_len) {
+    throw GenerationError(
+        "prompt (" + std::to_string(prompt_len) + " tokens) + max_new_tokens (" +
+        std::to_string(config.max_new_tokens) + ") = " +
+        std::to_string(prompt_len + config.max_new_tokens) +
+        " exceeds the package context of " + std::to_string(e.max_seq_len) +
+        " tokens; shorten the prompt, lower max_new_tokens, or rebuild with a larger "
+        "max_seq_len");
+  }
+  if (config.speculative == Speculative::Draft && !e.draft) {
+    throw GenerationError(e.root.string() +
+                          " has no draft model; build with a `speculative: draft:` recipe or "
+                          "use n-gram lookup (--lookup ngram)");
+  }
+  if (config.speculative != Speculative::None) {
+    if (config.k && *config.k < 1) throw GenerationError("k must be >= 1");
+    if (config.ngram_min < 1 || config.ngram_min > config.ngram_max) {
+      throw GenerationError("need 1 <= ngram_min <= ngram_max");
+    }
+  }
+
+  std::set<int64_t> eos;
+  if (!config.ignore_eos) eos.insert(e.eos_ids.begin(), e.eos_ids.end());
+  StreamDecoder stream(*e.tokenizer);
+  StopText stop(config.stop);
+  GenerationResult result;
+  result.prompt_tokens = prompt_len;
+  if (config.speculative != Speculative::None) result.spec.emplace();
+  std::string finish = "length";
+  auto& out = result.token_ids;
+
+  const auto t0 = Clock::now();
+  std::optional<Clock::time_point> t_first;
+  TokenSteps steps(*e.target, e.draft.get(), e.max_seq_len, e.verify_k, prompt_ids, config,
+                   result.spec);
+  while (true) {
+    const auto new_tokens = steps.next();
+    if (!t_first) t_first = Clock::now();
+    for (const auto tok : new_tokens) {
+      if (eos.contains(tok)) {
+        finish = "eos";
+        break;
+      }
+      out.push_back(tok);
+      const auto piece = stop.add(stream.push(tok));
+      if (!piece.empty() && on_text) on_text(piece);
+      if (stop.stopped()) {
+        finish = "stop";
+        break;
+      }
+      if (static_cast<int64_t>(out.size()) >= config.max_new_tokens) break;
+    }
+    if (finish != "length" || static_cast<int64_t>(out.size()) >= config.max_new_tokens) break;
+  }
+  const auto t_end = Clock::now();
+  if (!stop.stopped()) {
+    const auto tail = stop.add(stream.flush()) + stop.flush();
+    if (!tail.empty() && on_text) on_text(tail);
+  }
+  result.text = stop.text();
+  result.finish_reason = finish;
+  result.prefill_s = std::chrono::duration<double>(*t_first - t0).count();
+  result.decode_s = std::chrono::duration<double>(t_end - *t_first).count();
+  return result;
+}
+
+std::vector<int64_t> Engine::chat_ids(const std::string& user,
+                                      const std::optional<std::string>& system) const {
+  const auto& tmpl = impl_->chat_template;
+  if (!tmpl || tmpl->find("<|im_start|>") == std::string::npos) {
+    throw std::runtime_error(
+        impl_->root.string() +
+        ": the chat template is not ChatML; the C++ runtime renders ChatML only (no jinja): "
+        "format the prompt yourself and pass it with --prompt");
+  }
+  std::vector<std::pair<std::string, std::string>> messages;
+  if (system) messages.emplace_back("system", *system);
+  messages.emplace_back("user", user);
+  return impl_->tokenizer->encode(chatml_prompt(messages));
+}
+
+const Tokenizer& Engine::tokenizer() const { return *impl_->tokenizer; }
+const std::vector<int64_t>& Engine::eos_ids() const { return impl_->eos_ids; }
+int64_t Engine::max_seq_len() const { return impl_->max_seq_len; }
+int64_t Engine::verify_k() const { return impl_->verify_k; }
+bool Engine::has_draft() const { return impl_->draft != nullptr; }
+double Engine::load_s() const { return impl_->load_s; }
+const fs::path& Engine::root() const { return impl_->root; }
+
+}  // namespace aotgen

@@ -1,0 +1,237 @@
+// aotgen-run: generate text from an aotgen package with the C++ runtime (aotgen.h).
+//
+//   aotgen-run PACKAGE (--chat TEXT | --prompt TEXT | --prompt-file PATH | --prompt-ids JSON)
+//              [options]
+//
+// Streams the text to stdout, then prints load / first-token / decode timings on stderr.
+// With --ids, prints one JSON object on stdout instead: prompt_ids, ids (generated), text,
+// finish_reason, spec (or null) and timings. Errors: one message on stderr, exit status 1
+// (2 for bad command-line usage).
+#include <charconv>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+
+#include "aotgen.h"
+
+namespace {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kUsage = R"(usage: aotgen-run PACKAGE PROMPT [options]
+
+prompt (exactly one):
+  --chat TEXT            user message, as a ChatML chat (no system message unless --system)
+  --prompt TEXT          raw prompt text
+  --prompt-file PATH     raw prompt text from a file
+  --prompt-ids JSON      prompt token ids, e.g. "[1, 2, 3]"
+options:
+  --system TEXT          system message for --chat
+  --max-new-tokens N     (default 256)
+  --temperature T        0 = greedy (default 0)
+  --top-k K              0 = off (default 0)
+  --top-p P              1 = off (default 1)
+  --seed S               sampling seed (default: random)
+  --stop TEXT            stop string (repeatable)
+  --ignore-eos           keep going past end-of-sequence tokens
+  --lookup ngram         speculative decoding with prompt-lookup (n-gram) drafts
+  --speculative          speculative decoding with the package's draft model
+  --k K                  draft length (default and maximum: the package's verify_k)
+  --adaptive-k           adapt the draft length (+2 after a full accept, else -1)
+  --threads N            intra-op threads (default: torch's default)
+  --no-verify            skip the sha256 check of the package files
+  --ids                  print a JSON object (ids, text, stats) instead of streaming text
+)";
+
+struct UsageError : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+template <typename T>
+T parse_number(std::string_view flag, std::string_view text) {
+  T value{};
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || end != text.data() + text.size()) {
+    throw UsageError(std::string(flag) + ": not a valid number: '" + std::string(text) + "'");
+  }
+  return value;
+}
+
+struct Args {
+  std::string package;
+  std::optional<std::string> chat, prompt, prompt_file, prompt_ids, system;
+  aotgen::GenerationConfig config;
+  aotgen::LoadOptions load;
+  bool print_ids = false;
+};
+
+Args parse_args(int argc, char** argv) {
+  Args args;
+  auto& cfg = args.config;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    const auto value = [&]() -> std::string_view {
+      if (i + 1 >= argc) throw UsageError(std::string(arg) + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--chat") {
+      args.chat = value();
+    } else if (arg == "--prompt") {
+      args.prompt = value();
+    } else if (arg == "--prompt-file") {
+      args.prompt_file = value();
+    } else if (arg == "--prompt-ids") {
+      args.prompt_ids = value();
+    } else if (arg == "--system") {
+      args.system = value();
+    } else if (arg == "--max-new-tokens") {
+      cfg.max_new_tokens = parse_number<int64_t>(arg, value());
+    } else if (arg == "--temperature") {
+      cfg.sampling.temperature = parse_number<double>(arg, value());
+    } else if (arg == "--top-k") {
+      cfg.sampling.top_k = parse_number<int64_t>(arg, value());
+    } else if (arg == "--top-p") {
+      cfg.sampling.top_p = parse_number<double>(arg, value());
+    } else if (arg == "--seed") {
+      cfg.sampling.seed = parse_number<uint64_t>(arg, value());
+    } else if (arg == "--stop") {
+      cfg.stop.emplace_back(value());
+    } else if (arg == "--ignore-eos") {
+      cfg.ignore_eos = true;
+    } else if (arg == "--lookup") {
+      if (value() != "ngram") throw UsageError("--lookup: the only lookup proposer is 'ngram'");
+      cfg.speculative = aotgen::Speculative::Ngram;
+    } else if (arg == "--speculative") {
+      cfg.speculative = aotgen::Speculative::Draft;
+    } else if (arg == "--k") {
+      cfg.k = parse_number<int64_t>(arg, value());
+    } else if (arg == "--adaptive-k") {
+      cfg.adaptive_k = true;
+    } else if (arg == "--threads") {
+      args.load.threads = parse_number<int>(arg, value());
+    } else if (arg == "--no-verify") {
+      args.load.verify_hashes = false;
+    } else if (arg == "--ids") {
+      args.print_ids = true;
+    } else if (arg.starts_with("-") || !args.package.empty()) {
+      throw UsageError("unexpected argument: " + std::string(arg));
+    } else {
+      args.package = arg;
+    }
+  }
+  if (args.package.empty()) throw UsageError("give the package directory");
+  const int prompts = args.chat.has_value() + args.prompt.has_value() +
+                      args.prompt_file.has_value() + args.prompt_ids.has_value();
+  if (prompts != 1) {
+    throw UsageError("give exactly one of --chat, --prompt, --prompt-file, --prompt-ids");
+  }
+  if (args.system && !args.chat) throw UsageError("--system goes with --chat");
+  return args;
+}
+
+std::vector<int64_t> prompt_ids(const Args& args, const aotgen::Engine& engine) {
+  if (args.chat) return engine.chat_ids(*args.chat, args.system);
+  if (args.prompt) return engine.tokenizer().encode(*args.prompt);
+  if (args.prompt_file) {
+    std::ifstream in(*args.prompt_file, std::ios::binary);
+    if (!in) throw std::runtime_error("cannot read prompt file " + *args.prompt_file);
+    return engine.tokenizer().encode(std::string(std::istreambuf_iterator<char>(in), {}));
+  }
+  try {
+    return json::parse(*args.prompt_ids).get<std::vector<int64_t>>();
+  } catch (const json::exception&) {
+    throw UsageError("--prompt-ids: expected a JSON array of token ids");
+  }
+}
+
+int run(const Args& args) {
+  const auto t_start = Clock::now();
+  auto engine = aotgen::Engine::load(args.package, args.load);
+  const auto ids = prompt_ids(args, engine);
+  const auto t_generate = Clock::now();
+  aotgen::TextCallback stream;
+  if (!args.print_ids) {
+    stream = [](std::string_view text) {
+      std::fwrite(text.data(), 1, text.size(), stdout);
+      std::fflush(stdout);
+    };
+  }
+  const auto result = engine.generate(ids, args.config, stream);
+  const double to_first_token =
+      std::chrono::duration<double>(t_generate - t_start).count() + result.prefill_s;
+
+  if (args.print_ids) {
+    json out = {{"prompt_ids", ids},
+                {"ids", result.token_ids},
+                {"text", result.text},
+                {"finish_reason", result.finish_reason},
+                {"load_s", engine.load_s()},
+                {"load_to_first_token_s", to_first_token},
+                {"prefill_s", result.prefill_s},
+                {"decode_tok_s", result.decode_tok_s()},
+                {"spec", nullptr}};
+    if (result.spec) {
+      out["spec"] = {{"drafted", result.spec->drafted},
+                     {"accepted", result.spec->accepted},
+                     {"steps", result.spec->steps}};
+    }
+    std::cout << out.dump(-1, ' ', false, json::error_handler_t::replace) << std::endl;
+  } else {
+    std::cout << std::endl;
+  }
+  std::fprintf(stderr,
+               "load %.2f s · prompt %lld tok, first token %.3f s · load-to-first-token %.2f s"
+               " · %zu tok, decode %.1f tok/s · finish: %s\n",
+               engine.load_s(), static_cast<long long>(result.prompt_tokens), result.prefill_s,
+               to_first_token, result.token_ids.size(), result.decode_tok_s(),
+               result.finish_reason.c_str());
+  if (const auto& s = result.spec) {
+    std::fprintf(stderr,
+                 "speculative (%s): drafted %lld, accepted %lld, acceptance %.2f, mean accepted "
+                 "length %.2f tok/step\n",
+                 args.config.speculative == aotgen::Speculative::Ngram ? "ngram" : "draft",
+                 static_cast<long long>(s->drafted), static_cast<long long>(s->accepted),
+                 s->acceptance_rate(), s->mean_accepted_length());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args args;
+  try {
+    for (int i = 1; i < argc; ++i) {
+      if (std::string_view(argv[i]) == "-h" || std::string_view(argv[i]) == "--help") {
+        std::cout << kUsage;
+        return 0;
+      }
+    }
+    args = parse_args(argc, argv);
+  } catch (const UsageError& e) {
+    std::cerr << "aotgen-run: " << e.what() << "\n" << kUsage;
+    return 2;
+  }
+  try {
+    return run(args);
+  } catch (const UsageError& e) {
+    std::cerr << "aotgen-run: " << e.what() << "\n";
+    return 2;
+  } catch (const c10::Error& e) {  // torch errors: without their C++ backtrace
+    std::cerr << "aotgen-run: error: " << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "aotgen-run: error: " << e.what() << "\n";
+    return 1;
+  }
+}

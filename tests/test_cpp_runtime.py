@@ -1,0 +1,370 @@
+"""The C++ runtime (runtime/cpp: aotgen_runtime, aotgen-run) against the Python runtime.
+
+Builds `aotgen-run` once per session (tests/cpp_build.py; skipped when cmake, a compiler or
+torch's CMake config is missing) and runs it on the tiny package: greedy ids equal the
+Python runtime's, speculative decoding (n-gram and a draft model) equals plain decoding,
+seeded sampling is reproducible (and, because the C++ side uses the same ATen ops and torch
+generator, equal to Python's), and bad input gives one clear message and exit status 1. The
+real SmolLM2 package is checked when artifacts/smollm2-135m exists (or when a
+`smollm2_package` fixture is shared through conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from cpp_build import REPO_ROOT, cmake_cache_value, require_cpp_build
+
+from aotgen.package.manifest import PackageError
+from aotgen.runtime.engine import Engine, GenerationConfig
+from aotgen.runtime.sampling import SamplingParams
+
+pytestmark = pytest.mark.cpp
+
+PROMPTS = [
+    "The quick brown fox",
+    "Paris is the capital of France. Berlin is the capital of",
+    "1 2 3 4 5 6 7 8 9 10 11 12 1 2 3 4 5",
+    # Longer than two prefill chunks (16 tokens in the tiny recipe) plus a remainder.
+    "Speculative decoding drafts tokens and verifies them in one pass. Ahead-of-time "
+    "compilation turns a checkpoint into a package. The quick brown fox jumps over",
+]
+N_TOKENS = 32
+REAL_PACKAGE = REPO_ROOT / "artifacts" / "smollm2-135m"
+FRANCE_IDS = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+ANSWER = "The capital of France is Paris."
+
+
+@pytest.fixture(scope="session")
+def run_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    build_dir = require_cpp_build(tmp_path_factory, [])  # configure only
+    if (cmake_cache_value(build_dir, "AOTGEN_WITH_TORCH") or "").upper() not in {"1", "ON", "TRUE"}:
+        pytest.skip(
+            "CMake did not find torch's CMake config (torch/share/cmake): aotgen-run is not "
+            "configured"
+        )
+    return require_cpp_build(tmp_path_factory, ["aotgen-run"]) / "aotgen-run"
+
+
+def run(binary: Path, package: Path, *args: str, check: bool = True):
+    proc = subprocess.run(
+        [str(binary), str(package), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    if check:
+        assert proc.returncode == 0, f"aotgen-run {args} failed ({proc.returncode}): {proc.stderr}"
+    return proc
+
+
+def cpp_generate(binary: Path, package: Path, ids: list[int], *args: str) -> dict:
+    proc = run(binary, package, "--prompt-ids", json.dumps(ids), "--ids", *args)
+    return json.loads(proc.stdout)
+
+
+def sampling_args(params: SamplingParams) -> list[str]:
+    args = ["--temperature", repr(params.temperature), "--top-k", str(params.top_k)]
+    args += ["--top-p", repr(params.top_p)]
+    return args + (["--seed", str(params.seed)] if params.seed is not None else [])
+
+
+@pytest.fixture(scope="module")
+def py_engine(tiny_package: Path) -> Engine:
+    return Engine.load(tiny_package)
+
+
+@pytest.fixture(scope="module")
+def draft_package(tiny_checkpoint: Path, project) -> Path:
+    """The tiny model with a 1-layer draft made from its own first layer (~1-2 min build)."""
+    from aotgen.package.build import build
+    from aotgen.recipe import parse_recipe
+
+    recipe = parse_recipe(
+        {
+            "checkpoint": str(tiny_checkpoint),
+            "max_seq_len": 160,
+            "prefill_chunk": 16,
+            "speculative": {"draft": {"layers": 1}, "k": 4},
+        },
+        "tiny-draft",
+        Path("."),
+    )
+    return build(recipe, project).path
+
+
+def test_greedy_ids_match_python(run_bin, tiny_package, py_engine):
+    lengths = []
+    for prompt in PROMPTS:
+        ids = py_engine.tokenizer.encode(prompt)
+        lengths.append(len(ids))
+        ref = py_engine.generate(ids, GenerationConfig(max_new_tokens=N_TOKENS, ignore_eos=True))
+        got = cpp_generate(
+            run_bin, tiny_package, ids, "--max-new-tokens", str(N_TOKENS), "--ignore-eos"
+        )
+        assert got["prompt_ids"] == ids
+        assert got["ids"] == ref.token_ids, prompt
+        assert got["text"] == ref.text
+        assert got["finish_reason"] == "length"
+    assert max(lengths) > 2 * 16, lengths  # chunked prefill: 16 + 16 + remainder
+
+
+def test_text_prompt_and_streaming_match_python(run_bin, tiny_package, py_engine):
+    """--prompt encodes with the C++ tokenizer; the streamed stdout is the generated text."""
+    prompt = PROMPTS[1]
+    ref = py_engine.generate(
+        py_engine.tokenizer.encode(prompt), GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    )
+    proc = run(run_bin, tiny_package, "--prompt", prompt, "--max-new-tokens", "20", "--ignore-eos")
+    assert proc.stdout == ref.text + "\n"
+    assert "load-to-first-token" in proc.stderr and "tok/s" in proc.stderr
+
+
+def test_eos_and_stop_strings_match_python(run_bin, tiny_package, py_engine):
+    ids = py_engine.tokenizer.encode(PROMPTS[0])
+    plain = py_engine.generate(ids, GenerationConfig(max_new_tokens=60))
+    got = cpp_generate(run_bin, tiny_package, ids, "--max-new-tokens", "60")
+    assert (got["ids"], got["finish_reason"]) == (plain.token_ids, plain.finish_reason)
+    # A stop string taken from the middle of the greedy text.
+    full = py_engine.generate(ids, GenerationConfig(max_new_tokens=40, ignore_eos=True)).text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True, stop=(stop,))
+    ref = py_engine.generate(ids, cfg)
+    got = cpp_generate(
+        run_bin, tiny_package, ids, "--max-new-tokens", "40", "--ignore-eos", "--stop", stop
+    )
+    assert ref.finish_reason == "stop"
+    assert (got["ids"], got["text"], got["finish_reason"]) == (ref.token_ids, ref.text, "stop")
+
+
+def test_ngram_speculative_greedy_equals_plain(run_bin, tiny_package, py_engine):
+    drafted = 0
+    for prompt in PROMPTS:
+        ids = py_engine.tokenizer.encode(prompt)
+        common = ["--max-new-tokens", str(N_TOKENS), "--ignore-eos"]
+        plain = cpp_generate(run_bin, tiny_package, ids, *common)
+        for k in ("1", "4"):
+            spec = cpp_generate(run_bin, tiny_package, ids, *common, "--lookup", "ngram", "--k", k)
+            assert spec["ids"] == plain["ids"], (prompt, k)
+            assert spec["spec"]["accepted"] <= spec["spec"]["drafted"]
+            drafted += spec["spec"]["drafted"]
+        ref = py_engine.generate(
+            ids, GenerationConfig(max_new_tokens=N_TOKENS, ignore_eos=True, speculative="ngram")
+        )
+        adaptive = cpp_generate(
+            run_bin, tiny_package, ids, *common, "--lookup", "ngram", "--adaptive-k"
+        )
+        assert adaptive["ids"] == plain["ids"]
+        assert spec["spec"]["drafted"] == ref.spec.drafted
+        assert spec["spec"]["accepted"] == ref.spec.accepted
+    assert drafted > 0, "nothing was drafted: the test would be vacuous"
+
+
+def test_seeded_sampling_is_reproducible(run_bin, tiny_package, py_engine):
+    ids = py_engine.tokenizer.encode(PROMPTS[1])
+    common = ["--max-new-tokens", str(N_TOKENS), "--ignore-eos", "--temperature", "1.0"]
+    first = cpp_generate(run_bin, tiny_package, ids, *common, "--seed", "1")["ids"]
+    again = cpp_generate(run_bin, tiny_package, ids, *common, "--seed", "1")["ids"]
+    other = cpp_generate(run_bin, tiny_package, ids, *common, "--seed", "2")["ids"]
+    greedy = cpp_generate(
+        run_bin, tiny_package, ids, "--max-new-tokens", str(N_TOKENS), "--ignore-eos"
+    )["ids"]
+    assert first == again
+    assert first != other
+    assert first != greedy
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.8, seed=5),
+        SamplingParams(temperature=1.0, top_k=20, seed=11),
+        SamplingParams(temperature=1.2, top_p=0.9, seed=3),
+        SamplingParams(temperature=1.0, top_k=50, top_p=0.8, seed=0),
+    ],
+)
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_seeded_sampling_matches_python(run_bin, tiny_package, py_engine, params, speculative):
+    """Same ops, same torch CPU generator: the same seed draws the same tokens as Python."""
+    ids = py_engine.tokenizer.encode(PROMPTS[2])
+    cfg = GenerationConfig(
+        max_new_tokens=N_TOKENS, ignore_eos=True, sampling=params, speculative=speculative
+    )
+    ref = py_engine.generate(ids, cfg)
+    extra = ["--lookup", "ngram"] if speculative else []
+    got = cpp_generate(
+        run_bin,
+        tiny_package,
+        ids,
+        "--max-new-tokens",
+        str(N_TOKENS),
+        "--ignore-eos",
+        *sampling_args(params),
+        *extra,
+    )
+    assert got["ids"] == ref.token_ids
+
+
+def test_draft_model_speculation(run_bin, draft_package):
+    """Draft-model speculation: greedy equals plain greedy; greedy and sampled ids equal
+    Python's (same draft-cache catch-up, same verification rule, same random numbers)."""
+    engine = Engine.load(draft_package)
+    assert engine.draft is not None
+    drafted = 0
+    for prompt in PROMPTS:
+        ids = engine.tokenizer.encode(prompt)
+        common = ["--max-new-tokens", str(N_TOKENS), "--ignore-eos"]
+        plain = cpp_generate(run_bin, draft_package, ids, *common)
+        for params in (SamplingParams(), SamplingParams(temperature=0.9, top_k=40, seed=7)):
+            cfg = GenerationConfig(
+                max_new_tokens=N_TOKENS, ignore_eos=True, sampling=params, speculative="draft"
+            )
+            ref = engine.generate(ids, cfg)
+            got = cpp_generate(
+                run_bin, draft_package, ids, *common, *sampling_args(params), "--speculative"
+            )
+            assert got["ids"] == ref.token_ids, (prompt, params)
+            assert got["spec"]["drafted"] == ref.spec.drafted
+            assert got["spec"]["accepted"] == ref.spec.accepted
+            if params.greedy:
+                assert got["ids"] == plain["ids"], prompt
+            drafted += got["spec"]["drafted"]
+    assert drafted > 0
+
+
+# ---- bad input: one clear message, exit status 1, no crash -------------------------------
+
+
+def assert_fails(proc: subprocess.CompletedProcess, message: str, status: int = 1) -> None:
+    assert proc.returncode == status, (proc.returncode, proc.stderr)
+    assert message in proc.stderr, proc.stderr
+    assert "terminate called" not in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") <= (1 if status == 1 else 40), proc.stderr
+
+
+def edit_manifest(package: Path, fn) -> None:
+    manifest = json.loads((package / "manifest.json").read_text())
+    fn(manifest)
+    (package / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.fixture
+def package_copy(tiny_package: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(tiny_package, tmp_path / "pkg"))
+
+
+def test_missing_package(run_bin, tmp_path):
+    proc = run(run_bin, tmp_path / "nope", "--prompt", "hi", check=False)
+    assert_fails(proc, "is not an aotgen package (no manifest.json)")
+
+
+def test_hash_mismatch_refused_before_loading(run_bin, package_copy):
+    # Corrupt the native code itself: a loader that ran first would crash or fail otherwise.
+    pt2 = package_copy / "rank0" / "model.pt2"
+    data = bytearray(pt2.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    pt2.write_bytes(bytes(data))
+    proc = run(run_bin, package_copy, "--prompt", "hi", check=False)
+    assert_fails(proc, "rank0/model.pt2 does not match its sha256")
+    with pytest.raises(PackageError, match="does not match its sha256"):
+        Engine.load(package_copy)  # the Python side agrees
+
+
+def test_unlisted_file_refused(run_bin, package_copy):
+    (package_copy / "rank0" / "extra.so").write_bytes(b"\x7fELF")
+    proc = run(run_bin, package_copy, "--prompt", "hi", check=False)
+    assert_fails(proc, "unexpected file rank0/extra.so not in the manifest")
+
+
+def test_other_torch_version_refused(run_bin, package_copy):
+    edit_manifest(package_copy, lambda m: m.update(torch_version="2.0.0+cpu"))
+    proc = run(run_bin, package_copy, "--prompt", "hi", check=False)
+    assert_fails(proc, "was built with torch 2.0.0+cpu but this runtime links libtorch")
+
+
+def test_other_isa_and_format_refused(run_bin, package_copy):
+    edit_manifest(package_copy, lambda m: m["target"].update(isa="AMX_FP16"))
+    assert_fails(run(run_bin, package_copy, "--prompt", "hi", check=False), "compiled for AMX_FP16")
+    edit_manifest(package_copy, lambda m: m.update(format_version=99))
+    assert_fails(run(run_bin, package_copy, "--prompt", "hi", check=False), "package format 99")
+    (package_copy / "manifest.json").write_text("{ not json")
+    assert_fails(run(run_bin, package_copy, "--prompt", "hi", check=False), "is corrupt")
+
+
+def test_overlong_prompt_and_bad_requests(run_bin, tiny_package):
+    proc = run(
+        run_bin,
+        tiny_package,
+        "--prompt-ids",
+        json.dumps([5] * 150),
+        "--max-new-tokens",
+        "20",
+        check=False,
+    )
+    assert_fails(proc, "exceeds the package context of 160 tokens")
+    proc = run(
+        run_bin,
+        tiny_package,
+        "--prompt",
+        "hi",
+        "--speculative",
+        "--max-new-tokens",
+        "8",
+        check=False,
+    )
+    assert_fails(proc, "has no draft model")
+    proc = run(
+        run_bin, tiny_package, "--prompt-ids", "[1, 99999]", "--max-new-tokens", "8", check=False
+    )
+    assert_fails(proc, "outside the model's vocabulary")
+    proc = run(
+        run_bin,
+        tiny_package,
+        "--prompt",
+        "hi",
+        "--top-p",
+        "0",
+        "--max-new-tokens",
+        "8",
+        check=False,
+    )
+    assert_fails(proc, "top_p must be in (0, 1]")
+    proc = run(run_bin, tiny_package, "--prompt", "hi", "--max-new-tokens", "x", check=False)
+    assert_fails(proc, "--max-new-tokens: not a valid number", status=2)
+    proc = run(run_bin, tiny_package, check=False)
+    assert_fails(proc, "give exactly one of --chat, --prompt", status=2)
+
+
+# ---- the real model -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_package(request) -> Path:
+    if (REAL_PACKAGE / "manifest.json").is_file():
+        return REAL_PACKAGE
+    try:  # shared through conftest.py (tests/test_smollm2.py builds it in CI)
+        return request.getfixturevalue("smollm2_package")
+    except pytest.FixtureLookupError:
+        pytest.skip(f"{REAL_PACKAGE.relative_to(REPO_ROOT)} not built (aotgen build)")
+
+
+def test_real_model_france_answer(run_bin, real_package):
+    try:
+        engine = Engine.load(real_package)
+    except PackageError as e:
+        pytest.skip(f"{real_package} cannot be loaded here: {e}")
+    question = "What is the capital of France?"
+    proc = run(run_bin, real_package, "--chat", question)
+    assert proc.stdout.strip() == ANSWER
+    assert "decode" in proc.stderr and "tok/s" in proc.stderr
+    got = json.loads(run(run_bin, real_package, "--chat", question, "--ids").stdout)
+    assert got["prompt_ids"] == engine.chat_ids(question) == FRANCE_IDS
+    ref = engine.generate(FRANCE_IDS, GenerationConfig(max_new_tokens=256))
+    assert got["ids"] == ref.token_ids
+    assert got["text"] == ref.text == ANSWER
+    assert got["finish_reason"] == "eos"
