@@ -11,7 +11,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny import make_tiny_checkpoint  # noqa: E402
 
-from aotgen.recipe import Project, parse_recipe  # noqa: E402
+from aotgen.recipe import Project, load_recipe, parse_recipe  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
 
 TINY_RECIPE = {"max_seq_len": 160, "prefill_chunk": 16, "verify_k": 4}
 
@@ -32,4 +34,26 @@ def tiny_package(tiny_checkpoint, project) -> Path:
     from aotgen.package.build import build
 
     recipe = parse_recipe({"checkpoint": str(tiny_checkpoint), **TINY_RECIPE}, "tiny", Path("."))
+    return build(recipe, project).path
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(tmp_path_factory) -> Path:
+    from aotgen.checkpoint.gguf import find_smollm2_gguf, import_gguf
+
+    try:
+        gguf = find_smollm2_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return import_gguf(gguf, tmp_path_factory.mktemp("smollm2") / "smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_package(smollm2_checkpoint, tmp_path_factory) -> Path:
+    from aotgen.package.build import build
+
+    recipe = load_recipe(REPO / "recipes" / "smollm2-135m.yaml", base_dir=REPO)
+    recipe = type(recipe)(**{**recipe.__dict__, "checkpoint": smollm2_checkpoint})
+    root = tmp_path_factory.mktemp("smollm2-project")
+    project = Project(artifacts_dir=root / "artifacts", cache_dir=REPO / ".aotgen-cache")
     return build(recipe, project).path

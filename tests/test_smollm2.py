@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from aotgen.recipe import Project, load_recipe
-
 REPO = Path(__file__).resolve().parents[1]
 ANSWER = "The capital of France is Paris."
 FRANCE_IDS = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
@@ -22,33 +20,21 @@ FRANCE_IDS = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520,
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="session")
-def smollm2_checkpoint(tmp_path_factory) -> Path:
-    from aotgen.checkpoint.gguf import find_smollm2_gguf, import_gguf
-
-    try:
-        gguf = find_smollm2_gguf()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    return import_gguf(gguf, tmp_path_factory.mktemp("smollm2") / "smollm2-135m")
-
-
-@pytest.fixture(scope="session")
-def smollm2_package(smollm2_checkpoint, tmp_path_factory) -> Path:
-    from aotgen.package.build import build
-
-    recipe = load_recipe(REPO / "recipes" / "smollm2-135m.yaml", base_dir=REPO)
-    recipe = type(recipe)(**{**recipe.__dict__, "checkpoint": smollm2_checkpoint})
-    root = tmp_path_factory.mktemp("smollm2-project")
-    project = Project(artifacts_dir=root / "artifacts", cache_dir=REPO / ".aotgen-cache")
-    return build(recipe, project).path
-
-
 def test_cli_chat_answers_like_llama_cpp(smollm2_package):
     proc = subprocess.run(
-        [sys.executable, "-m", "aotgen", "run", str(smollm2_package), "--chat",
-         "What is the capital of France?"],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "aotgen",
+            "run",
+            str(smollm2_package),
+            "--chat",
+            "What is the capital of France?",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ANSWER
