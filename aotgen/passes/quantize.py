@@ -9,19 +9,22 @@ from the program so the package never stores it. It works on the exported graph,
 `nn.Module`s, so it needs no knowledge of the model definition and leaves every graph's
 inputs, outputs and KV-cache contract as they were: the runtime runs the result unchanged.
 
-Kernels (CPU; measured on this 2-core AVX-512 machine, see docs in the report):
+Kernels (CPU):
 - int8: `aten._weight_int8pack_mm(x[M, K], w_int8[N, K], scales[N])`, w ≈ w_int8 * scale.
-- int4: `aten._weight_int4pack_mm_for_cpu(x[M, K], packed, groupsize, scales_zeros[K/g, N, 2])`
+- int4: the kernel of `aten._weight_int4pack_mm_for_cpu(x, packed, groupsize, scales_zeros)`
   with w ≈ (q - 8) * scale + zero per group of `groupsize` inputs, q in 0..15, packed by
-  `aten._convert_weight_to_int4pack_for_cpu`.
-Both are 10-30x slower with float32 activations than with bfloat16 ones, and want scales
-in the activation dtype, so by default the pass casts the activation to bfloat16 just
-around each quantized op (norms, attention, residuals, KV cache and logits stay float32).
-Scales are rounded to that dtype *before* the weights are quantized against them, so the
-kernel sees exactly the scales the integers were chosen for.
+  `aten._convert_weight_to_int4pack_for_cpu`, scales_zeros [K / groupsize, N, 2]. The graph
+  calls it as `quantized.int4mm_packed_weight_cpu` (see `_register_int4_lowering`).
+Both are 10-30x slower with float32 activations than with bfloat16 ones (measured on a
+2-core AVX-512 VM), and take scales in the activation dtype, so by default the pass casts
+the activation to bfloat16 just around each quantized op: norms, attention, residuals,
+KV cache and logits stay float32, and the cast fuses into the neighbouring kernels (a
+whole-bf16 graph, `dtype: bfloat16`, decoded within noise of it). Scales are rounded to
+that dtype *before* the weights are quantized against them, so the kernel sees exactly
+the scales the integers were chosen for.
 
-CUDA (`_weight_int4pack_mm`, int8 dequantize-then-linear): written to the documented op
-contracts but UNTESTED - this project has no GPU build yet.
+CUDA (`_weight_int8pack_mm`, `_weight_int4pack_mm` with tinygemm packing): written to the
+ops' contracts but UNTESTED - there is no GPU build of this project yet.
 
 Skip patterns are shell globs (`fnmatch`, case-sensitive), matched against the module path
 of the op (`lm_head`, `model.layers.0.mlp.down_proj`, `model.embed_tokens`) and against
@@ -63,7 +66,7 @@ EMBEDDING_SCHEMES = ("int8",)
 GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_GROUPSIZE = 64
 ACTIVATION_DTYPES = ("bfloat16", "float32")
-OPTION_KEYS = ("linear", "embedding", "skip", "activations")
+OPTION_KEYS = ("linear", "embedding", "skip", "overrides", "activations")
 CUDA_INNER_K_TILES = 8
 
 
@@ -83,6 +86,7 @@ class QuantizeOptions:
     linear: Scheme | None = None
     embedding: Scheme | None = None
     skip: tuple[str, ...] = ()
+    overrides: tuple[tuple[str, Scheme], ...] = ()  # (glob, scheme) for matching linears
     activations: str = "bfloat16"  # dtype the quantized kernels compute in
 
 
@@ -140,7 +144,14 @@ def parse_quantize(raw: dict[str, Any] | None) -> QuantizeOptions | None:
                 f"quantize.embedding: {embedding.kind} is not supported for embeddings; "
                 f"valid: {', '.join(EMBEDDING_SCHEMES)}"
             )
-    if linear is None and embedding is None:
+    overrides = raw.get("overrides") or {}
+    if not isinstance(overrides, dict):
+        raise RecipeError(
+            f"quantize.overrides: expected {{glob: scheme}} like {{lm_head: int8}}, got "
+            f"{overrides!r}"
+        )
+    override_schemes = tuple((str(p), _scheme(f"overrides.{p}", v)) for p, v in overrides.items())
+    if linear is None and embedding is None and not override_schemes:
         raise RecipeError("quantize: nothing to do; set `linear:` and/or `embedding:`")
     skip = raw.get("skip") or []
     if isinstance(skip, str):
@@ -150,7 +161,7 @@ def parse_quantize(raw: dict[str, Any] | None) -> QuantizeOptions | None:
     act = raw.get("activations", "bfloat16")
     if act not in ACTIVATION_DTYPES:
         raise RecipeError(f"quantize.activations: {act!r}; valid: {', '.join(ACTIVATION_DTYPES)}")
-    return QuantizeOptions(linear, embedding, tuple(skip), act)
+    return QuantizeOptions(linear, embedding, tuple(skip), override_schemes, act)
 
 
 # ---- quantize / dequantize (plain tensors) ---------------------------------------------------
@@ -166,17 +177,46 @@ def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
     return q.float() * scale.float()[:, None]
 
 
-def quantize_int4(w: Tensor, groupsize: int, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def quantize_int4(
+    w: Tensor, groupsize: int, scale_dtype: torch.dtype, search: bool = True
+) -> tuple[Tensor, Tensor]:
     """Group-wise asymmetric: w ≈ (q - 8) * scale + zero per `groupsize` inputs, q in 0..15.
 
+    Starts from each group's min/max; with `search`, also tries clipped ranges and refines
+    each by alternating rounding with a least-squares fit of (scale, zero), keeping per
+    group whichever has the lowest squared error (min/max is a candidate: never worse).
+    Searching cuts the g64 weight error ~14 % on SmolLM2 (whose weights were 4-bit
+    already); it costs ~1 s per layer there, min/max alone ~0.05 s.
     Returns q int32 [N, K] and scales_zeros [K / groupsize, N, 2] (the kernels' layout).
     """
     n, k = w.shape
     wg = w.detach().float().reshape(n, k // groupsize, groupsize)
     lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
-    scale = ((hi - lo) / 15).clamp(min=1e-12).to(scale_dtype).float()
-    zero = (lo + 8 * scale).to(scale_dtype).float()  # q = 0 lands on the group minimum
-    q = ((wg - zero[..., None]) / scale[..., None] + 8).round().clamp(0, 15)
+
+    def fit(scale: Tensor, zero: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        s = scale.clamp(min=1e-12).to(scale_dtype).float()
+        z = zero.to(scale_dtype).float()
+        q = ((wg - z[..., None]) / s[..., None] + 8).round().clamp(0, 15)
+        err = ((q - 8) * s[..., None] + z[..., None] - wg).pow(2).sum(dim=-1)
+        return q, s, z, err
+
+    best = fit((hi - lo) / 15, lo + 8 * (hi - lo) / 15)  # q = 0 lands on the group minimum
+    for shrink in (1.0, 0.9) if search else ():
+        mid, half = (lo + hi) / 2, (hi - lo) / 2 * shrink
+        cand = fit(half / 7.5, mid - half + 8 * half / 7.5)
+        for _ in range(2):
+            c = cand[0] - 8
+            c_mean, w_mean = c.mean(dim=-1), wg.mean(dim=-1)
+            var = (c - c_mean[..., None]).pow(2).mean(dim=-1)
+            cov = ((c - c_mean[..., None]) * (wg - w_mean[..., None])).mean(dim=-1)
+            scale = torch.where(var > 0, cov / var.clamp(min=1e-12), cand[1])
+            cand = fit(scale, w_mean - scale * c_mean)
+        better = cand[3] < best[3]
+        best = tuple(
+            torch.where(better[..., None] if c.dim() == 3 else better, c, b)
+            for c, b in zip(cand, best, strict=True)
+        )
+    q, scale, zero, _ = best
     scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
     return q.to(torch.int32).reshape(n, k), scales_zeros.to(scale_dtype)
 
@@ -221,10 +261,37 @@ def kernel_problem(kind: str, device: str, act: str) -> str | None:
             aten._weight_int8pack_mm(x, q, s)
         else:
             q, sz = quantize_int4(w, 32, dtype)
-            aten._weight_int4pack_mm_for_cpu(x, pack_int4(q, "cpu"), 32, sz)
+            packed, g = pack_int4(q, "cpu"), torch.tensor([32])
+            torch.ops.quantized.int4mm_packed_weight_cpu(x, packed, g, sz)
     except (RuntimeError, NotImplementedError) as e:
         return str(e).splitlines()[0]
     return None
+
+
+@cache
+def _register_int4_lowering() -> None:
+    """Lower `quantized.int4mm_packed_weight_cpu` to the extern kernel Inductor itself uses
+    for `aten._weight_int4pack_mm_for_cpu` (C shim `aoti_torch_cpu__weight_int4pack_mm_cpu_tensor`).
+
+    Inductor's own lowering of the aten op makes the group size an anonymous constant
+    (`constantN`) that a package with weights outside the .so has no value for; without a
+    lowering, this op would go through AOTI's slow proxy executor. Inductor internals:
+    torch is pinned, and tests/test_quantize.py compiles an int4 graph to catch a change.
+    Only the non-autotuned kernel: max_autotune's C++ int4 micro-GEMM is not used.
+    """
+    from torch._inductor import ir
+    from torch._inductor.lowering import register_lowering
+    from torch._inductor.mkldnn_ir import WeightInt4PackMatmul
+
+    op = torch.ops.quantized.int4mm_packed_weight_cpu
+
+    @register_lowering(op, type_promotion_kind=None)
+    def _lower(x: Any, w: Any, groupsize: Any, scales_zeros: Any) -> Any:
+        args = [
+            ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(t))
+            for t in (x, w, groupsize, scales_zeros)
+        ]
+        return ir.TensorBox.create(WeightInt4PackMatmul.create(*args))
 
 
 # ---- the graph pass --------------------------------------------------------------------------
@@ -257,6 +324,8 @@ class QuantizePass:
                     f"platform ({torch.backends.cpu.get_cpu_capability()}, torch "
                     f"{torch.__version__}): {problem}. Use another scheme or drop `quantize`"
                 )
+        if options.linear and options.linear.kind == "int4":
+            _register_int4_lowering()
         self._cache: dict[tuple, _Quantized] = {}
         self._keep: list[Tensor] = []  # sources stay alive so their ids stay unique
         self.quantized: dict[str, str] = {}  # op name -> scheme label
@@ -284,10 +353,10 @@ class QuantizePass:
             reasons.setdefault(reason, set()).add(_layer_glob(name))
         for reason, names in sorted(reasons.items()):
             notes.append(f"quantize: kept in float ({reason}): {', '.join(sorted(names))}")
-        for pattern in o.skip:
+        for pattern in (*o.skip, *(p for p, _ in o.overrides)):
             if not any(fnmatch.fnmatchcase(n, pattern) for n in self.seen):
                 notes.append(
-                    f"warning: quantize.skip pattern {pattern!r} matched no linear or embedding; "
+                    f"warning: quantize pattern {pattern!r} matched no linear or embedding; "
                     "patterns are globs on module paths like 'lm_head' or "
                     "'model.layers.*.mlp.down_proj' (or on weight names)"
                 )
@@ -314,12 +383,13 @@ class QuantizePass:
         lin_kernel = (
             "aten._weight_int8pack_mm"
             if lin and lin.kind == "int8"
-            else "aten._weight_int4pack_mm_for_cpu"
+            else "quantized.int4mm_packed_weight_cpu (the aten._weight_int4pack_mm_for_cpu kernel)"
         )
         return {
             "linear": describe(lin, lin_kernel),
             "embedding": describe(self.options.embedding, "gather + scale"),
             "skip": list(self.options.skip),
+            "overrides": {p: s.label for p, s in self.options.overrides},
             "quantized": dict(sorted(self.quantized.items())),
             "kept_float": dict(sorted(self.skipped.items())),
         }
@@ -338,16 +408,20 @@ class QuantizePass:
         new_specs: list[InputSpec] = []
         added: dict[str, Node] = {}  # target -> placeholder (one per graph)
         replaced: set[Node] = set()
+        inputs: dict[Node, Node] = {}  # activation -> its 2-D, kernel-dtype version
 
         def constant(target: str, t: Tensor) -> Node:
             if target not in added:
                 with graph.inserting_before(first_user):
-                    node = graph.placeholder("c_" + target.replace(".", "_"))
+                    node = graph.placeholder("b_" + target.replace(".", "_"))
                 node.meta["val"] = fake_mode.from_tensor(t, static_shapes=True)
+                # A persistent buffer, not a CONSTANT_TENSOR: `ep.module()` then registers it
+                # under its name, and AOTInductor asks for it by that name (a plain tensor
+                # constant would come back anonymous, as `_tensor_constantN`).
                 new_specs.append(
-                    InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(node.name), target)
+                    InputSpec(InputKind.BUFFER, TensorArgument(node.name), target, persistent=True)
                 )
-                constants[target] = t
+                state_dict[target] = t
                 added[target] = node
             return added[target]
 
@@ -364,7 +438,7 @@ class QuantizePass:
         for node in list(graph.nodes):
             if node.op != "call_function":
                 continue
-            if node.target is aten.linear.default and self.options.linear:
+            if node.target is aten.linear.default:
                 weight = node.args[1]
                 scheme = self.options.linear
             elif node.target is aten.embedding.default and self.options.embedding:
@@ -382,16 +456,14 @@ class QuantizePass:
             source = tensors[spec.target]
             name = _op_name(node, spec.target)
             self.seen.update((name, spec.target))
-            pattern = next(
-                (
-                    p
-                    for p in self.options.skip
-                    if fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(spec.target, p)
-                ),
-                None,
-            )
+            names = (name, spec.target)
+            pattern = next((p for p in self.options.skip if _matches(p, names)), None)
             if pattern is not None:
                 self.skipped[name] = f"skip pattern {pattern!r}"
+                continue
+            if node.target is aten.linear.default:
+                scheme = next((s for p, s in self.options.overrides if _matches(p, names)), scheme)
+            if scheme is None:
                 continue
             device = source.device.type
             if scheme.kind == "int4":
@@ -401,9 +473,12 @@ class QuantizePass:
                     continue
             q = self._quantize(source, scheme, device)
             nodes = {sfx: constant(f"{spec.target}_{sfx}", t) for sfx, t in q.tensors.items()}
+            if scheme.kind == "int4":
+                g = scheme.groupsize
+                nodes["groupsize"] = constant(f"int4_groupsize_{g}", self._groupsize(g))
             with graph.inserting_before(node):
                 if node.target is aten.linear.default:
-                    out = self._linear(node, nodes, scheme, device, emit)
+                    out = self._linear(node, nodes, scheme, device, emit, inputs)
                 else:
                     out = self._embedding(node, nodes, emit)
             node.replace_all_uses_with(out)
@@ -439,6 +514,14 @@ class QuantizePass:
             verifiers=ep.verifiers,
         )
 
+    def _groupsize(self, g: int) -> Tensor:
+        # One tensor object per group size (shared by all graphs); [1], not 0-d, so that
+        # Inductor inlines it as a tiny computed buffer instead of a bound constant.
+        key = ("groupsize", g)
+        if key not in self._cache:
+            self._cache[key] = _Quantized({"g": torch.tensor([g])}, Scheme("int4", g), 0)
+        return self._cache[key].tensors["g"]
+
     def _quantize(self, source: Tensor, scheme: Scheme, device: str) -> _Quantized:
         """Quantize once per (source tensor, scheme): every graph gets the same objects."""
         key = (id(source), scheme, self.options.activations)
@@ -454,12 +537,19 @@ class QuantizePass:
                 tensors = {sfx: pack_int4(q, device), f"{sfx}_scales_zeros": sz.to(device)}
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             self._cache[key] = _Quantized(tensors, scheme, nbytes)
-            self.float_bytes += source.numel() * source.element_size()
+            if not any(t is source for t in self._keep[:-1]):  # a tied weight counts once
+                self.float_bytes += source.numel() * source.element_size()
             self.quant_bytes += nbytes
         return self._cache[key]
 
     def _linear(
-        self, node: Node, consts: dict[str, Node], scheme: Scheme, device: str, emit
+        self,
+        node: Node,
+        consts: dict[str, Node],
+        scheme: Scheme,
+        device: str,
+        emit: Any,
+        inputs: dict[Node, Node],
     ) -> Node:
         x, _w, *rest = node.args
         bias = rest[0] if rest else None
@@ -474,28 +564,42 @@ class QuantizePass:
                 d if isinstance(d, int) else emit(node, aten.sym_size.int, x, i)
                 for i, d in enumerate(lead)
             ] + [n]
-        h = emit(node, aten.view.default, x, [-1, k])
         act = self.act_dtype
-        if x_val.dtype != act:
-            h = emit(node, aten._to_copy.default, h, dtype=act)
-        if scheme.kind == "int8" and device == "cpu":
+        # q/k/v (and gate/up) read the same activation: cast it once, not once per op.
+        if x not in inputs:
+            h = emit(node, aten.view.default, x, [-1, k])
+            if x_val.dtype != act:
+                h = emit(node, aten._to_copy.default, h, dtype=act)
+            inputs[x] = h
+        h = inputs[x]
+        if scheme.kind == "int8":
+            # CPU and CUDA (AOTI has a C shim for both; the CUDA path is UNTESTED).
             h = emit(
                 node, aten._weight_int8pack_mm.default, h, consts["int8"], consts["int8_scales"]
             )
-        elif scheme.kind == "int8":
-            # UNTESTED (no GPU here): gpt-fast's dequantize-then-linear, which Inductor
-            # fuses on CUDA; `_weight_int8pack_mm` has no CUDA kernel to rely on.
-            w = emit(node, aten._to_copy.default, consts["int8"], dtype=act)
-            h = emit(node, aten.mm.default, h, emit(node, aten.t.default, w))
-            h = emit(node, aten.mul.Tensor, h, consts["int8_scales"])
-        else:
+        elif device == "cpu":
+            # The same kernel as `aten._weight_int4pack_mm_for_cpu`, whose Inductor lowering
+            # would add the group size as an anonymous runtime constant the package cannot
+            # bind; this op takes it as a (small, inlined) tensor. See `_register_int4_lowering`.
             sfx = f"int4g{scheme.groupsize}"
-            op = (
-                aten._weight_int4pack_mm_for_cpu.default
-                if device == "cpu"
-                else aten._weight_int4pack_mm.default  # UNTESTED (no GPU here)
+            h = emit(
+                node,
+                torch.ops.quantized.int4mm_packed_weight_cpu.default,
+                h,
+                consts[sfx],
+                consts["groupsize"],
+                consts[f"{sfx}_scales_zeros"],
             )
-            h = emit(node, op, h, consts[sfx], scheme.groupsize, consts[f"{sfx}_scales_zeros"])
+        else:  # UNTESTED (no GPU here): tinygemm on CUDA
+            sfx = f"int4g{scheme.groupsize}"
+            h = emit(
+                node,
+                aten._weight_int4pack_mm.default,
+                h,
+                consts[sfx],
+                scheme.groupsize,
+                consts[f"{sfx}_scales_zeros"],
+            )
         if out_val.dtype != act:
             h = emit(node, aten._to_copy.default, h, dtype=out_val.dtype)
         h = emit(node, aten.view.default, h, out_shape)
@@ -514,6 +618,10 @@ class QuantizePass:
         return emit(node, aten.mul.Tensor, rows, emit(node, aten.unsqueeze.default, scales, -1))
 
 
+def _matches(pattern: str, names: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(n, pattern) for n in names)
+
+
 def _op_name(node: Node, weight_target: str) -> str:
     """The module path of the op (`lm_head`, `model.layers.0.mlp.up_proj`) when export
     recorded it, else the weight's name without `.weight`."""
@@ -529,3 +637,9 @@ def quantize_pass(raw: dict[str, Any] | None) -> QuantizePass | None:
     """Recipe `quantize:` → the pass (None when the recipe does not quantize)."""
     options = parse_quantize(raw)
     return QuantizePass(options) if options else None
+
+
+def quantize_passes(raw: dict[str, Any] | None) -> list[QuantizePass]:
+    """The builder's hook: the graph passes a `quantize:` mapping asks for."""
+    qp = quantize_pass(raw)
+    return [qp] if qp else []

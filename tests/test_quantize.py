@@ -1,0 +1,344 @@
+"""Weight-only quantization (issue 3): the math, the graph pass, and two tiny compiled builds.
+
+Bounds used below, and why:
+- round trip: every dequantized weight is within half a quantization step (scale / 2) of
+  the original, since scales are rounded to bf16 *before* the integers are chosen; on
+  Gaussian weights the relative Frobenius error is ~0.75 % (int8) and 8-11 % (int4, g32..256).
+- compiled package vs the same quantized graph run eagerly (same kernels, same bf16
+  activations): relative logit error < 1e-4 (measured 0: bit-identical on prefill); a
+  1-ulp fp32 difference upstream could move one bf16 rounding, hence not exactly 0.
+- package vs the fp32 model: relative logit error < 5 % (int8) and < 15 % (int4 g32 with
+  lm_head int8): the quantization noise of 15 random layers (measured 1.0 % and 5.9 %).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY_RECIPE
+from safetensors import safe_open
+from tiny import make_tiny_checkpoint
+
+from aotgen.checkpoint.hf import open_checkpoint
+from aotgen.export.aoti import example_inputs, export_graph, graph_specs
+from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
+from aotgen.package.build import build, graph_signature
+from aotgen.passes.quantize import (
+    QuantizePass,
+    dequantize_int4,
+    dequantize_int8,
+    pack_int4,
+    parse_quantize,
+    quantize_int4,
+    quantize_int8,
+)
+from aotgen.recipe import RecipeError, parse_recipe
+from aotgen.runtime.engine import Engine, GenerationConfig
+
+INT8 = {"linear": "int8", "embedding": "int8", "skip": ["model.layers.1.mlp.down_proj"]}
+INT4 = {"linear": {"int4": {"groupsize": 32}}, "overrides": {"lm_head": "int8"}}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+# ---- quantize / dequantize ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def weight() -> torch.Tensor:
+    return torch.randn(256, 512, generator=torch.Generator().manual_seed(0)) * 0.05
+
+
+def test_int8_round_trip(weight):
+    q, scale = quantize_int8(weight, torch.bfloat16)
+    assert q.dtype == torch.int8 and scale.dtype == torch.bfloat16 and scale.shape == (256,)
+    err = (dequantize_int8(q, scale) - weight).abs()
+    assert (err <= 0.5 * scale.float()[:, None] * (1 + 1e-5)).all()
+    assert _rel(dequantize_int8(q, scale), weight) < 0.01
+
+
+@pytest.mark.parametrize("groupsize,bound", [(32, 0.09), (64, 0.10), (128, 0.11), (256, 0.12)])
+def test_int4_round_trip(weight, groupsize, bound):
+    q, sz = quantize_int4(weight, groupsize, torch.bfloat16, search=False)
+    assert q.min() >= 0 and q.max() <= 15
+    assert sz.shape == (512 // groupsize, 256, 2)
+    deq = dequantize_int4(q, sz, groupsize)
+    step = sz[..., 0].float().t().repeat_interleave(groupsize, dim=1)
+    assert ((deq - weight).abs() <= 0.5 * step * (1 + 1e-5)).all()  # min/max: no clipping
+    assert _rel(deq, weight) < bound
+    # The (default) search clips and refits per group: never worse, here ~8 % better.
+    searched = dequantize_int4(*quantize_int4(weight, groupsize, torch.bfloat16), groupsize)
+    assert _rel(searched, weight) < 0.95 * _rel(deq, weight)
+
+
+def test_kernels_use_the_dequantized_weights(weight):
+    """The aten kernels compute x @ dequantize(w).T: checks layouts and the q - 8 offset."""
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
+    q, s = quantize_int8(weight, torch.float32)
+    ref = x @ dequantize_int8(q, s).T
+    assert _rel(torch.ops.aten._weight_int8pack_mm(x, q, s), ref) < 1e-5
+    q4, sz = quantize_int4(weight, 64, torch.float32)
+    got = torch.ops.quantized.int4mm_packed_weight_cpu(
+        x, pack_int4(q4, "cpu"), torch.tensor([64]), sz
+    )
+    assert _rel(got, x @ dequantize_int4(q4, sz, 64).T) < 1e-5
+    # bf16 activations (what the pass uses): bf16 rounding of x and of the output only.
+    got = torch.ops.aten._weight_int8pack_mm(x.bfloat16(), *quantize_int8(weight, torch.bfloat16))
+    assert _rel(got, ref) < 1e-2
+
+
+# ---- options --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "raw,match",
+    [
+        ({"linear": "int3"}, "unknown scheme 'int3'"),
+        ({"linear": {"int4": {"groupsize": 48}}}, "groupsize 48 is not supported"),
+        ({"linear": {"int4": {"group_size": 64}}}, "unknown key"),
+        ({"linear": "int8", "embeddings": "int8"}, "unknown key"),
+        ({"embedding": "int4"}, "not supported for embeddings"),
+        ({"skip": ["lm_head"]}, "nothing to do"),
+        ({"linear": "int8", "skip": "lm_head", "activations": "fp8"}, "activations"),
+        ("int8", "expected a mapping"),
+        ({"linear": "int8", "overrides": ["lm_head"]}, "overrides: expected"),
+        ({"overrides": {"lm_head": "int2"}}, "unknown scheme 'int2'"),
+    ],
+)
+def test_bad_options(raw, match):
+    with pytest.raises(RecipeError, match=match):
+        parse_quantize(raw)
+
+
+def test_option_forms():
+    assert parse_quantize({"linear": "int4"}).linear.groupsize == 64  # the default
+    o = parse_quantize({"linear": {"int8": {}}, "skip": "lm_head"})
+    assert o.linear.kind == "int8" and o.skip == ("lm_head",)
+    o = parse_quantize({"overrides": {"model.layers.*.mlp.*": {"int4": {"groupsize": 128}}}})
+    assert o.linear is None and o.overrides[0][1].groupsize == 128
+
+
+# ---- the graph pass (export only, no compile) ---------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_model(tiny_checkpoint):
+    ckpt = open_checkpoint(tiny_checkpoint)
+    cfg = ModelConfig.from_hf(ckpt.config)
+    cache_len = TINY_RECIPE["max_seq_len"] + TINY_RECIPE["verify_k"] + 1
+    return load_model(cfg, ckpt.load_weights(), cache_len, torch.float32), cfg, cache_len
+
+
+def _graphs(tiny_model, raw):
+    model, cfg, cache_len = tiny_model
+    qp = QuantizePass(parse_quantize(raw))
+    specs = graph_specs(TINY_RECIPE["prefill_chunk"], TINY_RECIPE["verify_k"])
+    out = []
+    for spec in specs:
+        cache = new_kv_cache(cfg, cache_len)
+        before = export_graph(model, spec, cache)
+        signature = (
+            [s for s in before.graph_signature.input_specs if s.kind.name == "USER_INPUT"],
+            list(before.graph_signature.output_specs),
+        )
+        out.append((spec, signature, qp(export_graph(model, spec, cache))))
+    return qp, out
+
+
+def test_pass_keeps_signatures_and_shares_constants(tiny_model):
+    qp, graphs = _graphs(tiny_model, INT8)
+    assert [spec.name for spec, _, _ in graphs] == ["prefill", "decode", "verify"]
+    for _, (user_inputs, outputs), ep in graphs:
+        specs = ep.graph_signature.input_specs
+        assert [s for s in specs if s.kind.name == "USER_INPUT"] == user_inputs
+        assert list(ep.graph_signature.output_specs) == outputs
+        targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+        assert "aten.linear.default" in targets  # the skipped down_proj
+        assert "aten._weight_int8pack_mm.default" in targets
+        # The float weights of quantized ops are gone from the program.
+        assert "model.layers.0.mlp.up_proj.weight" not in ep.state_dict
+        assert "model.embed_tokens.weight" not in ep.state_dict
+        assert "model.layers.1.mlp.down_proj.weight" in ep.state_dict
+    # Every graph holds the very same quantized tensors: the package stores them once.
+    name = "model.layers.0.mlp.up_proj.weight_int8"
+    assert len({id(ep.state_dict[name]) for _, _, ep in graphs}) == 1
+    assert qp.quantized["model.embed_tokens"] == "int8"
+    assert qp.skipped == {
+        "model.layers.1.mlp.down_proj": "skip pattern 'model.layers.1.mlp.down_proj'"
+    }
+
+
+def test_pass_reports_unfit_weights_and_unmatched_patterns(tiny_model):
+    # hidden 64 is not a multiple of 128: only down_proj (in_features 128) fits int4 g128.
+    qp, _ = _graphs(tiny_model, {"linear": {"int4": {"groupsize": 128}}, "skip": ["lm_haed"]})
+    assert set(qp.quantized) == {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"}
+    assert qp.skipped["lm_head"] == "int4: in_features 64 is not a multiple of groupsize 128"
+    notes = "\n".join(qp.notes())
+    assert "in_features 64 is not a multiple of groupsize 128" in notes
+    assert "warning: quantize pattern 'lm_haed' matched no linear" in notes
+
+
+def test_eager_quantized_graph_is_close_to_fp32(tiny_model):
+    model, cfg, cache_len = tiny_model
+    _, graphs = _graphs(tiny_model, INT8)
+    spec, _, ep = graphs[0]
+    tokens, pos, _ = example_inputs(spec, new_kv_cache(cfg, cache_len))
+    tokens = torch.randint(0, cfg.vocab_size, tokens.shape, generator=torch.Generator())
+    with torch.no_grad():
+        ref = model(tokens, pos, new_kv_cache(cfg, cache_len))
+        got = ep.module()(tokens, pos, new_kv_cache(cfg, cache_len))
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    assert _rel(got, ref) < 0.05
+
+
+# ---- compiled packages: one int8 build (tied embeddings) and one int4 build ----------------
+@pytest.fixture(scope="module")
+def tied_checkpoint(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tied", tie=True, seed=1)
+
+
+def _build(checkpoint: Path, quantize: dict, name: str, project):
+    recipe = parse_recipe(
+        {"checkpoint": str(checkpoint), **TINY_RECIPE, "quantize": quantize}, name, Path(".")
+    )
+    return build(recipe, project)
+
+
+@pytest.fixture(scope="module")
+def int8_build(tied_checkpoint, project):
+    return _build(tied_checkpoint, INT8, "tiny-int8", project)
+
+
+@pytest.fixture(scope="module")
+def int4_build(tiny_checkpoint, project):
+    return _build(tiny_checkpoint, INT4, "tiny-int4", project)
+
+
+@pytest.fixture(params=["int8", "int4"])
+def quantized(request, int8_build, int4_build, tied_checkpoint, tiny_checkpoint):
+    if request.param == "int8":
+        return int8_build, tied_checkpoint, INT8
+    return int4_build, tiny_checkpoint, INT4
+
+
+def test_package_keeps_the_graph_contract(quantized):
+    report, checkpoint, _ = quantized
+    manifest = json.loads((report.path / "manifest.json").read_text())
+    entry = manifest["models"]["target"]
+    cfg = ModelConfig.from_hf(open_checkpoint(checkpoint).config)
+    cache_len = TINY_RECIPE["max_seq_len"] + TINY_RECIPE["verify_k"] + 1
+    cache = new_kv_cache(cfg, cache_len)
+    specs = graph_specs(TINY_RECIPE["prefill_chunk"], TINY_RECIPE["verify_k"])
+    assert list(entry["graphs"]) == [s.name for s in specs]
+    for spec in specs:
+        sig = {k: v for k, v in entry["graphs"][spec.name].items() if k != "package_model"}
+        assert sig == graph_signature(spec, cfg, cache)
+    assert entry["kv_cache"]["dtype"] == "float32"
+    assert entry["kv_cache"]["shape"] == list(cache[0].shape)
+    q = entry["quantization"]
+    assert q["linear"]["activation_dtype"] == "bfloat16"
+    assert q["perplexity"]["package"] > 0
+
+
+def test_package_stores_quantized_weights_once(int8_build, int4_build):
+    with safe_open(str(int8_build.path / "rank0" / "target.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert f.get_slice("model.layers.0.self_attn.q_proj.weight_int8").get_dtype() == "I8"
+    # Tied lm_head + embedding: one int8 tensor serves both, no float copy is left.
+    tied = [n for n in names if n.startswith(("lm_head", "model.embed_tokens"))]
+    assert sorted(tied) == ["lm_head.weight_int8", "lm_head.weight_int8_scales"]
+    assert "model.layers.0.self_attn.q_proj.weight" not in names
+    assert "model.layers.1.mlp.down_proj.weight" in names  # skipped: stays float
+    with safe_open(str(int4_build.path / "rank0" / "target.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.mlp.up_proj.weight_int4g32" in names
+    assert "lm_head.weight_int8" in names and "lm_head.weight" not in names  # the override
+    assert not any(n.endswith(".weight") and "proj" in n for n in names)
+
+
+def test_compiled_matches_eager_quantized_and_fp32(quantized, tiny_model_for):
+    """Each compiled graph vs the same quantized graph run eagerly (tight), and vs the fp32
+    model (loose), on the same inputs and cache state."""
+    report, checkpoint, raw = quantized
+    runner = Engine.load(report.path).target
+    model, cfg, cache_len = tiny_model_for(checkpoint)
+    qp = QuantizePass(parse_quantize(raw))
+    loose = 0.05 if raw is INT8 else 0.15
+    g = torch.Generator().manual_seed(0)
+    specs = graph_specs(TINY_RECIPE["prefill_chunk"], TINY_RECIPE["verify_k"])
+    caches = {k: new_kv_cache(cfg, cache_len) for k in ("eager", "fp32")}
+    eager = {s.name: qp(export_graph(model, s, caches["eager"])).module() for s in specs}
+    for name, start, length in [("prefill", 0, 11), ("decode", 7, 1), ("verify", 9, 5)]:
+        history = torch.randint(0, cfg.vocab_size, (start + length,), generator=g)
+        for c in (*runner.caches, *caches["eager"], *caches["fp32"]):
+            c.zero_()
+        with torch.no_grad():
+            if start:  # the same cache state everywhere, each filled by its own prefill
+                runner.forward(history[:start].tolist(), 0)
+                prefix = (history[None, :start], torch.arange(start))
+                eager["prefill"](*prefix, caches["eager"])
+                model(*prefix, caches["fp32"])
+            tokens, pos = history[None, start:], torch.arange(start, start + length)
+            got = runner.graphs[name](tokens, pos, runner.caches)
+            ref_q = eager[name](tokens, pos, caches["eager"])
+            ref = model(tokens, pos, caches["fp32"])
+        assert _rel(got, ref_q) < 1e-4, name
+        assert _rel(got, ref) < loose, name
+
+
+@pytest.fixture(scope="module")
+def tiny_model_for():
+    models = {}
+
+    def get(checkpoint: Path):
+        if checkpoint not in models:
+            ckpt = open_checkpoint(checkpoint)
+            cfg = ModelConfig.from_hf(ckpt.config)
+            cache_len = TINY_RECIPE["max_seq_len"] + TINY_RECIPE["verify_k"] + 1
+            model = load_model(cfg, ckpt.load_weights(), cache_len, torch.float32)
+            models[checkpoint] = (model, cfg, cache_len)
+        return models[checkpoint]
+
+    return get
+
+
+def test_report_notes_and_perplexity(int8_build, int4_build):
+    notes = "\n".join(int8_build.notes)
+    assert "x int8" in notes and "kept in float (skip pattern" in notes
+    assert "x int4-g32, 1 x int8" in "\n".join(int4_build.notes)  # lm_head's override
+    for report, bound in ((int8_build, 0.02), (int4_build, 0.1)):  # measured 0.3 %, 0.15 %
+        ppl = report.perplexity
+        assert abs(ppl["package"] / ppl["reference"] - 1) < bound, ppl
+
+
+GENERATE = textwrap.dedent(
+    """
+    import sys
+    from aotgen.runtime.engine import Engine, GenerationConfig
+
+    engine = Engine.load(sys.argv[1])
+    ids = engine.tokenizer.encode("The quick brown fox")
+    result = engine.generate(ids, GenerationConfig(max_new_tokens=12, ignore_eos=True))
+    assert len(result.token_ids) == 12, result
+    loaded = sorted(m for m in sys.modules if m.startswith(("aotgen.passes", "aotgen.model")))
+    assert not loaded and "torch._inductor.lowering" not in sys.modules, loaded
+    print("OK", result.token_ids)
+    """
+)
+
+
+@pytest.mark.parametrize("which", ["int8", "int4"])
+def test_unchanged_runtime_generates(which, int8_build, int4_build):
+    """A fresh process, with no aotgen pass (nor the int4 lowering) imported, runs greedy
+    generation on the quantized package; it matches the in-process engine."""
+    report = int8_build if which == "int8" else int4_build
+    proc = subprocess.run(
+        [sys.executable, "-c", GENERATE, str(report.path)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    engine = Engine.load(report.path)
+    ids = engine.tokenizer.encode("The quick brown fox")
+    result = engine.generate(ids, GenerationConfig(max_new_tokens=12, ignore_eos=True))
+    assert proc.stdout.split("OK ")[1].strip() == str(result.token_ids)
