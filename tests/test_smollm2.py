@@ -67,3 +67,30 @@ def test_speculative_ngram_answers_identically(smollm2_package):
     engine = Engine.load(smollm2_package)
     result = engine.generate(FRANCE_IDS, GenerationConfig(max_new_tokens=32, speculative="ngram"))
     assert result.text == ANSWER
+
+
+@pytest.fixture(scope="session")
+def smollm2_int8_package(smollm2_checkpoint, tmp_path_factory) -> Path:
+    from aotgen.package.build import build
+    from aotgen.recipe import Project, load_recipe
+
+    recipe = load_recipe(REPO / "recipes" / "smollm2-135m-int8.yaml", base_dir=REPO)
+    recipe = type(recipe)(**{**recipe.__dict__, "checkpoint": smollm2_checkpoint})
+    root = tmp_path_factory.mktemp("smollm2-int8")
+    project = Project(artifacts_dir=root / "artifacts", cache_dir=REPO / ".aotgen-cache")
+    return build(recipe, project).path
+
+
+def test_int8_answers_france_and_keeps_perplexity(smollm2_int8_package, smollm2_package):
+    """int8 weight-only: same answer, held-out perplexity within 1 % of fp32."""
+    from aotgen.runtime.engine import Engine, GenerationConfig
+    from aotgen.runtime.quality import perplexity
+
+    int8 = Engine.load(smollm2_int8_package)
+    assert int8.generate(FRANCE_IDS, GenerationConfig(max_new_tokens=32)).text == ANSWER
+    text = (REPO / "aotgen" / "data" / "heldout.txt").read_text()
+    ids = int8.tokenizer.encode(text)[:1024]
+    ppl_int8 = perplexity(int8, ids)
+    del int8
+    ppl_fp32 = perplexity(Engine.load(smollm2_package), ids)
+    assert ppl_int8 <= ppl_fp32 * 1.01, (ppl_int8, ppl_fp32)

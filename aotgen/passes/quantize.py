@@ -304,8 +304,24 @@ class _Quantized:
     nbytes: int
 
 
-def _layer_glob(name: str) -> str:
-    return re.sub(r"\.layers\.\d+\.", ".layers.*.", name)
+def _compact(names: set[str]) -> str:
+    """`model.layers.{0-2,5}.mlp.up_proj, lm_head`: one entry per op across layers."""
+    layers: dict[str, list[int]] = {}
+    for name in names:
+        m = re.search(r"\.layers\.(\d+)\.", name)
+        key = name[: m.start(1)] + "{}" + name[m.end(1) :] if m else name
+        layers.setdefault(key, []).extend([int(m.group(1))] if m else [])
+    out = []
+    for key, idx in sorted(layers.items()):
+        spans: list[list[int]] = []
+        for i in sorted(idx):
+            if spans and i == spans[-1][1] + 1:
+                spans[-1][1] = i
+            else:
+                spans.append([i, i])
+        text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+        out.append(key.replace("{}", "{" + text + "}") if idx else key)
+    return ", ".join(out)
 
 
 class QuantizePass:
@@ -314,7 +330,9 @@ class QuantizePass:
     def __init__(self, options: QuantizeOptions):
         self.options = options
         self.act_dtype = getattr(torch, options.activations)
-        for where, scheme in (("linear", options.linear), ("embedding", options.embedding)):
+        schemes = [("linear", options.linear), ("embedding", options.embedding)]
+        schemes += [(f"overrides.{p}", s) for p, s in options.overrides]
+        for where, scheme in schemes:
             if scheme is None:
                 continue
             problem = kernel_problem(scheme.kind, "cpu", options.activations)
@@ -324,8 +342,8 @@ class QuantizePass:
                     f"platform ({torch.backends.cpu.get_cpu_capability()}, torch "
                     f"{torch.__version__}): {problem}. Use another scheme or drop `quantize`"
                 )
-        if options.linear and options.linear.kind == "int4":
-            _register_int4_lowering()
+            if scheme.kind == "int4":
+                _register_int4_lowering()
         self._cache: dict[tuple, _Quantized] = {}
         self._keep: list[Tensor] = []  # sources stay alive so their ids stay unique
         self.quantized: dict[str, str] = {}  # op name -> scheme label
@@ -350,9 +368,9 @@ class QuantizePass:
             )
         reasons: dict[str, set[str]] = {}
         for name, reason in self.skipped.items():
-            reasons.setdefault(reason, set()).add(_layer_glob(name))
+            reasons.setdefault(reason, set()).add(name)
         for reason, names in sorted(reasons.items()):
-            notes.append(f"quantize: kept in float ({reason}): {', '.join(sorted(names))}")
+            notes.append(f"quantize: kept in float ({reason}): {_compact(names)}")
         for pattern in (*o.skip, *(p for p, _ in o.overrides)):
             if not any(fnmatch.fnmatchcase(n, pattern) for n in self.seen):
                 notes.append(
