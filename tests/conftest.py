@@ -48,12 +48,16 @@ def smollm2_checkpoint(tmp_path_factory) -> Path:
     return import_gguf(gguf, tmp_path_factory.mktemp("smollm2") / "smollm2-135m")
 
 
-@pytest.fixture(scope="session")
-def smollm2_package(smollm2_checkpoint, tmp_path_factory) -> Path:
+def build_real_recipe(name: str, checkpoint: Path, root: Path) -> Path:
+    """Build recipes/NAME.yaml against `checkpoint` into a private artifacts dir."""
     from aotgen.package.build import build
 
-    recipe = load_recipe(REPO / "recipes" / "smollm2-135m.yaml", base_dir=REPO)
-    recipe = type(recipe)(**{**recipe.__dict__, "checkpoint": smollm2_checkpoint})
-    root = tmp_path_factory.mktemp("smollm2-project")
+    recipe = load_recipe(REPO / "recipes" / f"{name}.yaml", base_dir=REPO)
+    recipe = type(recipe)(**{**recipe.__dict__, "checkpoint": checkpoint})
     project = Project(artifacts_dir=root / "artifacts", cache_dir=REPO / ".aotgen-cache")
     return build(recipe, project).path
+
+
+@pytest.fixture(scope="session")
+def smollm2_package(smollm2_checkpoint, tmp_path_factory) -> Path:
+    return build_real_recipe("smollm2-135m", smollm2_checkpoint, tmp_path_factory.mktemp("fp32"))

@@ -71,14 +71,9 @@ def test_speculative_ngram_answers_identically(smollm2_package):
 
 @pytest.fixture(scope="session")
 def smollm2_int8_package(smollm2_checkpoint, tmp_path_factory) -> Path:
-    from aotgen.package.build import build
-    from aotgen.recipe import Project, load_recipe
+    from conftest import build_real_recipe
 
-    recipe = load_recipe(REPO / "recipes" / "smollm2-135m-int8.yaml", base_dir=REPO)
-    recipe = type(recipe)(**{**recipe.__dict__, "checkpoint": smollm2_checkpoint})
-    root = tmp_path_factory.mktemp("smollm2-int8")
-    project = Project(artifacts_dir=root / "artifacts", cache_dir=REPO / ".aotgen-cache")
-    return build(recipe, project).path
+    return build_real_recipe("smollm2-135m-int8", smollm2_checkpoint, tmp_path_factory.mktemp("i8"))
 
 
 def test_int8_answers_france_and_keeps_perplexity(smollm2_int8_package, smollm2_package):
