@@ -112,6 +112,9 @@ def build_hash(ckpt: Checkpoint, recipe: Recipe) -> str:
         recipe_dict["speculative"] = {**recipe_dict["speculative"], "draft": "checkpoint"}
     h.update(json.dumps(recipe_dict, sort_keys=True, default=str).encode())
     h.update(f"{__version__}|{torch.__version__}|{json.dumps(target_info())}".encode())
+    # The source itself, not just the version: a changed pass must not look "up to date".
+    for src in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
+        h.update(src.read_bytes())
     return h.hexdigest()
 
 
