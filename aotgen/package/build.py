@@ -275,7 +275,7 @@ def _compile_model(
             ep = export_graph(model, spec, cache)
             for graph_pass in mb.graph_passes:
                 ep = graph_pass(ep)
-            if not spec.dynamic and recipe.compile.decode_gemv == "reduction":
+            if spec.max_tokens == 1 and recipe.compile.decode_gemv == "reduction":
                 ep = gemv_as_reduction(ep)
             eps.append(ep)
         _check_same_code(eps, f"{mb.role}/{spec.name}")
