@@ -173,9 +173,13 @@ def test_unknown_recipe_key_names_valid_keys(tiny_checkpoint):
         parse_recipe({"checkpoint": str(tiny_checkpoint), "max_seq": 10}, "r", Path("."))
 
 
+def _checkpoint_copy(src: Path, tmp_path: Path) -> Path:
+    """A private copy of the tiny checkpoint for a test to damage."""
+    return Path(shutil.copytree(src, tmp_path / "ckpt"))
+
+
 def test_missing_checkpoint_file(tmp_path, tiny_checkpoint, project):
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(tiny_checkpoint, ckpt)
+    ckpt = _checkpoint_copy(tiny_checkpoint, tmp_path)
     (ckpt / "model.safetensors").unlink()
     recipe = parse_recipe({"checkpoint": str(ckpt), **TINY_RECIPE}, "missing", Path("."))
     with pytest.raises(CheckpointError, match="missing weight file"):
@@ -184,8 +188,7 @@ def test_missing_checkpoint_file(tmp_path, tiny_checkpoint, project):
 
 
 def test_truncated_checkpoint_file(tmp_path, tiny_checkpoint, project):
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(tiny_checkpoint, ckpt)
+    ckpt = _checkpoint_copy(tiny_checkpoint, tmp_path)
     data = (ckpt / "model.safetensors").read_bytes()
     (ckpt / "model.safetensors").write_bytes(data[: len(data) // 2])
     recipe = parse_recipe({"checkpoint": str(ckpt), **TINY_RECIPE}, "truncated", Path("."))
@@ -195,8 +198,7 @@ def test_truncated_checkpoint_file(tmp_path, tiny_checkpoint, project):
 
 
 def test_unsupported_architecture(tmp_path, tiny_checkpoint, project):
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(tiny_checkpoint, ckpt)
+    ckpt = _checkpoint_copy(tiny_checkpoint, tmp_path)
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["architectures"] = ["MambaForCausalLM"]
     (ckpt / "config.json").write_text(json.dumps(cfg))
