@@ -23,8 +23,8 @@ class RecipeError(ValueError):
 @dataclass(frozen=True)
 class CompileOptions:
     max_autotune: bool = False
-    # Single-token linears: "reduction" (Inductor-generated, see passes/gemv.py) or "blas".
-    decode_gemv: str = "reduction"
+    # Decode / verify linears: "reduction" (Inductor-generated, see passes/gemv.py) or "blas".
+    few_token_linears: str = "reduction"
 
 
 @dataclass(frozen=True)
@@ -77,8 +77,8 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
         compile_opts,
         [f.name for f in dataclasses.fields(CompileOptions)],
     )
-    if compile_opts.get("decode_gemv", "reduction") not in ("reduction", "blas"):
-        raise RecipeError(f"recipe {name!r} compile.decode_gemv: 'reduction' or 'blas'")
+    if compile_opts.get("few_token_linears", "reduction") not in ("reduction", "blas"):
+        raise RecipeError(f"recipe {name!r} compile.few_token_linears: 'reduction' or 'blas'")
     ckpt = Path(data.pop("checkpoint"))
     if not ckpt.is_absolute():
         ckpt = base_dir / ckpt

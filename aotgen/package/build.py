@@ -49,7 +49,7 @@ from aotgen.package.manifest import (
     verify_files,
     write_manifest,
 )
-from aotgen.passes.gemv import gemv_as_reduction
+from aotgen.passes.gemv import linears_as_reductions
 from aotgen.passes.tp import (
     fake_process_group,
     parse_parallel,
@@ -275,8 +275,8 @@ def _compile_model(
             ep = export_graph(model, spec, cache)
             for graph_pass in mb.graph_passes:
                 ep = graph_pass(ep)
-            if spec.max_tokens == 1 and recipe.compile.decode_gemv == "reduction":
-                ep = gemv_as_reduction(ep)
+            if not spec.dynamic and recipe.compile.few_token_linears == "reduction":
+                ep = linears_as_reductions(ep)
             eps.append(ep)
         _check_same_code(eps, f"{mb.role}/{spec.name}")
         ep = eps[0]
