@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.export import ExportedProgram
 
@@ -44,11 +43,12 @@ from aotgen.package.manifest import (
     FORMAT_VERSION,
     PackageError,
     read_manifest,
-    sha256_file,
+    sha256_chunks,
     target_info,
     verify_files,
     write_manifest,
 )
+from aotgen.package.weights import save_aligned
 from aotgen.passes.gemv import linears_as_reductions
 from aotgen.passes.tp import (
     fake_process_group,
@@ -105,7 +105,7 @@ def build_hash(ckpt: Checkpoint, recipe: Recipe) -> str:
         f for c in ckpts for f in (c.path / "config.json", *c.weight_files, *c.tokenizer_files)
     ]
     for f in files:
-        h.update(f"{f.name}:{sha256_file(f)}\n".encode())
+        h.update(f"{f.name}:{sha256_chunks(f)}\n".encode())
     recipe_dict = recipe.to_dict()
     recipe_dict.pop("checkpoint")  # the content counts, not where it lies
     if "checkpoint" in draft:
@@ -160,7 +160,7 @@ def _save_constants(path: Path, tensors: dict[str, Tensor]) -> tuple[dict[str, s
         else:
             by_storage[key] = name
             unique[name] = t.contiguous()
-    save_file(unique, str(path))
+    save_aligned(unique, path)
     return aliases, sum(t.numel() * t.element_size() for t in unique.values())
 
 

@@ -8,27 +8,45 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
+import os
 import platform
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 ISA_ORDER = ("DEFAULT", "AVX2", "AVX512")
+# Files are hashed in chunks so that all cores verify a package at load (one sha256 over
+# 555 MB takes ~0.4 s on one core). `split -b 64M FILE && sha256sum x*` gives the same list.
+HASH_CHUNK_BYTES = 64 << 20
 
 
 class PackageError(RuntimeError):
     """A package that must not be loaded, with the reason and what to do."""
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+def sha256_chunks(path: Path, chunk_bytes: int = HASH_CHUNK_BYTES) -> list[str]:
+    """sha256 of each `chunk_bytes` piece of the file, hashed in parallel (hashlib drops
+    the GIL while hashing, and the mapping saves a copy per byte)."""
+    size = path.stat().st_size
+    if size == 0:
+        return [hashlib.sha256().hexdigest()]
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        view = memoryview(mapped)
+        starts = range(0, size, chunk_bytes)
+
+        def digest(start: int) -> str:
+            return hashlib.sha256(view[start : start + chunk_bytes]).hexdigest()
+
+        try:
+            with ThreadPoolExecutor(min(len(starts), os.cpu_count() or 1)) as pool:
+                return list(pool.map(digest, starts))
+        finally:
+            view.release()
 
 
 def target_info() -> dict[str, str]:
@@ -41,19 +59,19 @@ def target_info() -> dict[str, str]:
 
 
 def hash_files(root: Path) -> dict[str, dict[str, Any]]:
-    """sha256 and size of every file under `root` except the manifest itself."""
+    """sha256 (per chunk) and size of every file under `root` except the manifest itself."""
     files = {}
     for p in sorted(root.rglob("*")):
         if p.is_file() and p.name != MANIFEST:
             files[p.relative_to(root).as_posix()] = {
-                "sha256": sha256_file(p),
+                "sha256": sha256_chunks(p),
                 "bytes": p.stat().st_size,
             }
     return files
 
 
 def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
-    manifest = {**manifest, "files": hash_files(root)}
+    manifest = {**manifest, "hash_chunk_bytes": HASH_CHUNK_BYTES, "files": hash_files(root)}
     (root / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
@@ -104,7 +122,8 @@ def verify_files(manifest: dict[str, Any], root: Path) -> None:
         path = root / rel
         if not path.is_file():
             raise PackageError(f"{root}: file {rel} is missing; rebuild or re-copy the package")
-        if path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
+        size_ok = path.stat().st_size == entry["bytes"]
+        if not size_ok or sha256_chunks(path, manifest["hash_chunk_bytes"]) != entry["sha256"]:
             raise PackageError(
                 f"{root}: {rel} does not match its sha256 in the manifest (corrupt or "
                 "tampered); refusing to load native code from it. Rebuild the package"

@@ -47,16 +47,22 @@ def linears_as_reductions(ep: ExportedProgram, max_rows: int = MAX_ROWS) -> Expo
             continue
         rows = math.prod(lead)
 
-        def add(target, *args):
-            out = graph.call_function(target, args)
-            out.meta["val"] = target(*map_arg(args, lambda n: n.meta["val"]))
+        def add(target, *args, **kwargs):
+            out = graph.call_function(target, args, kwargs)
+            vals, kwvals = map_arg((args, kwargs), lambda n: n.meta["val"])
+            out.meta["val"] = target(*vals, **kwvals)
             return out
 
         with graph.inserting_before(node), x_val.fake_mode:
-            flat = add(aten.reshape.default, x, [rows, x_val.shape[-1]])
+            # Rows taken with as_strided from a fresh contiguous copy: Inductor's as_strided
+            # lowering materialises its input, so the rows are computed once. Otherwise the
+            # producer (e.g. an RMSNorm) is inlined into the reduction and recomputed for
+            # every output row: that made a verify step's 49k-row head 2x slower.
+            dense = add(aten.clone.default, x, memory_format=torch.contiguous_format)
+            k = x_val.shape[-1]
             sums = []
             for r in range(rows):
-                row = add(aten.select.int, flat, 0, r)
+                row = add(aten.as_strided.default, dense, [k], [1], r * k)
                 sums.append(add(aten.sum.dim_IntList, add(aten.mul.Tensor, row, weight), [-1]))
             out = add(aten.reshape.default, add(aten.stack.default, sums), [*lead, -1])
             if bias is not None:

@@ -150,8 +150,10 @@ class Engine {
 // Throws PackageError. Engine::load calls this before loading any native code.
 std::string verify_package(const std::filesystem::path& package_dir, bool check_hashes = true);
 
-// Lowercase hex sha256 of a file (OpenSSL EVP).
-std::string sha256_file(const std::filesystem::path& path);
+// Lowercase hex sha256 (OpenSSL EVP) of each `chunk_bytes` piece of a file, the pieces
+// hashed on all cores (manifest.py sha256_chunks).
+std::vector<std::string> sha256_chunks(const std::filesystem::path& path,
+                                       std::size_t chunk_bytes);
 
 // The CPU capability torch dispatches to here ("DEFAULT", "AVX2", "AVX512", ...) and the
 // platform string the manifest uses ("linux-x86_64").

@@ -7,11 +7,14 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <mutex>
 #include <cctype>
 #include <cstring>
 #include <fstream>
 #include <memory>
 #include <set>
+#include <thread>
 
 #include <ATen/Version.h>
 #include <ATen/ops/empty.h>
@@ -28,7 +31,7 @@ using json = nlohmann::json;
 
 namespace {
 
-constexpr int kFormatVersion = 1;
+constexpr int kFormatVersion = 2;
 constexpr const char* kManifest = "manifest.json";
 constexpr std::array<std::string_view, 3> kIsaOrder = {"DEFAULT", "AVX2", "AVX512"};
 
@@ -88,6 +91,8 @@ bool inside_package(const std::string& rel) {
 void verify_files(const json& manifest, const fs::path& root) {
   const auto& listed = manifest.at("files");
   if (!listed.is_object()) throw PackageError(root.string() + ": manifest `files` is malformed");
+  const auto chunk_bytes = manifest.at("hash_chunk_bytes").get<std::size_t>();
+  if (chunk_bytes == 0) throw PackageError(root.string() + ": manifest hash_chunk_bytes is 0");
   for (const auto& [rel, entry] : listed.items()) {
     if (!inside_package(rel)) {
       throw PackageError(root.string() + ": manifest lists a file outside the package: " + rel);
@@ -98,7 +103,7 @@ void verify_files(const json& manifest, const fs::path& root) {
                          " is missing; rebuild or re-copy the package");
     }
     if (fs::file_size(path) != entry.at("bytes").get<std::uintmax_t>() ||
-        sha256_file(path) != entry.at("sha256").get<std::string>()) {
+        sha256_chunks(path, chunk_bytes) != entry.at("sha256").get<std::vector<std::string>>()) {
       throw PackageError(root.string() + ": " + rel +
                          " does not match its sha256 in the manifest (corrupt or tampered); "
                          "refusing to load native code from it. Rebuild the package");
@@ -135,7 +140,8 @@ StDtype safetensors_dtype(const std::string& name) {
 // A private read-only mapping of a whole file.
 class Mapping {
  public:
-  explicit Mapping(const fs::path& path) {
+  // populate: fault every page in now (one call) rather than one fault per page later.
+  explicit Mapping(const fs::path& path, bool populate = false) {
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) throw PackageError("cannot open " + path.string() + ": " + std::strerror(errno));
     struct stat st {};
@@ -144,7 +150,8 @@ class Mapping {
       throw PackageError("cannot read " + path.string() + " (empty or unreadable)");
     }
     size_ = static_cast<std::size_t>(st.st_size);
-    void* data = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    void* data =
+        ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE | (populate ? MAP_POPULATE : 0), fd, 0);
     ::close(fd);
     if (data == MAP_FAILED) {
       throw PackageError("cannot map " + path.string() + ": " + std::strerror(errno));
@@ -162,29 +169,15 @@ class Mapping {
   std::size_t size_ = 0;
 };
 
-}  // namespace
-
-std::string sha256_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw PackageError("cannot read " + path.string());
+std::string sha256_hex(const char* data, std::size_t size) {
   const std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx(EVP_MD_CTX_new(),
                                                                      &EVP_MD_CTX_free);
-  if (!ctx || EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) != 1) {
-    throw std::runtime_error("OpenSSL: cannot initialise sha256");
-  }
-  std::vector<char> buffer(std::size_t{4} << 20);
-  while (in) {
-    in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
-    if (in.gcount() > 0 &&
-        EVP_DigestUpdate(ctx.get(), buffer.data(), static_cast<std::size_t>(in.gcount())) != 1) {
-      throw std::runtime_error("OpenSSL: sha256 update failed");
-    }
-  }
-  if (in.bad()) throw PackageError("error reading " + path.string());
   std::array<unsigned char, EVP_MAX_MD_SIZE> digest{};
   unsigned int length = 0;
-  if (EVP_DigestFinal_ex(ctx.get(), digest.data(), &length) != 1) {
-    throw std::runtime_error("OpenSSL: sha256 final failed");
+  if (!ctx || EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) != 1 ||
+      EVP_DigestUpdate(ctx.get(), data, size) != 1 ||
+      EVP_DigestFinal_ex(ctx.get(), digest.data(), &length) != 1) {
+    throw std::runtime_error("OpenSSL: sha256 failed");
   }
   static constexpr char kHex[] = "0123456789abcdef";
   std::string hex;
@@ -193,6 +186,38 @@ std::string sha256_file(const fs::path& path) {
     hex += kHex[digest[i] & 15];
   }
   return hex;
+}
+
+}  // namespace
+
+std::vector<std::string> sha256_chunks(const fs::path& path, std::size_t chunk_bytes) {
+  if (fs::file_size(path) == 0) return {sha256_hex(nullptr, 0)};
+  const Mapping mapping(path);
+  const std::size_t n = (mapping.size() + chunk_bytes - 1) / chunk_bytes;
+  std::vector<std::string> digests(n);
+  std::atomic<std::size_t> next{0};
+  std::exception_ptr error;
+  std::mutex error_mutex;
+  const auto work = [&] {
+    for (std::size_t i; (i = next++) < n;) {
+      try {
+        const std::size_t start = i * chunk_bytes;
+        digests[i] = sha256_hex(mapping.data() + start,
+                                std::min(chunk_bytes, mapping.size() - start));
+      } catch (...) {
+        const std::lock_guard<std::mutex> lock(error_mutex);
+        error = std::current_exception();
+      }
+    }
+  };
+  const std::size_t workers =
+      std::min<std::size_t>(n, std::max(1u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> threads;
+  for (std::size_t w = 1; w < workers; ++w) threads.emplace_back(work);
+  work();
+  for (auto& t : threads) t.join();
+  if (error) std::rethrow_exception(error);
+  return digests;
 }
 
 std::string cpu_capability() { return at::get_cpu_capability(); }
@@ -246,7 +271,7 @@ at::ScalarType dtype_from_name(const std::string& name) {
 }
 
 std::unordered_map<std::string, at::Tensor> load_safetensors(const fs::path& path) {
-  const auto mapping = std::make_shared<Mapping>(path);
+  const auto mapping = std::make_shared<Mapping>(path, /*populate=*/true);
   const auto bad = [&](const std::string& why) {
     return PackageError(path.string() + " is not a valid safetensors file: " + why);
   };
@@ -265,7 +290,8 @@ std::unordered_map<std::string, at::Tensor> load_safetensors(const fs::path& pat
   }
   std::unordered_map<std::string, at::Tensor> tensors;
   for (const auto& [name, info] : header.items()) {
-    if (name == "__metadata__") continue;
+    // __pad*: fillers that keep every tensor 64-byte aligned (package/weights.py).
+    if (name == "__metadata__" || name.rfind("__pad", 0) == 0) continue;
     try {
       const auto dtype = safetensors_dtype(info.at("dtype").get<std::string>());
       const auto shape = info.at("shape").get<std::vector<int64_t>>();
