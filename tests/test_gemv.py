@@ -40,3 +40,32 @@ def test_more_rows_than_the_limit_keep_blas():
     model = TwoLinears().eval()
     ep = linears_as_reductions(torch.export.export(model, (torch.randn(1, 9, 24),)))
     assert _targets(ep).count(aten.linear.default) == 2
+
+
+class Int8Matmul(nn.Module):
+    """The op the quantize pass emits for an int8 linear: bf16 activations, int8 weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        w = torch.randn(40, 64)
+        self.register_buffer("scales", (w.abs().amax(1) / 127).to(torch.bfloat16))
+        self.register_buffer("q", (w / self.scales.float()[:, None]).round().to(torch.int8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scales)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_int8_matmul_rewrite_matches_the_kernel(tokens):
+    torch.manual_seed(0)
+    model = Int8Matmul().eval()
+    x = torch.randn(tokens, 64)
+    ep = linears_as_reductions(torch.export.export(model, (x,)))
+    assert aten._weight_int8pack_mm.default not in _targets(ep)
+    # Exact product in float32 of what the kernel sees; outputs are bf16: one bf16 step.
+    w = model.q.float() * model.scales.float()[:, None]
+    ref = x.to(torch.bfloat16).float() @ w.T
+    tol = {"rtol": 2**-7, "atol": ref.abs().max().item() * 2**-8}
+    torch.testing.assert_close(model(x).float(), ref, **tol)  # the kernel itself
+    torch.testing.assert_close(ep.module()(x).float(), ref, **tol)
+    torch.testing.assert_close(torch.compile(ep.module())(x).float(), ref, **tol)

@@ -31,21 +31,29 @@ MAX_ROWS = 8  # beyond this the unrolled kernel grows and BLAS reuse starts to p
 
 
 def linears_as_reductions(ep: ExportedProgram, max_rows: int = MAX_ROWS) -> ExportedProgram:
-    """Rewrite `aten.linear` nodes with at most `max_rows` static rows, in place.
+    """Rewrite `aten.linear` and int8 weight-only matmuls with <= `max_rows` static rows.
 
-    Dynamic-shape linears (prefill) and quantized ops are left as they are.
+    Dynamic-shape matmuls (prefill) and int4 ops are left as they are. The int8 kernel
+    (`_weight_int8pack_mm`, bf16 activations) becomes `(x.float() * w_int8.float()).sum(-1)
+    * scale` in float32: the same stream of int8 weights without the kernel's overhead.
     """
     graph = ep.graph_module.graph
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target != aten.linear.default:
+        if node.op != "call_function":
             continue
-        x, weight, *rest = node.args
-        bias = rest[0] if rest else None
+        if node.target == aten.linear.default:
+            x, weight, *rest = node.args
+            bias, scales = (rest[0] if rest else None), None
+        elif node.target == aten._weight_int8pack_mm.default:
+            x, weight, scales = node.args
+            bias = None
+        else:
+            continue
         x_val = x.meta["val"]
         lead = x_val.shape[:-1]
         if not all(isinstance(d, int) for d in lead) or math.prod(lead) > max_rows:
             continue
-        rows = math.prod(lead)
+        rows, k = math.prod(lead), x_val.shape[-1]
 
         def add(target, *args, **kwargs):
             out = graph.call_function(target, args, kwargs)
@@ -59,12 +67,20 @@ def linears_as_reductions(ep: ExportedProgram, max_rows: int = MAX_ROWS) -> Expo
             # producer (e.g. an RMSNorm) is inlined into the reduction and recomputed for
             # every output row: that made a verify step's 49k-row head 2x slower.
             dense = add(aten.clone.default, x, memory_format=torch.contiguous_format)
-            k = x_val.shape[-1]
+            if scales is not None:
+                dense = add(aten._to_copy.default, dense, dtype=torch.float32)
+                weight = add(aten._to_copy.default, weight, dtype=torch.float32)
             sums = []
             for r in range(rows):
                 row = add(aten.as_strided.default, dense, [k], [1], r * k)
                 sums.append(add(aten.sum.dim_IntList, add(aten.mul.Tensor, row, weight), [-1]))
-            out = add(aten.reshape.default, add(aten.stack.default, sums), [*lead, -1])
+            out = add(aten.stack.default, sums)
+            if scales is not None:
+                out = add(
+                    aten.mul.Tensor, out, add(aten._to_copy.default, scales, dtype=torch.float32)
+                )
+                out = add(aten._to_copy.default, out, dtype=x_val.dtype)
+            out = add(aten.reshape.default, out, [*lead, -1])
             if bias is not None:
                 out = add(aten.add.Tensor, out, bias)
         node.replace_all_uses_with(out)
