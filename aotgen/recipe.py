@@ -98,7 +98,7 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
     return recipe
 
 
-DRAFT_KINDS = ("checkpoint", "layers", "quantize")
+DRAFT_SOURCES = ("checkpoint", "layers")  # at most one; none = the target's own weights
 
 
 def _parse_speculative(recipe: Recipe, explicit_k: bool, base_dir: Path) -> Recipe:
@@ -115,13 +115,20 @@ def _parse_speculative(recipe: Recipe, explicit_k: bool, base_dir: Path) -> Reci
         raise RecipeError(f"{where}: k={k} contradicts verify_k={recipe.verify_k}; give one")
     draft = spec.get("draft")
     if draft is not None:
-        if not isinstance(draft, dict) or len(draft) != 1 or next(iter(draft)) not in DRAFT_KINDS:
+        valid = (*DRAFT_SOURCES, "quantize")
+        if (
+            not isinstance(draft, dict)
+            or not draft
+            or set(draft) - set(valid)
+            or len(set(draft) & set(DRAFT_SOURCES)) > 1
+        ):
             raise RecipeError(
-                f"{where}: draft must have exactly one of {', '.join(DRAFT_KINDS)}, got {draft!r}"
+                f"{where}: draft takes at most one of {', '.join(DRAFT_SOURCES)}, plus an "
+                f"optional quantize (e.g. {{layers: 8, quantize: {{linear: int8}}}}), got {draft!r}"
             )
         if "checkpoint" in draft:
             path = Path(draft["checkpoint"])
-            draft = {"checkpoint": str(path if path.is_absolute() else base_dir / path)}
+            draft = {**draft, "checkpoint": str(path if path.is_absolute() else base_dir / path)}
         if "layers" in draft and (not isinstance(draft["layers"], int) or draft["layers"] < 1):
             raise RecipeError(f"{where}: draft layers must be a positive integer")
     return dataclasses.replace(recipe, verify_k=k, speculative={"draft": draft, "k": k})

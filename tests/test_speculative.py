@@ -221,3 +221,43 @@ def test_draft_with_other_vocabulary_is_refused(tmp_path, tiny_checkpoint, proje
     with pytest.raises(RecipeError, match="different vocabulary"):
         build(recipe, project)
     assert not (project.artifacts_dir / "bad-draft").exists()
+
+
+def test_self_speculation_draft_can_be_quantized(tiny_checkpoint, project):
+    """`draft: {layers: N, quantize: ...}`: the target's first layers, int8, compiled AOT."""
+    from conftest import TINY_RECIPE
+
+    from aotgen.package.build import build
+    from aotgen.recipe import parse_recipe
+    from aotgen.runtime.engine import Engine
+
+    draft = {"layers": 1, "quantize": {"linear": "int8"}}
+    recipe = parse_recipe(
+        {
+            "checkpoint": str(tiny_checkpoint),
+            **{k: v for k, v in TINY_RECIPE.items() if k != "verify_k"},
+            "speculative": {"draft": draft, "k": 4},
+        },
+        "tiny-self-int8",
+        Path("."),
+    )
+    engine = Engine.load(build(recipe, project).path)
+    entry = engine.manifest["models"]["draft"]
+    assert entry["config"]["num_hidden_layers"] == 1
+    assert entry["quantization"]["linear"]["scheme"] == "int8"
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    plain = _greedy(engine, ids)
+    spec = _greedy(engine, ids, speculative="draft", k=3)
+    assert spec.token_ids == plain.token_ids
+    assert spec.spec.drafted > 0
+
+
+@pytest.mark.parametrize(
+    "draft",
+    [{"layers": 2, "checkpoint": "x"}, {"quantize": {"linear": "int8"}, "lora": 1}, {}],
+)
+def test_draft_keys_are_checked(draft):
+    from aotgen.recipe import RecipeError, parse_recipe
+
+    with pytest.raises(RecipeError, match="draft takes at most one of checkpoint, layers"):
+        parse_recipe({"checkpoint": "c", "speculative": {"draft": draft}}, "r", Path("."))

@@ -109,7 +109,7 @@ def build_hash(ckpt: Checkpoint, recipe: Recipe) -> str:
     recipe_dict = recipe.to_dict()
     recipe_dict.pop("checkpoint")  # the content counts, not where it lies
     if "checkpoint" in draft:
-        recipe_dict["speculative"] = {**recipe_dict["speculative"], "draft": "checkpoint"}
+        recipe_dict["speculative"]["draft"] = {**draft, "checkpoint": "(content hashed above)"}
     h.update(json.dumps(recipe_dict, sort_keys=True, default=str).encode())
     h.update(f"{__version__}|{torch.__version__}|{json.dumps(target_info())}".encode())
     # The source itself, not just the version: a changed pass must not look "up to date".
@@ -219,7 +219,6 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
     draft = (recipe.speculative or {}).get("draft")
     if draft:
         draft_graphs = [g for g in graphs if g.name != "verify"]  # the draft never verifies
-        passes: list = []
         if "checkpoint" in draft:
             dckpt = open_checkpoint(draft["checkpoint"])
             _same_vocab(ckpt, dckpt)
@@ -235,14 +234,13 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
             dweights = {k: v for k, v in weights.items() if (_layer_index(k) or 0) < n}
         else:
             dcfg, dweights = cfg, weights
-            passes = _quantize_passes(draft["quantize"])
         models.append(
             ModelBuild(
                 "draft",
                 load_model(dcfg, dweights, recipe.cache_len, dtype),
                 dcfg,
                 draft_graphs,
-                passes,
+                _quantize_passes(draft.get("quantize")),
             )
         )
     return models
