@@ -252,9 +252,9 @@ def inspect(package: Annotated[Path, typer.Argument(help="artifacts/NAME")]) -> 
         for name, g in entry["graphs"].items():
             t = g["tokens"]
             out.print(f"  graph {name:8s} tokens {t['min']}..{t['max']}  ({g['package_model']})")
-    table = Table("file", "bytes", "sha256")
+    table = Table("file", "bytes", "sha256 (first chunk)")
     for rel, f in m["files"].items():
-        table.add_row(rel, f"{f['bytes']:,}", f["sha256"][:16])
+        table.add_row(rel, f"{f['bytes']:,}", f["sha256"][0][:16])
     out.print(table)
 
 
