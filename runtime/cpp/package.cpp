@@ -140,8 +140,7 @@ StDtype safetensors_dtype(const std::string& name) {
 // A private read-only mapping of a whole file.
 class Mapping {
  public:
-  // populate: fault every page in now (one call) rather than one fault per page later.
-  explicit Mapping(const fs::path& path, bool populate = false) {
+  explicit Mapping(const fs::path& path) {
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) throw PackageError("cannot open " + path.string() + ": " + std::strerror(errno));
     struct stat st {};
@@ -150,8 +149,7 @@ class Mapping {
       throw PackageError("cannot read " + path.string() + " (empty or unreadable)");
     }
     size_ = static_cast<std::size_t>(st.st_size);
-    void* data =
-        ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE | (populate ? MAP_POPULATE : 0), fd, 0);
+    void* data = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
     ::close(fd);
     if (data == MAP_FAILED) {
       throw PackageError("cannot map " + path.string() + ": " + std::strerror(errno));
@@ -271,7 +269,7 @@ at::ScalarType dtype_from_name(const std::string& name) {
 }
 
 std::unordered_map<std::string, at::Tensor> load_safetensors(const fs::path& path) {
-  const auto mapping = std::make_shared<Mapping>(path, /*populate=*/true);
+  const auto mapping = std::make_shared<Mapping>(path);
   const auto bad = [&](const std::string& why) {
     return PackageError(path.string() + " is not a valid safetensors file: " + why);
   };
