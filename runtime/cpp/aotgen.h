@@ -148,7 +148,10 @@ class Engine {
 // Reads and checks manifest.json (format, torch version, platform, ISA and, if
 // check_hashes, every file's size and sha256, refusing unlisted files); returns its text.
 // Throws PackageError. Engine::load calls this before loading any native code.
-std::string verify_package(const std::filesystem::path& package_dir, bool check_hashes = true);
+// defer_weights: leave the hashes of the weights (*.safetensors: data, not code) to
+// detail::verify_weight_files, which Engine::load runs while the graphs load.
+std::string verify_package(const std::filesystem::path& package_dir, bool check_hashes = true,
+                           bool defer_weights = false);
 
 // Lowercase hex sha256 (OpenSSL EVP) of each `chunk_bytes` piece of a file, the pieces
 // hashed on all cores (manifest.py sha256_chunks).

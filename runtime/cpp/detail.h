@@ -22,6 +22,10 @@ namespace aotgen::detail {
 // aligned memory, as the Python runtime's load_file does.
 std::unordered_map<std::string, at::Tensor> load_safetensors(const std::filesystem::path& path);
 
+// The sha256 check of the package's weights files that verify_package(..., defer_weights)
+// left out; throws PackageError.
+void verify_weight_files(const std::string& manifest_text, const std::filesystem::path& root);
+
 // Manifest dtype name ("float32", "bfloat16", ...) -> scalar type; PackageError otherwise.
 at::ScalarType dtype_from_name(const std::string& name);
 

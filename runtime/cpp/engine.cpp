@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <fstream>
+#include <future>
 #include <set>
 
 #include <ATen/Parallel.h>
@@ -123,16 +124,9 @@ class Graph {
 // One model of a package: its graphs, weights bound once, and the KV cache it owns.
 class ModelRunner {
  public:
-  ModelRunner(const fs::path& root, const fs::path& pt2, const json& entry)
+  // Loads the graphs' code; the weights come later, in bind_weights.
+  ModelRunner(const fs::path& pt2, const json& entry)
       : vocab_size_(entry.at("config").at("vocab_size").get<int64_t>()) {
-    weights_ = detail::load_safetensors(root / entry.at("weights").at("file").get<std::string>());
-    const json aliases = entry.at("weights").value("aliases", json::object());
-    for (const auto& [alias, name] : aliases.items()) {
-      const auto it = weights_.find(name.get<std::string>());
-      if (it == weights_.end()) throw PackageError("weight alias " + alias + " -> missing tensor");
-      const at::Tensor tensor = it->second;
-      weights_.insert_or_assign(alias, tensor);
-    }
     const auto& kv = entry.at("kv_cache");
     const auto layers = kv.at("layers").get<int64_t>();
     const auto shape = kv.at("shape").get<std::vector<int64_t>>();
@@ -149,13 +143,25 @@ class ModelRunner {
     if (graphs.contains("verify")) {
       verify_ = std::make_unique<Graph>(pt2, graphs["verify"], vocab_size_);
     }
-    for (Graph* g : {prefill_.get(), decode_.get(), verify_.get()}) {
-      if (g) g->bind(weights_);
-    }
     const auto options = at::TensorOptions().dtype(detail::dtype_from_name(kv.at("dtype")));
     for (int64_t i = 0; i < 2 * layers; ++i) caches_.push_back(at::zeros(shape, options));
     prefill_chunk_ = prefill_->max_tokens();
     verify_len_ = verify_ ? verify_->max_tokens() : 0;
+  }
+
+  // Maps the weights file (once its hashes are verified) and binds it to every graph.
+  void bind_weights(const fs::path& root, const json& entry) {
+    weights_ = detail::load_safetensors(root / entry.at("weights").at("file").get<std::string>());
+    const json aliases = entry.at("weights").value("aliases", json::object());
+    for (const auto& [alias, name] : aliases.items()) {
+      const auto it = weights_.find(name.get<std::string>());
+      if (it == weights_.end()) throw PackageError("weight alias " + alias + " -> missing tensor");
+      const at::Tensor tensor = it->second;
+      weights_.insert_or_assign(alias, tensor);
+    }
+    for (Graph* g : {prefill_.get(), decode_.get(), verify_.get()}) {
+      if (g) g->bind(weights_);
+    }
   }
 
   int64_t vocab_size() const { return vocab_size_; }
@@ -407,8 +413,15 @@ Engine Engine::load(const fs::path& package_dir, const LoadOptions& options) {
   const auto t0 = Clock::now();
   auto impl = std::make_unique<Impl>();
   impl->root = package_dir;
-  impl->manifest = json::parse(verify_package(package_dir, options.verify_hashes));
+  const std::string manifest_text =
+      verify_package(package_dir, options.verify_hashes, /*defer_weights=*/true);
+  impl->manifest = json::parse(manifest_text);
   const auto& m = impl->manifest;
+  // The weights' hashes are checked on other threads while the (verified) graph code loads;
+  // nothing is bound or run before they pass.
+  std::future<void> weights_verified = std::async(std::launch::async, [&] {
+    if (options.verify_hashes) detail::verify_weight_files(manifest_text, package_dir);
+  });
   try {
     if (m.value("world_size", 1) != 1) {
       throw PackageError(package_dir.string() + " is a tensor-parallel package (" +
@@ -419,6 +432,15 @@ Engine Engine::load(const fs::path& package_dir, const LoadOptions& options) {
     if (options.threads > 0) at::set_num_threads(options.threads);
     const fs::path tok_dir = package_dir / m.at("tokenizer").at("dir").get<std::string>();
     impl->tokenizer = Tokenizer::from_file((tok_dir / "tokenizer.json").string());
+    const fs::path pt2 = package_dir / m.at("package").get<std::string>();
+    const auto& models = m.at("models");
+    impl->target = std::make_unique<ModelRunner>(pt2, models.at("target"));
+    if (models.contains("draft")) {
+      impl->draft = std::make_unique<ModelRunner>(pt2, models.at("draft"));
+    }
+    weights_verified.get();  // rethrows a hash mismatch
+    impl->target->bind_weights(package_dir, models.at("target"));
+    if (impl->draft) impl->draft->bind_weights(package_dir, models.at("draft"));
     const json tok_config = read_json_if_present(tok_dir / "tokenizer_config.json");
     std::set<int64_t> eos;
     add_ids(read_json_if_present(tok_dir / "generation_config.json").value("eos_token_id", json()),
@@ -441,12 +463,6 @@ Engine Engine::load(const fs::path& package_dir, const LoadOptions& options) {
       impl->chat_template = std::string(std::istreambuf_iterator<char>(in), {});
     }
 
-    const fs::path pt2 = package_dir / m.at("package").get<std::string>();
-    const auto& models = m.at("models");
-    impl->target = std::make_unique<ModelRunner>(package_dir, pt2, models.at("target"));
-    if (models.contains("draft")) {
-      impl->draft = std::make_unique<ModelRunner>(package_dir, pt2, models.at("draft"));
-    }
     impl->max_seq_len = m.at("max_seq_len").get<int64_t>();
     impl->verify_k = m.at("verify_k").get<int64_t>();
   } catch (const json::exception& e) {

@@ -88,27 +88,44 @@ bool inside_package(const std::string& rel) {
   return std::none_of(p.begin(), p.end(), [](const fs::path& part) { return part == ".."; });
 }
 
-void verify_files(const json& manifest, const fs::path& root) {
+// Weights are data, not code: Engine::load checks their (large) hashes while the already
+// verified graph code loads, and binds them only after. Everything else is checked first.
+bool is_weights_file(const std::string& rel) {
+  constexpr std::string_view kSuffix = ".safetensors";
+  return rel.size() >= kSuffix.size() &&
+         rel.compare(rel.size() - kSuffix.size(), kSuffix.size(), kSuffix) == 0;
+}
+
+// Hashes the listed files whose is_weights_file() equals `weights`; with !weights also
+// checks that every listed file exists with its size and that nothing unlisted is there.
+void verify_files(const json& manifest, const fs::path& root, bool weights) {
   const auto& listed = manifest.at("files");
   if (!listed.is_object()) throw PackageError(root.string() + ": manifest `files` is malformed");
   const auto chunk_bytes = manifest.at("hash_chunk_bytes").get<std::size_t>();
   if (chunk_bytes == 0) throw PackageError(root.string() + ": manifest hash_chunk_bytes is 0");
+  const auto mismatch = [&](const std::string& rel) {
+    return PackageError(root.string() + ": " + rel +
+                        " does not match its sha256 in the manifest (corrupt or tampered); "
+                        "refusing to load native code from it. Rebuild the package");
+  };
   for (const auto& [rel, entry] : listed.items()) {
     if (!inside_package(rel)) {
       throw PackageError(root.string() + ": manifest lists a file outside the package: " + rel);
     }
     const fs::path path = root / rel;
-    if (!fs::is_regular_file(path)) {
-      throw PackageError(root.string() + ": file " + rel +
-                         " is missing; rebuild or re-copy the package");
+    if (!weights) {
+      if (!fs::is_regular_file(path)) {
+        throw PackageError(root.string() + ": file " + rel +
+                           " is missing; rebuild or re-copy the package");
+      }
+      if (fs::file_size(path) != entry.at("bytes").get<std::uintmax_t>()) throw mismatch(rel);
     }
-    if (fs::file_size(path) != entry.at("bytes").get<std::uintmax_t>() ||
+    if (is_weights_file(rel) == weights &&
         sha256_chunks(path, chunk_bytes) != entry.at("sha256").get<std::vector<std::string>>()) {
-      throw PackageError(root.string() + ": " + rel +
-                         " does not match its sha256 in the manifest (corrupt or tampered); "
-                         "refusing to load native code from it. Rebuild the package");
+      throw mismatch(rel);
     }
   }
+  if (weights) return;
   for (const auto& item : fs::recursive_directory_iterator(root)) {
     if (!item.is_regular_file()) continue;
     const auto rel = item.path().lexically_relative(root).generic_string();
@@ -229,7 +246,7 @@ std::string platform_string() {
   return system + "-" + names.machine;
 }
 
-std::string verify_package(const fs::path& root, bool check_hashes) {
+std::string verify_package(const fs::path& root, bool check_hashes, bool defer_weights) {
   const fs::path path = root / kManifest;
   if (!fs::is_regular_file(path)) {
     throw PackageError(root.string() + " is not an aotgen package (no " + kManifest +
@@ -247,7 +264,10 @@ std::string verify_package(const fs::path& root, bool check_hashes) {
                          "; rebuild the package with a matching aotgen");
     }
     check_compatible(manifest, root);
-    if (check_hashes) verify_files(manifest, root);
+    if (check_hashes) {
+      verify_files(manifest, root, /*weights=*/false);
+      if (!defer_weights) verify_files(manifest, root, /*weights=*/true);
+    }
   } catch (const json::parse_error& e) {
     throw PackageError(path.string() + " is corrupt (" + e.what() + "); rebuild the package");
   } catch (const json::exception& e) {
@@ -257,6 +277,15 @@ std::string verify_package(const fs::path& root, bool check_hashes) {
 }
 
 namespace detail {
+
+void verify_weight_files(const std::string& manifest_text, const fs::path& root) {
+  try {
+    verify_files(json::parse(manifest_text), root, /*weights=*/true);
+  } catch (const json::exception& e) {
+    throw PackageError(root.string() + "/manifest.json is malformed (" + e.what() +
+                       "); rebuild the package");
+  }
+}
 
 at::ScalarType dtype_from_name(const std::string& name) {
   static const std::unordered_map<std::string, at::ScalarType> table = {
