@@ -19,10 +19,13 @@ Prefill keeps BLAS / the extern kernels: there the weight is reused across many 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 from torch.export import ExportedProgram
-from torch.fx.node import Node, map_arg
+from torch.fx import Node
+
+from aotgen.passes.fx import emit
 
 aten = torch.ops.aten
 
@@ -62,13 +65,8 @@ def linears_as_reductions(ep: ExportedProgram, max_rows: int = MAX_ROWS) -> Expo
             continue
         rows, k = math.prod(lead), x_val.shape[-1]
 
-        def add(target, *args, **kwargs):
-            out = graph.call_function(target, args, kwargs)
-            vals, kwvals = map_arg((args, kwargs), lambda n: n.meta["val"])
-            out.meta["val"] = target(*vals, **kwvals)
-            return out
-
-        with graph.inserting_before(node), x_val.fake_mode:
+        add = partial(emit, graph, node)
+        with graph.inserting_before(node):
             # Rows taken with as_strided from a fresh contiguous copy: Inductor's as_strided
             # lowering materialises its input, so the rows are computed once. Otherwise the
             # producer (e.g. an RMSNorm) is inlined into the reduction and recomputed for

@@ -41,7 +41,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -55,8 +55,8 @@ from torch.export.graph_signature import (
     TensorArgument,
 )
 from torch.fx import Node
-from torch.fx.node import map_arg
 
+from aotgen.passes.fx import emit as emit_node
 from aotgen.recipe import RecipeError
 
 aten = torch.ops.aten
@@ -443,15 +443,7 @@ class QuantizePass:
                 added[target] = node
             return added[target]
 
-        def emit(node: Node, target: Any, *args: Any, **kwargs: Any) -> Node:
-            new = graph.call_function(target, args, kwargs)
-            vals = map_arg((args, kwargs), lambda a: a.meta["val"])
-            with fake_mode:
-                new.meta["val"] = target(*vals[0], **vals[1])
-            for key in ("nn_module_stack", "stack_trace"):
-                if key in node.meta:
-                    new.meta[key] = node.meta[key]
-            return new
+        emit = partial(emit_node, graph)
 
         for node in list(graph.nodes):
             if node.op != "call_function":
