@@ -50,6 +50,7 @@ from aotgen.package.manifest import (
 )
 from aotgen.package.weights import save_aligned
 from aotgen.passes.gemv import linears_as_reductions
+from aotgen.passes.quantize import QuantizePass, quantize_passes
 from aotgen.passes.tp import (
     fake_process_group,
     parse_parallel,
@@ -193,14 +194,6 @@ def _same_vocab(a: Checkpoint, b: Checkpoint) -> None:
         )
 
 
-def _quantize_passes(options: dict | None) -> list[Callable[[ExportedProgram], ExportedProgram]]:
-    if not options:
-        return []
-    from aotgen.passes.quantize import quantize_passes
-
-    return quantize_passes(options)
-
-
 def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
     """checkpoint → model(s): the target, plus the draft when the recipe speculates."""
     cfg = ModelConfig.from_hf(ckpt.config)
@@ -213,7 +206,7 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
             load_model(cfg, weights, recipe.cache_len, dtype),
             cfg,
             graphs,
-            _quantize_passes(recipe.quantize),
+            quantize_passes(recipe.quantize),
         )
     ]
     draft = (recipe.speculative or {}).get("draft")
@@ -240,7 +233,7 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
                 load_model(dcfg, dweights, recipe.cache_len, dtype),
                 dcfg,
                 draft_graphs,
-                _quantize_passes(draft.get("quantize")),
+                quantize_passes(draft.get("quantize")),
             )
         )
     return models
@@ -494,10 +487,8 @@ def build(
 HELDOUT_TOKENS = 4096
 
 
-def _quantizer(mb: ModelBuild) -> Any:
+def _quantizer(mb: ModelBuild) -> QuantizePass | None:
     """The model's quantization pass, if any (it reports notes and a manifest entry)."""
-    from aotgen.passes.quantize import QuantizePass
-
     return next((p for p in mb.graph_passes if isinstance(p, QuantizePass)), None)
 
 
