@@ -489,6 +489,13 @@ def test_chatml_prompt(tokenize_bin: Path, variants: dict[str, Path]):
         ({"decoder": {"type": "Metaspace"}}, "unsupported decoder"),
         ({"model_byte_fallback": True}, "byte_fallback"),
         ({"model_dropout": 0.1}, "dropout"),
+        # model.vocab / model.merges are read while parsing (tokenizer.cpp), not from a DOM.
+        ({"model_vocab": {"a": -1}}, "invalid id -1 for vocab entry 'a'"),
+        ({"model_vocab": []}, "model.vocab is missing"),
+        ({"model_merges": None}, "model.merges is missing"),
+        ({"model_merges": ["ab"]}, "merge 1 is not 'a b'"),
+        ({"model_merges": [["a"]]}, "merge 1 is malformed"),
+        ({"model_merges": [["a", "zzz"]]}, "zzz' is not in the vocab"),
     ],
 )
 def test_rejects_other_tokenizers(

@@ -759,6 +759,79 @@ uint32_t json_id(const json& value, std::string_view what) {
   return static_cast<uint32_t>(value.get<int64_t>());
 }
 
+// model.vocab and model.merges, taken out of the JSON while it is parsed: as DOM nodes
+// (one std::map entry per token) they cost more than the rest of loading put together.
+struct BpeTables {
+  bool has_vocab = false;
+  bool has_merges = false;
+  std::vector<std::pair<std::string, uint32_t>> vocab;
+  std::vector<std::pair<std::string, std::string>> merges;  // (left, right)
+  std::vector<std::string> merge_pair;  // the ["a", "b"] merge being read
+};
+
+// Parses tokenizer.json, streaming model.vocab / model.merges into `tables` (and out of
+// the returned document); everything else stays a DOM. nlohmann's callback depths: the
+// root's members are keys at depth 1, model's at 2, vocab entries / merges at 3.
+json parse_tokenizer_json(std::string_view text, BpeTables& tables) {
+  std::string root_key;
+  std::string model_key;
+  std::string vocab_token;
+  const auto in_model = [&](const char* key) { return root_key == "model" && model_key == key; };
+  const auto callback = [&](int depth, json::parse_event_t event, json& parsed) {
+    using E = json::parse_event_t;
+    if (event == E::key && depth == 1) root_key = parsed.get<std::string>();
+    if (event == E::key && depth == 2 && root_key == "model") {
+      model_key = parsed.get<std::string>();
+    }
+    if (depth == 2 && (event == E::object_start || event == E::array_start)) {
+      tables.has_vocab |= in_model("vocab") && event == E::object_start;
+      tables.has_merges |= in_model("merges") && event == E::array_start;
+    }
+    if (depth == 3 && in_model("vocab")) {
+      if (event == E::key) {  // false: no DOM entry for it (the value event still comes)
+        vocab_token = parsed.get<std::string>();
+        return false;
+      }
+      if (event == E::value) {
+        const uint32_t id = parsed.is_number_unsigned() && parsed.get<uint64_t>() <= INT32_MAX
+                                ? static_cast<uint32_t>(parsed.get<uint64_t>())
+                                : json_id(parsed, "vocab entry '" + vocab_token + "'");
+        tables.vocab.emplace_back(std::move(vocab_token), id);
+        return true;  // the discarded key already keeps it out of the DOM
+      }
+    }
+    if (in_model("merges") && depth >= 3) {
+      if (depth == 3 && event == E::value && parsed.is_string()) {
+        const auto line = parsed.get<std::string>();
+        if (line.starts_with("#version")) return false;
+        const auto space = line.find(' ');
+        if (space == std::string::npos || line.find(' ', space + 1) != std::string::npos) {
+          throw std::runtime_error("merge " + std::to_string(tables.merges.size() + 1) +
+                                   " is not 'a b': " + line);
+        }
+        tables.merges.emplace_back(line.substr(0, space), line.substr(space + 1));
+        return false;
+      }
+      if (depth == 4 && event == E::value && parsed.is_string()) {
+        tables.merge_pair.push_back(parsed.get<std::string>());
+        return false;
+      }
+      if (depth == 3 && event == E::array_end && tables.merge_pair.size() == 2) {
+        tables.merges.emplace_back(std::move(tables.merge_pair[0]),
+                                   std::move(tables.merge_pair[1]));
+        tables.merge_pair.clear();
+        return false;
+      }
+      if (depth == 3 && event != E::array_start) {
+        throw std::runtime_error("merge " + std::to_string(tables.merges.size() + 1) +
+                                 " is malformed: " + parsed.dump());
+      }
+    }
+    return true;
+  };
+  return json::parse(text, callback);
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------
@@ -781,7 +854,7 @@ struct Tokenizer::Impl {
   std::vector<std::string> token_text;
   std::vector<uint8_t> token_flags;
 
-  explicit Impl(const json& root);
+  Impl(const json& root, const BpeTables& tables);
 
   bool known(int64_t id) const {
     return id >= 0 && static_cast<std::size_t>(id) < token_flags.size() &&
@@ -793,7 +866,7 @@ struct Tokenizer::Impl {
                    std::vector<Segment>& out) const;
 };
 
-Tokenizer::Impl::Impl(const json& root) {
+Tokenizer::Impl::Impl(const json& root, const BpeTables& tables) {
   if (!root.is_object()) throw std::runtime_error("tokenizer.json is not a JSON object");
   const json& normalizer = field(root, "normalizer");
   const bool no_normalizer =
@@ -831,9 +904,11 @@ Tokenizer::Impl::Impl(const json& root) {
   bpe.fuse_unk = json_bool(model, "fuse_unk", false);
   bpe.ignore_merges = json_bool(model, "ignore_merges", false);
 
+  if (!tables.has_vocab) throw std::runtime_error("model.vocab is missing or not an object");
+  if (!tables.has_merges) throw std::runtime_error("model.merges is missing or not an array");
   std::size_t max_id = 0;
-  for (const auto& [token, id_value] : model.at("vocab").items()) {
-    const uint32_t id = json_id(id_value, "vocab entry '" + token + "'");
+  bpe.vocab.reserve(tables.vocab.size());
+  for (const auto& [token, id] : tables.vocab) {
     bpe.vocab.insert_or_assign(token, id);
     max_id = std::max<std::size_t>(max_id, id);
   }
@@ -850,34 +925,17 @@ Tokenizer::Impl::Impl(const json& root) {
     bpe.byte_ids[b] = it == bpe.vocab.end() ? -1 : static_cast<int64_t>(it->second);
   }
 
-  // Merges: "a b" strings (older files, "#version" lines skipped) or ["a", "b"] pairs.
-  uint32_t rank = 0;
-  for (const json& merge : model.at("merges")) {
-    std::string left;
-    std::string right;
-    if (merge.is_string()) {
-      const auto line = merge.get<std::string>();
-      if (line.starts_with("#version")) continue;
-      const auto space = line.find(' ');
-      if (space == std::string::npos || line.find(' ', space + 1) != std::string::npos) {
-        throw std::runtime_error("merge " + std::to_string(rank + 1) + " is not 'a b': " + line);
-      }
-      left = line.substr(0, space);
-      right = line.substr(space + 1);
-    } else if (merge.is_array() && merge.size() == 2) {
-      left = merge[0].get<std::string>();
-      right = merge[1].get<std::string>();
-    } else {
-      throw std::runtime_error("merge " + std::to_string(rank + 1) + " is malformed: " +
-                               merge.dump());
+  // Merges ("a b" strings or ["a", "b"] pairs, split while parsing).
+  const auto lookup = [this](const std::string& token) {
+    const auto it = bpe.vocab.find(token);
+    if (it == bpe.vocab.end()) {
+      throw std::runtime_error("merge token '" + token + "' is not in the vocab");
     }
-    const auto lookup = [this](const std::string& token) {
-      const auto it = bpe.vocab.find(token);
-      if (it == bpe.vocab.end()) {
-        throw std::runtime_error("merge token '" + token + "' is not in the vocab");
-      }
-      return it->second;
-    };
+    return it->second;
+  };
+  bpe.merges.reserve(tables.merges.size());
+  uint32_t rank = 0;
+  for (const auto& [left, right] : tables.merges) {
     // Later duplicates win, as when tokenizers collects the merges into a map.
     bpe.merges.insert_or_assign(pair_key(lookup(left), lookup(right)),
                                 std::make_pair(rank, lookup(left + right)));
@@ -999,7 +1057,9 @@ Tokenizer::Tokenizer(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) 
 
 Tokenizer Tokenizer::from_json(std::string_view json_text) {
   try {
-    return Tokenizer(std::make_shared<const Impl>(json::parse(json_text)));
+    BpeTables tables;
+    const json root = parse_tokenizer_json(json_text, tables);
+    return Tokenizer(std::make_shared<const Impl>(root, tables));
   } catch (const json::exception& e) {
     throw std::runtime_error(std::string("invalid tokenizer.json: ") + e.what());
   }
