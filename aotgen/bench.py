@@ -41,6 +41,10 @@ def weight_bytes(engine: Engine) -> int:
     return total
 
 
+class BenchError(RuntimeError):
+    """A benchmark that cannot run as asked (missing optional extra or input)."""
+
+
 @dataclass
 class BenchResult:
     package: str
@@ -85,6 +89,84 @@ def bench_package(
         weight_bytes=weight_bytes(engine),
         load_s=engine.load_s,
     )
+
+
+def bench_llama_cpp(
+    gguf: str | Path,
+    prompt_len: int = 128,
+    gen_tokens: int = 64,
+    runs: int = 5,
+    warmup: int = 1,
+    threads: int | None = None,
+) -> BenchResult:
+    """The same measurement through llama.cpp (`llama-cpp-python`, an optional extra that
+    builds llama.cpp from source: `pip install llama-cpp-python`), for a same-run baseline.
+
+    Prompt ids, greedy decoding and the timed spans match `bench_package`: prefill is the
+    prompt's forward pass, decode the `gen_tokens - 1` single-token steps after it.
+    """
+    try:
+        from llama_cpp import Llama
+    except ImportError as e:
+        raise BenchError(
+            "--llama-cpp needs the optional `llama-cpp-python` package "
+            "(pip install llama-cpp-python; it compiles llama.cpp, ~10 minutes)"
+        ) from e
+    path = Path(gguf)
+    if not path.is_file():
+        raise BenchError(f"{path}: no such GGUF file")
+    threads = threads or torch.get_num_threads()
+    t0 = time.perf_counter()
+    llm = Llama(
+        str(path),
+        n_ctx=prompt_len + gen_tokens + 8,
+        n_batch=prompt_len,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
+    load_s = time.perf_counter() - t0
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, llm.n_vocab(), (prompt_len,), generator=gen).tolist()
+    prefill, decode = [], []
+    for i in range(warmup + runs):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        t1 = time.perf_counter()
+        for _ in range(gen_tokens - 1):
+            llm.eval([tok])
+            tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        t2 = time.perf_counter()
+        if i >= warmup:
+            prefill.append(prompt_len / (t1 - t0))
+            decode.append((gen_tokens - 1) / (t2 - t1))
+    dec = statistics.median(decode)
+    return BenchResult(
+        package=f"llama.cpp {path.name}",
+        prefill_tok_s=statistics.median(prefill),
+        decode_tok_s=dec,
+        decode_ms=1e3 / dec,
+        weight_bytes=path.stat().st_size,
+        load_s=load_s,
+    )
+
+
+def requantize_gguf(src: str | Path, dst: str | Path, ftype: str) -> Path:
+    """Write `src` re-quantized as `ftype` (e.g. Q8_0) with llama.cpp's own quantizer, so the
+    baseline has the formats the int8 / int4 targets name (the bundled model is Q4_1)."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.allow_requantize = True
+    params.nthread = torch.get_num_threads()
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params) != 0:
+        raise BenchError(f"llama.cpp could not re-quantize {src} to {ftype}")
+    return dst
 
 
 PROMPTS_FILE = Path(__file__).parent / "data" / "bench_prompts.json"

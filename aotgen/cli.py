@@ -22,6 +22,7 @@ console = Console(stderr=True)
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
+    from aotgen.bench import BenchError
     from aotgen.checkpoint.hf import CheckpointError
     from aotgen.package.manifest import PackageError
     from aotgen.recipe import RecipeError
@@ -29,6 +30,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from aotgen.runtime.engine import GenerationError
 
     return (
+        BenchError,
         RecipeError,
         CheckpointError,
         PackageError,
@@ -269,9 +271,16 @@ def bench(
         bool, typer.Option(help="plain vs n-gram vs draft speculative decode, in one run")
     ] = False,
     k: Annotated[int | None, typer.Option(help="draft length for --speculative")] = None,
+    llama_cpp: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="GGUF file to run through llama.cpp in the same run, as a baseline "
+            "(repeatable; needs the optional llama-cpp-python)"
+        ),
+    ] = None,
 ) -> None:
     """Prefill/decode tok/s, ms/token, weight bytes/token and roofline ratio, side by side."""
-    from aotgen.bench import bench_package, measure_bandwidth
+    from aotgen.bench import bench_llama_cpp, bench_package, measure_bandwidth
     from aotgen.recipe import Project
 
     threads = threads or Project.load().threads or None
@@ -288,11 +297,15 @@ def bench(
     for p in tp:
         _bench_tp(p, prompt_len, gen_tokens, runs, threads)
     packages = [p for p in packages if p not in tp]
-    if not packages:
+    if not packages and not llama_cpp:
         return
     try:
         results = [
             bench_package(p, prompt_len, gen_tokens, runs, threads=threads) for p in packages
+        ]
+        results += [
+            bench_llama_cpp(g, prompt_len, gen_tokens, runs, threads=threads)
+            for g in llama_cpp or []
         ]
     except _user_errors() as e:
         _fail(e)

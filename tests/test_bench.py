@@ -1,0 +1,35 @@
+"""`aotgen bench`'s measurements: what they count, and the llama.cpp baseline's errors."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from aotgen.bench import BenchError, bench_llama_cpp, bench_package
+from aotgen.package.weights import is_padding
+
+
+def test_bench_package_counts_every_weight_once(tiny_package: Path):
+    r = bench_package(tiny_package, prompt_len=8, gen_tokens=4, runs=1, threads=1)
+    assert r.prefill_tok_s > 0 and r.decode_tok_s > 0
+    assert r.decode_ms == pytest.approx(1e3 / r.decode_tok_s)
+    stored = 0
+    with safe_open(next(tiny_package.glob("rank0/*.safetensors")), "pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            if not is_padding(name):
+                t = f.get_tensor(name)
+                stored += t.numel() * t.element_size()
+    assert r.weight_bytes == stored
+
+
+def test_llama_cpp_baseline_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if the extra were not installed
+    with pytest.raises(BenchError, match="pip install llama-cpp-python"):
+        bench_llama_cpp(tmp_path / "model.gguf")
+    monkeypatch.undo()
+    pytest.importorskip("llama_cpp")
+    with pytest.raises(BenchError, match="no such GGUF file"):
+        bench_llama_cpp(tmp_path / "model.gguf")
