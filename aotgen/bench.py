@@ -106,6 +106,8 @@ def bench_llama_cpp(
     prompt's forward pass, decode the `gen_tokens - 1` single-token steps after it.
     """
     try:
+        import llama_cpp
+        import numpy as np
         from llama_cpp import Llama
     except ImportError as e:
         raise BenchError(
@@ -126,18 +128,23 @@ def bench_llama_cpp(
         verbose=False,
     )
     load_s = time.perf_counter() - t0
+    vocab = llm.n_vocab()
+
+    def greedy() -> int:  # argmax of the last position's logits (all llama.cpp computed)
+        return int(np.ctypeslib.as_array(llama_cpp.llama_get_logits(llm.ctx), (vocab,)).argmax())
+
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(100, llm.n_vocab(), (prompt_len,), generator=gen).tolist()
+    prompt = torch.randint(100, vocab, (prompt_len,), generator=gen).tolist()
     prefill, decode = [], []
     for i in range(warmup + runs):
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(prompt)
-        tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        tok = greedy()
         t1 = time.perf_counter()
         for _ in range(gen_tokens - 1):
             llm.eval([tok])
-            tok = int(llm.scores[llm.n_tokens - 1].argmax())
+            tok = greedy()
         t2 = time.perf_counter()
         if i >= warmup:
             prefill.append(prompt_len / (t1 - t0))
@@ -154,12 +161,14 @@ def bench_llama_cpp(
 
 
 def requantize_gguf(src: str | Path, dst: str | Path, ftype: str) -> Path:
-    """Write `src` re-quantized as `ftype` (e.g. Q8_0) with llama.cpp's own quantizer, so the
+    """Write `src` re-quantized as `ftype` (Q8_0, F32, ...) with llama.cpp's own quantizer, so the
     baseline has the formats the int8 / int4 targets name (the bundled model is Q4_1)."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.ftype = getattr(
+        llama_cpp, "LLAMA_FTYPE_" + ("ALL_F32" if ftype == "F32" else f"MOSTLY_{ftype}")
+    )
     params.allow_requantize = True
     params.nthread = torch.get_num_threads()
     dst = Path(dst)

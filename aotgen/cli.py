@@ -322,7 +322,7 @@ def bench(
         "weights MB/token",
         "roofline",
     ):
-        table.add_column(col, justify="left" if col == "package" else "right")
+        table.add_column(col, justify="left" if col == "package" else "right", no_wrap=True)
     for r in results:
         table.add_row(
             Path(r.package).name,

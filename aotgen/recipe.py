@@ -25,6 +25,8 @@ class CompileOptions:
     max_autotune: bool = False
     # Decode / verify linears: "reduction" (Inductor-generated, see passes/gemv.py) or "blas".
     few_token_linears: str = "reduction"
+    # Linears reading the same activation (q/k/v, gate/up) as one (see passes/fuse.py).
+    fuse_linears: bool = True
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,8 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
     )
     if compile_opts.get("few_token_linears", "reduction") not in ("reduction", "blas"):
         raise RecipeError(f"recipe {name!r} compile.few_token_linears: 'reduction' or 'blas'")
+    if not isinstance(compile_opts.get("fuse_linears", True), bool):
+        raise RecipeError(f"recipe {name!r} compile.fuse_linears: true or false")
     ckpt = Path(data.pop("checkpoint"))
     if not ckpt.is_absolute():
         ckpt = base_dir / ckpt

@@ -49,6 +49,7 @@ from aotgen.package.manifest import (
     write_manifest,
 )
 from aotgen.package.weights import save_aligned
+from aotgen.passes.fuse import FuseLinearsPass
 from aotgen.passes.gemv import linears_as_reductions
 from aotgen.passes.quantize import QuantizePass, quantize_passes
 from aotgen.passes.tp import (
@@ -194,6 +195,20 @@ def _same_vocab(a: Checkpoint, b: Checkpoint) -> None:
         )
 
 
+def graph_passes(
+    recipe: Recipe, quantize: dict[str, Any] | None
+) -> list[Callable[[ExportedProgram], ExportedProgram]]:
+    """One model's passes, in order: fuse linears (unless a quantize pattern names them
+    apart), then quantize."""
+    passes: list[Callable[[ExportedProgram], ExportedProgram]] = []
+    quantizers = quantize_passes(quantize)
+    if recipe.compile.fuse_linears:
+        o = quantizers[0].options if quantizers else None
+        exclude = (*o.skip, *(p for p, _ in o.overrides)) if o else ()
+        passes.append(FuseLinearsPass(exclude))
+    return passes + quantizers
+
+
 def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
     """checkpoint → model(s): the target, plus the draft when the recipe speculates."""
     cfg = ModelConfig.from_hf(ckpt.config)
@@ -206,7 +221,7 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
             load_model(cfg, weights, recipe.cache_len, dtype),
             cfg,
             graphs,
-            quantize_passes(recipe.quantize),
+            graph_passes(recipe, recipe.quantize),
         )
     ]
     draft = (recipe.speculative or {}).get("draft")
@@ -233,7 +248,7 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
                 load_model(dcfg, dweights, recipe.cache_len, dtype),
                 dcfg,
                 draft_graphs,
-                quantize_passes(draft.get("quantize")),
+                graph_passes(recipe, draft.get("quantize")),
             )
         )
     return models
@@ -388,6 +403,8 @@ def build(
                 files, sources, signatures = _compile_model(mb, recipe, progress, report)
             all_files.update(files)
             sources_by_role[mb.role] = sources
+            for fuser in (p for p in mb.graph_passes if isinstance(p, FuseLinearsPass)):
+                report.notes.append(f"{mb.role}: {fuser.note()}")
             quantizer = _quantizer(mb)
             if quantizer:
                 report.notes.extend(f"{mb.role}: {n}" for n in quantizer.notes())

@@ -39,23 +39,16 @@ stores each quantized weight once.
 from __future__ import annotations
 
 import fnmatch
-import re
 from dataclasses import dataclass
 from functools import cache, partial
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch._guards import detect_fake_mode
 from torch.export import ExportedProgram
-from torch.export.graph_signature import (
-    ExportGraphSignature,
-    InputKind,
-    InputSpec,
-    TensorArgument,
-)
 from torch.fx import Node
 
+from aotgen.passes.fx import WeightEditor, compact_names, op_name
 from aotgen.passes.fx import emit as emit_node
 from aotgen.recipe import RecipeError
 
@@ -304,26 +297,6 @@ class _Quantized:
     nbytes: int
 
 
-def _compact(names: set[str]) -> str:
-    """`model.layers.{0-2,5}.mlp.up_proj, lm_head`: one entry per op across layers."""
-    layers: dict[str, list[int]] = {}
-    for name in names:
-        m = re.search(r"\.layers\.(\d+)\.", name)
-        key = name[: m.start(1)] + "{}" + name[m.end(1) :] if m else name
-        layers.setdefault(key, []).extend([int(m.group(1))] if m else [])
-    out = []
-    for key, idx in sorted(layers.items()):
-        spans: list[list[int]] = []
-        for i in sorted(idx):
-            if spans and i == spans[-1][1] + 1:
-                spans[-1][1] = i
-            else:
-                spans.append([i, i])
-        text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
-        out.append(key.replace("{}", "{" + text + "}") if idx else key)
-    return ", ".join(out)
-
-
 class QuantizePass:
     """`ExportedProgram -> ExportedProgram`; one instance per model, reused for its graphs."""
 
@@ -370,7 +343,7 @@ class QuantizePass:
         for name, reason in self.skipped.items():
             reasons.setdefault(reason, set()).add(name)
         for reason, names in sorted(reasons.items()):
-            notes.append(f"quantize: kept in float ({reason}): {_compact(names)}")
+            notes.append(f"quantize: kept in float ({reason}): {compact_names(names)}")
         for pattern in (*o.skip, *(p for p, _ in o.overrides)):
             if not any(fnmatch.fnmatchcase(n, pattern) for n in self.seen):
                 notes.append(
@@ -414,35 +387,9 @@ class QuantizePass:
 
     # -- the pass ----------------------------------------------------------------------------
     def __call__(self, ep: ExportedProgram) -> ExportedProgram:
-        gm = ep.graph_module
-        graph = gm.graph
-        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        specs = list(ep.graph_signature.input_specs)
-        spec_of = {s.arg.name: s for s in specs if isinstance(s.arg, TensorArgument)}
-        tensors = {**ep.state_dict, **ep.constants}
-        fake_mode = detect_fake_mode([n.meta.get("val") for n in placeholders])
-        first_user = next(n for n in placeholders if spec_of[n.name].kind == InputKind.USER_INPUT)
-        state_dict, constants = dict(ep.state_dict), dict(ep.constants)
-        new_specs: list[InputSpec] = []
-        added: dict[str, Node] = {}  # target -> placeholder (one per graph)
-        replaced: set[Node] = set()
+        edit = WeightEditor(ep)
+        graph = edit.graph
         inputs: dict[Node, Node] = {}  # activation -> its 2-D, kernel-dtype version
-
-        def constant(target: str, t: Tensor) -> Node:
-            if target not in added:
-                with graph.inserting_before(first_user):
-                    node = graph.placeholder("b_" + target.replace(".", "_"))
-                node.meta["val"] = fake_mode.from_tensor(t, static_shapes=True)
-                # A persistent buffer, not a CONSTANT_TENSOR: `ep.module()` then registers it
-                # under its name, and AOTInductor asks for it by that name (a plain tensor
-                # constant would come back anonymous, as `_tensor_constantN`).
-                new_specs.append(
-                    InputSpec(InputKind.BUFFER, TensorArgument(node.name), target, persistent=True)
-                )
-                state_dict[target] = t
-                added[target] = node
-            return added[target]
-
         emit = partial(emit_node, graph)
 
         for node in list(graph.nodes):
@@ -456,17 +403,13 @@ class QuantizePass:
                 scheme = self.options.embedding
             else:
                 continue
-            spec = spec_of.get(getattr(weight, "name", None))
-            if spec is None or spec.kind not in (
-                InputKind.PARAMETER,
-                InputKind.BUFFER,
-                InputKind.CONSTANT_TENSOR,
-            ):
+            lifted = edit.weight(weight)
+            if lifted is None:
                 continue  # computed weight: not ours to quantize
-            source = tensors[spec.target]
-            name = _op_name(node, spec.target)
-            self.seen.update((name, spec.target))
-            names = (name, spec.target)
+            target, source = lifted
+            name = op_name(node, target)
+            self.seen.update((name, target))
+            names = (name, target)
             pattern = next((p for p in self.options.skip if _matches(p, names)), None)
             if pattern is not None:
                 self.skipped[name] = f"skip pattern {pattern!r}"
@@ -482,10 +425,10 @@ class QuantizePass:
                     self.skipped[name] = f"int4: {problem}"
                     continue
             q = self._quantize(source, scheme, device)
-            nodes = {sfx: constant(f"{spec.target}_{sfx}", t) for sfx, t in q.tensors.items()}
+            nodes = {sfx: edit.add(f"{target}_{sfx}", t) for sfx, t in q.tensors.items()}
             if scheme.kind == "int4":
                 g = scheme.groupsize
-                nodes["groupsize"] = constant(f"int4_groupsize_{g}", self._groupsize(g))
+                nodes["groupsize"] = edit.add(f"int4_groupsize_{g}", self._groupsize(g))
             with graph.inserting_before(node):
                 if node.target is aten.linear.default:
                     out = self._linear(node, nodes, scheme, device, emit, inputs)
@@ -493,36 +436,8 @@ class QuantizePass:
                     out = self._embedding(node, nodes, emit)
             node.replace_all_uses_with(out)
             graph.erase_node(node)
-            replaced.add(weight)
             self.quantized[name] = scheme.label
-
-        # Drop float weights no graph op reads any more, so the package does not store them.
-        dropped = {n.name for n in replaced if not n.users}
-        for n in placeholders:
-            if n.name in dropped:
-                graph.erase_node(n)
-                target = spec_of[n.name].target
-                state_dict.pop(target, None)
-                constants.pop(target, None)
-        specs = [s for s in specs if getattr(s.arg, "name", None) not in dropped]
-        first = next(i for i, s in enumerate(specs) if s.kind == InputKind.USER_INPUT)
-        signature = ExportGraphSignature(
-            input_specs=specs[:first] + new_specs + specs[first:],
-            output_specs=list(ep.graph_signature.output_specs),
-        )
-        graph.lint()
-        gm.recompile()
-        return ExportedProgram(
-            root=gm,
-            graph=graph,
-            graph_signature=signature,
-            state_dict=state_dict,
-            range_constraints=ep.range_constraints,
-            module_call_graph=ep.module_call_graph,
-            example_inputs=ep.example_inputs,
-            constants=constants,
-            verifiers=ep.verifiers,
-        )
+        return edit.finish()
 
     def _groupsize(self, g: int) -> Tensor:
         # One tensor object per group size (shared by all graphs); [1], not 0-d, so that
@@ -630,17 +545,6 @@ class QuantizePass:
 
 def _matches(pattern: str, names: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(n, pattern) for n in names)
-
-
-def _op_name(node: Node, weight_target: str) -> str:
-    """The module path of the op (`lm_head`, `model.layers.0.mlp.up_proj`) when export
-    recorded it, else the weight's name without `.weight`."""
-    stack = node.meta.get("nn_module_stack")
-    if stack:
-        path = list(stack.values())[-1][0]
-        if path:
-            return path
-    return weight_target.removesuffix(".weight")
 
 
 def quantize_pass(raw: dict[str, Any] | None) -> QuantizePass | None:

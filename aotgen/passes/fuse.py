@@ -1,0 +1,91 @@
+"""Linears that read the same activation, fused into one: q/k/v, and gate/up.
+
+gpt-fast's `wqkv` / `w1 w3`, done on the exported graph, so no model definition changes.
+The fused weight is the members' weights stacked along the output dim; the members become
+slices of its output. Prefill then runs one larger GEMM; decode and verify (see gemv.py)
+one reduction loop over all rows: Inductor's CPU kernels separate loops with a thread
+barrier, which a 2-core decode step pays hundreds of times per token.
+
+Numerics are unchanged: each output row still comes from its own weight row, and the
+quantize pass (run after this one) quantizes per row (int8) or per row and group (int4),
+so it chooses the same integers as for the separate weights. Linears that a quantize
+`skip` / `overrides` pattern names stay separate, so those patterns keep their meaning.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+
+import torch
+from torch import Tensor
+from torch.export import ExportedProgram
+from torch.fx import Node
+
+from aotgen.passes.fx import WeightEditor, compact_names, emit, op_name
+
+aten = torch.ops.aten
+
+
+class FuseLinearsPass:
+    """`ExportedProgram -> ExportedProgram`; one instance per model, reused for its graphs
+    so that every graph gets the same fused tensor objects (stored once in the package)."""
+
+    def __init__(self, exclude: tuple[str, ...] = ()):
+        self.exclude = exclude  # globs on module path or weight name
+        self._cache: dict[tuple[int, ...], Tensor] = {}
+        self._keep: list[Tensor] = []  # sources stay alive so their ids stay unique
+        self.fused: set[str] = set()  # fused op names, for the build report
+
+    def note(self) -> str:
+        """The build-report line: which linears now run as one."""
+        if not self.fused:
+            return "fuse_linears: no linears share an input"
+        return f"fuse_linears: {len(self.fused)} fused: {compact_names(self.fused)}"
+
+    def __call__(self, ep: ExportedProgram) -> ExportedProgram:
+        edit = WeightEditor(ep)
+        groups: dict[tuple, list[tuple[Node, str, Tensor]]] = {}
+        for node in edit.graph.nodes:
+            if node.target is not aten.linear.default or len(node.args) != 2:
+                continue  # only bias-free linears (every LLM projection this fuses)
+            lifted = edit.weight(node.args[1])
+            if lifted is None:
+                continue
+            target, w = lifted
+            names = (op_name(node, target), target)
+            if any(fnmatch.fnmatchcase(n, p) for p in self.exclude for n in names):
+                continue
+            groups.setdefault((node.args[0], w.dtype, w.device), []).append((node, target, w))
+        for members in groups.values():
+            if len(members) > 1:
+                self._fuse(edit, members)
+        return edit.finish()
+
+    def _fuse(self, edit: WeightEditor, members: list[tuple[Node, str, Tensor]]) -> None:
+        nodes, targets, weights = zip(*members, strict=True)
+        key = tuple(id(w) for w in weights)
+        if key not in self._cache:
+            self._keep.extend(weights)
+            self._cache[key] = torch.cat(weights)
+        paths = [op_name(n, t) for n, t in zip(nodes, targets, strict=True)]
+        prefix = os.path.commonprefix([p.rsplit(".", 1)[0] + "." for p in paths])
+        leaves = [p[len(prefix) :] for p in paths]
+        name = f"{prefix}{{{','.join(leaves)}}}"  # model.layers.0.self_attn.{q_proj,k_proj,v_proj}
+        fused_w = edit.add(f"{prefix}{'_'.join(leaves)}.weight", self._cache[key])
+        graph, first = edit.graph, nodes[0]
+        with graph.inserting_before(first):
+            out = emit(graph, first, aten.linear.default, first.args[0], fused_w)
+        stack = dict(first.meta.get("nn_module_stack") or {})
+        if stack:  # the fused op's module path names all its members
+            last = list(stack)[-1]
+            stack[last] = (name, *stack[last][1:])
+            out.meta["nn_module_stack"] = stack
+        start = 0
+        for node, w in zip(nodes, weights, strict=True):
+            with graph.inserting_before(node):
+                part = emit(graph, node, aten.slice.Tensor, out, -1, start, start + len(w))
+            start += len(w)
+            node.replace_all_uses_with(part)
+            graph.erase_node(node)
+        self.fused.add(name)
