@@ -333,7 +333,7 @@ def bench(
             f"{r.weight_bytes / 1e6:.0f}",
             f"{r.roofline(bw):.0%}",
         )
-    Console().print(table)
+    Console(width=max(Console().width, 120)).print(table)
     Console().print(
         f"measured read bandwidth {bw:.1f} GB/s (torch sum over 512 MiB, best of 5), "
         f"threads {threads or 'torch default'}"
