@@ -60,6 +60,12 @@ class BenchResult:
         return self.weight_bytes * self.decode_tok_s / (bandwidth_gbs * 1e9)
 
 
+def prompt_ids(vocab: int, n: int) -> list[int]:
+    """The benchmarks' prompt: `n` seeded random ids (the same for every runtime)."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(100, vocab, (n,), generator=gen).tolist()
+
+
 def bench_package(
     path: str | Path,
     prompt_len: int = 128,
@@ -70,9 +76,7 @@ def bench_package(
 ) -> BenchResult:
     """Median of `runs` timed generations (greedy, eos ignored) after `warmup` ones."""
     engine = Engine.load(path, threads=threads)
-    vocab = engine.tokenizer.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(100, vocab, (prompt_len,), generator=gen).tolist()
+    prompt = prompt_ids(engine.tokenizer.vocab_size, prompt_len)
     cfg = GenerationConfig(max_new_tokens=gen_tokens, ignore_eos=True, sampling=SamplingParams())
     prefill, decode = [], []
     for i in range(warmup + runs):
@@ -133,8 +137,7 @@ def bench_llama_cpp(
     def greedy() -> int:  # argmax of the last position's logits (all llama.cpp computed)
         return int(np.ctypeslib.as_array(llama_cpp.llama_get_logits(llm.ctx), (vocab,)).argmax())
 
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(100, vocab, (prompt_len,), generator=gen).tolist()
+    prompt = prompt_ids(vocab, prompt_len)
     prefill, decode = [], []
     for i in range(warmup + runs):
         llm.reset()
