@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from aotgen.passes.gemv import linears_as_reductions
+from aotgen.passes.gemv import linears_as_reductions, row_groups
 
 aten = torch.ops.aten
 
@@ -30,10 +30,19 @@ def test_rewritten_graph_matches_eager(tokens):
     x = torch.randn(1, tokens, 24)
     ep = linears_as_reductions(torch.export.export(model, (x,)))
     assert aten.linear.default not in _targets(ep)
-    assert _targets(ep).count(aten.sum.dim_IntList) == 2 * tokens
+    dots = tokens * (row_groups(40, tokens) + row_groups(24, tokens))
+    assert _targets(ep).count(aten.sum.dim_IntList) == dots
     torch.testing.assert_close(ep.module()(x), model(x), rtol=1e-5, atol=1e-5)
     compiled = torch.compile(ep.module())
     torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_row_groups_give_one_token_independent_chains():
+    assert row_groups(960, rows=1) == 4  # four equal weight slices reduced side by side
+    assert row_groups(10, rows=1) == 2  # only equal slices fuse into one loop
+    assert row_groups(7, rows=1) == 1
+    assert row_groups(576, rows=2) == 2
+    assert row_groups(576, rows=5) == 1  # five token rows are five chains already
 
 
 def test_more_rows_than_the_limit_keep_blas():

@@ -246,7 +246,9 @@ def test_package_keeps_the_graph_contract(quantized):
 def test_package_stores_quantized_weights_once(int8_build, int4_build):
     with safe_open(str(int8_build.path / "rank0" / "target.safetensors"), "pt") as f:
         names = set(f.keys())
-        assert f.get_slice("model.layers.0.self_attn.q_proj.weight_int8").get_dtype() == "I8"
+        # q/k/v were fused (compile.fuse_linears) before they were quantized.
+        qkv = "model.layers.0.self_attn.q_proj_k_proj_v_proj.weight_int8"
+        assert f.get_slice(qkv).get_dtype() == "I8"
     # Tied lm_head + embedding: one int8 tensor serves both, no float copy is left.
     tied = [n for n in names if n.startswith(("lm_head", "model.embed_tokens"))]
     assert sorted(tied) == ["lm_head.weight_int8", "lm_head.weight_int8_scales"]
@@ -254,7 +256,7 @@ def test_package_stores_quantized_weights_once(int8_build, int4_build):
     assert "model.layers.1.mlp.down_proj.weight" in names  # skipped: stays float
     with safe_open(str(int4_build.path / "rank0" / "target.safetensors"), "pt") as f:
         names = set(f.keys())
-    assert "model.layers.0.mlp.up_proj.weight_int4g32" in names
+    assert "model.layers.0.mlp.gate_proj_up_proj.weight_int4g32" in names
     assert "lm_head.weight_int8" in names and "lm_head.weight" not in names  # the override
     assert not any(n.endswith(".weight") and "proj" in n for n in names)
 

@@ -30,6 +30,21 @@ from aotgen.passes.fx import emit
 aten = torch.ops.aten
 
 MAX_ROWS = 8  # beyond this the unrolled kernel grows and BLAS reuse starts to pay
+CHAINS = 4  # independent accumulators wanted per loop iteration (see row_groups)
+
+
+def row_groups(n: int, rows: int, chains: int = CHAINS) -> int:
+    """How many equal slices of the weight's `n` output rows to reduce side by side.
+
+    Inductor fuses reductions with the same ranges into one loop with one accumulator
+    each; a single row's reduction is one chain of dependent vector adds, which bounds a
+    1-token decode by add latency, not memory. `rows` token rows already give `rows`
+    chains; slices of the weight give the rest (only equal slices fuse).
+    """
+    groups = max(1, chains // rows)
+    while n % groups:
+        groups -= 1
+    return groups
 
 
 def _is_cast_from_float32(node: Node) -> bool:
@@ -77,10 +92,23 @@ def linears_as_reductions(ep: ExportedProgram, max_rows: int = MAX_ROWS) -> Expo
             if scales is not None:
                 dense = add(aten._to_copy.default, dense, dtype=torch.float32)
                 weight = add(aten._to_copy.default, weight, dtype=torch.float32)
+            n = weight.meta["val"].shape[0]
+            groups = row_groups(n, rows)
+            if groups > 1:  # slices of the same weight: views, no copy
+                size = n // groups
+                parts = [
+                    add(aten.slice.Tensor, weight, 0, g * size, (g + 1) * size)
+                    for g in range(groups)
+                ]
+            else:
+                parts = [weight]
             sums = []
             for r in range(rows):
                 row = add(aten.as_strided.default, dense, [k], [1], r * k)
-                sums.append(add(aten.sum.dim_IntList, add(aten.mul.Tensor, row, weight), [-1]))
+                dots = [
+                    add(aten.sum.dim_IntList, add(aten.mul.Tensor, row, w), [-1]) for w in parts
+                ]
+                sums.append(dots[0] if groups == 1 else add(aten.cat.default, dots))
             out = add(aten.stack.default, sums)
             if scales is not None:
                 out = add(
