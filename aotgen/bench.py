@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -66,101 +67,102 @@ def prompt_ids(vocab: int, n: int) -> list[int]:
     return torch.randint(100, vocab, (n,), generator=gen).tolist()
 
 
-def bench_package(
-    path: str | Path,
-    prompt_len: int = 128,
-    gen_tokens: int = 64,
-    runs: int = 5,
-    warmup: int = 1,
-    threads: int | None = None,
-) -> BenchResult:
-    """Median of `runs` timed generations (greedy, eos ignored) after `warmup` ones."""
-    engine = Engine.load(path, threads=threads)
-    prompt = prompt_ids(engine.tokenizer.vocab_size, prompt_len)
-    cfg = GenerationConfig(max_new_tokens=gen_tokens, ignore_eos=True, sampling=SamplingParams())
-    prefill, decode = [], []
-    for i in range(warmup + runs):
-        r = engine.generate(prompt, cfg)
-        if i >= warmup:
-            prefill.append(r.prefill_tok_s)
-            decode.append(r.decode_tok_s)
-    dec = statistics.median(decode)
-    return BenchResult(
-        package=str(path),
-        prefill_tok_s=statistics.median(prefill),
-        decode_tok_s=dec,
-        decode_ms=1e3 / dec if dec else float("nan"),
-        weight_bytes=weight_bytes(engine),
-        load_s=engine.load_s,
-    )
+class PackageRunner:
+    """One aotgen package: timed generations through the Python runtime."""
+
+    def __init__(self, path: str | Path, prompt_len: int, gen_tokens: int, threads: int | None):
+        self.engine = Engine.load(path, threads=threads)
+        self.name, self.load_s = Path(path).name, self.engine.load_s
+        self.weight_bytes = weight_bytes(self.engine)
+        self.prompt = prompt_ids(self.engine.tokenizer.vocab_size, prompt_len)
+        self.cfg = GenerationConfig(
+            max_new_tokens=gen_tokens, ignore_eos=True, sampling=SamplingParams()
+        )
+
+    def run(self) -> tuple[float, float]:
+        """(prefill tok/s, decode tok/s) of one greedy generation, eos ignored."""
+        r = self.engine.generate(self.prompt, self.cfg)
+        return r.prefill_tok_s, r.decode_tok_s
 
 
-def bench_llama_cpp(
-    gguf: str | Path,
-    prompt_len: int = 128,
-    gen_tokens: int = 64,
-    runs: int = 5,
-    warmup: int = 1,
-    threads: int | None = None,
-) -> BenchResult:
+class LlamaCppRunner:
     """The same measurement through llama.cpp (`llama-cpp-python`, an optional extra that
     builds llama.cpp from source: `pip install llama-cpp-python`), for a same-run baseline.
 
-    Prompt ids, greedy decoding and the timed spans match `bench_package`: prefill is the
+    Prompt ids, greedy decoding and the timed spans match `PackageRunner`: prefill is the
     prompt's forward pass, decode the `gen_tokens - 1` single-token steps after it.
     """
-    try:
-        import llama_cpp
-        import numpy as np
-        from llama_cpp import Llama
-    except ImportError as e:
-        raise BenchError(
-            "--llama-cpp needs the optional `llama-cpp-python` package "
-            "(pip install llama-cpp-python; it compiles llama.cpp, ~10 minutes)"
-        ) from e
-    path = Path(gguf)
-    if not path.is_file():
-        raise BenchError(f"{path}: no such GGUF file")
-    threads = threads or torch.get_num_threads()
-    t0 = time.perf_counter()
-    llm = Llama(
-        str(path),
-        n_ctx=prompt_len + gen_tokens + 8,
-        n_batch=prompt_len,
-        n_threads=threads,
-        n_threads_batch=threads,
-        verbose=False,
-    )
-    load_s = time.perf_counter() - t0
-    vocab = llm.n_vocab()
 
-    def greedy() -> int:  # argmax of the last position's logits (all llama.cpp computed)
-        return int(np.ctypeslib.as_array(llama_cpp.llama_get_logits(llm.ctx), (vocab,)).argmax())
-
-    prompt = prompt_ids(vocab, prompt_len)
-    prefill, decode = [], []
-    for i in range(warmup + runs):
-        llm.reset()
+    def __init__(self, gguf: str | Path, prompt_len: int, gen_tokens: int, threads: int | None):
+        try:
+            import llama_cpp
+            import numpy as np
+            from llama_cpp import Llama
+        except ImportError as e:
+            raise BenchError(
+                "--llama-cpp needs the optional `llama-cpp-python` package "
+                "(pip install llama-cpp-python; it compiles llama.cpp, ~15-20 minutes)"
+            ) from e
+        path = Path(gguf)
+        if not path.is_file():
+            raise BenchError(f"{path}: no such GGUF file")
+        threads = threads or torch.get_num_threads()
         t0 = time.perf_counter()
-        llm.eval(prompt)
-        tok = greedy()
+        self.llm = Llama(
+            str(path),
+            n_ctx=prompt_len + gen_tokens + 8,
+            n_batch=prompt_len,
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+        )
+        self.name, self.load_s = f"llama.cpp {path.name}", time.perf_counter() - t0
+        self.weight_bytes = path.stat().st_size
+        vocab = self.llm.n_vocab()
+        self.prompt, self.gen_tokens = prompt_ids(vocab, prompt_len), gen_tokens
+        # Greedy: argmax of the last position's logits (all that llama.cpp computes).
+        logits = partial(llama_cpp.llama_get_logits, self.llm.ctx)
+        self.greedy = lambda: int(np.ctypeslib.as_array(logits(), (vocab,)).argmax())
+
+    def run(self) -> tuple[float, float]:
+        self.llm.reset()
+        t0 = time.perf_counter()
+        self.llm.eval(self.prompt)
+        tok = self.greedy()
         t1 = time.perf_counter()
-        for _ in range(gen_tokens - 1):
-            llm.eval([tok])
-            tok = greedy()
+        for _ in range(self.gen_tokens - 1):
+            self.llm.eval([tok])
+            tok = self.greedy()
         t2 = time.perf_counter()
-        if i >= warmup:
-            prefill.append(prompt_len / (t1 - t0))
-            decode.append((gen_tokens - 1) / (t2 - t1))
-    dec = statistics.median(decode)
-    return BenchResult(
-        package=f"llama.cpp {path.name}",
-        prefill_tok_s=statistics.median(prefill),
-        decode_tok_s=dec,
-        decode_ms=1e3 / dec,
-        weight_bytes=path.stat().st_size,
-        load_s=load_s,
-    )
+        return len(self.prompt) / (t1 - t0), (self.gen_tokens - 1) / (t2 - t1)
+
+
+def bench_interleaved(
+    runners: list[PackageRunner | LlamaCppRunner], runs: int = 5, warmup: int = 1
+) -> list[BenchResult]:
+    """Median of `runs` timed generations per runner after `warmup` ones, taken round-robin
+    (run 1 of every runner, then run 2, ...) so that the VM's drifting speed affects all
+    alike instead of whichever ran last."""
+    times: list[list[tuple[float, float]]] = [[] for _ in runners]
+    for i in range(warmup + runs):
+        for runner, ts in zip(runners, times, strict=True):
+            t = runner.run()
+            if i >= warmup:
+                ts.append(t)
+    results = []
+    for runner, ts in zip(runners, times, strict=True):
+        dec = statistics.median(d for _, d in ts)
+        results.append(
+            BenchResult(
+                package=runner.name,
+                prefill_tok_s=statistics.median(p for p, _ in ts),
+                decode_tok_s=dec,
+                decode_ms=1e3 / dec if dec else float("nan"),
+                weight_bytes=runner.weight_bytes,
+                load_s=runner.load_s,
+            )
+        )
+    return results
 
 
 def requantize_gguf(src: str | Path, dst: str | Path, ftype: str) -> Path:

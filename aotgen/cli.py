@@ -280,7 +280,7 @@ def bench(
     ] = None,
 ) -> None:
     """Prefill/decode tok/s, ms/token, weight bytes/token and roofline ratio, side by side."""
-    from aotgen.bench import bench_llama_cpp, bench_package, measure_bandwidth
+    from aotgen.bench import LlamaCppRunner, PackageRunner, bench_interleaved, measure_bandwidth
     from aotgen.recipe import Project
 
     threads = threads or Project.load().threads or None
@@ -300,18 +300,15 @@ def bench(
     if not packages and not llama_cpp:
         return
     try:
-        results = [
-            bench_package(p, prompt_len, gen_tokens, runs, threads=threads) for p in packages
-        ]
-        results += [
-            bench_llama_cpp(g, prompt_len, gen_tokens, runs, threads=threads)
-            for g in llama_cpp or []
-        ]
+        runners = [PackageRunner(p, prompt_len, gen_tokens, threads) for p in packages]
+        runners += [LlamaCppRunner(g, prompt_len, gen_tokens, threads) for g in llama_cpp or []]
+        results = bench_interleaved(runners, runs)
     except _user_errors() as e:
         _fail(e)
     bw = measure_bandwidth()
     table = Table(
-        title=f"decode greedy, prompt {prompt_len}, {gen_tokens} new tokens, median of {runs}"
+        title=f"decode greedy, prompt {prompt_len}, {gen_tokens} new tokens, median of {runs} "
+        "(runs interleaved)"
     )
     for col in (
         "package",
@@ -325,7 +322,7 @@ def bench(
         table.add_column(col, justify="left" if col == "package" else "right", no_wrap=True)
     for r in results:
         table.add_row(
-            Path(r.package).name,
+            r.package,
             f"{r.load_s:.2f}",
             f"{r.prefill_tok_s:.1f}",
             f"{r.decode_tok_s:.1f}",

@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from aotgen.bench import BenchError, bench_llama_cpp, bench_package
+from aotgen.bench import BenchError, LlamaCppRunner, PackageRunner, bench_interleaved
 from aotgen.package.weights import is_padding
 
 
 def test_bench_package_counts_every_weight_once(tiny_package: Path):
-    r = bench_package(tiny_package, prompt_len=8, gen_tokens=4, runs=1, threads=1)
+    runner = PackageRunner(tiny_package, prompt_len=8, gen_tokens=4, threads=1)
+    r, again = bench_interleaved([runner, runner], runs=2, warmup=0)
+    assert r.package == again.package == tiny_package.name
     assert r.prefill_tok_s > 0 and r.decode_tok_s > 0
     assert r.decode_ms == pytest.approx(1e3 / r.decode_tok_s)
     stored = 0
@@ -28,8 +30,8 @@ def test_bench_package_counts_every_weight_once(tiny_package: Path):
 def test_llama_cpp_baseline_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if the extra were not installed
     with pytest.raises(BenchError, match="pip install llama-cpp-python"):
-        bench_llama_cpp(tmp_path / "model.gguf")
+        LlamaCppRunner(tmp_path / "model.gguf", 8, 4, threads=1)
     monkeypatch.undo()
     pytest.importorskip("llama_cpp")
     with pytest.raises(BenchError, match="no such GGUF file"):
-        bench_llama_cpp(tmp_path / "model.gguf")
+        LlamaCppRunner(tmp_path / "model.gguf", 8, 4, threads=1)

@@ -6,10 +6,16 @@ path): sgemv streamed ~9 GB/s per core, and for 5 rows sgemm copies (packs) the 
 weight on every call (perf: 27 % of a verify step in `mkl_blas_def_sgemm_scopy_right16_bdz`).
 
 Written as `(x[t] * W).sum(-1)` for each of the T rows, Inductor emits one fused, vectorised
-kernel per weight (or per pair, q/k/v and gate/up) that loads each weight element once and
-keeps T accumulators. The rows must be materialised first (see the `as_strided` below).
-Measured on SmolLM2-135M fp32, 2 threads: decode 25 -> 16.8 ms/token, verify (5 tokens)
-84 -> 35 ms; the same rewrite of the int8 kernel took int8 decode 16.5 -> 8.9 ms.
+loop per weight that loads each weight element once and keeps T accumulators. The rows
+must be materialised first (see the `as_strided` below). Measured on SmolLM2-135M fp32,
+2 threads: decode 25 -> 16.8 ms/token, verify (5 tokens) 84 -> 35 ms; the same rewrite of
+the int8 kernel took int8 decode 16.5 -> 8.9 ms.
+
+With one token there is one accumulator: a chain of dependent vector adds that bounds the
+loop by add latency (perf: the samples sit on the add and the loop compare), not memory.
+So 1-token linears reduce 4 equal slices of the weight side by side (`row_groups`), which
+Inductor fuses into one loop with 4 accumulators: an int8 weight streamed 15-23 -> 30 GB/s
+in a micro-benchmark, and int8 decode went 7.6-8.7 -> 6.6-6.9 ms/token.
 
 Tried and reverted: the k + 1 tokens as one reduction with the token axis innermost
 (`out[n, t] = sum_k W[n, k] * x[t, k]`) compiled to a verify step 30x slower.
