@@ -385,13 +385,13 @@ def _bench_speculative(package: Path, gen_tokens: int, k: int | None, threads: i
             by_pos,
             "yes" if r.same_as_plain else "no (near-tie)",
         )
-    Console().print(table)
+    Console(width=max(Console().width, 120)).print(table)
     d = costs["decode_ms"]
     v = costs["verify_ms"]
     line = f"decode step {d:.2f} ms · verify step {v:.2f} ms (v = {v / d:.2f})"
     if "draft_ms" in costs:
         line += f" · draft step {costs['draft_ms']:.2f} ms (c = {costs['draft_ms'] / d:.2f})"
-    Console().print(line)
+    Console(width=max(Console().width, 120)).print(line)
 
 
 def main() -> None:
