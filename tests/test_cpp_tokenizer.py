@@ -18,13 +18,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cpp_build import REPO_ROOT, require_cpp_build
+from cpp_build import require_cpp_build
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 pytestmark = pytest.mark.cpp
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-REAL_TOKENIZER = REPO_ROOT / "checkpoints" / "smollm2-135m" / "tokenizer.json"
 
 # Training text: a few languages and scripts, code, numbers, emoji.
 TRAIN_CORPUS = [
@@ -522,19 +521,19 @@ def test_missing_file_and_bad_input(tokenize_bin: Path, variants: dict[str, Path
     assert proc.returncode == 1 and "line 1" in proc.stderr
 
 
-def test_real_smollm2_tokenizer(tokenize_bin: Path):
-    if not REAL_TOKENIZER.exists():
-        pytest.skip(f"{REAL_TOKENIZER.relative_to(REPO_ROOT)} not present")
+def test_real_smollm2_tokenizer(tokenize_bin: Path, smollm2_checkpoint: Path):
+    """SmolLM2's own tokenizer.json, as `aotgen import-gguf` writes it from the bundled GGUF."""
+    real_tokenizer = smollm2_checkpoint / "tokenizer.json"
     texts = TEST_STRINGS + TRAIN_CORPUS + random_texts(seed=2025, count=200)
-    ids = assert_same_ids(tokenize_bin, REAL_TOKENIZER, texts)
-    decoded = run_cli(tokenize_bin, [str(REAL_TOKENIZER), "--decode"], ids)
-    ref = load(REAL_TOKENIZER)
+    ids = assert_same_ids(tokenize_bin, real_tokenizer, texts)
+    decoded = run_cli(tokenize_bin, [str(real_tokenizer), "--decode"], ids)
+    ref = load(real_tokenizer)
     for seq, text in zip(ids, decoded, strict=True):
         assert text == ref.decode(seq, skip_special_tokens=False)
 
     # The model's own chat template renders the same prompt when a system message is given
     # (without one it inserts a default system prompt; chatml_prompt never does).
-    config = REAL_TOKENIZER.with_name("tokenizer_config.json")
+    config = real_tokenizer.with_name("tokenizer_config.json")
     template = json.loads(config.read_text()).get("chat_template") if config.exists() else None
     if template:
         jinja2 = pytest.importorskip("jinja2")
