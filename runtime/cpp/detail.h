@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -17,14 +18,24 @@ namespace aotgen::detail {
 
 // ---- package.cpp -------------------------------------------------------------------------
 
-// Tensors of a safetensors file. Tensors whose data is 64-byte aligned in the file view a
-// private read-only mapping of it (kept alive by the tensors); the others are copied into
-// aligned memory, as the Python runtime's load_file does.
-std::unordered_map<std::string, at::Tensor> load_safetensors(const std::filesystem::path& path);
+// A private read-only mapping of a whole file.
+class Mapping;
+
+// Weights files by path, mapped while they were hashed: binding that same mapping finds
+// its pages already faulted in by the hashing threads, not by the first prefill.
+using MappedFiles = std::unordered_map<std::string, std::shared_ptr<const Mapping>>;
+
+// Tensors of a safetensors file (`mapping`: the file, already mapped; else it is mapped
+// here). Tensors whose data is 64-byte aligned in the file view the mapping (kept alive
+// by the tensors); the others are copied into aligned memory, as the Python runtime's
+// load_file does.
+std::unordered_map<std::string, at::Tensor> load_safetensors(
+    const std::filesystem::path& path, std::shared_ptr<const Mapping> mapping = nullptr);
 
 // The sha256 check of the package's weights files that verify_package(..., defer_weights)
-// left out; throws PackageError.
-void verify_weight_files(const std::string& manifest_text, const std::filesystem::path& root);
+// left out; throws PackageError. Returns the verified files, still mapped.
+MappedFiles verify_weight_files(const std::string& manifest_text,
+                                const std::filesystem::path& root);
 
 // Manifest dtype name ("float32", "bfloat16", ...) -> scalar type; PackageError otherwise.
 at::ScalarType dtype_from_name(const std::string& name);

@@ -150,8 +150,10 @@ class ModelRunner {
   }
 
   // Maps the weights file (once its hashes are verified) and binds it to every graph.
-  void bind_weights(const fs::path& root, const json& entry) {
-    weights_ = detail::load_safetensors(root / entry.at("weights").at("file").get<std::string>());
+  void bind_weights(const fs::path& root, const json& entry, const detail::MappedFiles& mapped) {
+    const fs::path file = root / entry.at("weights").at("file").get<std::string>();
+    const auto it = mapped.find(file.string());
+    weights_ = detail::load_safetensors(file, it == mapped.end() ? nullptr : it->second);
     const json aliases = entry.at("weights").value("aliases", json::object());
     for (const auto& [alias, name] : aliases.items()) {
       const auto it = weights_.find(name.get<std::string>());
@@ -419,8 +421,9 @@ Engine Engine::load(const fs::path& package_dir, const LoadOptions& options) {
   const auto& m = impl->manifest;
   // The weights' hashes are checked on other threads while the (verified) graph code loads;
   // nothing is bound or run before they pass.
-  std::future<void> weights_verified = std::async(std::launch::async, [&] {
-    if (options.verify_hashes) detail::verify_weight_files(manifest_text, package_dir);
+  std::future<detail::MappedFiles> weights_verified = std::async(std::launch::async, [&] {
+    return options.verify_hashes ? detail::verify_weight_files(manifest_text, package_dir)
+                                 : detail::MappedFiles{};
   });
   try {
     if (m.value("world_size", 1) != 1) {
@@ -438,9 +441,9 @@ Engine Engine::load(const fs::path& package_dir, const LoadOptions& options) {
     if (models.contains("draft")) {
       impl->draft = std::make_unique<ModelRunner>(pt2, models.at("draft"));
     }
-    weights_verified.get();  // rethrows a hash mismatch
-    impl->target->bind_weights(package_dir, models.at("target"));
-    if (impl->draft) impl->draft->bind_weights(package_dir, models.at("draft"));
+    const detail::MappedFiles mapped = weights_verified.get();  // rethrows a hash mismatch
+    impl->target->bind_weights(package_dir, models.at("target"), mapped);
+    if (impl->draft) impl->draft->bind_weights(package_dir, models.at("draft"), mapped);
     const json tok_config = read_json_if_present(tok_dir / "tokenizer_config.json");
     std::set<int64_t> eos;
     add_ids(read_json_if_present(tok_dir / "generation_config.json").value("eos_token_id", json()),

@@ -29,7 +29,44 @@ namespace aotgen {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
+namespace detail {
+
+class Mapping {
+ public:
+  explicit Mapping(const fs::path& path) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw PackageError("cannot open " + path.string() + ": " + std::strerror(errno));
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || st.st_size == 0) {
+      ::close(fd);
+      throw PackageError("cannot read " + path.string() + " (empty or unreadable)");
+    }
+    size_ = static_cast<std::size_t>(st.st_size);
+    void* data = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    ::close(fd);
+    if (data == MAP_FAILED) {
+      throw PackageError("cannot map " + path.string() + ": " + std::strerror(errno));
+    }
+    data_ = static_cast<char*>(data);
+  }
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  ~Mapping() { ::munmap(data_, size_); }
+  char* data() const { return data_; }
+  std::size_t size() const { return size_; }
+
+ private:
+  char* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+}  // namespace detail
+
+using detail::Mapping;
+
 namespace {
+
+std::vector<std::string> hash_chunks(const Mapping& mapping, std::size_t chunk_bytes);
 
 constexpr int kFormatVersion = 2;
 constexpr const char* kManifest = "manifest.json";
@@ -98,7 +135,9 @@ bool is_weights_file(const std::string& rel) {
 
 // Hashes the listed files whose is_weights_file() equals `weights`; with !weights also
 // checks that every listed file exists with its size and that nothing unlisted is there.
-void verify_files(const json& manifest, const fs::path& root, bool weights) {
+// With `mapped`, the weights files stay mapped there, by path, for binding.
+void verify_files(const json& manifest, const fs::path& root, bool weights,
+                  detail::MappedFiles* mapped = nullptr) {
   const auto& listed = manifest.at("files");
   if (!listed.is_object()) throw PackageError(root.string() + ": manifest `files` is malformed");
   const auto chunk_bytes = manifest.at("hash_chunk_bytes").get<std::size_t>();
@@ -120,10 +159,16 @@ void verify_files(const json& manifest, const fs::path& root, bool weights) {
       }
       if (fs::file_size(path) != entry.at("bytes").get<std::uintmax_t>()) throw mismatch(rel);
     }
-    if (is_weights_file(rel) == weights &&
-        sha256_chunks(path, chunk_bytes) != entry.at("sha256").get<std::vector<std::string>>()) {
-      throw mismatch(rel);
+    if (is_weights_file(rel) != weights) continue;
+    std::vector<std::string> digests;
+    if (mapped != nullptr && fs::file_size(path) > 0) {
+      auto mapping = std::make_shared<const Mapping>(path);
+      digests = hash_chunks(*mapping, chunk_bytes);
+      mapped->emplace(path.string(), std::move(mapping));
+    } else {
+      digests = sha256_chunks(path, chunk_bytes);
     }
+    if (digests != entry.at("sha256").get<std::vector<std::string>>()) throw mismatch(rel);
   }
   if (weights) return;
   for (const auto& item : fs::recursive_directory_iterator(root)) {
@@ -154,36 +199,6 @@ StDtype safetensors_dtype(const std::string& name) {
   return it->second;
 }
 
-// A private read-only mapping of a whole file.
-class Mapping {
- public:
-  explicit Mapping(const fs::path& path) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) throw PackageError("cannot open " + path.string() + ": " + std::strerror(errno));
-    struct stat st {};
-    if (::fstat(fd, &st) != 0 || st.st_size == 0) {
-      ::close(fd);
-      throw PackageError("cannot read " + path.string() + " (empty or unreadable)");
-    }
-    size_ = static_cast<std::size_t>(st.st_size);
-    void* data = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-    ::close(fd);
-    if (data == MAP_FAILED) {
-      throw PackageError("cannot map " + path.string() + ": " + std::strerror(errno));
-    }
-    data_ = static_cast<char*>(data);
-  }
-  Mapping(const Mapping&) = delete;
-  Mapping& operator=(const Mapping&) = delete;
-  ~Mapping() { ::munmap(data_, size_); }
-  char* data() const { return data_; }
-  std::size_t size() const { return size_; }
-
- private:
-  char* data_ = nullptr;
-  std::size_t size_ = 0;
-};
-
 std::string sha256_hex(const char* data, std::size_t size) {
   const std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx(EVP_MD_CTX_new(),
                                                                      &EVP_MD_CTX_free);
@@ -203,11 +218,8 @@ std::string sha256_hex(const char* data, std::size_t size) {
   return hex;
 }
 
-}  // namespace
-
-std::vector<std::string> sha256_chunks(const fs::path& path, std::size_t chunk_bytes) {
-  if (fs::file_size(path) == 0) return {sha256_hex(nullptr, 0)};
-  const Mapping mapping(path);
+// sha256 of each `chunk_bytes` chunk of a mapped file, hashed on all cores.
+std::vector<std::string> hash_chunks(const Mapping& mapping, std::size_t chunk_bytes) {
   const std::size_t n = (mapping.size() + chunk_bytes - 1) / chunk_bytes;
   std::vector<std::string> digests(n);
   std::atomic<std::size_t> next{0};
@@ -233,6 +245,13 @@ std::vector<std::string> sha256_chunks(const fs::path& path, std::size_t chunk_b
   for (auto& t : threads) t.join();
   if (error) std::rethrow_exception(error);
   return digests;
+}
+
+}  // namespace
+
+std::vector<std::string> sha256_chunks(const fs::path& path, std::size_t chunk_bytes) {
+  if (fs::file_size(path) == 0) return {sha256_hex(nullptr, 0)};
+  return hash_chunks(Mapping(path), chunk_bytes);
 }
 
 std::string cpu_capability() { return at::get_cpu_capability(); }
@@ -278,13 +297,15 @@ std::string verify_package(const fs::path& root, bool check_hashes, bool defer_w
 
 namespace detail {
 
-void verify_weight_files(const std::string& manifest_text, const fs::path& root) {
+MappedFiles verify_weight_files(const std::string& manifest_text, const fs::path& root) {
+  MappedFiles mapped;
   try {
-    verify_files(json::parse(manifest_text), root, /*weights=*/true);
+    verify_files(json::parse(manifest_text), root, /*weights=*/true, &mapped);
   } catch (const json::exception& e) {
     throw PackageError(root.string() + "/manifest.json is malformed (" + e.what() +
                        "); rebuild the package");
   }
+  return mapped;
 }
 
 at::ScalarType dtype_from_name(const std::string& name) {
@@ -297,8 +318,9 @@ at::ScalarType dtype_from_name(const std::string& name) {
   return it->second;
 }
 
-std::unordered_map<std::string, at::Tensor> load_safetensors(const fs::path& path) {
-  const auto mapping = std::make_shared<Mapping>(path);
+std::unordered_map<std::string, at::Tensor> load_safetensors(
+    const fs::path& path, std::shared_ptr<const Mapping> mapping) {
+  if (!mapping) mapping = std::make_shared<const Mapping>(path);
   const auto bad = [&](const std::string& why) {
     return PackageError(path.string() + " is not a valid safetensors file: " + why);
   };
