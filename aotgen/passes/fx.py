@@ -88,11 +88,7 @@ class WeightEditor:
     def finish(self) -> ExportedProgram:
         """The edited program, without the weights that lost their last reader."""
         graph, gm = self.graph, self.ep.graph_module
-        dropped = {
-            n.name
-            for n in self.placeholders
-            if not n.users and self.weight(n) is not None and n not in self.added.values()
-        }
+        dropped = {n.name for n in self.placeholders if not n.users and self.weight(n)}
         for n in self.placeholders:
             if n.name in dropped:
                 graph.erase_node(n)
