@@ -149,7 +149,8 @@ class ModelRunner {
     verify_len_ = verify_ ? verify_->max_tokens() : 0;
   }
 
-  // Maps the weights file (once its hashes are verified) and binds it to every graph.
+  // Binds the weights file to every graph, once its hashes are verified; `mapped` holds the
+  // mapping the hashes were read through (absent with --no-verify: mapped here).
   void bind_weights(const fs::path& root, const json& entry, const detail::MappedFiles& mapped) {
     const fs::path file = root / entry.at("weights").at("file").get<std::string>();
     const auto it = mapped.find(file.string());
