@@ -7,12 +7,14 @@ torch.compile. `tests/test_runtime_isolation.py` enforces it.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 from torch import Tensor
@@ -69,6 +71,16 @@ class CompiledGraph:
         return self.loader.boxed_run([tokens, input_pos, *caches])[0]
 
 
+def zeros_on_demand(shape: list[int], dtype: torch.dtype) -> Tensor:
+    """A zero tensor on pages the OS zero-fills when first written (numpy allocates with calloc).
+
+    KV caches must start zeroed (attention reads masked positions, which must be finite) but
+    are written only as far as the context reaches; torch.zeros writes all of them at load.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).reshape(shape)
+
+
 class ModelRunner:
     """One model of a package: its graphs, weights bound once, and the KV cache it owns."""
 
@@ -95,7 +107,7 @@ class ModelRunner:
         kv = entry["kv_cache"]
         self.cache_len = kv["cache_len"]
         dtype = getattr(torch, kv["dtype"])
-        self.caches = [torch.zeros(kv["shape"], dtype=dtype) for _ in range(2 * kv["layers"])]
+        self.caches = [zeros_on_demand(kv["shape"], dtype) for _ in range(2 * kv["layers"])]
         self.prefill_chunk = self.graphs["prefill"].max_tokens
         self.verify_len = self.graphs["verify"].max_tokens if "verify" in self.graphs else 0
 
