@@ -16,7 +16,7 @@ from aotgen.checkpoint.hf import CheckpointError
 from aotgen.package import build as build_mod
 from aotgen.package.manifest import PackageError, verify_package
 from aotgen.recipe import RecipeError, parse_recipe
-from aotgen.runtime.engine import Engine, GenerationConfig, GenerationError
+from aotgen.runtime.engine import Engine, GenerationConfig, GenerationError, zeros_on_demand
 
 PROMPTS = [
     "The quick brown fox",
@@ -124,6 +124,17 @@ def test_eos_ends_generation(engine, eager):
     finally:
         engine.tokenizer.eos_ids.discard(first[2])
     assert r.finish_reason == "eos" and r.token_ids == first[:2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_caches_start_as_separate_zero_tensors(engine, dtype):
+    a, b = zeros_on_demand([1, 3, 64, 8], dtype), zeros_on_demand([1, 3, 64, 8], dtype)
+    assert a.shape == (1, 3, 64, 8) and a.dtype == dtype and a.is_contiguous()
+    a.fill_(1)
+    assert b.count_nonzero() == 0 and a.sum() == a.numel()
+    fresh = Engine.load(engine.root, verify=False).target.caches
+    assert all(c.count_nonzero() == 0 for c in fresh)
+    assert len({c.data_ptr() for c in fresh}) == len(fresh)
 
 
 def test_manifest_contents(tiny_package):
