@@ -65,6 +65,30 @@ def test_graph_logits_match_eager(engine, eager, graph, length, start):
         assert _rel_err(c_got[:, :, : start + length], c_want[:, :, : start + length]) < 1e-4
 
 
+@pytest.mark.parametrize("length", [2, 3, 4])
+def test_few_tokens_run_padded_through_verify(engine, eager, monkeypatch, length):
+    """2..verify_len-1 tokens go through the verify graph, padded: the logits of the real
+    tokens, and what later steps see, equal eager (the padding's cache entries are dead)."""
+    runner = engine.target
+    assert 1 < length < runner.verify_len
+    history = torch.randint(0, runner.vocab_size, (9 + length + 1,)).tolist()
+    for c in (*runner.caches, *eager.caches):
+        c.zero_()
+    runner.forward(history[:9], 0)
+    eager.forward(history[:9], 0)
+    used = []
+    for name in ("prefill", "verify"):
+        graph = runner.graphs[name]
+        monkeypatch.setitem(
+            runner.graphs, name, lambda *a, g=graph, n=name: used.append(n) or g(*a)
+        )
+    got = runner.forward(history[9 : 9 + length], 9, all_logits=True)
+    assert used == ["verify"]
+    assert _rel_err(got, eager.forward(history[9 : 9 + length], 9)) < 1e-4
+    nxt = 9 + length
+    assert _rel_err(runner.decode(history[nxt], nxt), eager.forward([history[nxt]], nxt)[-1]) < 1e-4
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_tokens_equal_eager(engine, eager, prompt):
     ids = engine.tokenizer.encode(prompt)

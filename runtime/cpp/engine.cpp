@@ -200,10 +200,14 @@ class ModelRunner {
     std::vector<at::Tensor> outs;
     for (int64_t pos = start_pos; pos < end;) {
       const int64_t n = std::min(end - pos, prefill_chunk_);
-      Graph& graph = n == 1 ? *decode_ : (n == verify_len_ ? *verify_ : *prefill_);
-      at::Tensor chunk = at::empty({1, n}, at::kLong);
-      std::copy_n(tokens.begin() + (pos - start_pos), n, chunk.data_ptr<int64_t>());
-      at::Tensor logits = graph(chunk, at::arange(pos, pos + n, at::kLong), caches_);
+      const int64_t width = graph_width(n, pos);
+      Graph& graph = width == 1 ? *decode_ : (width == verify_len_ ? *verify_ : *prefill_);
+      at::Tensor chunk = at::empty({1, width}, at::kLong);
+      auto* ids = chunk.data_ptr<int64_t>();
+      std::copy_n(tokens.begin() + (pos - start_pos), n, ids);
+      std::fill(ids + n, ids + width, ids[n - 1]);
+      at::Tensor logits =
+          graph(chunk, at::arange(pos, pos + width, at::kLong), caches_).narrow(0, 0, n);
       outs.push_back(all_logits ? logits : logits.narrow(0, n - 1, 1));
       pos += n;
     }
@@ -217,6 +221,13 @@ class ModelRunner {
   }
 
  private:
+  // Positions to run for n tokens at pos: ModelRunner._graph_width in engine.py (a few
+  // tokens go through the verify graph, padded: the prefill graph is slowest there).
+  int64_t graph_width(int64_t n, int64_t pos) const {
+    if (n > 1 && n < verify_len_ && pos + verify_len_ <= cache_len_) return verify_len_;
+    return n;
+  }
+
   static void check_signature(const std::string& name, const json& signature, int64_t layers,
                               const std::vector<int64_t>& shape) {
     for (const auto& input : signature.value("inputs", json::array())) {
