@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from aotgen.runtime.engine import Engine, GenerationConfig
+from aotgen.runtime.engine import Engine, GenerationConfig, GenerationResult
 from aotgen.runtime.sampling import SamplingParams
 
 
@@ -229,10 +229,19 @@ class SpecBenchRow:
 
 
 def bench_speculative(
-    path: str | Path, max_new_tokens: int = 96, k: int | None = None, threads: int | None = None
+    path: str | Path,
+    max_new_tokens: int = 96,
+    k: int | None = None,
+    threads: int | None = None,
+    rounds: int = 3,
 ) -> tuple[list[SpecBenchRow], dict[str, float]]:
     """Plain vs speculative greedy decode in one run: chat prompts (draft model, n-gram)
-    and an input-grounded copy/edit task (n-gram), on the same loaded package."""
+    and an input-grounded copy/edit task (n-gram), on the same loaded package.
+
+    The modes take turns on each prompt (plain, n-gram, draft, then the next prompt), for
+    `rounds` passes over the prompts, so the VM's drifting speed affects every mode alike:
+    one mode after the other, plain's tok/s moved by a third between runs.
+    """
     import json
 
     engine = Engine.load(path, threads=threads)
@@ -244,41 +253,52 @@ def bench_speculative(
         ],
     }
     modes = ["plain", "ngram"] + (["draft"] if engine.draft is not None else [])
+    configs = {
+        mode: GenerationConfig(
+            max_new_tokens=max_new_tokens, speculative=None if mode == "plain" else mode, k=k
+        )
+        for mode in modes
+    }
     rows = []
     for task, prompt_ids in tasks.items():
-        plain_ids: list[list[int]] = []
-        for mode in modes:
-            spec = None if mode == "plain" else mode
-            cfg = GenerationConfig(max_new_tokens=max_new_tokens, speculative=spec, k=k)
+        for cfg in configs.values():
             engine.generate(prompt_ids[0], cfg)  # warm-up
-            n_tok, secs, stats, outs = 0, 0.0, [], []
+        results: dict[str, list[GenerationResult]] = {mode: [] for mode in modes}
+        for _ in range(rounds):
             for ids in prompt_ids:
-                r = engine.generate(ids, cfg)
-                n_tok += len(r.token_ids)
-                secs += r.decode_s + r.prefill_s
-                outs.append(r.token_ids)
-                if r.spec:
-                    stats.append(r.spec)
-            if mode == "plain":
-                plain_ids = outs
-            row = SpecBenchRow(mode, task, n_tok / secs, n_tok, same_as_plain=outs == plain_ids)
-            if stats:
-                drafted = sum(s.drafted for s in stats)
-                accepted = sum(s.accepted for s in stats)
-                steps = sum(s.steps for s in stats)
-                row.acceptance = accepted / max(drafted, 1)
-                row.mean_accepted_length = (accepted + steps) / max(steps, 1)
-                width = max(len(s.accepted_by_position) for s in stats)
-                acc = [
-                    sum(s.accepted_by_position[i] for s in stats if i < len(s.accepted_by_position))
-                    for i in range(width)
-                ]
-                prop = [
-                    sum(s.proposed_by_position[i] for s in stats if i < len(s.proposed_by_position))
-                    for i in range(width)
-                ]
-                row.by_position = [
-                    a / p if p else float("nan") for a, p in zip(acc, prop, strict=True)
-                ]
-            rows.append(row)
+                for mode, cfg in configs.items():
+                    results[mode].append(engine.generate(ids, cfg))
+        plain_ids = [r.token_ids for r in results["plain"]]
+        rows += [_spec_row(task, mode, results[mode], plain_ids) for mode in modes]
     return rows, step_costs(engine)
+
+
+def _spec_row(
+    task: str, mode: str, results: list[GenerationResult], plain_ids: list[list[int]]
+) -> SpecBenchRow:
+    """One table row: tok/s over all runs (prefill included) and the pooled spec stats."""
+    n_tok = sum(len(r.token_ids) for r in results)
+    secs = sum(r.decode_s + r.prefill_s for r in results)
+    same = [r.token_ids for r in results] == plain_ids
+    row = SpecBenchRow(mode, task, n_tok / secs, n_tok, same_as_plain=same)
+    stats = [r.spec for r in results if r.spec]
+    if not stats:
+        return row
+    drafted = sum(s.drafted for s in stats)
+    accepted = sum(s.accepted for s in stats)
+    steps = sum(s.steps for s in stats)
+    row.acceptance = accepted / max(drafted, 1)
+    row.mean_accepted_length = (accepted + steps) / max(steps, 1)
+    width = max(len(s.accepted_by_position) for s in stats)
+
+    def pooled(attr: str) -> list[int]:
+        return [
+            sum(getattr(s, attr)[i] for s in stats if i < len(getattr(s, attr)))
+            for i in range(width)
+        ]
+
+    row.by_position = [
+        a / p if p else float("nan")
+        for a, p in zip(pooled("accepted_by_position"), pooled("proposed_by_position"), strict=True)
+    ]
+    return row

@@ -265,7 +265,13 @@ def bench(
     packages: Annotated[list[Path], typer.Argument(help="one or more artifacts/NAME")],
     prompt_len: int = 128,
     gen_tokens: int = 64,
-    runs: int = 5,
+    runs: Annotated[
+        int,
+        typer.Option(
+            help="timed runs per package, taken round-robin (--speculative: passes over the "
+            "prompts, the modes taking turns on each prompt)"
+        ),
+    ] = 5,
     threads: int | None = None,
     speculative: Annotated[
         bool, typer.Option(help="plain vs n-gram vs draft speculative decode, in one run")
@@ -286,7 +292,7 @@ def bench(
     threads = threads or Project.load().threads or None
     if speculative:
         for p in packages:
-            _bench_speculative(p, gen_tokens, k, threads)
+            _bench_speculative(p, gen_tokens, k, threads, runs)
         return
     from aotgen.runtime.distributed import package_world_size
 
@@ -353,11 +359,13 @@ def _bench_tp(package: Path, prompt_len: int, gen_tokens: int, runs: int, thread
     )
 
 
-def _bench_speculative(package: Path, gen_tokens: int, k: int | None, threads: int | None) -> None:
+def _bench_speculative(
+    package: Path, gen_tokens: int, k: int | None, threads: int | None, rounds: int
+) -> None:
     from aotgen.bench import bench_speculative
 
     try:
-        rows, costs = bench_speculative(package, max(gen_tokens, 96), k, threads)
+        rows, costs = bench_speculative(package, max(gen_tokens, 96), k, threads, rounds)
     except _user_errors() as e:
         _fail(e)
     plain = {r.task: r.tok_s for r in rows if r.mode == "plain"}

@@ -261,3 +261,27 @@ def test_draft_keys_are_checked(draft):
 
     with pytest.raises(RecipeError, match="draft takes at most one of checkpoint, layers"):
         parse_recipe({"checkpoint": "c", "speculative": {"draft": draft}}, "r", Path("."))
+
+
+def test_bench_speculative_modes_take_turns(spec_package, tmp_path, monkeypatch):
+    """`aotgen bench --speculative`: every mode on every prompt, outputs equal plain greedy."""
+    import json
+
+    from aotgen import bench
+
+    prompts = {
+        "chat": ["the cat sat", "one two three"],
+        "grounded": ["Repeat: {text}"],
+        "grounded_text": "a b c a b c a b",
+    }
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    monkeypatch.setattr(bench, "PROMPTS_FILE", tmp_path / "prompts.json")
+    rows, costs = bench.bench_speculative(spec_package, max_new_tokens=8, rounds=2)
+    assert [(r.task, r.mode) for r in rows] == [
+        (task, mode) for task in ("chat", "grounded") for mode in ("plain", "ngram", "draft")
+    ]
+    for r in rows:
+        assert r.same_as_plain and r.tok_s > 0 and r.tokens > 0
+        if r.mode != "plain":
+            assert 0 <= r.acceptance <= 1 and 1 <= r.mean_accepted_length <= 5
+    assert {"decode_ms", "verify_ms", "draft_ms"} <= set(costs)
