@@ -281,7 +281,7 @@ def test_bench_speculative_modes_take_turns(spec_package, tmp_path, monkeypatch)
         (task, mode) for task in ("chat", "grounded") for mode in ("plain", "ngram", "draft")
     ]
     for r in rows:
-        assert r.same_as_plain and r.tok_s > 0 and r.tokens > 0
+        assert r.same_as_plain and r.tok_s > 0 and r.decode_tok_s > 0 and r.tokens > 0
         if r.mode != "plain":
             assert 0 <= r.acceptance <= 1 and 1 <= r.mean_accepted_length <= 5
     assert {"decode_ms", "verify_ms", "draft_ms"} <= set(costs)
