@@ -336,7 +336,7 @@ def bench(
             f"{r.weight_bytes / 1e6:.0f}",
             f"{r.roofline(bw):.0%}",
         )
-    Console(width=max(Console().width, 120)).print(table)
+    Console(width=max(Console().width, 150)).print(table)
     Console().print(
         f"measured read bandwidth {bw:.1f} GB/s (torch sum over 512 MiB, best of 5), "
         f"threads {threads or 'torch default'}"
@@ -397,14 +397,14 @@ def _bench_speculative(
             by_pos,
             "yes" if r.same_as_plain else "no (near-tie)",
         )
-    Console(width=max(Console().width, 120)).print(table)
+    Console(width=max(Console().width, 150)).print(table)
     d = costs["decode_ms"]
     v = costs["verify_ms"]
     line = f"decode step {d:.2f} ms · verify step {v:.2f} ms (v = {v / d:.2f})"
     if "draft_ms" in costs:
         line += f" · draft step {costs['draft_ms']:.2f} ms (c = {costs['draft_ms'] / d:.2f})"
     line += "\nend to end: prompt prefill included (the same in every mode)"
-    Console(width=max(Console().width, 120)).print(line)
+    Console(width=max(Console().width, 150)).print(line)
 
 
 def main() -> None:
