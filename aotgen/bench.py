@@ -240,8 +240,8 @@ def bench_speculative(
     and an input-grounded copy/edit task (n-gram), on the same loaded package.
 
     The modes take turns on each prompt (plain, n-gram, draft, then the next prompt), for
-    `rounds` passes over the prompts, so the VM's drifting speed affects every mode alike:
-    one mode after the other, plain's tok/s moved by a third between runs.
+    `rounds` passes over the prompts, so the VM's speed, which drifts by tens of percent
+    from minute to minute, affects every mode alike.
     """
     import json
 

@@ -74,8 +74,8 @@ class CompiledGraph:
 def zeros_on_demand(shape: list[int], dtype: torch.dtype) -> Tensor:
     """A zero tensor on pages the OS zero-fills when first written (numpy allocates with calloc).
 
-    KV caches must start zeroed (attention reads masked positions, which must be finite) but
-    are written only as far as the context reaches; torch.zeros writes all of them at load.
+    KV caches start zeroed, as with torch.zeros, but are written only as far as the context
+    reaches; torch.zeros would write all `cache_len` positions at load.
     """
     nbytes = math.prod(shape) * dtype.itemsize
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).reshape(shape)
