@@ -21,6 +21,11 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console(stderr=True)
 
 
+def _wide_console() -> Console:
+    """Stdout at least 150 columns wide, so bench tables do not wrap in narrow terminals."""
+    return Console(width=max(Console().width, 150))
+
+
 def _user_errors() -> tuple[type[Exception], ...]:
     from aotgen.bench import BenchError
     from aotgen.checkpoint.hf import CheckpointError
@@ -336,7 +341,7 @@ def bench(
             f"{r.weight_bytes / 1e6:.0f}",
             f"{r.roofline(bw):.0%}",
         )
-    Console(width=max(Console().width, 150)).print(table)
+    _wide_console().print(table)
     Console().print(
         f"measured read bandwidth {bw:.1f} GB/s (torch sum over 512 MiB, best of 5), "
         f"threads {threads or 'torch default'}"
@@ -397,14 +402,14 @@ def _bench_speculative(
             by_pos,
             "yes" if r.same_as_plain else "no (near-tie)",
         )
-    Console(width=max(Console().width, 150)).print(table)
+    _wide_console().print(table)
     d = costs["decode_ms"]
     v = costs["verify_ms"]
     line = f"decode step {d:.2f} ms · verify step {v:.2f} ms (v = {v / d:.2f})"
     if "draft_ms" in costs:
         line += f" · draft step {costs['draft_ms']:.2f} ms (c = {costs['draft_ms'] / d:.2f})"
     line += "\nend to end: prompt prefill included (the same in every mode)"
-    Console(width=max(Console().width, 150)).print(line)
+    _wide_console().print(line)
 
 
 def main() -> None:
