@@ -106,12 +106,14 @@ DRAFT_SOURCES = ("checkpoint", "layers")  # at most one; none = the target's own
 
 
 def _parse_speculative(recipe: Recipe, explicit_k: bool, base_dir: Path) -> Recipe:
-    """`speculative: {draft: {checkpoint|layers|quantize: ...}, k: K}`; k sizes the verify graph."""
+    """`speculative: {draft: {checkpoint|layers|quantize: ...}, k: K, share_kv: bool}`; k
+    sizes the verify graph; share_kv (default: whenever the draft is made from the target's
+    own weights) lets the draft run on the target's KV cache."""
     where = f"recipe {recipe.name!r} speculative"
     spec = recipe.speculative
     if not isinstance(spec, dict):
         raise RecipeError(f"{where}: must be a mapping with keys draft, k")
-    _check_keys(where, spec, ["draft", "k"])
+    _check_keys(where, spec, ["draft", "k", "share_kv"])
     k = spec.get("k", recipe.verify_k)
     if not isinstance(k, int) or not 1 <= k <= 16:
         raise RecipeError(f"{where}: k must be an integer in 1..16, got {k!r}")
@@ -135,7 +137,18 @@ def _parse_speculative(recipe: Recipe, explicit_k: bool, base_dir: Path) -> Reci
             draft = {**draft, "checkpoint": str(path if path.is_absolute() else base_dir / path)}
         if "layers" in draft and (not isinstance(draft["layers"], int) or draft["layers"] < 1):
             raise RecipeError(f"{where}: draft layers must be a positive integer")
-    return dataclasses.replace(recipe, verify_k=k, speculative={"draft": draft, "k": k})
+    own_weights = draft is not None and "checkpoint" not in draft
+    share_kv = spec.get("share_kv", own_weights)
+    if not isinstance(share_kv, bool):
+        raise RecipeError(f"{where}: share_kv must be true or false, got {share_kv!r}")
+    if share_kv and not own_weights:
+        raise RecipeError(
+            f"{where}: share_kv needs a draft made from the target's weights (quantize or "
+            "layers); a separate checkpoint computes other keys and values, so it keeps its own"
+        )
+    return dataclasses.replace(
+        recipe, verify_k=k, speculative={"draft": draft, "k": k, "share_kv": share_kv}
+    )
 
 
 def load_recipe(path: str | Path, base_dir: Path | None = None) -> Recipe:

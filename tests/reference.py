@@ -54,16 +54,18 @@ class EagerRunner(EagerModel):
         return super().forward([token], pos)[-1]
 
 
-def eager_engine(target: Path, draft: Path | None, max_seq_len: int, verify_k: int):
-    """A runtime `Engine` whose models are eager references."""
+def eager_engine(
+    target: Path, draft: Path | None, max_seq_len: int, verify_k: int, share_kv: bool = False
+):
+    """A runtime `Engine` whose models are eager references; with `share_kv` the draft runs
+    on the first layers of the target's cache, as a package built with share_kv does."""
     from aotgen.runtime.engine import Engine
     from aotgen.runtime.tokenizer import Tokenizer
 
     cache_len = max_seq_len + verify_k + 1
-    return Engine(
-        Tokenizer.from_dir(target),
-        EagerRunner(target, cache_len),
-        EagerRunner(draft, cache_len) if draft else None,
-        max_seq_len,
-        verify_k,
-    )
+    target_runner = EagerRunner(target, cache_len)
+    draft_runner = EagerRunner(draft, cache_len) if draft else None
+    if draft_runner and share_kv:
+        draft_runner.caches = target_runner.caches[: len(draft_runner.caches)]
+        draft_runner.shares_cache = True
+    return Engine(Tokenizer.from_dir(target), target_runner, draft_runner, max_seq_len, verify_k)

@@ -33,6 +33,9 @@ def engines(tiny_checkpoint, other_checkpoint):
     return {
         "self": eager_engine(tiny_checkpoint, tiny_checkpoint, 160, 6),  # always accepts
         "other": eager_engine(tiny_checkpoint, other_checkpoint, 160, 6),
+        # The weak 1-layer draft writing its own keys/values into the target's first layer:
+        # the verify must overwrite every one of them before the target reads it.
+        "shared": eager_engine(tiny_checkpoint, other_checkpoint, 160, 6, share_kv=True),
     }
 
 
@@ -42,7 +45,7 @@ def _greedy(engine, ids, **kw):
 
 
 @pytest.mark.parametrize("k", range(1, 7))
-@pytest.mark.parametrize("proposer", ["ngram", "draft-self", "draft-other"])
+@pytest.mark.parametrize("proposer", ["ngram", "draft-self", "draft-other", "draft-shared"])
 def test_speculative_greedy_equals_plain_greedy_eager(engines, proposer, k):
     mode, _, which = proposer.partition("-")
     engine = engines[which or "other"]
@@ -60,8 +63,9 @@ def test_speculative_greedy_equals_plain_greedy_eager(engines, proposer, k):
     assert drafted > 0, "nothing was drafted: the test would be vacuous"
 
 
-def test_adaptive_k_greedy_equals_plain(engines):
-    engine = engines["other"]
+@pytest.mark.parametrize("which", ["other", "shared"])
+def test_adaptive_k_greedy_equals_plain(engines, which):
+    engine = engines[which]
     for prompt in PROMPTS:
         ids = engine.tokenizer.encode(prompt)
         plain = _greedy(engine, ids)
@@ -122,10 +126,11 @@ def _samples(engine, ids, n, position, **kw):
     return out
 
 
-@pytest.mark.parametrize("mode", ["draft", "ngram"])
+@pytest.mark.parametrize("mode", ["draft", "draft-shared", "ngram"])
 def test_sampled_distribution_matches_plain(engines, mode):
     """Speculative sampling is lossless: token histograms agree with plain sampling."""
-    engine = engines["other"]
+    mode, _, which = mode.partition("-")
+    engine = engines[which or "other"]
     ids = engine.tokenizer.encode(PROMPTS[1])
     n, position = 600, 2
     plain = _samples(engine, ids, n, position)
@@ -245,11 +250,68 @@ def test_self_speculation_draft_can_be_quantized(tiny_checkpoint, project):
     entry = engine.manifest["models"]["draft"]
     assert entry["config"]["num_hidden_layers"] == 1
     assert entry["quantization"]["linear"]["scheme"] == "int8"
+    # Made from the target's weights, the draft runs on the target's first cache layer.
+    assert entry["kv_cache"]["shared_with"] == "target"
+    assert len(engine.draft.caches) == 2
+    assert all(d is t for d, t in zip(engine.draft.caches, engine.target.caches[:2], strict=True))
     ids = engine.tokenizer.encode(PROMPTS[0])
     plain = _greedy(engine, ids)
     spec = _greedy(engine, ids, speculative="draft", k=3)
     assert spec.token_ids == plain.token_ids
-    assert spec.spec.drafted > 0
+    assert spec.spec.drafted > 0 and spec.spec.accepted > 0
+
+
+def test_separate_draft_keeps_its_own_cache(spec_package):
+    from aotgen.runtime.engine import Engine
+
+    engine = Engine.load(spec_package)
+    assert "shared_with" not in engine.manifest["models"]["draft"]["kv_cache"]
+    assert not engine.draft.shares_cache
+    assert all(d is not t for d, t in zip(engine.draft.caches, engine.target.caches, strict=False))
+
+
+def test_shared_cache_layout_mismatch_is_refused():
+    from aotgen.package.manifest import PackageError
+    from aotgen.runtime.engine import _target_cache_layers
+
+    kv = {"layers": 1, "shape": [1, 2, 16, 8], "dtype": "float32"}
+    with pytest.raises(PackageError, match="share the target's KV cache"):
+        _target_cache_layers(kv, torch.float32, [torch.zeros(1, 2, 16, 4)] * 2)
+    with pytest.raises(PackageError, match="share the target's KV cache"):
+        _target_cache_layers(kv, torch.float32, None)
+    target = [torch.zeros(1, 2, 16, 8) for _ in range(4)]
+    shared = _target_cache_layers(kv, torch.float32, target)
+    assert len(shared) == 2 and shared[0] is target[0] and shared[1] is target[1]
+
+
+@pytest.mark.parametrize(
+    ("spec", "share_kv"),
+    [
+        ({"draft": {"quantize": {"linear": "int8"}}}, True),
+        ({"draft": {"layers": 2}}, True),
+        ({"draft": {"layers": 2}, "share_kv": False}, False),
+        ({"draft": {"checkpoint": "d"}}, False),
+    ],
+)
+def test_share_kv_defaults_to_drafts_from_the_targets_weights(spec, share_kv):
+    from aotgen.recipe import parse_recipe
+
+    recipe = parse_recipe({"checkpoint": "c", "speculative": spec}, "r", Path("."))
+    assert recipe.speculative["share_kv"] is share_kv
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ({"draft": {"checkpoint": "d"}, "share_kv": True}, "separate checkpoint"),
+        ({"draft": {"layers": 2}, "share_kv": "yes"}, "true or false"),
+    ],
+)
+def test_share_kv_is_checked(spec, match):
+    from aotgen.recipe import RecipeError, parse_recipe
+
+    with pytest.raises(RecipeError, match=match):
+        parse_recipe({"checkpoint": "c", "speculative": spec}, "r", Path("."))
 
 
 @pytest.mark.parametrize(

@@ -118,6 +118,18 @@ class RMSNorm(nn.Module):
         return xf.to(x.dtype) * self.weight.to(x.dtype)
 
 
+# Decode (one query row per head) attends with `attend_one`: Inductor fuses its
+# multiply-sums and softmax into the layer's kernel, where SDPA is an extern call per layer
+# (dispatch, its own parallel region, sgemm packing for a single row). Measured on SmolLM2
+# int8: decode 5.6 -> 5.3 ms at position 64, 11.0 -> 9.9 ms at 1000. The verify graph keeps
+# SDPA: with 5 rows the multiply-sums were 12% slower at position 1000.
+def attend_one(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+    """Masked softmax attention as broadcast multiply-sums: [b, h, m, d] x [b, h, n, d]."""
+    scores = (q.unsqueeze(3) * keys.unsqueeze(2)).sum(-1) * q.shape[-1] ** -0.5
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (probs.unsqueeze(-1) * values.unsqueeze(2)).sum(3)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -161,7 +173,11 @@ class Attention(nn.Module):
         kv_heads = keys.shape[1]
         group = q.shape[1] // kv_heads
         q = q.reshape(b, kv_heads, group * t, self.head_dim)
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.repeat(group, 1))
+        mask = mask.repeat(group, 1)
+        if isinstance(t, int) and t == 1:  # static: the decode graph
+            y = attend_one(q, keys, values, mask)
+        else:
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         # unflatten+permute, not view(b, -1, t, d): export cannot prove the view's stride
         # guard for a dynamic t (prefill failed to export).
         return self.o_proj(y.unflatten(2, (group, t)).permute(0, 3, 1, 2, 4).reshape(b, t, -1))

@@ -319,6 +319,14 @@ def _compile_sharded(
     return (*compiled, group_name)
 
 
+def _cache_sharing(role: str, recipe: Recipe) -> dict[str, str]:
+    """A draft made from the target's weights runs on the target's KV cache (its first
+    layers): no draft prefill, no catch-up step. The runtime checks the layouts match."""
+    if role == "draft" and (recipe.speculative or {}).get("share_kv"):
+        return {"shared_with": "target"}
+    return {}
+
+
 def _check_same_code(eps: list[ExportedProgram], where: str) -> None:
     """One compile may serve all ranks only if their graphs differ in constant values alone."""
 
@@ -424,6 +432,7 @@ def build(
                     ],
                     "dtype": recipe.dtype,
                     "cache_len": recipe.cache_len,
+                    **_cache_sharing(mb.role, recipe),
                 },
             }
         # One compiled package; with TP it is shared by all ranks and lies at the top level.

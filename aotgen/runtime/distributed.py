@@ -270,10 +270,13 @@ def serve(runners: dict[int, ModelRunner], control: Control, group_name: str) ->
 def _rank_runners(root: Path, manifest: dict[str, Any], rank: int) -> dict[str, ModelRunner]:
     shard = manifest["ranks"][rank]
     pt2 = root / shard["package"]
-    return {
-        role: ModelRunner(root, pt2, {**entry, "weights": shard["weights"][role]})
-        for role, entry in manifest["models"].items()
-    }
+    runners: dict[str, ModelRunner] = {}
+    for role in ROLES:  # the target first: a draft may share its KV cache
+        if role in manifest["models"]:
+            entry = {**manifest["models"][role], "weights": shard["weights"][role]}
+            target_caches = runners["target"].caches if runners else None
+            runners[role] = ModelRunner(root, pt2, entry, target_caches)
+    return runners
 
 
 def start(path: str | Path, threads: int | None = None, verify: bool = True) -> Engine | None:

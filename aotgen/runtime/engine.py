@@ -81,10 +81,36 @@ def zeros_on_demand(shape: list[int], dtype: torch.dtype) -> Tensor:
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).reshape(shape)
 
 
-class ModelRunner:
-    """One model of a package: its graphs, weights bound once, and the KV cache it owns."""
+def _target_cache_layers(
+    kv: dict[str, Any], dtype: torch.dtype, target_caches: list[Tensor] | None
+) -> list[Tensor]:
+    """The first `kv["layers"]` layers of the target's cache, checked against the draft's
+    layout: a draft that shares must read exactly the tensors the target writes."""
+    n = 2 * kv["layers"]
+    if (
+        target_caches is None
+        or len(target_caches) < n
+        or any(list(c.shape) != kv["shape"] or c.dtype != dtype for c in target_caches[:n])
+    ):
+        raise PackageError(
+            "the draft is built to share the target's KV cache, but the target's cache "
+            f"layout differs from the draft's ({kv['layers']} layers of {kv['shape']} "
+            f"{kv['dtype']}); rebuild the package"
+        )
+    return target_caches[:n]
 
-    def __init__(self, root: Path, pt2: Path, entry: dict[str, Any]):
+
+class ModelRunner:
+    """One model of a package: its graphs, weights bound once, and its KV cache: its own, or
+    the target's for a draft built with `kv_cache.shared_with: target`."""
+
+    def __init__(
+        self,
+        root: Path,
+        pt2: Path,
+        entry: dict[str, Any],
+        target_caches: list[Tensor] | None = None,
+    ):
         self.config = entry["config"]
         self.vocab_size = self.config["vocab_size"]
         # The builder aligns every tensor to 64 bytes in the file (package/weights.py), so the
@@ -107,7 +133,11 @@ class ModelRunner:
         kv = entry["kv_cache"]
         self.cache_len = kv["cache_len"]
         dtype = getattr(torch, kv["dtype"])
-        self.caches = [zeros_on_demand(kv["shape"], dtype) for _ in range(2 * kv["layers"])]
+        self.shares_cache = kv.get("shared_with") == "target"
+        if self.shares_cache:
+            self.caches = _target_cache_layers(kv, dtype, target_caches)
+        else:
+            self.caches = [zeros_on_demand(kv["shape"], dtype) for _ in range(2 * kv["layers"])]
         self.prefill_chunk = self.graphs["prefill"].max_tokens
         self.verify_len = self.graphs["verify"].max_tokens if "verify" in self.graphs else 0
 
@@ -253,7 +283,9 @@ class Engine:
         pt2 = root / manifest["package"]
         models = manifest["models"]
         target = ModelRunner(root, pt2, models["target"])
-        draft = ModelRunner(root, pt2, models["draft"]) if "draft" in models else None
+        draft = (
+            ModelRunner(root, pt2, models["draft"], target.caches) if "draft" in models else None
+        )
         return cls(
             tokenizer,
             target,
@@ -369,10 +401,17 @@ class Engine:
         adaptive = AdaptiveK(k=k, k_min=1, k_max=max_k) if config.adaptive_k else None
         history = list(prompt) + [tok]
         proposer = NgramProposer(config.ngram_min, config.ngram_max)
-        if draft is not None and config.speculative == "draft":
+        # A draft that shares the target's cache finds every accepted position already
+        # written by the target (prefill, then each verify), so it never prefills and never
+        # catches up: each round starts with a one-token decode of `tok`. Its own entries
+        # (tok and the proposals) are overwritten by the verify that follows.
+        shared = config.speculative == "draft" and getattr(draft, "shares_cache", False)
+        if config.speculative == "draft" and not shared:
             draft.forward(prompt, 0)
         draft_pos = len(prompt)  # first position missing from the draft's cache
         while True:
+            if shared:
+                draft_pos = pos
             k = adaptive.k if adaptive else k
             k = min(k, self.max_seq_len + max_k - pos)
             draft_probs = None

@@ -138,11 +138,13 @@ class Graph {
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
 };
 
-// One model of a package: its graphs, weights bound once, and the KV cache it owns.
+// One model of a package: its graphs, weights bound once, and its KV cache: its own, or the
+// target's for a draft built with kv_cache.shared_with: target.
 class ModelRunner {
  public:
-  // Loads the graphs' code; the weights come later, in bind_weights.
-  ModelRunner(const fs::path& pt2, const json& entry)
+  // Loads the graphs' code; the weights come later, in bind_weights. `target` is the target's
+  // runner when this is a draft (it may share the target's cache).
+  ModelRunner(const fs::path& pt2, const json& entry, const ModelRunner* target = nullptr)
       : vocab_size_(entry.at("config").at("vocab_size").get<int64_t>()) {
     const auto& kv = entry.at("kv_cache");
     const auto layers = kv.at("layers").get<int64_t>();
@@ -161,7 +163,24 @@ class ModelRunner {
       verify_ = std::make_unique<Graph>(pt2, graphs["verify"], vocab_size_);
     }
     const auto dtype = detail::dtype_from_name(kv.at("dtype"));
-    for (int64_t i = 0; i < 2 * layers; ++i) caches_.push_back(zeros_on_demand(shape, dtype));
+    shares_cache_ = kv.value("shared_with", "") == "target";
+    if (shares_cache_) {
+      // The first layers of the target's cache, checked: the draft must read exactly the
+      // tensors the target writes.
+      const bool fits = target && static_cast<int64_t>(target->caches_.size()) >= 2 * layers &&
+                        std::all_of(target->caches_.begin(), target->caches_.begin() + 2 * layers,
+                                    [&](const at::Tensor& c) {
+                                      return c.sizes().vec() == shape && c.scalar_type() == dtype;
+                                    });
+      if (!fits) {
+        throw PackageError(
+            "the draft is built to share the target's KV cache, but the target's cache layout "
+            "differs from the draft's; rebuild the package");
+      }
+      caches_.assign(target->caches_.begin(), target->caches_.begin() + 2 * layers);
+    } else {
+      for (int64_t i = 0; i < 2 * layers; ++i) caches_.push_back(zeros_on_demand(shape, dtype));
+    }
     prefill_chunk_ = prefill_->max_tokens();
     verify_len_ = verify_ ? verify_->max_tokens() : 0;
   }
@@ -185,6 +204,7 @@ class ModelRunner {
   }
 
   int64_t vocab_size() const { return vocab_size_; }
+  bool shares_cache() const { return shares_cache_; }
 
   // Runs tokens at positions start_pos.. through the fitting graph(s): logits [T, V] for
   // every position if all_logits, else [V] for the last one.
@@ -243,6 +263,7 @@ class ModelRunner {
   std::unordered_map<std::string, at::Tensor> weights_;  // the graphs use these in place
   std::unique_ptr<Graph> prefill_, decode_, verify_;
   std::vector<at::Tensor> caches_;
+  bool shares_cache_ = false;
   int64_t cache_len_ = 0;
   int64_t prefill_chunk_ = 0;
   int64_t verify_len_ = 0;
@@ -352,7 +373,10 @@ class TokenSteps {
     if (config_.adaptive_k) adaptive_ = AdaptiveK{std::clamp<int64_t>(k_, 1, max_k_), 1, max_k_};
     history_ = prompt_;
     history_.push_back(tok_);
-    if (config_.speculative == Speculative::Draft) draft_->forward(prompt_, 0);
+    // A draft that shares the target's cache finds every accepted position already written
+    // by the target (prefill, then each verify): it never prefills and never catches up.
+    shared_cache_ = config_.speculative == Speculative::Draft && draft_->shares_cache();
+    if (config_.speculative == Speculative::Draft && !shared_cache_) draft_->forward(prompt_, 0);
     draft_pos_ = static_cast<int64_t>(prompt_.size());  // first position missing from draft
   }
 
@@ -364,8 +388,10 @@ class TokenSteps {
     if (config_.speculative == Speculative::Ngram) {
       proposal = ngram_propose(history_, k, config_.ngram_min, config_.ngram_max);
     } else {
-      // Catch the draft cache up on accepted tokens it has not seen, then draft.
+      // Catch the draft cache up on accepted tokens it has not seen, then draft. A shared
+      // cache lacks only tok: the verify that follows overwrites the draft's entries.
       ModelRunner& draft = *draft_;
+      if (shared_cache_) draft_pos_ = pos_;
       const std::vector<int64_t> pending(history_.begin() + draft_pos_, history_.end());
       at::Tensor logits = draft.forward(pending, draft_pos_);
       draft_pos_ += static_cast<int64_t>(pending.size());
@@ -431,6 +457,7 @@ class TokenSteps {
   std::optional<AdaptiveK> adaptive_;
   std::vector<int64_t> history_;
   int64_t draft_pos_ = 0;
+  bool shared_cache_ = false;
 };
 
 }  // namespace
@@ -468,7 +495,7 @@ Engine Engine::load(const fs::path& package_dir, const LoadOptions& options) {
     const auto& models = m.at("models");
     impl->target = std::make_unique<ModelRunner>(pt2, models.at("target"));
     if (models.contains("draft")) {
-      impl->draft = std::make_unique<ModelRunner>(pt2, models.at("draft"));
+      impl->draft = std::make_unique<ModelRunner>(pt2, models.at("draft"), impl->target.get());
     }
     const detail::MappedFiles mapped = weights_verified.get();  // rethrows a hash mismatch
     impl->target->bind_weights(package_dir, models.at("target"), mapped);
