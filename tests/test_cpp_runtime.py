@@ -79,20 +79,22 @@ def py_engine(tiny_package: Path) -> Engine:
     return Engine.load(tiny_package)
 
 
-@pytest.fixture(scope="module")
-def draft_package(tiny_checkpoint: Path, project) -> Path:
-    """The tiny model with a 1-layer draft made from its own first layer (~1-2 min build)."""
+@pytest.fixture(scope="module", params=[True, False], ids=["shared-kv", "own-kv"])
+def draft_package(request, tiny_checkpoint: Path, project) -> Path:
+    """The tiny model with a 1-layer draft made from its own first layer, running on the
+    target's KV cache or on its own (~1-2 min build each)."""
     from aotgen.package.build import build
     from aotgen.recipe import parse_recipe
 
+    share_kv = request.param
     recipe = parse_recipe(
         {
             "checkpoint": str(tiny_checkpoint),
             "max_seq_len": 160,
             "prefill_chunk": 16,
-            "speculative": {"draft": {"layers": 1}, "k": 4},
+            "speculative": {"draft": {"layers": 1}, "k": 4, "share_kv": share_kv},
         },
-        "tiny-draft",
+        "tiny-draft" if share_kv else "tiny-draft-own-kv",
         Path("."),
     )
     return build(recipe, project).path
@@ -211,10 +213,13 @@ def test_seeded_sampling_matches_python(run_bin, tiny_package, py_engine, params
 
 
 def test_draft_model_speculation(run_bin, draft_package):
-    """Draft-model speculation: greedy equals plain greedy; greedy and sampled ids equal
-    Python's (same draft-cache catch-up, same verification rule, same random numbers)."""
+    """Draft-model speculation, on the target's KV cache or its own: greedy equals plain
+    greedy; greedy and sampled ids equal Python's (same draft-cache catch-up, same
+    verification rule, same random numbers)."""
     engine = Engine.load(draft_package)
     assert engine.draft is not None
+    shared = engine.manifest["models"]["draft"]["kv_cache"].get("shared_with") == "target"
+    assert shared == engine.draft.shares_cache == draft_package.name.endswith("tiny-draft")
     drafted = 0
     for prompt in PROMPTS:
         ids = engine.tokenizer.encode(prompt)
