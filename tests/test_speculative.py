@@ -252,6 +252,7 @@ def test_self_speculation_draft_can_be_quantized(tiny_checkpoint, project):
     assert entry["quantization"]["linear"]["scheme"] == "int8"
     # Made from the target's weights, the draft runs on the target's first cache layer.
     assert entry["kv_cache"]["shared_with"] == "target"
+    assert set(entry["graphs"]) == {"decode"}  # it never prefills: no prefill graph built
     assert len(engine.draft.caches) == 2
     assert all(d is t for d, t in zip(engine.draft.caches, engine.target.caches[:2], strict=True))
     ids = engine.tokenizer.encode(PROMPTS[0])

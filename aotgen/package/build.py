@@ -226,7 +226,9 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
     ]
     draft = (recipe.speculative or {}).get("draft")
     if draft:
-        draft_graphs = [g for g in graphs if g.name != "verify"]  # the draft never verifies
+        # The draft never verifies; on the target's cache it never prefills either.
+        skip = ("verify", "prefill") if recipe.speculative.get("share_kv") else ("verify",)
+        draft_graphs = [g for g in graphs if g.name not in skip]
         if "checkpoint" in draft:
             dckpt = open_checkpoint(draft["checkpoint"])
             _same_vocab(ckpt, dckpt)

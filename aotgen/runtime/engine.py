@@ -138,7 +138,8 @@ class ModelRunner:
             self.caches = _target_cache_layers(kv, dtype, target_caches)
         else:
             self.caches = [zeros_on_demand(kv["shape"], dtype) for _ in range(2 * kv["layers"])]
-        self.prefill_chunk = self.graphs["prefill"].max_tokens
+        # A draft on the target's cache only ever decodes: it is built without a prefill graph.
+        self.prefill_chunk = self.graphs["prefill"].max_tokens if "prefill" in self.graphs else 1
         self.verify_len = self.graphs["verify"].max_tokens if "verify" in self.graphs else 0
 
     def forward(self, tokens: list[int], start_pos: int, all_logits: bool = False) -> Tensor:

@@ -154,10 +154,11 @@ class ModelRunner {
     for (const auto& [name, signature] : graphs.items()) {
       check_signature(name, signature, layers, shape);
     }
-    if (!graphs.contains("prefill") || !graphs.contains("decode")) {
-      throw PackageError("the package has no prefill or no decode graph");
+    if (!graphs.contains("decode")) throw PackageError("the package has no decode graph");
+    // A draft on the target's cache only ever decodes: it is built without a prefill graph.
+    if (graphs.contains("prefill")) {
+      prefill_ = std::make_unique<Graph>(pt2, graphs["prefill"], vocab_size_);
     }
-    prefill_ = std::make_unique<Graph>(pt2, graphs["prefill"], vocab_size_);
     decode_ = std::make_unique<Graph>(pt2, graphs["decode"], vocab_size_);
     if (graphs.contains("verify")) {
       verify_ = std::make_unique<Graph>(pt2, graphs["verify"], vocab_size_);
@@ -181,7 +182,7 @@ class ModelRunner {
     } else {
       for (int64_t i = 0; i < 2 * layers; ++i) caches_.push_back(zeros_on_demand(shape, dtype));
     }
-    prefill_chunk_ = prefill_->max_tokens();
+    prefill_chunk_ = prefill_ ? prefill_->max_tokens() : 1;
     verify_len_ = verify_ ? verify_->max_tokens() : 0;
   }
 
