@@ -42,6 +42,8 @@ class EagerRunner(EagerModel):
     """The eager model behind the runtime's `ModelRunner` interface, so the runtime's own
     generation loops (plain and speculative) can run against the reference."""
 
+    shares_cache = False  # eager_engine(share_kv=True) hands a draft the target's cache
+
     def __init__(self, checkpoint: Path, cache_len: int):
         super().__init__(checkpoint, cache_len)
         self.vocab_size = self.config.vocab_size

@@ -406,7 +406,7 @@ class Engine:
         # written by the target (prefill, then each verify), so it never prefills and never
         # catches up: each round starts with a one-token decode of `tok`. Its own entries
         # (tok and the proposals) are overwritten by the verify that follows.
-        shared = config.speculative == "draft" and getattr(draft, "shares_cache", False)
+        shared = config.speculative == "draft" and draft.shares_cache
         if config.speculative == "draft" and not shared:
             draft.forward(prompt, 0)
         draft_pos = len(prompt)  # first position missing from the draft's cache
