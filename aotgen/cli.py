@@ -253,6 +253,7 @@ def inspect(package: Annotated[Path, typer.Argument(help="artifacts/NAME")]) -> 
             f"{c['num_key_value_heads']}, vocab {c['vocab_size']}; kv cache "
             f"{entry['kv_cache']['shape']} × {2 * entry['kv_cache']['layers']} "
             f"{entry['kv_cache']['dtype']}"
+            + (" (the target's)" if entry["kv_cache"].get("shared_with") == "target" else "")
         )
         if entry.get("quantization"):
             out.print(f"  quantization: {json.dumps(entry['quantization'])}")
