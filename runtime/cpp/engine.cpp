@@ -376,8 +376,9 @@ class TokenSteps {
     history_.push_back(tok_);
     // A draft that shares the target's cache finds every accepted position already written
     // by the target (prefill, then each verify): it never prefills and never catches up.
-    shared_cache_ = config_.speculative == Speculative::Draft && draft_->shares_cache();
-    if (config_.speculative == Speculative::Draft && !shared_cache_) draft_->forward(prompt_, 0);
+    if (config_.speculative == Speculative::Draft && !draft_->shares_cache()) {
+      draft_->forward(prompt_, 0);
+    }
     draft_pos_ = static_cast<int64_t>(prompt_.size());  // first position missing from draft
   }
 
@@ -392,7 +393,7 @@ class TokenSteps {
       // Catch the draft cache up on accepted tokens it has not seen, then draft. A shared
       // cache lacks only tok: the verify that follows overwrites the draft's entries.
       ModelRunner& draft = *draft_;
-      if (shared_cache_) draft_pos_ = pos_;
+      if (draft.shares_cache()) draft_pos_ = pos_;
       const std::vector<int64_t> pending(history_.begin() + draft_pos_, history_.end());
       at::Tensor logits = draft.forward(pending, draft_pos_);
       draft_pos_ += static_cast<int64_t>(pending.size());
@@ -458,7 +459,6 @@ class TokenSteps {
   std::optional<AdaptiveK> adaptive_;
   std::vector<int64_t> history_;
   int64_t draft_pos_ = 0;
-  bool shared_cache_ = false;
 };
 
 }  // namespace
