@@ -132,6 +132,27 @@ def test_int8_composes_with_tp(tiny_checkpoint, project, tp1, tmp_path):
     assert got["greedy"] == greedy(tp1)
 
 
+@pytest.mark.parametrize("share_kv", [True, False], ids=["shared-kv", "own-kv"])
+def test_speculative_draft_composes_with_tp(tiny_checkpoint, project, tp1, share_kv):
+    """A draft compiled into a TP=2 package is sharded like its target. Each rank's draft
+    runs on that rank's KV cache (or its own), and speculative greedy decoding through
+    `aotgen run --speculative` prints exactly the TP=1 package's plain greedy text."""
+    spec = {"draft": {"layers": 1}, "k": 4, "share_kv": share_kv}
+    name = f"tiny-tp2-spec-{'shared' if share_kv else 'own'}"
+    recipe = _recipe(tiny_checkpoint, name, parallel={"tensor": 2}, speculative=spec)
+    package = build(recipe, project).path
+    m = json.loads((package / "manifest.json").read_text())
+    assert m["world_size"] == 2 and set(m["models"]) == {"target", "draft"}
+    assert ("shared_with" in m["models"]["draft"]["kv_cache"]) == share_kv
+    args = ("--prompt", PROMPT, "--max-new-tokens", "32", "--speculative", "--threads", "2")
+    proc = _aotgen_run(package, *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ids = tp1.tokenizer.encode(PROMPT)
+    assert proc.stdout == tp1.generate(ids, GenerationConfig(max_new_tokens=32)).text + "\n"
+    drafted, accepted = map(int, re.search(r"drafted (\d+), accepted (\d+)", proc.stderr).groups())
+    assert drafted > 0 and accepted > 0
+
+
 # ---- errors ----------------------------------------------------------------------------------
 def test_dying_rank_ends_the_run_within_seconds(tp_package):
     """Rank 1 exits after 3 calls: the run fails fast, naming it; no hang until a timeout."""
