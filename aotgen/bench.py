@@ -236,10 +236,11 @@ def bench_speculative(
     threads: int | None = None,
     rounds: int = 3,
 ) -> tuple[list[SpecBenchRow], dict[str, float]]:
-    """Plain vs speculative greedy decode in one run: chat prompts (draft model, n-gram)
-    and an input-grounded copy/edit task (n-gram), on the same loaded package.
+    """Plain vs speculative greedy decode in one run, on chat prompts and an input-grounded
+    copy/edit task: n-gram lookup, and with a draft in the package the draft alone and the
+    draft behind lookup (draft+ngram), all on the same loaded package.
 
-    The modes take turns on each prompt (plain, n-gram, draft, then the next prompt), for
+    The modes take turns on each prompt (plain, n-gram, draft, ..., then the next prompt), for
     `rounds` passes over the prompts, so the VM's speed, which drifts by tens of percent
     from minute to minute, affects every mode alike.
     """
@@ -253,7 +254,7 @@ def bench_speculative(
             engine.chat_ids(t.format(text=prompts["grounded_text"])) for t in prompts["grounded"]
         ],
     }
-    modes = ["plain", "ngram"] + (["draft"] if engine.draft is not None else [])
+    modes = ["plain", "ngram"] + (["draft", "draft+ngram"] if engine.draft is not None else [])
     configs = {
         mode: GenerationConfig(
             max_new_tokens=max_new_tokens, speculative=None if mode == "plain" else mode, k=k

@@ -148,7 +148,13 @@ def run(
     top_p: float = 1.0,
     seed: int | None = None,
     stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
-    lookup: Annotated[str | None, typer.Option(help="'ngram': prompt-lookup speculation")] = None,
+    lookup: Annotated[
+        str | None,
+        typer.Option(
+            help="'ngram': prompt-lookup speculation; with --speculative, the draft "
+            "proposes only when lookup finds no match"
+        ),
+    ] = None,
     speculative: Annotated[bool, typer.Option(help="use the package's draft model")] = False,
     k: Annotated[int | None, typer.Option(help="draft length (default: the package's)")] = None,
     adaptive_k: bool = False,
@@ -195,7 +201,9 @@ def run(
         else:
             text = prompt if prompt is not None else prompt_file.read_text()
             ids = engine.tokenizer.encode(text)
-        mode = "ngram" if lookup else ("draft" if speculative else None)
+        mode = {(True, True): "draft+ngram", (True, False): "draft", (False, True): "ngram"}.get(
+            (speculative, lookup is not None)
+        )
         cfg = GenerationConfig(
             max_new_tokens=max_new_tokens,
             sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
@@ -219,10 +227,13 @@ def run(
     if result.spec:
         s = result.spec
         by_pos = ", ".join(f"{r:.2f}" for r in s.acceptance_rate_by_position)
+        lookups = (
+            f", n-gram proposed {s.lookup_steps} of {s.steps}" if mode == "draft+ngram" else ""
+        )
         console.print(
             f"[dim]speculative ({mode}): drafted {s.drafted}, accepted {s.accepted}, "
             f"acceptance {s.acceptance_rate:.2f}, mean accepted length "
-            f"{s.mean_accepted_length:.2f} tok/step, by position [{by_pos}][/]",
+            f"{s.mean_accepted_length:.2f} tok/step, by position [{by_pos}]{lookups}[/]",
             highlight=False,
         )
 

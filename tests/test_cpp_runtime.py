@@ -212,34 +212,40 @@ def test_seeded_sampling_matches_python(run_bin, tiny_package, py_engine, params
     assert got["ids"] == ref.token_ids
 
 
-def test_draft_model_speculation(run_bin, draft_package):
-    """Draft-model speculation, on the target's KV cache or its own: greedy equals plain
-    greedy; greedy and sampled ids equal Python's (same draft-cache catch-up, same
-    verification rule, same random numbers)."""
+@pytest.mark.parametrize(
+    "mode, flags",
+    [("draft", ["--speculative"]), ("draft+ngram", ["--speculative", "--lookup", "ngram"])],
+)
+def test_draft_model_speculation(run_bin, draft_package, mode, flags):
+    """Draft-model speculation (alone, or behind n-gram lookup), on the target's KV cache or
+    its own: greedy equals plain greedy; greedy and sampled ids equal Python's (same
+    draft-cache catch-up, same verification rule, same random numbers)."""
     engine = Engine.load(draft_package)
     assert engine.draft is not None
     shared = engine.manifest["models"]["draft"]["kv_cache"].get("shared_with") == "target"
     assert shared == engine.draft.shares_cache == (draft_package.name == "tiny-draft")
-    drafted = 0
+    drafted = lookup_steps = 0
     for prompt in PROMPTS:
         ids = engine.tokenizer.encode(prompt)
         common = ["--max-new-tokens", str(N_TOKENS), "--ignore-eos"]
         plain = cpp_generate(run_bin, draft_package, ids, *common)
         for params in (SamplingParams(), SamplingParams(temperature=0.9, top_k=40, seed=7)):
             cfg = GenerationConfig(
-                max_new_tokens=N_TOKENS, ignore_eos=True, sampling=params, speculative="draft"
+                max_new_tokens=N_TOKENS, ignore_eos=True, sampling=params, speculative=mode
             )
             ref = engine.generate(ids, cfg)
-            got = cpp_generate(
-                run_bin, draft_package, ids, *common, *sampling_args(params), "--speculative"
-            )
+            got = cpp_generate(run_bin, draft_package, ids, *common, *sampling_args(params), *flags)
             assert got["ids"] == ref.token_ids, (prompt, params)
             assert got["spec"]["drafted"] == ref.spec.drafted
             assert got["spec"]["accepted"] == ref.spec.accepted
+            assert got["spec"]["lookup_steps"] == ref.spec.lookup_steps
             if params.greedy:
                 assert got["ids"] == plain["ids"], prompt
             drafted += got["spec"]["drafted"]
+            lookup_steps += got["spec"]["lookup_steps"]
     assert drafted > 0
+    # draft+ngram: lookup proposed in some steps (and the draft in the rest).
+    assert (lookup_steps > 0) == (mode == "draft+ngram")
 
 
 # ---- bad input: one clear message, exit status 1, no crash -------------------------------

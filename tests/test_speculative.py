@@ -45,11 +45,21 @@ def _greedy(engine, ids, **kw):
 
 
 @pytest.mark.parametrize("k", range(1, 7))
-@pytest.mark.parametrize("proposer", ["ngram", "draft-self", "draft-other", "draft-shared"])
+@pytest.mark.parametrize(
+    "proposer",
+    [
+        "ngram",
+        "draft-self",
+        "draft-other",
+        "draft-shared",
+        "draft+ngram-other",
+        "draft+ngram-shared",
+    ],
+)
 def test_speculative_greedy_equals_plain_greedy_eager(engines, proposer, k):
     mode, _, which = proposer.partition("-")
     engine = engines[which or "other"]
-    drafted = 0
+    drafted = lookup_steps = draft_steps = 0
     for prompt in PROMPTS:
         ids = engine.tokenizer.encode(prompt)
         plain = _greedy(engine, ids)
@@ -60,7 +70,11 @@ def test_speculative_greedy_equals_plain_greedy_eager(engines, proposer, k):
         if proposer == "draft-self":  # the draft is the target: everything is accepted
             assert s.acceptance_rate == 1.0
         drafted += s.drafted
+        lookup_steps += s.lookup_steps
+        draft_steps += s.steps - s.lookup_steps
     assert drafted > 0, "nothing was drafted: the test would be vacuous"
+    if mode == "draft+ngram":  # both proposers must have taken turns
+        assert lookup_steps > 0 and draft_steps > 0, (lookup_steps, draft_steps)
 
 
 @pytest.mark.parametrize("which", ["other", "shared"])
@@ -69,7 +83,7 @@ def test_adaptive_k_greedy_equals_plain(engines, which):
     for prompt in PROMPTS:
         ids = engine.tokenizer.encode(prompt)
         plain = _greedy(engine, ids)
-        for mode in ("ngram", "draft"):
+        for mode in ("ngram", "draft", "draft+ngram"):
             assert (
                 _greedy(engine, ids, speculative=mode, adaptive_k=True).token_ids == plain.token_ids
             )
@@ -126,7 +140,7 @@ def _samples(engine, ids, n, position, **kw):
     return out
 
 
-@pytest.mark.parametrize("mode", ["draft", "draft-shared", "ngram"])
+@pytest.mark.parametrize("mode", ["draft", "draft-shared", "ngram", "draft+ngram"])
 def test_sampled_distribution_matches_plain(engines, mode):
     """Speculative sampling is lossless: token histograms agree with plain sampling."""
     mode, _, which = mode.partition("-")
@@ -181,7 +195,7 @@ def test_spec_package_has_draft_graphs(spec_package):
     assert m["models"]["draft"]["config"]["num_hidden_layers"] == 1
 
 
-@pytest.mark.parametrize("mode", ["ngram", "draft"])
+@pytest.mark.parametrize("mode", ["ngram", "draft", "draft+ngram"])
 def test_compiled_speculative_greedy_equals_plain(spec_package, mode):
     from aotgen.runtime.engine import Engine
 
@@ -341,10 +355,30 @@ def test_bench_speculative_modes_take_turns(spec_package, tmp_path, monkeypatch)
     monkeypatch.setattr(bench, "PROMPTS_FILE", tmp_path / "prompts.json")
     rows, costs = bench.bench_speculative(spec_package, max_new_tokens=8, rounds=2)
     assert [(r.task, r.mode) for r in rows] == [
-        (task, mode) for task in ("chat", "grounded") for mode in ("plain", "ngram", "draft")
+        (task, mode)
+        for task in ("chat", "grounded")
+        for mode in ("plain", "ngram", "draft", "draft+ngram")
     ]
     for r in rows:
         assert r.same_as_plain and r.tok_s > 0 and r.decode_tok_s > 0 and r.tokens > 0
         if r.mode != "plain":
             assert 0 <= r.acceptance <= 1 and 1 <= r.mean_accepted_length <= 5
     assert {"decode_ms", "verify_ms", "draft_ms"} <= set(costs)
+
+
+def test_cli_draft_behind_lookup(spec_package):
+    """`aotgen run --speculative --lookup ngram` prints plain greedy's text and says how many
+    steps lookup proposed."""
+    import subprocess
+    import sys
+
+    def run(*flags: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "aotgen", "run", str(spec_package), "--prompt", PROMPTS[2]]
+        cmd += ["--max-new-tokens", str(N_TOKENS), *flags]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    plain, spec = run(), run("--speculative", "--lookup", "ngram")
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout
+    stats = " ".join(spec.stderr.split())  # rich wraps long lines
+    assert "speculative (draft+ngram)" in stats and "n-gram proposed" in stats

@@ -194,14 +194,16 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     steps: int = 0
+    lookup_steps: int = 0  # steps whose proposal came from n-gram lookup, not the draft
     accepted_by_position: list[int] = field(default_factory=list)
     proposed_by_position: list[int] = field(default_factory=list)
 
-    def update(self, num_drafted: int, num_accepted: int) -> None:
+    def update(self, num_drafted: int, num_accepted: int, lookup: bool = False) -> None:
         """Record one verify step that checked num_drafted tokens and accepted num_accepted."""
         if not 0 <= num_accepted <= num_drafted:
             raise ValueError(f"need 0 <= accepted <= drafted, got {num_accepted}, {num_drafted}")
         self.steps += 1
+        self.lookup_steps += lookup
         self.drafted += num_drafted
         self.accepted += num_accepted
         width = max(len(self.proposed_by_position), num_drafted)

@@ -56,7 +56,8 @@ struct SamplingParams {
   void validate() const;
 };
 
-enum class Speculative { None, Ngram, Draft };
+// DraftNgram: n-gram lookup proposes when it finds a match, the draft model otherwise.
+enum class Speculative { None, Ngram, Draft, DraftNgram };
 
 struct GenerationConfig {
   int64_t max_new_tokens = 256;
@@ -66,7 +67,9 @@ struct GenerationConfig {
   Speculative speculative = Speculative::None;
   std::optional<int64_t> k;  // draft length; default (and maximum): the package's verify_k
   bool adaptive_k = false;   // HF schedule: +2 after a full accept, else -1
-  int64_t ngram_min = 1;
+  // Shortest n-gram match that makes a proposal; default 1 for Ngram, 3 for DraftNgram
+  // (engine.py NGRAM_MIN: a shorter match is mostly a worse guess than the draft's).
+  std::optional<int64_t> ngram_min;
   int64_t ngram_max = 4;
 };
 
@@ -74,6 +77,7 @@ struct SpecStats {
   int64_t drafted = 0;
   int64_t accepted = 0;
   int64_t steps = 0;
+  int64_t lookup_steps = 0;  // steps whose proposal came from n-gram lookup, not the draft
   double acceptance_rate() const { return drafted ? double(accepted) / double(drafted) : 0.0; }
   // Tokens emitted per verify step: accepted drafts plus the target's own token.
   double mean_accepted_length() const {

@@ -316,6 +316,10 @@ class StopText {
   bool stopped_ = false;
 };
 
+int64_t ngram_min(const GenerationConfig& config) {
+  return config.ngram_min.value_or(config.speculative == Speculative::DraftNgram ? 3 : 1);
+}
+
 // Draft-length schedule of HF assisted generation: +2 after a full accept, else -1.
 struct AdaptiveK {
   int64_t k, k_min, k_max;
@@ -368,6 +372,11 @@ class TokenSteps {
   }
 
  private:
+  bool uses_draft() const {
+    return config_.speculative == Speculative::Draft ||
+           config_.speculative == Speculative::DraftNgram;
+  }
+
   void start_speculative() {
     spec_started_ = true;
     k_ = std::min(config_.k.value_or(max_k_), max_k_);
@@ -376,7 +385,7 @@ class TokenSteps {
     history_.push_back(tok_);
     // A draft that shares the target's cache finds every accepted position already written
     // by the target (prefill, then each verify): it never prefills and never catches up.
-    if (config_.speculative == Speculative::Draft && !draft_->shares_cache()) {
+    if (uses_draft() && !draft_->shares_cache()) {
       draft_->forward(prompt_, 0);
     }
     draft_pos_ = static_cast<int64_t>(prompt_.size());  // first position missing from draft
@@ -387,9 +396,14 @@ class TokenSteps {
     k = std::min(k, max_seq_len_ + max_k_ - pos_);
     std::vector<int64_t> proposal;
     at::Tensor draft_probs;
-    if (config_.speculative == Speculative::Ngram) {
-      proposal = ngram_propose(history_, k, config_.ngram_min, config_.ngram_max);
-    } else {
+    // DraftNgram: a long enough match in the prompt + output costs nothing to propose; the
+    // draft runs only when there is none.
+    if (config_.speculative == Speculative::Ngram ||
+        config_.speculative == Speculative::DraftNgram) {
+      proposal = ngram_propose(history_, k, ngram_min(config_), config_.ngram_max);
+    }
+    const bool looked_up = !proposal.empty();
+    if (!looked_up && uses_draft()) {
       // Catch the draft cache up on accepted tokens it has not seen, then draft. A shared
       // cache lacks only tok: the verify that follows overwrites the draft's entries.
       ModelRunner& draft = *draft_;
@@ -431,6 +445,7 @@ class TokenSteps {
     spec_->drafted += n;
     spec_->accepted += n_acc;
     spec_->steps += 1;
+    spec_->lookup_steps += looked_up;
     if (adaptive_) adaptive_->update(n, n_acc);
     pos_ += n_acc + 1;
     // The draft cache is valid up to the accepted prefix; later positions are stale and get
@@ -559,14 +574,16 @@ GenerationResult Engine::generate(const std::vector<int64_t>& prompt_ids,
         " tokens; shorten the prompt, lower max_new_tokens, or rebuild with a larger "
         "max_seq_len");
   }
-  if (config.speculative == Speculative::Draft && !e.draft) {
+  if ((config.speculative == Speculative::Draft ||
+       config.speculative == Speculative::DraftNgram) &&
+      !e.draft) {
     throw GenerationError(e.root.string() +
                           " has no draft model; build with a `speculative: draft:` recipe or "
                           "use n-gram lookup (--lookup ngram)");
   }
   if (config.speculative != Speculative::None) {
     if (config.k && *config.k < 1) throw GenerationError("k must be >= 1");
-    if (config.ngram_min < 1 || config.ngram_min > config.ngram_max) {
+    if (ngram_min(config) < 1 || ngram_min(config) > config.ngram_max) {
       throw GenerationError("need 1 <= ngram_min <= ngram_max");
     }
   }

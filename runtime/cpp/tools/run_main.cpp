@@ -45,7 +45,8 @@ options:
   --stop TEXT            stop string (repeatable)
   --ignore-eos           keep going past end-of-sequence tokens
   --lookup ngram         speculative decoding with prompt-lookup (n-gram) drafts
-  --speculative          speculative decoding with the package's draft model
+  --speculative          speculative decoding with the package's draft model (with
+                         --lookup ngram: the draft proposes only when lookup finds no match)
   --k K                  draft length (default and maximum: the package's verify_k)
   --adaptive-k           adapt the draft length (+2 after a full accept, else -1)
   --threads N            intra-op threads (default: torch's default)
@@ -75,9 +76,19 @@ struct Args {
   bool print_ids = false;
 };
 
+const char* mode_name(aotgen::Speculative mode) {
+  switch (mode) {
+    case aotgen::Speculative::Ngram: return "ngram";
+    case aotgen::Speculative::Draft: return "draft";
+    case aotgen::Speculative::DraftNgram: return "draft+ngram";
+    default: return "none";
+  }
+}
+
 Args parse_args(int argc, char** argv) {
   Args args;
   auto& cfg = args.config;
+  bool lookup = false, draft = false;
   for (int i = 1; i < argc; ++i) {
     const std::string_view arg = argv[i];
     const auto value = [&]() -> std::string_view {
@@ -110,9 +121,9 @@ Args parse_args(int argc, char** argv) {
       cfg.ignore_eos = true;
     } else if (arg == "--lookup") {
       if (value() != "ngram") throw UsageError("--lookup: the only lookup proposer is 'ngram'");
-      cfg.speculative = aotgen::Speculative::Ngram;
+      lookup = true;
     } else if (arg == "--speculative") {
-      cfg.speculative = aotgen::Speculative::Draft;
+      draft = true;
     } else if (arg == "--k") {
       cfg.k = parse_number<int64_t>(arg, value());
     } else if (arg == "--adaptive-k") {
@@ -130,6 +141,10 @@ Args parse_args(int argc, char** argv) {
     }
   }
   if (args.package.empty()) throw UsageError("give the package directory");
+  using aotgen::Speculative;
+  cfg.speculative = draft    ? (lookup ? Speculative::DraftNgram : Speculative::Draft)
+                    : lookup ? Speculative::Ngram
+                             : Speculative::None;
   const int prompts = args.chat.has_value() + args.prompt.has_value() +
                       args.prompt_file.has_value() + args.prompt_ids.has_value();
   if (prompts != 1) {
@@ -183,7 +198,8 @@ int run(const Args& args) {
     if (result.spec) {
       out["spec"] = {{"drafted", result.spec->drafted},
                      {"accepted", result.spec->accepted},
-                     {"steps", result.spec->steps}};
+                     {"steps", result.spec->steps},
+                     {"lookup_steps", result.spec->lookup_steps}};
     }
     std::cout << out.dump(-1, ' ', false, json::error_handler_t::replace) << std::endl;
   } else {
@@ -198,10 +214,11 @@ int run(const Args& args) {
   if (const auto& s = result.spec) {
     std::fprintf(stderr,
                  "speculative (%s): drafted %lld, accepted %lld, acceptance %.2f, mean accepted "
-                 "length %.2f tok/step\n",
-                 args.config.speculative == aotgen::Speculative::Ngram ? "ngram" : "draft",
-                 static_cast<long long>(s->drafted), static_cast<long long>(s->accepted),
-                 s->acceptance_rate(), s->mean_accepted_length());
+                 "length %.2f tok/step, n-gram proposed %lld of %lld steps\n",
+                 mode_name(args.config.speculative), static_cast<long long>(s->drafted),
+                 static_cast<long long>(s->accepted), s->acceptance_rate(),
+                 s->mean_accepted_length(), static_cast<long long>(s->lookup_steps),
+                 static_cast<long long>(s->steps));
   }
   return 0;
 }
