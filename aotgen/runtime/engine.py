@@ -41,7 +41,7 @@ SPECULATIVE_MODES = (None, "draft", "ngram", "draft+ngram")
 # Shortest n-gram match that makes a proposal. Alone, any match beats a plain decode step.
 # Backed by a draft (acceptance ~0.95 on SmolLM2), a 1-2 token match is mostly a worse
 # guess than the draft's; from 3 tokens on, matches on a copy/edit task were all accepted
-# in part or in full (measured on the bench prompts, session 7).
+# in part or in full (the bench prompts; README, "Speculative decoding").
 NGRAM_MIN = {"ngram": 1, "draft+ngram": 3}
 
 
@@ -420,7 +420,9 @@ class Engine:
         k = min(config.k or max_k, max_k)
         adaptive = AdaptiveK(k=k, k_min=1, k_max=max_k) if config.adaptive_k else None
         history = list(prompt) + [tok]
-        ngram_min = config.ngram_min or NGRAM_MIN.get(config.speculative, 1)
+        ngram_min = config.ngram_min
+        if ngram_min is None:
+            ngram_min = NGRAM_MIN.get(config.speculative, 1)
         proposer = NgramProposer(ngram_min, config.ngram_max)
         # A draft that shares the target's cache finds every accepted position already
         # written by the target (prefill, then each verify), so it never prefills and never
