@@ -58,6 +58,94 @@ def build_real_recipe(name: str, checkpoint: Path, root: Path) -> Path:
     return build(recipe, project).path
 
 
+# ---- real-model packages, built in the background -------------------------------------------
+# Each takes 5-6 minutes to compile on 2 cores, mostly single-threaded (Inductor, then gcc).
+# When the collected tests need them, a separate process builds them from the start of the
+# session, so the second core compiles them while the other tests run.
+REAL_RECIPES = {"smollm2_package": "smollm2-135m", "smollm2_int8_package": "smollm2-135m-int8"}
+# tests/test_cpp_runtime.py's `real_package` asks for smollm2_package at run time.
+REAL_PACKAGE_USERS = {*REAL_RECIPES, "real_package"}
+
+
+class BackgroundBuilds:
+    """`python tests/real_builds.py OUT NAME...` running; wait(name) returns a package."""
+
+    def __init__(self, names: list[str]):
+        import subprocess
+        import tempfile
+
+        self.out = Path(tempfile.mkdtemp(prefix="aotgen-real-builds-"))
+        self.log = self.out / "build.log"
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).parent / "real_builds.py"), str(self.out)]
+                + names,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+            )
+
+    def wait(self, name: str) -> Path:
+        import time
+
+        done = self.out / f"{name}.done"
+        while not done.exists():
+            if self.proc.poll() is not None and not done.exists():
+                tail = self.log.read_text()[-3000:]
+                pytest.fail(f"background build of {name} failed:\n{tail}", pytrace=False)
+            time.sleep(1)
+        return Path(done.read_text())
+
+    def close(self) -> None:
+        import shutil
+
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.out, ignore_errors=True)
+
+
+BUILDS = pytest.StashKey[BackgroundBuilds]()
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Start the background builds if a collected test needs them, and run those tests last,
+    when the packages are most likely ready."""
+    from aotgen.checkpoint.gguf import find_smollm2_gguf
+
+    users = [item for item in items if REAL_PACKAGE_USERS & set(item.fixturenames)]
+    if not users:
+        return
+    items[:] = [item for item in items if item not in users] + users
+    if config.option.collectonly:
+        return
+    try:
+        find_smollm2_gguf()
+    except FileNotFoundError:
+        return  # the fixtures skip
+    config.stash[BUILDS] = BackgroundBuilds(list(REAL_RECIPES.values()))
+
+
+def pytest_unconfigure(config) -> None:
+    builds = config.stash.get(BUILDS, None)
+    if builds is not None:
+        builds.close()
+
+
+def _real_package(request, fixture: str) -> Path:
+    builds = request.config.stash.get(BUILDS, None)
+    if builds is None:  # not started at collection (e.g. a plugin reordered things)
+        checkpoint = request.getfixturevalue("smollm2_checkpoint")
+        root = request.getfixturevalue("tmp_path_factory").mktemp(fixture)
+        return build_real_recipe(REAL_RECIPES[fixture], checkpoint, root)
+    return builds.wait(REAL_RECIPES[fixture])
+
+
 @pytest.fixture(scope="session")
-def smollm2_package(smollm2_checkpoint, tmp_path_factory) -> Path:
-    return build_real_recipe("smollm2-135m", smollm2_checkpoint, tmp_path_factory.mktemp("fp32"))
+def smollm2_package(request) -> Path:
+    return _real_package(request, "smollm2_package")
+
+
+@pytest.fixture(scope="session")
+def smollm2_int8_package(request) -> Path:
+    return _real_package(request, "smollm2_int8_package")

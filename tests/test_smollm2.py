@@ -69,13 +69,6 @@ def test_speculative_ngram_answers_identically(smollm2_package):
     assert result.text == ANSWER
 
 
-@pytest.fixture(scope="session")
-def smollm2_int8_package(smollm2_checkpoint, tmp_path_factory) -> Path:
-    from conftest import build_real_recipe
-
-    return build_real_recipe("smollm2-135m-int8", smollm2_checkpoint, tmp_path_factory.mktemp("i8"))
-
-
 def test_int8_answers_france_and_keeps_perplexity(smollm2_int8_package, smollm2_package):
     """int8 weight-only: same answer, held-out perplexity within 1 % of fp32."""
     from aotgen.runtime.engine import Engine, GenerationConfig

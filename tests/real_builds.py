@@ -1,0 +1,29 @@
+"""Build the real-model packages for the slow tests: `python tests/real_builds.py OUT NAME...`.
+
+Run by conftest.py in a process of its own at the start of a session, so the packages compile
+on the second core while the other tests run. Writes OUT/NAME.done (holding the package's
+path) as each recipe finishes; a failure ends the process with its traceback in the log.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from conftest import build_real_recipe  # noqa: E402
+
+from aotgen.checkpoint.gguf import find_smollm2_gguf, import_gguf  # noqa: E402
+
+
+def main(out: Path, names: list[str]) -> None:
+    checkpoint = import_gguf(find_smollm2_gguf(), out / "checkpoint")
+    for name in names:
+        path = build_real_recipe(name, checkpoint, out / name)
+        (out / f"{name}.done").write_text(str(path))
+        print(f"built {name}: {path}", flush=True)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])
