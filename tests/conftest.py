@@ -63,8 +63,13 @@ def build_real_recipe(name: str, checkpoint: Path, root: Path) -> Path:
 # When the collected tests need them, a separate process builds them from the start of the
 # session, so the second core compiles them while the other tests run.
 REAL_RECIPES = {"smollm2_package": "smollm2-135m", "smollm2_int8_package": "smollm2-135m-int8"}
-# tests/test_cpp_runtime.py's `real_package` asks for smollm2_package at run time.
-REAL_PACKAGE_USERS = {*REAL_RECIPES, "real_package"}
+# The fixtures that need each package (tests/test_cpp_runtime.py's `real_package` asks for
+# smollm2_package at run time).
+REAL_PACKAGE_USERS = {
+    "smollm2-135m": {"smollm2_package", "real_package"},
+    "smollm2-135m-int8": {"smollm2_int8_package"},
+}
+BUILD_TIMEOUT_S = 40 * 60
 
 
 class BackgroundBuilds:
@@ -89,10 +94,13 @@ class BackgroundBuilds:
         import time
 
         done = self.out / f"{name}.done"
+        deadline = time.monotonic() + BUILD_TIMEOUT_S
         while not done.exists():
-            if self.proc.poll() is not None and not done.exists():
+            failed = self.proc.poll() is not None and not done.exists()
+            if failed or time.monotonic() > deadline:
                 tail = self.log.read_text()[-3000:]
-                pytest.fail(f"background build of {name} failed:\n{tail}", pytrace=False)
+                how = "failed" if failed else f"took over {BUILD_TIMEOUT_S} s"
+                pytest.fail(f"background build of {name} {how}:\n{tail}", pytrace=False)
             time.sleep(1)
         return Path(done.read_text())
 
@@ -113,17 +121,22 @@ def pytest_collection_modifyitems(config, items) -> None:
     when the packages are most likely ready."""
     from aotgen.checkpoint.gguf import find_smollm2_gguf
 
-    users = [item for item in items if REAL_PACKAGE_USERS & set(item.fixturenames)]
+    needed = {
+        item: [name for name, users in REAL_PACKAGE_USERS.items() if users & set(item.fixturenames)]
+        for item in items
+    }
+    users = [item for item in items if needed[item]]
     if not users:
         return
-    items[:] = [item for item in items if item not in users] + users
+    items[:] = [item for item in items if not needed[item]] + users
     if config.option.collectonly:
         return
     try:
         find_smollm2_gguf()
     except FileNotFoundError:
         return  # the fixtures skip
-    config.stash[BUILDS] = BackgroundBuilds(list(REAL_RECIPES.values()))
+    names = [name for name in REAL_PACKAGE_USERS if any(name in needed[i] for i in users)]
+    config.stash[BUILDS] = BackgroundBuilds(names)
 
 
 def pytest_unconfigure(config) -> None:

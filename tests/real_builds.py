@@ -21,7 +21,8 @@ def main(out: Path, names: list[str]) -> None:
     checkpoint = import_gguf(find_smollm2_gguf(), out / "checkpoint")
     for name in names:
         path = build_real_recipe(name, checkpoint, out / name)
-        (out / f"{name}.done").write_text(str(path))
+        (out / f"{name}.tmp").write_text(str(path))
+        (out / f"{name}.tmp").rename(out / f"{name}.done")  # whole, or not there yet
         print(f"built {name}: {path}", flush=True)
 
 

@@ -316,6 +316,10 @@ class StopText {
   bool stopped_ = false;
 };
 
+bool uses_draft(Speculative mode) {
+  return mode == Speculative::Draft || mode == Speculative::DraftNgram;
+}
+
 int64_t ngram_min(const GenerationConfig& config) {
   return config.ngram_min.value_or(config.speculative == Speculative::DraftNgram ? 3 : 1);
 }
@@ -372,11 +376,6 @@ class TokenSteps {
   }
 
  private:
-  bool uses_draft() const {
-    return config_.speculative == Speculative::Draft ||
-           config_.speculative == Speculative::DraftNgram;
-  }
-
   void start_speculative() {
     spec_started_ = true;
     k_ = std::min(config_.k.value_or(max_k_), max_k_);
@@ -385,7 +384,7 @@ class TokenSteps {
     history_.push_back(tok_);
     // A draft that shares the target's cache finds every accepted position already written
     // by the target (prefill, then each verify): it never prefills and never catches up.
-    if (uses_draft() && !draft_->shares_cache()) {
+    if (uses_draft(config_.speculative) && !draft_->shares_cache()) {
       draft_->forward(prompt_, 0);
     }
     draft_pos_ = static_cast<int64_t>(prompt_.size());  // first position missing from draft
@@ -403,7 +402,7 @@ class TokenSteps {
       proposal = ngram_propose(history_, k, ngram_min(config_), config_.ngram_max);
     }
     const bool looked_up = !proposal.empty();
-    if (!looked_up && uses_draft()) {
+    if (!looked_up && uses_draft(config_.speculative)) {
       // Catch the draft cache up on accepted tokens it has not seen, then draft. A shared
       // cache lacks only tok: the verify that follows overwrites the draft's entries.
       ModelRunner& draft = *draft_;
@@ -574,9 +573,7 @@ GenerationResult Engine::generate(const std::vector<int64_t>& prompt_ids,
         " tokens; shorten the prompt, lower max_new_tokens, or rebuild with a larger "
         "max_seq_len");
   }
-  if ((config.speculative == Speculative::Draft ||
-       config.speculative == Speculative::DraftNgram) &&
-      !e.draft) {
+  if (uses_draft(config.speculative) && !e.draft) {
     throw GenerationError(e.root.string() +
                           " has no draft model; build with a `speculative: draft:` recipe or "
                           "use n-gram lookup (--lookup ngram)");
