@@ -358,7 +358,7 @@ def test_overlong_prompt_and_bad_requests(run_bin, tiny_package):
 def real_package(request) -> Path:
     if (REAL_PACKAGE / "manifest.json").is_file():
         return REAL_PACKAGE
-    try:  # shared through conftest.py (tests/test_smollm2.py builds it in CI)
+    try:  # conftest.py builds it in the background when the GGUF is installed (CI)
         return request.getfixturevalue("smollm2_package")
     except pytest.FixtureLookupError:
         pytest.skip(f"{REAL_PACKAGE.relative_to(REPO_ROOT)} not built (aotgen build)")
