@@ -62,8 +62,7 @@ def build_real_recipe(name: str, checkpoint: Path, root: Path) -> Path:
 # Each takes 5-6 minutes to compile on 2 cores, mostly single-threaded (Inductor, then gcc).
 # When the collected tests need them, a separate process builds them from the start of the
 # session, so the second core compiles them while the other tests run.
-REAL_RECIPES = {"smollm2_package": "smollm2-135m", "smollm2_int8_package": "smollm2-135m-int8"}
-# The fixtures that need each package (tests/test_cpp_runtime.py's `real_package` asks for
+# Recipe -> the fixtures that need its package (tests/test_cpp_runtime.py's `real_package` asks for
 # smollm2_package at run time).
 REAL_PACKAGE_USERS = {
     "smollm2-135m": {"smollm2_package", "real_package"},
@@ -145,20 +144,20 @@ def pytest_unconfigure(config) -> None:
         builds.close()
 
 
-def _real_package(request, fixture: str) -> Path:
+def _real_package(request, recipe: str) -> Path:
     builds = request.config.stash.get(BUILDS, None)
-    if builds is None:  # not started at collection (e.g. a plugin reordered things)
+    if builds is None:  # no GGUF (smollm2_checkpoint skips), or not seen at collection
         checkpoint = request.getfixturevalue("smollm2_checkpoint")
-        root = request.getfixturevalue("tmp_path_factory").mktemp(fixture)
-        return build_real_recipe(REAL_RECIPES[fixture], checkpoint, root)
-    return builds.wait(REAL_RECIPES[fixture])
+        root = request.getfixturevalue("tmp_path_factory").mktemp(recipe)
+        return build_real_recipe(recipe, checkpoint, root)
+    return builds.wait(recipe)
 
 
 @pytest.fixture(scope="session")
 def smollm2_package(request) -> Path:
-    return _real_package(request, "smollm2_package")
+    return _real_package(request, "smollm2-135m")
 
 
 @pytest.fixture(scope="session")
 def smollm2_int8_package(request) -> Path:
-    return _real_package(request, "smollm2_int8_package")
+    return _real_package(request, "smollm2-135m-int8")
