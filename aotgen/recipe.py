@@ -86,6 +86,8 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
     ckpt = Path(data.pop("checkpoint"))
     if not ckpt.is_absolute():
         ckpt = base_dir / ckpt
+    if "quantize" in data:
+        data["quantize"] = _resolve_calibration(data["quantize"], base_dir)
     recipe = Recipe(
         name=data.pop("name", name), checkpoint=ckpt, compile=CompileOptions(**compile_opts), **data
     )
@@ -100,6 +102,14 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
     if recipe.dtype not in DTYPES:
         raise RecipeError(f"recipe {name!r}: dtype {recipe.dtype!r}; valid: {', '.join(DTYPES)}")
     return recipe
+
+
+def _resolve_calibration(quantize: Any, base_dir: Path) -> Any:
+    """`quantize.calibration` (GPTQ's text file) resolves against base_dir like checkpoints."""
+    if isinstance(quantize, dict) and isinstance(quantize.get("calibration"), str):
+        path = Path(quantize["calibration"])
+        return {**quantize, "calibration": str(path if path.is_absolute() else base_dir / path)}
+    return quantize
 
 
 DRAFT_SOURCES = ("checkpoint", "layers")  # at most one; none = the target's own weights
@@ -135,6 +145,8 @@ def _parse_speculative(recipe: Recipe, explicit_k: bool, base_dir: Path) -> Reci
         if "checkpoint" in draft:
             path = Path(draft["checkpoint"])
             draft = {**draft, "checkpoint": str(path if path.is_absolute() else base_dir / path)}
+        if "quantize" in draft:
+            draft = {**draft, "quantize": _resolve_calibration(draft["quantize"], base_dir)}
         if "layers" in draft and (not isinstance(draft["layers"], int) or draft["layers"] < 1):
             raise RecipeError(f"{where}: draft layers must be a positive integer")
     own_weights = draft is not None and "checkpoint" not in draft

@@ -51,7 +51,7 @@ from aotgen.package.manifest import (
 from aotgen.package.weights import save_aligned
 from aotgen.passes.fuse import FuseLinearsPass
 from aotgen.passes.gemv import linears_as_reductions
-from aotgen.passes.quantize import QuantizePass, quantize_passes
+from aotgen.passes.quantize import QuantizePass, parse_quantize, quantize_passes
 from aotgen.passes.tp import (
     fake_process_group,
     parse_parallel,
@@ -61,6 +61,7 @@ from aotgen.passes.tp import (
     shard_model,
 )
 from aotgen.recipe import Project, Recipe, RecipeError
+from aotgen.runtime.tokenizer import Tokenizer
 
 PACKAGE_FILE = "model.pt2"
 
@@ -113,6 +114,10 @@ def build_hash(ckpt: Checkpoint, recipe: Recipe) -> str:
     if "checkpoint" in draft:
         recipe_dict["speculative"]["draft"] = {**draft, "checkpoint": "(content hashed above)"}
     h.update(json.dumps(recipe_dict, sort_keys=True, default=str).encode())
+    for quantize in (recipe.quantize, draft.get("quantize")):
+        options = parse_quantize(quantize)
+        if options and options.method == "gptq":
+            h.update(f"calibration:{sha256_chunks(options.calibration)}\n".encode())
     h.update(f"{__version__}|{torch.__version__}|{json.dumps(target_info())}".encode())
     # The source itself, not just the version: a changed pass must not look "up to date".
     for src in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
@@ -256,6 +261,32 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
     return models
 
 
+CALIBRATION_MAX_TOKENS = 16384
+
+
+def _calibrate(mb: ModelBuild, recipe: Recipe, tokenizer: Tokenizer) -> None:
+    """GPTQ's calibration: run the model's prefill graph, after the passes that precede
+    quantization (so the weights are the tensors the graphs will hold), over the
+    calibration text in prefill-sized chunks, each from position 0."""
+    quantizer = _quantizer(mb)
+    spec = next(g for g in graph_specs(recipe.prefill_chunk, recipe.verify_k) if g.dynamic)
+    cache = new_kv_cache(mb.config, recipe.cache_len, dtype=getattr(torch, recipe.dtype))
+    ep = export_graph(mb.model, spec, cache)
+    for graph_pass in mb.graph_passes[: mb.graph_passes.index(quantizer)]:
+        ep = graph_pass(ep)
+    text = quantizer.options.calibration
+    ids = tokenizer.encode(text.read_text())[:CALIBRATION_MAX_TOKENS]
+    chunks = [ids[i : i + spec.max_tokens] for i in range(0, len(ids), spec.max_tokens)]
+    chunks = [c for c in chunks if len(c) >= spec.min_tokens]
+    if not chunks:
+        raise RecipeError(
+            f"quantize.calibration: {text} holds {len(ids)} tokens; GPTQ needs text, "
+            "ideally thousands of tokens"
+        )
+    batches = [(torch.tensor([c]), torch.arange(len(c)), cache) for c in chunks]
+    quantizer.calibrate(ep, batches, sum(map(len, chunks)))
+
+
 def _compile_model(
     mb: ModelBuild,
     recipe: Recipe,
@@ -390,6 +421,15 @@ def build(
     # Check every model's TP plan before compiling anything: a bad plan fails in seconds.
     tp_styles = {mb.role: resolve_plan(mb.model, tp) for mb in models} if world > 1 else {}
     progress.advance("load", str(ckpt.path))
+    calibrated = [mb for mb in models if (q := _quantizer(mb)) and q.needs_calibration]
+    if calibrated and world > 1:
+        raise RecipeError(
+            "quantize.method gptq does not combine with `parallel` yet (it calibrates the "
+            "unsharded model); use method rtn, or build without parallel"
+        )
+    for mb in calibrated:
+        log(f"{mb.role}: GPTQ calibration")
+        _calibrate(mb, recipe, Tokenizer.from_dir(ckpt.path))
     n_graphs = sum(len(m.graphs) for m in models)
     progress.stage("export", n_graphs)
     progress.stage("compile", n_graphs)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 from functools import cache, partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ from torch.fx import Node
 
 from aotgen.passes.fx import WeightEditor, compact_names, op_name
 from aotgen.passes.fx import emit as emit_node
+from aotgen.passes.gptq import gptq_codes, input_hessians
 from aotgen.recipe import RecipeError
 
 aten = torch.ops.aten
@@ -59,7 +61,9 @@ EMBEDDING_SCHEMES = ("int8",)
 GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_GROUPSIZE = 64
 ACTIVATION_DTYPES = ("bfloat16", "float32")
-OPTION_KEYS = ("linear", "embedding", "skip", "overrides", "activations")
+METHODS = ("rtn", "gptq")
+OPTION_KEYS = ("linear", "embedding", "skip", "overrides", "activations", "method", "calibration")
+CALIBRATION_TEXT = Path(__file__).resolve().parents[1] / "data" / "calibration.txt"
 CUDA_INNER_K_TILES = 8
 
 
@@ -81,6 +85,8 @@ class QuantizeOptions:
     skip: tuple[str, ...] = ()
     overrides: tuple[tuple[str, Scheme], ...] = ()  # (glob, scheme) for matching linears
     activations: str = "bfloat16"  # dtype the quantized kernels compute in
+    method: str = "rtn"  # "rtn": round to nearest; "gptq": see passes/gptq.py
+    calibration: Path = CALIBRATION_TEXT  # text GPTQ runs the model on
 
 
 def _scheme(where: str, value: Any) -> Scheme:
@@ -154,7 +160,20 @@ def parse_quantize(raw: dict[str, Any] | None) -> QuantizeOptions | None:
     act = raw.get("activations", "bfloat16")
     if act not in ACTIVATION_DTYPES:
         raise RecipeError(f"quantize.activations: {act!r}; valid: {', '.join(ACTIVATION_DTYPES)}")
-    return QuantizeOptions(linear, embedding, tuple(skip), override_schemes, act)
+    method = raw.get("method", "rtn")
+    if method not in METHODS:
+        raise RecipeError(f"quantize.method: {method!r}; valid: {', '.join(METHODS)}")
+    calibration = Path(raw.get("calibration") or CALIBRATION_TEXT)
+    if "calibration" in raw and method != "gptq":
+        raise RecipeError("quantize.calibration: only `method: gptq` reads calibration text")
+    if not calibration.is_file():
+        raise RecipeError(
+            f"quantize.calibration: {calibration} is not a file; give a plain-text file "
+            "(relative paths resolve against the recipe's directory)"
+        )
+    return QuantizeOptions(
+        linear, embedding, tuple(skip), override_schemes, act, method, calibration
+    )
 
 
 # ---- quantize / dequantize (plain tensors) ---------------------------------------------------
@@ -171,7 +190,11 @@ def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
 
 
 def quantize_int4(
-    w: Tensor, groupsize: int, scale_dtype: torch.dtype, search: bool = True
+    w: Tensor,
+    groupsize: int,
+    scale_dtype: torch.dtype,
+    search: bool = True,
+    importance: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Group-wise asymmetric: w ≈ (q - 8) * scale + zero per `groupsize` inputs, q in 0..15.
 
@@ -180,18 +203,25 @@ def quantize_int4(
     group whichever has the lowest squared error (min/max is a candidate: never worse).
     Searching cuts the g64 weight error ~14 % on SmolLM2 (whose weights were 4-bit
     already); it costs ~1 s per layer there, min/max alone ~0.05 s.
+    `importance` [K] weights each input column's error (llama.cpp's imatrix; GPTQ passes
+    the mean squared input of each column), so the 16 levels go where inputs are large.
     Returns q int32 [N, K] and scales_zeros [K / groupsize, N, 2] (the kernels' layout).
     """
     n, k = w.shape
     wg = w.detach().float().reshape(n, k // groupsize, groupsize)
     lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
+    imp = torch.ones(k) if importance is None else importance.detach().float().clamp(min=0)
+    imp = (imp + 1e-12).reshape(1, k // groupsize, groupsize)
 
     def fit(scale: Tensor, zero: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         s = scale.clamp(min=1e-12).to(scale_dtype).float()
         z = zero.to(scale_dtype).float()
         q = ((wg - z[..., None]) / s[..., None] + 8).round().clamp(0, 15)
-        err = ((q - 8) * s[..., None] + z[..., None] - wg).pow(2).sum(dim=-1)
+        err = (imp * ((q - 8) * s[..., None] + z[..., None] - wg).pow(2)).sum(dim=-1)
         return q, s, z, err
+
+    def weighted_mean(x: Tensor) -> Tensor:
+        return (imp * x).sum(dim=-1) / imp.sum(dim=-1)
 
     best = fit((hi - lo) / 15, lo + 8 * (hi - lo) / 15)  # q = 0 lands on the group minimum
     for shrink in (1.0, 0.9) if search else ():
@@ -199,9 +229,9 @@ def quantize_int4(
         cand = fit(half / 7.5, mid - half + 8 * half / 7.5)
         for _ in range(2):
             c = cand[0] - 8
-            c_mean, w_mean = c.mean(dim=-1), wg.mean(dim=-1)
-            var = (c - c_mean[..., None]).pow(2).mean(dim=-1)
-            cov = ((c - c_mean[..., None]) * (wg - w_mean[..., None])).mean(dim=-1)
+            c_mean, w_mean = weighted_mean(c), weighted_mean(wg)
+            var = weighted_mean((c - c_mean[..., None]).pow(2))
+            cov = weighted_mean((c - c_mean[..., None]) * (wg - w_mean[..., None]))
             scale = torch.where(var > 0, cov / var.clamp(min=1e-12), cand[1])
             cand = fit(scale, w_mean - scale * c_mean)
         better = cand[3] < best[3]
@@ -319,11 +349,27 @@ class QuantizePass:
                 _register_int4_lowering()
         self._cache: dict[tuple, _Quantized] = {}
         self._keep: list[Tensor] = []  # sources stay alive so their ids stay unique
+        # id(source weight) -> (the weight, kept alive, and GPTQ's X^T X of its input)
+        self._hessians: dict[int, tuple[Tensor, Tensor]] = {}
+        self.calibration_tokens = 0
         self.quantized: dict[str, str] = {}  # op name -> scheme label
         self.skipped: dict[str, str] = {}  # op name -> reason
         self.seen: set[str] = set()  # names skip patterns were tried on
         self.float_bytes = 0
         self.quant_bytes = 0
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.options.method == "gptq"
+
+    def calibrate(self, ep: ExportedProgram, batches: list[tuple], tokens: int) -> None:
+        """GPTQ: record the input Hessian of every linear in `ep` run on `batches` (its user
+        inputs: `tokens` calibration tokens in all). Call it once, before the first graph,
+        on a graph that holds the same weight tensors as the graphs to quantize."""
+        weights = {**ep.state_dict, **ep.constants}
+        for name, hessian in input_hessians(ep, batches).items():
+            self._hessians[id(weights[name])] = (weights[name], hessian)
+        self.calibration_tokens = tokens
 
     # -- bookkeeping used by the builder -----------------------------------------------------
     def notes(self) -> list[str]:
@@ -338,6 +384,11 @@ class QuantizePass:
             notes.append(
                 f"quantize: {summary}; weights {self.float_bytes / 2**20:.1f} MiB float -> "
                 f"{self.quant_bytes / 2**20:.1f} MiB, kernels compute in {o.activations}"
+            )
+        if self.needs_calibration:
+            notes.append(
+                f"quantize: linears rounded by GPTQ on {self.calibration_tokens} tokens of "
+                f"{o.calibration.name}"
             )
         reasons: dict[str, set[str]] = {}
         for name, reason in self.skipped.items():
@@ -379,6 +430,12 @@ class QuantizePass:
         return {
             "linear": describe(lin, lin_kernel),
             "embedding": describe(self.options.embedding, "gather + scale"),
+            "method": self.options.method,
+            "calibration": (
+                {"text": self.options.calibration.name, "tokens": self.calibration_tokens}
+                if self.needs_calibration
+                else None
+            ),
             "skip": list(self.options.skip),
             "overrides": {p: s.label for p, s in self.options.overrides},
             "quantized": dict(sorted(self.quantized.items())),
@@ -424,8 +481,14 @@ class QuantizePass:
                 if problem:
                     self.skipped[name] = f"int4: {problem}"
                     continue
-            q = self._quantize(source, scheme, device)
-            nodes = {sfx: edit.add(f"{target}_{sfx}", t) for sfx, t in q.tensors.items()}
+            is_linear = node.target is aten.linear.default
+            calibrated = self._hessians.get(id(source)) if is_linear else None
+            hessian = calibrated[1] if calibrated else None
+            q = self._quantize(source, scheme, device, hessian)
+            # A tied weight can be GPTQ-rounded as lm_head and rounded to nearest as the
+            # embedding: two tensors, two names.
+            prefix = f"{target}_gptq" if hessian is not None else target
+            nodes = {sfx: edit.add(f"{prefix}_{sfx}", t) for sfx, t in q.tensors.items()}
             if scheme.kind == "int4":
                 g = scheme.groupsize
                 nodes["groupsize"] = edit.add(f"int4_groupsize_{g}", self._groupsize(g))
@@ -447,17 +510,29 @@ class QuantizePass:
             self._cache[key] = _Quantized({"g": torch.tensor([g])}, Scheme("int4", g), 0)
         return self._cache[key].tensors["g"]
 
-    def _quantize(self, source: Tensor, scheme: Scheme, device: str) -> _Quantized:
-        """Quantize once per (source tensor, scheme): every graph gets the same objects."""
-        key = (id(source), scheme, self.options.activations)
+    def _quantize(
+        self, source: Tensor, scheme: Scheme, device: str, hessian: Tensor | None = None
+    ) -> _Quantized:
+        """Quantize once per (source tensor, scheme, GPTQ or not): every graph gets the same
+        objects. GPTQ runs when the linear's input Hessian is given."""
+        key = (id(source), scheme, self.options.activations, hessian is not None)
         if key not in self._cache:
             self._keep.append(source)
             act = self.act_dtype
             if scheme.kind == "int8":
                 q, s = quantize_int8(source, act)
+                if hessian is not None:
+                    scale = s.float()[:, None].expand_as(q)
+                    zero = torch.zeros_like(scale)
+                    q = gptq_codes(source, hessian, scale, zero, -128, 127).to(torch.int8)
                 tensors = {"int8": q, "int8_scales": s}
             else:
-                q, sz = quantize_int4(source, scheme.groupsize, act)
+                g = scheme.groupsize
+                importance = None if hessian is None else torch.diagonal(hessian)
+                q, sz = quantize_int4(source, g, act, importance=importance)
+                if hessian is not None:
+                    scale, zero = sz.float().transpose(0, 1).repeat_interleave(g, dim=1).unbind(-1)
+                    q = gptq_codes(source, hessian, scale, zero, 0, 15, offset=8)
                 sfx = f"int4g{scheme.groupsize}"
                 tensors = {sfx: pack_int4(q, device), f"{sfx}_scales_zeros": sz.to(device)}
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
