@@ -148,6 +148,7 @@ def run(
     top_p: float = 1.0,
     seed: int | None = None,
     stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
+    ignore_eos: Annotated[bool, typer.Option(help="keep going past end-of-sequence")] = False,
     lookup: Annotated[
         str | None,
         typer.Option(
@@ -158,6 +159,11 @@ def run(
     speculative: Annotated[bool, typer.Option(help="use the package's draft model")] = False,
     k: Annotated[int | None, typer.Option(help="draft length (default: the package's)")] = None,
     adaptive_k: bool = False,
+    ngram_min: Annotated[
+        int | None,
+        typer.Option(help="shortest lookup match (default: 1; 3 with --speculative too)"),
+    ] = None,
+    ngram_max: Annotated[int, typer.Option(help="longest lookup match tried first")] = 4,
     threads: int | None = None,
     nnodes: Annotated[int, typer.Option(help="tensor parallel: nodes taking part")] = 1,
     node_rank: Annotated[int, typer.Option(help="tensor parallel: this node's rank")] = 0,
@@ -208,9 +214,12 @@ def run(
             max_new_tokens=max_new_tokens,
             sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
             stop=tuple(stop or ()),
+            ignore_eos=ignore_eos,
             speculative=mode,
             k=k,
             adaptive_k=adaptive_k,
+            ngram_min=ngram_min,
+            ngram_max=ngram_max,
         )
         result = engine.generate(
             ids, cfg, on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush())

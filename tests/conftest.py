@@ -67,6 +67,7 @@ def build_real_recipe(name: str, checkpoint: Path, root: Path) -> Path:
 REAL_PACKAGE_USERS = {
     "smollm2-135m": {"smollm2_package", "real_package"},
     "smollm2-135m-int8": {"smollm2_int8_package"},
+    "smollm2-135m-int4-g64": {"smollm2_int4_g64_package"},
 }
 BUILD_TIMEOUT_S = 40 * 60
 
@@ -161,3 +162,8 @@ def smollm2_package(request) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_int8_package(request) -> Path:
     return _real_package(request, "smollm2-135m-int8")
+
+
+@pytest.fixture(scope="session")
+def smollm2_int4_g64_package(request) -> Path:
+    return _real_package(request, "smollm2-135m-int4-g64")

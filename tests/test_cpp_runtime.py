@@ -167,6 +167,37 @@ def test_ngram_speculative_greedy_equals_plain(run_bin, tiny_package, py_engine)
     assert drafted > 0, "nothing was drafted: the test would be vacuous"
 
 
+def test_ngram_match_bounds_reach_the_proposer(run_bin, tiny_package, py_engine):
+    """--ngram-min / --ngram-max: ids and stats equal Python's for the same bounds, the
+    bounds change what is drafted (so they are read), and an empty range is an error."""
+    ids = py_engine.tokenizer.encode(PROMPTS[0])
+    common = ["--max-new-tokens", str(N_TOKENS), "--ignore-eos", "--lookup", "ngram"]
+    drafted = set()
+    for lo, hi in ((1, 4), (2, 3), (3, 3)):
+        got = cpp_generate(
+            run_bin, tiny_package, ids, *common, "--ngram-min", str(lo), "--ngram-max", str(hi)
+        )
+        ref = py_engine.generate(
+            ids,
+            GenerationConfig(
+                max_new_tokens=N_TOKENS,
+                ignore_eos=True,
+                speculative="ngram",
+                ngram_min=lo,
+                ngram_max=hi,
+            ),
+        )
+        assert got["ids"] == ref.token_ids
+        assert (got["spec"]["drafted"], got["spec"]["accepted"]) == (
+            ref.spec.drafted,
+            ref.spec.accepted,
+        )
+        drafted.add(ref.spec.drafted)
+    assert len(drafted) > 1, drafted
+    proc = run(run_bin, tiny_package, "--prompt", "hi", *common, "--ngram-min", "5", check=False)
+    assert proc.returncode != 0 and "ngram_min" in proc.stderr
+
+
 def test_seeded_sampling_is_reproducible(run_bin, tiny_package, py_engine):
     ids = py_engine.tokenizer.encode(PROMPTS[1])
     common = ["--max-new-tokens", str(N_TOKENS), "--ignore-eos", "--temperature", "1.0"]

@@ -382,3 +382,22 @@ def test_cli_draft_behind_lookup(spec_package):
     assert spec.stdout == plain.stdout
     stats = " ".join(spec.stderr.split())  # rich wraps long lines
     assert "speculative (draft+ngram)" in stats and "n-gram proposed" in stats
+
+
+def test_cli_ngram_match_bounds(tiny_package):
+    """`aotgen run --lookup ngram --ngram-min/--ngram-max`: plain greedy's text; an empty
+    range is a one-line error, not a traceback."""
+    import subprocess
+    import sys
+
+    def run(*flags: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "aotgen", "run", str(tiny_package), "--prompt", PROMPTS[0]]
+        cmd += ["--max-new-tokens", str(N_TOKENS), "--ignore-eos", *flags]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    plain, spec = run(), run("--lookup", "ngram", "--ngram-min", "2", "--ngram-max", "3")
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout
+    bad = run("--lookup", "ngram", "--ngram-min", "5")
+    assert bad.returncode != 0 and "need 1 <= ngram_min <= ngram_max" in bad.stderr
+    assert "Traceback" not in bad.stderr

@@ -26,6 +26,10 @@ the scales the integers were chosen for.
 CUDA (`_weight_int8pack_mm`, `_weight_int4pack_mm` with tinygemm packing): written to the
 ops' contracts but UNTESTED - there is no GPU build of this project yet.
 
+`method: gptq` picks the integers with GPTQ (passes/gptq.py) instead of rounding to nearest:
+the builder first runs `calibrate` on a prefill graph over calibration text, which records
+each linear's input Hessian; the kernels and the package format are the same.
+
 Skip patterns are shell globs (`fnmatch`, case-sensitive), matched against the module path
 of the op (`lm_head`, `model.layers.0.mlp.down_proj`, `model.embed_tokens`) and against
 the weight's parameter name (`...down_proj.weight`). Globs, not regexes, because module

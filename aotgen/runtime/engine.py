@@ -213,6 +213,11 @@ class GenerationConfig:
     def uses_lookup(self) -> bool:
         return self.speculative in ("ngram", "draft+ngram")
 
+    @property
+    def lookup_min(self) -> int:
+        """The shortest n-gram match lookup proposes from (ngram_min, or the mode's default)."""
+        return self.ngram_min if self.ngram_min is not None else NGRAM_MIN.get(self.speculative, 1)
+
 
 @dataclass
 class GenerationResult:
@@ -345,6 +350,11 @@ class Engine:
                 f"{self.root} has no draft model; build with a `speculative: draft:` recipe "
                 "or use n-gram lookup (--lookup ngram)"
             )
+        if config.uses_lookup and not 1 <= config.lookup_min <= config.ngram_max:
+            raise GenerationError(
+                f"need 1 <= ngram_min <= ngram_max, got {config.lookup_min} and "
+                f"{config.ngram_max} (--ngram-min / --ngram-max)"
+            )
         eos = set() if config.ignore_eos else self.tokenizer.eos_ids
         stream = StreamDecoder(self.tokenizer)
         stop = _StopText(config.stop)
@@ -420,10 +430,7 @@ class Engine:
         k = min(config.k or max_k, max_k)
         adaptive = AdaptiveK(k=k, k_min=1, k_max=max_k) if config.adaptive_k else None
         history = list(prompt) + [tok]
-        ngram_min = config.ngram_min
-        if ngram_min is None:
-            ngram_min = NGRAM_MIN.get(config.speculative, 1)
-        proposer = NgramProposer(ngram_min, config.ngram_max)
+        proposer = NgramProposer(config.lookup_min, config.ngram_max)
         # A draft that shares the target's cache finds every accepted position already
         # written by the target (prefill, then each verify), so it never prefills and never
         # catches up: each round starts with a one-token decode of `tok`. Its own entries

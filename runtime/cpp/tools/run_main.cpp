@@ -49,6 +49,8 @@ options:
                          --lookup ngram: the draft proposes only when lookup finds no match)
   --k K                  draft length (default and maximum: the package's verify_k)
   --adaptive-k           adapt the draft length (+2 after a full accept, else -1)
+  --ngram-min N          shortest lookup match (default: 1; 3 with --speculative too)
+  --ngram-max N          longest lookup match, tried first (default 4)
   --threads N            intra-op threads (default: torch's default)
   --no-verify            skip the sha256 check of the package files
   --ids                  print a JSON object (ids, text, stats) instead of streaming text
@@ -128,6 +130,10 @@ Args parse_args(int argc, char** argv) {
       cfg.k = parse_number<int64_t>(arg, value());
     } else if (arg == "--adaptive-k") {
       cfg.adaptive_k = true;
+    } else if (arg == "--ngram-min") {
+      cfg.ngram_min = parse_number<int64_t>(arg, value());
+    } else if (arg == "--ngram-max") {
+      cfg.ngram_max = parse_number<int64_t>(arg, value());
     } else if (arg == "--threads") {
       args.load.threads = parse_number<int>(arg, value());
     } else if (arg == "--no-verify") {
