@@ -24,6 +24,26 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tied_checkpoint(tmp_path_factory) -> Path:
+    """A tiny checkpoint whose lm_head is the embedding table."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tied", tie=True, seed=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_checkpoint):
+    """The tiny checkpoint as an eager model: (model, config, cache_len)."""
+    import torch
+
+    from aotgen.checkpoint.hf import open_checkpoint
+    from aotgen.model.llama import ModelConfig, load_model
+
+    ckpt = open_checkpoint(tiny_checkpoint)
+    cfg = ModelConfig.from_hf(ckpt.config)
+    cache_len = TINY_RECIPE["max_seq_len"] + TINY_RECIPE["verify_k"] + 1
+    return load_model(cfg, ckpt.load_weights(), cache_len, torch.float32), cfg, cache_len
+
+
+@pytest.fixture(scope="session")
 def project(tmp_path_factory) -> Project:
     root = tmp_path_factory.mktemp("project")
     return Project(artifacts_dir=root / "artifacts", cache_dir=root / "cache")

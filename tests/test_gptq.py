@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from aotgen.checkpoint.hf import open_checkpoint
 from aotgen.export.aoti import export_graph, graph_specs
-from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
+from aotgen.model.llama import new_kv_cache
 from aotgen.package.build import ModelBuild, _calibrate, build
 from aotgen.passes.gemv import linears_as_reductions
 from aotgen.passes.gptq import gptq_codes, input_hessians
@@ -95,14 +95,6 @@ def test_importance_weights_the_group_fit():
 
 
 # ---- Hessians on the exported graph ----------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_model(tiny_checkpoint):
-    ckpt = open_checkpoint(tiny_checkpoint)
-    cfg = ModelConfig.from_hf(ckpt.config)
-    cache_len = TINY_RECIPE["max_seq_len"] + TINY_RECIPE["verify_k"] + 1
-    return load_model(cfg, ckpt.load_weights(), cache_len, torch.float32), cfg, cache_len
-
-
 def test_input_hessians_match_eager_hooks(tiny_model):
     """X^T X per linear, from interpreting the exported prefill graph, equals the same sum
     taken with forward hooks on the eager nn.Linear modules."""
@@ -175,13 +167,6 @@ def test_gptq_refuses_tensor_parallel(tiny_checkpoint, project):
 
 
 # ---- a compiled build ------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tied_checkpoint(tmp_path_factory) -> Path:
-    from tiny import make_tiny_checkpoint
-
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tied", tie=True, seed=1)
-
-
 def _recipe(checkpoint: Path, quantize: dict, name: str):
     return parse_recipe(
         {"checkpoint": str(checkpoint), **TINY_RECIPE, "quantize": quantize}, name, Path(".")

@@ -23,7 +23,6 @@ import pytest
 import torch
 from conftest import TINY_RECIPE
 from safetensors import safe_open
-from tiny import make_tiny_checkpoint
 
 from aotgen.checkpoint.hf import open_checkpoint
 from aotgen.export.aoti import example_inputs, export_graph, graph_specs
@@ -124,14 +123,6 @@ def test_option_forms():
 
 
 # ---- the graph pass (export only, no compile) ---------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_model(tiny_checkpoint):
-    ckpt = open_checkpoint(tiny_checkpoint)
-    cfg = ModelConfig.from_hf(ckpt.config)
-    cache_len = TINY_RECIPE["max_seq_len"] + TINY_RECIPE["verify_k"] + 1
-    return load_model(cfg, ckpt.load_weights(), cache_len, torch.float32), cfg, cache_len
-
-
 def _graphs(tiny_model, raw):
     model, cfg, cache_len = tiny_model
     qp = QuantizePass(parse_quantize(raw))
@@ -195,11 +186,6 @@ def test_eager_quantized_graph_is_close_to_fp32(tiny_model):
 
 
 # ---- compiled packages: one int8 build (tied embeddings) and one int4 build ----------------
-@pytest.fixture(scope="module")
-def tied_checkpoint(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tied", tie=True, seed=1)
-
-
 def _build(checkpoint: Path, quantize: dict, name: str, project):
     recipe = parse_recipe(
         {"checkpoint": str(checkpoint), **TINY_RECIPE, "quantize": quantize}, name, Path(".")
