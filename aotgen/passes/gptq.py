@@ -7,7 +7,7 @@ Round-to-nearest treats every weight alike. GPTQ rounds one input column at a ti
 moves that column's rounding error onto the columns not rounded yet, through the inverse
 Hessian H = X^T X of the linear's calibration inputs, so the error lands where the inputs
 can absorb it. The variant here, chosen by measurement on SmolLM2-135M int4 g64 (held-out
-perplexity, fp32 24.79; README, "Quantization"):
+perplexity, fp32 24.79; the ladder is in docs/quantization.md, "GPTQ"):
 - columns in order of decreasing H[j, j] (act-order), with each group's scale and zero
   fixed beforehand from the original weights ("static groups", so groups stay contiguous
   and the kernels need no column permutation);
