@@ -485,9 +485,7 @@ class QuantizePass:
                 if problem:
                     self.skipped[name] = f"int4: {problem}"
                     continue
-            is_linear = node.target is aten.linear.default
-            calibrated = self._hessians.get(id(source)) if is_linear else None
-            hessian = calibrated[1] if calibrated else None
+            hessian = self._hessian(source) if node.target is aten.linear.default else None
             q = self._quantize(source, scheme, device, hessian)
             # A tied weight can be GPTQ-rounded as lm_head and rounded to nearest as the
             # embedding: two tensors, two names.
@@ -505,6 +503,11 @@ class QuantizePass:
             graph.erase_node(node)
             self.quantized[name] = scheme.label
         return edit.finish()
+
+    def _hessian(self, source: Tensor) -> Tensor | None:
+        """GPTQ's input Hessian of this weight, if `calibrate` saw it."""
+        entry = self._hessians.get(id(source))
+        return entry[1] if entry else None
 
     def _groupsize(self, g: int) -> Tensor:
         # One tensor object per group size (shared by all graphs); [1], not 0-d, so that
@@ -537,7 +540,7 @@ class QuantizePass:
                 if hessian is not None:
                     scale, zero = sz.float().transpose(0, 1).repeat_interleave(g, dim=1).unbind(-1)
                     q = gptq_codes(source, hessian, scale, zero, 0, 15, offset=8)
-                sfx = f"int4g{scheme.groupsize}"
+                sfx = f"int4g{g}"
                 tensors = {sfx: pack_int4(q, device), f"{sfx}_scales_zeros": sz.to(device)}
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             self._cache[key] = _Quantized(tensors, scheme, nbytes)
