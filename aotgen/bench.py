@@ -19,14 +19,15 @@ from aotgen.runtime.engine import Engine, GenerationConfig, GenerationResult
 from aotgen.runtime.sampling import SamplingParams
 
 
-def measure_bandwidth(mbytes: int = 512, runs: int = 5) -> float:
-    """Read bandwidth in GB/s: best of `runs` sums over a buffer far larger than cache."""
-    buf = torch.ones(mbytes * (1 << 20) // 4)
-    buf.sum()
+def measure_bandwidth(mbytes: int = 512, runs: int = 5, device: str = "cpu") -> float:
+    """Read bandwidth in GB/s of `device`'s memory: best of `runs` sums over a buffer far
+    larger than cache (`.item()` waits for a GPU to finish)."""
+    buf = torch.ones(mbytes * (1 << 20) // 4, device=device)
+    buf.sum().item()
     best = float("inf")
     for _ in range(runs):
         t0 = time.perf_counter()
-        buf.sum()
+        buf.sum().item()
         best = min(best, time.perf_counter() - t0)
     return buf.numel() * 4 / best / 1e9
 
@@ -55,6 +56,7 @@ class BenchResult:
     weight_bytes: int
     load_s: float
     spec: str = ""
+    device: str = "cpu"  # whose memory bandwidth the roofline divides by
 
     def roofline(self, bandwidth_gbs: float) -> float:
         """Fraction of the memory roofline the decode reaches."""
@@ -73,6 +75,7 @@ class PackageRunner:
     def __init__(self, path: str | Path, prompt_len: int, gen_tokens: int, threads: int | None):
         self.engine = Engine.load(path, threads=threads)
         self.name, self.load_s = Path(path).name, self.engine.load_s
+        self.device = self.engine.target.device.type
         self.weight_bytes = weight_bytes(self.engine)
         self.prompt = prompt_ids(self.engine.tokenizer.vocab_size, prompt_len)
         self.cfg = GenerationConfig(
@@ -92,6 +95,8 @@ class LlamaCppRunner:
     Prompt ids, greedy decoding and the timed spans match `PackageRunner`: prefill is the
     prompt's forward pass, decode the `gen_tokens - 1` single-token steps after it.
     """
+
+    device = "cpu"
 
     def __init__(self, gguf: str | Path, prompt_len: int, gen_tokens: int, threads: int | None):
         try:
@@ -160,6 +165,7 @@ def bench_interleaved(
                 decode_ms=1e3 / dec if dec else float("nan"),
                 weight_bytes=runner.weight_bytes,
                 load_s=runner.load_s,
+                device=runner.device,
             )
         )
     return results

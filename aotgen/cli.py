@@ -337,7 +337,7 @@ def bench(
         results = bench_interleaved(runners, runs)
     except _user_errors() as e:
         _fail(e)
-    bw = measure_bandwidth()
+    bandwidth = {d: measure_bandwidth(device=d) for d in sorted({r.device for r in results})}
     table = Table(
         title=f"decode greedy, prompt {prompt_len}, {gen_tokens} new tokens, median of {runs} "
         "(runs interleaved)"
@@ -360,11 +360,12 @@ def bench(
             f"{r.decode_tok_s:.1f}",
             f"{r.decode_ms:.2f}",
             f"{r.weight_bytes / 1e6:.0f}",
-            f"{r.roofline(bw):.0%}",
+            f"{r.roofline(bandwidth[r.device]):.0%}",
         )
     _wide_console().print(table)
+    measured = ", ".join(f"{d} {bw:.1f} GB/s" for d, bw in bandwidth.items())
     Console().print(
-        f"measured read bandwidth {bw:.1f} GB/s (torch sum over 512 MiB, best of 5), "
+        f"measured read bandwidth {measured} (torch sum over 512 MiB, best of 5), "
         f"threads {threads or 'torch default'}"
     )
 

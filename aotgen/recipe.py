@@ -37,6 +37,8 @@ class Recipe:
     prefill_chunk: int = 256  # max tokens per prefill call; longer prompts are chunked
     verify_k: int = 4  # the verify graph scores verify_k + 1 positions
     dtype: str = "float32"
+    # Where the package runs: "cpu", or "cuda" (built on a machine with the GPU it targets).
+    device: str = "cpu"
     quantize: dict[str, Any] | None = None
     speculative: dict[str, Any] | None = None
     parallel: dict[str, Any] | None = None
@@ -54,6 +56,7 @@ class Recipe:
 
 
 DTYPES = ("float32", "bfloat16")
+DEVICES = ("cpu", "cuda")
 
 
 def _check_keys(where: str, given: dict, valid: list[str]) -> None:
@@ -101,6 +104,13 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
         recipe = _parse_speculative(recipe, "verify_k" in data, base_dir)
     if recipe.dtype not in DTYPES:
         raise RecipeError(f"recipe {name!r}: dtype {recipe.dtype!r}; valid: {', '.join(DTYPES)}")
+    if recipe.device not in DEVICES:
+        raise RecipeError(f"recipe {name!r}: device {recipe.device!r}; valid: {', '.join(DEVICES)}")
+    if recipe.device != "cpu" and recipe.parallel:
+        raise RecipeError(
+            f"recipe {name!r}: `parallel` runs on CPU ranks only so far; drop it for "
+            f"device {recipe.device}"
+        )
     return recipe
 
 

@@ -40,7 +40,12 @@ def graph_specs(prefill_chunk: int, verify_k: int) -> list[GraphSpec]:
 def example_inputs(spec: GraphSpec, caches: list[Tensor]) -> tuple:
     t = spec.max_tokens if spec.dynamic else spec.min_tokens
     # Positions near the start keep the data-dependent attention length valid in tracing.
-    return (torch.zeros(1, t, dtype=torch.long), torch.arange(t), caches)
+    device = caches[0].device  # the graph runs where its cache lives
+    return (
+        torch.zeros(1, t, dtype=torch.long, device=device),
+        torch.arange(t, device=device),
+        caches,
+    )
 
 
 def export_graph(model: nn.Module, spec: GraphSpec, caches: list[Tensor]) -> ExportedProgram:

@@ -247,10 +247,14 @@ class Transformer(nn.Module):
         return self.lm_head(self.model.norm(x)).float()
 
 
-def new_kv_cache(cfg: ModelConfig, cache_len: int, dtype=torch.float32) -> list[Tensor]:
+def new_kv_cache(
+    cfg: ModelConfig, cache_len: int, dtype=torch.float32, device: str = "cpu"
+) -> list[Tensor]:
     """Per-layer `[k0, v0, k1, v1, ...]` cache, the layout every graph takes."""
     shape = (1, cfg.num_key_value_heads, cache_len, cfg.head_dim)
-    return [torch.zeros(shape, dtype=dtype) for _ in range(2 * cfg.num_hidden_layers)]
+    return [
+        torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * cfg.num_hidden_layers)
+    ]
 
 
 def load_model(

@@ -42,6 +42,7 @@ from aotgen.model.llama import ModelConfig, Transformer, load_model, new_kv_cach
 from aotgen.package.manifest import (
     FORMAT_VERSION,
     PackageError,
+    cuda_problem,
     read_manifest,
     sha256_chunks,
     target_info,
@@ -118,7 +119,8 @@ def build_hash(ckpt: Checkpoint, recipe: Recipe) -> str:
         options = parse_quantize(quantize)
         if options and options.method == "gptq":
             h.update(f"calibration:{sha256_chunks(options.calibration)}\n".encode())
-    h.update(f"{__version__}|{torch.__version__}|{json.dumps(target_info())}".encode())
+    target = json.dumps(target_info(recipe.device))
+    h.update(f"{__version__}|{torch.__version__}|{target}".encode())
     # The source itself, not just the version: a changed pass must not look "up to date".
     for src in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
         h.update(src.read_bytes())
@@ -166,7 +168,7 @@ def _save_constants(path: Path, tensors: dict[str, Tensor]) -> tuple[dict[str, s
             aliases[name] = by_storage[key]
         else:
             by_storage[key] = name
-            unique[name] = t.contiguous()
+            unique[name] = t.contiguous().cpu()
     save_aligned(unique, path)
     return aliases, sum(t.numel() * t.element_size() for t in unique.values())
 
@@ -206,7 +208,7 @@ def graph_passes(
     """One model's passes, in order: fuse linears (unless a quantize pattern names them
     apart), then quantize."""
     passes: list[Callable[[ExportedProgram], ExportedProgram]] = []
-    quantizers = quantize_passes(quantize)
+    quantizers = quantize_passes(quantize, recipe.device)
     if recipe.compile.fuse_linears:
         o = quantizers[0].options if quantizers else None
         exclude = (*o.skip, *(p for p, _ in o.overrides)) if o else ()
@@ -223,7 +225,7 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
     models = [
         ModelBuild(
             "target",
-            load_model(cfg, weights, recipe.cache_len, dtype),
+            load_model(cfg, weights, recipe.cache_len, dtype).to(recipe.device),
             cfg,
             graphs,
             graph_passes(recipe, recipe.quantize),
@@ -252,13 +254,17 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
         models.append(
             ModelBuild(
                 "draft",
-                load_model(dcfg, dweights, recipe.cache_len, dtype),
+                load_model(dcfg, dweights, recipe.cache_len, dtype).to(recipe.device),
                 dcfg,
                 draft_graphs,
                 graph_passes(recipe, draft.get("quantize")),
             )
         )
     return models
+
+
+def _new_cache(cfg: ModelConfig, recipe: Recipe) -> list[Tensor]:
+    return new_kv_cache(cfg, recipe.cache_len, getattr(torch, recipe.dtype), recipe.device)
 
 
 CALIBRATION_MAX_TOKENS = 16384
@@ -270,7 +276,7 @@ def _calibrate(mb: ModelBuild, recipe: Recipe, tokenizer: Tokenizer) -> None:
     calibration text in prefill-sized chunks, each from position 0."""
     quantizer = _quantizer(mb)
     spec = next(g for g in graph_specs(recipe.prefill_chunk, recipe.verify_k) if g.dynamic)
-    cache = new_kv_cache(mb.config, recipe.cache_len, dtype=getattr(torch, recipe.dtype))
+    cache = _new_cache(mb.config, recipe)
     ep = export_graph(mb.model, spec, cache)
     for graph_pass in mb.graph_passes[: mb.graph_passes.index(quantizer)]:
         ep = graph_pass(ep)
@@ -283,7 +289,11 @@ def _calibrate(mb: ModelBuild, recipe: Recipe, tokenizer: Tokenizer) -> None:
             f"quantize.calibration: {text} holds {len(ids)} tokens; GPTQ needs text, "
             "ideally thousands of tokens"
         )
-    batches = [(torch.tensor([c]), torch.arange(len(c)), cache) for c in chunks]
+    device = recipe.device
+    batches = [
+        (torch.tensor([c], device=device), torch.arange(len(c), device=device), cache)
+        for c in chunks
+    ]
     quantizer.calibrate(ep, batches, sum(map(len, chunks)))
 
 
@@ -302,8 +312,9 @@ def _compile_model(
     values of their constants (checked here), so one compiled graph serves every rank.
     """
     ranks = ranks or [mb.model]
-    dtype = getattr(torch, recipe.dtype)
-    cache = new_kv_cache(rank_cfg or mb.config, recipe.cache_len, dtype=dtype)
+    cache = _new_cache(rank_cfg or mb.config, recipe)
+    # The reduction rewrite is a CPU tuning (passes/gemv.py); GPUs keep their GEMM kernels.
+    reductions = recipe.compile.few_token_linears == "reduction" and recipe.device == "cpu"
     files: dict[str, list[str]] = {}
     sources: list[dict[str, Tensor]] = [{} for _ in ranks]
     signatures: dict[str, Any] = {}
@@ -314,7 +325,7 @@ def _compile_model(
             ep = export_graph(model, spec, cache)
             for graph_pass in mb.graph_passes:
                 ep = graph_pass(ep)
-            if not spec.dynamic and recipe.compile.few_token_linears == "reduction":
+            if not spec.dynamic and reductions:
                 ep = linears_as_reductions(ep)
             eps.append(ep)
         _check_same_code(eps, f"{mb.role}/{spec.name}")
@@ -404,6 +415,11 @@ def build(
     t_start = time.perf_counter()
     out = project.artifacts_dir / recipe.name
     report = BuildReport(recipe.name, out)
+    if recipe.device == "cuda" and (problem := cuda_problem()):
+        raise RecipeError(
+            f"recipe {recipe.name!r}: device cuda, but {problem}. Build on the machine class "
+            "the package will run on (its kernels are compiled for that GPU), or use device: cpu"
+        )
     ckpt = open_checkpoint(recipe.checkpoint)
     digest = build_hash(ckpt, recipe)
     if not force and _up_to_date(out, digest):
@@ -516,7 +532,7 @@ def build(
             "torch_version": torch.__version__,
             "build_hash": digest,
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "target": target_info(),
+            "target": target_info(recipe.device),
             "recipe": recipe.to_dict(),
             "world_size": world,
             "max_seq_len": recipe.max_seq_len,
@@ -570,11 +586,13 @@ def _measure_quality(
 
     engine = Engine.load(root, verify=False)
     ids = heldout_ids(engine.tokenizer)[:HELDOUT_TOKENS]
-    cache = new_kv_cache(mb.config, recipe.cache_len, dtype=getattr(torch, recipe.dtype))
+    cache = _new_cache(mb.config, recipe)
+    device = recipe.device
 
     @torch.no_grad()
     def eager(chunk: list[int]) -> Tensor:
-        return mb.model(torch.tensor([chunk]), torch.arange(len(chunk)), cache)[0]
+        tokens = torch.tensor([chunk], device=device)
+        return mb.model(tokens, torch.arange(len(chunk), device=device), cache)[0].cpu()
 
     ref = math.exp(cross_entropy_of(eager, ids, recipe.max_seq_len))
     got = math.exp(cross_entropy(engine, ids))

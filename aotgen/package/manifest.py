@@ -49,13 +49,31 @@ def sha256_chunks(path: Path, chunk_bytes: int = HASH_CHUNK_BYTES) -> list[str]:
             view.release()
 
 
-def target_info() -> dict[str, str]:
-    """Where compiled code built now can run: the ISA inductor compiled for, and the OS."""
-    return {
-        "device": "cpu",
+def target_info(device: str = "cpu") -> dict[str, str]:
+    """Where compiled code built now can run: the ISA Inductor compiled the host code for,
+    the OS, and for CUDA the GPU architecture its kernels were compiled for."""
+    info = {
+        "device": device,
         "isa": torch.backends.cpu.get_cpu_capability(),
         "platform": f"{platform.system().lower()}-{platform.machine()}",
     }
+    if device == "cuda":
+        major, minor = torch.cuda.get_device_capability()
+        info |= {
+            "gpu": torch.cuda.get_device_name(),
+            "compute_capability": f"{major}.{minor}",
+            "cuda": str(torch.version.cuda),
+        }
+    return info
+
+
+def cuda_problem() -> str | None:
+    """Why CUDA packages cannot be built or run here, or None if they can."""
+    if torch.version.cuda is None:
+        return f"this torch ({torch.__version__}) is built without CUDA"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible"
+    return None
 
 
 def hash_files(root: Path) -> dict[str, dict[str, Any]]:
@@ -102,7 +120,21 @@ def check_compatible(manifest: dict[str, Any], root: Path) -> None:
             f"{root} was built with torch {built} but this is torch {torch.__version__}; "
             "compiled AOTInductor code is tied to the torch version: rebuild the package"
         )
-    want, have = manifest["target"], target_info()
+    want = manifest["target"]
+    if want["device"] == "cuda":
+        problem = cuda_problem()
+        if problem:
+            raise PackageError(
+                f"{root} was built for a CUDA GPU ({want.get('gpu')}) but {problem}; "
+                "run it on such a machine, or build the recipe with `device: cpu` here"
+            )
+    have = target_info(want["device"])
+    if want["device"] == "cuda" and want["compute_capability"] != have["compute_capability"]:
+        raise PackageError(
+            f"{root}'s GPU kernels were compiled for compute capability "
+            f"{want['compute_capability']} ({want['gpu']}), this GPU is "
+            f"{have['compute_capability']} ({have['gpu']}); rebuild the package on this machine"
+        )
     if want["platform"] != have["platform"]:
         raise PackageError(
             f"{root} was built for {want['platform']}, this machine is {have['platform']}"

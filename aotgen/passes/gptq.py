@@ -92,7 +92,7 @@ def gptq_codes(
     w, h = w[:, order], h[order][:, order]
     scale, zero = scale.float()[:, order], zero.float()[:, order]
     hinv = _inverse_factor(h).float()
-    q = torch.empty(n, k, dtype=torch.int32)
+    q = torch.empty(n, k, dtype=torch.int32, device=w.device)
     for b0 in range(0, k, BLOCK):
         b1 = min(b0 + BLOCK, k)
         block = w[:, b0:b1].clone()
@@ -114,7 +114,7 @@ def _inverse_factor(h: Tensor) -> Tensor:
     """Upper Cholesky factor of (H + damping)^-1: row j holds the update that column j's
     error makes to the columns after it (the GPTQ paper's stable reformulation). Damping
     grows tenfold until H is positive definite (little calibration text can leave it not)."""
-    eye = torch.eye(h.shape[0], dtype=h.dtype)
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
     for damping in (DAMPING, 10 * DAMPING, 100 * DAMPING):
         factor, info = torch.linalg.cholesky_ex(h + damping * torch.diag(h).mean() * eye)
         if int(info) == 0:

@@ -23,8 +23,9 @@ whole-bf16 graph, `dtype: bfloat16`, decoded within noise of it). Scales are rou
 that dtype *before* the weights are quantized against them, so the kernel sees exactly
 the scales the integers were chosen for.
 
-CUDA (`_weight_int8pack_mm`, `_weight_int4pack_mm` with tinygemm packing): written to the
-ops' contracts but UNTESTED - there is no GPU build of this project yet.
+CUDA (a recipe with `device: cuda`; `_weight_int8pack_mm`, `_weight_int4pack_mm` with
+tinygemm packing): written to the ops' contracts, probed on the GPU at build time, but not
+yet run here: no session so far had a GPU (tests/test_cuda.py runs where one is).
 
 `method: gptq` picks the integers with GPTQ (passes/gptq.py) instead of rounding to nearest:
 the builder first runs `calibrate` on a prefill graph over calibration text, which records
@@ -256,10 +257,11 @@ def dequantize_int4(q: Tensor, scales_zeros: Tensor, groupsize: int) -> Tensor:
 
 
 def pack_int4(q: Tensor, device: str) -> Tensor:
-    """The kernel's weight layout. CPU: uint8 [N, K/2]. CUDA (untested): tinygemm tiles."""
+    """The kernel's weight layout. CPU: uint8 [N, K/2]. CUDA: tinygemm tiles (gpt-fast's
+    packing, two codes per byte, high nibble first)."""
     if device == "cpu":
         return aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 2)
-    q8 = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).to(device)  # UNTESTED (no GPU here)
+    q8 = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).to(device)
     return aten._convert_weight_to_int4pack(q8, CUDA_INNER_K_TILES)
 
 
@@ -276,20 +278,21 @@ def int4_fits(n: int, k: int, groupsize: int, device: str) -> str | None:
 
 @cache
 def kernel_problem(kind: str, device: str, act: str) -> str | None:
-    """Run the kernel once on a tiny weight: None if it works here, else the error."""
-    if device != "cpu":
-        return None  # CUDA is not probed: no GPU on the build machines (untested path)
+    """Run the kernel once on a tiny weight on `device`: None if it works, else the error."""
     dtype = getattr(torch, act)
-    w = torch.randn(64, 64)
-    x = torch.randn(2, 64, dtype=dtype)
+    w = torch.randn(64, 128)  # K = 128: one CUDA tinygemm tile
+    x = torch.randn(2, 128, dtype=dtype, device=device)
     try:
         if kind == "int8":
             q, s = quantize_int8(w, dtype)
-            aten._weight_int8pack_mm(x, q, s)
-        else:
+            aten._weight_int8pack_mm(x, q.to(device), s.to(device))
+        elif device == "cpu":
             q, sz = quantize_int4(w, 32, dtype)
             packed, g = pack_int4(q, "cpu"), torch.tensor([32])
             torch.ops.quantized.int4mm_packed_weight_cpu(x, packed, g, sz)
+        else:
+            q, sz = quantize_int4(w, 32, dtype)
+            aten._weight_int4pack_mm(x, pack_int4(q, device), 32, sz.to(device))
     except (RuntimeError, NotImplementedError) as e:
         return str(e).splitlines()[0]
     return None
@@ -334,7 +337,7 @@ class _Quantized:
 class QuantizePass:
     """`ExportedProgram -> ExportedProgram`; one instance per model, reused for its graphs."""
 
-    def __init__(self, options: QuantizeOptions):
+    def __init__(self, options: QuantizeOptions, device: str = "cpu"):
         self.options = options
         self.act_dtype = getattr(torch, options.activations)
         schemes = [("linear", options.linear), ("embedding", options.embedding)]
@@ -342,14 +345,15 @@ class QuantizePass:
         for where, scheme in schemes:
             if scheme is None:
                 continue
-            problem = kernel_problem(scheme.kind, "cpu", options.activations)
+            problem = kernel_problem(scheme.kind, device, options.activations)
             if problem:
+                where_run = torch.backends.cpu.get_cpu_capability() if device == "cpu" else device
                 raise RecipeError(
                     f"quantize.{where}: the {scheme.kind} kernel does not run on this "
-                    f"platform ({torch.backends.cpu.get_cpu_capability()}, torch "
-                    f"{torch.__version__}): {problem}. Use another scheme or drop `quantize`"
+                    f"platform ({where_run}, torch {torch.__version__}): {problem}. Use "
+                    "another scheme or drop `quantize`"
                 )
-            if scheme.kind == "int4":
+            if scheme.kind == "int4" and device == "cpu":
                 _register_int4_lowering()
         self._cache: dict[tuple, _Quantized] = {}
         self._keep: list[Tensor] = []  # sources stay alive so their ids stay unique
@@ -580,7 +584,7 @@ class QuantizePass:
             inputs[x] = h
         h = inputs[x]
         if scheme.kind == "int8":
-            # CPU and CUDA (AOTI has a C shim for both; the CUDA path is UNTESTED).
+            # CPU and CUDA (AOTI has a C shim for both).
             h = emit(
                 node, aten._weight_int8pack_mm.default, h, consts["int8"], consts["int8_scales"]
             )
@@ -597,7 +601,7 @@ class QuantizePass:
                 consts["groupsize"],
                 consts[f"{sfx}_scales_zeros"],
             )
-        else:  # UNTESTED (no GPU here): tinygemm on CUDA
+        else:  # tinygemm on CUDA (not yet run: tests/test_cuda.py)
             sfx = f"int4g{scheme.groupsize}"
             h = emit(
                 node,
@@ -629,13 +633,13 @@ def _matches(pattern: str, names: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(n, pattern) for n in names)
 
 
-def quantize_pass(raw: dict[str, Any] | None) -> QuantizePass | None:
+def quantize_pass(raw: dict[str, Any] | None, device: str = "cpu") -> QuantizePass | None:
     """Recipe `quantize:` → the pass (None when the recipe does not quantize)."""
     options = parse_quantize(raw)
-    return QuantizePass(options) if options else None
+    return QuantizePass(options, device) if options else None
 
 
-def quantize_passes(raw: dict[str, Any] | None) -> list[QuantizePass]:
+def quantize_passes(raw: dict[str, Any] | None, device: str = "cpu") -> list[QuantizePass]:
     """The builder's hook: the graph passes a `quantize:` mapping asks for."""
-    qp = quantize_pass(raw)
+    qp = quantize_pass(raw, device)
     return [qp] if qp else []

@@ -52,12 +52,17 @@ class GenerationError(ValueError):
 class CompiledGraph:
     """One AOTInductor graph; checks the token count the graph was compiled for."""
 
-    def __init__(self, pt2: Path, package_model: str, signature: dict[str, Any]):
+    def __init__(
+        self, pt2: Path, package_model: str, signature: dict[str, Any], device: torch.device
+    ):
         self.name = package_model
         self.min_tokens = signature["tokens"]["min"]
         self.max_tokens = signature["tokens"]["max"]
         # (path, model name, run single-threaded, runners, device index): -1 is CPU.
-        self.loader = torch._C._aoti.AOTIModelPackageLoader(str(pt2), package_model, False, 1, -1)
+        index = -1 if device.type == "cpu" else device.index
+        self.loader = torch._C._aoti.AOTIModelPackageLoader(
+            str(pt2), package_model, False, 1, index
+        )
 
     def bind(self, weights: dict[str, Tensor]) -> None:
         names = self.loader.get_constant_fqns()
@@ -109,7 +114,8 @@ def _target_cache_layers(
 
 class ModelRunner:
     """One model of a package: its graphs, weights bound once, and its KV cache: its own, or
-    the target's for a draft built with `kv_cache.shared_with: target`."""
+    the target's for a draft built with `kv_cache.shared_with: target`. Weights, caches and
+    graphs live on `device`; logits come back on the CPU, where sampling runs."""
 
     def __init__(
         self,
@@ -117,7 +123,9 @@ class ModelRunner:
         pt2: Path,
         entry: dict[str, Any],
         target_caches: list[Tensor] | None = None,
+        device: str = "cpu",
     ):
+        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
         self.config = entry["config"]
         self.vocab_size = self.config["vocab_size"]
         # The builder aligns every tensor to 64 bytes in the file (package/weights.py), so the
@@ -125,14 +133,14 @@ class ModelRunner:
         # AVX-512 loads made decode 2.5x slower.
         weights = {
             name: t.clone() if t.data_ptr() % 64 else t
-            for name, t in load_file(str(root / entry["weights"]["file"])).items()
+            for name, t in load_file(str(root / entry["weights"]["file"]), str(self.device)).items()
             if not is_padding(name)
         }
         for alias, name in entry["weights"]["aliases"].items():
             weights[alias] = weights[name]
         self.weights = weights  # keep alive: the graphs use these tensors in place
         self.graphs = {
-            name: CompiledGraph(pt2, sig["package_model"], sig)
+            name: CompiledGraph(pt2, sig["package_model"], sig, self.device)
             for name, sig in entry["graphs"].items()
         }
         for g in self.graphs.values():
@@ -143,8 +151,13 @@ class ModelRunner:
         self.shares_cache = kv.get("shared_with") == "target"
         if self.shares_cache:
             self.caches = _target_cache_layers(kv, dtype, target_caches)
-        else:
+        elif self.device.type == "cpu":
             self.caches = [zeros_on_demand(kv["shape"], dtype) for _ in range(2 * kv["layers"])]
+        else:
+            self.caches = [
+                torch.zeros(kv["shape"], dtype=dtype, device=self.device)
+                for _ in range(2 * kv["layers"])
+            ]
         # A draft on the target's cache only ever decodes: it is built without a prefill graph.
         self.prefill_chunk = self.graphs["prefill"].max_tokens if "prefill" in self.graphs else 1
         self.verify_len = self.graphs["verify"].max_tokens if "verify" in self.graphs else 0
@@ -167,9 +180,9 @@ class ModelRunner:
                 "decode" if width == 1 else "verify" if width == self.verify_len else "prefill"
             ]
             chunk += chunk[-1:] * (width - n)
-            logits = graph(
-                torch.tensor([chunk], dtype=torch.long), torch.arange(pos, pos + width), self.caches
-            )[0][:n]
+            tokens = torch.tensor([chunk], dtype=torch.long, device=self.device)
+            positions = torch.arange(pos, pos + width, device=self.device)
+            logits = graph(tokens, positions, self.caches)[0][:n].cpu()
             outs.append(logits if all_logits else logits[-1:])
             pos += n
         return torch.cat(outs) if all_logits else outs[-1][0]
@@ -188,9 +201,9 @@ class ModelRunner:
 
     def decode(self, token: int, pos: int) -> Tensor:
         """The per-token hot path: one decode call, logits `[V]`."""
-        return self.graphs["decode"](torch.tensor([[token]]), torch.tensor([pos]), self.caches)[
-            0, 0
-        ]
+        tokens = torch.tensor([[token]], device=self.device)
+        logits = self.graphs["decode"](tokens, torch.tensor([pos], device=self.device), self.caches)
+        return logits[0, 0].cpu()
 
 
 @dataclass
@@ -303,9 +316,12 @@ class Engine:
         tokenizer = Tokenizer.from_dir(root / manifest["tokenizer"]["dir"])
         pt2 = root / manifest["package"]
         models = manifest["models"]
-        target = ModelRunner(root, pt2, models["target"])
+        device = manifest["target"]["device"]
+        target = ModelRunner(root, pt2, models["target"], device=device)
         draft = (
-            ModelRunner(root, pt2, models["draft"], target.caches) if "draft" in models else None
+            ModelRunner(root, pt2, models["draft"], target.caches, device)
+            if "draft" in models
+            else None
         )
         return cls(
             tokenizer,
