@@ -180,9 +180,9 @@ class ModelRunner:
                 "decode" if width == 1 else "verify" if width == self.verify_len else "prefill"
             ]
             chunk += chunk[-1:] * (width - n)
-            tokens = torch.tensor([chunk], dtype=torch.long, device=self.device)
+            chunk_ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
             positions = torch.arange(pos, pos + width, device=self.device)
-            logits = graph(tokens, positions, self.caches)[0][:n].cpu()
+            logits = graph(chunk_ids, positions, self.caches)[0][:n].cpu()
             outs.append(logits if all_logits else logits[-1:])
             pos += n
         return torch.cat(outs) if all_logits else outs[-1][0]
