@@ -257,10 +257,12 @@ def inspect(package: Annotated[Path, typer.Argument(help="artifacts/NAME")]) -> 
     except _user_errors() as e:
         _fail(e)
     out = Console()
+    target = m["target"]
+    gpu = f" ({target['gpu']}, sm {target['compute_capability']})" if "gpu" in target else ""
     out.print(
         f"[bold]{m['name']}[/]  format {m['format_version']} · aotgen {m['aotgen_version']} · "
-        f"torch {m['torch_version']} · {m['target']['device']} {m['target']['isa']} "
-        f"{m['target']['platform']} · world size {m['world_size']}"
+        f"torch {m['torch_version']} · {target['device']}{gpu} {target['isa']} "
+        f"{target['platform']} · world size {m['world_size']}"
     )
     out.print(
         f"context {m['max_seq_len']} tokens · verify k {m['verify_k']} · built {m['built_at']}"

@@ -60,17 +60,37 @@ def test_cuda_build_without_a_gpu_fails_before_writing(tiny_checkpoint, project)
     assert not list(project.artifacts_dir.glob(".tiny-cuda*"))
 
 
-@needs_no_gpu
-def test_cuda_package_is_refused_without_a_gpu(tiny_package, tmp_path):
-    """A CUDA package (here: the tiny CPU package relabelled; the manifest is not hashed)
-    is refused before any native code is loaded."""
+@pytest.fixture
+def relabelled(tiny_package, tmp_path) -> Path:
+    """The tiny CPU package relabelled as a CUDA one (the manifest itself is not hashed)."""
     pkg = tmp_path / "relabelled"
     shutil.copytree(tiny_package, pkg)
     manifest = json.loads((pkg / "manifest.json").read_text())
     manifest["target"] |= {"device": "cuda", "gpu": "NVIDIA H100", "compute_capability": "9.0"}
     (pkg / "manifest.json").write_text(json.dumps(manifest))
+    return pkg
+
+
+@needs_no_gpu
+def test_cuda_package_is_refused_without_a_gpu(relabelled):
+    """Refused before any native code is loaded."""
     with pytest.raises(PackageError, match=r"built for a CUDA GPU \(NVIDIA H100\) but this torch"):
-        Engine.load(pkg)
+        Engine.load(relabelled)
+
+
+def test_inspect_names_the_device(tiny_package, relabelled):
+    from typer.testing import CliRunner
+
+    from aotgen.cli import app
+
+    isa = target_info()["isa"]
+    for pkg, device in [
+        (tiny_package, f"· cpu {isa}"),
+        (relabelled, "· cuda (NVIDIA H100, sm 9.0)"),
+    ]:
+        result = CliRunner().invoke(app, ["inspect", str(pkg)])
+        assert result.exit_code == 0, result.output
+        assert device in result.output.replace("\n", " "), result.output
 
 
 # ---- on a GPU ------------------------------------------------------------------------------
