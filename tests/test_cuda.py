@@ -24,7 +24,7 @@ from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
 from aotgen.package.build import build
 from aotgen.package.manifest import PackageError, target_info
 from aotgen.passes.quantize import QuantizePass, kernel_problem, parse_quantize
-from aotgen.recipe import RecipeError, parse_recipe
+from aotgen.recipe import Recipe, RecipeError, parse_recipe
 from aotgen.runtime.engine import Engine, GenerationConfig
 
 HAS_CUDA = torch.cuda.is_available()
@@ -36,7 +36,7 @@ INT8 = {"linear": "int8", "embedding": "int8"}
 INT4 = {"linear": {"int4": {"groupsize": 32}}, "overrides": {"lm_head": "int8"}}
 
 
-def _recipe(checkpoint: Path, name: str, **extra) -> object:
+def _recipe(checkpoint: Path, name: str, **extra) -> Recipe:
     return parse_recipe(
         {"checkpoint": str(checkpoint), **TINY_RECIPE, "device": "cuda", **extra}, name, Path(".")
     )
