@@ -127,6 +127,48 @@ def test_synthetic_llama_import(tmp_path: Path) -> None:
     assert tok.bos_id == 1 and tok.eos_ids == {0, 2}  # <|endoftext|> stops generation too
 
 
+def test_recipe_builds_from_a_gguf_file(tmp_path: Path, project) -> None:
+    """`checkpoint: FILE.gguf` builds without a manual import: the file is imported once into
+    the project cache (a rebuild is a no-op), and the package computes what the eager model
+    of that import computes."""
+    import torch
+    from conftest import TINY_RECIPE
+
+    from aotgen.checkpoint.hf import open_checkpoint
+    from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
+    from aotgen.package.build import build
+    from aotgen.recipe import parse_recipe
+    from aotgen.runtime.engine import Engine
+
+    _write_gguf(tmp_path / "tiny.gguf", "llama", _tiny_llama_tensors(np.random.default_rng(4)))
+    recipe = parse_recipe({"checkpoint": "tiny.gguf", **TINY_RECIPE}, "tiny-gguf", tmp_path)
+    first = build(recipe, project)
+    imported = sorted((project.cache_dir / "gguf").iterdir())
+    assert [p.name.startswith("tiny-") for p in imported] == [True]
+    assert build(recipe, project).up_to_date
+    assert sorted((project.cache_dir / "gguf").iterdir()) == imported
+
+    ckpt = open_checkpoint(imported[0])
+    cfg = ModelConfig.from_hf(ckpt.config)
+    cache_len = TINY_RECIPE["max_seq_len"] + TINY_RECIPE["verify_k"] + 1
+    model = load_model(cfg, ckpt.load_weights(), cache_len, torch.float32)
+    ids = [1, 50, 60, 70, 80, 90, 100]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids]), torch.arange(len(ids)), new_kv_cache(cfg, cache_len))[0]
+    got = Engine.load(first.path).target.forward(ids, 0, all_logits=True)
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-4
+
+
+def test_missing_gguf_checkpoint_is_a_clear_error(tmp_path: Path, project) -> None:
+    from aotgen.checkpoint.hf import CheckpointError
+    from aotgen.package.build import build
+    from aotgen.recipe import parse_recipe
+
+    recipe = parse_recipe({"checkpoint": "nope.gguf"}, "nope", tmp_path)
+    with pytest.raises(CheckpointError, match="GGUF file not found: .*nope.gguf"):
+        build(recipe, project)
+
+
 def test_overwrite(tmp_path: Path) -> None:
     _write_gguf(tmp_path / "tiny.gguf", "llama", _tiny_llama_tensors(np.random.default_rng(0)))
     out = tmp_path / "ckpt"

@@ -27,7 +27,8 @@ from torch import Tensor, nn
 from torch.export import ExportedProgram
 
 from aotgen import __version__
-from aotgen.checkpoint.hf import Checkpoint, open_checkpoint
+from aotgen.checkpoint.gguf import import_gguf
+from aotgen.checkpoint.hf import Checkpoint, CheckpointError, open_checkpoint
 from aotgen.export.aoti import (
     GraphSpec,
     compile_graph,
@@ -263,6 +264,31 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
     return models
 
 
+def _gguf_imported(path: Path, cache_dir: Path) -> Path:
+    """A GGUF checkpoint's HF-layout dir (`aotgen import-gguf`), imported once per file
+    content into the project cache; any other path is returned as is."""
+    if path.suffix != ".gguf":
+        return path
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file not found: {path}")
+    digest = hashlib.sha256("".join(sha256_chunks(path)).encode()).hexdigest()[:16]
+    out = Path(cache_dir) / "gguf" / f"{path.stem}-{digest}"
+    if not (out / "config.json").is_file():  # import_gguf renames a complete dir into place
+        import_gguf(path, out, overwrite=True)
+    return out
+
+
+def _with_imported_checkpoints(recipe: Recipe, cache_dir: Path) -> Recipe:
+    """The recipe with GGUF checkpoints (target, draft) replaced by their imported dirs."""
+    spec = recipe.speculative
+    draft = (spec or {}).get("draft") or {}
+    if "checkpoint" in draft:
+        imported = _gguf_imported(Path(draft["checkpoint"]), cache_dir)
+        spec = {**spec, "draft": {**draft, "checkpoint": str(imported)}}
+    checkpoint = _gguf_imported(recipe.checkpoint, cache_dir)
+    return dataclasses.replace(recipe, checkpoint=checkpoint, speculative=spec)
+
+
 def _new_cache(cfg: ModelConfig, recipe: Recipe) -> list[Tensor]:
     return new_kv_cache(cfg, recipe.cache_len, getattr(torch, recipe.dtype), recipe.device)
 
@@ -420,6 +446,7 @@ def build(
             f"recipe {recipe.name!r}: device cuda, but {problem}. Build on the machine class "
             "the package will run on (its kernels are compiled for that GPU), or use device: cpu"
         )
+    recipe = _with_imported_checkpoints(recipe, project.cache_dir)
     ckpt = open_checkpoint(recipe.checkpoint)
     digest = build_hash(ckpt, recipe)
     if not force and _up_to_date(out, digest):
