@@ -286,13 +286,13 @@ def kernel_problem(kind: str, device: str, act: str) -> str | None:
         if kind == "int8":
             q, s = quantize_int8(w, dtype)
             aten._weight_int8pack_mm(x, q.to(device), s.to(device))
-        elif device == "cpu":
-            q, sz = quantize_int4(w, 32, dtype)
-            packed, g = pack_int4(q, "cpu"), torch.tensor([32])
-            torch.ops.quantized.int4mm_packed_weight_cpu(x, packed, g, sz)
         else:
             q, sz = quantize_int4(w, 32, dtype)
-            aten._weight_int4pack_mm(x, pack_int4(q, device), 32, sz.to(device))
+            if device == "cpu":
+                g = torch.tensor([32])
+                torch.ops.quantized.int4mm_packed_weight_cpu(x, pack_int4(q, "cpu"), g, sz)
+            else:
+                aten._weight_int4pack_mm(x, pack_int4(q, device), 32, sz.to(device))
     except (RuntimeError, NotImplementedError) as e:
         return str(e).splitlines()[0]
     return None

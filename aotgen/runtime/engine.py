@@ -83,12 +83,17 @@ class CompiledGraph:
         return self.loader.boxed_run([tokens, input_pos, *caches])[0]
 
 
-def zeros_on_demand(shape: list[int], dtype: torch.dtype) -> Tensor:
+def zeros_on_demand(
+    shape: list[int], dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> Tensor:
     """A zero tensor on pages the OS zero-fills when first written (numpy allocates with calloc).
 
     KV caches start zeroed, as with torch.zeros, but are written only as far as the context
-    reaches; torch.zeros would write all `cache_len` positions at load.
+    reaches; torch.zeros would write all `cache_len` positions at load. GPU memory has no
+    such pages: there it is torch.zeros.
     """
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).reshape(shape)
 
@@ -151,12 +156,9 @@ class ModelRunner:
         self.shares_cache = kv.get("shared_with") == "target"
         if self.shares_cache:
             self.caches = _target_cache_layers(kv, dtype, target_caches)
-        elif self.device.type == "cpu":
-            self.caches = [zeros_on_demand(kv["shape"], dtype) for _ in range(2 * kv["layers"])]
         else:
             self.caches = [
-                torch.zeros(kv["shape"], dtype=dtype, device=self.device)
-                for _ in range(2 * kv["layers"])
+                zeros_on_demand(kv["shape"], dtype, self.device) for _ in range(2 * kv["layers"])
             ]
         # A draft on the target's cache only ever decodes: it is built without a prefill graph.
         self.prefill_chunk = self.graphs["prefill"].max_tokens if "prefill" in self.graphs else 1
