@@ -78,6 +78,10 @@ def test_cuda_package_is_refused_without_a_gpu(relabelled):
         Engine.load(relabelled)
 
 
+@pytest.mark.skipif(
+    not torch.__version__.startswith("2.13"),
+    reason="CPU packages need the pinned torch 2.13 (2.11's CPU attention lowering fails)",
+)
 def test_inspect_names_the_device(tiny_package, relabelled):
     from typer.testing import CliRunner
 

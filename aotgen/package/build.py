@@ -419,13 +419,13 @@ def _check_same_code(eps: list[ExportedProgram], where: str) -> None:
             )
 
 
-def _bound_constant_names(pt2: Path, package_models: list[str]) -> set[str]:
+def _bound_constant_names(pt2: Path, package_models: list[str], device: str) -> set[str]:
     """The constant names the compiled graphs will ask the runtime to bind."""
-    from torch._inductor.package import load_package
+    from aotgen.runtime.engine import open_loader
 
     names: set[str] = set()
     for key in package_models:
-        names.update(load_package(str(pt2), key).loader.get_constant_fqns())
+        names.update(open_loader(pt2, key, torch.device(device)).get_constant_fqns())
     return names
 
 
@@ -529,7 +529,7 @@ def build(
         for mb in models:
             entry = entries[mb.role]
             names = _bound_constant_names(
-                pt2, [g["package_model"] for g in entry["graphs"].values()]
+                pt2, [g["package_model"] for g in entry["graphs"].values()], recipe.device
             )
             weights_file = f"{mb.role}.safetensors"
             for rank, sources in enumerate(sources_by_role[mb.role]):

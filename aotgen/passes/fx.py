@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from torch import Tensor
+from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 from torch.export import ExportedProgram
 from torch.export.graph_signature import (
@@ -22,10 +23,14 @@ from torch.fx.node import map_arg
 
 def emit(graph: Graph, replaced: Node, target: Any, *args: Any, **kwargs: Any) -> Node:
     """Add `target(*args, **kwargs)` at the graph's insert point with the metadata later
-    passes and Inductor read: its fake value, and the module path of the node it replaces."""
+    passes and Inductor read: its fake value, and the module path of the node it replaces.
+    The Python dispatcher runs composite ops (linear -> matmul) through their symbolic-shape
+    aware decompositions, as export does; torch 2.11's C++ matmul asks a dynamic
+    token dimension for a concrete numel() and fails without it."""
     new = graph.call_function(target, args, kwargs)
     vals, kwvals = map_arg((args, kwargs), lambda a: a.meta["val"])
-    with detect_fake_mode((vals, kwvals)) or contextlib.nullcontext():
+    fake_mode = detect_fake_mode((vals, kwvals)) or contextlib.nullcontext()
+    with fake_mode, enable_python_dispatcher():
         new.meta["val"] = target(*vals, **kwvals)
     for key in ("nn_module_stack", "stack_trace"):
         if key in replaced.meta:

@@ -215,7 +215,9 @@ def quantize_int4(
     n, k = w.shape
     wg = w.detach().float().reshape(n, k // groupsize, groupsize)
     lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
-    imp = torch.ones(k) if importance is None else importance.detach().float().clamp(min=0)
+    if importance is None:
+        importance = torch.ones(k, device=w.device)
+    imp = importance.detach().float().clamp(min=0)
     imp = (imp + 1e-12).reshape(1, k // groupsize, groupsize)
 
     def fit(scale: Tensor, zero: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

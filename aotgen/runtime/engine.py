@@ -49,6 +49,14 @@ class GenerationError(ValueError):
     """A request the package cannot serve (e.g. longer than its context)."""
 
 
+def open_loader(pt2: Path, package_model: str, device: torch.device) -> Any:
+    """The AOTInductor loader of one graph, for `device` (a CUDA graph loaded as a CPU one
+    crashes the process, so the index is always given)."""
+    # (path, model name, run single-threaded, runners, device index): -1 is CPU.
+    index = -1 if device.type == "cpu" else (device.index or 0)
+    return torch._C._aoti.AOTIModelPackageLoader(str(pt2), package_model, False, 1, index)
+
+
 class CompiledGraph:
     """One AOTInductor graph; checks the token count the graph was compiled for."""
 
@@ -58,11 +66,7 @@ class CompiledGraph:
         self.name = package_model
         self.min_tokens = signature["tokens"]["min"]
         self.max_tokens = signature["tokens"]["max"]
-        # (path, model name, run single-threaded, runners, device index): -1 is CPU.
-        index = -1 if device.type == "cpu" else device.index
-        self.loader = torch._C._aoti.AOTIModelPackageLoader(
-            str(pt2), package_model, False, 1, index
-        )
+        self.loader = open_loader(pt2, package_model, device)
 
     def bind(self, weights: dict[str, Tensor]) -> None:
         names = self.loader.get_constant_fqns()
