@@ -28,7 +28,12 @@ from aotgen.recipe import RecipeError, parse_recipe
 from aotgen.runtime.engine import Engine
 from aotgen.runtime.tokenizer import Tokenizer
 
-GPTQ_INT4 = {"linear": {"int4": {"groupsize": 32}}, "method": "gptq"}
+# g128 on the tiny model's 64-wide inputs: GPTQ on zero-padded weights (passes/quantize.py)
+GPTQ_INT4 = {
+    "linear": {"int4": {"groupsize": 128}},
+    "overrides": {"lm_head": "int8"},
+    "method": "gptq",
+}
 GPTQ_INT8 = {"linear": "int8", "embedding": "int8", "method": "gptq"}
 
 

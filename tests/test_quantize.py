@@ -33,6 +33,7 @@ from aotgen.passes.quantize import (
     QuantizePass,
     dequantize_int4,
     dequantize_int8,
+    int4_in_features,
     pack_int4,
     parse_quantize,
     quantize_int4,
@@ -162,14 +163,42 @@ def test_pass_keeps_signatures_and_shares_constants(tiny_model):
     }
 
 
-def test_pass_reports_unfit_weights_and_unmatched_patterns(tiny_model):
-    # hidden 64 is not a multiple of 128: only down_proj (in_features 128) fits int4 g128.
-    qp, _ = _graphs(tiny_model, {"linear": {"int4": {"groupsize": 128}}, "skip": ["lm_haed"]})
-    assert set(qp.quantized) == {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"}
-    assert qp.skipped["lm_head"] == "int4: in_features 64 is not a multiple of groupsize 128"
+def test_pass_pads_in_features_for_the_int4_kernel(tiny_model):
+    """hidden 64 is not a multiple of groupsize 128: those weights get zero columns up to
+    128 and their activations zeros to match (down_proj, in_features 128, fits as is). The
+    eager graph stays as close to fp32 as int4 does, and the report says what was padded."""
+    model, cfg, cache_len = tiny_model
+    qp, graphs = _graphs(tiny_model, {"linear": {"int4": {"groupsize": 128}}, "skip": ["lm_haed"]})
+    assert not qp.skipped and len(qp.quantized) == 15  # 2 x 7 linears + lm_head
+    assert qp.padded["lm_head"] == (64, 128)
+    assert qp.padded["model.layers.1.self_attn.q_proj"] == (64, 128)
+    assert "model.layers.0.mlp.down_proj" not in qp.padded
     notes = "\n".join(qp.notes())
-    assert "in_features 64 is not a multiple of groupsize 128" in notes
+    assert "in_features zero-padded 64 -> 128 for the int4 kernel (+100% weight bytes)" in notes
     assert "warning: quantize pattern 'lm_haed' matched no linear" in notes
+    assert qp.manifest_entry()["padded_in_features"]["lm_head"] == [64, 128]
+    spec, _, ep = graphs[0]
+    pads = [n for n in ep.graph.nodes if n.target is torch.ops.aten.constant_pad_nd.default]
+    assert len(pads) == 2 * 3 + 1  # per layer: the attention input, o_proj's, the mlp's; lm_head
+    tokens, pos, _ = example_inputs(spec, new_kv_cache(cfg, cache_len))
+    tokens = torch.randint(0, cfg.vocab_size, tokens.shape, generator=torch.Generator())
+    with torch.no_grad():
+        ref = model(tokens, pos, new_kv_cache(cfg, cache_len))
+        got = ep.module()(tokens, pos, new_kv_cache(cfg, cache_len))
+    assert _rel(got, ref) < 0.15
+
+
+def test_int4_in_features():
+    # SmolLM2: hidden 576, intermediate 1536; CUDA tinygemm takes K in 128-wide tiles.
+    assert int4_in_features(576, 576, 64, "cpu") == (576, None)
+    assert int4_in_features(576, 576, 128, "cpu") == (640, None)
+    assert int4_in_features(576, 576, 256, "cpu") == (768, None)
+    assert int4_in_features(576, 576, 32, "cuda") == (640, None)
+    assert int4_in_features(576, 1536, 32, "cuda") == (1536, None)
+    assert int4_in_features(60, 576, 32, "cuda") == (
+        576,
+        "CUDA tinygemm needs out_features % 8 == 0, got 60",
+    )
 
 
 def test_eager_quantized_graph_is_close_to_fp32(tiny_model):

@@ -267,15 +267,17 @@ def pack_int4(q: Tensor, device: str) -> Tensor:
     return aten._convert_weight_to_int4pack(q8, CUDA_INNER_K_TILES)
 
 
-def int4_fits(n: int, k: int, groupsize: int, device: str) -> str | None:
-    """Why a [N, K] weight cannot use the int4 kernel, or None if it can."""
-    if k % groupsize:
-        return f"in_features {k} is not a multiple of groupsize {groupsize}"
-    if device != "cpu":
-        tile = CUDA_INNER_K_TILES * 16
-        if k % tile or n % 8:
-            return f"CUDA tinygemm needs in_features % {tile} == 0 and out_features % 8 == 0"
-    return None
+def int4_in_features(n: int, k: int, groupsize: int, device: str) -> tuple[int, str | None]:
+    """The in_features the int4 kernel takes for an [N, K] weight, or why it cannot take it.
+
+    K is zero-padded up to a multiple of the group size (and on CUDA of tinygemm's K tile,
+    128): the pass pads the activation with zeros to match, so the padded columns add
+    nothing. SmolLM2's hidden size 576 becomes 640 for g128 or on CUDA.
+    """
+    if device != "cpu" and n % 8:
+        return k, f"CUDA tinygemm needs out_features % 8 == 0, got {n}"
+    multiple = groupsize if device == "cpu" else max(groupsize, CUDA_INNER_K_TILES * 16)
+    return -(-k // multiple) * multiple, None
 
 
 @cache
@@ -341,6 +343,7 @@ class QuantizePass:
 
     def __init__(self, options: QuantizeOptions, device: str = "cpu"):
         self.options = options
+        self.device = device
         self.act_dtype = getattr(torch, options.activations)
         schemes = [("linear", options.linear), ("embedding", options.embedding)]
         schemes += [(f"overrides.{p}", s) for p, s in options.overrides]
@@ -364,6 +367,7 @@ class QuantizePass:
         self.calibration_tokens = 0
         self.quantized: dict[str, str] = {}  # op name -> scheme label
         self.skipped: dict[str, str] = {}  # op name -> reason
+        self.padded: dict[str, tuple[int, int]] = {}  # op name -> (in_features, padded)
         self.seen: set[str] = set()  # names skip patterns were tried on
         self.float_bytes = 0
         self.quant_bytes = 0
@@ -405,6 +409,14 @@ class QuantizePass:
             reasons.setdefault(reason, set()).add(name)
         for reason, names in sorted(reasons.items()):
             notes.append(f"quantize: kept in float ({reason}): {compact_names(names)}")
+        paddings: dict[tuple[int, int], set[str]] = {}
+        for name, sizes in self.padded.items():
+            paddings.setdefault(sizes, set()).add(name)
+        for (k, padded), names in sorted(paddings.items()):
+            notes.append(
+                f"quantize: in_features zero-padded {k} -> {padded} for the int4 kernel "
+                f"(+{padded / k - 1:.0%} weight bytes): {compact_names(names)}"
+            )
         for pattern in (*o.skip, *(p for p, _ in o.overrides)):
             if not any(fnmatch.fnmatchcase(n, pattern) for n in self.seen):
                 notes.append(
@@ -432,11 +444,12 @@ class QuantizePass:
             }
 
         lin = self.options.linear
-        lin_kernel = (
-            "aten._weight_int8pack_mm"
-            if lin and lin.kind == "int8"
-            else "quantized.int4mm_packed_weight_cpu (the aten._weight_int4pack_mm_for_cpu kernel)"
-        )
+        if lin and lin.kind == "int8":
+            lin_kernel = "aten._weight_int8pack_mm"
+        elif self.device == "cpu":
+            lin_kernel = "quantized.int4mm_packed_weight_cpu (aten._weight_int4pack_mm_for_cpu)"
+        else:
+            lin_kernel = "aten._weight_int4pack_mm (tinygemm)"
         return {
             "linear": describe(lin, lin_kernel),
             "embedding": describe(self.options.embedding, "gather + scale"),
@@ -450,13 +463,15 @@ class QuantizePass:
             "overrides": {p: s.label for p, s in self.options.overrides},
             "quantized": dict(sorted(self.quantized.items())),
             "kept_float": dict(sorted(self.skipped.items())),
+            "padded_in_features": {n: list(s) for n, s in sorted(self.padded.items())},
         }
 
     # -- the pass ----------------------------------------------------------------------------
     def __call__(self, ep: ExportedProgram) -> ExportedProgram:
         edit = WeightEditor(ep)
         graph = edit.graph
-        inputs: dict[Node, Node] = {}  # activation -> its 2-D, kernel-dtype version
+        # (activation, width) -> its 2-D, kernel-dtype version, zero-padded to the width
+        inputs: dict[tuple[Node, int], Node] = {}
         emit = partial(emit_node, graph)
 
         for node in list(graph.nodes):
@@ -486,13 +501,16 @@ class QuantizePass:
             if scheme is None:
                 continue
             device = source.device.type
+            in_features = source.shape[-1]
             if scheme.kind == "int4":
-                problem = int4_fits(*source.shape, scheme.groupsize, device)
+                in_features, problem = int4_in_features(*source.shape, scheme.groupsize, device)
                 if problem:
                     self.skipped[name] = f"int4: {problem}"
                     continue
+                if in_features != source.shape[-1]:
+                    self.padded[name] = (source.shape[-1], in_features)
             hessian = self._hessian(source) if node.target is aten.linear.default else None
-            q = self._quantize(source, scheme, device, hessian)
+            q = self._quantize(source, scheme, device, hessian, in_features)
             # A tied weight can be GPTQ-rounded as lm_head and rounded to nearest as the
             # embedding: two tensors, two names.
             prefix = f"{target}_gptq" if hessian is not None else target
@@ -502,7 +520,7 @@ class QuantizePass:
                 nodes["groupsize"] = edit.add(f"int4_groupsize_{g}", self._groupsize(g))
             with graph.inserting_before(node):
                 if node.target is aten.linear.default:
-                    out = self._linear(node, nodes, scheme, device, emit, inputs)
+                    out = self._linear(node, nodes, scheme, device, emit, inputs, in_features)
                 else:
                     out = self._embedding(node, nodes, emit)
             node.replace_all_uses_with(out)
@@ -524,13 +542,27 @@ class QuantizePass:
         return self._cache[key].tensors["g"]
 
     def _quantize(
-        self, source: Tensor, scheme: Scheme, device: str, hessian: Tensor | None = None
+        self,
+        source: Tensor,
+        scheme: Scheme,
+        device: str,
+        hessian: Tensor | None = None,
+        in_features: int | None = None,
     ) -> _Quantized:
         """Quantize once per (source tensor, scheme, GPTQ or not): every graph gets the same
-        objects. GPTQ runs when the linear's input Hessian is given."""
+        objects. GPTQ runs when the linear's input Hessian is given. `in_features` beyond
+        the weight's own are zero columns (their Hessian block the identity: no inputs)."""
         key = (id(source), scheme, self.options.activations, hessian is not None)
         if key not in self._cache:
             self._keep.append(source)
+            float_bytes = source.numel() * source.element_size()
+            pad = (in_features or source.shape[-1]) - source.shape[-1]
+            if pad:
+                source = torch.nn.functional.pad(source.detach(), (0, pad))
+                if hessian is not None:
+                    padded = torch.eye(source.shape[-1], dtype=hessian.dtype, device=hessian.device)
+                    padded[:-pad, :-pad] = hessian
+                    hessian = padded
             act = self.act_dtype
             if scheme.kind == "int8":
                 q, s = quantize_int8(source, act)
@@ -550,8 +582,8 @@ class QuantizePass:
                 tensors = {sfx: pack_int4(q, device), f"{sfx}_scales_zeros": sz.to(device)}
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             self._cache[key] = _Quantized(tensors, scheme, nbytes)
-            if not any(t is source for t in self._keep[:-1]):  # a tied weight counts once
-                self.float_bytes += source.numel() * source.element_size()
+            if not any(t is self._keep[-1] for t in self._keep[:-1]):  # a tied weight: once
+                self.float_bytes += float_bytes
             self.quant_bytes += nbytes
         return self._cache[key]
 
@@ -562,7 +594,8 @@ class QuantizePass:
         scheme: Scheme,
         device: str,
         emit: Any,
-        inputs: dict[Node, Node],
+        inputs: dict[tuple[Node, int], Node],
+        in_features: int,
     ) -> Node:
         x, _w, *rest = node.args
         bias = rest[0] if rest else None
@@ -579,12 +612,15 @@ class QuantizePass:
             ] + [n]
         act = self.act_dtype
         # q/k/v (and gate/up) read the same activation: cast it once, not once per op.
-        if x not in inputs:
+        if (x, k) not in inputs:
             h = emit(node, aten.view.default, x, [-1, k])
             if x_val.dtype != act:
                 h = emit(node, aten._to_copy.default, h, dtype=act)
-            inputs[x] = h
-        h = inputs[x]
+            inputs[(x, k)] = h
+        if (x, in_features) not in inputs:  # zero columns for the weight's padding
+            pad = [0, in_features - k]
+            inputs[(x, in_features)] = emit(node, aten.constant_pad_nd.default, inputs[(x, k)], pad)
+        h = inputs[(x, in_features)]
         if scheme.kind == "int8":
             # CPU and CUDA (AOTI has a C shim for both).
             h = emit(
@@ -603,7 +639,7 @@ class QuantizePass:
                 consts["groupsize"],
                 consts[f"{sfx}_scales_zeros"],
             )
-        else:  # tinygemm on CUDA (not yet run: tests/test_cuda.py)
+        else:  # tinygemm on CUDA
             sfx = f"int4g{scheme.groupsize}"
             h = emit(
                 node,
