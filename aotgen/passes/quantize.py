@@ -280,6 +280,22 @@ def int4_in_features(n: int, k: int, groupsize: int, device: str) -> tuple[int, 
     return -(-k // multiple) * multiple, None
 
 
+def pad_in_features(
+    w: Tensor, hessian: Tensor | None, in_features: int
+) -> tuple[Tensor, Tensor | None]:
+    """`w` with zero columns up to `in_features`, and GPTQ's input Hessian with an identity
+    block for them (inputs that are always zero; the identity keeps it invertible)."""
+    pad = in_features - w.shape[-1]
+    if not pad:
+        return w, hessian
+    w = torch.nn.functional.pad(w.detach(), (0, pad))
+    if hessian is not None:
+        padded = torch.eye(in_features, dtype=hessian.dtype, device=hessian.device)
+        padded[:-pad, :-pad] = hessian
+        hessian = padded
+    return w, hessian
+
+
 @cache
 def kernel_problem(kind: str, device: str, act: str) -> str | None:
     """Run the kernel once on a tiny weight on `device`: None if it works, else the error."""
@@ -546,44 +562,36 @@ class QuantizePass:
         source: Tensor,
         scheme: Scheme,
         device: str,
-        hessian: Tensor | None = None,
-        in_features: int | None = None,
+        hessian: Tensor | None,
+        in_features: int,
     ) -> _Quantized:
         """Quantize once per (source tensor, scheme, GPTQ or not): every graph gets the same
-        objects. GPTQ runs when the linear's input Hessian is given. `in_features` beyond
-        the weight's own are zero columns (their Hessian block the identity: no inputs)."""
+        objects. GPTQ runs when the linear's input Hessian is given."""
         key = (id(source), scheme, self.options.activations, hessian is not None)
         if key not in self._cache:
             self._keep.append(source)
-            float_bytes = source.numel() * source.element_size()
-            pad = (in_features or source.shape[-1]) - source.shape[-1]
-            if pad:
-                source = torch.nn.functional.pad(source.detach(), (0, pad))
-                if hessian is not None:
-                    padded = torch.eye(source.shape[-1], dtype=hessian.dtype, device=hessian.device)
-                    padded[:-pad, :-pad] = hessian
-                    hessian = padded
+            w, hessian = pad_in_features(source, hessian, in_features)
             act = self.act_dtype
             if scheme.kind == "int8":
-                q, s = quantize_int8(source, act)
+                q, s = quantize_int8(w, act)
                 if hessian is not None:
                     scale = s.float()[:, None].expand_as(q)
                     zero = torch.zeros_like(scale)
-                    q = gptq_codes(source, hessian, scale, zero, -128, 127).to(torch.int8)
+                    q = gptq_codes(w, hessian, scale, zero, -128, 127).to(torch.int8)
                 tensors = {"int8": q, "int8_scales": s}
             else:
                 g = scheme.groupsize
                 importance = None if hessian is None else torch.diagonal(hessian)
-                q, sz = quantize_int4(source, g, act, importance=importance)
+                q, sz = quantize_int4(w, g, act, importance=importance)
                 if hessian is not None:
                     scale, zero = sz.float().transpose(0, 1).repeat_interleave(g, dim=1).unbind(-1)
-                    q = gptq_codes(source, hessian, scale, zero, 0, 15, offset=8)
+                    q = gptq_codes(w, hessian, scale, zero, 0, 15, offset=8)
                 sfx = f"int4g{g}"
                 tensors = {sfx: pack_int4(q, device), f"{sfx}_scales_zeros": sz.to(device)}
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             self._cache[key] = _Quantized(tensors, scheme, nbytes)
-            if not any(t is self._keep[-1] for t in self._keep[:-1]):  # a tied weight: once
-                self.float_bytes += float_bytes
+            if not any(t is source for t in self._keep[:-1]):  # a tied weight counts once
+                self.float_bytes += source.numel() * source.element_size()
             self.quant_bytes += nbytes
         return self._cache[key]
 
