@@ -50,8 +50,8 @@ class GenerationError(ValueError):
 
 
 def open_loader(pt2: Path, package_model: str, device: torch.device) -> Any:
-    """The AOTInductor loader of one graph, for `device` (a CUDA graph loaded as a CPU one
-    crashes the process, so the index is always given)."""
+    """The AOTInductor loader of one graph on `device`: the runtime binds weights and runs
+    graphs through it, and the builder reads the constant names a graph asks for."""
     # (path, model name, run single-threaded, runners, device index): -1 is CPU.
     index = -1 if device.type == "cpu" else (device.index or 0)
     return torch._C._aoti.AOTIModelPackageLoader(str(pt2), package_model, False, 1, index)
