@@ -27,6 +27,8 @@ Prefill keeps BLAS / the extern kernels: there the weight is reused across many 
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -63,6 +65,31 @@ def _is_cast_from_float32(node: Node) -> bool:
     )
 
 
+def _int8_bytes(add: Callable[..., Node], words: Node) -> list[Node]:
+    """The 4 int8 weights in each int32 word, sign-extended and as float32: byte b of word j
+    is w[:, 4j + b] (little-endian)."""
+    return [
+        add(
+            aten._to_copy.default,
+            add(
+                aten.bitwise_right_shift.Tensor_Scalar,
+                words if b == 3 else add(aten.bitwise_left_shift.Tensor_Scalar, words, 24 - 8 * b),
+                24,
+            ),
+            dtype=torch.float32,
+        )
+        for b in range(4)
+    ]
+
+
+def _dot_terms(add: Callable[..., Node], xs: list[Node], weights: list[Node]) -> Node:
+    """x_0 * w_0 + x_1 * w_1 + ...: one fused elementwise chain under the reduction."""
+    total = add(aten.mul.Tensor, xs[0], weights[0])
+    for x, w in zip(xs[1:], weights[1:], strict=True):
+        total = add(aten.add.Tensor, total, add(aten.mul.Tensor, x, w))
+    return total
+
+
 def linears_as_reductions(ep: ExportedProgram, max_rows: int = MAX_ROWS) -> ExportedProgram:
     """Rewrite `aten.linear` and int8 weight-only matmuls with <= `max_rows` static rows.
 
@@ -97,25 +124,44 @@ def linears_as_reductions(ep: ExportedProgram, max_rows: int = MAX_ROWS) -> Expo
             if scales is not None and _is_cast_from_float32(x):
                 x = x.args[0]  # the bf16 cast was for the kernel; the reduction reads float32
             dense = add(aten.clone.default, x, memory_format=torch.contiguous_format)
-            if scales is not None:
-                dense = add(aten._to_copy.default, dense, dtype=torch.float32)
-                weight = add(aten._to_copy.default, weight, dtype=torch.float32)
             n = weight.meta["val"].shape[0]
             groups = row_groups(n, rows)
-            if groups > 1:  # slices of the same weight: views, no copy
-                size = n // groups
-                parts = [
-                    add(aten.slice.Tensor, weight, 0, g * size, (g + 1) * size)
-                    for g in range(groups)
-                ]
-            else:
-                parts = [weight]
+            size = n // groups
+            words = scales is not None and k % 4 == 0 and sys.byteorder == "little"
+            if scales is not None:
+                dense = add(aten._to_copy.default, dense, dtype=torch.float32)
+            if words:
+                # int8 as 32-bit words: (x[t] * w).sum(-1) == sum_b (x_b[t] * byte_b(w)).sum(-1)
+                # with x_b[t][j] = x[t][4j + b], the rows regrouped once (a [rows, 4, k/4] copy).
+                dense = add(aten.view.default, dense, [rows, k // 4, 4])
+                dense = add(aten.permute.default, dense, [0, 2, 1])
+                dense = add(aten.clone.default, dense, memory_format=torch.contiguous_format)
+                weight = add(aten.view.dtype, weight, torch.float32)
+            elif scales is not None:
+                weight = add(aten._to_copy.default, weight, dtype=torch.float32)
+            # Slices of the same weight (views, no copy), reduced side by side.
+            parts = [
+                add(aten.slice.Tensor, weight, 0, g * size, (g + 1) * size)
+                if groups > 1
+                else weight
+                for g in range(groups)
+            ]
+            if words:
+                parts = [_int8_bytes(add, add(aten.view.dtype, p, torch.int32)) for p in parts]
             sums = []
             for r in range(rows):
-                row = add(aten.as_strided.default, dense, [k], [1], r * k)
-                dots = [
-                    add(aten.sum.dim_IntList, add(aten.mul.Tensor, row, w), [-1]) for w in parts
-                ]
+                if words:
+                    k4 = k // 4
+                    xs = [
+                        add(aten.as_strided.default, dense, [k4], [1], (4 * r + b) * k4)
+                        for b in range(4)
+                    ]
+                    dots = [add(aten.sum.dim_IntList, _dot_terms(add, xs, w), [-1]) for w in parts]
+                else:
+                    row = add(aten.as_strided.default, dense, [k], [1], r * k)
+                    dots = [
+                        add(aten.sum.dim_IntList, add(aten.mul.Tensor, row, w), [-1]) for w in parts
+                    ]
                 sums.append(dots[0] if groups == 1 else add(aten.cat.default, dots))
             out = add(aten.stack.default, sums)
             if scales is not None:
