@@ -38,6 +38,7 @@ from aotgen.passes.quantize import (
     parse_quantize,
     quantize_int4,
     quantize_int8,
+    quantize_pass,
 )
 from aotgen.recipe import RecipeError, parse_recipe
 from aotgen.runtime.engine import Engine, GenerationConfig
@@ -174,7 +175,7 @@ def test_pass_pads_in_features_for_the_int4_kernel(tiny_model):
     assert qp.padded["model.layers.1.self_attn.q_proj"] == (64, 128)
     assert "model.layers.0.mlp.down_proj" not in qp.padded
     notes = "\n".join(qp.notes())
-    assert "in_features zero-padded 64 -> 128 for the int4 kernel (+100% weight bytes)" in notes
+    assert "in_features zero-padded 64 -> 128 for the kernel (+100% weight bytes)" in notes
     assert "warning: quantize pattern 'lm_haed' matched no linear" in notes
     assert qp.manifest_entry()["padded_in_features"]["lm_head"] == [64, 128]
     spec, _, ep = graphs[0]
@@ -186,6 +187,26 @@ def test_pass_pads_in_features_for_the_int4_kernel(tiny_model):
         ref = model(tokens, pos, new_kv_cache(cfg, cache_len))
         got = ep.module()(tokens, pos, new_kv_cache(cfg, cache_len))
     assert _rel(got, ref) < 0.15
+
+
+def test_pass_pads_int8_in_features_to_a_multiple_of_8():
+    """ATen's AVX2 int8 kernel reads past rows of other lengths: K = 60 gets 4 zero columns
+    (and its activation 4 zeros); the prefill-style (many-row) graph keeps the kernel, and
+    both it and the rewritten few-row graph stay as close to fp32 as int8 does."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(60, 24, bias=False), torch.nn.ReLU()).eval()
+    qp = quantize_pass({"linear": "int8"}, "cpu")
+    for rows in (16, 1):
+        x = torch.randn(rows, 60)
+        ep = qp(torch.export.export(model, (x,)))
+        assert qp.padded == {"0": (60, 64)}
+        targets = [n.target for n in ep.graph.nodes]
+        assert torch.ops.aten.constant_pad_nd.default in targets
+        assert torch.ops.aten._weight_int8pack_mm.default in targets
+        with torch.no_grad():
+            assert _rel(ep.module()(x), model(x)) < 0.01
+            assert _rel(linears_as_reductions(ep).module()(x), model(x)) < 0.01
+    assert "in_features zero-padded 60 -> 64 for the kernel" in "\n".join(qp.notes())
 
 
 def test_int4_in_features():

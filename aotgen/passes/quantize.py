@@ -430,7 +430,7 @@ class QuantizePass:
             paddings.setdefault(sizes, set()).add(name)
         for (k, padded), names in sorted(paddings.items()):
             notes.append(
-                f"quantize: in_features zero-padded {k} -> {padded} for the int4 kernel "
+                f"quantize: in_features zero-padded {k} -> {padded} for the kernel "
                 f"(+{padded / k - 1:.0%} weight bytes): {compact_names(names)}"
             )
         for pattern in (*o.skip, *(p for p, _ in o.overrides)):
@@ -523,8 +523,12 @@ class QuantizePass:
                 if problem:
                     self.skipped[name] = f"int4: {problem}"
                     continue
-                if in_features != source.shape[-1]:
-                    self.padded[name] = (source.shape[-1], in_features)
+            elif device == "cpu" and node.target is aten.linear.default:
+                # ATen's AVX2 int8 kernel reads past rows whose length is not a multiple of
+                # 8 (wrong results or a crash, torch 2.13): pad them like int4's.
+                in_features = -(-in_features // 8) * 8
+            if in_features != source.shape[-1]:
+                self.padded[name] = (source.shape[-1], in_features)
             hessian = self._hessian(source) if node.target is aten.linear.default else None
             q = self._quantize(source, scheme, device, hessian, in_features)
             # A tied weight can be GPTQ-rounded as lm_head and rounded to nearest as the
