@@ -19,6 +19,11 @@ So 1-token linears reduce 4 equal slices of the weight side by side (`row_groups
 Inductor fuses into one loop with 4 accumulators: an int8 weight streamed 15-23 -> 30 GB/s
 in a micro-benchmark, and int8 decode went 7.6-8.7 -> 6.6-6.9 ms/token.
 
+int8 weights are read as 32-bit words (a float32 view, so the loads are full vectors) and
+split into their 4 bytes with shifts: Inductor loads 8 int8 lanes through a stack buffer on
+AVX2 (`Vectorized<int8_t>::loadu(ptr, 8)`), which held a [49152, 576] int8 head at ~2 GB/s
+(15.1 -> 1.8 ms per 1-token call with words, docs/quantization.md).
+
 Tried and reverted: the k + 1 tokens as one reduction with the token axis innermost
 (`out[n, t] = sum_k W[n, k] * x[t, k]`) compiled to a verify step 30x slower.
 Prefill keeps BLAS / the extern kernels: there the weight is reused across many tokens.
@@ -83,7 +88,8 @@ def _int8_bytes(add: Callable[..., Node], words: Node) -> list[Node]:
 
 
 def _dot_terms(add: Callable[..., Node], xs: list[Node], weights: list[Node]) -> Node:
-    """x_0 * w_0 + x_1 * w_1 + ...: one fused elementwise chain under the reduction."""
+    """x_0 * w_0 + x_1 * w_1 + ... (one term for a float weight, one per byte for int8
+    words): one fused elementwise chain under the reduction."""
     total = add(aten.mul.Tensor, xs[0], weights[0])
     for x, w in zip(xs[1:], weights[1:], strict=True):
         total = add(aten.add.Tensor, total, add(aten.mul.Tensor, x, w))
@@ -95,7 +101,8 @@ def linears_as_reductions(ep: ExportedProgram, max_rows: int = MAX_ROWS) -> Expo
 
     Dynamic-shape matmuls (prefill) and int4 ops are left as they are. The int8 kernel
     (`_weight_int8pack_mm`, bf16 activations) becomes `(x.float() * w_int8.float()).sum(-1)
-    * scale` in float32: the same stream of int8 weights without the kernel's overhead.
+    * scale` in float32: the same stream of int8 weights without the kernel's overhead (read
+    as 32-bit words when K % 4 == 0, see `_int8_bytes`).
     """
     graph = ep.graph_module.graph
     for node in list(graph.nodes):
@@ -124,15 +131,13 @@ def linears_as_reductions(ep: ExportedProgram, max_rows: int = MAX_ROWS) -> Expo
             if scales is not None and _is_cast_from_float32(x):
                 x = x.args[0]  # the bf16 cast was for the kernel; the reduction reads float32
             dense = add(aten.clone.default, x, memory_format=torch.contiguous_format)
-            n = weight.meta["val"].shape[0]
-            groups = row_groups(n, rows)
-            size = n // groups
-            words = scales is not None and k % 4 == 0 and sys.byteorder == "little"
             if scales is not None:
                 dense = add(aten._to_copy.default, dense, dtype=torch.float32)
-            if words:
+            pieces = 4 if scales is not None and k % 4 == 0 and sys.byteorder == "little" else 1
+            if pieces == 4:
                 # int8 as 32-bit words: (x[t] * w).sum(-1) == sum_b (x_b[t] * byte_b(w)).sum(-1)
-                # with x_b[t][j] = x[t][4j + b], the rows regrouped once (a [rows, 4, k/4] copy).
+                # with x_b[t][j] = x[t][4j + b], the rows regrouped once (a [rows, 4, k/4]
+                # copy). The words are a float32 view so that Inductor loads full vectors.
                 dense = add(aten.view.default, dense, [rows, k // 4, 4])
                 dense = add(aten.permute.default, dense, [0, 2, 1])
                 dense = add(aten.clone.default, dense, memory_format=torch.contiguous_format)
@@ -140,28 +145,27 @@ def linears_as_reductions(ep: ExportedProgram, max_rows: int = MAX_ROWS) -> Expo
             elif scales is not None:
                 weight = add(aten._to_copy.default, weight, dtype=torch.float32)
             # Slices of the same weight (views, no copy), reduced side by side.
+            n = weight.meta["val"].shape[0]
+            groups = row_groups(n, rows)
+            size = n // groups
             parts = [
                 add(aten.slice.Tensor, weight, 0, g * size, (g + 1) * size)
                 if groups > 1
                 else weight
                 for g in range(groups)
             ]
-            if words:
-                parts = [_int8_bytes(add, add(aten.view.dtype, p, torch.int32)) for p in parts]
+            parts = [
+                _int8_bytes(add, add(aten.view.dtype, p, torch.int32)) if pieces == 4 else [p]
+                for p in parts
+            ]
             sums = []
+            width = k // pieces
             for r in range(rows):
-                if words:
-                    k4 = k // 4
-                    xs = [
-                        add(aten.as_strided.default, dense, [k4], [1], (4 * r + b) * k4)
-                        for b in range(4)
-                    ]
-                    dots = [add(aten.sum.dim_IntList, _dot_terms(add, xs, w), [-1]) for w in parts]
-                else:
-                    row = add(aten.as_strided.default, dense, [k], [1], r * k)
-                    dots = [
-                        add(aten.sum.dim_IntList, add(aten.mul.Tensor, row, w), [-1]) for w in parts
-                    ]
+                xs = [
+                    add(aten.as_strided.default, dense, [width], [1], (pieces * r + b) * width)
+                    for b in range(pieces)
+                ]
+                dots = [add(aten.sum.dim_IntList, _dot_terms(add, xs, w), [-1]) for w in parts]
                 sums.append(dots[0] if groups == 1 else add(aten.cat.default, dots))
             out = add(aten.stack.default, sums)
             if scales is not None:
