@@ -368,8 +368,17 @@ def bench(
     measured = ", ".join(f"{d} {bw:.1f} GB/s" for d, bw in bandwidth.items())
     Console().print(
         f"measured read bandwidth {measured} (torch sum over 512 MiB, best of 5), "
-        f"threads {threads or 'torch default'}"
+        + _cpu_line(threads)
     )
+
+
+def _cpu_line(threads: int | None) -> str:
+    """The CPU's vector ISA decides which kernels are fast (int4 and int8 differ most between
+    AVX2 and AVX-512), so every benchmark says which one it ran on."""
+    import torch
+
+    isa = torch.backends.cpu.get_cpu_capability()
+    return f"threads {threads or 'torch default'}, CPU kernels {isa}"
 
 
 def _bench_tp(package: Path, prompt_len: int, gen_tokens: int, runs: int, threads: int | None):
@@ -432,7 +441,7 @@ def _bench_speculative(
     line = f"decode step {d:.2f} ms · verify step {v:.2f} ms (v = {v / d:.2f})"
     if "draft_ms" in costs:
         line += f" · draft step {costs['draft_ms']:.2f} ms (c = {costs['draft_ms'] / d:.2f})"
-    line += "\nend to end: prompt prefill included (the same in every mode)"
+    line += "\nend to end: prompt prefill included (the same in every mode); " + _cpu_line(threads)
     _wide_console().print(line)
 
 
