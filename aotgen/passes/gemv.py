@@ -148,12 +148,11 @@ def linears_as_reductions(ep: ExportedProgram, max_rows: int = MAX_ROWS) -> Expo
             n = weight.meta["val"].shape[0]
             groups = row_groups(n, rows)
             size = n // groups
-            parts = [
-                add(aten.slice.Tensor, weight, 0, g * size, (g + 1) * size)
+            parts = (
+                [add(aten.slice.Tensor, weight, 0, g * size, (g + 1) * size) for g in range(groups)]
                 if groups > 1
-                else weight
-                for g in range(groups)
-            ]
+                else [weight]
+            )
             parts = [
                 _int8_bytes(add, add(aten.view.dtype, p, torch.int32)) if pieces == 4 else [p]
                 for p in parts
