@@ -280,6 +280,13 @@ def int4_in_features(n: int, k: int, groupsize: int, device: str) -> tuple[int, 
     return -(-k // multiple) * multiple, None
 
 
+def int8_in_features(k: int, device: str) -> int:
+    """The in_features the int8 kernel takes: on CPU a multiple of 8, since ATen's AVX2
+    `_weight_int8pack_mm` reads past rows of other lengths (wrong results or a crash,
+    torch 2.13). Padded like int4's."""
+    return -(-k // 8) * 8 if device == "cpu" else k
+
+
 def pad_in_features(
     w: Tensor, hessian: Tensor | None, in_features: int
 ) -> tuple[Tensor, Tensor | None]:
@@ -523,10 +530,8 @@ class QuantizePass:
                 if problem:
                     self.skipped[name] = f"int4: {problem}"
                     continue
-            elif device == "cpu" and node.target is aten.linear.default:
-                # ATen's AVX2 int8 kernel reads past rows whose length is not a multiple of
-                # 8 (wrong results or a crash, torch 2.13): pad them like int4's.
-                in_features = -(-in_features // 8) * 8
+            elif node.target is aten.linear.default:  # an embedding row is never padded
+                in_features = int8_in_features(in_features, device)
             if in_features != source.shape[-1]:
                 self.padded[name] = (source.shape[-1], in_features)
             hessian = self._hessian(source) if node.target is aten.linear.default else None
