@@ -99,10 +99,16 @@ def test_inspect_names_the_device(tiny_package, relabelled):
 
 # ---- on a GPU ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def gpu_checkpoint(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(
-        tmp_path_factory.mktemp("ckpt") / "tiny-gpu", hidden=128, intermediate=256, seed=3
-    )
+def gpu_checkpoints(tmp_path_factory) -> dict[int, Path]:
+    """hidden 128: every in_features a multiple of tinygemm's 128; hidden 96 (intermediate
+    192): int4 must zero-pad in_features to 128 / 256, as SmolLM2's 576 needs."""
+    root = tmp_path_factory.mktemp("ckpt")
+    return {
+        hidden: make_tiny_checkpoint(
+            root / f"tiny-gpu-{hidden}", hidden=hidden, intermediate=2 * hidden, seed=3
+        )
+        for hidden in (128, 96)
+    }
 
 
 @needs_gpu
@@ -113,12 +119,18 @@ def test_cuda_kernels_run(kind):
 
 @needs_gpu
 @pytest.mark.parametrize(
-    "name, quantize, loose",
-    [("fp32", None, 1e-4), ("int8", INT8, 0.05), ("int4", INT4, 0.15)],
+    "name, quantize, loose, hidden",
+    [
+        ("fp32", None, 1e-4, 128),
+        ("int8", INT8, 0.05, 128),
+        ("int4", INT4, 0.15, 128),
+        ("int4-padded", INT4, 0.15, 96),
+    ],
 )
-def test_cuda_package_matches_eager(name, quantize, loose, gpu_checkpoint, project):
+def test_cuda_package_matches_eager(name, quantize, loose, hidden, gpu_checkpoints, project):
     """Each compiled graph vs the same (quantized) graph run eagerly on the GPU, and vs the
     fp32 model; the quantized graphs call the CUDA weight-only kernels."""
+    gpu_checkpoint = gpu_checkpoints[hidden]
     extra = {"quantize": quantize} if quantize else {}
     report = build(_recipe(gpu_checkpoint, f"tiny-cuda-{name}", **extra), project)
     manifest = json.loads((report.path / "manifest.json").read_text())
@@ -140,7 +152,7 @@ def test_cuda_package_matches_eager(name, quantize, loose, gpu_checkpoint, proje
         if qp:
             ep = qp(ep)
             ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
-            assert f"aten._weight_{'int4' if name == 'int4' else 'int8'}pack_mm.default" in ops
+            assert f"aten._weight_{name[:4]}pack_mm.default" in ops
         eager[s.name] = ep.module()
     g = torch.Generator().manual_seed(0)
     for graph, start, length in [("prefill", 0, 11), ("decode", 7, 1), ("verify", 9, 5)]:
@@ -158,7 +170,10 @@ def test_cuda_package_matches_eager(name, quantize, loose, gpu_checkpoint, proje
             got = runner.graphs[graph](tokens, pos, runner.caches).float()
             ref_q = eager[graph](tokens, pos, caches["eager"]).float()
             ref = model(tokens, pos, caches["fp32"]).float()
-        assert ((got - ref_q).norm() / ref_q.norm()).item() < 1e-3, graph
+        # int4 runs in bf16 (8 significant bits): compiled and eager round after different
+        # fusions, an ulp (0.4 %) apart here and there; a wrong kernel is off by O(1).
+        tight = 1e-2 if name.startswith("int4") else 1e-3
+        assert ((got - ref_q).norm() / ref_q.norm()).item() < tight, graph
         assert ((got - ref).norm() / ref.norm()).item() < loose, graph
     result = engine.generate([5, 6, 7], GenerationConfig(max_new_tokens=8, ignore_eos=True))
     assert len(result.token_ids) == 8
