@@ -248,10 +248,11 @@ class Transformer(nn.Module):
 
 
 def new_kv_cache(
-    cfg: ModelConfig, cache_len: int, dtype=torch.float32, device: str = "cpu"
+    cfg: ModelConfig, cache_len: int, dtype=torch.float32, device: str = "cpu", batch: int = 1
 ) -> list[Tensor]:
-    """Per-layer `[k0, v0, k1, v1, ...]` cache, the layout every graph takes."""
-    shape = (1, cfg.num_key_value_heads, cache_len, cfg.head_dim)
+    """Per-layer `[k0, v0, k1, v1, ...]` cache, the layout every graph takes (batch 1; more
+    rows only for eager batched runs, such as distillation)."""
+    shape = (batch, cfg.num_key_value_heads, cache_len, cfg.head_dim)
     return [
         torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * cfg.num_hidden_layers)
     ]
