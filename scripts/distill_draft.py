@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
@@ -39,7 +38,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor
 
-from aotgen.checkpoint.hf import open_checkpoint
+from aotgen.checkpoint.hf import open_checkpoint, write_checkpoint_dir
 from aotgen.model.llama import ModelConfig, Transformer, load_model, new_kv_cache
 from aotgen.runtime.tokenizer import Tokenizer
 
@@ -198,11 +197,9 @@ def train(
 
 
 def save_draft(out_dir: Path, config: dict, draft: Transformer, source: Path, meta: dict) -> None:
-    """An HF-layout checkpoint dir (config, safetensors, the target's tokenizer files),
-    written to a temporary dir and renamed, so a failed run leaves nothing half-written."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    """An HF-layout checkpoint dir: config, safetensors, the target's tokenizer files."""
+
+    def write(tmp: Path) -> None:
         state = {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}
         if config.get("tie_word_embeddings"):
             state.pop("lm_head.weight", None)
@@ -211,11 +208,8 @@ def save_draft(out_dir: Path, config: dict, draft: Transformer, source: Path, me
         for f in open_checkpoint(source).tokenizer_files:
             shutil.copy2(f, tmp / f.name)
         (tmp / "distill.json").write_text(json.dumps(meta, indent=2))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    write_checkpoint_dir(out_dir, write)
 
 
 def distill_draft(

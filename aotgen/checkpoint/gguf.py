@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,6 +19,8 @@ import gguf
 import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from aotgen.checkpoint.hf import write_checkpoint_dir
 
 SUPPORTED_ARCHS = ("llama",)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -247,8 +246,6 @@ def _write_checkpoint(reader: gguf.GGUFReader, out: Path) -> None:
         ("generation_config.json", gen_config),
     ]:
         (out / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-    for path in out.iterdir():
-        path.chmod(0o644)  # safetensors writes 0600
 
 
 def import_gguf(gguf_path: Path, out_dir: Path, overwrite: bool = False) -> Path:
@@ -265,19 +262,4 @@ def import_gguf(gguf_path: Path, out_dir: Path, overwrite: bool = False) -> Path
     reader = gguf.GGUFReader(gguf_path)
     read_config(reader)  # fail on an unsupported architecture before touching the disk
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it 0700; the checkpoint is an ordinary dir
-        _write_checkpoint(reader, tmp)
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    return write_checkpoint_dir(out_dir, lambda tmp: _write_checkpoint(reader, tmp))

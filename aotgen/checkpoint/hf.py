@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,3 +82,26 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         raise CheckpointError(f"{path} has no tokenizer.json; the package needs the tokenizer")
     tokenizer_files = [path / f for f in TOKENIZER_FILES if (path / f).is_file()]
     return Checkpoint(path, config, weight_files, tokenizer_files)
+
+
+def write_checkpoint_dir(out_dir: Path, write: Callable[[Path], None]) -> Path:
+    """Run `write(tmp)` in a temp dir beside out_dir, then swap it into place, so an
+    interrupted write never leaves a half-written checkpoint behind; returns out_dir."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it 0700; the checkpoint is an ordinary dir
+        write(tmp)
+        for path in tmp.iterdir():
+            path.chmod(0o644)  # safetensors writes 0600
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
