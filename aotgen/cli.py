@@ -121,7 +121,11 @@ def build(
         table.add_column(col, justify="right" if "s" in col.split()[-1] else "left")
     for g in report.graphs:
         table.add_row(
-            g.model, g.graph, f"{g.export_s:.1f}", f"{g.compile_s:.1f}", f"{g.so_bytes:,}"
+            g.model,
+            g.graph,
+            f"{g.export_s:.1f}",
+            "cached" if g.cached else f"{g.compile_s:.1f}",
+            f"{g.so_bytes:,}",
         )
     console.print(table)
     console.print(

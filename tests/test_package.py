@@ -200,6 +200,50 @@ def test_unchanged_rebuild_is_a_noop(tiny_checkpoint, tiny_package, project):
     assert (tiny_package / "manifest.json").stat().st_mtime_ns == before
 
 
+def test_compiles_are_reused_across_builds(tiny_checkpoint, tiny_package, project, eager):
+    """Another recipe with the same target (here: plus a draft) takes the target's compiled
+    graphs from the project cache, and its package decodes exactly as the eager model."""
+    raw = {**TINY_RECIPE, "speculative": {"draft": {"layers": 1}, "k": TINY_RECIPE["verify_k"]}}
+    recipe = parse_recipe({"checkpoint": str(tiny_checkpoint), **raw}, "tiny-drafted", Path("."))
+    report = build_mod.build(recipe, project)
+    cached = {(g.model, g.graph): g.cached for g in report.graphs}
+    assert cached == {
+        ("target", "prefill"): True,
+        ("target", "decode"): True,
+        ("target", "verify"): True,
+        ("draft", "decode"): cached[("draft", "decode")],
+    }
+    engine = Engine.load(report.path)
+    ids = engine.tokenizer.encode(PROMPTS[1])
+    want = eager.greedy(ids, 24)
+    for mode in (None, "draft"):
+        config = GenerationConfig(max_new_tokens=24, ignore_eos=True, speculative=mode)
+        assert engine.generate(ids, config).token_ids == want
+
+
+def test_compile_key_names_what_the_compile_depends_on(tiny_model):
+    """Two exports of one graph share a key; other options, thread counts or graphs do not."""
+    from aotgen.export.aoti import compile_key, example_inputs, export_graph, graph_specs
+    from aotgen.model.llama import new_kv_cache
+
+    model, cfg, cache_len = tiny_model
+    caches = new_kv_cache(cfg, cache_len)
+    prefill, decode, _ = graph_specs(TINY_RECIPE["prefill_chunk"], TINY_RECIPE["verify_k"])
+    args = example_inputs(decode, caches)
+    key = compile_key(export_graph(model, decode, caches), args, {"max_autotune": False})
+    assert compile_key(export_graph(model, decode, caches), args, {"max_autotune": False}) == key
+    ep = export_graph(model, decode, caches)
+    assert compile_key(ep, args, {"max_autotune": True}) != key
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert compile_key(ep, args, {"max_autotune": False}) != key
+    finally:
+        torch.set_num_threads(threads)
+    other = export_graph(model, prefill, caches)
+    assert compile_key(other, example_inputs(prefill, caches), {"max_autotune": False}) != key
+
+
 # ---- bad input ------------------------------------------------------------------------------
 
 

@@ -8,7 +8,10 @@ package stores them once, and the runtime binds that one copy to every graph.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 from torch.export import Dim, ExportedProgram
+from torch.utils import _pytree as pytree
 
 
 @dataclass(frozen=True)
@@ -75,15 +79,94 @@ def inductor_options(max_autotune: bool, device: str) -> dict:
     return options
 
 
-def compile_graph(ep: ExportedProgram, args: tuple, max_autotune: bool) -> list[str]:
-    """AOTInductor-compile one exported graph; returns the files for `package_aoti`."""
+def graph_identity(ep: ExportedProgram) -> tuple:
+    """The graph as the compiler sees it: its code, and the metadata (not the values) of the
+    constants it binds by name. Graphs equal in this compile to the same code, so one compile
+    serves every TP rank, and a cached compile serves a later build."""
+    consts = constant_sources(ep)
+    return (
+        ep.graph_module.code,
+        # Storage offsets too: Inductor bakes them into the constant table.
+        sorted((n, t.shape, t.stride(), t.storage_offset(), t.dtype) for n, t in consts.items()),
+    )
+
+
+def compile_key(ep: ExportedProgram, args: tuple, options: dict) -> str:
+    """Everything an AOTInductor compile depends on: the graph, its input shapes and dynamic
+    ranges, the options and the rest of Inductor's config, the thread count (the C++ backend
+    sizes its parallel loops by it), torch, the CPU's ISA or the GPU, and the C++ compiler."""
+    from torch._inductor import config
+    from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
+
+    inputs = [(t.shape, t.stride(), t.dtype, t.device) for t in pytree.tree_leaves(args)]
+    # aot_compile fills aot_inductor.metadata in (device, ISA) on its first call: drop it,
+    # or a process's first graph would key differently from the same graph later.
+    inductor = {
+        k: v for k, v in config.save_config_portable().items() if k != "aot_inductor.metadata"
+    }
+    device = args[0].device
+    hardware = (
+        torch.cuda.get_device_properties(device).name + str(torch.cuda.get_device_capability())
+        if device.type == "cuda"
+        else torch.backends.cpu.get_cpu_capability()
+    )
+    parts = (
+        graph_identity(ep),
+        inputs,
+        sorted((str(k), str(v)) for k, v in ep.range_constraints.items()),
+        json.dumps(options, sort_keys=True),
+        json.dumps(inductor, sort_keys=True, default=repr),
+        torch.get_num_threads(),
+        torch.__version__,
+        hardware,
+        get_compiler_version_info(get_cpp_compiler()),
+    )
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def compile_graph(
+    ep: ExportedProgram, args: tuple, max_autotune: bool, cache: Path | None = None
+) -> tuple[list[str], bool]:
+    """AOTInductor-compile one exported graph; returns the files for `package_aoti` and
+    whether they came from `cache`.
+
+    A compile takes minutes (about one per 30-layer graph here) and the same graph recurs
+    across builds: a speculative recipe's target graphs are the plain recipe's, and a new
+    draft or k leaves most graphs as they were. So compiles are kept in `cache` by
+    `compile_key`: the weights are not in the `.so`, so equal keys compile to equal files.
+    """
     import torch._inductor
 
+    options = inductor_options(max_autotune, args[0].device.type)
+    entry = cache / compile_key(ep, args, options) if cache else None
+    if entry and (entry / "files.json").is_file():
+        names = json.loads((entry / "files.json").read_text())
+        return [str(entry / name) for name in names], True
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        return torch._inductor.aot_compile(
-            ep.module(), args, options=inductor_options(max_autotune, args[0].device.type)
-        )
+        files = torch._inductor.aot_compile(ep.module(), args, options=options)
+    if entry:
+        _store(entry, [f for f in files if f])
+    return files, False
+
+
+def _store(entry: Path, files: list[str]) -> None:
+    """Copy a compile's files into the cache: into a temporary dir, renamed into place, so a
+    reader sees a complete entry or none (and a concurrent build's copy is as good)."""
+    if not all(isinstance(f, str) for f in files) or len({Path(f).name for f in files}) < len(
+        files
+    ):
+        return  # not plain files with distinct names: not cacheable as such
+    tmp = entry.with_name(f".{entry.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in files:
+        shutil.copy2(f, tmp / Path(f).name)
+    (tmp / "files.json").write_text(json.dumps([Path(f).name for f in files]))
+    try:
+        tmp.rename(entry)
+    except OSError:  # another build stored it first
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def package_graphs(path: Path, files: dict[str, list[str]]) -> None:
@@ -98,5 +181,6 @@ def constant_sources(ep: ExportedProgram) -> dict[str, Tensor]:
 
 
 def use_cache_dir(cache_dir: Path) -> None:
-    """Keep Inductor's compile cache in the project cache so unchanged graphs rebuild fast."""
+    """Keep Inductor's working files in the project cache dir (compiled graphs are reused
+    through `compile_graph`'s own cache there, `graphs/`)."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cache_dir).resolve() / "inductor"))

@@ -35,6 +35,7 @@ from aotgen.export.aoti import (
     constant_sources,
     example_inputs,
     export_graph,
+    graph_identity,
     graph_specs,
     package_graphs,
     use_cache_dir,
@@ -83,6 +84,7 @@ class GraphReport:
     export_s: float
     compile_s: float
     so_bytes: int
+    cached: bool = False  # the compile came from the project cache
 
 
 @dataclass
@@ -328,10 +330,12 @@ def _compile_model(
     recipe: Recipe,
     progress: BuildProgress,
     report: BuildReport,
+    compile_cache: Path,
     ranks: list[nn.Module] | None = None,
     rank_cfg: ModelConfig | None = None,
 ) -> tuple[dict[str, list[str]], list[dict[str, Tensor]], dict[str, Any]]:
-    """Export and compile each graph; returns files, constants per rank, signatures.
+    """Export and compile each graph (or take the compile from `compile_cache`); returns
+    files, constants per rank, signatures.
 
     Tensor parallel: `ranks` are the per-rank shards. Each rank is exported (cheaper than
     a compile), but only rank 0 is compiled: the ranks' graphs are identical but for the
@@ -358,16 +362,18 @@ def _compile_model(
         ep = eps[0]
         t1 = time.perf_counter()
         progress.advance("export", f"{mb.role}/{spec.name}")
-        graph_files = compile_graph(ep, example_inputs(spec, cache), recipe.compile.max_autotune)
+        graph_files, cached = compile_graph(
+            ep, example_inputs(spec, cache), recipe.compile.max_autotune, compile_cache
+        )
         t2 = time.perf_counter()
-        progress.advance("compile", f"{mb.role}/{spec.name}")
+        progress.advance("compile", f"{mb.role}/{spec.name}{' (cached)' if cached else ''}")
         key = f"{mb.role}_{spec.name}"
         files[key] = graph_files
         for rank_sources, rank_ep in zip(sources, eps, strict=True):
             rank_sources.update(constant_sources(rank_ep))
         signatures[spec.name] = {"package_model": key, **graph_signature(spec, mb.config, cache)}
         so_bytes = sum(os.path.getsize(f) for f in graph_files if f.endswith(".so"))
-        report.graphs.append(GraphReport(mb.role, spec.name, t1 - t0, t2 - t1, so_bytes))
+        report.graphs.append(GraphReport(mb.role, spec.name, t1 - t0, t2 - t1, so_bytes, cached))
     return files, sources, signatures
 
 
@@ -376,6 +382,7 @@ def _compile_sharded(
     recipe: Recipe,
     progress: BuildProgress,
     report: BuildReport,
+    compile_cache: Path,
     styles: dict[str, str],
     world: int,
 ) -> tuple[dict[str, list[str]], list[dict[str, Tensor]], dict[str, Any], str]:
@@ -384,7 +391,7 @@ def _compile_sharded(
     with fake_process_group(world) as group_name:
         ranks = [shard_model(mb.model, styles, r, world, group_name) for r in range(world)]
         compiled = _compile_model(
-            mb, recipe, progress, report, ranks, rank_config(mb.config, world)
+            mb, recipe, progress, report, compile_cache, ranks, rank_config(mb.config, world)
         )
     return (*compiled, group_name)
 
@@ -399,20 +406,9 @@ def _cache_sharing(role: str, recipe: Recipe) -> dict[str, str]:
 
 def _check_same_code(eps: list[ExportedProgram], where: str) -> None:
     """One compile may serve all ranks only if their graphs differ in constant values alone."""
-
-    def shape(ep: ExportedProgram) -> tuple:
-        consts = constant_sources(ep)
-        return (
-            ep.graph_module.code,
-            # Storage offsets too: Inductor bakes them into the constant table.
-            sorted(
-                (n, t.shape, t.stride(), t.storage_offset(), t.dtype) for n, t in consts.items()
-            ),
-        )
-
-    first = shape(eps[0])
+    first = graph_identity(eps[0])
     for rank, ep in enumerate(eps[1:], start=1):
-        if shape(ep) != first:
+        if graph_identity(ep) != first:
             raise RuntimeError(
                 f"{where}: rank {rank}'s exported graph differs from rank 0's beyond its "
                 "weights, so one compiled graph cannot serve both (a sharding bug)"
@@ -455,6 +451,7 @@ def build(
         return report
 
     use_cache_dir(project.cache_dir)
+    compile_cache = project.cache_dir / "graphs"
     if project.threads:
         torch.set_num_threads(project.threads)
     progress.stage("load", 1)
@@ -490,10 +487,12 @@ def build(
         for mb in models:
             if world > 1:
                 files, sources, signatures, group_name = _compile_sharded(
-                    mb, recipe, progress, report, tp_styles[mb.role], world
+                    mb, recipe, progress, report, compile_cache, tp_styles[mb.role], world
                 )
             else:
-                files, sources, signatures = _compile_model(mb, recipe, progress, report)
+                files, sources, signatures = _compile_model(
+                    mb, recipe, progress, report, compile_cache
+                )
             all_files.update(files)
             sources_by_role[mb.role] = sources
             for fuser in (p for p in mb.graph_passes if isinstance(p, FuseLinearsPass)):
