@@ -29,6 +29,17 @@ class CompileOptions:
     fuse_linears: bool = True
 
 
+# KV positions past max_seq_len: a full verify block may run that far. At least 8, so that
+# every k up to 7 gives the same cache shape and so the same prefill/decode graphs: a build
+# that changes only k takes those from the compile cache and compiles the verify graph alone.
+VERIFY_ROOM = 8
+
+
+def kv_cache_len(max_seq_len: int, verify_k: int) -> int:
+    """KV positions per layer for a package serving `max_seq_len` tokens."""
+    return max_seq_len + max(verify_k + 1, VERIFY_ROOM)
+
+
 @dataclass(frozen=True)
 class Recipe:
     name: str
@@ -46,8 +57,7 @@ class Recipe:
 
     @property
     def cache_len(self) -> int:
-        """KV positions per layer: a full verify block may run past max_seq_len."""
-        return self.max_seq_len + self.verify_k + 1
+        return kv_cache_len(self.max_seq_len, self.verify_k)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

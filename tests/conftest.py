@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny import make_tiny_checkpoint  # noqa: E402
 
-from aotgen.recipe import Project, load_recipe, parse_recipe  # noqa: E402
+from aotgen.recipe import Project, kv_cache_len, load_recipe, parse_recipe  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ def tiny_model(tiny_checkpoint):
 
     ckpt = open_checkpoint(tiny_checkpoint)
     cfg = ModelConfig.from_hf(ckpt.config)
-    cache_len = TINY_RECIPE["max_seq_len"] + TINY_RECIPE["verify_k"] + 1
+    cache_len = kv_cache_len(TINY_RECIPE["max_seq_len"], TINY_RECIPE["verify_k"])
     return load_model(cfg, ckpt.load_weights(), cache_len, torch.float32), cfg, cache_len
 
 

@@ -24,7 +24,7 @@ from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
 from aotgen.package.build import build
 from aotgen.package.manifest import PackageError, target_info
 from aotgen.passes.quantize import QuantizePass, kernel_problem, parse_quantize
-from aotgen.recipe import Recipe, RecipeError, parse_recipe
+from aotgen.recipe import Recipe, RecipeError, kv_cache_len, parse_recipe
 from aotgen.runtime.engine import Engine, GenerationConfig
 
 HAS_CUDA = torch.cuda.is_available()
@@ -141,7 +141,7 @@ def test_cuda_package_matches_eager(name, quantize, loose, hidden, gpu_checkpoin
 
     ckpt = open_checkpoint(gpu_checkpoint)
     cfg = ModelConfig.from_hf(ckpt.config)
-    cache_len = TINY_RECIPE["max_seq_len"] + TINY_RECIPE["verify_k"] + 1
+    cache_len = kv_cache_len(TINY_RECIPE["max_seq_len"], TINY_RECIPE["verify_k"])
     model = load_model(cfg, ckpt.load_weights(), cache_len, torch.float32).to("cuda")
     qp = QuantizePass(parse_quantize(quantize), "cuda") if quantize else None
     caches = {k: new_kv_cache(cfg, cache_len, device="cuda") for k in ("eager", "fp32")}

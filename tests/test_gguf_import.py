@@ -137,7 +137,7 @@ def test_recipe_builds_from_a_gguf_file(tmp_path: Path, project) -> None:
     from aotgen.checkpoint.hf import open_checkpoint
     from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
     from aotgen.package.build import build
-    from aotgen.recipe import parse_recipe
+    from aotgen.recipe import kv_cache_len, parse_recipe
     from aotgen.runtime.engine import Engine
 
     _write_gguf(tmp_path / "tiny.gguf", "llama", _tiny_llama_tensors(np.random.default_rng(4)))
@@ -150,7 +150,7 @@ def test_recipe_builds_from_a_gguf_file(tmp_path: Path, project) -> None:
 
     ckpt = open_checkpoint(imported[0])
     cfg = ModelConfig.from_hf(ckpt.config)
-    cache_len = TINY_RECIPE["max_seq_len"] + TINY_RECIPE["verify_k"] + 1
+    cache_len = kv_cache_len(TINY_RECIPE["max_seq_len"], TINY_RECIPE["verify_k"])
     model = load_model(cfg, ckpt.load_weights(), cache_len, torch.float32)
     ids = [1, 50, 60, 70, 80, 90, 100]
     with torch.no_grad():

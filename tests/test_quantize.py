@@ -40,7 +40,7 @@ from aotgen.passes.quantize import (
     quantize_int8,
     quantize_pass,
 )
-from aotgen.recipe import RecipeError, parse_recipe
+from aotgen.recipe import RecipeError, kv_cache_len, parse_recipe
 from aotgen.runtime.engine import Engine, GenerationConfig
 
 INT8 = {"linear": "int8", "embedding": "int8", "skip": ["model.layers.1.mlp.down_proj"]}
@@ -265,7 +265,7 @@ def test_package_keeps_the_graph_contract(quantized):
     manifest = json.loads((report.path / "manifest.json").read_text())
     entry = manifest["models"]["target"]
     cfg = ModelConfig.from_hf(open_checkpoint(checkpoint).config)
-    cache_len = TINY_RECIPE["max_seq_len"] + TINY_RECIPE["verify_k"] + 1
+    cache_len = kv_cache_len(TINY_RECIPE["max_seq_len"], TINY_RECIPE["verify_k"])
     cache = new_kv_cache(cfg, cache_len)
     specs = graph_specs(TINY_RECIPE["prefill_chunk"], TINY_RECIPE["verify_k"])
     assert list(entry["graphs"]) == [s.name for s in specs]
@@ -339,7 +339,7 @@ def tiny_model_for():
         if checkpoint not in models:
             ckpt = open_checkpoint(checkpoint)
             cfg = ModelConfig.from_hf(ckpt.config)
-            cache_len = TINY_RECIPE["max_seq_len"] + TINY_RECIPE["verify_k"] + 1
+            cache_len = kv_cache_len(TINY_RECIPE["max_seq_len"], TINY_RECIPE["verify_k"])
             model = load_model(cfg, ckpt.load_weights(), cache_len, torch.float32)
             models[checkpoint] = (model, cfg, cache_len)
         return models[checkpoint]
