@@ -106,7 +106,8 @@ def compile_key(ep: ExportedProgram, args: tuple, options: dict) -> str:
     }
     device = args[0].device
     hardware = (
-        torch.cuda.get_device_properties(device).name + str(torch.cuda.get_device_capability())
+        f"{torch.cuda.get_device_properties(device).name} sm{torch.cuda.get_device_capability()}"
+        f" cuda {torch.version.cuda}"
         if device.type == "cuda"
         else torch.backends.cpu.get_cpu_capability()
     )
@@ -153,16 +154,17 @@ def compile_graph(
 def _store(entry: Path, files: list[str]) -> None:
     """Copy a compile's files into the cache: into a temporary dir, renamed into place, so a
     reader sees a complete entry or none (and a concurrent build's copy is as good)."""
-    if not all(isinstance(f, str) for f in files) or len({Path(f).name for f in files}) < len(
-        files
-    ):
-        return  # not plain files with distinct names: not cacheable as such
+    if not all(isinstance(f, str) for f in files):
+        return  # e.g. weights packaged as objects: not plain files, not cached
+    names = [Path(f).name for f in files]
+    if len(set(names)) < len(names):
+        return  # the package keeps base names only; clashing ones cannot be stored as such
     tmp = entry.with_name(f".{entry.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for f in files:
-        shutil.copy2(f, tmp / Path(f).name)
-    (tmp / "files.json").write_text(json.dumps([Path(f).name for f in files]))
+    for f, name in zip(files, names, strict=True):
+        shutil.copy2(f, tmp / name)
+    (tmp / "files.json").write_text(json.dumps(names))
     try:
         tmp.rename(entry)
     except OSError:  # another build stored it first
