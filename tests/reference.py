@@ -8,6 +8,7 @@ import torch
 
 from aotgen.checkpoint.hf import open_checkpoint
 from aotgen.model.llama import ModelConfig, Transformer, load_model, new_kv_cache
+from aotgen.recipe import kv_cache_len
 
 
 class EagerModel:
@@ -64,7 +65,7 @@ def eager_engine(
     from aotgen.runtime.engine import Engine
     from aotgen.runtime.tokenizer import Tokenizer
 
-    cache_len = max_seq_len + verify_k + 1
+    cache_len = kv_cache_len(max_seq_len, verify_k)
     target_runner = EagerRunner(target, cache_len)
     draft_runner = EagerRunner(draft, cache_len) if draft else None
     if draft_runner and share_kv:
