@@ -45,6 +45,8 @@ from aotgen.runtime.engine import Engine, GenerationConfig
 
 INT8 = {"linear": "int8", "embedding": "int8", "skip": ["model.layers.1.mlp.down_proj"]}
 INT4 = {"linear": {"int4": {"groupsize": 32}}, "overrides": {"lm_head": "int8"}}
+# int4/int8 weights x int8 activations (kernels/block_dot.py), as the spec recipe's draft
+BLOCK = {**INT4, "embedding": "int8", "activations": "int8"}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -109,6 +111,8 @@ def test_kernels_use_the_dequantized_weights(weight):
         ("int8", "expected a mapping"),
         ({"linear": "int8", "overrides": ["lm_head"]}, "overrides: expected"),
         ({"overrides": {"lm_head": "int2"}}, "unknown scheme 'int2'"),
+        ({"linear": "int4", "activations": "int8"}, "write {int4: {groupsize: 32}}"),
+        ({"linear": "int8", "activations": "int8", "method": "gptq"}, "not implemented"),
     ],
 )
 def test_bad_options(raw, match):
@@ -253,15 +257,22 @@ def int4_build(tiny_checkpoint, project):
     return _build(tiny_checkpoint, INT4, "tiny-int4", project)
 
 
-@pytest.fixture(params=["int8", "int4"])
-def quantized(request, int8_build, int4_build, tied_checkpoint, tiny_checkpoint):
+@pytest.fixture(scope="module")
+def block_build(tied_checkpoint, project):
+    return _build(tied_checkpoint, BLOCK, "tiny-block", project)
+
+
+@pytest.fixture(params=["int8", "int4", "block"])
+def quantized(request, tied_checkpoint, tiny_checkpoint):
     if request.param == "int8":
-        return int8_build, tied_checkpoint, INT8
-    return int4_build, tiny_checkpoint, INT4
+        return request.getfixturevalue("int8_build"), tied_checkpoint, INT8
+    if request.param == "int4":
+        return request.getfixturevalue("int4_build"), tiny_checkpoint, INT4
+    return request.getfixturevalue("block_build"), tied_checkpoint, BLOCK
 
 
 def test_package_keeps_the_graph_contract(quantized):
-    report, checkpoint, _ = quantized
+    report, checkpoint, raw = quantized
     manifest = json.loads((report.path / "manifest.json").read_text())
     entry = manifest["models"]["target"]
     cfg = ModelConfig.from_hf(open_checkpoint(checkpoint).config)
@@ -275,7 +286,7 @@ def test_package_keeps_the_graph_contract(quantized):
     assert entry["kv_cache"]["dtype"] == "float32"
     assert entry["kv_cache"]["shape"] == list(cache[0].shape)
     q = entry["quantization"]
-    assert q["linear"]["activation_dtype"] == "bfloat16"
+    assert q["linear"]["activation_dtype"] == raw.get("activations", "bfloat16")
     assert q["perplexity"]["package"] > 0
 
 
@@ -305,6 +316,11 @@ def test_compiled_matches_eager_quantized_and_fp32(quantized, tiny_model_for):
     model, cfg, cache_len = tiny_model_for(checkpoint)
     qp = QuantizePass(parse_quantize(raw))
     loose = 0.05 if raw is INT8 else 0.15
+    # Block kernels: eager runs their torch reference, and a 1e-7 difference upstream can
+    # move an activation code across a rounding tie (1/127 of its block's maximum). One such
+    # code in layer 1 at one position measured 0.47 % on prefill logits (decode and verify:
+    # 1.3e-7). tests/test_block_dot.py holds the kernel itself to 1e-5 of the reference.
+    tight = 2e-2 if raw is BLOCK else 1e-4
     g = torch.Generator().manual_seed(0)
     specs = graph_specs(TINY_RECIPE["prefill_chunk"], TINY_RECIPE["verify_k"])
     caches = {k: new_kv_cache(cfg, cache_len) for k in ("eager", "fp32")}
@@ -327,7 +343,7 @@ def test_compiled_matches_eager_quantized_and_fp32(quantized, tiny_model_for):
             got = runner.graphs[name](tokens, pos, runner.caches)
             ref_q = eager[name](tokens, pos, caches["eager"])
             ref = model(tokens, pos, caches["fp32"])
-        assert _rel(got, ref_q) < 1e-4, name
+        assert _rel(got, ref_q) < tight, name
         assert _rel(got, ref) < loose, name
 
 
@@ -347,11 +363,13 @@ def tiny_model_for():
     return get
 
 
-def test_report_notes_and_perplexity(int8_build, int4_build):
+def test_report_notes_and_perplexity(int8_build, int4_build, block_build):
     notes = "\n".join(int8_build.notes)
     assert "x int8" in notes and "kept in float (skip pattern" in notes
     assert "x int4-g32, 1 x int8" in "\n".join(int4_build.notes)  # lm_head's override
-    for report, bound in ((int8_build, 0.02), (int4_build, 0.1)):  # measured 0.3 %, 0.15 %
+    assert "kernels compute in int8" in "\n".join(block_build.notes)
+    # measured 0.3 %, 0.15 %, block
+    for report, bound in ((int8_build, 0.02), (int4_build, 0.1), (block_build, 0.1)):
         ppl = report.perplexity
         assert abs(ppl["package"] / ppl["reference"] - 1) < bound, ppl
 
@@ -365,18 +383,20 @@ GENERATE = textwrap.dedent(
     ids = engine.tokenizer.encode("The quick brown fox")
     result = engine.generate(ids, GenerationConfig(max_new_tokens=12, ignore_eos=True))
     assert len(result.token_ids) == 12, result
-    loaded = sorted(m for m in sys.modules if m.startswith(("aotgen.passes", "aotgen.model")))
+    prefixes = ("aotgen.passes", "aotgen.model", "aotgen.kernels")
+    loaded = sorted(m for m in sys.modules if m.startswith(prefixes))
     assert not loaded and "torch._inductor.lowering" not in sys.modules, loaded
     print("OK", result.token_ids)
     """
 )
 
 
-@pytest.mark.parametrize("which", ["int8", "int4"])
-def test_unchanged_runtime_generates(which, int8_build, int4_build):
-    """A fresh process, with no aotgen pass (nor the int4 lowering) imported, runs greedy
-    generation on the quantized package; it matches the in-process engine."""
-    report = int8_build if which == "int8" else int4_build
+@pytest.mark.parametrize("which", ["int8", "int4", "block"])
+def test_unchanged_runtime_generates(which, request):
+    """A fresh process, with no aotgen pass, kernel module (its ops are compiled into the
+    package) or the int4 lowering imported, runs greedy generation on the quantized package;
+    it matches the in-process engine."""
+    report = request.getfixturevalue(f"{which}_build")
     proc = subprocess.run(
         [sys.executable, "-c", GENERATE, str(report.path)], capture_output=True, text=True
     )

@@ -21,6 +21,8 @@ from torch import Tensor, nn
 from torch.export import Dim, ExportedProgram
 from torch.utils import _pytree as pytree
 
+from aotgen.kernels import block_dot
+
 
 @dataclass(frozen=True)
 class GraphSpec:
@@ -62,6 +64,9 @@ def export_graph(model: nn.Module, spec: GraphSpec, caches: list[Tensor]) -> Exp
         return torch.export.export(
             model, example_inputs(spec, caches), dynamic_shapes=dynamic_shapes, strict=False
         )
+
+
+C_SHIMS = "aot_inductor.custom_ops_to_c_shims"
 
 
 def inductor_options(max_autotune: bool, device: str) -> dict:
@@ -111,17 +116,20 @@ def compile_key(ep: ExportedProgram, args: tuple, options: dict) -> str:
         if device.type == "cuda"
         else torch.backends.cpu.get_cpu_capability()
     )
+    shims = options.get(C_SHIMS, {})
     parts = (
         graph_identity(ep),
         inputs,
         sorted((str(k), str(v)) for k, v in ep.range_constraints.items()),
-        json.dumps(options, sort_keys=True),
+        json.dumps({k: v for k, v in options.items() if k != C_SHIMS}, sort_keys=True),
         json.dumps(inductor, sort_keys=True, default=repr),
         torch.get_num_threads(),
         torch.__version__,
         hardware,
         get_compiler_version_info(get_cpp_compiler()),
     )
+    if shims:  # the C++ of custom kernels compiled into the graph (kernels/block_dot.py)
+        parts += (sorted((str(op), source) for op, source in shims.items()),)
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
@@ -139,6 +147,8 @@ def compile_graph(
     import torch._inductor
 
     options = inductor_options(max_autotune, args[0].device.type)
+    if block_dot.uses_block_ops(ep.graph):
+        options[C_SHIMS] = block_dot.c_shims()
     entry = cache / compile_key(ep, args, options) if cache else None
     if entry and (entry / "files.json").is_file():
         names = json.loads((entry / "files.json").read_text())

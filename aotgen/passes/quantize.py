@@ -54,6 +54,7 @@ from torch import Tensor
 from torch.export import ExportedProgram
 from torch.fx import Node
 
+from aotgen.kernels import block_dot
 from aotgen.passes.fx import WeightEditor, compact_names, op_name
 from aotgen.passes.fx import emit as emit_node
 from aotgen.passes.gptq import gptq_codes, input_hessians
@@ -65,7 +66,7 @@ SCHEMES = ("int8", "int4")
 EMBEDDING_SCHEMES = ("int8",)
 GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_GROUPSIZE = 64
-ACTIVATION_DTYPES = ("bfloat16", "float32")
+ACTIVATION_DTYPES = ("bfloat16", "float32", "int8")
 METHODS = ("rtn", "gptq")
 OPTION_KEYS = ("linear", "embedding", "skip", "overrides", "activations", "method", "calibration")
 CALIBRATION_TEXT = Path(__file__).resolve().parents[1] / "data" / "calibration.txt"
@@ -168,6 +169,14 @@ def parse_quantize(raw: dict[str, Any] | None) -> QuantizeOptions | None:
     method = raw.get("method", "rtn")
     if method not in METHODS:
         raise RecipeError(f"quantize.method: {method!r}; valid: {', '.join(METHODS)}")
+    if act == "int8":
+        overridden = [(f"overrides.{p}", s) for p, s in override_schemes]
+        _check_block_schemes([("linear", linear), *overridden])
+        if method != "rtn":
+            raise RecipeError(
+                "quantize.method: gptq is not implemented for `activations: int8`; "
+                "drop `method` (round to nearest)"
+            )
     calibration = Path(raw.get("calibration") or CALIBRATION_TEXT)
     if "calibration" in raw and method != "gptq":
         raise RecipeError("quantize.calibration: only `method: gptq` reads calibration text")
@@ -179,6 +188,16 @@ def parse_quantize(raw: dict[str, Any] | None) -> QuantizeOptions | None:
     return QuantizeOptions(
         linear, embedding, tuple(skip), override_schemes, act, method, calibration
     )
+
+
+def _check_block_schemes(schemes: list[tuple[str, Scheme | None]]) -> None:
+    """`activations: int8` runs the block kernels (kernels/block_dot.py): blocks of 32."""
+    for where, scheme in schemes:
+        if scheme is not None and scheme.kind == "int4" and scheme.groupsize != block_dot.BLOCK:
+            raise RecipeError(
+                f"quantize.{where}: int4 with `activations: int8` quantizes in blocks of "
+                f"{block_dot.BLOCK}; write {{int4: {{groupsize: {block_dot.BLOCK}}}}}"
+            )
 
 
 # ---- quantize / dequantize (plain tensors) ---------------------------------------------------
@@ -367,12 +386,19 @@ class QuantizePass:
     def __init__(self, options: QuantizeOptions, device: str = "cpu"):
         self.options = options
         self.device = device
-        self.act_dtype = getattr(torch, options.activations)
+        # int8 activations are quantized inside the block kernels, which take float32.
+        self.blocks = options.activations == "int8"
+        self.act_dtype = torch.float32 if self.blocks else getattr(torch, options.activations)
+        if self.blocks and device != "cpu":
+            raise RecipeError(
+                f"quantize.activations: int8 runs AVX2/portable CPU kernels; on {device} use "
+                "bfloat16 (the default) or float32"
+            )
         schemes = [("linear", options.linear), ("embedding", options.embedding)]
         schemes += [(f"overrides.{p}", s) for p, s in options.overrides]
         for where, scheme in schemes:
-            if scheme is None:
-                continue
+            if scheme is None or self.blocks:
+                continue  # the block kernels are compiled into the package: nothing to probe
             problem = kernel_problem(scheme.kind, device, options.activations)
             if problem:
                 where_run = torch.backends.cpu.get_cpu_capability() if device == "cpu" else device
@@ -452,30 +478,33 @@ class QuantizePass:
     def manifest_entry(self) -> dict[str, Any]:
         """What the manifest records: schemes, dtypes, and which ops stayed float."""
 
-        def describe(s: Scheme | None, kernel: str) -> dict[str, Any] | None:
+        def describe(s: Scheme | None, kernel: str, blocks: bool) -> dict[str, Any] | None:
             if s is None:
                 return None
             return {
                 "scheme": s.kind,
                 "groupsize": s.groupsize,
                 "symmetric": s.kind == "int8",
-                "granularity": "per-channel" if s.kind == "int8" else "per-group",
+                "granularity": "per-channel" if s.kind == "int8" and not blocks else "per-group",
                 "weight_dtype": "int8" if s.kind == "int8" else "uint4 (packed)",
-                "scale_dtype": self.options.activations,
+                "scale_dtype": "float16" if blocks else str(self.act_dtype).removeprefix("torch."),
                 "activation_dtype": self.options.activations,
                 "kernel": kernel,
             }
 
         lin = self.options.linear
-        if lin and lin.kind == "int8":
+        if self.blocks:
+            kind = lin.kind if lin else "int8"
+            lin_kernel = f"aotgen.{kind}_block_linear (kernels/block_dot.cpp)"
+        elif lin and lin.kind == "int8":
             lin_kernel = "aten._weight_int8pack_mm"
         elif self.device == "cpu":
             lin_kernel = "quantized.int4mm_packed_weight_cpu (aten._weight_int4pack_mm_for_cpu)"
         else:
             lin_kernel = "aten._weight_int4pack_mm (tinygemm)"
         return {
-            "linear": describe(lin, lin_kernel),
-            "embedding": describe(self.options.embedding, "gather + scale"),
+            "linear": describe(lin, lin_kernel, self.blocks),
+            "embedding": describe(self.options.embedding, "gather + scale", False),
             "method": self.options.method,
             "calibration": (
                 {"text": self.options.calibration.name, "tokens": self.calibration_tokens}
@@ -525,7 +554,13 @@ class QuantizePass:
                 continue
             device = source.device.type
             in_features = source.shape[-1]
-            if scheme.kind == "int4":
+            blocks = self.blocks and node.target is aten.linear.default
+            if blocks:
+                in_features = block_dot.in_features(in_features, 4 if scheme.kind == "int4" else 8)
+                if in_features > block_dot.MAX_IN_FEATURES:
+                    self.skipped[name] = f"block kernels take <= {block_dot.MAX_IN_FEATURES} inputs"
+                    continue
+            elif scheme.kind == "int4":
                 in_features, problem = int4_in_features(*source.shape, scheme.groupsize, device)
                 if problem:
                     self.skipped[name] = f"int4: {problem}"
@@ -535,17 +570,19 @@ class QuantizePass:
             if in_features != source.shape[-1]:
                 self.padded[name] = (source.shape[-1], in_features)
             hessian = self._hessian(source) if node.target is aten.linear.default else None
-            q = self._quantize(source, scheme, device, hessian, in_features)
+            q = self._quantize(source, scheme, device, hessian, in_features, blocks)
             # A tied weight can be GPTQ-rounded as lm_head and rounded to nearest as the
             # embedding: two tensors, two names.
             prefix = f"{target}_gptq" if hessian is not None else target
             nodes = {sfx: edit.add(f"{prefix}_{sfx}", t) for sfx, t in q.tensors.items()}
-            if scheme.kind == "int4":
+            if scheme.kind == "int4" and not blocks:
                 g = scheme.groupsize
                 nodes["groupsize"] = edit.add(f"int4_groupsize_{g}", self._groupsize(g))
             with graph.inserting_before(node):
                 if node.target is aten.linear.default:
-                    out = self._linear(node, nodes, scheme, device, emit, inputs, in_features)
+                    out = self._linear(
+                        node, nodes, scheme, device, emit, inputs, in_features, blocks
+                    )
                 else:
                     out = self._embedding(node, nodes, emit)
             node.replace_all_uses_with(out)
@@ -573,15 +610,21 @@ class QuantizePass:
         device: str,
         hessian: Tensor | None,
         in_features: int,
+        blocks: bool = False,
     ) -> _Quantized:
-        """Quantize once per (source tensor, scheme, GPTQ or not): every graph gets the same
-        objects. GPTQ runs when the linear's input Hessian is given."""
-        key = (id(source), scheme, self.options.activations, hessian is not None)
+        """Quantize once per (source tensor, scheme, layout, GPTQ or not): every graph gets
+        the same objects. GPTQ runs when the linear's input Hessian is given. `blocks`: the
+        layouts of the block kernels (a tied embedding keeps its per-row int8)."""
+        key = (id(source), scheme, self.options.activations, hessian is not None, blocks)
         if key not in self._cache:
             self._keep.append(source)
             w, hessian = pad_in_features(source, hessian, in_features)
             act = self.act_dtype
-            if scheme.kind == "int8":
+            if blocks:
+                int4 = scheme.kind == "int4"
+                q, s = (block_dot.quantize_int4 if int4 else block_dot.quantize_int8)(w)
+                tensors = {f"{scheme.kind}b32": q, f"{scheme.kind}b32_scales": s}
+            elif scheme.kind == "int8":
                 q, s = quantize_int8(w, act)
                 if hessian is not None:
                     scale = s.float()[:, None].expand_as(q)
@@ -613,6 +656,7 @@ class QuantizePass:
         emit: Any,
         inputs: dict[tuple[Node, int], Node],
         in_features: int,
+        blocks: bool = False,
     ) -> Node:
         x, _w, *rest = node.args
         bias = rest[0] if rest else None
@@ -638,7 +682,11 @@ class QuantizePass:
             pad = [0, in_features - k]
             inputs[(x, in_features)] = emit(node, aten.constant_pad_nd.default, inputs[(x, k)], pad)
         h = inputs[(x, in_features)]
-        if scheme.kind == "int8":
+        if blocks:
+            op = block_dot.OPS[0] if scheme.kind == "int4" else block_dot.OPS[1]
+            sfx = f"{scheme.kind}b32"
+            h = emit(node, op, h, consts[sfx], consts[f"{sfx}_scales"])
+        elif scheme.kind == "int8":
             # CPU and CUDA (AOTI has a C shim for both).
             h = emit(
                 node, aten._weight_int8pack_mm.default, h, consts["int8"], consts["int8_scales"]
