@@ -276,6 +276,43 @@ def test_self_speculation_draft_can_be_quantized(tiny_checkpoint, project):
     assert spec.spec.drafted > 0 and spec.spec.accepted > 0
 
 
+def test_block_quantized_draft_keeps_greedy_output(tiny_checkpoint, project):
+    """The spec recipe's draft: the target's weights as int4 (int8 head) with int8
+    activations (kernels/block_dot.py), compiled into the package: lossy, so only the
+    acceptance shows it, never the output."""
+    from conftest import TINY_RECIPE
+
+    from aotgen.package.build import build
+    from aotgen.recipe import parse_recipe
+    from aotgen.runtime.engine import Engine
+
+    quantize = {
+        "linear": {"int4": {"groupsize": 32}},
+        "overrides": {"lm_head": "int8"},
+        "embedding": "int8",
+        "activations": "int8",
+    }
+    recipe = parse_recipe(
+        {
+            "checkpoint": str(tiny_checkpoint),
+            **{k: v for k, v in TINY_RECIPE.items() if k != "verify_k"},
+            "speculative": {"draft": {"quantize": quantize}, "k": 4},
+        },
+        "tiny-block-draft",
+        Path("."),
+    )
+    engine = Engine.load(build(recipe, project).path)
+    linear = engine.manifest["models"]["draft"]["quantization"]["linear"]
+    assert linear["activation_dtype"] == "int8" and "block_linear" in linear["kernel"]
+    for prompt in PROMPTS:
+        ids = engine.tokenizer.encode(prompt)
+        plain = _greedy(engine, ids)
+        for mode, k in (("draft", 1), ("draft", 4), ("draft+ngram", 3)):
+            spec = _greedy(engine, ids, speculative=mode, k=k)
+            assert spec.token_ids == plain.token_ids, (prompt, mode, k)
+            assert spec.spec.accepted > 0
+
+
 def test_separate_draft_keeps_its_own_cache(spec_package):
     from aotgen.runtime.engine import Engine
 

@@ -31,6 +31,9 @@ namespace aotgen_block_dot {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kMaxBlocks = 1024;  // K <= 32768: per-row scale tables live on the stack
+// Bytes ahead to prefetch in a 4-row group: each call streams a few hundred KB, too short for
+// the hardware prefetcher to ramp up (the draft's 121 linears: 5.3-5.9 -> 4.1-4.8 ms).
+constexpr int64_t kPrefetch = 1024;
 
 inline float half_to_float(uint16_t h) {
   uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ffu, bits;
@@ -163,6 +166,10 @@ inline void int4_rows(const uint8_t* w, const uint16_t* scales, int64_t K, const
   for (int64_t p = 0; p < nb / 2; p++) {
     const __m256i x0 = _mm256_loadu_si256((const __m256i*)(qx + 64 * p));
     const __m256i x1 = _mm256_loadu_si256((const __m256i*)(qx + 64 * p + 32));
+    if constexpr (R == 4) {
+      _mm_prefetch((const char*)(w + 128 * p + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch((const char*)(w + 128 * p + kPrefetch + 64), _MM_HINT_T0);
+    }
     for (int r = 0; r < R; r++) {
       const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 32 * (R * p + r)));
       const __m256i lo = _mm256_and_si256(v, low);
@@ -188,6 +195,10 @@ inline void int8_rows(const int8_t* w, const uint16_t* scales, int64_t K, const 
   for (int64_t b = 0; b < nb; b++) {
     const __m256i x = _mm256_loadu_si256((const __m256i*)(qx + kBlock * b));
     const __m256i ax = _mm256_sign_epi8(x, x);  // |x| as unsigned bytes, w takes x's sign
+    if constexpr (R == 4) {
+      _mm_prefetch((const char*)(w + 128 * b + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch((const char*)(w + 128 * b + kPrefetch + 64), _MM_HINT_T0);
+    }
     for (int r = 0; r < R; r++) {
       const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 32 * (R * b + r)));
       const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(v, x)), ones);

@@ -124,8 +124,10 @@ def build_hash(ckpt: Checkpoint, recipe: Recipe) -> str:
             h.update(f"calibration:{sha256_chunks(options.calibration)}\n".encode())
     target = json.dumps(target_info(recipe.device))
     h.update(f"{__version__}|{torch.__version__}|{target}".encode())
-    # The source itself, not just the version: a changed pass must not look "up to date".
-    for src in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
+    # The source itself, not just the version: a changed pass or kernel must not look
+    # "up to date".
+    root = Path(__file__).resolve().parents[1]
+    for src in sorted([*root.rglob("*.py"), *root.rglob("kernels/*.cpp")]):
         h.update(src.read_bytes())
     return h.hexdigest()
 
