@@ -79,22 +79,33 @@ def py_engine(tiny_package: Path) -> Engine:
     return Engine.load(tiny_package)
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["shared-kv", "own-kv"])
+BLOCK_DRAFT = {  # the spec recipe's kind of draft: C++ kernels compiled into the package
+    "quantize": {
+        "linear": {"int4": {"groupsize": 32}},
+        "overrides": {"lm_head": "int8"},
+        "activations": "int8",
+    }
+}
+
+
+@pytest.fixture(scope="module", params=["shared-kv", "own-kv", "block"])
 def draft_package(request, tiny_checkpoint: Path, project) -> Path:
     """The tiny model with a 1-layer draft made from its own first layer, running on the
-    target's KV cache or on its own (~1-2 min build each)."""
+    target's KV cache or on its own, or the whole model with int4 x int8 block kernels on
+    the target's cache (~1-2 min build each)."""
     from aotgen.package.build import build
     from aotgen.recipe import parse_recipe
 
-    share_kv = request.param
+    draft = BLOCK_DRAFT if request.param == "block" else {"layers": 1}
+    share_kv = request.param != "own-kv"
     recipe = parse_recipe(
         {
             "checkpoint": str(tiny_checkpoint),
             "max_seq_len": 160,
             "prefill_chunk": 16,
-            "speculative": {"draft": {"layers": 1}, "k": 4, "share_kv": share_kv},
+            "speculative": {"draft": draft, "k": 4, "share_kv": share_kv},
         },
-        "tiny-draft" if share_kv else "tiny-draft-own-kv",
+        f"tiny-draft-{request.param}",
         Path("."),
     )
     return build(recipe, project).path
@@ -254,7 +265,7 @@ def test_draft_model_speculation(run_bin, draft_package, mode, flags):
     engine = Engine.load(draft_package)
     assert engine.draft is not None
     shared = engine.manifest["models"]["draft"]["kv_cache"].get("shared_with") == "target"
-    assert shared == engine.draft.shares_cache == (draft_package.name == "tiny-draft")
+    assert shared == engine.draft.shares_cache == (draft_package.name != "tiny-draft-own-kv")
     drafted = lookup_steps = 0
     for prompt in PROMPTS:
         ids = engine.tokenizer.encode(prompt)
