@@ -23,6 +23,10 @@ whole-bf16 graph, `dtype: bfloat16`, decoded within noise of it). Scales are rou
 that dtype *before* the weights are quantized against them, so the kernel sees exactly
 the scales the integers were chosen for.
 
+`activations: int8` (CPU): int4 (g32) / int8 weights against activations quantized per row and
+block of 32 as the op runs, integer dot products (`aotgen/kernels/block_dot.py`, C++ compiled into
+the package). Lossy in the activations: meant for speculative drafts.
+
 CUDA (a recipe with `device: cuda`; `_weight_int8pack_mm`, `_weight_int4pack_mm` with
 tinygemm packing): written to the ops' contracts, probed on the GPU at build time, but not
 yet run here: no session so far had a GPU (tests/test_cuda.py runs where one is).
@@ -483,7 +487,7 @@ class QuantizePass:
                 return None
             return {
                 "scheme": s.kind,
-                "groupsize": s.groupsize,
+                "groupsize": block_dot.BLOCK if blocks else s.groupsize,
                 "symmetric": s.kind == "int8",
                 "granularity": "per-channel" if s.kind == "int8" and not blocks else "per-group",
                 "weight_dtype": "int8" if s.kind == "int8" else "uint4 (packed)",
