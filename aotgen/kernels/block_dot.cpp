@@ -1,6 +1,6 @@
 // Integer dot products for linears with int4 / int8 weights and int8 activations in blocks of
 // 32 (llama.cpp's Q4_1 / Q8_0 x Q8_1). Compiled into each graph's .so by AOTInductor as the
-// C shims of `aotgen::int4_block_linear` / `aotgen::int8_block_linear` (passes/block_dot.py).
+// C shims of `aotgen::int4_block_linear` / `aotgen::int8_block_linear` (kernels/block_dot.py).
 //
 // Layouts (K inputs, nb = K / 32 blocks), for a set of R rows: groups of R = 4 rows, then the
 // N % 4 last rows one by one (R = 1), so that the 4-row loop reads memory in order:
@@ -9,7 +9,7 @@
 //         scales fp16, d[b] of row r at R b + r, then m[b] at R (nb + b) + r; w = q d + m
 //   int8 weight: chunk b (32 codes in -127..127) of row r at 32 (R b + r);
 //         scales fp16, d[b] of row r at R b + r; w = q d
-// Activations are quantized per row and block: dx = max|x| / 127, qx = round(x / dx),
+// Activations are quantized per row and block: dx = max|x| / 127, qx = round(x * (1 / dx)),
 // sx = dx * sum(qx). Then out[n] = sum_b d[b] dx[b] sum(q qx) (+ m[b] sx[b] for int4).
 //
 // AVX2: `maddubs` multiplies 32 unsigned x signed bytes and adds pairs (int16), `madd` adds
