@@ -151,7 +151,10 @@ def _(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-OPS = (torch.ops.aotgen.int4_block_linear.default, torch.ops.aotgen.int8_block_linear.default)
+OP_FOR = {  # weight scheme -> the op that runs it
+    "int4": torch.ops.aotgen.int4_block_linear.default,
+    "int8": torch.ops.aotgen.int8_block_linear.default,
+}
 
 
 @cache
@@ -159,8 +162,8 @@ def c_shims() -> dict:
     """`aot_inductor.custom_ops_to_c_shims` for the ops: AOTInductor pastes these strings into
     the graph's wrapper as `extern "C" { extern <string>; }`, which here is a nested C++
     linkage block holding the whole kernel (its shims are static: one copy per `.so`)."""
-    return {OPS[0]: ['"C++" {\n' + SOURCE.read_text() + "\n}"], OPS[1]: []}
+    return {OP_FOR["int4"]: ['"C++" {\n' + SOURCE.read_text() + "\n}"], OP_FOR["int8"]: []}
 
 
 def uses_block_ops(graph: torch.fx.Graph) -> bool:
-    return any(node.target in OPS for node in graph.nodes)
+    return any(node.target in OP_FOR.values() for node in graph.nodes)

@@ -687,9 +687,8 @@ class QuantizePass:
             inputs[(x, in_features)] = emit(node, aten.constant_pad_nd.default, inputs[(x, k)], pad)
         h = inputs[(x, in_features)]
         if blocks:
-            op = block_dot.OPS[0] if scheme.kind == "int4" else block_dot.OPS[1]
             sfx = f"{scheme.kind}b32"
-            h = emit(node, op, h, consts[sfx], consts[f"{sfx}_scales"])
+            h = emit(node, block_dot.OP_FOR[scheme.kind], h, consts[sfx], consts[f"{sfx}_scales"])
         elif scheme.kind == "int8":
             # CPU and CUDA (AOTI has a C shim for both).
             h = emit(
