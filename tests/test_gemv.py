@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from aotgen.passes.gemv import linears_as_reductions, row_groups
+from aotgen.passes.gemv import k_chunks, linears_as_reductions, row_groups
 
 aten = torch.ops.aten
 
@@ -43,6 +43,28 @@ def test_row_groups_give_one_token_independent_chains():
     assert row_groups(7, rows=1) == 1
     assert row_groups(576, rows=2) == 2
     assert row_groups(576, rows=5) == 1  # five token rows are five chains already
+
+
+def test_k_chunks_keep_a_slice_of_the_rows_in_l1():
+    assert k_chunks(1536, rows=7) == 3  # 43 KB of rows -> 3 slices of 512 inputs (14 KB)
+    assert k_chunks(576, rows=7) == 1  # 16 KB: fits
+    assert k_chunks(1536, rows=1) == 1  # decode
+    assert k_chunks(1536, rows=5) == 2
+    assert k_chunks(640, rows=7) == 2
+    assert k_chunks(1000, rows=7) == 1  # no split into equal slices of a multiple of 64
+
+
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_wide_input_reduced_in_slices_matches_eager(tokens):
+    torch.manual_seed(0)
+    model = nn.Linear(640, 40, bias=True).eval()
+    x = torch.randn(1, tokens, 640)
+    ep = linears_as_reductions(torch.export.export(model, (x,)))
+    # 7 rows: a sum over each slice, then over the slices; 1 row: one sum per weight slice.
+    sums = 2 * tokens if tokens == 7 else row_groups(40, 1)
+    assert _targets(ep).count(aten.sum.dim_IntList) == sums
+    torch.testing.assert_close(ep.module()(x), model(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.compile(ep.module())(x), model(x), rtol=1e-5, atol=1e-5)
 
 
 def test_more_rows_than_the_limit_keep_blas():
