@@ -169,8 +169,9 @@ def linears_as_reductions(ep: ExportedProgram, max_rows: int = MAX_ROWS) -> Expo
             if chunks > 1:
                 # [chunks, n] partial sums over slices of the input axis (a view of the
                 # weight), then their sum: a verify step 39.4 -> 36.8 ms (SmolLM2 fp32,
-                # 7 rows, AVX-512, 9 interleaved pairs), down_proj's loop no longer
-                # reading its 43 KB of rows from L2.
+                # 7 rows, AVX-512, 9 interleaved pairs). Inductor still orders the loop
+                # output, slice, input (by the weight's strides), so each output's run over
+                # the rows is a third as long, not slice-outermost.
                 width = k // chunks
                 sliced = add(aten.view.default, weight, [n, chunks, width])
                 sliced = add(aten.permute.default, sliced, [1, 0, 2])
