@@ -75,8 +75,8 @@ def k_chunks(k: int, rows: int) -> int:
     they are 43 KB, more than a 32 KB L1 holds next to the weight stream.
     """
     for chunks in range(1, k // 64 + 1):
-        width, fits = k // chunks, rows * (k // chunks) * 4 <= ROWS_BYTES
-        if k % chunks == 0 and (chunks == 1 or width % 64 == 0) and fits:
+        width = k // chunks
+        if k % chunks == 0 and (chunks == 1 or width % 64 == 0) and rows * width * 4 <= ROWS_BYTES:
             return chunks
     return 1
 
@@ -113,6 +113,54 @@ def _dot_terms(add: Callable[..., Node], xs: list[Node], weights: list[Node]) ->
     for x, w in zip(xs[1:], weights[1:], strict=True):
         total = add(aten.add.Tensor, total, add(aten.mul.Tensor, x, w))
     return total
+
+
+def _input_slice_sums(
+    add: Callable[..., Node], dense: Node, weight: Node, rows: int, chunks: int
+) -> list[Node]:
+    """Each row's dot products as [chunks, n] partial sums over slices of the input axis (a
+    view of the weight), then their sum (see `k_chunks`): a verify step 39.4 -> 36.8 ms
+    (SmolLM2 fp32, 7 rows, AVX-512, 9 interleaved pairs). Inductor still orders the loop
+    output, slice, input (by the weight's strides), so each output's run over the rows is a
+    third as long, not slice-outermost."""
+    n, k = weight.meta["val"].shape
+    width = k // chunks
+    sliced = add(aten.view.default, weight, [n, chunks, width])
+    sliced = add(aten.permute.default, sliced, [1, 0, 2])
+    sums = []
+    for r in range(rows):
+        xr = add(aten.as_strided.default, dense, [chunks, 1, width], [width, 0, 1], r * k)
+        per_slice = add(aten.sum.dim_IntList, add(aten.mul.Tensor, xr, sliced), [-1])
+        sums.append(add(aten.sum.dim_IntList, per_slice, [0]))
+    return sums
+
+
+def _output_slice_sums(
+    add: Callable[..., Node], dense: Node, weight: Node, rows: int, pieces: int
+) -> list[Node]:
+    """Each row's dot products over slices of the weight's outputs (views, no copy), reduced
+    side by side (see `row_groups`); `pieces` 4: int8 weights as 32-bit words."""
+    n, width = weight.meta["val"].shape
+    groups = row_groups(n, rows)
+    size = n // groups
+    parts = (
+        [add(aten.slice.Tensor, weight, 0, g * size, (g + 1) * size) for g in range(groups)]
+        if groups > 1
+        else [weight]
+    )
+    parts = [
+        _int8_bytes(add, add(aten.view.dtype, p, torch.int32)) if pieces == 4 else [p]
+        for p in parts
+    ]
+    sums = []
+    for r in range(rows):
+        xs = [
+            add(aten.as_strided.default, dense, [width], [1], (pieces * r + b) * width)
+            for b in range(pieces)
+        ]
+        dots = [add(aten.sum.dim_IntList, _dot_terms(add, xs, w), [-1]) for w in parts]
+        sums.append(dots[0] if groups == 1 else add(aten.cat.default, dots))
+    return sums
 
 
 def linears_as_reductions(ep: ExportedProgram, max_rows: int = MAX_ROWS) -> ExportedProgram:
@@ -163,48 +211,11 @@ def linears_as_reductions(ep: ExportedProgram, max_rows: int = MAX_ROWS) -> Expo
                 weight = add(aten.view.dtype, weight, torch.float32)
             elif scales is not None:
                 weight = add(aten._to_copy.default, weight, dtype=torch.float32)
-            n = weight.meta["val"].shape[0]
             chunks = k_chunks(k, rows) if rows > 1 and pieces == 1 else 1
-            sums = []
             if chunks > 1:
-                # [chunks, n] partial sums over slices of the input axis (a view of the
-                # weight), then their sum: a verify step 39.4 -> 36.8 ms (SmolLM2 fp32,
-                # 7 rows, AVX-512, 9 interleaved pairs). Inductor still orders the loop
-                # output, slice, input (by the weight's strides), so each output's run over
-                # the rows is a third as long, not slice-outermost.
-                width = k // chunks
-                sliced = add(aten.view.default, weight, [n, chunks, width])
-                sliced = add(aten.permute.default, sliced, [1, 0, 2])
-                for r in range(rows):
-                    xr = add(
-                        aten.as_strided.default, dense, [chunks, 1, width], [width, 0, 1], r * k
-                    )
-                    per_slice = add(aten.sum.dim_IntList, add(aten.mul.Tensor, xr, sliced), [-1])
-                    sums.append(add(aten.sum.dim_IntList, per_slice, [0]))
+                sums = _input_slice_sums(add, dense, weight, rows, chunks)
             else:
-                # Slices of the same weight's outputs (views, no copy), reduced side by side.
-                groups = row_groups(n, rows)
-                size = n // groups
-                parts = (
-                    [
-                        add(aten.slice.Tensor, weight, 0, g * size, (g + 1) * size)
-                        for g in range(groups)
-                    ]
-                    if groups > 1
-                    else [weight]
-                )
-                parts = [
-                    _int8_bytes(add, add(aten.view.dtype, p, torch.int32)) if pieces == 4 else [p]
-                    for p in parts
-                ]
-                width = k // pieces
-                for r in range(rows):
-                    xs = [
-                        add(aten.as_strided.default, dense, [width], [1], (pieces * r + b) * width)
-                        for b in range(pieces)
-                    ]
-                    dots = [add(aten.sum.dim_IntList, _dot_terms(add, xs, w), [-1]) for w in parts]
-                    sums.append(dots[0] if groups == 1 else add(aten.cat.default, dots))
+                sums = _output_slice_sums(add, dense, weight, rows, pieces)
             out = add(aten.stack.default, sums)
             if scales is not None:
                 out = add(
