@@ -1,7 +1,7 @@
 """A/B two speculative packages that share a target, in one process, on the bench chat
 prompts: per prompt, plain decode, then A's draft, then B's draft, then plain again through
 B (a control: should read 1.00x), for `rounds` passes. One process and per-prompt turns keep
-the VM's drift (tens of percent between `aotgen bench` invocations) out of the comparison.
+a machine's drift (tens of percent between `aotgen bench` invocations) out of the comparison.
 
     .venv/bin/python scripts/ab_spec.py artifacts/smollm2-135m-spec artifacts/OTHER 3
 """

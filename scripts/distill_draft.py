@@ -4,9 +4,9 @@
         --layers 4 --samples 16384 --steps 1500 --gen-batch 1024 --device cuda
 
 An experiment, not yet a product feature: on SmolLM2-135M the 2- and 4-layer drafts it made
-(session 12, H100, 4.2 M sampled tokens, about 5 min each) step at 0.12-0.20 of a target
+(H100, 4.2 M sampled tokens, about 5 min each) step at 0.12-0.20 of a target
 step on the GPU but agree with the target on only ~0.3-0.4 of greedy chat tokens, a net
-loss (README, "Speculative decoding", session 12).
+loss (docs/speculative.md, "Distilled drafts").
 
 Why: a draft pays off only if it is much cheaper than the target *and* agrees with it. A
 quantized copy of the target is as deep as the target, so where a step's cost is its
