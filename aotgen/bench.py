@@ -146,7 +146,7 @@ def bench_interleaved(
     runners: list[PackageRunner | LlamaCppRunner], runs: int = 5, warmup: int = 1
 ) -> list[BenchResult]:
     """Median of `runs` timed generations per runner after `warmup` ones, taken round-robin
-    (run 1 of every runner, then run 2, ...) so that the VM's drifting speed affects all
+    (run 1 of every runner, then run 2, ...) so that a machine's drifting speed affects all
     alike instead of whichever ran last."""
     times: list[list[tuple[float, float]]] = [[] for _ in runners]
     for i in range(warmup + runs):
@@ -247,8 +247,8 @@ def bench_speculative(
     draft behind lookup (draft+ngram), all on the same loaded package.
 
     The modes take turns on each prompt (plain, n-gram, draft, ..., then the next prompt), for
-    `rounds` passes over the prompts, so the VM's speed, which drifts by tens of percent
-    from minute to minute, affects every mode alike.
+    `rounds` passes over the prompts, so the machine's speed, which can drift by tens of
+    percent from minute to minute, affects every mode alike.
     """
     import json
 

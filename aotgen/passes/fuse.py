@@ -6,7 +6,7 @@ slices of its output. Prefill then runs one larger GEMM; decode and verify (see 
 one reduction loop over all rows instead of one per weight, each ended by a thread barrier
 (SmolLM2 int8 decode kernel: 9 -> 6 work-sharing loops per layer). Measured on 2 cores:
 +3 % to +15 % decode tok/s in paired `aotgen bench` runs, no difference in a loop of the
-graph alone, i.e. within this VM's noise.
+graph alone, i.e. within the machine's noise.
 
 Numerics are unchanged: each output row still comes from its own weight row, and the
 quantize pass (run after this one) quantizes per row (int8) or per row and group (int4),

@@ -1,10 +1,10 @@
 """Few-token matmuls as Inductor-generated reductions instead of BLAS / extern kernels.
 
 For decode (1 token) every linear is bound by reading its weight once. For verify (k + 1
-tokens) on a small CPU it is bound by the k + 1 multiply-adds per weight: on this project's
-2-core VM a 5-row fp32 linear runs ~14 GB/s per core, as fast from L2 as from DRAM (README,
-"Speculative decoding"). BLAS does badly at both on this CPU (AMD EPYC, where MKL takes its
-generic path): sgemv streamed ~9 GB/s per core, and for 5 rows sgemm copies (packs) the whole
+tokens) on a small CPU it is bound by the k + 1 multiply-adds per weight: on a 2-vCPU
+AMD EPYC a 5-row fp32 linear runs ~14 GB/s per core, as fast from L2 as from DRAM
+(docs/benchmarks.md). BLAS does badly at both on that CPU (where MKL takes its generic
+path): sgemv streamed ~9 GB/s per core, and for 5 rows sgemm copies (packs) the whole
 weight on every call (perf: 27 % of a verify step in `mkl_blas_def_sgemm_scopy_right16_bdz`).
 
 Written as `(x[t] * W).sum(-1)` for each of the T rows, Inductor emits one fused, vectorised

@@ -16,7 +16,7 @@ Kernels (CPU):
   `aten._convert_weight_to_int4pack_for_cpu`, scales_zeros [K / groupsize, N, 2]. The graph
   calls it as `quantized.int4mm_packed_weight_cpu` (see `_register_int4_lowering`).
 Both are 10-30x slower with float32 activations than with bfloat16 ones (measured on a
-2-core AVX-512 VM), and take scales in the activation dtype, so by default the pass casts
+2-vCPU AVX-512 AMD EPYC), and take scales in the activation dtype, so by default the pass casts
 the activation to bfloat16 just around each quantized op: norms, attention, residuals,
 KV cache and logits stay float32, and the cast fuses into the neighbouring kernels (a
 whole-bf16 graph, `dtype: bfloat16`, decoded within noise of it). Scales are rounded to
@@ -28,8 +28,8 @@ block of 32 as the op runs, integer dot products (`aotgen/kernels/block_dot.py`,
 the package). Lossy in the activations: meant for speculative drafts.
 
 CUDA (a recipe with `device: cuda`; `_weight_int8pack_mm`, `_weight_int4pack_mm` with
-tinygemm packing): written to the ops' contracts, probed on the GPU at build time, but not
-yet run here: no session so far had a GPU (tests/test_cuda.py runs where one is).
+tinygemm packing): written to the ops' contracts and probed on the GPU at build time;
+tests/test_cuda.py checks them where a GPU is present (docs/cuda.md).
 
 `method: gptq` picks the integers with GPTQ (passes/gptq.py) instead of rounding to nearest:
 the builder first runs `calibrate` on a prefill graph over calibration text, which records

@@ -231,7 +231,7 @@ def all_reduce_loop(numel: int, iters: int, group_name: str) -> float:
     group: the median of `iters` (a shared machine preempts some of them).
 
     Must be the group's last use: a graph call after a Python-level collective on the same
-    group can deadlock (the notes' gloo trap; seen here in 2 of 9 runs).
+    group can deadlock (a known gloo trap; it hung 2 of 9 runs in a test).
     """
     x = torch.ones(numel)
     ops = torch.ops._c10d_functional
