@@ -22,6 +22,7 @@ from torch.export import Dim, ExportedProgram
 from torch.utils import _pytree as pytree
 
 from aotgen.kernels import block_dot
+from aotgen.tempdirs import partial_dir, remove_stale
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,9 @@ def inductor_options(max_autotune: bool, device: str) -> dict:
         "max_autotune": max_autotune,
     }
     # GCC contracting multiply+add into FMA: on an AVX2-only CPU the 5-row verify reduction
-    # ran 15 % faster and chat speculation 1.26-1.27x against 1.08-1.21x (session 11); on
-    # the AVX-512 VM it made verify slower (25.4 -> 30.3 ms, session 4). Packages are tied
-    # to the ISA they were built for, so the choice is the build machine's.
+    # ran 15 % faster and chat speculation 1.26-1.27x against 1.08-1.21x (AMD EPYC Zen 3);
+    # on AVX-512 (AMD EPYC) it made verify slower (25.4 -> 30.3 ms, docs/benchmarks.md).
+    # Packages are tied to the ISA they were built for, so the choice is the build machine's.
     if device == "cpu" and torch.backends.cpu.get_cpu_capability() == "AVX2":
         options["cpp.enable_floating_point_contract_flag"] = "fast"
     return options
@@ -150,9 +151,8 @@ def compile_graph(
     if block_dot.uses_block_ops(ep.graph):
         options[C_SHIMS] = block_dot.c_shims()
     entry = cache / compile_key(ep, args, options) if cache else None
-    if entry and (entry / "files.json").is_file():
-        names = json.loads((entry / "files.json").read_text())
-        return [str(entry / name) for name in names], True
+    if entry and (cached := _cached_files(entry)) is not None:
+        return cached, True
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         files = torch._inductor.aot_compile(ep.module(), args, options=options)
@@ -161,20 +161,56 @@ def compile_graph(
     return files, False
 
 
+CACHE_INDEX = "files.json"  # {file name: sha256}, written last
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _cached_files(entry: Path) -> list[str] | None:
+    """The files of a cache entry if every one still has the sha256 it was stored with;
+    a damaged entry (a truncated or corrupted `.so` would crash or mislead the build that
+    loads it) is removed, with a warning, and the graph compiles again."""
+    index = entry / CACHE_INDEX
+    if not index.is_file():
+        return None
+    try:
+        digests = json.loads(index.read_text())
+        ok = isinstance(digests, dict) and all(
+            _sha256(entry / name) == digest for name, digest in digests.items()
+        )
+    except (OSError, ValueError, TypeError):
+        ok = False
+    if ok:
+        return [str(entry / name) for name in digests]
+    warnings.warn(
+        f"compile cache entry {entry} is damaged (a file does not match its sha256); "
+        "removing it and compiling again",
+        stacklevel=2,
+    )
+    shutil.rmtree(entry, ignore_errors=True)
+    return None
+
+
 def _store(entry: Path, files: list[str]) -> None:
-    """Copy a compile's files into the cache: into a temporary dir, renamed into place, so a
-    reader sees a complete entry or none (and a concurrent build's copy is as good)."""
+    """Copy a compile's files into the cache with their sha256: into a temporary dir,
+    renamed into place, so a reader sees a complete entry or none (and a concurrent
+    build's copy is as good)."""
     if not all(isinstance(f, str) for f in files):
         return  # e.g. weights packaged as objects: not plain files, not cached
     names = [Path(f).name for f in files]
     if len(set(names)) < len(names):
         return  # the package keeps base names only; clashing ones cannot be stored as such
-    tmp = entry.with_name(f".{entry.name}.partial-{os.getpid()}")
+    remove_stale(entry.parent)
+    tmp = partial_dir(entry)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for f, name in zip(files, names, strict=True):
         shutil.copy2(f, tmp / name)
-    (tmp / "files.json").write_text(json.dumps(names))
+    digests = {name: _sha256(tmp / name) for name in names}
+    (tmp / CACHE_INDEX).write_text(json.dumps(digests))
     try:
         tmp.rename(entry)
     except OSError:  # another build stored it first

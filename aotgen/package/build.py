@@ -65,6 +65,7 @@ from aotgen.passes.tp import (
 )
 from aotgen.recipe import Project, Recipe, RecipeError
 from aotgen.runtime.tokenizer import Tokenizer
+from aotgen.tempdirs import old_dir, partial_dir, remove_stale, sigterm_raises
 
 PACKAGE_FILE = "model.pt2"
 
@@ -434,7 +435,19 @@ def build(
     force: bool = False,
     log: Callable[[str], None] = lambda _: None,
 ) -> BuildReport:
-    """Build `recipe` into `project.artifacts_dir / recipe.name`."""
+    """Build `recipe` into `project.artifacts_dir / recipe.name`. Writes nothing else there:
+    a SIGTERM mid-build removes the partial package like any other failure."""
+    with sigterm_raises():
+        return _build(recipe, project, progress, force, log)
+
+
+def _build(
+    recipe: Recipe,
+    project: Project,
+    progress: BuildProgress | None,
+    force: bool,
+    log: Callable[[str], None],
+) -> BuildReport:
     progress = progress or BuildProgress()
     t_start = time.perf_counter()
     out = project.artifacts_dir / recipe.name
@@ -477,7 +490,9 @@ def build(
     progress.stage("compile", n_graphs)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    for stale in remove_stale(out.parent):
+        log(f"removed {stale}, left by a build that was killed")
+    tmp = partial_dir(out)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         rank_dir = tmp / "rank0"
@@ -641,7 +656,7 @@ def _measure_quality(
 
 def _replace_dir(new: Path, out: Path) -> None:
     """Swap `new` into `out` with renames; the old package disappears only after."""
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    old = old_dir(out)
     if out.exists():
         out.rename(old)
     new.rename(out)

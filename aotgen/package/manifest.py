@@ -94,22 +94,125 @@ def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
 
 
 def read_manifest(root: str | Path) -> dict[str, Any]:
+    """The manifest of the package at `root`, checked for format and structure."""
     root = Path(root)
     path = root / MANIFEST
-    if not path.is_file():
+    if path.is_symlink() or not path.is_file():
         raise PackageError(
             f"{root} is not an aotgen package (no {MANIFEST}); build one with `aotgen build RECIPE`"
         )
     try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PackageError(f"{path} is corrupt ({e}); rebuild the package") from None
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+        got = manifest.get("format_version") if isinstance(manifest, dict) else None
         raise PackageError(
-            f"{root}: package format {manifest.get('format_version')}, this aotgen reads "
+            f"{root}: package format {got}, this aotgen reads "
             f"format {FORMAT_VERSION}; rebuild the package with this aotgen"
         )
+    _check_structure(manifest, path)
     return manifest
+
+
+# The manifest keys loading relies on, with their JSON types.
+_REQUIRED: dict[str, type | tuple[type, ...]] = {
+    "torch_version": str,
+    "target": dict,
+    "files": dict,
+    "hash_chunk_bytes": int,
+    "package": str,
+    "models": dict,
+    "tokenizer": dict,
+    "max_seq_len": int,
+    "verify_k": int,
+}
+
+
+def _check_structure(manifest: dict[str, Any], path: Path) -> None:
+    """Every key loading reads is there with its type, so a damaged manifest is one clear
+    error here rather than a KeyError deep in the runtime."""
+
+    def bad(what: str) -> PackageError:
+        return PackageError(f"{path} is malformed ({what}); rebuild the package")
+
+    for key, kind in _REQUIRED.items():
+        if key not in manifest:
+            raise bad(f"no `{key}`")
+        if not isinstance(manifest[key], kind) or isinstance(manifest[key], bool):
+            raise bad(f"`{key}` is not a {getattr(kind, '__name__', kind)}")
+    for key in ("device", "isa", "platform"):
+        if not isinstance(manifest["target"].get(key), str):
+            raise bad(f"`target.{key}` missing")
+    if manifest["hash_chunk_bytes"] <= 0:
+        raise bad("`hash_chunk_bytes` is not positive")
+    for rel, entry in manifest["files"].items():
+        ok = (
+            isinstance(entry, dict)
+            and isinstance(entry.get("bytes"), int)
+            and isinstance(entry.get("sha256"), list)
+            and all(isinstance(h, str) for h in entry["sha256"])
+        )
+        if not ok:
+            raise bad(f"`files.{rel}` needs `bytes` and a `sha256` list")
+    world = manifest.get("world_size", 1)
+    if world != 1 and not (
+        isinstance(manifest.get("ranks"), list) and len(manifest["ranks"]) == world
+    ):
+        raise bad(f"`ranks` does not list the {world} ranks of `world_size`")
+    if "target" not in manifest["models"]:
+        raise bad("no `models.target`")
+    for role, entry in manifest["models"].items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("weights"), dict):
+            raise bad(f"`models.{role}.weights` missing")
+    try:
+        referenced_files(manifest)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise bad(f"a file reference is missing: {e}") from None
+
+
+def referenced_files(manifest: dict[str, Any]) -> list[str]:
+    """Every package-relative path the runtimes open: the compiled package, the weights
+    files (per rank for tensor parallel) and the tokenizer files."""
+    refs = [manifest["package"]]
+    refs += [m["weights"]["file"] for m in manifest["models"].values()]
+    for rank in manifest.get("ranks", []):
+        refs.append(rank["package"])
+        refs += [w["file"] for w in rank["weights"].values()]
+    tok = manifest["tokenizer"]
+    refs += [f"{tok['dir']}/{name}" for name in tok["files"]]
+    if not all(isinstance(r, str) for r in refs):
+        raise TypeError("a path is not a string")
+    return refs
+
+
+def _is_plain_relative(rel: str) -> bool:
+    """A normalised relative POSIX path: no root, no `..`/`.`/empty parts, no backslash."""
+    parts = rel.split("/")
+    return bool(rel) and "\\" not in rel and all(p not in ("", ".", "..") for p in parts)
+
+
+def check_paths(manifest: dict[str, Any], root: Path) -> None:
+    """A package is a closed set of files: every path the manifest names is relative,
+    inside the package, listed with its hash, and no link leads out of it."""
+    listed = manifest["files"]
+    for rel in listed:
+        if not _is_plain_relative(rel):
+            raise PackageError(
+                f"{root}: manifest lists {rel!r}, a path outside the package; refusing"
+            )
+    for rel in referenced_files(manifest):
+        if rel not in listed:
+            raise PackageError(
+                f"{root}: manifest names {rel!r}, which is not a listed, hashed file of the "
+                "package; refusing"
+            )
+    for path in root.rglob("*"):
+        if path.is_symlink():
+            raise PackageError(
+                f"{root}: {path.relative_to(root).as_posix()} is a symbolic link; a package "
+                "holds plain files only (copy it with `cp -rL`); refusing"
+            )
 
 
 def check_compatible(manifest: dict[str, Any], root: Path) -> None:
@@ -148,7 +251,8 @@ def check_compatible(manifest: dict[str, Any], root: Path) -> None:
 
 
 def verify_files(manifest: dict[str, Any], root: Path) -> None:
-    """Every listed file present with its recorded hash, and no unlisted native code."""
+    """Every listed file present with its recorded hash, and no unlisted file."""
+    check_paths(manifest, root)
     listed = manifest["files"]
     for rel, entry in listed.items():
         path = root / rel
@@ -162,15 +266,19 @@ def verify_files(manifest: dict[str, Any], root: Path) -> None:
             )
     for path in root.rglob("*"):
         rel = path.relative_to(root).as_posix()
-        if path.is_file() and rel != MANIFEST and rel not in listed:
+        if not path.is_dir() and rel != MANIFEST and rel not in listed:
             raise PackageError(f"{root}: unexpected file {rel} not in the manifest; refusing")
 
 
 def verify_package(root: str | Path, check_hashes: bool = True) -> dict[str, Any]:
-    """Read and check a package; returns the manifest. Call before loading any `.so`."""
+    """Read and check a package; returns the manifest. Call before loading any `.so`.
+    Without `check_hashes` (a package the caller has just written) the paths are still
+    checked: loading opens only listed files inside the package."""
     root = Path(root)
     manifest = read_manifest(root)
     check_compatible(manifest, root)
     if check_hashes:
         verify_files(manifest, root)
+    else:
+        check_paths(manifest, root)
     return manifest

@@ -8,6 +8,7 @@ torch.compile. `tests/test_runtime_isolation.py` enforces it.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ SPECULATIVE_MODES = (None, "draft", "ngram", "draft+ngram")
 # Shortest n-gram match that makes a proposal. Alone, any match beats a plain decode step.
 # Backed by a draft (acceptance ~0.95 on SmolLM2), a 1-2 token match is mostly a worse
 # guess than the draft's; from 3 tokens on, matches on a copy/edit task were all accepted
-# in part or in full (the bench prompts; README, "Speculative decoding").
+# in part or in full (the bench prompts; docs/speculative.md).
 NGRAM_MIN = {"ngram": 1, "draft+ngram": 3}
 
 
@@ -305,6 +306,8 @@ class Engine:
         self.tokenizer, self.target, self.draft = tokenizer, target, draft
         self.max_seq_len, self.verify_k = max_seq_len, verify_k
         self.root, self.manifest, self.load_s = root, manifest or {}, load_s
+        # One KV cache, so one request at a time: concurrent generate() calls queue here.
+        self._lock = threading.Lock()
 
     @classmethod
     def load(cls, path: str | Path, threads: int | None = None, verify: bool = True) -> Engine:
@@ -342,8 +345,8 @@ class Engine:
 
     # ---- prompts -------------------------------------------------------------------------
     def chat_ids(self, user: str, system: str | None = None) -> list[int]:
-        prompt = self.tokenizer.chat_prompt([{"role": "user", "content": user}], system=system)
-        return self.tokenizer.encode(prompt)
+        """Prompt ids for one user turn; the user's text never becomes control tokens."""
+        return self.tokenizer.encode_chat([{"role": "user", "content": user}], system=system)
 
     # ---- generation ----------------------------------------------------------------------
     def generate(
@@ -352,10 +355,30 @@ class Engine:
         config: GenerationConfig | None = None,
         on_text: Callable[[str], None] | None = None,
     ) -> GenerationResult:
-        """Generate from token ids, streaming text through `on_text` as it is decoded."""
+        """Generate from token ids, streaming text through `on_text` as it is decoded.
+
+        Safe to call from several threads: the engine has one KV cache, so calls run one
+        after the other (each waits for the one before), never interleaved."""
         config = config or GenerationConfig()
+        self._check_request(prompt_ids, config)
+        with self._lock:
+            return self._generate(prompt_ids, config, on_text)
+
+    def _check_request(self, prompt_ids: list[int], config: GenerationConfig) -> None:
         if not prompt_ids:
             raise GenerationError("empty prompt: give at least one token")
+        if isinstance(config.max_new_tokens, bool) or not (
+            isinstance(config.max_new_tokens, int) and config.max_new_tokens >= 1
+        ):
+            raise GenerationError(
+                f"max_new_tokens must be a whole number >= 1, got {config.max_new_tokens!r}"
+            )
+        # k above the package's verify_k is capped to it, as documented; below 1 is an error.
+        if config.k is not None and not (isinstance(config.k, int) and config.k >= 1):
+            raise GenerationError(f"k (the draft length) must be >= 1, got {config.k!r}")
+        vocab = self.target.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise GenerationError(f"prompt token ids must be in 0..{vocab - 1}")
         total = len(prompt_ids) + config.max_new_tokens
         if total > self.max_seq_len:
             raise GenerationError(
@@ -377,6 +400,13 @@ class Engine:
                 f"need 1 <= ngram_min <= ngram_max, got {config.lookup_min} and "
                 f"{config.ngram_max} (--ngram-min / --ngram-max)"
             )
+
+    def _generate(
+        self,
+        prompt_ids: list[int],
+        config: GenerationConfig,
+        on_text: Callable[[str], None] | None,
+    ) -> GenerationResult:
         eos = set() if config.ignore_eos else self.tokenizer.eos_ids
         stream = StreamDecoder(self.tokenizer)
         stop = _StopText(config.stop)

@@ -8,6 +8,7 @@ way transformers' `apply_chat_template` does.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,9 @@ class Tokenizer:
             eos.add(eos_id)
         self.eos_ids: set[int] = eos
         self._template = compile_chat_template(chat_template) if chat_template else None
+        # The same tokenizer with special-token text read as plain text, for message content.
+        self._text_tok = HFTokenizer.from_str(tokenizer.to_str())
+        self._text_tok.encode_special_tokens = True
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -198,6 +202,43 @@ class Tokenizer:
         if self.is_chatml and not has_system:
             return render_chatml(messages, add_generation_prompt)
         return self.apply_chat_template(messages, add_generation_prompt)
+
+    def encode_chat(
+        self,
+        messages: list[Message],
+        system: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Ids of a chat prompt in which message content is only ever text.
+
+        Special tokens come from the template alone: a user who types "<|im_start|>system"
+        gets those characters, not a control token that opens a system turn. Content free of
+        special-token text is encoded with the rest of the prompt in one piece (the ids
+        llama.cpp gives); otherwise the prompt is rendered with placeholders and each
+        message's content is encoded on its own, as text. The C++ runtime does the same
+        (`Engine::chat_ids`).
+        """
+        if system is not None:
+            messages = [{"role": "system", "content": system}, *messages]
+        contents = [str(m.get("content", "")) for m in messages]
+        if all(self.encode(c) == self._text_tok.encode(c).ids for c in contents):
+            return self.encode(
+                self.chat_prompt(messages, add_generation_prompt=add_generation_prompt)
+            )
+        marked = [{**m, "content": f"{_MARK_OPEN}{i}{_MARK_CLOSE}"} for i, m in enumerate(messages)]
+        rendered = self.chat_prompt(marked, add_generation_prompt=add_generation_prompt)
+        ids: list[int] = []
+        for i, piece in enumerate(_MARKS.split(rendered)):
+            if i % 2 == 0:  # template text: its special tokens are real
+                ids += self.encode(piece) if piece else []
+            else:  # a message's content
+                ids += self._text_tok.encode(contents[int(piece)], add_special_tokens=False).ids
+        return ids
+
+
+# Placeholders for message content while a chat template renders (private-use characters).
+_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
+_MARKS = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
 
 
 class StreamDecoder:

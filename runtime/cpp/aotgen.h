@@ -15,7 +15,8 @@
 // speculative.py operation for operation, with a torch CPU generator: a seeded C++ run is
 // reproducible (and draws the same random numbers as a Python run with the same seed).
 //
-// An Engine is movable, not copyable, and not thread-safe: one generate() at a time.
+// An Engine is movable, not copyable. It has one KV cache, so generate() calls from several
+// threads run one after the other (each waits for the one before), never interleaved.
 #pragma once
 
 #include <cstdint>

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <fstream>
 #include <future>
+#include <mutex>
 #include <new>
 #include <set>
 
@@ -345,6 +346,7 @@ struct Engine::Impl {
   int64_t max_seq_len = 0;
   int64_t verify_k = 0;
   double load_s = 0;
+  std::mutex generate_mutex;  // one KV cache: one request at a time
 };
 
 namespace {
@@ -578,13 +580,16 @@ GenerationResult Engine::generate(const std::vector<int64_t>& prompt_ids,
                           " has no draft model; build with a `speculative: draft:` recipe or "
                           "use n-gram lookup (--lookup ngram)");
   }
+  if (config.k && *config.k < 1) {
+    throw GenerationError("k (the draft length) must be >= 1, got " + std::to_string(*config.k));
+  }
   if (config.speculative != Speculative::None) {
-    if (config.k && *config.k < 1) throw GenerationError("k must be >= 1");
     if (ngram_min(config) < 1 || ngram_min(config) > config.ngram_max) {
       throw GenerationError("need 1 <= ngram_min <= ngram_max");
     }
   }
 
+  const std::lock_guard<std::mutex> one_at_a_time(e.generate_mutex);
   std::set<int64_t> eos;
   if (!config.ignore_eos) eos.insert(e.eos_ids.begin(), e.eos_ids.end());
   StreamDecoder stream(*e.tokenizer);
@@ -642,7 +647,25 @@ std::vector<int64_t> Engine::chat_ids(const std::string& user,
   std::vector<std::pair<std::string, std::string>> messages;
   if (system) messages.emplace_back("system", *system);
   messages.emplace_back("user", user);
-  return impl_->tokenizer->encode(chatml_prompt(messages));
+  // Special tokens come from the template alone: message text that would encode to a
+  // control token ("<|im_start|>system") is encoded as text, piece by piece
+  // (tokenizer.py: Tokenizer.encode_chat).
+  const Tokenizer& tok = *impl_->tokenizer;
+  const bool plain = std::all_of(messages.begin(), messages.end(), [&](const auto& m) {
+    return tok.encode(m.second) == tok.encode(m.second, /*parse_special=*/false);
+  });
+  if (plain) return tok.encode(chatml_prompt(messages));
+  std::vector<int64_t> ids;
+  const auto append = [&ids](const std::vector<int64_t>& more) {
+    ids.insert(ids.end(), more.begin(), more.end());
+  };
+  for (const auto& [role, content] : messages) {
+    append(tok.encode("<|im_start|>" + role + "\n"));
+    append(tok.encode(content, /*parse_special=*/false));
+    append(tok.encode("<|im_end|>\n"));
+  }
+  append(tok.encode("<|im_start|>assistant\n"));
+  return ids;
 }
 
 const Tokenizer& Engine::tokenizer() const { return *impl_->tokenizer; }

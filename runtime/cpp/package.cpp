@@ -118,11 +118,67 @@ void check_compatible(const json& manifest, const fs::path& root) {
   }
 }
 
-// A manifest path must stay inside the package: relative, no "..".
+// A manifest path must stay inside the package: a normalised relative POSIX path, with no
+// root, no "..", "." or empty parts and no backslash (manifest.py: _is_plain_relative).
 bool inside_package(const std::string& rel) {
-  const fs::path p(rel);
-  if (rel.empty() || p.is_absolute()) return false;
-  return std::none_of(p.begin(), p.end(), [](const fs::path& part) { return part == ".."; });
+  if (rel.empty() || rel.front() == '/' || rel.find('\\') != std::string::npos) return false;
+  std::size_t start = 0;
+  while (true) {
+    const std::size_t end = rel.find('/', start);
+    const std::string_view part(rel.data() + start,
+                                (end == std::string::npos ? rel.size() : end) - start);
+    if (part.empty() || part == "." || part == "..") return false;
+    if (end == std::string::npos) return true;
+    start = end + 1;
+  }
+}
+
+// Every package-relative path the runtimes open (manifest.py: referenced_files).
+std::vector<std::string> referenced_files(const json& manifest) {
+  std::vector<std::string> refs = {manifest.at("package").get<std::string>()};
+  for (const auto& [role, model] : manifest.at("models").items()) {
+    refs.push_back(model.at("weights").at("file").get<std::string>());
+  }
+  if (manifest.contains("ranks")) {
+    for (const auto& rank : manifest.at("ranks")) {
+      refs.push_back(rank.at("package").get<std::string>());
+      for (const auto& [role, w] : rank.at("weights").items()) {
+        refs.push_back(w.at("file").get<std::string>());
+      }
+    }
+  }
+  const auto& tok = manifest.at("tokenizer");
+  const auto dir = tok.at("dir").get<std::string>();
+  for (const auto& name : tok.at("files")) refs.push_back(dir + "/" + name.get<std::string>());
+  return refs;
+}
+
+// A package is a closed set of files (manifest.py: check_paths): every path the manifest
+// names is inside the package and listed with its hash, and no link leads out of it.
+void check_paths(const json& manifest, const fs::path& root) {
+  const auto& listed = manifest.at("files");
+  if (!listed.is_object()) throw PackageError(root.string() + ": manifest `files` is malformed");
+  for (const auto& [rel, entry] : listed.items()) {
+    if (!inside_package(rel)) {
+      throw PackageError(root.string() + ": manifest lists '" + rel +
+                         "', a path outside the package; refusing");
+    }
+  }
+  for (const auto& rel : referenced_files(manifest)) {
+    if (!listed.contains(rel)) {
+      throw PackageError(root.string() + ": manifest names '" + rel +
+                         "', which is not a listed, hashed file of the package; refusing");
+    }
+  }
+  const auto symlink = [&](const fs::path& path) {
+    const auto rel = path.lexically_relative(root).generic_string();
+    return PackageError(root.string() + ": " + rel +
+                        " is a symbolic link; a package holds plain files only (copy it with "
+                        "`cp -rL`); refusing");
+  };
+  for (const auto& item : fs::recursive_directory_iterator(root)) {
+    if (item.is_symlink()) throw symlink(item.path());
+  }
 }
 
 // Weights are data, not code: Engine::load checks their (large) hashes while the already
@@ -172,7 +228,7 @@ void verify_files(const json& manifest, const fs::path& root, bool weights,
   }
   if (weights) return;
   for (const auto& item : fs::recursive_directory_iterator(root)) {
-    if (!item.is_regular_file()) continue;
+    if (item.is_directory()) continue;
     const auto rel = item.path().lexically_relative(root).generic_string();
     if (rel != kManifest && !listed.contains(rel)) {
       throw PackageError(root.string() + ": unexpected file " + rel +
@@ -283,6 +339,7 @@ std::string verify_package(const fs::path& root, bool check_hashes, bool defer_w
                          "; rebuild the package with a matching aotgen");
     }
     check_compatible(manifest, root);
+    check_paths(manifest, root);
     if (check_hashes) {
       verify_files(manifest, root, /*weights=*/false);
       if (!defer_weights) verify_files(manifest, root, /*weights=*/true);

@@ -862,7 +862,7 @@ struct Tokenizer::Impl {
   }
 
   std::vector<std::string> pre_tokenize(std::string_view text) const;
-  void split_added(std::string_view text, const TokenTrie& trie,
+  void split_added(std::string_view text, const TokenTrie& trie, bool parse_special,
                    std::vector<Segment>& out) const;
 };
 
@@ -1004,8 +1004,10 @@ std::vector<std::string> Tokenizer::Impl::pre_tokenize(std::string_view text) co
 }
 
 // AddedVocabulary::find_matches: cuts the added tokens of `trie` out of `text`.
+// With !parse_special, special tokens are not cut out: their text is encoded as text
+// (`tokenizers`' encode_special_tokens).
 void Tokenizer::Impl::split_added(std::string_view text, const TokenTrie& trie,
-                                  std::vector<Segment>& out) const {
+                                  bool parse_special, std::vector<Segment>& out) const {
   if (text.empty()) return;
   if (trie.empty()) {
     out.push_back({text, std::nullopt});
@@ -1028,6 +1030,7 @@ void Tokenizer::Impl::split_added(std::string_view text, const TokenTrie& trie,
     std::size_t stop = start + found->second;
     pos = stop;  // the automaton resumes after the match even if it is discarded below
     if (start < start_offset) continue;
+    if (!parse_special && tok.special) continue;
     if (tok.single_word) {
       const bool start_space =
           start == 0 || !word_char.matches_at(text, utf8_prev_char_start(text, start));
@@ -1077,7 +1080,7 @@ Tokenizer Tokenizer::from_file(const std::string& tokenizer_json) {
   }
 }
 
-std::vector<int64_t> Tokenizer::encode(std::string_view text) const {
+std::vector<int64_t> Tokenizer::encode(std::string_view text, bool parse_special) const {
   if (const auto bad = find_invalid_utf8(text); bad != std::string_view::npos) {
     throw std::invalid_argument("encode: input is not valid UTF-8 (byte offset " +
                                 std::to_string(bad) + ")");
@@ -1086,13 +1089,13 @@ std::vector<int64_t> Tokenizer::encode(std::string_view text) const {
   // 1. non-normalized added tokens on the raw text, 2. normalized ones on what is left
   //    (there is no normalizer, so both see the same text).
   std::vector<Segment> first;
-  impl.split_added(text, impl.raw_trie, first);
+  impl.split_added(text, impl.raw_trie, parse_special, first);
   std::vector<Segment> segments;
   for (const Segment& seg : first) {
     if (seg.id) {
       segments.push_back(seg);
     } else {
-      impl.split_added(seg.text, impl.normalized_trie, segments);
+      impl.split_added(seg.text, impl.normalized_trie, parse_special, segments);
     }
   }
   std::vector<int64_t> ids;

@@ -35,7 +35,9 @@ class Tokenizer {
   static Tokenizer from_json(std::string_view json_text);
 
   // Text (UTF-8) -> token ids. Throws std::invalid_argument if `text` is not valid UTF-8.
-  std::vector<int64_t> encode(std::string_view text) const;
+  // With parse_special false, special-token text ("<|im_start|>") is encoded as plain text,
+  // as `tokenizers` does with `encode_special_tokens = True`: for text from users.
+  std::vector<int64_t> encode(std::string_view text, bool parse_special = true) const;
 
   // Token ids -> text. Unknown ids are skipped (as `tokenizers` does); invalid UTF-8 in the
   // joined bytes becomes U+FFFD. Special tokens are kept unless skip_special_tokens is set.
