@@ -20,7 +20,7 @@ int main(int argc, char** argv) {
         engine.generate(engine.chat_ids(argv[2]), config,
                         [](std::string_view text) { std::cout << text << std::flush; });
 
-    std::cout << "\n";
+    std::cout << std::endl;  // the answer's line, before the stats on stderr
     std::cerr << result.token_ids.size() << " tokens, " << result.decode_tok_s()
               << " tok/s, finish: " << result.finish_reason << "\n";
   } catch (const std::exception& e) {
