@@ -1,0 +1,116 @@
+"""Builds that are killed, and a compile cache that is damaged: a killed build leaves nothing
+a later build does not clean up, a terminated one leaves nothing at all, and a damaged cache
+entry is recompiled (with a warning), never packaged or loaded."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import TINY_RECIPE
+
+from aotgen.runtime.engine import Engine, GenerationConfig
+
+
+def _project(tmp_path: Path, checkpoint: Path, cache: Path) -> Path:
+    """A project dir (aotgen.toml + recipes/tiny.yaml) building into tmp_path/artifacts."""
+    root = tmp_path / "project"
+    (root / "recipes").mkdir(parents=True)
+    (root / "aotgen.toml").write_text(
+        f'artifacts_dir = "{tmp_path / "artifacts"}"\ncache_dir = "{cache}"\n'
+    )
+    recipe = {"checkpoint": str(checkpoint), **TINY_RECIPE}
+    (root / "recipes" / "tiny.yaml").write_text(json.dumps(recipe))  # JSON is YAML
+    return root
+
+
+def _build(root: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "aotgen", "build", "recipes/tiny.yaml", *args],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _partials(artifacts: Path) -> list[Path]:
+    return sorted(artifacts.glob(".tiny.*-*")) if artifacts.is_dir() else []
+
+
+def _wait_for_partial(proc: subprocess.Popen, artifacts: Path, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not _partials(artifacts):
+        assert proc.poll() is None, f"build ended before writing: {proc.communicate()}"
+        assert time.monotonic() < deadline, "the build never started writing its package"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def cache_copy(project, tiny_package: Path, tmp_path: Path) -> Path:
+    """The session's compile cache (it holds the tiny graphs), copied: damage stays here."""
+    cache = tmp_path / "cache"
+    shutil.copytree(project.cache_dir / "graphs", cache / "graphs")
+    return cache
+
+
+def test_killed_build_is_cleaned_up_by_the_next(tiny_checkpoint, cache_copy, tmp_path):
+    root = _project(tmp_path, tiny_checkpoint, cache_copy)
+    artifacts = tmp_path / "artifacts"
+    proc = _build(root)
+    _wait_for_partial(proc, artifacts)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert _partials(artifacts), "SIGKILL leaves the partial package behind"
+    proc = _build(root)
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err
+    assert _partials(artifacts) == []
+    assert (artifacts / "tiny" / "manifest.json").is_file()
+
+
+def test_terminated_build_leaves_nothing(tiny_checkpoint, cache_copy, tmp_path):
+    root = _project(tmp_path, tiny_checkpoint, cache_copy)
+    artifacts = tmp_path / "artifacts"
+    proc = _build(root)
+    _wait_for_partial(proc, artifacts)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "Traceback" not in err, err
+    assert _partials(artifacts) == [] and not (artifacts / "tiny").exists()
+
+
+def _damage_every_so(cache: Path, how: str) -> int:
+    sos = sorted((cache / "graphs").rglob("*.so"))
+    for so in sos:
+        data = bytearray(so.read_bytes())
+        if how == "truncated":
+            data = data[: len(data) // 2]
+        else:
+            data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
+        so.write_bytes(bytes(data))
+    return len(sos)
+
+
+@pytest.mark.parametrize("how", ["corrupted", "truncated"])
+def test_damaged_cache_entry_is_recompiled(
+    tiny_checkpoint, tiny_package, cache_copy, tmp_path, how
+):
+    assert _damage_every_so(cache_copy, how) > 0
+    root = _project(tmp_path, tiny_checkpoint, cache_copy)
+    proc = _build(root)
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err
+    assert "is damaged" in err and "compiling again" in err, err
+    built = Engine.load(tmp_path / "artifacts" / "tiny")
+    reference = Engine.load(tiny_package)
+    ids = reference.tokenizer.encode("The quick brown fox")
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    assert built.generate(ids, config).token_ids == reference.generate(ids, config).token_ids
