@@ -6,10 +6,14 @@ line and exit 1; anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
+import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
@@ -17,8 +21,17 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+app = typer.Typer(add_completion=False, no_args_is_help=True)
 console = Console(stderr=True)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+# torch seeds its generators with an unsigned 64-bit integer (so does the C++ runtime).
+SEED_MAX = 2**64 - 1
+
+
+class CliError(ValueError):
+    """A command-line value out of range or unusable, reported like every other user error."""
 
 
 def _wide_console() -> Console:
@@ -30,12 +43,14 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from aotgen.bench import BenchError
     from aotgen.checkpoint.hf import CheckpointError
     from aotgen.package.manifest import PackageError
-    from aotgen.recipe import RecipeError
+    from aotgen.recipe import ProjectError, RecipeError
     from aotgen.runtime.distributed import LaunchError
     from aotgen.runtime.engine import GenerationError
 
     return (
+        CliError,
         BenchError,
+        ProjectError,
         RecipeError,
         CheckpointError,
         PackageError,
@@ -47,28 +62,122 @@ def _user_errors() -> tuple[type[Exception], ...]:
     )
 
 
-def _fail(e: Exception) -> None:
-    console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+def _fail(e: Exception) -> NoReturn:
+    """`error: MESSAGE` as one line on stderr (a message spanning lines is joined), exit 1."""
+    message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(1)
 
 
+def user_errors_exit(fn: Callable[P, R]) -> Callable[P, R]:
+    """Run a command so that bad input prints one `error: ...` line and exits 1; any other
+    exception is a bug and keeps its traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except _user_errors() as e:
+            _fail(e)
+
+    return wrapper
+
+
+def _print_json(obj: Any, indent: int | None = None) -> None:
+    """One JSON document on stdout; NaN (a row without speculation) becomes null, since
+    strict JSON readers refuse NaN."""
+
+    def clean(x: Any) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return [clean(v) for v in x]
+        return x
+
+    print(json.dumps(clean(obj), indent=indent, ensure_ascii=False, allow_nan=False))
+
+
+def _at_least(option: str, value: int | None, low: int = 1) -> None:
+    if value is not None and value < low:
+        raise CliError(f"{option} must be >= {low}, got {value}")
+
+
+def _threads(threads: int | None) -> int | None:
+    """--threads if given (>= 1), else aotgen.toml's `threads` (0 there: torch's default)."""
+    from aotgen.recipe import Project
+
+    if threads is not None:
+        _at_least("--threads", threads)
+        return threads
+    return Project.load().threads or None
+
+
+def _read_prompt_file(path: Path) -> str:
+    """The prompt file's text; errors name the file and what is wrong with it."""
+    if path.is_dir():
+        raise CliError(f"--prompt-file {path}: is a directory; give a UTF-8 text file")
+    if not path.is_file():
+        raise CliError(f"--prompt-file {path}: no such file")
+    try:
+        return path.read_bytes().decode()
+    except UnicodeDecodeError as e:
+        raise CliError(
+            f"--prompt-file {path}: not UTF-8 text (invalid byte at offset {e.start}); "
+            "save it as UTF-8"
+        ) from None
+
+
+def _version(value: bool) -> None:
+    if not value:
+        return
+    import torch
+
+    from aotgen import __version__
+    from aotgen.package.manifest import target_info
+
+    target = target_info()
+    print(f"aotgen {__version__}")
+    print(f"torch {torch.__version__}")
+    print(f"CPU ISA {target['isa']} ({target['platform']})")
+    raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            help="print the aotgen and torch versions and the CPU ISA packages built here "
+            "target, then exit",
+            callback=_version,
+            is_eager=True,
+        ),
+    ] = False,
+) -> None:
+    """Compile LLM checkpoints ahead of time into self-contained packages (`aotgen build
+    recipes/NAME.yaml`) and run them without model code (`aotgen run artifacts/NAME`)."""
+
+
 @app.command("import-gguf")
+@user_errors_exit
 def import_gguf_cmd(
     gguf_file: Annotated[
         Path, typer.Argument(help="a .gguf file, or 'smollm2' for the bundled one")
     ],
     out_dir: Annotated[Path, typer.Argument(help="HF-layout checkpoint dir to write")],
-    overwrite: bool = False,
+    overwrite: Annotated[
+        bool, typer.Option(help="replace OUT_DIR if it already exists and is not empty")
+    ] = False,
 ) -> None:
     """GGUF → Hugging Face-layout checkpoint dir (dequantized fp32 safetensors + tokenizer)."""
     from aotgen.checkpoint.gguf import find_smollm2_gguf, import_gguf
 
-    try:
-        src = find_smollm2_gguf() if str(gguf_file) == "smollm2" else gguf_file
-        with console.status(f"importing {src.name}"):
-            import_gguf(src, out_dir, overwrite=overwrite)
-    except _user_errors() as e:
-        _fail(e)
+    src = find_smollm2_gguf() if str(gguf_file) == "smollm2" else gguf_file
+    with console.status(f"importing {src.name}"):
+        import_gguf(src, out_dir, overwrite=overwrite)
     console.print(f"wrote {out_dir}")
 
 
@@ -84,10 +193,13 @@ class _RichProgress:
 
 
 @app.command()
+@user_errors_exit
 def build(
     recipe: Annotated[Path, typer.Argument(help="recipes/NAME.yaml")],
     force: Annotated[bool, typer.Option(help="rebuild even if up to date")] = False,
-    artifacts_dir: Annotated[Path | None, typer.Option(help="override aotgen.toml")] = None,
+    artifacts_dir: Annotated[
+        Path | None, typer.Option(help="where to write the package (overrides aotgen.toml)")
+    ] = None,
 ) -> None:
     """Compile a recipe into artifacts/NAME (prefill/decode/verify graphs + weights)."""
     from aotgen.package.build import build as run_build
@@ -95,21 +207,17 @@ def build(
 
     project = Project.load()
     if artifacts_dir:
-        project = Project(
-            artifacts_dir, project.checkpoints_dir, project.cache_dir, project.threads
-        )
+        project = dataclasses.replace(project, artifacts_dir=artifacts_dir)
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
         TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(),
     )
-    try:
-        r = load_recipe(recipe)
-        with Progress(*columns, console=console) as progress:
-            report = run_build(r, project, _RichProgress(progress), force=force)
-    except _user_errors() as e:
-        _fail(e)
+    r = load_recipe(recipe)
+    # transient: on an error, the one `error:` line is all that stays on screen.
+    with Progress(*columns, console=console, transient=True) as progress:
+        report = run_build(r, project, _RichProgress(progress), force=force)
     if report.up_to_date:
         console.print(
             f"{report.path} is up to date (same checkpoint, recipe and toolchain): "
@@ -138,19 +246,29 @@ def build(
 
 
 @app.command()
+@user_errors_exit
 def run(
     package: Annotated[Path, typer.Argument(help="artifacts/NAME")],
     prompt: Annotated[str | None, typer.Option(help="raw prompt text")] = None,
-    prompt_file: Annotated[Path | None, typer.Option(help="read the prompt from a file")] = None,
+    prompt_file: Annotated[
+        Path | None, typer.Option(help="read the raw prompt from a UTF-8 text file")
+    ] = None,
     chat: Annotated[
         str | None, typer.Option(help="user message, wrapped in the chat template")
     ] = None,
     system: Annotated[str | None, typer.Option(help="system message for --chat")] = None,
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int | None = None,
+    max_new_tokens: Annotated[
+        int, typer.Option(help="stop after this many new tokens (>= 1)")
+    ] = 256,
+    temperature: Annotated[float, typer.Option(help="0 = greedy; higher = more random")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="sample from the K likeliest tokens; 0 = off")] = 0,
+    top_p: Annotated[
+        float, typer.Option(help="sample from the smallest set with this much probability; 1 = off")
+    ] = 1.0,
+    seed: Annotated[
+        int | None,
+        typer.Option(help=f"sampling seed, 0..{SEED_MAX} (default: random)"),
+    ] = None,
     stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
     ignore_eos: Annotated[bool, typer.Option(help="keep going past end-of-sequence")] = False,
     lookup: Annotated[
@@ -161,14 +279,29 @@ def run(
         ),
     ] = None,
     speculative: Annotated[bool, typer.Option(help="use the package's draft model")] = False,
-    k: Annotated[int | None, typer.Option(help="draft length (default: the package's)")] = None,
-    adaptive_k: bool = False,
+    k: Annotated[
+        int | None,
+        typer.Option(help="draft length, >= 1 (default and maximum: the package's verify_k)"),
+    ] = None,
+    adaptive_k: Annotated[
+        bool, typer.Option(help="adapt the draft length (+2 after a full accept, else -1)")
+    ] = False,
     ngram_min: Annotated[
         int | None,
         typer.Option(help="shortest lookup match (default: 1; 3 with --speculative too)"),
     ] = None,
     ngram_max: Annotated[int, typer.Option(help="longest lookup match tried first")] = 4,
-    threads: int | None = None,
+    threads: Annotated[
+        int | None, typer.Option(help="intra-op threads, >= 1 (default: aotgen.toml's)")
+    ] = None,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="print one JSON object (text, ids, timings, finish reason, speculative "
+            "stats) on stdout instead of streaming the text",
+        ),
+    ] = False,
     nnodes: Annotated[int, typer.Option(help="tensor parallel: nodes taking part")] = 1,
     node_rank: Annotated[int, typer.Option(help="tensor parallel: this node's rank")] = 0,
     master_addr: Annotated[str | None, typer.Option(help="tensor parallel: node 0's host")] = None,
@@ -179,57 +312,66 @@ def run(
     A tensor-parallel package starts its ranks through torch.distributed.run (or runs
     under `torchrun --nproc-per-node N -m aotgen run ...`); only rank 0 prints.
     """
-    from aotgen.recipe import Project
     from aotgen.runtime import distributed
     from aotgen.runtime.engine import GenerationConfig
     from aotgen.runtime.sampling import SamplingParams
 
-    try:
-        given = [x for x in (prompt, prompt_file, chat) if x is not None]
-        if len(given) != 1:
-            raise ValueError("give exactly one of --prompt, --prompt-file, --chat")
-        if lookup not in (None, "ngram"):
-            raise ValueError(f"--lookup {lookup!r}: the only lookup proposer is 'ngram'")
-        threads = threads or Project.load().threads or None
-        if distributed.needs_launch(package):
-            # Re-run this same command as the package's ranks.
-            distributed.launch(
-                ["aotgen", *sys.argv[1:]],
-                distributed.package_world_size(package),
-                nnodes=nnodes,
-                node_rank=node_rank,
-                master_addr=master_addr,
-                master_port=master_port,
-                threads=threads,
-            )
-            return
-        engine = distributed.start(package, threads=threads)
-        if engine is None:  # a tensor-parallel rank other than 0: it served rank 0's calls
-            return
-        if chat is not None:
-            ids = engine.chat_ids(chat, system=system)
-        else:
-            text = prompt if prompt is not None else prompt_file.read_text()
-            ids = engine.tokenizer.encode(text)
-        mode = {(True, True): "draft+ngram", (True, False): "draft", (False, True): "ngram"}.get(
-            (speculative, lookup is not None)
+    given = [x for x in (prompt, prompt_file, chat) if x is not None]
+    if len(given) != 1:
+        raise CliError("give exactly one of --prompt, --prompt-file, --chat")
+    if lookup not in (None, "ngram"):
+        raise CliError(f"--lookup {lookup!r}: the only lookup proposer is 'ngram'")
+    _at_least("--max-new-tokens", max_new_tokens)
+    _at_least("--k", k)
+    _at_least("--ngram-min", ngram_min)
+    _at_least("--ngram-max", ngram_max)
+    if ngram_min is not None and ngram_min > ngram_max:
+        raise CliError(
+            f"--ngram-min ({ngram_min}) must be <= --ngram-max ({ngram_max}); the lookup tries "
+            "matches from ngram-max tokens down to ngram-min"
         )
-        cfg = GenerationConfig(
-            max_new_tokens=max_new_tokens,
-            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
-            stop=tuple(stop or ()),
-            ignore_eos=ignore_eos,
-            speculative=mode,
-            k=k,
-            adaptive_k=adaptive_k,
-            ngram_min=ngram_min,
-            ngram_max=ngram_max,
+    if seed is not None and not 0 <= seed <= SEED_MAX:
+        raise CliError(f"--seed must be an integer in 0..{SEED_MAX}, got {seed}")
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    text = _read_prompt_file(prompt_file) if prompt_file is not None else prompt
+    threads = _threads(threads)
+    if distributed.needs_launch(package):
+        # Re-run this same command as the package's ranks.
+        distributed.launch(
+            ["aotgen", *sys.argv[1:]],
+            distributed.package_world_size(package),
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
+            threads=threads,
         )
-        result = engine.generate(
-            ids, cfg, on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush())
-        )
-    except _user_errors() as e:
-        _fail(e)
+        return
+    engine = distributed.start(package, threads=threads)
+    if engine is None:  # a tensor-parallel rank other than 0: it served rank 0's calls
+        return
+    ids = (
+        engine.chat_ids(chat, system=system) if chat is not None else engine.tokenizer.encode(text)
+    )
+    mode = {(True, True): "draft+ngram", (True, False): "draft", (False, True): "ngram"}.get(
+        (speculative, lookup is not None)
+    )
+    cfg = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        stop=tuple(stop or ()),
+        ignore_eos=ignore_eos,
+        speculative=mode,
+        k=k,
+        adaptive_k=adaptive_k,
+        ngram_min=ngram_min,
+        ngram_max=ngram_max,
+    )
+    stream = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    result = engine.generate(ids, cfg, on_text=stream)
+    if as_json:
+        _print_json(_run_json(engine.load_s, ids, result, mode))
+        return
     sys.stdout.write("\n")
     console.print(
         f"[dim]load {engine.load_s:.2f} s · prompt {result.prompt_tokens} tok, prefill "
@@ -251,15 +393,51 @@ def run(
         )
 
 
+def _run_json(load_s: float, prompt_ids: list[int], result: Any, mode: str | None) -> dict:
+    """`run --json`: the same fields as the C++ `aotgen-run --json`, plus the rates."""
+    s = result.spec
+    spec = None
+    if s is not None:
+        spec = {
+            "mode": mode,
+            "drafted": s.drafted,
+            "accepted": s.accepted,
+            "steps": s.steps,
+            "lookup_steps": s.lookup_steps,
+            "acceptance_rate": s.acceptance_rate,
+            "mean_accepted_length": s.mean_accepted_length,
+            "acceptance_rate_by_position": s.acceptance_rate_by_position,
+        }
+    return {
+        "prompt_ids": prompt_ids,
+        "ids": result.token_ids,
+        "text": result.text,
+        "finish_reason": result.finish_reason,
+        "load_s": load_s,
+        "prompt_tokens": result.prompt_tokens,
+        "prefill_s": result.prefill_s,
+        "decode_s": result.decode_s,
+        "prefill_tok_s": result.prefill_tok_s,
+        "decode_tok_s": result.decode_tok_s,
+        "spec": spec,
+    }
+
+
 @app.command()
-def inspect(package: Annotated[Path, typer.Argument(help="artifacts/NAME")]) -> None:
+@user_errors_exit
+def inspect(
+    package: Annotated[Path, typer.Argument(help="artifacts/NAME")],
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print the whole manifest as JSON on stdout")
+    ] = False,
+) -> None:
     """Summarise a package's manifest: model, graphs, files, versions."""
     from aotgen.package.manifest import read_manifest
 
-    try:
-        m = read_manifest(package)
-    except _user_errors() as e:
-        _fail(e)
+    m = read_manifest(package)
+    if as_json:
+        _print_json(m, indent=2)
+        return
     out = Console()
     target = m["target"]
     gpu = f" ({target['gpu']}, sm {target['compute_capability']})" if "gpu" in target else ""
@@ -293,10 +471,14 @@ def inspect(package: Annotated[Path, typer.Argument(help="artifacts/NAME")]) -> 
 
 
 @app.command()
+@user_errors_exit
 def bench(
     packages: Annotated[list[Path], typer.Argument(help="one or more artifacts/NAME")],
-    prompt_len: int = 128,
-    gen_tokens: int = 64,
+    prompt_len: Annotated[int, typer.Option(help="prompt tokens per generation")] = 128,
+    gen_tokens: Annotated[
+        int,
+        typer.Option(help="new tokens per generation (--speculative: at least 96)"),
+    ] = 64,
     runs: Annotated[
         int,
         typer.Option(
@@ -304,7 +486,9 @@ def bench(
             "prompts, the modes taking turns on each prompt)"
         ),
     ] = 5,
-    threads: int | None = None,
+    threads: Annotated[
+        int | None, typer.Option(help="intra-op threads, >= 1 (default: aotgen.toml's)")
+    ] = None,
     speculative: Annotated[
         bool, typer.Option(help="plain vs n-gram vs draft speculative decode, in one run")
     ] = False,
@@ -313,37 +497,58 @@ def bench(
         list[Path] | None,
         typer.Option(
             help="GGUF file to run through llama.cpp in the same run, as a baseline "
-            "(repeatable; needs the optional llama-cpp-python)"
+            "(repeatable; needs the optional llama-cpp-python: pip install 'aotgen[llamacpp]')"
         ),
     ] = None,
+    as_json: Annotated[
+        bool,
+        typer.Option("--json", help="print the results as one JSON object on stdout"),
+    ] = False,
 ) -> None:
     """Prefill/decode tok/s, ms/token, weight bytes/token and roofline ratio, side by side."""
     from aotgen.bench import LlamaCppRunner, PackageRunner, bench_interleaved, measure_bandwidth
-    from aotgen.recipe import Project
-
-    threads = threads or Project.load().threads or None
-    if speculative:
-        for p in packages:
-            _bench_speculative(p, gen_tokens, k, threads, runs)
-        return
     from aotgen.runtime.distributed import package_world_size
 
-    try:
-        tp = [p for p in packages if package_world_size(p) > 1]
-    except _user_errors() as e:
-        _fail(e)
-    for p in tp:
-        _bench_tp(p, prompt_len, gen_tokens, runs, threads)
-    packages = [p for p in packages if p not in tp]
-    if not packages and not llama_cpp:
+    for option, value in (("--prompt-len", prompt_len), ("--gen-tokens", gen_tokens)):
+        _at_least(option, value)
+    _at_least("--runs", runs)
+    _at_least("--k", k)
+    threads = _threads(threads)
+    report: dict[str, Any] = {"threads": threads, "isa": _isa()}
+    if speculative:
+        report["speculative"] = [
+            _bench_speculative(p, gen_tokens, k, threads, runs, as_json) for p in packages
+        ]
+        if as_json:
+            _print_json(report)
         return
-    try:
+    tp = [p for p in packages if package_world_size(p) > 1]
+    report["tensor_parallel"] = [
+        _bench_tp(p, prompt_len, gen_tokens, runs, threads, as_json) for p in tp
+    ]
+    packages = [p for p in packages if p not in tp]
+    results = []
+    bandwidth: dict[str, float] = {}
+    if packages or llama_cpp:
         runners = [PackageRunner(p, prompt_len, gen_tokens, threads) for p in packages]
         runners += [LlamaCppRunner(g, prompt_len, gen_tokens, threads) for g in llama_cpp or []]
         results = bench_interleaved(runners, runs)
-    except _user_errors() as e:
-        _fail(e)
-    bandwidth = {d: measure_bandwidth(device=d) for d in sorted({r.device for r in results})}
+        bandwidth = {d: measure_bandwidth(device=d) for d in sorted({r.device for r in results})}
+    if as_json:
+        report |= {
+            "prompt_len": prompt_len,
+            "gen_tokens": gen_tokens,
+            "runs": runs,
+            "bandwidth_gb_s": bandwidth,
+            "results": [
+                dataclasses.asdict(r) | {"roofline": r.roofline(bandwidth[r.device])}
+                for r in results
+            ],
+        }
+        _print_json(report)
+        return
+    if not results:
+        return
     table = Table(
         title=f"decode greedy, prompt {prompt_len}, {gen_tokens} new tokens, median of {runs} "
         "(runs interleaved)"
@@ -376,40 +581,43 @@ def bench(
     )
 
 
+def _isa() -> str:
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
 def _cpu_line(threads: int | None) -> str:
     """The CPU's vector ISA decides which kernels are fast (int4 and int8 differ most between
     AVX2 and AVX-512), so every benchmark says which one it ran on."""
-    import torch
-
-    isa = torch.backends.cpu.get_cpu_capability()
-    return f"threads {threads or 'torch default'}, CPU kernels {isa}"
+    return f"threads {threads or 'torch default'}, CPU kernels {_isa()}"
 
 
-def _bench_tp(package: Path, prompt_len: int, gen_tokens: int, runs: int, threads: int | None):
+def _bench_tp(
+    package: Path, prompt_len: int, gen_tokens: int, runs: int, threads: int | None, as_json: bool
+) -> dict[str, Any]:
     from aotgen.runtime.distributed import bench_tp
 
-    try:
-        r = bench_tp(package, prompt_len, gen_tokens, runs, threads)
-    except _user_errors() as e:
-        _fail(e)
-    Console().print(
-        f"{package.name}: tensor parallel ×{r.world_size} ({r.threads_per_rank} thread/rank) · "
-        f"prefill {r.prefill_tok_s:.1f} tok/s · decode {r.decode_tok_s:.1f} tok/s "
-        f"({r.decode_ms:.2f} ms/step) · all_reduce {r.all_reduce_ms:.3f} ms × "
-        f"{r.all_reduces_per_step}/step ≈ {r.comm_ms:.2f} ms collective, "
-        f"≈ {max(r.decode_ms - r.comm_ms, 0):.2f} ms compute per step"
-    )
+    r = bench_tp(package, prompt_len, gen_tokens, runs, threads)
+    if not as_json:
+        Console().print(
+            f"{package.name}: tensor parallel ×{r.world_size} ({r.threads_per_rank} thread/rank)"
+            f" · prefill {r.prefill_tok_s:.1f} tok/s · decode {r.decode_tok_s:.1f} tok/s "
+            f"({r.decode_ms:.2f} ms/step) · all_reduce {r.all_reduce_ms:.3f} ms × "
+            f"{r.all_reduces_per_step}/step ≈ {r.comm_ms:.2f} ms collective, "
+            f"≈ {max(r.decode_ms - r.comm_ms, 0):.2f} ms compute per step"
+        )
+    return dataclasses.asdict(r)
 
 
 def _bench_speculative(
-    package: Path, gen_tokens: int, k: int | None, threads: int | None, rounds: int
-) -> None:
+    package: Path, gen_tokens: int, k: int | None, threads: int | None, rounds: int, as_json: bool
+) -> dict[str, Any]:
     from aotgen.bench import bench_speculative
 
-    try:
-        rows, costs = bench_speculative(package, max(gen_tokens, 96), k, threads, rounds)
-    except _user_errors() as e:
-        _fail(e)
+    rows, costs = bench_speculative(package, max(gen_tokens, 96), k, threads, rounds)
+    if as_json:
+        return {"package": package.name, "rows": [dataclasses.asdict(r) for r in rows], **costs}
     plain = {r.task: r for r in rows if r.mode == "plain"}
     table = Table(title=f"{package.name}: greedy, plain vs speculative (same run)")
     for col in (
@@ -447,6 +655,7 @@ def _bench_speculative(
         line += f" · draft step {costs['draft_ms']:.2f} ms (c = {costs['draft_ms'] / d:.2f})"
     line += "\nend to end: prompt prefill included (the same in every mode); " + _cpu_line(threads)
     _wide_console().print(line)
+    return {"package": package.name, "rows": [dataclasses.asdict(r) for r in rows], **costs}
 
 
 def main() -> None:

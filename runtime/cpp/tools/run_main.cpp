@@ -4,12 +4,15 @@
 //              [options]
 //
 // Streams the text to stdout, then prints load / first-token / decode timings on stderr.
-// With --ids, prints one JSON object on stdout instead: prompt_ids, ids (generated), text,
-// finish_reason, spec (or null) and timings. Errors: one message on stderr, exit status 1
-// (2 for bad command-line usage).
+// With --json (or --ids), prints one JSON object on stdout instead: prompt_ids, ids
+// (generated), text, finish_reason, spec (or null) and timings. Errors: one message on stderr,
+// exit status 1 (2 for a command line that cannot be parsed at all). Option values are checked
+// as the Python CLI (`aotgen run`) checks them, with the same messages.
 #include <charconv>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <optional>
@@ -37,28 +40,104 @@ prompt (exactly one):
   --prompt-ids JSON      prompt token ids, e.g. "[1, 2, 3]"
 options:
   --system TEXT          system message for --chat
-  --max-new-tokens N     (default 256)
+  --max-new-tokens N     stop after N new tokens, N >= 1 (default 256)
   --temperature T        0 = greedy (default 0)
   --top-k K              0 = off (default 0)
   --top-p P              1 = off (default 1)
-  --seed S               sampling seed (default: random)
+  --seed S               sampling seed, 0..18446744073709551615 (default: random)
   --stop TEXT            stop string (repeatable)
   --ignore-eos           keep going past end-of-sequence tokens
   --lookup ngram         speculative decoding with prompt-lookup (n-gram) drafts
   --speculative          speculative decoding with the package's draft model (with
                          --lookup ngram: the draft proposes only when lookup finds no match)
-  --k K                  draft length (default and maximum: the package's verify_k)
+  --k K                  draft length, >= 1 (default and maximum: the package's verify_k)
   --adaptive-k           adapt the draft length (+2 after a full accept, else -1)
   --ngram-min N          shortest lookup match (default: 1; 3 with --speculative too)
   --ngram-max N          longest lookup match, tried first (default 4)
-  --threads N            intra-op threads (default: torch's default)
+  --threads N            intra-op threads, >= 1 (default: torch's default)
   --no-verify            skip the sha256 check of the package files
-  --ids                  print a JSON object (ids, text, stats) instead of streaming text
+  --json, --ids          print a JSON object (ids, text, stats) instead of streaming text
 )";
 
 struct UsageError : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
+
+// A value that parses but is out of range, or a prompt file that cannot be used: reported as one
+// `error:` line with exit status 1, like the Python CLI.
+struct BadValue : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+void at_least(std::string_view flag, int64_t value, int64_t low = 1) {
+  if (value < low) {
+    throw BadValue(std::string(flag) + " must be >= " + std::to_string(low) + ", got " +
+                   std::to_string(value));
+  }
+}
+
+uint64_t parse_seed(std::string_view text) {
+  constexpr const char* kRange = "0..18446744073709551615";
+  uint64_t value{};
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  const bool digits = !text.empty() && text.find_first_not_of("-0123456789") == text.npos;
+  if (ec == std::errc() && end == text.data() + text.size()) return value;
+  if (digits && (ec == std::errc::result_out_of_range || text.front() == '-')) {
+    throw BadValue("--seed must be an integer in " + std::string(kRange) + ", got " +
+                   std::string(text));
+  }
+  throw UsageError("--seed: not a valid number: '" + std::string(text) + "'");
+}
+
+// Strict UTF-8 (no overlong forms, surrogates or code points past U+10FFFF), as Python decodes.
+std::optional<std::size_t> first_invalid_utf8(std::string_view s) {
+  std::size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    std::size_t n = 0;
+    unsigned char lo = 0x80, hi = 0xBF;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if (c >= 0xC2 && c <= 0xDF) {
+      n = 1;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      n = 2;
+      if (c == 0xE0) lo = 0xA0;
+      if (c == 0xED) hi = 0x9F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      n = 3;
+      if (c == 0xF0) lo = 0x90;
+      if (c == 0xF4) hi = 0x8F;
+    } else {
+      return i;
+    }
+    for (std::size_t j = 1; j <= n; ++j) {
+      if (i + j >= s.size()) return i;
+      const auto b = static_cast<unsigned char>(s[i + j]);
+      if (b < (j == 1 ? lo : 0x80) || b > (j == 1 ? hi : 0xBF)) return i;
+    }
+    i += n + 1;
+  }
+  return std::nullopt;
+}
+
+std::string read_prompt_file(const std::string& path) {
+  const std::string where = "--prompt-file " + path + ": ";
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    throw BadValue(where + "is a directory; give a UTF-8 text file");
+  }
+  if (!std::filesystem::is_regular_file(path, ec)) throw BadValue(where + "no such file");
+  std::ifstream in(path, std::ios::binary);
+  std::string text(std::istreambuf_iterator<char>(in), {});
+  if (!in && !in.eof()) throw BadValue(where + "cannot be read");
+  if (const auto bad = first_invalid_utf8(text)) {
+    throw BadValue(where + "not UTF-8 text (invalid byte at offset " + std::to_string(*bad) +
+                   "); save it as UTF-8");
+  }
+  return text;
+}
 
 template <typename T>
 T parse_number(std::string_view flag, std::string_view text) {
@@ -73,6 +152,7 @@ T parse_number(std::string_view flag, std::string_view text) {
 struct Args {
   std::string package;
   std::optional<std::string> chat, prompt, prompt_file, prompt_ids, system;
+  std::optional<int> threads;
   aotgen::GenerationConfig config;
   aotgen::LoadOptions load;
   bool print_ids = false;
@@ -116,7 +196,7 @@ Args parse_args(int argc, char** argv) {
     } else if (arg == "--top-p") {
       cfg.sampling.top_p = parse_number<double>(arg, value());
     } else if (arg == "--seed") {
-      cfg.sampling.seed = parse_number<uint64_t>(arg, value());
+      cfg.sampling.seed = parse_seed(value());
     } else if (arg == "--stop") {
       cfg.stop.emplace_back(value());
     } else if (arg == "--ignore-eos") {
@@ -135,10 +215,10 @@ Args parse_args(int argc, char** argv) {
     } else if (arg == "--ngram-max") {
       cfg.ngram_max = parse_number<int64_t>(arg, value());
     } else if (arg == "--threads") {
-      args.load.threads = parse_number<int>(arg, value());
+      args.threads = parse_number<int>(arg, value());
     } else if (arg == "--no-verify") {
       args.load.verify_hashes = false;
-    } else if (arg == "--ids") {
+    } else if (arg == "--ids" || arg == "--json") {
       args.print_ids = true;
     } else if (arg.starts_with("-") || !args.package.empty()) {
       throw UsageError("unexpected argument: " + std::string(arg));
@@ -160,14 +240,28 @@ Args parse_args(int argc, char** argv) {
   return args;
 }
 
+// Range checks, after parsing so that a malformed command line is reported as such first.
+void check_values(Args& args) {
+  auto& cfg = args.config;
+  at_least("--max-new-tokens", cfg.max_new_tokens);
+  if (cfg.k) at_least("--k", *cfg.k);
+  if (cfg.ngram_min) at_least("--ngram-min", *cfg.ngram_min);
+  at_least("--ngram-max", cfg.ngram_max);
+  if (cfg.ngram_min && *cfg.ngram_min > cfg.ngram_max) {
+    throw BadValue("--ngram-min (" + std::to_string(*cfg.ngram_min) +
+                   ") must be <= --ngram-max (" + std::to_string(cfg.ngram_max) +
+                   "); the lookup tries matches from ngram-max tokens down to ngram-min");
+  }
+  if (args.threads) {
+    at_least("--threads", *args.threads);
+    args.load.threads = *args.threads;
+  }
+  cfg.sampling.validate();
+}
+
 std::vector<int64_t> prompt_ids(const Args& args, const aotgen::Engine& engine) {
   if (args.chat) return engine.chat_ids(*args.chat, args.system);
   if (args.prompt) return engine.tokenizer().encode(*args.prompt);
-  if (args.prompt_file) {
-    std::ifstream in(*args.prompt_file, std::ios::binary);
-    if (!in) throw std::runtime_error("cannot read prompt file " + *args.prompt_file);
-    return engine.tokenizer().encode(std::string(std::istreambuf_iterator<char>(in), {}));
-  }
   try {
     return json::parse(*args.prompt_ids).get<std::vector<int64_t>>();
   } catch (const json::exception&) {
@@ -175,8 +269,13 @@ std::vector<int64_t> prompt_ids(const Args& args, const aotgen::Engine& engine) 
   }
 }
 
-int run(const Args& args) {
+int run(Args args) {
   const auto t_start = Clock::now();
+  check_values(args);
+  if (args.prompt_file) {  // read before loading, so a bad file fails fast
+    args.prompt = read_prompt_file(*args.prompt_file);
+    args.prompt_file.reset();
+  }
   auto engine = aotgen::Engine::load(args.package, args.load);
   const auto ids = prompt_ids(args, engine);
   const auto t_generate = Clock::now();
@@ -250,6 +349,9 @@ int main(int argc, char** argv) {
   } catch (const UsageError& e) {
     std::cerr << "aotgen-run: " << e.what() << "\n";
     return 2;
+  } catch (const BadValue& e) {
+    std::cerr << "aotgen-run: error: " << e.what() << "\n";
+    return 1;
   } catch (const c10::Error& e) {  // torch errors: without their C++ backtrace
     std::cerr << "aotgen-run: error: " << e.what_without_backtrace() << "\n";
     return 1;
