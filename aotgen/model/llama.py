@@ -53,6 +53,12 @@ class ModelConfig:
             )
         if hf.get("attention_bias") or hf.get("mlp_bias"):
             raise ValueError("checkpoints with attention/MLP biases are not supported yet")
+        for key in ("rope_theta", "rms_norm_eps"):
+            value = hf.get(key)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+            ):
+                raise ValueError(f"config.json: {key} must be a positive number, got {value!r}")
         heads = hf["num_attention_heads"]
         return cls(
             vocab_size=hf["vocab_size"],
