@@ -1,217 +1,104 @@
-"""Decoder-only transformer driven by a Hugging Face config (Llama family).
+"""The Llama-layout decoders: Llama, Mistral, Qwen2, Qwen3 and Gemma 3 (text), driven by an
+HF config through a few switches (`ModelConfig`); GPT-NeoX lives in gptneox.py.
 
 One flat file in the spirit of gpt-fast. Module names follow the HF checkpoint
 (`model.layers.0.self_attn.q_proj`, ...) so weights load without a name map and
-quantization/TP plans can match HF parameter names.
+quantization/TP plans can match HF parameter names. The switches:
 
-The KV cache is *not* owned by the model: every forward takes per-layer cache tensors
-(`[1, n_kv_heads, cache_len, head_dim]`) and writes the new keys/values in place at
-`input_pos` (position overwrite: rejected speculative positions are simply overwritten
-later, no rollback). This is the contract every exported graph keeps:
+- `attention_bias`: q/k/v biases (Qwen2).
+- `qk_norm`: per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3).
+- `cfg.gemma`: (1 + w) RMSNorms, a norm after attention and around the MLP (four a
+  layer), embeddings × √hidden, attention scaled by `query_pre_attn_scalar`.
+- `layer_types` / `sliding_window`: local layers attend to the last `sliding_window`
+  positions with their own RoPE base (`rope_local_theta`); see layers.py for the cache.
 
-    forward(tokens [1, T], input_pos [T], caches [k0, v0, k1, v1, ...]) -> logits [1, T, V]
+The forward contract and the runtime-owned KV cache are described in layers.py.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+from aotgen.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, rope_inv_freq, rope_tables
+from aotgen.model.layers import ACT_FNS, CausalLM, RMSNorm, apply_rope, cached_attention, softcap
 
-
-@dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    tie_word_embeddings: bool = False
-    max_position_embeddings: int = 2048
-    architecture: str = "LlamaForCausalLM"
-    extra: dict = field(default_factory=dict, compare=False)
-
-    @classmethod
-    def from_hf(cls, hf: dict) -> ModelConfig:
-        """Map an HF `config.json` dict; refuse what this model cannot represent."""
-        archs = hf.get("architectures") or [hf.get("model_type", "?")]
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        if hf.get("attention_bias") or hf.get("mlp_bias"):
-            raise ValueError("checkpoints with attention/MLP biases are not supported yet")
-        for key in ("rope_theta", "rms_norm_eps"):
-            value = hf.get(key)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
-            ):
-                raise ValueError(f"config.json: {key} must be a positive number, got {value!r}")
-        heads = hf["num_attention_heads"]
-        return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_hidden_layers=hf["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
-            rope_theta=hf.get("rope_theta", 10000.0),
-            rope_scaling=hf.get("rope_scaling"),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            architecture=arch,
-        )
-
-
-def rope_inv_freq(cfg: ModelConfig) -> Tensor:
-    """Inverse RoPE frequencies, with Llama-3 style scaling when the config asks for it."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = cfg.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind in (None, "default"):
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_ctx = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
-        mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
-        return torch.where(is_mid, mid, scaled)
-    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
-
-
-def rope_tables(cfg: ModelConfig, length: int) -> tuple[Tensor, Tensor]:
-    """cos/sin tables `[length, head_dim]` in HF's rotate-half layout."""
-    freqs = torch.outer(torch.arange(length, dtype=torch.float64), rope_inv_freq(cfg))
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().float(), emb.sin().float()
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.to(x.dtype) * self.weight.to(x.dtype)
-
-
-# Decode (one query row per head) attends with `attend_one`: Inductor fuses its
-# multiply-sums and softmax into the layer's kernel, where SDPA is an extern call per layer
-# (dispatch, its own parallel region, sgemm packing for a single row). Measured on SmolLM2
-# int8: decode 5.6 -> 5.3 ms at position 64, 11.0 -> 9.9 ms at 1000. The verify graph keeps
-# SDPA: with 5 rows the multiply-sums were 12% slower at position 1000.
-def attend_one(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-    """Masked softmax attention as broadcast multiply-sums: [b, h, m, d] x [b, h, n, d]."""
-    scores = (q.unsqueeze(3) * keys.unsqueeze(2)).sum(-1) * q.shape[-1] ** -0.5
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-    return (probs.unsqueeze(-1) * values.unsqueeze(2)).sum(3)
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "ModelConfig",
+    "Transformer",
+    "load_model",
+    "new_kv_cache",
+    "rope_inv_freq",
+    "rope_tables",
+]
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
-        d = cfg.hidden_size
-        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
+        self.head_dim = cfg.head_dim
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        d, heads, kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(d, heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d, kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d, kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * self.head_dim, d, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.gemma)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.gemma)
 
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        input_pos: Tensor,
-        mask: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        attn_len: int,
-    ) -> Tensor:
+    def forward(self, x, cos, sin, input_pos, mask, k_cache, v_cache, attn_len) -> Tensor:
         b, t, _ = x.shape
         # Heads are sized from the weights, not the config, so a tensor-parallel shard
         # (fewer heads per rank) runs through the same code.
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        k_cache.index_copy_(2, input_pos, k.to(k_cache.dtype))
-        v_cache.index_copy_(2, input_pos, v.to(v_cache.dtype))
-        # Attend only to the filled prefix of the cache, not all of it.
-        keys = k_cache[:, :, :attn_len].to(q.dtype)
-        values = v_cache[:, :, :attn_len].to(q.dtype)
-        # GQA without repeating K/V: fold each KV head's group of query heads into the
-        # query-length axis ([b, kv, group * t, d]), so no expanded K/V copy per layer.
-        kv_heads = keys.shape[1]
-        group = q.shape[1] // kv_heads
-        q = q.reshape(b, kv_heads, group * t, self.head_dim)
-        mask = mask.repeat(group, 1)
-        if isinstance(t, int) and t == 1:  # static: the decode graph
-            y = attend_one(q, keys, values, mask)
-        else:
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        # unflatten+permute, not view(b, -1, t, d): export cannot prove the view's stride
-        # guard for a dynamic t (prefill failed to export).
-        return self.o_proj(y.unflatten(2, (group, t)).permute(0, 3, 1, 2, 4).reshape(b, t, -1))
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = cached_attention(q, k, v, input_pos, mask, k_cache, v_cache, attn_len, self.scale)
+        return self.o_proj(y)
 
 
 class MLP(nn.Module):
+    """Gated MLP: SwiGLU (silu) for Llama and Qwen, GeGLU (tanh GELU) for Gemma."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = ACT_FNS[cfg.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        d, eps, gemma = cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(d, eps, gemma)
+        self.post_attention_layernorm = RMSNorm(d, eps, gemma)
+        self.gemma = gemma
+        if gemma:
+            self.pre_feedforward_layernorm = RMSNorm(d, eps, gemma)
+            self.post_feedforward_layernorm = RMSNorm(d, eps, gemma)
 
-    def forward(self, x, cos, sin, input_pos, mask, k_cache, v_cache, attn_len):
-        h = x + self.self_attn(
+    def forward(self, x, cos, sin, input_pos, mask, k_cache, v_cache, attn_len) -> Tensor:
+        a = self.self_attn(
             self.input_layernorm(x), cos, sin, input_pos, mask, k_cache, v_cache, attn_len
         )
+        if self.gemma:  # norms on both sides of attention and of the MLP
+            h = x + self.post_attention_layernorm(a)
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = x + a
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -220,37 +107,51 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
 
 
-class Transformer(nn.Module):
-    """`LlamaForCausalLM` with an external, position-overwrite KV cache."""
+class Transformer(CausalLM):
+    """A Llama-layout `*ForCausalLM` with an external, position-overwrite KV cache."""
+
+    EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
     def __init__(self, cfg: ModelConfig, cache_len: int):
-        super().__init__()
-        self.config = cfg
-        self.cache_len = cache_len
+        super().__init__(cfg, cache_len)
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        cos, sin = rope_tables(cfg, cache_len)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        self.register_buffer("key_positions", torch.arange(cache_len), persistent=False)
+        self.tie_weights()
+        self.init_buffers()
 
-    def forward(self, tokens: Tensor, input_pos: Tensor, caches: list[Tensor]) -> Tensor:
-        # Positions in one call are consecutive, so the last one bounds what is attended to.
-        attn_len = input_pos[-1].item() + 1
-        torch._check(attn_len >= 1)
-        torch._check(attn_len <= self.cache_len)
-        cos = self.rope_cos[input_pos].to(self.lm_head.weight.dtype)
-        sin = self.rope_sin[input_pos].to(self.lm_head.weight.dtype)
-        mask = self.key_positions[:attn_len].unsqueeze(0) <= input_pos.unsqueeze(1)
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_buffers(self) -> None:
+        super().init_buffers()
+        # Gemma: × √hidden, rounded to the weights' dtype as transformers does.
+        dtype = self.model.embed_tokens.weight.dtype
+        self.embed_scale = float(
+            torch.tensor(self.config.hidden_size**0.5, dtype=dtype, device="cpu")
+        )
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def embed(self, tokens: Tensor) -> Tensor:
         x = self.model.embed_tokens(tokens)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, input_pos, mask, caches[2 * i], caches[2 * i + 1], attn_len)
-        return self.lm_head(self.model.norm(x)).float()
+        return x * self.embed_scale if self.config.gemma else x
+
+    def logits(self, x: Tensor) -> Tensor:
+        return softcap(self.lm_head(self.model.norm(x)), self.config.final_logit_softcapping)
+
+
+def model_class(cfg: ModelConfig) -> type[CausalLM]:
+    if cfg.architecture == "GPTNeoXForCausalLM":
+        from aotgen.model.gptneox import GPTNeoXForCausalLM
+
+        return GPTNeoXForCausalLM
+    return Transformer
 
 
 def new_kv_cache(
@@ -264,18 +165,22 @@ def new_kv_cache(
     ]
 
 
+# Non-parameters some checkpoints carry: RoPE and causal-mask buffers (old GPT-NeoX).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
+
+
 def load_model(
     cfg: ModelConfig, weights: dict[str, Tensor], cache_len: int, dtype: torch.dtype
-) -> Transformer:
+) -> CausalLM:
     """Instantiate on the meta device and adopt the checkpoint tensors (no random init)."""
-    weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
-    if cfg.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
+    cls = model_class(cfg)
+    weights = {k: v for k, v in weights.items() if not k.endswith(IGNORED_SUFFIXES)}
+    tied = cfg.tie_word_embeddings
+    if tied:
+        weights.pop(cls.HEAD, None)
     with torch.device("meta"):
-        model = Transformer(cfg, cache_len)
-    expected = {
-        k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")
-    }
+        model = cls(cfg, cache_len)
+    expected = {k for k in model.state_dict() if not (tied and k == cls.HEAD)}
     missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
     if missing or unexpected:
         raise ValueError(
@@ -291,9 +196,6 @@ def load_model(
                 f"the config implies {tuple(want)}"
             )
     model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    cos, sin = rope_tables(cfg, cache_len)
-    model.rope_cos, model.rope_sin = cos, sin
-    model.key_positions = torch.arange(cache_len)
+    model.tie_weights()
+    model.init_buffers()
     return model.eval().requires_grad_(False)

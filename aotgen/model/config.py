@@ -1,0 +1,259 @@
+"""`ModelConfig`: the HF `config.json` of a supported architecture, mapped onto the few
+switches the model code reads, and the RoPE tables.
+
+Both config.json dialects are read: transformers 4.x (`rope_theta`, `rope_scaling`,
+`rotary_pct`, `rope_local_base_freq`) and 5.x (`rope_parameters`). Any key the model would
+otherwise silently ignore is refused with a one-line error naming it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+LLAMA_LAYOUT = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+)
+SUPPORTED_ARCHITECTURES = (*LLAMA_LAYOUT, "GPTNeoXForCausalLM")
+# hidden_act values → torch; gelu_new is the tanh approximation written out.
+ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5  # the norms' epsilon (LayerNorm's for GPT-NeoX)
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    architecture: str = "LlamaForCausalLM"
+    hidden_act: str = "silu"
+    attention_bias: bool = False  # q/k/v biases (Qwen2); GPT-NeoX: qkv and dense
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    rotary_dim: int | None = None  # partial rotary: the first rotary_dim dims of a head
+    use_parallel_residual: bool = False  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x))
+    sliding_window: int | None = None  # keys within this many positions, on sliding layers
+    layer_types: tuple[str, ...] | None = None  # "sliding_attention" / "full_attention"
+    rope_local_theta: float | None = None  # the sliding layers' RoPE base (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma 3)
+    final_logit_softcapping: float | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma's switches: (1 + w) RMSNorm, four norms a layer, embeddings × √hidden."""
+        return self.architecture == "Gemma3ForCausalLM"
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> ModelConfig:
+        """Map an HF `config.json` dict; refuse what this model cannot represent."""
+        archs = hf.get("architectures") or [hf.get("model_type", "?")]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for key in ("rope_theta", "rms_norm_eps", "layer_norm_eps", "rope_local_base_freq"):
+            _positive(hf, key)
+        heads = hf["num_attention_heads"]
+        theta, scaling, local = _rope(hf, arch)
+        common: dict[str, Any] = dict(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=hf.get("tie_word_embeddings", arch == "Gemma3ForCausalLM"),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            architecture=arch,
+        )
+        family = _gpt_neox if arch == "GPTNeoXForCausalLM" else _llama_layout
+        cfg = cls(**common, **family(hf, arch, common, local))
+        rope_inv_freq(cfg)  # an unknown rope_scaling type fails here, before any compile
+        return cfg
+
+
+def _positive(hf: dict, key: str) -> None:
+    value = hf.get(key)
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+    ):
+        raise ValueError(f"config.json: {key} must be a positive number, got {value!r}")
+
+
+def _refuse(hf: dict, key: str, allowed: Any, why: str) -> None:
+    """A key whose value the model would not honour: a one-line error naming it."""
+    value = hf.get(key)
+    if value not in (None, allowed):
+        raise ValueError(f"config.json: {key}={value!r} is not supported ({why})")
+
+
+def _rope(hf: dict, arch: str) -> tuple[float, dict | None, float | None]:
+    """(base, scaling of the global layers, base of the sliding layers) from either dialect."""
+    params = hf.get("rope_parameters")
+    local = hf.get("rope_local_base_freq")
+    if isinstance(params, dict) and "full_attention" in params:  # 5.x, per layer type
+        local = (params.get("sliding_attention") or {}).get("rope_theta", local)
+        params = params["full_attention"]
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", hf.get("rope_theta"))
+        scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "rope_type")}
+        scaling.pop("partial_rotary_factor", None)
+        kind = params.get("rope_type", params.get("type", "default"))
+        scaling = {"rope_type": kind, **scaling} if kind != "default" else None
+    else:
+        theta, scaling = hf.get("rope_theta"), hf.get("rope_scaling")
+        theta = hf.get("rotary_emb_base", theta)  # GPT-NeoX 4.x
+    if theta is None:
+        theta = {"Gemma3ForCausalLM": 1e6}.get(arch, 10000.0)
+    if isinstance(hf.get("rope_parameters"), dict) and "sliding_attention" in hf["rope_parameters"]:
+        kind = (hf["rope_parameters"]["sliding_attention"] or {}).get("rope_type", "default")
+        if kind != "default":
+            raise ValueError(f"config.json: rope_parameters.sliding_attention {kind!r} scaling")
+    if arch == "Gemma3ForCausalLM" and local is None:
+        local = 10000.0
+    return float(theta), scaling or None, local
+
+
+def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dict[str, Any]:
+    """Llama, Mistral, Qwen2, Qwen3 and Gemma 3: one module layout, a few switches."""
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    if act not in ACTIVATIONS:
+        raise ValueError(f"config.json: hidden_act={act!r} is not supported; {ACTIVATIONS}")
+    _refuse(hf, "mlp_bias", False, "MLP biases")
+    rotary = _rotary_factor(hf)
+    if rotary != 1.0:
+        raise ValueError(f"config.json: partial_rotary_factor={rotary} is not supported on {arch}")
+    out: dict[str, Any] = {"hidden_act": act, "rms_norm_eps": hf.get("rms_norm_eps", 1e-6)}
+    layers = common["num_hidden_layers"]
+    if arch == "Qwen2ForCausalLM":
+        out["attention_bias"] = True  # Qwen2 always has q/k/v biases
+    else:
+        _refuse(hf, "attention_bias", False, f"attention biases on {arch}")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        _refuse(hf, "use_sliding_window", False, "sliding-window attention on Qwen")
+    if arch == "Qwen3ForCausalLM":
+        out["qk_norm"] = True
+    if arch == "MistralForCausalLM" and hf.get("sliding_window"):
+        out["sliding_window"] = hf["sliding_window"]
+        out["layer_types"] = ("sliding_attention",) * layers
+    elif arch == "Gemma3ForCausalLM":
+        _refuse(hf, "attn_logit_softcapping", None, "transformers' Gemma 3 does not apply it")
+        _refuse(hf, "use_bidirectional_attention", False, "causal attention only")
+        types = hf.get("layer_types")
+        if types is None:
+            pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
+            types = [
+                "sliding_attention" if (i + 1) % pattern else "full_attention"
+                for i in range(layers)
+            ]
+        out.update(
+            qk_norm=True,
+            sliding_window=hf.get("sliding_window", 4096),
+            layer_types=tuple(types),
+            rope_local_theta=float(local or 10000.0),
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+            final_logit_softcapping=hf.get("final_logit_softcapping"),
+        )
+    elif hf.get("sliding_window") is not None and not (
+        arch.startswith("Qwen") and not hf.get("use_sliding_window")
+    ):
+        raise ValueError(f"config.json: sliding_window is not supported on {arch}")
+    if arch != "Gemma3ForCausalLM":
+        _refuse(hf, "final_logit_softcapping", None, f"not part of {arch}")
+        _refuse(hf, "attn_logit_softcapping", None, f"not part of {arch}")
+    types = out.get("layer_types") or hf.get("layer_types") or ()
+    if any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise ValueError(f"config.json: layer_types {sorted(set(types))} are not supported")
+    if "layer_types" not in out and "sliding_attention" in types:
+        raise ValueError(f"config.json: layer_types with sliding_attention on {arch}")
+    if out.get("layer_types") is not None and len(out["layer_types"]) != layers:
+        raise ValueError("config.json: layer_types must name every one of num_hidden_layers")
+    return out
+
+
+def _rotary_factor(hf: dict) -> float:
+    params = hf.get("rope_parameters")
+    factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    return float(factor or hf.get("rotary_pct") or hf.get("partial_rotary_factor") or 1.0)
+
+
+def _gpt_neox(hf: dict, arch: str, common: dict, local: float | None) -> dict[str, Any]:
+    act = hf.get("hidden_act", "gelu")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"config.json: hidden_act={act!r} is not supported; {ACTIVATIONS}")
+    has_factor = "rotary_pct" in hf or "partial_rotary_factor" in (hf.get("rope_parameters") or {})
+    factor = _rotary_factor(hf) if has_factor else 0.25  # transformers' default
+    rotary_dim = int(common["head_dim"] * factor)
+    if rotary_dim % 2 or rotary_dim == 0:
+        raise ValueError(f"config.json: rotary_pct={factor} gives an odd or empty rotary dim")
+    if common["hidden_size"] % common["num_attention_heads"]:
+        raise ValueError("config.json: hidden_size must be a multiple of num_attention_heads")
+    return {
+        "hidden_act": act,
+        "rms_norm_eps": hf.get("layer_norm_eps", 1e-5),
+        "attention_bias": hf.get("attention_bias", True),
+        "rotary_dim": rotary_dim,
+        "use_parallel_residual": hf.get("use_parallel_residual", True),
+    }
+
+
+def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, scaled: bool = True) -> Tensor:
+    """Inverse RoPE frequencies, with Llama-3 style scaling when the config asks for it."""
+    dim = cfg.rotary_dim or cfg.head_dim
+    base = cfg.rope_theta if theta is None else theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = (cfg.rope_scaling or {}) if scaled else {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled_freq = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        return torch.where(is_mid, mid, scaled_freq)
+    raise ValueError(
+        f"config.json: rope_scaling type {kind!r} is not supported; supported: "
+        f"{', '.join(ROPE_TYPES)}"
+    )
+
+
+def rope_tables(
+    cfg: ModelConfig, length: int, theta: float | None = None, scaled: bool = True
+) -> tuple[Tensor, Tensor]:
+    """cos/sin tables `[length, rotary_dim]` in HF's rotate-half layout."""
+    positions = torch.arange(length, dtype=torch.float64)
+    freqs = torch.outer(positions, rope_inv_freq(cfg, theta, scaled))
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().float(), emb.sin().float()

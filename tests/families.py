@@ -1,0 +1,126 @@
+"""Tiny random-weight checkpoints of every supported family, written by `transformers`
+itself (its config class, `save_pretrained`), so the files are what a user downloads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from tiny import make_tokenizer
+
+# name → (transformers config class, its arguments); the tokenizer sets the vocabulary.
+BASE = dict(
+    hidden_size=64, intermediate_size=128, num_attention_heads=4, max_position_embeddings=512
+)
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", dict(num_hidden_layers=2, num_key_value_heads=2)),
+    "qwen2-tied": (
+        "Qwen2Config",
+        dict(num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=True),
+    ),
+    # head_dim 32 with hidden 64 and 4 heads: explicit, not hidden / heads.
+    "qwen3": ("Qwen3Config", dict(num_hidden_layers=3, num_key_value_heads=2, head_dim=32)),
+    "qwen3-draft": (
+        "Qwen3Config",
+        dict(num_hidden_layers=1, num_key_value_heads=1, head_dim=16, hidden_size=32),
+    ),
+    # Window 8 on layers 0-2, global layer 3 with linear RoPE scaling; softcapped logits.
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            sliding_window=8,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=30.0,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            },
+            tie_word_embeddings=True,
+        ),
+    ),
+    # Pythia: rotary on a quarter of each head, parallel residual, untied embed_out.
+    "gptneox-parallel": (
+        "GPTNeoXConfig",
+        dict(num_hidden_layers=2, rotary_pct=0.25, use_parallel_residual=True),
+    ),
+    "gptneox-sequential": (
+        "GPTNeoXConfig",
+        dict(num_hidden_layers=3, rotary_pct=0.5, use_parallel_residual=False),
+    ),
+    "gptneox-draft": (
+        "GPTNeoXConfig",
+        dict(
+            num_hidden_layers=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=2,
+            rotary_pct=0.5,
+            use_parallel_residual=False,
+        ),
+    ),
+}
+
+
+def make_family_checkpoint(out: Path, family: str, seed: int = 0) -> Path:
+    """Save a random `family` model with the shared test tokenizer into `out`."""
+    import transformers
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(out)
+    cls_name, kwargs = FAMILIES[family]
+    config = getattr(transformers, cls_name)(
+        **{**BASE, **kwargs},
+        vocab_size=tok.get_vocab_size(),
+        bos_token_id=tok.token_to_id("<|im_start|>"),
+        eos_token_id=tok.token_to_id("<|im_end|>"),
+        pad_token_id=tok.token_to_id("<|endoftext|>"),
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize(model, gemma=cls_name.startswith("Gemma"))
+    model.save_pretrained(out)
+    assert json.loads((out / "config.json").read_text())["architectures"]
+    return out
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module, gemma: bool, std: float = 0.08) -> None:
+    """Weights large enough that greedy choices are not near-ties, norms and biases away
+    from their identity init so that a misplaced one changes the logits."""
+    for name, p in model.named_parameters():
+        if "norm" in name:  # RMSNorm / LayerNorm weights and biases
+            base = 0.0 if gemma or name.endswith(".bias") else 1.0
+            p.copy_(base + torch.randn_like(p) * 0.1)
+        elif "embed" in name and p.dim() == 2:
+            p.normal_(0, std * (1.5 if gemma else 10))
+        elif name.endswith("lm_head.weight"):
+            p.normal_(0, std * 4)
+        else:
+            p.normal_(0, std)
+
+
+def load_reference(path: Path) -> torch.nn.Module:
+    """The checkpoint in transformers' eager implementation, fp32."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+@torch.no_grad()
+def reference_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """Logits `[T, V]` of one full-sequence forward (no cache)."""
+    return model(torch.tensor([ids]), use_cache=False).logits[0].float()
+
+
+@torch.no_grad()
+def reference_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(ids) :].tolist()
