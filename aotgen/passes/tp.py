@@ -59,14 +59,32 @@ LLAMA_PLAN: dict[str, str] = {
     "*.down_proj": "rowwise",
     "lm_head": "replicate",
 }
+# GPT-NeoX's fused query_key_value holds each head's q, k, v rows together, so a colwise
+# (contiguous rows) shard is a whole set of heads.
+GPT_NEOX_PLAN: dict[str, str] = {
+    "gpt_neox.embed_in": "replicate",
+    "*.query_key_value": "colwise",
+    "*.attention.dense": "rowwise",
+    "*.dense_h_to_4h": "colwise",
+    "*.dense_4h_to_h": "rowwise",
+    "embed_out": "replicate",
+}
 DEFAULT_PLANS: dict[str, dict[str, str]] = {
     "LlamaForCausalLM": LLAMA_PLAN,
     "MistralForCausalLM": LLAMA_PLAN,
+    "Qwen2ForCausalLM": LLAMA_PLAN,
+    "Qwen3ForCausalLM": LLAMA_PLAN,
+    "Gemma3ForCausalLM": LLAMA_PLAN,
+    "GPTNeoXForCausalLM": GPT_NEOX_PLAN,
 }
 # (column-parallel inputs, row-parallel output) of each block: both sharded or neither.
 BLOCKS = {
     "self_attn": (("q_proj", "k_proj", "v_proj"), "o_proj"),
     "mlp": (("gate_proj", "up_proj"), "down_proj"),
+}
+GPT_NEOX_BLOCKS = {
+    "attention": (("query_key_value",), "dense"),
+    "mlp": (("dense_h_to_4h",), "dense_4h_to_h"),
 }
 
 
@@ -160,15 +178,16 @@ def validate_plan(model: Transformer, plan: dict[str, str], world_size: int) -> 
     cfg = model.config
     styles = _module_styles(model, plan)
     for name, module in model.named_modules():
-        if isinstance(module, nn.Embedding) or name == "lm_head":
+        if isinstance(module, nn.Embedding) or name in ("lm_head", "embed_out"):
             if styles[name] != "replicate":
                 raise RecipeError(
                     f"parallel.plan: {name} must be replicate (vocab-parallel embedding/head "
                     f"is not supported), got {styles[name]}"
                 )
     for i in range(cfg.num_hidden_layers):
-        for block, (cols, row) in BLOCKS.items():
-            prefix = f"model.layers.{i}.{block}."
+        neox = cfg.architecture == "GPTNeoXForCausalLM"
+        for block, (cols, row) in (GPT_NEOX_BLOCKS if neox else BLOCKS).items():
+            prefix = f"{'gpt_neox' if neox else 'model'}.layers.{i}.{block}."
             got = tuple(styles[prefix + c] for c in cols) + (styles[prefix + row],)
             sharded = ("colwise",) * len(cols) + ("rowwise",)
             if got not in (sharded, ("replicate",) * len(got)):
