@@ -192,8 +192,8 @@ class ModelBuild:
 
 
 def _layer_index(name: str) -> int | None:
-    parts = name.split(".")
-    return int(parts[2]) if name.startswith("model.layers.") else None
+    parts = name.split(".")  # model.layers.N.… (Llama layout), gpt_neox.layers.N.…
+    return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else None
 
 
 def _same_vocab(a: Checkpoint, b: Checkpoint) -> None:
