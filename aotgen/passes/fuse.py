@@ -46,29 +46,41 @@ class FuseLinearsPass:
 
     def __call__(self, ep: ExportedProgram) -> ExportedProgram:
         edit = WeightEditor(ep)
-        groups: dict[tuple, list[tuple[Node, str, Tensor]]] = {}
+        groups: dict[tuple, list[tuple[Node, str, Tensor, Tensor | None]]] = {}
         for node in edit.graph.nodes:
-            if node.target is not aten.linear.default or len(node.args) != 2:
-                continue  # only bias-free linears (every LLM projection this fuses)
+            if node.target is not aten.linear.default:
+                continue
             lifted = edit.weight(node.args[1])
-            if lifted is None:
+            has_bias = len(node.args) > 2 and node.args[2] is not None
+            bias = edit.weight(node.args[2]) if has_bias else None
+            if lifted is None or (has_bias and bias is None):
                 continue
             target, w = lifted
             names = (op_name(node, target), target)
             if any(fnmatch.fnmatchcase(n, p) for p in self.exclude for n in names):
                 continue
-            groups.setdefault((node.args[0], w.dtype, w.device), []).append((node, target, w))
+            # Biased linears (Qwen2's q/k/v) fuse with each other, their biases concatenated.
+            b = bias[1] if bias else None
+            key = (node.args[0], w.dtype, w.device, has_bias)
+            groups.setdefault(key, []).append((node, target, w, b))
         for members in groups.values():
             if len(members) > 1:
                 self._fuse(edit, members)
         return edit.finish()
 
-    def _fuse(self, edit: WeightEditor, members: list[tuple[Node, str, Tensor]]) -> None:
-        nodes, targets, weights = zip(*members, strict=True)
+    def _fuse(
+        self, edit: WeightEditor, members: list[tuple[Node, str, Tensor, Tensor | None]]
+    ) -> None:
+        nodes, targets, weights, biases = zip(*members, strict=True)
         key = tuple(id(w) for w in weights)
         if key not in self._cache:
             self._keep.extend(weights)
             self._cache[key] = torch.cat(weights)
+        has_bias = biases[0] is not None
+        bias_key = tuple(id(b) for b in biases)
+        if has_bias and bias_key not in self._cache:
+            self._keep.extend(biases)
+            self._cache[bias_key] = torch.cat(biases)
         # Names: the members' common module path (whole components) + their own parts.
         parts = [op_name(n, t).split(".") for n, t in zip(nodes, targets, strict=True)]
         common = 0
@@ -79,8 +91,13 @@ class FuseLinearsPass:
         name = f"{prefix}{{{','.join(leaves)}}}"  # model.layers.0.self_attn.{q_proj,k_proj,v_proj}
         fused_w = edit.add(f"{prefix}{'_'.join(leaves)}.weight", self._cache[key])
         graph, first = edit.graph, nodes[0]
+        fused_b = (
+            [edit.add(f"{prefix}{'_'.join(leaves)}.bias", self._cache[bias_key])]
+            if has_bias
+            else []
+        )
         with graph.inserting_before(first):
-            out = emit(graph, first, aten.linear.default, first.args[0], fused_w)
+            out = emit(graph, first, aten.linear.default, first.args[0], fused_w, *fused_b)
         stack = dict(first.meta.get("nn_module_stack") or {})
         if stack:  # the fused op's module path names all its members
             last = list(stack)[-1]
