@@ -1,0 +1,283 @@
+"""Every supported family against `transformers`, the reference implementation: tiny
+random checkpoints written by transformers (tests/families.py) go through the real build,
+and the package's prefill / decode / verify logits and greedy tokens are compared with
+transformers' eager forward in fp32. Also: int8 + fused builds of the biased families,
+separate-checkpoint drafts, the tensor-parallel plans, and config errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from families import load_reference as _load_reference
+from families import (
+    make_family_checkpoint,
+    reference_greedy,
+    reference_logits,
+)
+
+from aotgen.model.llama import ModelConfig, load_model
+from aotgen.package.build import build
+from aotgen.passes.tp import parse_parallel, resolve_plan, shard_model
+from aotgen.recipe import RecipeError, parse_recipe
+from aotgen.runtime.engine import Engine, GenerationConfig
+
+pytest.importorskip("transformers")
+
+# max_seq_len 96: room for a 40-token history and 32 greedy tokens after the prompt.
+RECIPE = {"max_seq_len": 96, "prefill_chunk": 16, "verify_k": 4}
+# Speculative packages: target + a separate, smaller draft checkpoint of the same family.
+SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}
+PARITY = ["llama", "qwen2-tied", "qwen3", "gemma3", "gptneox-parallel", "gptneox-sequential"]
+# Longer than Gemma's window (8) and than one prefill chunk (16 tokens).
+PROMPT = "Speculative decoding drafts tokens and verifies them in one pass. The quick brown fox"
+N_GREEDY = 32
+# Compiled fp32 vs transformers' eager fp32: the same math in another order (Inductor's
+# fused reductions, the gemv rewrite, SDPA vs matmul-softmax), so errors are rounding-level,
+# ~1e-6 relative (measured 2e-7 to 6e-7 for the eager definitions). A wrong norm, bias,
+# RoPE dim, window or scale moves the logits by 1e-2 or more; 1e-4 separates the two.
+FP32_TOL = 1e-4
+# Weight-only int8 (per-channel) of random weights: ~1 % relative error on the logits.
+INT8_TOL = 5e-2
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    names = [*PARITY, *SPEC_PAIRS.values()]
+    return {n: make_family_checkpoint(root / n, n, seed=i) for i, n in enumerate(names)}
+
+
+_packages: dict[str, Path] = {}
+_references: dict[str, torch.nn.Module] = {}
+
+
+def load_reference(path: Path) -> torch.nn.Module:
+    if str(path) not in _references:
+        _references[str(path)] = _load_reference(path)
+    return _references[str(path)]
+
+
+def _package(name: str, checkpoints: dict[str, Path], project, **extra) -> Path:
+    """One build per (family, options), shared by this module's tests."""
+    key = f"{name}-{'-'.join(sorted(extra))}" if extra else name
+    if key not in _packages:
+        family = name
+        if family in SPEC_PAIRS and not extra:
+            draft = {"checkpoint": str(checkpoints[SPEC_PAIRS[family]])}
+            extra = {"speculative": {"draft": draft, "k": 4}}
+        data = {"checkpoint": str(checkpoints[family]), **RECIPE, **extra}
+        recipe = parse_recipe(data, f"fam-{key}", Path("."))
+        _packages[key] = build(recipe, project).path
+    return _packages[key]
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoints, project):
+    cache: dict[str, Engine] = {}
+
+    def get(name: str, **extra) -> Engine:
+        key = f"{name}{sorted(extra)}"
+        if key not in cache:
+            cache[key] = Engine.load(_package(name, checkpoints, project, **extra))
+        return cache[key]
+
+    return get
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize(
+    "graph,start,length",
+    [("prefill", 0, 14), ("prefill", 7, 16), ("decode", 21, 1), ("verify", 17, 5)],
+)
+@pytest.mark.parametrize("family", PARITY)
+def test_graph_logits_match_transformers(engines, checkpoints, family, graph, start, length):
+    """Each compiled graph, after the prefix went through the package's own prefill,
+    gives transformers' logits for its rows (positions past Gemma's window included)."""
+    runner = engines(family).target
+    g = torch.Generator().manual_seed(start + length)
+    history = torch.randint(0, runner.vocab_size, (start + length,), generator=g).tolist()
+    want = reference_logits(load_reference(checkpoints[family]), history)[start:]
+    for c in runner.caches:
+        c.zero_()
+    if start:
+        runner.forward(history[:start], 0)
+    tokens = torch.tensor([history[start:]])
+    got = runner.graphs[graph](tokens, torch.arange(start, start + length), runner.caches)[0]
+    assert got.shape == want.shape == (length, runner.vocab_size)
+    assert _rel_err(got, want) < FP32_TOL
+
+
+@pytest.mark.parametrize("family", PARITY)
+def test_greedy_matches_transformers(engines, checkpoints, family):
+    """32 greedy tokens from the package equal transformers' greedy continuation."""
+    engine = engines(family)
+    ids = engine.tokenizer.encode(PROMPT)
+    assert len(ids) > 16  # crosses the window and a prefill chunk
+    got = engine.generate(ids, GenerationConfig(max_new_tokens=N_GREEDY, ignore_eos=True))
+    assert got.token_ids == reference_greedy(load_reference(checkpoints[family]), ids, N_GREEDY)
+
+
+@pytest.mark.slow  # two more builds, ~100 s each on 2 cores
+@pytest.mark.parametrize("family", ["qwen2-tied", "gptneox-parallel"])
+def test_int8_fused_build_stays_close(engines, checkpoints, family):
+    """int8 weights + fused linears on the biased families: logits within int8's error of
+    transformers, and the same argmax at nearly every position of a teacher-forced text."""
+    engine = engines(family, quantize={"linear": "int8"})
+    ids = engine.tokenizer.encode(PROMPT + " Paris is the capital of France.")
+    for c in engine.target.caches:
+        c.zero_()
+    got = engine.target.forward(ids, 0, all_logits=True)
+    want = reference_logits(load_reference(checkpoints[family]), ids)
+    assert _rel_err(got, want) < INT8_TOL
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert agree >= 0.9, agree
+
+
+def test_biased_q_k_v_are_fused(checkpoints, project, engines):
+    """fuse_linears concatenates biases: Qwen2's q/k/v run as one linear."""
+    engines("qwen2-tied")
+    import json
+
+    path = _package("qwen2-tied", checkpoints, project)
+    manifest = json.loads((path / "manifest.json").read_text())
+    weights = manifest["models"]["target"]["weights"]
+    names = set(weights.get("aliases", {}))
+    from safetensors import safe_open
+
+    with safe_open(str(path / weights["file"]), "pt") as f:
+        names |= set(f.keys())
+    assert any("q_proj_k_proj_v_proj.bias" in n for n in names), sorted(names)[:20]
+
+
+@pytest.mark.parametrize("family", list(SPEC_PAIRS))
+def test_separate_draft_speculative_greedy_equals_plain(engines, family):
+    """A smaller checkpoint of the same family and tokenizer as the draft, in one package
+    with its target: speculative greedy output equals plain greedy for several k."""
+    engine = engines(family)
+    assert engine.draft is not None
+    draft_cfg, target_cfg = engine.draft.config, engine.target.config
+    assert draft_cfg["architecture"] == target_cfg["architecture"]
+    assert draft_cfg["hidden_size"] < target_cfg["hidden_size"]
+    ids = engine.tokenizer.encode(PROMPT)
+    plain = engine.generate(ids, GenerationConfig(max_new_tokens=N_GREEDY, ignore_eos=True))
+    for k in (1, 3, 4):
+        cfg = GenerationConfig(max_new_tokens=N_GREEDY, ignore_eos=True, speculative="draft", k=k)
+        spec = engine.generate(ids, cfg)
+        assert spec.token_ids == plain.token_ids, k
+        assert spec.spec.drafted > 0
+
+
+# ---- tensor-parallel plans (no compile) ------------------------------------------------
+
+
+def _eager(checkpoints: dict[str, Path], family: str):
+    from aotgen.checkpoint.hf import open_checkpoint
+
+    ckpt = open_checkpoint(checkpoints[family])
+    cfg = ModelConfig.from_hf(ckpt.config)
+    return load_model(cfg, ckpt.load_weights(), 32, torch.float32)
+
+
+def test_gptneox_tp_shards_whole_heads(checkpoints):
+    model = _eager(checkpoints, "gptneox-parallel")
+    styles = resolve_plan(model, parse_parallel({"tensor": 2}))
+    r1 = shard_model(model, styles, 1, 2, "0")
+    full, part = dict(model.named_parameters()), dict(r1.named_parameters())
+    assert set(part) == set(full)
+    qkv = "gpt_neox.layers.0.attention.query_key_value."
+    # 4 heads of 16: rank 1 holds heads 2 and 3, each with its q, k and v rows.
+    assert torch.equal(part[qkv + "weight"], full[qkv + "weight"][96:])
+    assert torch.equal(part[qkv + "bias"], full[qkv + "bias"][96:])
+    dense = "gpt_neox.layers.0.attention.dense."
+    assert torch.equal(part[dense + "weight"], full[dense + "weight"][:, 32:])
+    assert not part[dense + "bias"].any()  # the row-parallel bias is added on rank 0 only
+    with pytest.raises(RecipeError, match="does not divide num_attention_heads=4"):
+        resolve_plan(model, parse_parallel({"tensor": 3}))
+
+
+@pytest.mark.parametrize("family", ["qwen2-tied", "qwen3", "gemma3"])
+def test_llama_layout_families_have_default_tp_plans(checkpoints, family):
+    model = _eager(checkpoints, family)
+    styles = resolve_plan(model, parse_parallel({"tensor": 2}))
+    assert styles["model.layers.0.self_attn.q_proj"] == "colwise"
+    with pytest.raises(RecipeError, match="does not divide"):
+        resolve_plan(model, parse_parallel({"tensor": 3}))
+
+
+# ---- config.json: both dialects, and keys the model cannot honour -----------------------
+
+BASE_HF = {
+    "vocab_size": 100,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+}
+
+
+def test_transformers4_pythia_config():
+    cfg = ModelConfig.from_hf(
+        {
+            **BASE_HF,
+            "architectures": ["GPTNeoXForCausalLM"],
+            "rotary_pct": 0.25,
+            "rotary_emb_base": 10000,
+            "use_parallel_residual": True,
+            "layer_norm_eps": 1e-5,
+            "hidden_act": "gelu",
+        }
+    )
+    assert (cfg.rotary_dim, cfg.rope_theta, cfg.attention_bias) == (4, 10000.0, True)
+
+
+def test_transformers4_gemma3_config():
+    cfg = ModelConfig.from_hf(
+        {
+            **BASE_HF,
+            "architectures": ["Gemma3ForCausalLM"],
+            "head_dim": 32,
+            "rope_theta": 1e6,
+            "rope_local_base_freq": 1e4,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+            "sliding_window": 512,
+            "sliding_window_pattern": 6,
+            "query_pre_attn_scalar": 256,
+            "hidden_activation": "gelu_pytorch_tanh",
+        }
+    )
+    assert [cfg.is_sliding(i) for i in range(6)] == [True] * 5 + [False]
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.sliding_window) == (1e6, 1e4, 512)
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert cfg.tie_word_embeddings  # Gemma's default
+
+
+@pytest.mark.parametrize(
+    "arch,extra,key",
+    [
+        ("LlamaForCausalLM", {"hidden_act": "relu"}, "hidden_act"),
+        ("LlamaForCausalLM", {"sliding_window": 4096}, "sliding_window"),
+        ("LlamaForCausalLM", {"attention_bias": True}, "attention_bias"),
+        ("LlamaForCausalLM", {"mlp_bias": True}, "mlp_bias"),
+        ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "yarn", "factor": 4}}, "yarn"),
+        ("Qwen2ForCausalLM", {"use_sliding_window": True}, "use_sliding_window"),
+        ("Qwen3ForCausalLM", {"attention_bias": True}, "attention_bias"),
+        ("Gemma3ForCausalLM", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ("GPTNeoXForCausalLM", {"hidden_act": "relu"}, "hidden_act"),
+        ("PhiForCausalLM", {}, "unsupported architecture 'PhiForCausalLM'"),
+    ],
+)
+def test_unhonoured_config_keys_are_errors(arch, extra, key):
+    with pytest.raises(ValueError, match=key):
+        ModelConfig.from_hf({**BASE_HF, "architectures": [arch], **extra})
+
+
+def test_qwen_ignores_inactive_sliding_window():
+    """Qwen configs carry sliding_window with use_sliding_window false: not an error."""
+    hf = {**BASE_HF, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 131072}
+    cfg = ModelConfig.from_hf({**hf, "use_sliding_window": False})
+    assert cfg.sliding_window is None and cfg.attention_bias
