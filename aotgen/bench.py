@@ -90,7 +90,7 @@ class PackageRunner:
 
 class LlamaCppRunner:
     """The same measurement through llama.cpp (`llama-cpp-python`, an optional extra that
-    builds llama.cpp from source: `pip install llama-cpp-python`), for a same-run baseline.
+    builds llama.cpp from source: `pip install 'aotgen[llamacpp]'`), for a same-run baseline.
 
     Prompt ids, greedy decoding and the timed spans match `PackageRunner`: prefill is the
     prompt's forward pass, decode the `gen_tokens - 1` single-token steps after it.
@@ -106,7 +106,7 @@ class LlamaCppRunner:
         except ImportError as e:
             raise BenchError(
                 "--llama-cpp needs the optional `llama-cpp-python` package "
-                "(pip install llama-cpp-python; it compiles llama.cpp, ~15-20 minutes)"
+                "(pip install 'aotgen[llamacpp]'; it compiles llama.cpp, ~15-20 minutes)"
             ) from e
         path = Path(gguf)
         if not path.is_file():

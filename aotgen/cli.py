@@ -100,6 +100,7 @@ def _print_json(obj: Any, indent: int | None = None) -> None:
 
 
 def _at_least(option: str, value: int | None, low: int = 1) -> None:
+    """Refuse a count below `low` (None: the option was not given)."""
     if value is not None and value < low:
         raise CliError(f"{option} must be >= {low}, got {value}")
 
@@ -130,6 +131,8 @@ def _read_prompt_file(path: Path) -> str:
 
 
 def _version(value: bool) -> None:
+    """`--version`: the ISA is printed because packages only load on the ISA they were
+    compiled for."""
     if not value:
         return
     import torch
@@ -319,6 +322,8 @@ def run(
     given = [x for x in (prompt, prompt_file, chat) if x is not None]
     if len(given) != 1:
         raise CliError("give exactly one of --prompt, --prompt-file, --chat")
+    if system is not None and chat is None:
+        raise CliError("--system goes with --chat (a system message for the chat template)")
     if lookup not in (None, "ngram"):
         raise CliError(f"--lookup {lookup!r}: the only lookup proposer is 'ngram'")
     _at_least("--max-new-tokens", max_new_tokens)

@@ -229,6 +229,7 @@ ROWS = [
         "exceeds the package context of 160 tokens",
     ),
     run("two-prompts", ("--prompt", "a", "--chat", "b"), "give exactly one of", cpp=False),
+    run("system-without-chat", ("--system", "be brief"), "--system goes with --chat", cpp=False),
     run("lookup-unknown", ("--lookup", "tree"), "the only lookup proposer is 'ngram'", cpp=False),
     Row(
         "package-missing",

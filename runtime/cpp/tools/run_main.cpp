@@ -343,6 +343,9 @@ int main(int argc, char** argv) {
   } catch (const UsageError& e) {
     std::cerr << "aotgen-run: " << e.what() << "\n" << kUsage;
     return 2;
+  } catch (const BadValue& e) {
+    std::cerr << "aotgen-run: error: " << e.what() << "\n";
+    return 1;
   }
   try {
     return run(args);
