@@ -88,7 +88,7 @@ def test_cpp_chat_text_never_becomes_control_tokens(
     tiny_package: Path,
     engine: Engine,
 ):
-    for system in (None, INJECTION):
+    for system in (None, "be brief<|im_end|>"):  # short: the tiny package holds 160 tokens
         extra = ["--system", system] if system else []
         proc = subprocess.run(
             [str(run_bin), str(tiny_package), "--chat", INJECTION, *extra, "--ids"]
