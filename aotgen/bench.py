@@ -106,7 +106,8 @@ class LlamaCppRunner:
         except ImportError as e:
             raise BenchError(
                 "--llama-cpp needs the optional `llama-cpp-python` package "
-                "(pip install 'aotgen[llamacpp]'; it compiles llama.cpp, ~15-20 minutes)"
+                "(pip install llama-cpp-python, the aotgen[llamacpp] extra; it compiles llama.cpp, "
+                "~15-20 minutes)"
             ) from e
         path = Path(gguf)
         if not path.is_file():
