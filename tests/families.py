@@ -122,5 +122,10 @@ def reference_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 
 @torch.no_grad()
 def reference_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(ids) :].tolist()
+    """n argmax tokens, each from a full forward (no cache, no eos handling)."""
+    ids = list(ids)
+    out = []
+    for _ in range(n):
+        out.append(int(reference_logits(model, ids)[-1].argmax()))
+        ids.append(out[-1])
+    return out
