@@ -206,7 +206,7 @@ def test_ngram_match_bounds_reach_the_proposer(run_bin, tiny_package, py_engine)
         drafted.add(ref.spec.drafted)
     assert len(drafted) > 1, drafted
     proc = run(run_bin, tiny_package, "--prompt", "hi", *common, "--ngram-min", "5", check=False)
-    assert proc.returncode != 0 and "ngram_min" in proc.stderr
+    assert proc.returncode != 0 and "--ngram-min (5) must be <= --ngram-max" in proc.stderr
 
 
 def test_seeded_sampling_is_reproducible(run_bin, tiny_package, py_engine):
