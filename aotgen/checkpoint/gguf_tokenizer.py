@@ -1,0 +1,191 @@
+"""The tokenizer a GGUF carries (`tokenizer.ggml.*`) as a Hugging Face `tokenizers` object.
+
+Two llama.cpp tokenizer models are implemented, each producing the ids llama.cpp produces:
+
+- `gpt2`: byte-level BPE from tokens + merges. The pre-tokenizer is not stored in the file, only
+  its name (`tokenizer.ggml.pre`); llama.cpp compiles in one list of regexes per name and
+  applies them one after another, each splitting the pieces the previous one left. Here each
+  regex is a `Split(..., "isolated")` step, in the same order.
+- `llama`: SentencePiece-style BPE from tokens + scores. SentencePiece merges the adjacent pair
+  whose concatenation is the highest-scoring vocabulary entry; a BPE whose merge ranks follow
+  the merged token's score does the same (as transformers' SentencePiece converter builds
+  them). Pieces outside the vocabulary fall back to `<0xXX>` byte tokens.
+
+A tokenizer model or pre-tokenizer name not listed here is an error: splitting text the wrong
+way gives ids the model never saw, and the output is quietly worse.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gguf
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+)
+
+from aotgen.checkpoint.hf import CheckpointError
+
+# llama.cpp src/llama-vocab.cpp: the regexes behind each `tokenizer.ggml.pre` name.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_LLAMA3 = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DEFAULT = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"]
+PRE_TOKENIZERS: dict[str, list[str]] = {
+    "default": _DEFAULT,
+    "gpt-2": [_GPT2],
+    "gpt2": [_GPT2],
+    "mpt": [_GPT2],
+    "olmo": [_GPT2],
+    "jais": [_GPT2],
+    "llama-bpe": [_LLAMA3],
+    "llama3": [_LLAMA3],
+    "llama-v3": [_LLAMA3],
+    "dbrx": [_LLAMA3],
+    "smaug-bpe": [_LLAMA3],
+    "qwen2": [_QWEN2],
+    "stablelm2": [_QWEN2],
+    "starcoder": [r"\p{N}", _GPT2],
+    "refact": [r"\p{N}", _GPT2],
+    "command-r": [r"\p{N}", _GPT2],
+    "smollm": [r"\p{N}", _GPT2],
+    "codeshell": [r"\p{N}", _GPT2],
+    "exaone": [r"\p{N}", _GPT2],
+    "minerva-7b": [r"\p{N}", _GPT2],
+}
+TOKENIZER_MODELS = ("gpt2", "llama")
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _require(reader: gguf.GGUFReader, key: str) -> Any:
+    value = _field(reader, key)
+    if value is None:
+        raise CheckpointError(f"GGUF metadata is missing required key {key!r}")
+    return value
+
+
+def check_tokenizer(reader: gguf.GGUFReader) -> None:
+    """Refuse a tokenizer model or pre-tokenizer aotgen does not implement (before any write)."""
+    model = _field(reader, "tokenizer.ggml.model")
+    if model not in TOKENIZER_MODELS:
+        raise CheckpointError(
+            f"GGUF tokenizer.ggml.model {model!r} is not supported; supported: "
+            + ", ".join(TOKENIZER_MODELS)
+        )
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    if model == "gpt2" and pre not in PRE_TOKENIZERS:
+        raise CheckpointError(
+            f"GGUF tokenizer.ggml.pre {pre!r} is not supported; supported: "
+            + ", ".join(sorted(PRE_TOKENIZERS))
+        )
+
+
+def _add_vocab_tokens(tok: Tokenizer, tokens: list[str], types: list[int]) -> None:
+    """Control tokens are matched whole (special); user-defined ones too, as llama.cpp splits
+    them out of the text before the model sees it."""
+    control = [t for t, ty in zip(tokens, types, strict=True) if ty == gguf.TokenType.CONTROL]
+    user = [t for t, ty in zip(tokens, types, strict=True) if ty == gguf.TokenType.USER_DEFINED]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    if user:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+
+
+def _gpt2_tokenizer(reader: gguf.GGUFReader, tokens: list[str]) -> Tokenizer:
+    merges = [tuple(m.split(" ", 1)) for m in _require(reader, "tokenizer.ggml.merges")]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    gpt2_split = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    # GPT-2 and [\p{N}, GPT-2] in the simpler form both runtimes' tokenizers read.
+    if PRE_TOKENIZERS[pre] == [_GPT2]:
+        tok.pre_tokenizer = gpt2_split
+    elif PRE_TOKENIZERS[pre] == [r"\p{N}", _GPT2]:
+        digits = pre_tokenizers.Digits(individual_digits=True)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([digits, gpt2_split])
+    else:
+        steps = [pre_tokenizers.Split(Regex(r), "isolated") for r in PRE_TOKENIZERS[pre]]
+        tok.pre_tokenizer = pre_tokenizers.Sequence([*steps, byte_level])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to SentencePiece's score-driven pairing: every split of a normal
+    vocabulary entry into two entries, ranked by the entry's score (highest first)."""
+    vocab = {
+        t: i
+        for i, (t, ty) in enumerate(zip(tokens, types, strict=True))
+        if ty in (gguf.TokenType.NORMAL, gguf.TokenType.USER_DEFINED)
+    }
+    found: list[tuple[float, int, int, str, str]] = []
+    for piece, i in vocab.items():
+        if types[i] != gguf.TokenType.NORMAL:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                found.append((-scores[i], vocab[left], vocab[right], left, right))
+    found.sort()
+    return [(left, right) for *_, left, right in found]
+
+
+def _llama_tokenizer(reader: gguf.GGUFReader, tokens: list[str], types: list[int]) -> Tokenizer:
+    scores = _require(reader, "tokenizer.ggml.scores")
+    if len(scores) != len(tokens):
+        raise CheckpointError(
+            f"GGUF tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens"
+        )
+    unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
+    merges = spm_merges(tokens, [float(s) for s in scores], types)
+    bpe = models.BPE(
+        {t: i for i, t in enumerate(tokens)},
+        merges,
+        unk_token=unk,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    tok = Tokenizer(bpe)
+    prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", True))
+    scheme = "first" if prefix else "never"
+    tok.pre_tokenizer = pre_tokenizers.Metaspace("▁", prepend_scheme=scheme, split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tok.decoder = decoders.Sequence(steps)
+    return tok
+
+
+def build_tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
+    """The `tokenizers` equivalent of the GGUF's tokenizer (see the module docstring)."""
+    check_tokenizer(reader)
+    tokens: list[str] = _require(reader, "tokenizer.ggml.tokens")
+    types = _field(reader, "tokenizer.ggml.token_type") or [gguf.TokenType.NORMAL] * len(tokens)
+    if len(types) != len(tokens):
+        raise CheckpointError(
+            f"GGUF tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
+        )
+    if _field(reader, "tokenizer.ggml.model") == "gpt2":
+        tok = _gpt2_tokenizer(reader, tokens)
+    else:
+        tok = _llama_tokenizer(reader, tokens, types)
+    _add_vocab_tokens(tok, tokens, types)
+    return tok
