@@ -357,7 +357,9 @@ def run(
     if engine is None:  # a tensor-parallel rank other than 0: it served rank 0's calls
         return
     ids = (
-        engine.chat_ids(chat, system=system) if chat is not None else engine.tokenizer.encode(text)
+        engine.chat_ids(chat, system=system)
+        if chat is not None
+        else engine.tokenizer.prompt_ids(text)
     )
     mode = {(True, True): "draft+ngram", (True, False): "draft", (False, True): "ngram"}.get(
         (speculative, lookup is not None)

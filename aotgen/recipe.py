@@ -59,6 +59,8 @@ class Recipe:
     speculative: dict[str, Any] | None = None
     parallel: dict[str, Any] | None = None
     compile: CompileOptions = field(default_factory=CompileOptions)
+    # Held-out perplexity, eager vs package, in the build report (always on when quantized).
+    perplexity: bool = False
 
     @property
     def cache_len(self) -> int:
@@ -142,6 +144,8 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
     for key in ("dtype", "device"):
         if key in data and not isinstance(data[key], str):
             raise RecipeError(f"{where}: {key} must be a string, got {data[key]!r}")
+    if not isinstance(data.get("perplexity", False), bool):
+        raise RecipeError(f"{where}: perplexity must be true or false, got {data['perplexity']!r}")
     for key in ("max_seq_len", "prefill_chunk", "verify_k"):
         value = data.get(key, 1)
         if not _is_int(value) or value < 1:

@@ -276,15 +276,23 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     if arch == "gemma3":
         # llama.cpp's fixed Gemma 3 choices: every 6th layer global, local RoPE base 10000,
         # attention scaled by head_dim ** -0.5 (hidden / heads on the 62-layer 27B).
+        # Newer converters may store the pattern (a period or one flag per layer) and base.
         window = int(_require(reader, f"{arch}.attention.sliding_window"))
+        pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):
+            if len(pattern) != n_layer:
+                raise CheckpointError(
+                    f"GGUF {arch}.attention.sliding_window_pattern has {len(pattern)} entries "
+                    f"for {n_layer} blocks"
+                )
+            sliding = [bool(p) for p in pattern]
+        else:
+            sliding = [(i + 1) % int(pattern) != 0 for i in range(n_layer)]
         config.update(
             hidden_activation="gelu_pytorch_tanh",
             sliding_window=window,
-            layer_types=[
-                "full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                for i in range(n_layer)
-            ],
-            rope_local_base_freq=10000.0,
+            layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+            rope_local_base_freq=_f32(_field(reader, f"{arch}.rope.freq_base_swa", 10000.0)),
             query_pre_attn_scalar=hidden // n_head if n_layer == 62 else head_dim,
         )
     return config

@@ -594,11 +594,12 @@ def _build(
             }
             manifest["ranks"] = ranks
         write_manifest(tmp, manifest)
-        if _quantizer(models[0]) and world > 1:
+        measure = bool(_quantizer(models[0])) or recipe.perplexity
+        if measure and world > 1:
             report.notes.append(
                 "perplexity not measured: a tensor-parallel package runs only with its ranks"
             )
-        elif _quantizer(models[0]):
+        elif measure:
             _measure_quality(tmp, models[0], recipe, manifest, report)
             write_manifest(tmp, manifest)
         _replace_dir(tmp, out)
@@ -641,7 +642,8 @@ def _measure_quality(
     got = math.exp(cross_entropy(engine, ids))
     del engine
     report.perplexity = {"reference": ref, "package": got}
-    manifest["models"][mb.role]["quantization"]["perplexity"] = {
+    entry = manifest["models"][mb.role]
+    (entry["quantization"] or entry)["perplexity"] = {
         "text": HELDOUT.name,
         "tokens": len(ids),
         "window": recipe.max_seq_len,
@@ -650,7 +652,8 @@ def _measure_quality(
     }
     report.notes.append(
         f"{mb.role}: perplexity on {HELDOUT.name} ({len(ids)} tokens): {recipe.dtype} eager "
-        f"{ref:.3f}, quantized package {got:.3f} ({100 * (got / ref - 1):+.2f}%)"
+        f"{ref:.3f}, {'quantized ' if _quantizer(mb) else ''}package {got:.3f} "
+        f"({100 * (got / ref - 1):+.2f}%)"
     )
 
 

@@ -39,7 +39,7 @@ def cross_entropy_of(forward: Callable[[list[int]], Tensor], ids: list[int], win
 
 def heldout_ids(tokenizer: Tokenizer) -> list[int]:
     """The project's held-out English text (`aotgen/data/heldout.txt`, written for aotgen)."""
-    return tokenizer.encode(HELDOUT.read_text())
+    return tokenizer.prompt_ids(HELDOUT.read_text())
 
 
 def perplexity(engine: Engine, ids: list[int]) -> float:

@@ -102,8 +102,10 @@ class Tokenizer:
         eos_token: str | None = None,
         eos_ids: set[int] | None = None,
         bos_id: int | None = None,
+        add_bos: bool = False,
     ) -> None:
         self._tok = tokenizer
+        self.add_bos = add_bos
         self.chat_template = chat_template
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -143,6 +145,7 @@ class Tokenizer:
             eos_token=_token_str(tok_config.get("eos_token")),
             eos_ids=eos_ids,
             bos_id=bos_ids[0] if bos_ids else None,
+            add_bos=tok_config.get("add_bos_token") is True,
         )
 
     @property
@@ -156,6 +159,12 @@ class Tokenizer:
         """Special-token text such as "<|im_start|>" maps to its single id. Default False:
         chat prompts already spell out their special tokens."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """A plain-text prompt's ids, led by bos when the checkpoint says so (`add_bos_token`,
+        e.g. Gemma): the model was trained with it, and llama.cpp adds it too."""
+        ids = self.encode(text)
+        return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
