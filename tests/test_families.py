@@ -16,6 +16,7 @@ from families import (
     reference_greedy,
     reference_logits,
 )
+from test_cpp_runtime import cpp_generate, run_bin  # noqa: F401 (run_bin: a fixture)
 
 from aotgen.model.llama import ModelConfig, load_model
 from aotgen.package.build import build
@@ -326,3 +327,14 @@ def test_int4_and_gptq_passes_on_biased_families(checkpoints, family, quantize):
         want = model(tokens, pos, new_kv_cache(cfg, 32))
     # int4 g32 of random Gaussian weights (no structure to keep): measured 0.087-0.099.
     assert 0 < _rel_err(got, want) < 0.2
+
+
+@pytest.mark.cpp
+@pytest.mark.parametrize("family", PARITY)
+def test_cpp_runtime_runs_every_family(run_bin, engines, family):  # noqa: F811
+    """The C++ runtime needs no model code either: the same package, the same greedy ids."""
+    engine = engines(family)
+    ids = engine.tokenizer.encode(PROMPT)
+    want = engine.generate(ids, GenerationConfig(max_new_tokens=N_GREEDY, ignore_eos=True))
+    got = cpp_generate(run_bin, engine.root, ids, "--max-new-tokens", str(N_GREEDY), "--ignore-eos")
+    assert got["ids"] == want.token_ids
