@@ -392,12 +392,18 @@ def _token_text(tokens: list[str], idx: int | None) -> str | None:
 
 def _write_checkpoint(reader: gguf.GGUFReader, out: Path) -> None:
     config = read_config(reader)
+    save_file(read_tensors(reader, config), str(out / "model.safetensors"), {"format": "pt"})
+    write_tokenizer_files(reader, out)
+
+
+def write_tokenizer_files(reader: gguf.GGUFReader, out: Path) -> None:
+    """config.json and the tokenizer files alone: enough for `Tokenizer.from_dir`, without the
+    minutes a large vocabulary's weights take to dequantize."""
+    config = read_config(reader)
     tokenizer = build_tokenizer(reader)
     tokens: list[str] = _require(reader, "tokenizer.ggml.tokens")
     types = _field(reader, "tokenizer.ggml.token_type") or []
     bos, eos = config["bos_token_id"], config["eos_token_id"]
-
-    save_file(read_tensors(reader, config), str(out / "model.safetensors"), {"format": "pt"})
     tokenizer.save(str(out / "tokenizer.json"))
 
     eog = [eos] if eos is not None else []
