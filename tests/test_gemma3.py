@@ -75,34 +75,61 @@ def gemma_tok_dir(gemma_gguf: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 @pytest.fixture(scope="module")
+def gemma_tok(gemma_tok_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(gemma_tok_dir)
+
+
+@pytest.fixture(scope="module")
 def gemma_ckpt(gemma_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return import_gguf(gemma_gguf, tmp_path_factory.mktemp("gemma") / "gemma3-270m")
 
 
-def _llama_ids(gguf_path: Path, text: str, special: bool = False) -> list[int]:
+@pytest.fixture(scope="module")
+def smol_gguf() -> Path:
+    return _gguf(find_smollm2_gguf)
+
+
+@pytest.fixture(scope="module")
+def smol_tok_dir(smol_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tokenizer_dir(smol_gguf, tmp_path_factory.mktemp("smol-tok"))
+
+
+@pytest.fixture(scope="module")
+def llama_ids():
+    """llama.cpp's ids for (GGUF, text): no bos, special-token text parsed (as aotgen's
+    encode). The vocabularies load once and are closed before the interpreter exits."""
     llama_cpp = _llama_cpp()
-    llm = llama_cpp.Llama(str(gguf_path), vocab_only=True, verbose=False)
-    return llm.tokenize(text.encode(), add_bos=False, special=special)
+    vocabs: dict[Path, object] = {}
+
+    def ids(gguf_path: Path, text: str) -> list[int]:
+        if gguf_path not in vocabs:
+            vocabs[gguf_path] = llama_cpp.Llama(str(gguf_path), vocab_only=True, verbose=False)
+        return vocabs[gguf_path].tokenize(text.encode(), add_bos=False, special=True)
+
+    yield ids
+    for llm in vocabs.values():
+        llm.close()
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_gemma_ids_equal_llama_cpp(gemma_gguf: Path, gemma_tok_dir: Path, text: str) -> None:
-    tok = Tokenizer.from_dir(gemma_tok_dir)
-    assert tok.encode(text) == _llama_ids(gemma_gguf, text, special=True)
+def test_gemma_ids_equal_llama_cpp(
+    gemma_gguf: Path, gemma_tok: Tokenizer, llama_ids, text: str
+) -> None:
+    tok = gemma_tok
+    assert tok.encode(text) == llama_ids(gemma_gguf, text)
     assert tok.decode(tok.encode(text)) == text
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_smollm2_ids_equal_llama_cpp(tmp_path: Path, text: str) -> None:
-    path = _gguf(find_smollm2_gguf)
-    _llama_cpp()
-    tok = Tokenizer.from_dir(_tokenizer_dir(path, tmp_path))
-    assert tok.encode(text) == _llama_ids(path, text, special=True)
+def test_smollm2_ids_equal_llama_cpp(
+    smol_gguf: Path, smol_tok_dir: Path, llama_ids, text: str
+) -> None:
+    assert Tokenizer.from_dir(smol_tok_dir).encode(text) == llama_ids(smol_gguf, text)
 
 
-def test_gemma_tokenizer_without_llama_cpp(gemma_tok_dir: Path) -> None:
+def test_gemma_tokenizer_without_llama_cpp(gemma_tok: Tokenizer) -> None:
     """Ids llama.cpp gives for these (checked once against it), bos from add_bos_token."""
-    tok = Tokenizer.from_dir(gemma_tok_dir)
+    tok = gemma_tok
     assert tok.prompt_ids(FRANCE) == [2, 818, 5279, 529, 7001, 563]
     assert tok.encode("Hello\n\nworld  two") == [9259, 108, 12392, 138, 13498]
     assert tok.encode("123") == [236770, 236778, 236800]  # digits one by one
