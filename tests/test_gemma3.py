@@ -170,7 +170,7 @@ def _run(package: Path, prompt: str, n: int) -> str:
 @pytest.mark.slow
 def test_run_continues_like_llama_cpp_reference(gemma_package: Path) -> None:
     out = _run(gemma_package, FRANCE, 20)
-    assert out.startswith(FRANCE + FRANCE_CONTINUATION), out
+    assert out.startswith(FRANCE_CONTINUATION), out  # the CLI prints the continuation
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +189,7 @@ def test_run_greedy_equals_llama_cpp(gemma_package: Path, llama_f32, prompt: str
     ref = llama_f32.create_completion(prompt, max_tokens=n, temperature=0.0, top_k=1)
     expected = ref["choices"][0]["text"]
     out = _run(gemma_package, prompt, n)
-    assert out.startswith(prompt + expected), (out, expected)
+    assert out.startswith(expected), (out, expected)
 
 
 @pytest.mark.slow
