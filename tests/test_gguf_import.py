@@ -9,6 +9,7 @@ import gguf
 import numpy as np
 import pytest
 from safetensors import safe_open
+from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import pre_tokenizers
 
 from aotgen.checkpoint import gguf as gguf_import
@@ -31,7 +32,13 @@ CHATML = (
 
 
 def _write_gguf(
-    path: Path, arch: str, tensors: dict[str, np.ndarray], n_head: int = 2, n_kv: int = 1
+    path: Path,
+    arch: str,
+    tensors: dict[str, np.ndarray],
+    n_head: int = 2,
+    n_kv: int = 1,
+    pre: str = "gpt2",
+    model: str = "gpt2",
 ) -> None:
     """A tiny GGUF with llama-style metadata and a byte-level vocab plus two merges."""
     w = gguf.GGUFWriter(str(path), arch)
@@ -46,8 +53,8 @@ def _write_gguf(
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokens = specials + pre_tokenizers.ByteLevel.alphabet() + ["he", "hel"]
     types = [gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(tokens) - 3)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
+    w.add_tokenizer_model(model)
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(["h e", "he l"])
@@ -184,6 +191,47 @@ def test_overwrite(tmp_path: Path) -> None:
 def test_unknown_architecture(tmp_path: Path) -> None:
     _write_gguf(tmp_path / "m.gguf", "mamba", {"token_embd.weight": np.zeros((4, 8), np.float32)})
     with pytest.raises(ValueError, match=r"'mamba'.*supported: llama"):
+        import_gguf(tmp_path / "m.gguf", tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+@pytest.mark.parametrize(
+    ("pre", "pieces"),
+    [
+        ("llama-bpe", ["a", " b", " ", "123", "45", "\n\n", " "]),  # digits in threes
+        ("qwen2", ["a", " b", " ", "1", "2", "3", "4", "5", "\n\n", " "]),
+        ("gpt-2", ["a", " b", " 12345", "\n\n "]),
+    ],
+)
+def test_pre_tokenizer_splits_as_llama_cpp(tmp_path: Path, pre: str, pieces: list[str]) -> None:
+    """llama.cpp's regexes for each `tokenizer.ggml.pre` (src/llama-vocab.cpp)."""
+    _write_gguf(
+        tmp_path / "m.gguf", "llama", _tiny_llama_tensors(np.random.default_rng(0)), pre=pre
+    )
+    tok = Tokenizer.from_dir(import_gguf(tmp_path / "m.gguf", tmp_path / "out"))
+    text = "a b 12345\n\n "
+    pre_tokenizer = HFTokenizer.from_file(str(tmp_path / "out" / "tokenizer.json")).pre_tokenizer
+    got = pre_tokenizer.pre_tokenize_str(text)
+    assert [text[a:b] for _, (a, b) in got] == pieces
+    assert tok.decode(tok.encode(text)) == text
+
+
+@pytest.mark.parametrize(
+    ("pre", "model", "error"),
+    [
+        ("foo-bpe", "gpt2", r"tokenizer\.ggml\.pre 'foo-bpe' is not supported"),
+        ("default", "bert", r"tokenizer\.ggml\.model 'bert' is not supported"),
+    ],
+)
+def test_unknown_tokenizer_is_an_error(tmp_path: Path, pre: str, model: str, error: str) -> None:
+    _write_gguf(
+        tmp_path / "m.gguf",
+        "llama",
+        _tiny_llama_tensors(np.random.default_rng(0)),
+        pre=pre,
+        model=model,
+    )
+    with pytest.raises(ValueError, match=error):
         import_gguf(tmp_path / "m.gguf", tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
 
