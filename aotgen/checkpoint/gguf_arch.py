@@ -1,0 +1,259 @@
+"""What a GGUF's `general.architecture` means in Hugging Face terms: tensor names, config.json
+keys, and the tensor shapes its metadata implies (checked before anything is written)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import gguf
+import numpy as np
+
+from aotgen.checkpoint.hf import CheckpointError
+
+# llama.cpp tensor names -> HF names, per architecture. "{i}" is the layer index.
+_LLAMA_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_GEMMA3_LAYER = {
+    **_LLAMA_LAYER,
+    **_QK_NORM,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_LLAMA_GLOBAL = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """How one `general.architecture` maps onto an HF architecture aotgen builds."""
+
+    hf_arch: str
+    model_type: str
+    layers: dict[str, str]
+    globals: dict[str, str] = field(default_factory=lambda: dict(_LLAMA_GLOBAL))
+    layer_prefix: str = "model.layers"
+
+
+ARCHS: dict[str, Arch] = {
+    "llama": Arch("LlamaForCausalLM", "llama", _LLAMA_LAYER),
+    "qwen2": Arch("Qwen2ForCausalLM", "qwen2", _LLAMA_LAYER),
+    "qwen3": Arch("Qwen3ForCausalLM", "qwen3", {**_LLAMA_LAYER, **_QK_NORM}),
+    "gemma3": Arch("Gemma3ForCausalLM", "gemma3_text", _GEMMA3_LAYER),
+    "gptneox": Arch(
+        "GPTNeoXForCausalLM",
+        "gpt_neox",
+        {
+            "attn_norm": "input_layernorm",
+            "attn_qkv": "attention.query_key_value",
+            "attn_output": "attention.dense",
+            "ffn_norm": "post_attention_layernorm",
+            "ffn_up": "mlp.dense_h_to_4h",
+            "ffn_down": "mlp.dense_4h_to_h",
+        },
+        {
+            "token_embd": "gpt_neox.embed_in",
+            "output_norm": "gpt_neox.final_layer_norm",
+            "output": "embed_out",
+        },
+        "gpt_neox.layers",
+    ),
+}
+SUPPORTED_ARCHS = tuple(ARCHS)
+
+
+def meta_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _f32(value: Any) -> float:
+    """GGUF stores float32; keep its shortest repr (1e-05, not 9.999999747378752e-06)."""
+    return float(str(np.float32(value)))
+
+
+def require_meta(reader: gguf.GGUFReader, key: str) -> Any:
+    value = meta_value(reader, key)
+    if value is None:
+        raise CheckpointError(f"GGUF metadata is missing required key {key!r}")
+    return value
+
+
+def arch_spec(reader: gguf.GGUFReader) -> tuple[str, Arch]:
+    arch = require_meta(reader, "general.architecture")
+    if arch not in ARCHS:
+        raise CheckpointError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}"
+        )
+    return arch, ARCHS[arch]
+
+
+def hf_name(spec: Arch, name: str) -> str:
+    base, _, kind = name.rpartition(".")
+    if kind in ("weight", "bias"):
+        if base in spec.globals:
+            return f"{spec.globals[base]}.{kind}"
+        parts = base.split(".", 2)
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in spec.layers:
+            return f"{spec.layer_prefix}.{int(parts[1])}.{spec.layers[parts[2]]}.{kind}"
+    # e.g. rope_freqs.weight (Llama 3.1 scaling): silently dropping it would change the model.
+    raise CheckpointError(f"unsupported GGUF tensor {name!r}")
+
+
+def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
+    scaling_type = meta_value(reader, f"{arch}.rope.scaling.type")
+    if scaling_type in (None, "none"):
+        return None
+    rope_scaling = {
+        "rope_type": scaling_type,
+        "factor": _f32(require_meta(reader, f"{arch}.rope.scaling.factor")),
+    }
+    orig_ctx = meta_value(reader, f"{arch}.rope.scaling.original_context_length")
+    if orig_ctx is not None:
+        rope_scaling["original_max_position_embeddings"] = int(orig_ctx)
+    return rope_scaling
+
+
+def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """The HF config.json of the GGUF's architecture, from its metadata."""
+    arch, spec = arch_spec(reader)
+    hidden = int(require_meta(reader, f"{arch}.embedding_length"))
+    n_head = int(require_meta(reader, f"{arch}.attention.head_count"))
+    n_kv = int(meta_value(reader, f"{arch}.attention.head_count_kv", n_head))
+    n_layer = int(require_meta(reader, f"{arch}.block_count"))
+    head_dim = int(meta_value(reader, f"{arch}.attention.key_length", hidden // n_head))
+    tokens = meta_value(reader, "tokenizer.ggml.tokens")
+    vocab_size = meta_value(reader, f"{arch}.vocab_size") or (len(tokens) if tokens else None)
+    if vocab_size is None:
+        embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        vocab_size = int(embd.shape[-1]) if embd is not None else None
+    config: dict[str, Any] = {
+        "architectures": [spec.hf_arch],
+        "model_type": spec.model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(require_meta(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": n_layer,
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "max_position_embeddings": int(require_meta(reader, f"{arch}.context_length")),
+        "vocab_size": int(vocab_size) if vocab_size is not None else None,
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
+        "bos_token_id": meta_value(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta_value(reader, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    if arch == "gptneox":
+        rot = int(meta_value(reader, f"{arch}.rope.dimension_count", head_dim))
+        has_bias = any(t.name.endswith("attn_qkv.bias") for t in reader.tensors)
+        config.update(
+            layer_norm_eps=_f32(require_meta(reader, f"{arch}.attention.layer_norm_epsilon")),
+            rotary_pct=rot / head_dim,
+            rotary_emb_base=_f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+            use_parallel_residual=bool(meta_value(reader, f"{arch}.use_parallel_residual", True)),
+            hidden_act="gelu",
+            attention_bias=has_bias,
+        )
+        del config["num_key_value_heads"], config["head_dim"]
+        return config
+    config.update(
+        rms_norm_eps=_f32(require_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=_f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(reader, arch),
+    )
+    if arch == "gemma3":
+        # llama.cpp's fixed Gemma 3 choices: every 6th layer global, local RoPE base 10000,
+        # attention scaled by head_dim ** -0.5 (hidden / heads on the 62-layer 27B).
+        # Newer converters may store the pattern (a period or one flag per layer) and base.
+        window = int(require_meta(reader, f"{arch}.attention.sliding_window"))
+        pattern = meta_value(reader, f"{arch}.attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):
+            if len(pattern) != n_layer:
+                raise CheckpointError(
+                    f"GGUF {arch}.attention.sliding_window_pattern has {len(pattern)} entries "
+                    f"for {n_layer} blocks"
+                )
+            sliding = [bool(p) for p in pattern]
+        else:
+            sliding = [(i + 1) % int(pattern) != 0 for i in range(n_layer)]
+        config.update(
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window=window,
+            layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+            rope_local_base_freq=_f32(meta_value(reader, f"{arch}.rope.freq_base_swa", 10000.0)),
+            query_pre_attn_scalar=hidden // n_head if n_layer == 62 else head_dim,
+        )
+    return config
+
+
+def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
+    """The PyTorch shape the model expects for an HF tensor name; None if not checked."""
+    d, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    hd = c.get("head_dim") or d // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * hd, c.get("num_key_value_heads", 0) * hd
+    name, kind = hf.rsplit(".", 1)
+    leaf = name.rsplit(".", 1)[-1]
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed_tokens": (v, d),
+        "embed_in": (v, d),
+        "lm_head": (v, d),
+        "embed_out": (v, d),
+        "q_proj": (q, d),
+        "k_proj": (kv, d),
+        "v_proj": (kv, d),
+        "o_proj": (d, q),
+        "gate_proj": (f, d),
+        "up_proj": (f, d),
+        "down_proj": (d, f),
+        "query_key_value": (3 * d, d),
+        "dense": (d, d),
+        "dense_h_to_4h": (f, d),
+        "dense_4h_to_h": (d, f),
+        "q_norm": (hd,),
+        "k_norm": (hd,),
+    }
+    shape = shapes.get(leaf, (d,) if "norm" in leaf else None)
+    if shape is None or v is None and leaf in ("embed_tokens", "embed_in", "lm_head", "embed_out"):
+        return None
+    return shape[:1] if kind == "bias" else shape
+
+
+def check_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
+    """Every tensor named and shaped as the metadata says, every layer complete."""
+    _, spec = arch_spec(reader)
+    names: set[str] = set()
+    for t in reader.tensors:
+        hf = hf_name(spec, t.name)
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        want = _expected_shape(hf, config)
+        if want is not None and shape != want:
+            raise CheckpointError(
+                f"GGUF tensor {t.name!r} has shape {list(shape)} but the metadata implies "
+                f"{list(want)}"
+            )
+        names.add(hf)
+    per_layer = {n.split(".", 3)[-1] for n in names if n.startswith(spec.layer_prefix + ".")}
+    for i in range(config["num_hidden_layers"]):
+        for rest in sorted(per_layer):
+            if f"{spec.layer_prefix}.{i}.{rest}" not in names:
+                raise CheckpointError(
+                    f"GGUF has {config['num_hidden_layers']} blocks but block {i} lacks "
+                    f"{rest} (other blocks have it)"
+                )
+    embed = f"{spec.globals['token_embd']}.weight"
+    if embed not in names:
+        raise CheckpointError("GGUF has no token_embd.weight tensor")
