@@ -22,20 +22,14 @@ from torch import Tensor
 
 from aotgen.package.manifest import PackageError, verify_package
 from aotgen.package.weights import is_padding
-from aotgen.runtime.sampling import (
-    SamplingParams,
-    logits_to_probs,
-    make_generator,
-    sample,
-    select_next,
+from aotgen.runtime.proposers import (
+    DraftOrLookupProposer,
+    DraftProposer,
+    LookupProposer,
+    Proposer,
 )
-from aotgen.runtime.speculative import (
-    AdaptiveK,
-    NgramProposer,
-    SpecStats,
-    verify_greedy,
-    verify_stochastic,
-)
+from aotgen.runtime.sampling import SamplingParams, make_generator, select_next
+from aotgen.runtime.speculative import AdaptiveK, SpecStats, verify
 from aotgen.runtime.tokenizer import StreamDecoder, Tokenizer
 
 SPECULATIVE_MODES = (None, "draft", "ngram", "draft+ngram")
@@ -477,79 +471,35 @@ class Engine:
         spec: SpecStats,
         gen: torch.Generator,
     ) -> Iterator[list[int]]:
-        params, draft = config.sampling, self.draft
+        """Propose -> verify -> accept, one verify step per yield."""
         max_k = self.verify_k
         k = min(config.k or max_k, max_k)
         adaptive = AdaptiveK(k=k, k_min=1, k_max=max_k) if config.adaptive_k else None
         history = list(prompt) + [tok]
-        proposer = NgramProposer(config.lookup_min, config.ngram_max)
-        # A draft that shares the target's cache finds every accepted position already
-        # written by the target (prefill, then each verify), so it never prefills and never
-        # catches up: each round starts with a one-token decode of `tok`. Its own entries
-        # (tok and the proposals) are overwritten by the verify that follows.
-        shared = config.uses_draft and draft.shares_cache
-        if config.uses_draft and not shared:
-            draft.forward(prompt, 0)
-        draft_pos = len(prompt)  # first position missing from the draft's cache
+        proposer = self._proposer(prompt, config, gen)
         while True:
-            if shared:
-                draft_pos = pos
             k = adaptive.k if adaptive else k
             k = min(k, self.max_seq_len + max_k - pos)
-            draft_probs = None
-            # draft+ngram: a long enough match in the prompt + output costs nothing to
-            # propose; the draft runs only when there is none.
-            proposal = proposer.propose(history, k) if config.uses_lookup else []
-            looked_up = bool(proposal)
-            if not looked_up and config.uses_draft:
-                # Catch the draft cache up on accepted tokens it has not seen, then draft.
-                proposal, rows = [], []
-                pending = history[draft_pos:]
-                logits = draft.forward(pending, draft_pos)
-                draft_pos += len(pending)
-                for i in range(k):
-                    if params.greedy:
-                        nxt = int(logits.argmax())
-                    else:
-                        rows.append(logits_to_probs(logits[None], params)[0])
-                        nxt = int(sample(rows[-1][None], gen))
-                    proposal.append(nxt)
-                    if i + 1 < k:
-                        logits = draft.decode(nxt, draft_pos)
-                        draft_pos += 1
-                if not params.greedy:
-                    draft_probs = torch.stack(rows)
-            n = len(proposal)
+            proposal = proposer.propose(history, k)
             # Score tok + proposal: row i predicts the token after history[:pos+i+1].
-            block = [tok] + proposal
-            logits = self.target.forward(block, pos, all_logits=True)
-            if params.greedy:
-                accepted = verify_greedy(proposal, logits)
-            elif n == 0:
-                accepted = [select_next(logits[0], params, gen)]
-            else:
-                accepted = verify_stochastic(
-                    proposal,
-                    draft_probs if draft_probs is not None else _one_hot(proposal, logits),
-                    logits_to_probs(logits, params),
-                    gen,
-                )
-            n_acc = len(accepted) - 1
-            spec.update(n, n_acc, lookup=looked_up)
+            logits = self.target.forward([tok] + proposal.tokens, pos, all_logits=True)
+            accepted = verify(proposal, logits, config.sampling, gen)
+            n, n_acc = len(proposal.tokens), len(accepted) - 1
+            spec.update(n, n_acc, lookup=proposal.looked_up)
             if adaptive:
                 adaptive.update(n, n_acc)
             pos += n_acc + 1
-            # The draft cache is valid up to the accepted prefix; later positions are stale
-            # and get overwritten next round (position overwrite: no rollback). After a full
-            # accept the last proposal is not in it yet: it is fed with the next round.
-            draft_pos = min(draft_pos, pos)
+            proposer.accepted(pos)
             history.extend(accepted)
             tok = accepted[-1]
             yield accepted
 
-
-def _one_hot(tokens: list[int], logits: Tensor) -> Tensor:
-    """A deterministic proposer (n-gram) is a draft distribution with all mass on its token."""
-    q = torch.zeros(len(tokens), logits.shape[-1])
-    q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
-    return q
+    def _proposer(
+        self, prompt: list[int], config: GenerationConfig, gen: torch.Generator
+    ) -> Proposer:
+        """The proposer of config.speculative: "ngram", "draft" or "draft+ngram"."""
+        lookup = LookupProposer(config.lookup_min, config.ngram_max)
+        if not config.uses_draft:
+            return lookup
+        draft = DraftProposer(self.draft, prompt, config.sampling, gen)
+        return DraftOrLookupProposer(lookup, draft) if config.uses_lookup else draft

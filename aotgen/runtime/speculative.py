@@ -1,4 +1,4 @@
-"""Speculative decoding core: verify drafted tokens against the target, propose drafts, stats.
+"""Speculative decoding core: verify drafted tokens against the target, n-gram lookup, stats.
 
 Pure tensor code (torch + stdlib only). Verification follows Leviathan et al. 2023 / Chen et
 al. 2023 (as in gpt-fast's `speculative_decode` and vLLM's rejection sampler): every verify
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from aotgen.runtime.sampling import sample
+from aotgen.runtime.sampling import SamplingParams, logits_to_probs, sample, select_next
 
 
 def verify_greedy(draft_tokens: list[int], target_logits: Tensor) -> list[int]:
@@ -114,6 +114,48 @@ def verify_stochastic(
     )
     n = int(num_accepted)
     return list(draft_tokens[:n]) + [int(next_token)]
+
+
+@dataclass
+class Proposal:
+    """The draft tokens of one verify step (see aotgen/runtime/proposers.py)."""
+
+    tokens: list[int]
+    # [K, V]: the distribution each token was drawn from (a sampled draft); None for a
+    # deterministic proposal (a greedy draft, n-gram lookup).
+    probs: Tensor | None = None
+    looked_up: bool = False  # from n-gram lookup, not the draft model
+
+    def draft_probs(self, vocab: int) -> Tensor:
+        """probs; a deterministic proposal is a distribution with all mass on its token."""
+        if self.probs is not None:
+            return self.probs
+        q = torch.zeros(len(self.tokens), vocab)
+        q[torch.arange(len(self.tokens)), torch.tensor(self.tokens)] = 1.0
+        return q
+
+
+def verify(
+    proposal: Proposal,
+    target_logits: Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """The accepted prefix of the proposal plus one token from the target: 1..K+1 tokens.
+
+    target_logits [K+1, V] score the current token followed by the proposal. Greedy decoding
+    accepts exact argmax matches; sampling uses speculative sampling (`verify_stochastic`).
+    """
+    if params.greedy:
+        return verify_greedy(proposal.tokens, target_logits)
+    if not proposal.tokens:
+        return [select_next(target_logits[0], params, generator)]
+    return verify_stochastic(
+        proposal.tokens,
+        proposal.draft_probs(target_logits.shape[-1]),
+        logits_to_probs(target_logits, params),
+        generator,
+    )
 
 
 class NgramProposer:

@@ -1,5 +1,6 @@
 // The engine: graphs, weights, KV caches and the generation loops of
-// aotgen/runtime/engine.py (ModelRunner, Engine.generate, _token_steps, _speculative_steps).
+// aotgen/runtime/engine.py (ModelRunner, Engine.generate, _token_steps, _speculative_steps)
+// and the proposers of aotgen/runtime/proposers.py.
 #include <algorithm>
 #include <chrono>
 #include <fstream>
@@ -333,6 +334,122 @@ struct AdaptiveK {
   }
 };
 
+// ---- Proposers: where the draft tokens of a speculative step come from (proposers.py) ----
+
+// The draft tokens of one verify step.
+struct Proposal {
+  std::vector<int64_t> tokens;
+  // [K, V]: the distribution each token was drawn from (a sampled draft); undefined for a
+  // deterministic proposal (a greedy draft, n-gram lookup).
+  at::Tensor probs;
+  bool looked_up = false;  // from n-gram lookup, not the draft model
+};
+
+// propose: up to k tokens to follow history (prompt + output; its last token sits at position
+// history.size() - 1, not yet in the target's cache). accepted: after verification, positions
+// < pos of the target's cache hold accepted tokens.
+class Proposer {
+ public:
+  virtual ~Proposer() = default;
+  virtual Proposal propose(const std::vector<int64_t>& history, int64_t k) = 0;
+  virtual void accepted(int64_t /*pos*/) {}
+};
+
+// n-gram lookup in the prompt + output (ngram_propose): no model, deterministic.
+class LookupProposer final : public Proposer {
+ public:
+  LookupProposer(int64_t min_n, int64_t max_n) : min_n_(min_n), max_n_(max_n) {}
+
+  Proposal propose(const std::vector<int64_t>& history, int64_t k) override {
+    Proposal proposal;
+    proposal.tokens = ngram_propose(history, k, min_n_, max_n_);
+    proposal.looked_up = !proposal.tokens.empty();
+    return proposal;
+  }
+
+ private:
+  int64_t min_n_, max_n_;
+};
+
+// k tokens from the draft model, greedy or sampled; sampling keeps each token's distribution
+// for speculative sampling. pos_ is the first position missing from the draft's cache.
+class DraftProposer final : public Proposer {
+ public:
+  DraftProposer(ModelRunner& draft, const std::vector<int64_t>& prompt,
+                const SamplingParams& params, at::Generator& gen)
+      : draft_(draft), params_(params), gen_(gen), pos_(static_cast<int64_t>(prompt.size())) {
+    // A draft that shares the target's cache finds every accepted position already written
+    // by the target (prefill, then each verify): it never prefills and never catches up.
+    if (!draft_.shares_cache()) draft_.forward(prompt, 0);
+  }
+
+  Proposal propose(const std::vector<int64_t>& history, int64_t k) override {
+    // Catch the draft cache up on accepted tokens it has not seen, then draft. A shared
+    // cache lacks only tok: the verify that follows overwrites the draft's entries.
+    if (draft_.shares_cache()) pos_ = static_cast<int64_t>(history.size()) - 1;
+    const std::vector<int64_t> pending(history.begin() + pos_, history.end());
+    at::Tensor logits = draft_.forward(pending, pos_);
+    pos_ += static_cast<int64_t>(pending.size());
+    Proposal proposal;
+    std::vector<at::Tensor> rows;
+    for (int64_t i = 0; i < k; ++i) {
+      int64_t next;
+      if (params_.greedy()) {
+        next = logits.argmax().item<int64_t>();
+      } else {
+        rows.push_back(detail::logits_to_probs(logits.unsqueeze(0), params_)[0]);
+        next = detail::sample(rows.back().unsqueeze(0), gen_).item<int64_t>();
+      }
+      proposal.tokens.push_back(next);
+      if (i + 1 < k) logits = draft_.decode(next, pos_++);
+    }
+    if (!rows.empty()) proposal.probs = at::stack(rows);
+    return proposal;
+  }
+
+  // The draft cache is valid up to the accepted prefix; later positions are stale and get
+  // overwritten next round (position overwrite: no rollback). After a full accept the last
+  // proposal is not in it yet: it is fed with the next round.
+  void accepted(int64_t pos) override { pos_ = std::min(pos_, pos); }
+
+ private:
+  ModelRunner& draft_;
+  const SamplingParams& params_;
+  at::Generator& gen_;
+  int64_t pos_;
+};
+
+// DraftNgram: a long enough match in the prompt + output costs nothing to propose; the draft
+// runs only when there is none.
+class DraftOrLookupProposer final : public Proposer {
+ public:
+  DraftOrLookupProposer(LookupProposer lookup, DraftProposer draft)
+      : lookup_(std::move(lookup)), draft_(std::move(draft)) {}
+
+  Proposal propose(const std::vector<int64_t>& history, int64_t k) override {
+    Proposal proposal = lookup_.propose(history, k);
+    return proposal.tokens.empty() ? draft_.propose(history, k) : proposal;
+  }
+
+  void accepted(int64_t pos) override { draft_.accepted(pos); }
+
+ private:
+  LookupProposer lookup_;
+  DraftProposer draft_;
+};
+
+// The accepted prefix of the proposal plus one token from the target (speculative.py verify).
+std::vector<int64_t> verify(const Proposal& proposal, const at::Tensor& target_logits,
+                            const SamplingParams& params, at::Generator& gen) {
+  if (params.greedy()) return detail::verify_greedy(proposal.tokens, target_logits);
+  if (proposal.tokens.empty()) return {detail::select_next(target_logits[0], params, gen)};
+  const at::Tensor draft_probs =
+      proposal.probs.defined() ? proposal.probs
+                               : detail::one_hot(proposal.tokens, target_logits.size(-1));
+  return detail::verify_stochastic(proposal.tokens, draft_probs,
+                                   detail::logits_to_probs(target_logits, params), gen);
+}
+
 }  // namespace
 
 struct Engine::Impl {
@@ -384,75 +501,39 @@ class TokenSteps {
     if (config_.adaptive_k) adaptive_ = AdaptiveK{std::clamp<int64_t>(k_, 1, max_k_), 1, max_k_};
     history_ = prompt_;
     history_.push_back(tok_);
-    // A draft that shares the target's cache finds every accepted position already written
-    // by the target (prefill, then each verify): it never prefills and never catches up.
-    if (uses_draft(config_.speculative) && !draft_->shares_cache()) {
-      draft_->forward(prompt_, 0);
-    }
-    draft_pos_ = static_cast<int64_t>(prompt_.size());  // first position missing from draft
+    proposer_ = make_proposer();
   }
 
+  // The proposer of config.speculative: Ngram, Draft or DraftNgram.
+  std::unique_ptr<Proposer> make_proposer() {
+    LookupProposer lookup(ngram_min(config_), config_.ngram_max);
+    if (!uses_draft(config_.speculative)) return std::make_unique<LookupProposer>(lookup);
+    DraftProposer draft(*draft_, prompt_, params_, gen_);
+    if (config_.speculative == Speculative::DraftNgram) {
+      return std::make_unique<DraftOrLookupProposer>(lookup, std::move(draft));
+    }
+    return std::make_unique<DraftProposer>(std::move(draft));
+  }
+
+  // Propose -> verify -> accept: one verify step.
   std::vector<int64_t> speculative_round() {
     int64_t k = adaptive_ ? adaptive_->k : k_;
     k = std::min(k, max_seq_len_ + max_k_ - pos_);
-    std::vector<int64_t> proposal;
-    at::Tensor draft_probs;
-    // DraftNgram: a long enough match in the prompt + output costs nothing to propose; the
-    // draft runs only when there is none.
-    if (config_.speculative == Speculative::Ngram ||
-        config_.speculative == Speculative::DraftNgram) {
-      proposal = ngram_propose(history_, k, ngram_min(config_), config_.ngram_max);
-    }
-    const bool looked_up = !proposal.empty();
-    if (!looked_up && uses_draft(config_.speculative)) {
-      // Catch the draft cache up on accepted tokens it has not seen, then draft. A shared
-      // cache lacks only tok: the verify that follows overwrites the draft's entries.
-      ModelRunner& draft = *draft_;
-      if (draft.shares_cache()) draft_pos_ = pos_;
-      const std::vector<int64_t> pending(history_.begin() + draft_pos_, history_.end());
-      at::Tensor logits = draft.forward(pending, draft_pos_);
-      draft_pos_ += static_cast<int64_t>(pending.size());
-      std::vector<at::Tensor> rows;
-      for (int64_t i = 0; i < k; ++i) {
-        int64_t next;
-        if (params_.greedy()) {
-          next = logits.argmax().item<int64_t>();
-        } else {
-          rows.push_back(detail::logits_to_probs(logits.unsqueeze(0), params_)[0]);
-          next = detail::sample(rows.back().unsqueeze(0), gen_).item<int64_t>();
-        }
-        proposal.push_back(next);
-        if (i + 1 < k) logits = draft.decode(next, draft_pos_++);
-      }
-      if (!params_.greedy() && !rows.empty()) draft_probs = at::stack(rows);
-    }
-    const auto n = static_cast<int64_t>(proposal.size());
+    const Proposal proposal = proposer_->propose(history_, k);
+    const auto n = static_cast<int64_t>(proposal.tokens.size());
     // Score tok + proposal: row i predicts the token after history[:pos+i+1].
     std::vector<int64_t> block{tok_};
-    block.insert(block.end(), proposal.begin(), proposal.end());
+    block.insert(block.end(), proposal.tokens.begin(), proposal.tokens.end());
     const at::Tensor logits = target_.forward(block, pos_, /*all_logits=*/true);
-    std::vector<int64_t> accepted;
-    if (params_.greedy()) {
-      accepted = detail::verify_greedy(proposal, logits);
-    } else if (n == 0) {
-      accepted = {detail::select_next(logits[0], params_, gen_)};
-    } else {
-      accepted = detail::verify_stochastic(
-          proposal,
-          draft_probs.defined() ? draft_probs : detail::one_hot(proposal, logits.size(-1)),
-          detail::logits_to_probs(logits, params_), gen_);
-    }
+    const std::vector<int64_t> accepted = verify(proposal, logits, params_, gen_);
     const auto n_acc = static_cast<int64_t>(accepted.size()) - 1;
     spec_->drafted += n;
     spec_->accepted += n_acc;
     spec_->steps += 1;
-    spec_->lookup_steps += looked_up;
+    spec_->lookup_steps += proposal.looked_up;
     if (adaptive_) adaptive_->update(n, n_acc);
     pos_ += n_acc + 1;
-    // The draft cache is valid up to the accepted prefix; later positions are stale and get
-    // overwritten next round (position overwrite: no rollback). After a full accept the last
-    // proposal is not in it yet: it is fed with the next round.
-    draft_pos_ = std::min(draft_pos_, pos_);
+    proposer_->accepted(pos_);
     history_.insert(history_.end(), accepted.begin(), accepted.end());
     tok_ = accepted.back();
     return accepted;
@@ -474,7 +555,7 @@ class TokenSteps {
   int64_t k_ = 0;
   std::optional<AdaptiveK> adaptive_;
   std::vector<int64_t> history_;
-  int64_t draft_pos_ = 0;
+  std::unique_ptr<Proposer> proposer_;
 };
 
 }  // namespace

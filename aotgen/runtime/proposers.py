@@ -1,0 +1,107 @@
+"""Proposers: where the draft tokens of a speculative step come from.
+
+A proposer answers `propose(history, k)` with a `Proposal` of up to k tokens to follow
+`history` (prompt + output so far; its last token sits at position len(history) - 1 and is
+not in the target's cache yet), and hears `accepted(pos)` once the target has verified them.
+The engine's loop is the same whichever proposer it holds: propose -> verify -> accept.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from aotgen.runtime.sampling import SamplingParams, logits_to_probs, sample
+from aotgen.runtime.speculative import NgramProposer, Proposal
+
+if TYPE_CHECKING:
+    from aotgen.runtime.engine import ModelRunner
+
+
+class Proposer(Protocol):
+    def propose(self, history: list[int], k: int) -> Proposal:
+        """Up to k tokens to follow history."""
+        ...
+
+    def accepted(self, pos: int) -> None:
+        """After verification: positions < pos of the target's cache hold accepted tokens."""
+        ...
+
+
+class LookupProposer:
+    """n-gram lookup in the prompt + output (`NgramProposer`): no model, deterministic."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.ngram = NgramProposer(min_n, max_n)
+
+    def propose(self, history: list[int], k: int) -> Proposal:
+        tokens = self.ngram.propose(history, k)
+        return Proposal(tokens, looked_up=bool(tokens))
+
+    def accepted(self, pos: int) -> None:
+        pass
+
+
+class DraftProposer:
+    """k tokens from the draft model, greedy or sampled; sampling keeps each token's
+    distribution for speculative sampling. `self.pos` is the first position missing from
+    the draft's cache."""
+
+    def __init__(
+        self,
+        draft: ModelRunner,
+        prompt: list[int],
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> None:
+        self.draft, self.params, self.generator = draft, params, generator
+        # A draft that shares the target's cache finds every accepted position already
+        # written by the target (prefill, then each verify), so it never prefills and never
+        # catches up: each round starts with a one-token decode of `tok` (history[-1]). Its
+        # own entries (tok and the proposals) are overwritten by the verify that follows.
+        if not draft.shares_cache:
+            draft.forward(prompt, 0)
+        self.pos = len(prompt)
+
+    def propose(self, history: list[int], k: int) -> Proposal:
+        if self.draft.shares_cache:
+            self.pos = len(history) - 1
+        # Catch the draft cache up on accepted tokens it has not seen, then draft.
+        pending = history[self.pos :]
+        logits = self.draft.forward(pending, self.pos)
+        self.pos += len(pending)
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for i in range(k):
+            if self.params.greedy:
+                nxt = int(logits.argmax())
+            else:
+                rows.append(logits_to_probs(logits[None], self.params)[0])
+                nxt = int(sample(rows[-1][None], self.generator))
+            tokens.append(nxt)
+            if i + 1 < k:
+                logits = self.draft.decode(nxt, self.pos)
+                self.pos += 1
+        return Proposal(tokens, torch.stack(rows) if rows else None)
+
+    def accepted(self, pos: int) -> None:
+        # The draft cache is valid up to the accepted prefix; later positions are stale and
+        # get overwritten next round (position overwrite: no rollback). After a full accept
+        # the last proposal is not in it yet: it is fed with the next round.
+        self.pos = min(self.pos, pos)
+
+
+class DraftOrLookupProposer:
+    """draft+ngram: a long enough match in the prompt + output costs nothing to propose; the
+    draft runs only when there is none."""
+
+    def __init__(self, lookup: LookupProposer, draft: DraftProposer) -> None:
+        self.lookup, self.draft = lookup, draft
+
+    def propose(self, history: list[int], k: int) -> Proposal:
+        proposal = self.lookup.propose(history, k)
+        return proposal if proposal.tokens else self.draft.propose(history, k)
+
+    def accepted(self, pos: int) -> None:
+        self.draft.accepted(pos)
