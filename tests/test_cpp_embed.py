@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from cpp_build import BUILD_JOBS, REPO_ROOT, cmake_cache_value, require_cpp_build
+from test_cpp_runtime import real_package  # noqa: F401 (a fixture)
 
 from aotgen.package.manifest import PackageError
 from aotgen.runtime.engine import Engine
@@ -20,7 +21,6 @@ from aotgen.runtime.engine import Engine
 pytestmark = pytest.mark.cpp
 
 EXAMPLE_DIR = REPO_ROOT / "examples" / "embed"
-REAL_PACKAGE = REPO_ROOT / "artifacts" / "smollm2-135m"
 QUESTION = "What is the capital of France?"
 ANSWER = "The capital of France is Paris."
 
@@ -87,17 +87,7 @@ def test_installed_run_tool_finds_libtorch(aotgen_prefix):
     assert "--chat" in proc.stdout
 
 
-@pytest.fixture(scope="module")
-def real_package(request) -> Path:
-    if (REAL_PACKAGE / "manifest.json").is_file():
-        return REAL_PACKAGE
-    try:  # conftest.py builds it in the background when the GGUF is installed (CI)
-        return request.getfixturevalue("smollm2_package")
-    except pytest.FixtureLookupError:
-        pytest.skip(f"{REAL_PACKAGE.relative_to(REPO_ROOT)} not built (aotgen build)")
-
-
-def test_embed_answers_france(embed_bin, real_package):
+def test_embed_answers_france(embed_bin, real_package):  # noqa: F811
     try:
         Engine.load(real_package)
     except PackageError as e:

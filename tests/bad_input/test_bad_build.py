@@ -60,13 +60,21 @@ def cache_copy(project, tiny_package: Path, tmp_path: Path) -> Path:
     return cache
 
 
-def test_killed_build_is_cleaned_up_by_the_next(tiny_checkpoint, cache_copy, tmp_path):
-    root = _project(tmp_path, tiny_checkpoint, cache_copy)
-    artifacts = tmp_path / "artifacts"
+def _build_interrupted(tmp_path: Path, checkpoint: Path, cache: Path, sig: int) -> Path:
+    """Start a build, send `sig` once it is writing its package; returns the project dir."""
+    root = _project(tmp_path, checkpoint, cache)
     proc = _build(root)
-    _wait_for_partial(proc, artifacts)
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate()
+    _wait_for_partial(proc, tmp_path / "artifacts")
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "Traceback" not in err, err
+    return root
+
+
+def test_killed_build_is_cleaned_up_by_the_next(tiny_checkpoint, cache_copy, tmp_path):
+    root = _build_interrupted(tmp_path, tiny_checkpoint, cache_copy, signal.SIGKILL)
+    artifacts = tmp_path / "artifacts"
     assert _partials(artifacts), "SIGKILL leaves the partial package behind"
     proc = _build(root)
     out, err = proc.communicate(timeout=900)
@@ -76,14 +84,8 @@ def test_killed_build_is_cleaned_up_by_the_next(tiny_checkpoint, cache_copy, tmp
 
 
 def test_terminated_build_leaves_nothing(tiny_checkpoint, cache_copy, tmp_path):
-    root = _project(tmp_path, tiny_checkpoint, cache_copy)
+    _build_interrupted(tmp_path, tiny_checkpoint, cache_copy, signal.SIGTERM)
     artifacts = tmp_path / "artifacts"
-    proc = _build(root)
-    _wait_for_partial(proc, artifacts)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode != 0
-    assert "Traceback" not in err, err
     assert _partials(artifacts) == [] and not (artifacts / "tiny").exists()
 
 
