@@ -436,5 +436,5 @@ def test_cli_ngram_match_bounds(tiny_package):
     assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
     assert spec.stdout == plain.stdout
     bad = run("--lookup", "ngram", "--ngram-min", "5")
-    assert bad.returncode != 0 and "need 1 <= ngram_min <= ngram_max" in bad.stderr
+    assert bad.returncode != 0 and "--ngram-min (5) must be <= --ngram-max (4)" in bad.stderr
     assert "Traceback" not in bad.stderr
