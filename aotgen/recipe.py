@@ -96,12 +96,20 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_keys(where: str, given: dict, valid: list[str]) -> None:
+def _check_keys(
+    where: str, given: dict, valid: list[str], error: type[ValueError] = RecipeError
+) -> None:
     unknown = sorted(set(given) - set(valid))
     if unknown:
-        raise RecipeError(
-            f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(valid)}"
-        )
+        raise error(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(valid)}")
+
+
+def _read_utf8(path: Path, what: str, error: type[ValueError]) -> str:
+    """The file's text, or one line naming the file when it is not UTF-8."""
+    try:
+        return path.read_bytes().decode()
+    except UnicodeDecodeError:
+        raise error(f"{what} {path} is not UTF-8 text; save it as UTF-8") from None
 
 
 def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
@@ -248,10 +256,9 @@ def load_recipe(path: str | Path, base_dir: Path | None = None) -> Recipe:
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe file not found: {path}")
+    text = _read_utf8(path, "recipe", RecipeError)
     try:
-        data = yaml.safe_load(path.read_bytes().decode())
-    except UnicodeDecodeError:
-        raise RecipeError(f"recipe {path} is not UTF-8 text; save it as UTF-8") from None
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise RecipeError(f"recipe {path} is not valid YAML ({_yaml_problem(e)}); fix it") from None
     return parse_recipe(data or {}, path.stem, base_dir or Path.cwd())
@@ -273,18 +280,12 @@ class Project:
         path = root / "aotgen.toml"
         if not path.is_file():
             return cls()
+        text = _read_utf8(path, "project file", ProjectError)
         try:
-            data = tomllib.loads(path.read_bytes().decode())
-        except UnicodeDecodeError:
-            raise ProjectError(f"{path} is not UTF-8 text; save it as UTF-8") from None
+            data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ProjectError(f"{path} is not valid TOML ({e}); fix or delete it") from None
-        valid = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(data) - set(valid))
-        if unknown:
-            raise ProjectError(
-                f"{path}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(valid)}"
-            )
+        _check_keys(str(path), data, [f.name for f in dataclasses.fields(cls)], ProjectError)
         for key, value in data.items():
             if key.endswith("_dir") and (not isinstance(value, str) or not value):
                 raise ProjectError(f'{path}: {key} must be a path string, e.g. {key} = "dir"')

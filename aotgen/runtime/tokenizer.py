@@ -7,6 +7,7 @@ way transformers' `apply_chat_template` does.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from datetime import datetime
@@ -115,9 +116,6 @@ class Tokenizer:
             eos.add(eos_id)
         self.eos_ids: set[int] = eos
         self._template = compile_chat_template(chat_template) if chat_template else None
-        # The same tokenizer with special-token text read as plain text, for message content.
-        self._text_tok = HFTokenizer.from_str(tokenizer.to_str())
-        self._text_tok.encode_special_tokens = True
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -212,6 +210,18 @@ class Tokenizer:
             return render_chatml(messages, add_generation_prompt)
         return self.apply_chat_template(messages, add_generation_prompt)
 
+    @functools.cached_property
+    def _special_ids(self) -> set[int]:
+        return {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
+    @functools.cached_property
+    def _text_tok(self) -> HFTokenizer:
+        """The same tokenizer with special-token text read as plain text, for message
+        content; made on first need, since copying a large vocabulary costs load time."""
+        tok = HFTokenizer.from_str(self._tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
+
     def encode_chat(
         self,
         messages: list[Message],
@@ -230,7 +240,7 @@ class Tokenizer:
         if system is not None:
             messages = [{"role": "system", "content": system}, *messages]
         contents = [str(m.get("content", "")) for m in messages]
-        if all(self.encode(c) == self._text_tok.encode(c).ids for c in contents):
+        if not any(i in self._special_ids for c in contents for i in self.encode(c)):
             return self.encode(
                 self.chat_prompt(messages, add_generation_prompt=add_generation_prompt)
             )
