@@ -23,7 +23,9 @@ from aotgen.export.aoti import export_graph, graph_specs
 from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
 from aotgen.package.build import build
 from aotgen.package.manifest import PackageError, target_info
-from aotgen.passes.quantize import QuantizePass, kernel_problem, parse_quantize
+from aotgen.passes.quantize import QuantizePass
+from aotgen.passes.quantize_numerics import kernel_problem
+from aotgen.passes.quantize_options import parse_quantize
 from aotgen.recipe import Recipe, RecipeError, kv_cache_len, parse_recipe
 from aotgen.runtime.engine import Engine, GenerationConfig
 

@@ -304,7 +304,8 @@ def test_int4_and_gptq_passes_on_biased_families(checkpoints, family, quantize):
     from aotgen.model.llama import new_kv_cache
     from aotgen.package.build import ModelBuild, _calibrate
     from aotgen.passes.fuse import FuseLinearsPass
-    from aotgen.passes.quantize import QuantizePass, parse_quantize
+    from aotgen.passes.quantize import QuantizePass
+    from aotgen.passes.quantize_options import parse_quantize
     from aotgen.runtime.tokenizer import Tokenizer
 
     model = _eager(checkpoints, family)

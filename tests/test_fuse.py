@@ -6,7 +6,8 @@ from torch import nn
 
 from aotgen.model.llama import ModelConfig, Transformer, new_kv_cache
 from aotgen.passes.fuse import FuseLinearsPass
-from aotgen.passes.quantize import QuantizePass, parse_quantize
+from aotgen.passes.quantize import QuantizePass
+from aotgen.passes.quantize_options import parse_quantize
 
 aten = torch.ops.aten
 

@@ -17,13 +17,9 @@ from aotgen.model.llama import new_kv_cache
 from aotgen.package.build import ModelBuild, _calibrate, build
 from aotgen.passes.gemv import linears_as_reductions
 from aotgen.passes.gptq import gptq_codes, input_hessians
-from aotgen.passes.quantize import (
-    QuantizePass,
-    dequantize_int4,
-    parse_quantize,
-    quantize_int4,
-    quantize_int8,
-)
+from aotgen.passes.quantize import QuantizePass
+from aotgen.passes.quantize_numerics import dequantize_int4, quantize_int4, quantize_int8
+from aotgen.passes.quantize_options import parse_quantize
 from aotgen.recipe import RecipeError, parse_recipe
 from aotgen.runtime.engine import Engine
 from aotgen.runtime.tokenizer import Tokenizer

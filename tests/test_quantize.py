@@ -29,17 +29,16 @@ from aotgen.export.aoti import example_inputs, export_graph, graph_specs
 from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
 from aotgen.package.build import build, graph_signature
 from aotgen.passes.gemv import linears_as_reductions
-from aotgen.passes.quantize import (
-    QuantizePass,
+from aotgen.passes.quantize import QuantizePass, quantize_pass
+from aotgen.passes.quantize_numerics import (
     dequantize_int4,
     dequantize_int8,
     int4_in_features,
     pack_int4,
-    parse_quantize,
     quantize_int4,
     quantize_int8,
-    quantize_pass,
 )
+from aotgen.passes.quantize_options import parse_quantize
 from aotgen.recipe import RecipeError, kv_cache_len, parse_recipe
 from aotgen.runtime.engine import Engine, GenerationConfig
 

@@ -54,7 +54,8 @@ from aotgen.package.manifest import (
 from aotgen.package.weights import save_aligned
 from aotgen.passes.fuse import FuseLinearsPass
 from aotgen.passes.gemv import linears_as_reductions
-from aotgen.passes.quantize import QuantizePass, parse_quantize, quantize_passes
+from aotgen.passes.quantize import QuantizePass, quantize_passes
+from aotgen.passes.quantize_options import parse_quantize
 from aotgen.passes.tp import (
     fake_process_group,
     parse_parallel,
