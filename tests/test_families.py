@@ -302,7 +302,8 @@ def test_int4_and_gptq_passes_on_biased_families(checkpoints, family, quantize):
     close to the float model."""
     from aotgen.export.aoti import export_graph, graph_specs
     from aotgen.model.llama import new_kv_cache
-    from aotgen.package.build import ModelBuild, _calibrate
+    from aotgen.package.models import ModelBuild
+    from aotgen.package.models import calibrate as _calibrate
     from aotgen.passes.fuse import FuseLinearsPass
     from aotgen.passes.quantize import QuantizePass
     from aotgen.passes.quantize_options import parse_quantize

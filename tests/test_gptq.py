@@ -14,7 +14,9 @@ from safetensors import safe_open
 from aotgen.checkpoint.hf import open_checkpoint
 from aotgen.export.aoti import export_graph, graph_specs
 from aotgen.model.llama import new_kv_cache
-from aotgen.package.build import ModelBuild, _calibrate, build
+from aotgen.package.build import build
+from aotgen.package.models import ModelBuild
+from aotgen.package.models import calibrate as _calibrate
 from aotgen.passes.gemv import linears_as_reductions
 from aotgen.passes.gptq import gptq_codes, input_hessians
 from aotgen.passes.quantize import QuantizePass

@@ -14,6 +14,7 @@ from reference import EagerModel
 
 from aotgen.checkpoint.hf import CheckpointError
 from aotgen.package import build as build_mod
+from aotgen.package import compile as compile_mod
 from aotgen.package.manifest import PackageError, verify_package
 from aotgen.recipe import VERIFY_ROOM, RecipeError, parse_recipe
 from aotgen.runtime.engine import Engine, GenerationConfig, GenerationError, zeros_on_demand
@@ -330,7 +331,7 @@ def test_interrupted_build_leaves_nothing(monkeypatch, tiny_checkpoint, project)
         calls.append(1)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(build_mod, "compile_graph", interrupted)
+    monkeypatch.setattr(compile_mod, "compile_graph", interrupted)
     recipe = parse_recipe(
         {"checkpoint": str(tiny_checkpoint), **TINY_RECIPE}, "interrupted", Path(".")
     )

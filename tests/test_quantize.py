@@ -27,7 +27,8 @@ from safetensors import safe_open
 from aotgen.checkpoint.hf import open_checkpoint
 from aotgen.export.aoti import example_inputs, export_graph, graph_specs
 from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
-from aotgen.package.build import build, graph_signature
+from aotgen.package.build import build
+from aotgen.package.compile import graph_signature
 from aotgen.passes.gemv import linears_as_reductions
 from aotgen.passes.quantize import QuantizePass, quantize_pass
 from aotgen.passes.quantize_numerics import (

@@ -74,3 +74,20 @@ def save_aligned(tensors: dict[str, Tensor], path: Path) -> None:
 
 def is_padding(name: str) -> bool:
     return name.startswith(PAD_PREFIX)
+
+
+def save_constants(path: Path, tensors: dict[str, Tensor]) -> tuple[dict[str, str], int]:
+    """Write each distinct tensor once; names that share storage become aliases."""
+    unique: dict[str, Tensor] = {}
+    aliases: dict[str, str] = {}
+    by_storage: dict[tuple, str] = {}
+    for name in sorted(tensors):
+        t = tensors[name]
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if key in by_storage:
+            aliases[name] = by_storage[key]
+        else:
+            by_storage[key] = name
+            unique[name] = t.contiguous().cpu()
+    save_aligned(unique, path)
+    return aliases, sum(t.numel() * t.element_size() for t in unique.values())

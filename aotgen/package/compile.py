@@ -1,0 +1,167 @@
+"""A model's graphs: export, graph passes, AOTInductor compile (or the project's compile
+cache), and what the package needs of each: files, constants, signature.
+
+Tensor parallel: each rank is exported (cheaper than a compile), but only rank 0 is
+compiled: the ranks' graphs are identical but for the values of their constants (checked
+here), so one compiled graph serves every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.export import ExportedProgram
+
+from aotgen.export.aoti import (
+    GraphSpec,
+    compile_graph,
+    constant_sources,
+    example_inputs,
+    export_graph,
+    graph_identity,
+)
+from aotgen.model.llama import ModelConfig
+from aotgen.package.models import ModelBuild, recipe_kv_cache
+from aotgen.passes.gemv import linears_as_reductions
+from aotgen.passes.tp import fake_process_group, rank_config, shard_model
+from aotgen.recipe import Recipe
+
+# `advance(stage, detail)`: one step of a progress stage ("export", "compile").
+Advance = Callable[[str, str], None]
+
+
+@dataclass
+class GraphReport:
+    model: str
+    graph: str
+    export_s: float
+    compile_s: float
+    so_bytes: int
+    cached: bool = False  # the compile came from the project cache
+
+
+@dataclass
+class CompiledModel:
+    """One model's compiled graphs and what the package needs to run them."""
+
+    files: dict[str, list[str]]  # package model name -> files for `package_graphs`
+    sources: list[dict[str, Tensor]]  # per rank: constant name -> tensor
+    signatures: dict[str, Any]  # graph name -> its manifest entry
+    graphs: list[GraphReport] = field(default_factory=list)
+    group_name: str | None = None  # the process group the compiled collectives name
+
+
+def graph_signature(spec: GraphSpec, cfg: ModelConfig, cache: list[Tensor]) -> dict[str, Any]:
+    t: Any = "T" if spec.dynamic else spec.min_tokens
+    return {
+        "tokens": {"min": spec.min_tokens, "max": spec.max_tokens},
+        "inputs": [
+            {"name": "tokens", "shape": [1, t], "dtype": "int64"},
+            {"name": "input_pos", "shape": [t], "dtype": "int64"},
+            {
+                "name": "kv_caches",
+                "count": len(cache),
+                "shape": list(cache[0].shape),
+                "dtype": str(cache[0].dtype).removeprefix("torch."),
+            },
+        ],
+        "outputs": [{"name": "logits", "shape": [1, t, cfg.vocab_size], "dtype": "float32"}],
+    }
+
+
+def compile_model(
+    mb: ModelBuild,
+    recipe: Recipe,
+    advance: Advance,
+    compile_cache: Path,
+    ranks: list[nn.Module] | None = None,
+    rank_cfg: ModelConfig | None = None,
+) -> CompiledModel:
+    """Export and compile each graph (or take the compile from `compile_cache`).
+    `ranks`: the per-rank shards under tensor parallel."""
+    ranks = ranks or [mb.model]
+    cache = recipe_kv_cache(rank_cfg or mb.config, recipe)
+    # The reduction rewrite is a CPU tuning (passes/gemv.py); GPUs keep their GEMM kernels.
+    reductions = recipe.compile.few_token_linears == "reduction" and recipe.device == "cpu"
+    compiled = CompiledModel({}, [{} for _ in ranks], {})
+    for spec in mb.graphs:
+        t0 = time.perf_counter()
+        eps = [_exported(model, mb, spec, cache, reductions) for model in ranks]
+        _check_same_code(eps, f"{mb.role}/{spec.name}")
+        ep = eps[0]
+        t1 = time.perf_counter()
+        advance("export", f"{mb.role}/{spec.name}")
+        graph_files, cached = compile_graph(
+            ep, example_inputs(spec, cache), recipe.compile.max_autotune, compile_cache
+        )
+        t2 = time.perf_counter()
+        advance("compile", f"{mb.role}/{spec.name}{' (cached)' if cached else ''}")
+        key = f"{mb.role}_{spec.name}"
+        compiled.files[key] = graph_files
+        for rank_sources, rank_ep in zip(compiled.sources, eps, strict=True):
+            rank_sources.update(constant_sources(rank_ep))
+        signature = graph_signature(spec, mb.config, cache)
+        compiled.signatures[spec.name] = {"package_model": key, **signature}
+        so_bytes = sum(os.path.getsize(f) for f in graph_files if f.endswith(".so"))
+        report = GraphReport(mb.role, spec.name, t1 - t0, t2 - t1, so_bytes, cached)
+        compiled.graphs.append(report)
+    return compiled
+
+
+def _exported(
+    model: nn.Module, mb: ModelBuild, spec: GraphSpec, cache: list[Tensor], reductions: bool
+) -> ExportedProgram:
+    """One graph of `model` exported and put through the model's graph passes."""
+    ep = export_graph(model, spec, cache)
+    for graph_pass in mb.graph_passes:
+        ep = graph_pass(ep)
+    if not spec.dynamic and reductions:
+        ep = linears_as_reductions(ep)
+    return ep
+
+
+def compile_sharded(
+    mb: ModelBuild,
+    recipe: Recipe,
+    advance: Advance,
+    compile_cache: Path,
+    styles: dict[str, str],
+    world: int,
+) -> CompiledModel:
+    """All ranks of one model, compiled in this process against a fake process group,
+    whose name the compiled collectives refer to."""
+    with fake_process_group(world) as group_name:
+        ranks = [shard_model(mb.model, styles, r, world, group_name) for r in range(world)]
+        compiled = compile_model(
+            mb, recipe, advance, compile_cache, ranks, rank_config(mb.config, world)
+        )
+    compiled.group_name = group_name
+    return compiled
+
+
+def _check_same_code(eps: list[ExportedProgram], where: str) -> None:
+    """One compile may serve all ranks only if their graphs differ in constant values alone."""
+    first = graph_identity(eps[0])
+    for rank, ep in enumerate(eps[1:], start=1):
+        if graph_identity(ep) != first:
+            raise RuntimeError(
+                f"{where}: rank {rank}'s exported graph differs from rank 0's beyond its "
+                "weights, so one compiled graph cannot serve both (a sharding bug)"
+            )
+
+
+def bound_constant_names(pt2: Path, package_models: list[str], device: str) -> set[str]:
+    """The constant names the compiled graphs will ask the runtime to bind."""
+    from aotgen.runtime.engine import open_loader
+
+    names: set[str] = set()
+    for key in package_models:
+        names.update(open_loader(pt2, key, torch.device(device)).get_constant_fqns())
+    return names

@@ -1,0 +1,116 @@
+"""What a build reads, and its identity: the recipe with its GGUF checkpoints imported, the
+checkpoint, and a content hash of (checkpoint, recipe, aotgen, torch, ISA) that makes an
+unchanged rebuild a no-op."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from aotgen import __version__
+from aotgen.checkpoint.gguf import import_gguf
+from aotgen.checkpoint.hf import Checkpoint, CheckpointError, open_checkpoint
+from aotgen.package.manifest import (
+    PackageError,
+    cuda_problem,
+    read_manifest,
+    sha256_chunks,
+    target_info,
+    verify_files,
+)
+from aotgen.passes.quantize_options import parse_quantize
+from aotgen.recipe import Project, Recipe, RecipeError
+
+
+@dataclass(frozen=True)
+class BuildInputs:
+    """The recipe (its checkpoints imported), its target checkpoint, and their identity."""
+
+    recipe: Recipe
+    ckpt: Checkpoint
+    digest: str
+
+
+def read_inputs(recipe: Recipe, project: Project) -> BuildInputs:
+    """Check the recipe can build here, import GGUF checkpoints, and hash the inputs."""
+    if recipe.device == "cuda" and (problem := cuda_problem()):
+        raise RecipeError(
+            f"recipe {recipe.name!r}: device cuda, but {problem}. Build on the machine class "
+            "the package will run on (its kernels are compiled for that GPU), or use device: cpu"
+        )
+    recipe = _with_imported_checkpoints(recipe, project.cache_dir)
+    ckpt = open_checkpoint(recipe.checkpoint)
+    return BuildInputs(recipe, ckpt, build_hash(ckpt, recipe))
+
+
+def build_hash(ckpt: Checkpoint, recipe: Recipe) -> str:
+    """Identity of a build: same inputs and toolchain → same package."""
+    h = hashlib.sha256()
+    ckpts = [ckpt]
+    draft = (recipe.speculative or {}).get("draft") or {}
+    if "checkpoint" in draft:
+        ckpts.append(open_checkpoint(draft["checkpoint"]))
+    files = [
+        f for c in ckpts for f in (c.path / "config.json", *c.weight_files, *c.tokenizer_files)
+    ]
+    for f in files:
+        h.update(f"{f.name}:{sha256_chunks(f)}\n".encode())
+    recipe_dict = recipe.to_dict()
+    recipe_dict.pop("checkpoint")  # the content counts, not where it lies
+    if "checkpoint" in draft:
+        recipe_dict["speculative"]["draft"] = {**draft, "checkpoint": "(content hashed above)"}
+    h.update(json.dumps(recipe_dict, sort_keys=True, default=str).encode())
+    for quantize in (recipe.quantize, draft.get("quantize")):
+        options = parse_quantize(quantize)
+        if options and options.method == "gptq":
+            h.update(f"calibration:{sha256_chunks(options.calibration)}\n".encode())
+    target = json.dumps(target_info(recipe.device))
+    h.update(f"{__version__}|{torch.__version__}|{target}".encode())
+    # The source itself, not just the version: a changed pass or kernel must not look
+    # "up to date".
+    root = Path(__file__).resolve().parents[1]
+    for src in sorted([*root.rglob("*.py"), *root.rglob("kernels/*.cpp")]):
+        h.update(src.read_bytes())
+    return h.hexdigest()
+
+
+def up_to_date(out: Path, digest: str) -> bool:
+    """Whether `out` holds an intact package built from inputs with this `digest`."""
+    try:
+        manifest = read_manifest(out)
+        if manifest.get("build_hash") != digest:
+            return False
+        verify_files(manifest, out)
+        return True
+    except (PackageError, KeyError, OSError):
+        return False
+
+
+def _gguf_imported(path: Path, cache_dir: Path) -> Path:
+    """A GGUF checkpoint's HF-layout dir (`aotgen import-gguf`), imported once per file
+    content into the project cache; any other path is returned as is."""
+    if path.suffix != ".gguf":
+        return path
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file not found: {path}")
+    digest = hashlib.sha256("".join(sha256_chunks(path)).encode()).hexdigest()[:16]
+    out = Path(cache_dir) / "gguf" / f"{path.stem}-{digest}"
+    if not (out / "config.json").is_file():  # import_gguf renames a complete dir into place
+        import_gguf(path, out, overwrite=True)
+    return out
+
+
+def _with_imported_checkpoints(recipe: Recipe, cache_dir: Path) -> Recipe:
+    """The recipe with GGUF checkpoints (target, draft) replaced by their imported dirs."""
+    spec = recipe.speculative
+    draft = (spec or {}).get("draft") or {}
+    if "checkpoint" in draft:
+        imported = _gguf_imported(Path(draft["checkpoint"]), cache_dir)
+        spec = {**spec, "draft": {**draft, "checkpoint": str(imported)}}
+    checkpoint = _gguf_imported(recipe.checkpoint, cache_dir)
+    return dataclasses.replace(recipe, checkpoint=checkpoint, speculative=spec)

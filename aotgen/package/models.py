@@ -1,0 +1,163 @@
+"""checkpoint → the package's models (the target, and a draft when the recipe speculates),
+each with the graph passes it gets, ready to export; and GPTQ's calibration run on them.
+
+A draft is the target's first layers, the target itself, or another checkpoint with the
+same vocabulary; each model has its own pass instances, so their notes and manifest
+entries stay apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.export import ExportedProgram
+
+from aotgen.checkpoint.hf import Checkpoint, open_checkpoint
+from aotgen.export.aoti import GraphSpec, export_graph, graph_specs
+from aotgen.model.llama import ModelConfig, Transformer, load_model, new_kv_cache
+from aotgen.passes.fuse import FuseLinearsPass
+from aotgen.passes.quantize import QuantizePass, quantize_passes
+from aotgen.recipe import Recipe, RecipeError
+from aotgen.runtime.tokenizer import Tokenizer
+
+CALIBRATION_MAX_TOKENS = 16384
+
+
+@dataclass
+class ModelBuild:
+    """One model of the package (the target, or a draft) ready to export."""
+
+    role: str
+    model: Transformer
+    config: ModelConfig
+    graphs: list[GraphSpec]
+    # ExportedProgram -> ExportedProgram transforms, applied to each graph in order.
+    graph_passes: list[Callable[[ExportedProgram], ExportedProgram]] = field(default_factory=list)
+
+    @property
+    def quantizer(self) -> QuantizePass | None:
+        """The model's quantization pass, if any (it reports notes and a manifest entry)."""
+        return next((p for p in self.graph_passes if isinstance(p, QuantizePass)), None)
+
+
+def recipe_kv_cache(cfg: ModelConfig, recipe: Recipe) -> list[Tensor]:
+    """A KV cache shaped, typed and placed as the recipe's graphs take it."""
+    return new_kv_cache(cfg, recipe.cache_len, getattr(torch, recipe.dtype), recipe.device)
+
+
+def _layer_index(name: str) -> int | None:
+    parts = name.split(".")  # model.layers.N.… (Llama layout), gpt_neox.layers.N.…
+    return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else None
+
+
+def _same_vocab(a: Checkpoint, b: Checkpoint) -> None:
+    """Draft and target must tokenize identically, or verification compares nonsense."""
+    va = json.loads((a.path / "tokenizer.json").read_text())["model"]["vocab"]
+    vb = json.loads((b.path / "tokenizer.json").read_text())["model"]["vocab"]
+    if va != vb:
+        raise RecipeError(
+            f"draft checkpoint {b.path} has a different vocabulary from the target {a.path} "
+            f"({len(vb)} vs {len(va)} tokens, or different ids): speculative decoding needs "
+            "the same tokenizer"
+        )
+
+
+def graph_passes(
+    recipe: Recipe, quantize: dict[str, Any] | None
+) -> list[Callable[[ExportedProgram], ExportedProgram]]:
+    """One model's passes, in order: fuse linears (unless a quantize pattern names them
+    apart), then quantize."""
+    passes: list[Callable[[ExportedProgram], ExportedProgram]] = []
+    quantizers = quantize_passes(quantize, recipe.device)
+    if recipe.compile.fuse_linears:
+        o = quantizers[0].options if quantizers else None
+        exclude = (*o.skip, *(p for p, _ in o.overrides)) if o else ()
+        passes.append(FuseLinearsPass(exclude))
+    return passes + quantizers
+
+
+def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
+    """checkpoint → model(s): the target, plus the draft when the recipe speculates."""
+    cfg = ModelConfig.from_hf(ckpt.config)
+    weights = ckpt.load_weights()
+    dtype = getattr(torch, recipe.dtype)
+    graphs = graph_specs(recipe.prefill_chunk, recipe.verify_k)
+    models = [
+        ModelBuild(
+            "target",
+            load_model(cfg, weights, recipe.cache_len, dtype).to(recipe.device),
+            cfg,
+            graphs,
+            graph_passes(recipe, recipe.quantize),
+        )
+    ]
+    draft = (recipe.speculative or {}).get("draft")
+    if draft:
+        # The draft never verifies; on the target's cache it never prefills either.
+        skip = ("verify", "prefill") if recipe.speculative.get("share_kv") else ("verify",)
+        draft_graphs = [g for g in graphs if g.name not in skip]
+        dcfg, dweights = _draft_weights(draft, ckpt, cfg, weights)
+        models.append(
+            ModelBuild(
+                "draft",
+                load_model(dcfg, dweights, recipe.cache_len, dtype).to(recipe.device),
+                dcfg,
+                draft_graphs,
+                graph_passes(recipe, draft.get("quantize")),
+            )
+        )
+    return models
+
+
+def _draft_weights(
+    draft: dict[str, Any], ckpt: Checkpoint, cfg: ModelConfig, weights: dict[str, Tensor]
+) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """The draft's config and weights: its own checkpoint, the target's first layers, or
+    the target itself."""
+    if "checkpoint" in draft:
+        dckpt = open_checkpoint(draft["checkpoint"])
+        _same_vocab(ckpt, dckpt)
+        return ModelConfig.from_hf(dckpt.config), dckpt.load_weights()
+    if "layers" in draft:
+        n = draft["layers"]
+        if n >= cfg.num_hidden_layers:
+            raise RecipeError(
+                f"draft layers={n} must be fewer than the target's {cfg.num_hidden_layers}"
+            )
+        # Self-speculation: the target's first n layers with its final norm and head.
+        dcfg = dataclasses.replace(cfg, num_hidden_layers=n)
+        return dcfg, {k: v for k, v in weights.items() if (_layer_index(k) or 0) < n}
+    return cfg, weights
+
+
+def calibrate(mb: ModelBuild, recipe: Recipe, tokenizer: Tokenizer) -> None:
+    """GPTQ's calibration: run the model's prefill graph, after the passes that precede
+    quantization (so the weights are the tensors the graphs will hold), over the
+    calibration text in prefill-sized chunks, each from position 0."""
+    quantizer = mb.quantizer
+    spec = next(g for g in graph_specs(recipe.prefill_chunk, recipe.verify_k) if g.dynamic)
+    cache = recipe_kv_cache(mb.config, recipe)
+    ep = export_graph(mb.model, spec, cache)
+    for graph_pass in mb.graph_passes[: mb.graph_passes.index(quantizer)]:
+        ep = graph_pass(ep)
+    text = quantizer.options.calibration
+    ids = tokenizer.encode(text.read_text())[:CALIBRATION_MAX_TOKENS]
+    chunks = [ids[i : i + spec.max_tokens] for i in range(0, len(ids), spec.max_tokens)]
+    chunks = [c for c in chunks if len(c) >= spec.min_tokens]
+    if not chunks:
+        raise RecipeError(
+            f"quantize.calibration: {text} holds {len(ids)} tokens; GPTQ needs text, "
+            "ideally thousands of tokens"
+        )
+    device = recipe.device
+    batches = [
+        (torch.tensor([c], device=device), torch.arange(len(c), device=device), cache)
+        for c in chunks
+    ]
+    quantizer.calibrate(ep, batches, sum(map(len, chunks)))
