@@ -7,7 +7,11 @@ Runtime-side only: imports no model code.
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -224,6 +228,47 @@ def step_costs(engine: Engine, reps: int = 20) -> dict[str, float]:
 
 
 @dataclass
+class LookupRun:
+    """One generation by llama.cpp's `llama-lookup` (its n-gram speculative decoding)."""
+
+    predicted: int  # tokens generated
+    drafted: int
+    accepted: int
+    decode_s: float
+
+
+def llama_lookup_binary() -> Path:
+    """`llama-lookup` from $LLAMA_CPP_BIN (the directory `shared/tools/llamacpp.sh` prints),
+    else from PATH."""
+    folder = os.environ.get("LLAMA_CPP_BIN")
+    found = Path(folder) / "llama-lookup" if folder else shutil.which("llama-lookup")
+    if not found or not Path(found).is_file():
+        raise BenchError(
+            "--llama-lookup needs llama.cpp's llama-lookup binary: set LLAMA_CPP_BIN to the "
+            "directory holding it, or put it on PATH"
+        )
+    return Path(found)
+
+
+def run_llama_lookup(
+    binary: Path, gguf: Path, prompt: str, n: int, k: int, threads: int | None
+) -> LookupRun:
+    """Greedy `llama-lookup` on prompt (text with its special tokens, parsed as such)."""
+    t = str(threads or torch.get_num_threads())
+    cmd = [binary, "-m", gguf, "-p", prompt, "-n", str(n), "--draft", str(k), "-t", t]
+    cmd += ["-tb", t, "--temp", "0", "-c", "4096", "--no-display-prompt"]
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
+    drafted = re.search(r"n_drafted\s+=\s+(\d+)", log)
+    accepted = re.search(r"n_accept\s+=\s+(\d+)", log)
+    if proc.returncode != 0 or not (decoded and drafted and accepted):
+        tail = log.strip().splitlines()[-1:] or ["no output"]
+        raise BenchError(f"llama-lookup failed (exit {proc.returncode}): {tail[0]}")
+    return LookupRun(int(decoded[1]), int(drafted[1]), int(accepted[1]), float(decoded[2]))
+
+
+@dataclass
 class SpecBenchRow:
     mode: str
     task: str
@@ -233,7 +278,7 @@ class SpecBenchRow:
     acceptance: float = float("nan")
     mean_accepted_length: float = float("nan")
     by_position: list[float] | None = None
-    same_as_plain: bool = True
+    same_as_plain: bool | None = True  # None: not compared (llama.cpp's own runs)
 
 
 def bench_speculative(
@@ -242,10 +287,13 @@ def bench_speculative(
     k: int | None = None,
     threads: int | None = None,
     rounds: int = 3,
+    llama_lookup: Path | None = None,
 ) -> tuple[list[SpecBenchRow], dict[str, float]]:
-    """Plain vs speculative greedy decode in one run, on chat prompts and an input-grounded
-    copy/edit task: n-gram lookup, and with a draft in the package the draft alone and the
-    draft behind lookup (draft+ngram), all on the same loaded package.
+    """Plain vs speculative greedy decode in one run, on chat prompts and on two input-grounded
+    copy/edit prompts (a row each): n-gram lookup, and with a draft in the package the draft
+    alone and the draft behind lookup (draft+ngram), all on the same loaded package. With
+    `llama_lookup` (a GGUF of the same weights), llama.cpp's `llama-lookup` runs the grounded
+    prompts too, with the same draft length.
 
     The modes take turns on each prompt (plain, n-gram, draft, ..., then the next prompt), for
     `rounds` passes over the prompts, so the machine's speed, which can drift by tens of
@@ -254,13 +302,12 @@ def bench_speculative(
     import json
 
     engine = Engine.load(path, threads=threads)
+    binary = llama_lookup_binary() if llama_lookup else None
+    k_used = min(k or engine.verify_k, engine.verify_k)
     prompts = json.loads(PROMPTS_FILE.read_text())
-    tasks = {
-        "chat": [engine.chat_ids(p) for p in prompts["chat"]],
-        "grounded": [
-            engine.chat_ids(t.format(text=prompts["grounded_text"])) for t in prompts["grounded"]
-        ],
-    }
+    tasks = {"chat": [engine.chat_ids(p) for p in prompts["chat"]]}
+    for i, template in enumerate(prompts["grounded"], 1):
+        tasks[f"grounded {i}"] = [engine.chat_ids(template.format(text=prompts["grounded_text"]))]
     modes = ["plain", "ngram"] + (["draft", "draft+ngram"] if engine.draft is not None else [])
     configs = {
         mode: GenerationConfig(
@@ -273,13 +320,32 @@ def bench_speculative(
         for cfg in configs.values():
             engine.generate(prompt_ids[0], cfg)  # warm-up
         results: dict[str, list[GenerationResult]] = {mode: [] for mode in modes}
+        lookups: list[LookupRun] = []
         for _ in range(rounds):
             for ids in prompt_ids:
                 for mode, cfg in configs.items():
                     results[mode].append(engine.generate(ids, cfg))
+                if binary and task != "chat":
+                    text = engine.tokenizer.decode(ids)
+                    args = (binary, llama_lookup, text, max_new_tokens, k_used, threads)
+                    lookups.append(run_llama_lookup(*args))
         plain_ids = [r.token_ids for r in results["plain"]]
         rows += [_spec_row(task, mode, results[mode], plain_ids) for mode in modes]
+        if lookups:
+            rows.append(_lookup_row(task, lookups))
     return rows, step_costs(engine)
+
+
+def _lookup_row(task: str, runs: list[LookupRun]) -> SpecBenchRow:
+    """llama-lookup's runs as a table row: tokens after the first over its decode time."""
+    predicted = sum(r.predicted for r in runs)
+    accepted = sum(r.accepted for r in runs)
+    decode_tok_s = sum(r.predicted - 1 for r in runs) / sum(r.decode_s for r in runs)
+    row = SpecBenchRow("llama-lookup", task, decode_tok_s, predicted, decode_tok_s)
+    row.same_as_plain = None
+    row.acceptance = accepted / max(sum(r.drafted for r in runs), 1)
+    row.mean_accepted_length = predicted / max(predicted - accepted, 1)
+    return row
 
 
 def _spec_row(

@@ -508,6 +508,13 @@ def bench(
             "(repeatable; needs the optional llama-cpp-python: pip install 'aotgen[llamacpp]')"
         ),
     ] = None,
+    llama_lookup: Annotated[
+        Path | None,
+        typer.Option(
+            help="with --speculative: a GGUF of the same weights that llama.cpp's llama-lookup "
+            "runs on the grounded prompts, as a baseline (binary from $LLAMA_CPP_BIN or PATH)"
+        ),
+    ] = None,
     as_json: Annotated[
         bool,
         typer.Option("--json", help="print the results as one JSON object on stdout"),
@@ -523,9 +530,14 @@ def bench(
     _at_least("--k", k)
     threads = _threads(threads)
     report: dict[str, Any] = {"threads": threads, "isa": _isa()}
+    if llama_lookup and not speculative:
+        raise CliError("--llama-lookup compares n-gram speculation: add --speculative")
+    if llama_lookup and not llama_lookup.is_file():
+        raise CliError(f"--llama-lookup {llama_lookup}: no such GGUF file")
     if speculative:
         report["speculative"] = [
-            _bench_speculative(p, gen_tokens, k, threads, runs, as_json) for p in packages
+            _bench_speculative(p, gen_tokens, k, threads, runs, as_json, llama_lookup)
+            for p in packages
         ]
         if as_json:
             _print_json(report)
@@ -619,11 +631,17 @@ def _bench_tp(
 
 
 def _bench_speculative(
-    package: Path, gen_tokens: int, k: int | None, threads: int | None, rounds: int, as_json: bool
+    package: Path,
+    gen_tokens: int,
+    k: int | None,
+    threads: int | None,
+    rounds: int,
+    as_json: bool,
+    llama_lookup: Path | None,
 ) -> dict[str, Any]:
     from aotgen.bench import bench_speculative
 
-    rows, costs = bench_speculative(package, max(gen_tokens, 96), k, threads, rounds)
+    rows, costs = bench_speculative(package, max(gen_tokens, 96), k, threads, rounds, llama_lookup)
     if as_json:
         return {"package": package.name, "rows": [dataclasses.asdict(r) for r in rows], **costs}
     plain = {r.task: r for r in rows if r.mode == "plain"}
@@ -650,12 +668,21 @@ def _bench_speculative(
             f"{r.decode_tok_s / plain[r.task].decode_tok_s:.2f}×",
             f"{r.tok_s:.1f}",
             f"{r.tok_s / plain[r.task].tok_s:.2f}×",
-            "" if r.mode == "plain" else f"{r.acceptance:.2f}",
+            "" if r.mode == "plain" else f"{r.acceptance:.3f}",
             "" if r.mode == "plain" else f"{r.mean_accepted_length:.2f}",
             by_pos,
-            "yes" if r.same_as_plain else "no (near-tie)",
+            {True: "yes", False: "no (near-tie)", None: ""}[r.same_as_plain],
         )
     _wide_console().print(table)
+    by_mode = {(r.task, r.mode): r for r in rows}
+    for (task, mode), r in by_mode.items():
+        if mode == "llama-lookup" and (task, "ngram") in by_mode:
+            ours = by_mode[(task, "ngram")]
+            ratio = ours.decode_tok_s / r.decode_tok_s
+            _wide_console().print(
+                f"{task}: aotgen n-gram / llama-lookup decode {ratio:.2f}×, "
+                f"acceptance {ours.acceptance:.3f} vs {r.acceptance:.3f}"
+            )
     d = costs["decode_ms"]
     v = costs["verify_ms"]
     line = f"decode step {d:.2f} ms · verify step {v:.2f} ms (v = {v / d:.2f})"

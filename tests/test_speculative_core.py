@@ -1,4 +1,4 @@
-"""Speculative decoding core: greedy/stochastic verification, n-gram drafts, K schedule, stats.
+"""Speculative decoding core: greedy/stochastic verification, K schedule, stats.
 
 The distribution tests follow vLLM's test_rejection_sampler.py: a toy "model" whose next-token
 distribution depends only on the position (target p_table[pos], draft q_table[pos]), so the
@@ -17,7 +17,6 @@ import torch
 from aotgen.runtime.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from aotgen.runtime.speculative import (
     AdaptiveK,
-    NgramProposer,
     SpecStats,
     rejection_sample,
     residual_probs,
@@ -221,64 +220,6 @@ def test_negative_controls_fail_the_check(broken: Sampler) -> None:
         p_table, q_table = random_tables(k, seed=k)
         tokens = first_two_tokens(broken, p_table, q_table, k, n=100_000, seed=10 + k)
         assert not check_emitted(tokens, p_table)
-
-
-# ---- NgramProposer -----------------------------------------------------------------------------
-
-
-def reference_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Brute force: longest suffix n-gram, most recent earlier occurrence."""
-    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
-        suffix = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
-    return []
-
-
-def test_ngram_exact_proposals() -> None:
-    proposer = NgramProposer(min_n=1, max_n=4)
-    assert proposer.propose([1, 2, 3, 4, 1, 2], k=2) == [3, 4]
-    assert proposer.propose([1, 2, 3, 1, 2, 4, 1, 2], k=2) == [4, 1]  # most recent occurrence
-    assert proposer.propose([1, 2, 1], k=5) == [2, 1]  # runs out of history: fewer than k
-    assert proposer.propose(torch.tensor([1, 2, 3, 4, 1, 2]), k=3) == [3, 4, 1]
-
-
-def test_ngram_prefers_longest_match() -> None:
-    tokens = [7, 1, 2, 8, 5, 1, 2, 9, 7, 1, 2]
-    assert NgramProposer(max_n=4).propose(tokens, k=3) == [8, 5, 1]  # "7 1 2" beats "1 2"
-    assert NgramProposer(max_n=2).propose(tokens, k=3) == [9, 7, 1]  # only "1 2": most recent
-
-
-def test_ngram_no_match_and_k_cap() -> None:
-    proposer = NgramProposer(min_n=1, max_n=3)
-    assert proposer.propose([1, 2, 3, 4], k=3) == []
-    assert proposer.propose([], k=3) == [] and proposer.propose([5], k=3) == []
-    assert NgramProposer(min_n=2).propose([1, 2, 3, 9, 3], k=3) == []  # only a 1-gram matches
-    assert NgramProposer(min_n=1).propose([1, 2, 3, 9, 3], k=3) == [9, 3]
-    tokens = list(range(20)) + [0]
-    assert proposer.propose(tokens, k=5) == [1, 2, 3, 4, 5]
-    assert proposer.propose(tokens, k=0) == []
-    with pytest.raises(ValueError):
-        NgramProposer(min_n=3, max_n=2)
-
-
-def test_ngram_matches_brute_force() -> None:
-    rng = random.Random(0)
-    for _ in range(300):
-        min_n, max_n = rng.choice([(1, 1), (1, 3), (2, 4), (3, 5)])
-        tokens = [rng.randrange(3) for _ in range(rng.randint(0, 40))]
-        k = rng.randint(1, 6)
-        got = NgramProposer(min_n, max_n).propose(tokens, k)
-        assert got == reference_propose(tokens, k, min_n, max_n), (tokens, k, min_n, max_n)
-
-
-def test_ngram_long_history() -> None:
-    rng = random.Random(1)
-    tokens = [rng.randrange(500) for _ in range(8000)]
-    tokens += tokens[1000:1010]  # a 10-token repeat: the suffix matches at 1006..1009
-    proposer = NgramProposer(min_n=1, max_n=4)
-    assert proposer.propose(tokens, k=5) == tokens[1010:1015]
 
 
 # ---- AdaptiveK and SpecStats -----------------------------------------------------------------

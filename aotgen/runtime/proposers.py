@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from aotgen.runtime.ngram import NgramProposer
 from aotgen.runtime.sampling import SamplingParams, logits_to_probs, sample
-from aotgen.runtime.speculative import NgramProposer, Proposal
+from aotgen.runtime.speculative import Proposal
 
 if TYPE_CHECKING:
     from aotgen.runtime.engine import ModelRunner
@@ -30,7 +31,8 @@ class Proposer(Protocol):
 
 
 class LookupProposer:
-    """n-gram lookup in the prompt + output (`NgramProposer`): no model, deterministic."""
+    """n-gram lookup in the prompt + output (`NgramProposer`): no model, deterministic. One
+    per request: its index grows with the request's text."""
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.ngram = NgramProposer(min_n, max_n)

@@ -1,4 +1,4 @@
-"""Speculative decoding core: verify drafted tokens against the target, n-gram lookup, stats.
+"""Speculative decoding core: verify drafted tokens against the target, draft length, stats.
 
 Pure tensor code (torch + stdlib only). Verification follows Leviathan et al. 2023 / Chen et
 al. 2023 (as in gpt-fast's `speculative_decode` and vLLM's rejection sampler): every verify
@@ -8,8 +8,6 @@ is distributed exactly as if the target had decoded on its own.
 
 from __future__ import annotations
 
-import array
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -156,56 +154,6 @@ def verify(
         logits_to_probs(target_logits, params),
         generator,
     )
-
-
-class NgramProposer:
-    """Prompt-lookup drafting (vLLM `ngram`, HF `prompt_lookup_num_tokens`).
-
-    Finds the longest suffix of the history (max_n down to min_n tokens) that also occurs
-    earlier, and proposes the tokens that followed its most recent earlier occurrence.
-    Vectorised: one O(L) compare for the last token, then at most max_n - 1 gathers over the
-    candidate positions, so a several-thousand-token history costs well under a millisecond.
-    """
-
-    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
-        self.min_n = min_n
-        self.max_n = max_n
-
-    def propose(self, tokens: Sequence[int] | Tensor, k: int) -> list[int]:
-        """Up to k draft tokens following the best match in tokens (prompt + output); [] if none.
-
-        Fewer than k come back when the match is close to the end of the history.
-        """
-        if k <= 0 or len(tokens) < 2:
-            return []
-        if isinstance(tokens, Tensor):
-            history = tokens.reshape(-1).long()
-        else:  # array.array + frombuffer is ~10x faster than torch.tensor(list)
-            history = torch.frombuffer(array.array("q", tokens), dtype=torch.int64)
-        last = len(history) - 1
-
-        # Candidate matches end at e < last with history[e] == history[last]; extend each one
-        # backwards while it keeps matching the suffix, up to max_n tokens.
-        ends = torch.nonzero(history[:last] == history[last]).squeeze(-1)
-        if ends.numel() == 0:
-            return []
-        length = torch.ones_like(ends)
-        alive = torch.ones_like(ends, dtype=torch.bool)
-        for m in range(1, self.max_n):
-            back = ends - m
-            alive &= back >= 0
-            alive &= history[back.clamp(min=0)] == history[last - m]
-            if not alive.any():
-                break
-            length += alive
-
-        best = int(length.max())
-        if best < self.min_n:
-            return []
-        end = int(ends[length == best][-1])  # nonzero is ascending: last = most recent
-        return history[end + 1 : end + 1 + k].tolist()
 
 
 @dataclass

@@ -19,9 +19,11 @@
 // threads run one after the other (each waits for the one before), never interleaved.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -168,9 +170,32 @@ std::vector<std::string> sha256_chunks(const std::filesystem::path& path,
 std::string cpu_capability();
 std::string platform_string();
 
-// Prompt-lookup drafting (speculative.py NgramProposer): the tokens that followed the most
-// recent earlier occurrence of the longest suffix (max_n down to min_n tokens) of history.
-std::vector<int64_t> ngram_propose(const std::vector<int64_t>& history, int64_t k,
-                                   int64_t min_n = 1, int64_t max_n = 4);
+// n-gram lookup proposals (aotgen/runtime/ngram.py, rule for rule): for n = 1..max_n, how
+// often each token followed every n-gram of the text so far. Drafts the most frequent (then
+// most recent) follower of the longest convincing suffix n-gram, one token at a time, each
+// looked up with the tokens drafted before it, for as long as the evidence holds.
+class NgramProposer {
+ public:
+  struct Follower {
+    int64_t token, count, last;  // last: position of its latest occurrence
+  };
+
+  explicit NgramProposer(int64_t min_n = 1, int64_t max_n = 4);
+  // Up to k tokens to follow history (prompt + output); fewer, or none, when the evidence
+  // runs out. The index grows with history while history extends what it has seen.
+  std::vector<int64_t> propose(const std::vector<int64_t>& history, int64_t k);
+  // The ranked followers of the longest convincing suffix n-gram of context, as indexed so
+  // far; empty when none convinces. Several of them are branches for tree drafting.
+  std::vector<Follower> candidates(const std::vector<int64_t>& context) const;
+
+ private:
+  void sync(const std::vector<int64_t>& history);
+  std::vector<Follower> followers(const std::vector<int64_t>& context, int64_t n) const;
+
+  int64_t min_n_, max_n_;
+  std::vector<int64_t> tokens_;
+  // tables_[n - 1]: n-gram -> {next token -> {count, last position}}
+  std::vector<std::map<std::vector<int64_t>, std::map<int64_t, std::array<int64_t, 2>>>> tables_;
+};
 
 }  // namespace aotgen

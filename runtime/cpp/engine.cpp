@@ -355,20 +355,21 @@ class Proposer {
   virtual void accepted(int64_t /*pos*/) {}
 };
 
-// n-gram lookup in the prompt + output (ngram_propose): no model, deterministic.
+// n-gram lookup in the prompt + output (NgramProposer): no model, deterministic. One per
+// request: its index grows with the request's text.
 class LookupProposer final : public Proposer {
  public:
-  LookupProposer(int64_t min_n, int64_t max_n) : min_n_(min_n), max_n_(max_n) {}
+  LookupProposer(int64_t min_n, int64_t max_n) : ngram_(min_n, max_n) {}
 
   Proposal propose(const std::vector<int64_t>& history, int64_t k) override {
     Proposal proposal;
-    proposal.tokens = ngram_propose(history, k, min_n_, max_n_);
+    proposal.tokens = ngram_.propose(history, k);
     proposal.looked_up = !proposal.tokens.empty();
     return proposal;
   }
 
  private:
-  int64_t min_n_, max_n_;
+  NgramProposer ngram_;
 };
 
 // k tokens from the draft model, greedy or sampled; sampling keeps each token's distribution

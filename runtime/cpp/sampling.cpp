@@ -51,35 +51,6 @@ void SamplingParams::validate() const {
   }
 }
 
-std::vector<int64_t> ngram_propose(const std::vector<int64_t>& history, int64_t k, int64_t min_n,
-                                   int64_t max_n) {
-  if (min_n < 1 || min_n > max_n) {
-    throw std::invalid_argument("need 1 <= ngram_min <= ngram_max");
-  }
-  const auto size = static_cast<int64_t>(history.size());
-  if (k <= 0 || size < 2) return {};
-  const int64_t last = size - 1;
-  int64_t best = 0;
-  int64_t best_end = -1;
-  // Candidate matches end at e < last with history[e] == history[last]; each extends
-  // backwards while it matches the suffix, up to max_n tokens. Ties: the most recent.
-  for (int64_t end = 0; end < last; ++end) {
-    if (history[end] != history[last]) continue;
-    int64_t length = 1;
-    while (length < max_n && end - length >= 0 &&
-           history[end - length] == history[last - length]) {
-      ++length;
-    }
-    if (length >= best) {
-      best = length;
-      best_end = end;
-    }
-  }
-  if (best_end < 0 || best < min_n) return {};
-  const auto from = history.begin() + best_end + 1;
-  return {from, from + std::min(k, size - best_end - 1)};
-}
-
 namespace detail {
 
 at::Generator make_generator(std::optional<uint64_t> seed) {
