@@ -133,11 +133,3 @@ def test_index_counts() -> None:
     index.sync([1, 2, 1, 2, 3])
     assert [(f.token, f.count, f.last) for f in index.followers([1], 1)] == [(2, 2, 3)]
     assert [(f.token, f.count) for f in index.followers([1, 2], 2)] == [(3, 1), (1, 1)]
-
-
-def test_fill_goes_on_past_weak_evidence_once_started() -> None:
-    tokens = [1, 2, 3, 8, 1, 2, 3, 6, 1, 2, 3, 4, 0, 1, 2]  # "1 2 3" -> 8, 6, 4: unconvincing
-    assert NgramProposer(1, 4).propose(tokens, 4) == [3]
-    assert NgramProposer(1, 4).propose(tokens, 4, fill=True) == [3, 4, 0, 1]  # latest: 4
-    # Fill never starts a draft: nothing convincing, nothing proposed.
-    assert NgramProposer(1, 4).propose([3, 1, 3, 2, 3, 5, 3], 5, fill=True) == []

@@ -104,28 +104,15 @@ class NgramProposer:
                 return followers
         return []
 
-    def propose(self, history: Sequence[int], k: int, fill: bool = False) -> list[int]:
-        """Up to k tokens to follow history; fewer (or none) when the evidence runs out.
-
-        fill: once a draft has started, go on to k tokens with the top follower of the longest
-        match even where its counts do not convince. For a verify graph of fixed width, whose
-        step costs the same for 1 or k tokens, those extra rows are free guesses.
-        """
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens to follow history; fewer (or none) when the evidence runs out."""
         self.index.sync(history)
         context = [int(t) for t in history[max(0, len(history) - self.max_n) :]]
         draft: list[int] = []
         while len(draft) < k:
             ranked = self.candidates(context)
-            if not ranked and fill and draft:
-                ranked = self._longest_followers(context)
             if not ranked:
                 break
             draft.append(ranked[0].token)
             context = (context + [ranked[0].token])[-self.max_n :]
         return draft
-
-    def _longest_followers(self, context: Sequence[int]) -> list[Follower]:
-        for n in range(self.max_n, self.min_n - 1, -1):
-            if followers := self.index.followers(context, n):
-                return followers
-        return []

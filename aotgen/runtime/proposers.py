@@ -32,14 +32,13 @@ class Proposer(Protocol):
 
 class LookupProposer:
     """n-gram lookup in the prompt + output (`NgramProposer`): no model, deterministic. One
-    per request: its index grows with the request's text. A draft, once the evidence starts
-    one, is filled to k tokens: the verify graph has a fixed width, so the rows are free."""
+    per request: its index grows with the request's text."""
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.ngram = NgramProposer(min_n, max_n)
 
     def propose(self, history: list[int], k: int) -> Proposal:
-        tokens = self.ngram.propose(history, k, fill=True)
+        tokens = self.ngram.propose(history, k)
         return Proposal(tokens, looked_up=bool(tokens))
 
     def accepted(self, pos: int) -> None:

@@ -182,11 +182,8 @@ class NgramProposer {
 
   explicit NgramProposer(int64_t min_n = 1, int64_t max_n = 4);
   // Up to k tokens to follow history (prompt + output); fewer, or none, when the evidence
-  // runs out. The index grows with history while history extends what it has seen. fill:
-  // once a draft has started, go on to k tokens with the top follower of the longest match
-  // even where its counts do not convince (free rows for a fixed-width verify graph).
-  std::vector<int64_t> propose(const std::vector<int64_t>& history, int64_t k,
-                               bool fill = false);
+  // runs out. The index grows with history while history extends what it has seen.
+  std::vector<int64_t> propose(const std::vector<int64_t>& history, int64_t k);
   // The ranked followers of the longest convincing suffix n-gram of context, as indexed so
   // far; empty when none convinces. Several of them are branches for tree drafting.
   std::vector<Follower> candidates(const std::vector<int64_t>& context) const;
@@ -194,7 +191,6 @@ class NgramProposer {
  private:
   void sync(const std::vector<int64_t>& history);
   std::vector<Follower> followers(const std::vector<int64_t>& context, int64_t n) const;
-  std::vector<Follower> longest_followers(const std::vector<int64_t>& context) const;
 
   int64_t min_n_, max_n_;
   std::vector<int64_t> tokens_;

@@ -356,15 +356,14 @@ class Proposer {
 };
 
 // n-gram lookup in the prompt + output (NgramProposer): no model, deterministic. One per
-// request: its index grows with the request's text. A draft, once the evidence starts one, is
-// filled to k tokens: the verify graph has a fixed width, so the rows are free.
+// request: its index grows with the request's text.
 class LookupProposer final : public Proposer {
  public:
   LookupProposer(int64_t min_n, int64_t max_n) : ngram_(min_n, max_n) {}
 
   Proposal propose(const std::vector<int64_t>& history, int64_t k) override {
     Proposal proposal;
-    proposal.tokens = ngram_.propose(history, k, /*fill=*/true);
+    proposal.tokens = ngram_.propose(history, k);
     proposal.looked_up = !proposal.tokens.empty();
     return proposal;
   }

@@ -77,24 +77,13 @@ std::vector<NgramProposer::Follower> NgramProposer::candidates(
   return {};
 }
 
-std::vector<NgramProposer::Follower> NgramProposer::longest_followers(
-    const std::vector<int64_t>& context) const {
-  for (int64_t n = max_n_; n >= min_n_; --n) {
-    auto ranked = followers(context, n);
-    if (!ranked.empty()) return ranked;
-  }
-  return {};
-}
-
-std::vector<int64_t> NgramProposer::propose(const std::vector<int64_t>& history, int64_t k,
-                                            bool fill) {
+std::vector<int64_t> NgramProposer::propose(const std::vector<int64_t>& history, int64_t k) {
   sync(history);
   const auto keep = std::min<std::size_t>(history.size(), static_cast<std::size_t>(max_n_));
   std::vector<int64_t> context(history.end() - static_cast<std::ptrdiff_t>(keep), history.end());
   std::vector<int64_t> draft;
   while (static_cast<int64_t>(draft.size()) < k) {
-    auto ranked = candidates(context);
-    if (ranked.empty() && fill && !draft.empty()) ranked = longest_followers(context);
+    const auto ranked = candidates(context);
     if (ranked.empty()) break;
     draft.push_back(ranked.front().token);
     context.push_back(ranked.front().token);
