@@ -385,7 +385,7 @@ def test_bench_speculative_modes_take_turns(spec_package, tmp_path, monkeypatch)
 
     prompts = {
         "chat": ["the cat sat", "one two three"],
-        "grounded": ["Repeat: {text}"],
+        "grounded": ["Repeat: {text}", "Copy: {text}"],
         "grounded_text": "a b c a b c a b",
     }
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
@@ -393,7 +393,7 @@ def test_bench_speculative_modes_take_turns(spec_package, tmp_path, monkeypatch)
     rows, costs = bench.bench_speculative(spec_package, max_new_tokens=8, rounds=2)
     assert [(r.task, r.mode) for r in rows] == [
         (task, mode)
-        for task in ("chat", "grounded")
+        for task in ("chat", "grounded 1", "grounded 2")  # grounded prompts: a row each
         for mode in ("plain", "ngram", "draft", "draft+ngram")
     ]
     for r in rows:
