@@ -242,6 +242,16 @@ ROWS = [
     Row("bench-gen-tokens-zero", ("bench", "{pkg}", "--gen-tokens", "0"), "--gen-tokens must be"),
     Row("bench-threads-negative", ("bench", "{pkg}", "--threads", "-1"), "--threads must be >= 1"),
     Row("bench-package-missing", ("bench", "{project}/none"), "is not an aotgen package"),
+    Row(
+        "bench-llama-lookup-without-speculative",
+        ("bench", "{pkg}", "--llama-lookup", "{pkg}/manifest.json"),
+        "--llama-lookup compares n-gram speculation: add --speculative",
+    ),
+    Row(
+        "bench-llama-lookup-missing-gguf",
+        ("bench", "{pkg}", "--speculative", "--llama-lookup", "{project}/none.gguf"),
+        "no such GGUF file",
+    ),
     # ---- inspect
     Row("inspect-package-missing", ("inspect", "{project}/none"), "is not an aotgen package"),
     # ---- import-gguf
