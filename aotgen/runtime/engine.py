@@ -33,10 +33,10 @@ from aotgen.runtime.speculative import AdaptiveK, SpecStats, verify
 from aotgen.runtime.tokenizer import StreamDecoder, Tokenizer
 
 SPECULATIVE_MODES = (None, "draft", "ngram", "draft+ngram")
-# Shortest n-gram match that makes a proposal. Alone, any match beats a plain decode step.
-# Backed by a draft (acceptance ~0.95 on SmolLM2), a 1-2 token match is mostly a worse
-# guess than the draft's; from 3 tokens on, matches on a copy/edit task were all accepted
-# in part or in full (the bench prompts; docs/speculative.md).
+# Shortest n-gram match that may make a proposal (it must also convince by its counts:
+# runtime/ngram.py). Backed by a draft (acceptance ~0.95 on SmolLM2), a 1-2 token match is
+# mostly a worse guess than the draft's; from 3 tokens on, matches on a copy/edit task were
+# all accepted in part or in full (the bench prompts; docs/speculative.md).
 NGRAM_MIN = {"ngram": 1, "draft+ngram": 3}
 
 
