@@ -255,8 +255,8 @@ def run_llama_lookup(
 ) -> LookupRun:
     """Greedy `llama-lookup` on prompt (text with its special tokens, parsed as such)."""
     t = str(threads or torch.get_num_threads())
-    cmd = [binary, "-m", gguf, "-p", prompt, "-n", str(n), "--draft", str(k), "-t", t]
-    cmd += ["-tb", t, "--temp", "0", "-c", "4096", "--no-display-prompt"]
+    cmd = [binary, "-m", gguf, "-p", prompt, "-n", str(n), "--spec-draft-n-max", str(k)]
+    cmd += ["-t", t, "-tb", t, "--temp", "0", "-c", "4096"]
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
     log = proc.stdout + proc.stderr
     decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
