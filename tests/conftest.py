@@ -88,7 +88,26 @@ REAL_PACKAGE_USERS = {
     "smollm2-135m": {"smollm2_package", "real_package"},
     "smollm2-135m-int8": {"smollm2_int8_package"},
     "smollm2-135m-int4-g64": {"smollm2_int4_g64_package"},
+    "gemma3-270m": {"gemma_package"},
 }
+# Recipe -> the bundled GGUF (`aotgen import-gguf` short name) its checkpoint comes from.
+REAL_PACKAGE_GGUF = {"gemma3-270m": "gemma3-270m"}
+
+
+def bundled_gguf(recipe: str) -> str:
+    return REAL_PACKAGE_GGUF.get(recipe, "smollm2")
+
+
+def gguf_installed(name: str) -> bool:
+    from aotgen.checkpoint.gguf import BUNDLED_GGUFS
+
+    try:
+        BUNDLED_GGUFS[name]()
+    except FileNotFoundError:
+        return False
+    return True
+
+
 BUILD_TIMEOUT_S = 40 * 60
 
 
@@ -99,6 +118,7 @@ class BackgroundBuilds:
         import subprocess
         import tempfile
 
+        self.names = names
         self.out = Path(tempfile.mkdtemp(prefix="aotgen-real-builds-"))
         self.log = self.out / "build.log"
         with self.log.open("w") as log:
@@ -139,8 +159,6 @@ BUILDS = pytest.StashKey[BackgroundBuilds]()
 def pytest_collection_modifyitems(config, items) -> None:
     """Start the background builds if a collected test needs them, and run those tests last,
     when the packages are most likely ready."""
-    from aotgen.checkpoint.gguf import find_smollm2_gguf
-
     needed = {
         item: [name for name, users in REAL_PACKAGE_USERS.items() if users & set(item.fixturenames)]
         for item in items
@@ -151,12 +169,10 @@ def pytest_collection_modifyitems(config, items) -> None:
     items[:] = [item for item in items if not needed[item]] + users
     if config.option.collectonly:
         return
-    try:
-        find_smollm2_gguf()
-    except FileNotFoundError:
-        return  # the fixtures skip
     names = [name for name in REAL_PACKAGE_USERS if any(name in needed[i] for i in users)]
-    config.stash[BUILDS] = BackgroundBuilds(names)
+    names = [name for name in names if gguf_installed(bundled_gguf(name))]  # others skip
+    if names:
+        config.stash[BUILDS] = BackgroundBuilds(names)
 
 
 def pytest_unconfigure(config) -> None:
@@ -165,10 +181,11 @@ def pytest_unconfigure(config) -> None:
         builds.close()
 
 
-def _real_package(request, recipe: str) -> Path:
+def _real_package(request, recipe: str, checkpoint_fixture: str = "smollm2_checkpoint") -> Path:
     builds = request.config.stash.get(BUILDS, None)
-    if builds is None:  # no GGUF (smollm2_checkpoint skips), or not seen at collection
-        checkpoint = request.getfixturevalue("smollm2_checkpoint")
+    if builds is None or recipe not in builds.names:
+        # no GGUF (the checkpoint fixture skips), or not seen at collection
+        checkpoint = request.getfixturevalue(checkpoint_fixture)
         root = request.getfixturevalue("tmp_path_factory").mktemp(recipe)
         return build_real_recipe(recipe, checkpoint, root)
     return builds.wait(recipe)
@@ -187,3 +204,19 @@ def smollm2_int8_package(request) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_int4_g64_package(request) -> Path:
     return _real_package(request, "smollm2-135m-int4-g64")
+
+
+@pytest.fixture(scope="session")
+def gemma3_checkpoint(tmp_path_factory) -> Path:
+    from aotgen.checkpoint.gguf import find_gemma3_gguf, import_gguf
+
+    try:
+        gguf = find_gemma3_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return import_gguf(gguf, tmp_path_factory.mktemp("gemma3") / "gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def gemma_package(request) -> Path:
+    return _real_package(request, "gemma3-270m", "gemma3_checkpoint")

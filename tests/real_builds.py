@@ -12,15 +12,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import build_real_recipe  # noqa: E402
+from conftest import build_real_recipe, bundled_gguf  # noqa: E402
 
-from aotgen.checkpoint.gguf import find_smollm2_gguf, import_gguf  # noqa: E402
+from aotgen.checkpoint.gguf import import_gguf, resolve_gguf  # noqa: E402
 
 
 def main(out: Path, names: list[str]) -> None:
-    checkpoint = import_gguf(find_smollm2_gguf(), out / "checkpoint")
+    checkpoints: dict[str, Path] = {}
     for name in names:
-        path = build_real_recipe(name, checkpoint, out / name)
+        gguf = bundled_gguf(name)
+        if gguf not in checkpoints:
+            checkpoints[gguf] = import_gguf(resolve_gguf(gguf), out / "checkpoints" / gguf)
+        path = build_real_recipe(name, checkpoints[gguf], out / name)
         (out / f"{name}.tmp").write_text(str(path))
         (out / f"{name}.tmp").rename(out / f"{name}.done")  # whole, or not there yet
         print(f"built {name}: {path}", flush=True)
