@@ -548,3 +548,23 @@ def test_real_smollm2_tokenizer(tokenize_bin: Path, smollm2_checkpoint: Path):
             )
         )
         assert prompt == rendered
+
+
+def test_real_gemma3_tokenizer(tokenize_bin: Path, tmp_path: Path):
+    """Gemma 3's SentencePiece-style vocabulary (262,144 tokens, byte fallback), as `aotgen
+    import-gguf` writes it from the bundled GGUF: ids and decoded text equal `tokenizers`'."""
+    from aotgen.checkpoint.gguf import find_gemma3_gguf, open_gguf, write_tokenizer_files
+
+    try:
+        gguf_path = find_gemma3_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    write_tokenizer_files(open_gguf(gguf_path), tmp_path)
+    real_tokenizer = tmp_path / "tokenizer.json"
+    texts = TEST_STRINGS + TRAIN_CORPUS + random_texts(seed=2026, count=200)
+    texts += ["<bos>text<start_of_turn>user\nhi<end_of_turn>", "\x00\x01 \u2581 ▁▁ x", "   "]
+    ids = assert_same_ids(tokenize_bin, real_tokenizer, texts)
+    decoded = run_cli(tokenize_bin, [str(real_tokenizer), "--decode"], ids)
+    ref = load(real_tokenizer)
+    for seq, text in zip(ids, decoded, strict=True):
+        assert text == ref.decode(seq, skip_special_tokens=False)

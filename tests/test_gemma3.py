@@ -182,3 +182,36 @@ def test_build_reports_perplexity(gemma_package: Path) -> None:
     ppl = next(iter(manifest["models"].values()))["perplexity"]
     assert ppl["package"] == pytest.approx(ppl["reference"], rel=1e-3)
     assert 1 < ppl["package"] < 100
+
+
+@pytest.fixture(scope="module")
+def run_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from cpp_build import cmake_cache_value, require_cpp_build
+
+    build_dir = require_cpp_build(tmp_path_factory, [])  # configure only
+    if (cmake_cache_value(build_dir, "AOTGEN_WITH_TORCH") or "").upper() not in {"1", "ON", "TRUE"}:
+        pytest.skip("CMake did not find torch's CMake config: aotgen-run is not configured")
+    return require_cpp_build(tmp_path_factory, ["aotgen-run"]) / "aotgen-run"
+
+
+@pytest.mark.slow
+@pytest.mark.cpp
+def test_cpp_runtime_continues_like_llama_cpp(gemma_package: Path, run_bin: Path) -> None:
+    """aotgen-run: the same prompt ids as Python (bos from add_bos_token, SentencePiece-style
+    tokenizer in C++) and the same greedy continuation as llama.cpp."""
+    import json
+
+    py = Tokenizer.from_dir(gemma_package / "tokenizer")
+    for prompt in PROMPTS[:2]:
+        proc = subprocess.run(
+            [str(run_bin), str(gemma_package), "--prompt", prompt, "--max-new-tokens", "24"]
+            + ["--ignore-eos", "--ids"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        assert out["prompt_ids"] == py.prompt_ids(prompt)
+        assert out["text"] == LLAMA_CPP_CONTINUATIONS[prompt]
+        assert py.decode(out["ids"]) == out["text"]

@@ -136,6 +136,10 @@ class Engine {
   std::vector<int64_t> chat_ids(const std::string& user,
                                 const std::optional<std::string>& system = {}) const;
 
+  // A plain-text prompt's ids, led by bos when the checkpoint says so (`add_bos_token` in
+  // tokenizer_config.json, e.g. Gemma), as the Python runtime's Tokenizer.prompt_ids.
+  std::vector<int64_t> prompt_ids(const std::string& text) const;
+
   const Tokenizer& tokenizer() const;
   const std::vector<int64_t>& eos_ids() const;
   int64_t max_seq_len() const;

@@ -458,6 +458,7 @@ struct Engine::Impl {
   json manifest;
   std::optional<Tokenizer> tokenizer;  // always set once loaded
   std::vector<int64_t> eos_ids;
+  std::optional<int64_t> bos_id;  // led plain prompts when the checkpoint asks (add_bos_token)
   std::optional<std::string> chat_template;
   std::unique_ptr<ModelRunner> target;
   std::unique_ptr<ModelRunner> draft;
@@ -608,6 +609,20 @@ Engine Engine::load(const fs::path& package_dir, const LoadOptions& options) {
       if (const auto id = impl->tokenizer->token_id(*eos_token)) eos.insert(*id);
     }
     impl->eos_ids.assign(eos.begin(), eos.end());
+    if (tok_config.value("add_bos_token", json()) == json(true)) {  // tokenizer.py prompt_ids
+      std::set<int64_t> bos;
+      const json gen_bos = read_json_if_present(tok_dir / "generation_config.json")
+                               .value("bos_token_id", json());
+      add_ids(gen_bos.is_null() ? read_json_if_present(tok_dir / "config.json")
+                                      .value("bos_token_id", json())
+                                : gen_bos,
+              bos);
+      if (!bos.empty()) {
+        impl->bos_id = *bos.begin();
+      } else if (const auto bos_token = token_str(tok_config.value("bos_token", json()))) {
+        impl->bos_id = impl->tokenizer->token_id(*bos_token);
+      }
+    }
     const json& template_value = tok_config.value("chat_template", json());
     if (template_value.is_string()) {
       impl->chat_template = template_value.get<std::string>();
@@ -747,6 +762,12 @@ std::vector<int64_t> Engine::chat_ids(const std::string& user,
     append(tok.encode("<|im_end|>\n"));
   }
   append(tok.encode("<|im_start|>assistant\n"));
+  return ids;
+}
+
+std::vector<int64_t> Engine::prompt_ids(const std::string& text) const {
+  std::vector<int64_t> ids = impl_->tokenizer->encode(text);
+  if (impl_->bos_id) ids.insert(ids.begin(), *impl_->bos_id);
   return ids;
 }
 

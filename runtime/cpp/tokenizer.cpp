@@ -6,6 +6,7 @@
 #include <pcre2.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <array>
 #include <fstream>
 #include <functional>
@@ -642,6 +643,12 @@ struct Bpe {
   StringMap vocab;
   std::unordered_map<uint64_t, std::pair<uint32_t, uint32_t>> merges;  // -> (rank, new id)
   std::array<int64_t, 256> byte_ids{};  // id of each byte's character, -1 if not in vocab
+  // SentencePiece-style vocabularies (Metaspace): the word's symbols are its UTF-8
+  // characters, and a character missing from the vocab becomes its bytes' "<0xXX>" tokens
+  // (byte_fallback) when they all exist.
+  bool chars = false;
+  bool byte_fallback = false;
+  std::array<int64_t, 256> fallback_ids{};  // id of "<0xXX>" per byte, -1 if not in vocab
   std::optional<uint32_t> unk_id;
   bool fuse_unk = false;
   bool ignore_merges = false;
@@ -651,7 +658,7 @@ struct Bpe {
   void tokenize(std::string_view word, std::vector<int64_t>& out) const {
     if (word.empty()) return;
     if (ignore_merges) {
-      const auto it = vocab.find(byte_table().map_bytes(word));
+      const auto it = vocab.find(chars ? std::string(word) : byte_table().map_bytes(word));
       if (it != vocab.end()) {
         out.push_back(it->second);
         return;
@@ -679,23 +686,40 @@ struct Bpe {
       if (!symbols.empty()) symbols.back().next = n;
       symbols.push_back({id, n - 1, -1, len});
     };
-    // Each byte is one character of the byte-level word. A character missing from the vocab
-    // becomes unk (fused if fuse_unk) or, without an unk token, is dropped.
+    // Each byte (byte-level) or UTF-8 character (chars) is one symbol. A character missing
+    // from the vocab becomes its byte-fallback tokens, else unk (fused if fuse_unk), else is
+    // dropped (BPE::merge_word).
     bool pending_unk = false;
     std::size_t unk_len = 0;
-    for (const char c : word) {
-      const int64_t id = byte_ids[static_cast<unsigned char>(c)];
+    for (std::size_t i = 0; i < word.size();) {
+      const std::size_t len = chars ? utf8_char_len_at(word, i) : 1;
+      const std::string_view c = word.substr(i, len);
+      i += len;
+      int64_t id = -1;
+      if (!chars) {
+        id = byte_ids[static_cast<unsigned char>(c[0])];
+      } else if (const auto it = vocab.find(c); it != vocab.end()) {
+        id = it->second;
+      }
       if (id >= 0) {
         if (pending_unk) add(*unk_id, unk_len);
         pending_unk = false;
-        add(static_cast<uint32_t>(id), 1);
-      } else if (unk_id) {
+        add(static_cast<uint32_t>(id), len);
+        continue;
+      }
+      if (byte_fallback && std::all_of(c.begin(), c.end(), [this](char b) {
+            return fallback_ids[static_cast<unsigned char>(b)] >= 0;
+          })) {
+        for (const char b : c) add(static_cast<uint32_t>(fallback_ids[static_cast<unsigned char>(b)]), 1);
+        continue;
+      }
+      if (unk_id) {
         if (pending_unk && fuse_unk) {
-          ++unk_len;
+          unk_len += len;
         } else {
           if (pending_unk) add(*unk_id, unk_len);
           pending_unk = true;
-          unk_len = 1;
+          unk_len = len;
         }
       }
     }
@@ -838,8 +862,61 @@ json parse_tokenizer_json(std::string_view text, BpeTables& tables) {
 // Tokenizer
 // ---------------------------------------------------------------------------------------
 
+constexpr std::string_view kMetaspace = "\xE2\x96\x81";  // U+2581, SentencePiece's space
+
+// A SentencePiece-style tokenizer as `aotgen import-gguf` writes one (Metaspace without a
+// prefix or split, char-level BPE with byte fallback); anything else is refused.
+bool is_metaspace(const json& pre_tokenizer, const json& decoder) {
+  if (json_type(pre_tokenizer) != "Metaspace") return false;
+  const bool prefix = pre_tokenizer.contains("prepend_scheme")
+                          ? pre_tokenizer.at("prepend_scheme").get<std::string>() != "never"
+                          : json_bool(pre_tokenizer, "add_prefix_space", true);
+  if (pre_tokenizer.value("replacement", std::string()) != kMetaspace || prefix ||
+      json_bool(pre_tokenizer, "split", true)) {
+    throw std::runtime_error(
+        "unsupported pre_tokenizer Metaspace: only replacement U+2581 with prepend_scheme "
+        "'never' and split false are supported");
+  }
+  const json expected = json::parse(R"([{"type": "Replace", "pattern": {"String": "\u2581"},
+      "content": " "}, {"type": "ByteFallback"}, {"type": "Fuse"}])");
+  if (json_type(decoder) != "Sequence" || field(decoder, "decoders") != expected) {
+    throw std::runtime_error(
+        "unsupported decoder for Metaspace: expected Sequence [Replace U+2581 -> ' ', "
+        "ByteFallback, Fuse]");
+  }
+  return true;
+}
+
+// "<0xAB>" -> 0xAB (SentencePiece's byte tokens), or -1.
+int byte_token_value(std::string_view token) {
+  if (token.size() != 6 || !token.starts_with("<0x") || token.back() != '>') return -1;
+  int value = 0;
+  for (const char c : token.substr(3, 2)) {
+    const int digit = c >= '0' && c <= '9' ? c - '0' : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+    if (digit < 0) return -1;
+    value = value * 16 + digit;
+  }
+  return value;
+}
+
+// What one token decodes to under Metaspace's decoder: its byte, or its text with spaces.
+std::string metaspace_token_bytes(std::string_view token) {
+  if (const int b = byte_token_value(token); b >= 0) return std::string(1, static_cast<char>(b));
+  std::string out;
+  for (std::size_t i = 0; i < token.size();) {
+    if (token.substr(i).starts_with(kMetaspace)) {
+      out += ' ';
+      i += kMetaspace.size();
+    } else {
+      out += token[i++];
+    }
+  }
+  return out;
+}
+
 struct Tokenizer::Impl {
   Bpe bpe;
+  bool metaspace = false;  // SentencePiece-style: spaces become U+2581, no splitting
   std::vector<PreTokenizerStep> pre_tokenizer;
   std::vector<AddedToken> added;
   StringMap added_by_content;
@@ -877,12 +954,14 @@ Tokenizer::Impl::Impl(const json& root, const BpeTables& tables) {
                              "': only byte-level BPE tokenizers without a normalizer are "
                              "supported");
   }
-  pre_tokenizer = parse_pre_tokenizer(field(root, "pre_tokenizer"));
-
   const json& decoder = field(root, "decoder");
-  if (json_type(decoder) != "ByteLevel") {
-    throw std::runtime_error("unsupported decoder '" + json_type(decoder) +
-                             "': only the ByteLevel decoder is supported");
+  metaspace = is_metaspace(field(root, "pre_tokenizer"), decoder);
+  if (!metaspace) {
+    pre_tokenizer = parse_pre_tokenizer(field(root, "pre_tokenizer"));
+    if (json_type(decoder) != "ByteLevel") {
+      throw std::runtime_error("unsupported decoder '" + json_type(decoder) +
+                               "': only the ByteLevel decoder is supported");
+    }
   }
 
   const json& model = root.at("model");
@@ -898,7 +977,9 @@ Tokenizer::Impl::Impl(const json& root, const BpeTables& tables) {
       throw std::runtime_error(std::string("BPE ") + key + " is not supported with ByteLevel");
     }
   }
-  if (json_bool(model, "byte_fallback", false)) {
+  bpe.chars = metaspace;
+  bpe.byte_fallback = json_bool(model, "byte_fallback", false);
+  if (bpe.byte_fallback && !metaspace) {
     throw std::runtime_error("BPE byte_fallback is not supported with ByteLevel");
   }
   bpe.fuse_unk = json_bool(model, "fuse_unk", false);
@@ -923,6 +1004,10 @@ Tokenizer::Impl::Impl(const json& root, const BpeTables& tables) {
   for (std::size_t b = 0; b < 256; ++b) {
     const auto it = bpe.vocab.find(table.byte_to_char[b]);
     bpe.byte_ids[b] = it == bpe.vocab.end() ? -1 : static_cast<int64_t>(it->second);
+    char name[7];
+    std::snprintf(name, sizeof name, "<0x%02X>", static_cast<unsigned>(b));
+    const auto fallback = bpe.vocab.find(std::string_view(name));
+    bpe.fallback_ids[b] = fallback == bpe.vocab.end() ? -1 : static_cast<int64_t>(fallback->second);
   }
 
   // Merges ("a b" strings or ["a", "b"] pairs, split while parsing).
@@ -965,20 +1050,35 @@ Tokenizer::Impl::Impl(const json& root, const BpeTables& tables) {
   token_bytes.resize(n);
   token_text.resize(n);
   token_flags.assign(n, 0);
+  const auto to_bytes = [&](const std::string& token) {
+    return metaspace ? metaspace_token_bytes(token) : table.unmap_token(token);
+  };
   for (const auto& [token, id] : bpe.vocab) {
     token_text[id] = token;
-    token_bytes[id] = table.unmap_token(token);
+    token_bytes[id] = to_bytes(token);
     token_flags[id] = kKnown;
   }
   for (const AddedToken& tok : added) {
     token_text[tok.id] = tok.content;
-    token_bytes[tok.id] = table.unmap_token(tok.content);
+    token_bytes[tok.id] = to_bytes(tok.content);
     token_flags[tok.id] = static_cast<uint8_t>(kKnown | (tok.special ? kSpecial : 0));
   }
 }
 
 std::vector<std::string> Tokenizer::Impl::pre_tokenize(std::string_view text) const {
   std::vector<std::string> pieces;
+  if (metaspace) {  // one piece, every space replaced
+    std::string piece;
+    for (const char c : text) {
+      if (c == ' ') {
+        piece.append(kMetaspace);
+      } else {
+        piece.push_back(c);
+      }
+    }
+    if (!piece.empty()) pieces.push_back(std::move(piece));
+    return pieces;
+  }
   if (!text.empty()) pieces.emplace_back(text);
   std::vector<std::string> next;
   for (const PreTokenizerStep& step : pre_tokenizer) {
@@ -1116,6 +1216,7 @@ std::vector<std::string> Tokenizer::pre_tokenize(std::string_view text) const {
                                 std::to_string(bad) + ")");
   }
   std::vector<std::string> pieces = impl_->pre_tokenize(text);
+  if (impl_->metaspace) return pieces;
   for (std::string& piece : pieces) piece = byte_table().map_bytes(piece);
   return pieces;
 }

@@ -1,15 +1,21 @@
-// GPT-2 style byte-level BPE tokenizer that reads a Hugging Face `tokenizer.json`.
+// BPE tokenizer that reads a Hugging Face `tokenizer.json`: GPT-2 style byte-level BPE, or
+// SentencePiece-style BPE (a Metaspace pre-tokenizer without prefix or split, characters as
+// symbols, "<0xXX>" byte fallback: what `aotgen import-gguf` writes for `llama` GGUF
+// vocabularies such as Gemma's).
 //
 // Encoding follows the `tokenizers` pipeline step by step, so ids match
 // `tokenizers.Tokenizer.encode(text, add_special_tokens=False).ids`:
 //   1. added tokens (`added_tokens`) are cut out of the text verbatim, leftmost-longest,
 //      honouring their single_word / lstrip / rstrip flags; they are never split further;
 //   2. every other stretch goes through the pre-tokenizer: `ByteLevel` (GPT-2 regex), or a
-//      `Sequence` of `Split` (regex or literal) / `Digits` steps ending in `ByteLevel`;
+//      `Sequence` of `Split` (regex or literal) / `Digits` steps ending in `ByteLevel`, or
+//      `Metaspace` (spaces become U+2581, the stretch stays one piece);
 //   3. each piece is mapped byte -> unicode (GPT-2 table) and merged by BPE rank, with a
-//      cache for repeated words.
-// Decoding maps token characters back to bytes (ByteLevel decoder) and replaces invalid
-// UTF-8 with U+FFFD, as `tokenizers` does. Anything else (other models, normalizers,
+//      cache for repeated words (Metaspace: its characters are merged, a character missing
+//      from the vocab becomes its "<0xXX>" byte tokens).
+// Decoding maps token characters back to bytes (ByteLevel decoder; Metaspace: U+2581 to a
+// space, byte tokens to their byte) and replaces invalid UTF-8 with U+FFFD, as `tokenizers`
+// does. Anything else (other models, normalizers,
 // decoders, pre-tokenizers) is rejected with std::runtime_error when loading.
 //
 // A Tokenizer is cheap to copy (the loaded state is shared and immutable) and all const
@@ -29,7 +35,7 @@ namespace aotgen {
 class Tokenizer {
  public:
   // Loads a `tokenizer.json` file. Throws std::runtime_error if the file cannot be read,
-  // is not valid JSON, or describes something other than a byte-level BPE tokenizer.
+  // is not valid JSON, or describes a tokenizer other than the two kinds above.
   static Tokenizer from_file(const std::string& tokenizer_json);
   // Same as from_file, from the JSON text itself.
   static Tokenizer from_json(std::string_view json_text);

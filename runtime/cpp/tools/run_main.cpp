@@ -261,7 +261,7 @@ void check_values(Args& args) {
 
 std::vector<int64_t> prompt_ids(const Args& args, const aotgen::Engine& engine) {
   if (args.chat) return engine.chat_ids(*args.chat, args.system);
-  if (args.prompt) return engine.tokenizer().encode(*args.prompt);
+  if (args.prompt) return engine.prompt_ids(*args.prompt);
   try {
     return json::parse(*args.prompt_ids).get<std::vector<int64_t>>();
   } catch (const json::exception&) {
