@@ -57,15 +57,20 @@ def tiny_package(tiny_checkpoint, project) -> Path:
     return build(recipe, project).path
 
 
-@pytest.fixture(scope="session")
-def smollm2_checkpoint(tmp_path_factory) -> Path:
-    from aotgen.checkpoint.gguf import find_smollm2_gguf, import_gguf
+def _bundled_checkpoint(tmp_path_factory, gguf_name: str, checkpoint_name: str) -> Path:
+    """A bundled GGUF (`aotgen import-gguf` short name) imported once; skips if not installed."""
+    from aotgen.checkpoint.gguf import import_gguf, resolve_gguf
 
     try:
-        gguf = find_smollm2_gguf()
+        gguf = resolve_gguf(gguf_name)
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    return import_gguf(gguf, tmp_path_factory.mktemp("smollm2") / "smollm2-135m")
+    return import_gguf(gguf, tmp_path_factory.mktemp(gguf_name) / checkpoint_name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(tmp_path_factory) -> Path:
+    return _bundled_checkpoint(tmp_path_factory, "smollm2", "smollm2-135m")
 
 
 def build_real_recipe(name: str, checkpoint: Path, root: Path) -> Path:
@@ -208,15 +213,23 @@ def smollm2_int4_g64_package(request) -> Path:
 
 @pytest.fixture(scope="session")
 def gemma3_checkpoint(tmp_path_factory) -> Path:
-    from aotgen.checkpoint.gguf import find_gemma3_gguf, import_gguf
-
-    try:
-        gguf = find_gemma3_gguf()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    return import_gguf(gguf, tmp_path_factory.mktemp("gemma3") / "gemma3-270m")
+    return _bundled_checkpoint(tmp_path_factory, "gemma3-270m", "gemma3-270m")
 
 
 @pytest.fixture(scope="session")
 def gemma_package(request) -> Path:
     return _real_package(request, "gemma3-270m", "gemma3_checkpoint")
+
+
+@pytest.fixture(scope="session")
+def run_bin(tmp_path_factory) -> Path:
+    """The C++ `aotgen-run`, built once per session; skips where CMake found no torch."""
+    from cpp_build import cmake_cache_value, require_cpp_build
+
+    build_dir = require_cpp_build(tmp_path_factory, [])  # configure only
+    if (cmake_cache_value(build_dir, "AOTGEN_WITH_TORCH") or "").upper() not in {"1", "ON", "TRUE"}:
+        pytest.skip(
+            "CMake did not find torch's CMake config (torch/share/cmake): aotgen-run is not "
+            "configured"
+        )
+    return require_cpp_build(tmp_path_factory, ["aotgen-run"]) / "aotgen-run"

@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cpp_build import REPO_ROOT, cmake_cache_value, require_cpp_build
+from cpp_build import REPO_ROOT
 
 from aotgen.package.manifest import PackageError
 from aotgen.runtime.engine import Engine, GenerationConfig
@@ -37,17 +37,6 @@ N_TOKENS = 32
 REAL_PACKAGE = REPO_ROOT / "artifacts" / "smollm2-135m"
 FRANCE_IDS = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
 ANSWER = "The capital of France is Paris."
-
-
-@pytest.fixture(scope="session")
-def run_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    build_dir = require_cpp_build(tmp_path_factory, [])  # configure only
-    if (cmake_cache_value(build_dir, "AOTGEN_WITH_TORCH") or "").upper() not in {"1", "ON", "TRUE"}:
-        pytest.skip(
-            "CMake did not find torch's CMake config (torch/share/cmake): aotgen-run is not "
-            "configured"
-        )
-    return require_cpp_build(tmp_path_factory, ["aotgen-run"]) / "aotgen-run"
 
 
 def run(binary: Path, package: Path, *args: str, check: bool = True):

@@ -184,16 +184,6 @@ def test_build_reports_perplexity(gemma_package: Path) -> None:
     assert 1 < ppl["package"] < 100
 
 
-@pytest.fixture(scope="module")
-def run_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from cpp_build import cmake_cache_value, require_cpp_build
-
-    build_dir = require_cpp_build(tmp_path_factory, [])  # configure only
-    if (cmake_cache_value(build_dir, "AOTGEN_WITH_TORCH") or "").upper() not in {"1", "ON", "TRUE"}:
-        pytest.skip("CMake did not find torch's CMake config: aotgen-run is not configured")
-    return require_cpp_build(tmp_path_factory, ["aotgen-run"]) / "aotgen-run"
-
-
 @pytest.mark.slow
 @pytest.mark.cpp
 def test_cpp_runtime_continues_like_llama_cpp(gemma_package: Path, run_bin: Path) -> None:

@@ -45,14 +45,19 @@ class NgramIndex:
 
     def __init__(self, max_n: int) -> None:
         self.max_n = max_n
+        self._reset()
+
+    def _reset(self) -> None:
         self.tokens: list[int] = []
-        self.tables: list[dict[tuple[int, ...], dict[int, list[int]]]] = [{} for _ in range(max_n)]
+        self.tables: list[dict[tuple[int, ...], dict[int, list[int]]]] = [
+            {} for _ in range(self.max_n)
+        ]
 
     def sync(self, history: Sequence[int]) -> None:
         """Index history: the new tail when it extends what is indexed, else from scratch."""
         n_old = len(self.tokens)
         if len(history) < n_old or list(history[:n_old]) != self.tokens:
-            self.__init__(self.max_n)
+            self._reset()
             n_old = 0
         for pos in range(n_old, len(history)):
             self._add(int(history[pos]))

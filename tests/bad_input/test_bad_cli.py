@@ -22,7 +22,6 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from cpp_build import cmake_cache_value, require_cpp_build
 
 GOOD_TOML = (
     'artifacts_dir = "artifacts"\ncache_dir = "cache"\ncheckpoints_dir = "checkpoints"\n'
@@ -348,14 +347,6 @@ def test_python_cli_refuses(row: Row, env: Env) -> None:
 
 
 # ---- the same `run` rows through the C++ CLI -------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def run_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    build_dir = require_cpp_build(tmp_path_factory, [])  # configure only
-    if (cmake_cache_value(build_dir, "AOTGEN_WITH_TORCH") or "").upper() not in {"1", "ON", "TRUE"}:
-        pytest.skip("CMake did not find torch's CMake config: aotgen-run is not configured")
-    return require_cpp_build(tmp_path_factory, ["aotgen-run"]) / "aotgen-run"
 
 
 CPP_ROWS = [pytest.param(r, id=r.id, marks=pytest.mark.cpp) for r in ROWS if r.cpp]
