@@ -16,7 +16,7 @@ from families import (
     reference_greedy,
     reference_logits,
 )
-from test_cpp_runtime import cpp_generate, run_bin  # noqa: F401 (run_bin: a fixture)
+from test_cpp_runtime import cpp_generate
 
 from aotgen.model.llama import ModelConfig, load_model
 from aotgen.package.build import build

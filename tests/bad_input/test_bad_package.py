@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from test_cpp_runtime import run_bin  # noqa: F401 (session fixture: the C++ CLI)
 
 Mutation = Callable[[Path, Path], None]  # (package copy, a directory outside it)
 

@@ -9,7 +9,6 @@ import threading
 from pathlib import Path
 
 import pytest
-from test_cpp_runtime import run_bin  # noqa: F401 (session fixture: the C++ CLI)
 
 from aotgen.runtime.engine import Engine, GenerationConfig, GenerationError
 
