@@ -238,8 +238,7 @@ class LookupRun:
 
 
 def llama_lookup_binary() -> Path:
-    """`llama-lookup` from $LLAMA_CPP_BIN (the directory `shared/tools/llamacpp.sh` prints),
-    else from PATH."""
+    """`llama-lookup` from $LLAMA_CPP_BIN (llama.cpp's build/bin), else from PATH."""
     folder = os.environ.get("LLAMA_CPP_BIN")
     found = Path(folder) / "llama-lookup" if folder else shutil.which("llama-lookup")
     if not found or not Path(found).is_file():
@@ -341,8 +340,9 @@ def _lookup_row(task: str, runs: list[LookupRun]) -> SpecBenchRow:
     predicted = sum(r.predicted for r in runs)
     accepted = sum(r.accepted for r in runs)
     decode_tok_s = sum(r.predicted - 1 for r in runs) / sum(r.decode_s for r in runs)
-    row = SpecBenchRow("llama-lookup", task, decode_tok_s, predicted, decode_tok_s)
-    row.same_as_plain = None
+    row = SpecBenchRow(
+        "llama-lookup", task, decode_tok_s, predicted, decode_tok_s, same_as_plain=None
+    )
     row.acceptance = accepted / max(sum(r.drafted for r in runs), 1)
     row.mean_accepted_length = predicted / max(predicted - accepted, 1)
     return row

@@ -96,12 +96,16 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_keys(
+def check_keys(
     where: str, given: dict, valid: list[str], error: type[ValueError] = RecipeError
 ) -> None:
+    """One line naming the unknown keys of a recipe section and the valid ones."""
     unknown = sorted(set(given) - set(valid))
     if unknown:
-        raise error(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(valid)}")
+        raise error(
+            f"{where}: unknown key(s) {', '.join(unknown)}; "
+            f"valid keys: {', '.join(valid) or '(none)'}"
+        )
 
 
 def _read_utf8(path: Path, what: str, error: type[ValueError]) -> str:
@@ -117,7 +121,7 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
     if not isinstance(data, dict):
         raise RecipeError(f"recipe {name!r} must be a YAML mapping, got {type(data).__name__}")
     valid = [f.name for f in dataclasses.fields(Recipe)]
-    _check_keys(f"recipe {name!r}", data, valid)
+    check_keys(f"recipe {name!r}", data, valid)
     if "name" in data:
         check_name(data["name"], f"recipe {name!r}: name", "change `name:`")
     else:
@@ -129,7 +133,7 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
     compile_opts = data.pop("compile", None) or {}
     if not isinstance(compile_opts, dict):
         raise RecipeError(f"{where} compile: must be a mapping, e.g. {{max_autotune: true}}")
-    _check_keys(
+    check_keys(
         f"{where} compile",
         compile_opts,
         [f.name for f in dataclasses.fields(CompileOptions)],
@@ -202,7 +206,7 @@ def _parse_speculative(recipe: Recipe, explicit_k: bool, base_dir: Path) -> Reci
     spec = recipe.speculative
     if not isinstance(spec, dict):
         raise RecipeError(f"{where}: must be a mapping with keys draft, k")
-    _check_keys(where, spec, ["draft", "k", "share_kv"])
+    check_keys(where, spec, ["draft", "k", "share_kv"])
     k = spec.get("k", recipe.verify_k)
     if not _is_int(k) or not 1 <= k <= MAX_VERIFY_K:
         raise RecipeError(f"{where}: k must be an integer in 1..{MAX_VERIFY_K}, got {k!r}")
@@ -285,7 +289,7 @@ class Project:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ProjectError(f"{path} is not valid TOML ({e}); fix or delete it") from None
-        _check_keys(str(path), data, [f.name for f in dataclasses.fields(cls)], ProjectError)
+        check_keys(str(path), data, [f.name for f in dataclasses.fields(cls)], ProjectError)
         for key, value in data.items():
             if key.endswith("_dir") and (not isinstance(value, str) or not value):
                 raise ProjectError(f'{path}: {key} must be a path string, e.g. {key} = "dir"')

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from aotgen.kernels import block_dot
-from aotgen.recipe import RecipeError
+from aotgen.recipe import RecipeError, check_keys
 
 SCHEMES = ("int8", "int4")
 EMBEDDING_SCHEMES = ("int8",)
@@ -80,12 +80,7 @@ def _scheme(where: str, value: Any) -> Scheme:
     if not isinstance(params, dict):
         raise RecipeError(f"quantize.{where}.{kind}: expected a mapping, got {params!r}")
     valid = ["groupsize"] if kind == "int4" else []
-    unknown = sorted(set(params) - set(valid))
-    if unknown:
-        raise RecipeError(
-            f"quantize.{where}.{kind}: unknown key(s) {', '.join(unknown)}; "
-            f"valid keys: {', '.join(valid) or '(none)'}"
-        )
+    check_keys(f"quantize.{where}.{kind}", params, valid)
     if kind == "int8":
         return Scheme("int8")
     g = params.get("groupsize", DEFAULT_GROUPSIZE)
@@ -103,11 +98,7 @@ def parse_quantize(raw: dict[str, Any] | None) -> QuantizeOptions | None:
         return None
     if not isinstance(raw, dict):
         raise RecipeError(f"quantize: expected a mapping like {{linear: int8}}, got {raw!r}")
-    unknown = sorted(set(raw) - set(OPTION_KEYS))
-    if unknown:
-        raise RecipeError(
-            f"quantize: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(OPTION_KEYS)}"
-        )
+    check_keys("quantize", raw, list(OPTION_KEYS))
     linear = _scheme("linear", raw["linear"]) if raw.get("linear") is not None else None
     embedding = None
     if raw.get("embedding") is not None:

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from torch.distributed import _functional_collectives as funcol
 
 from aotgen.model.llama import ModelConfig, Transformer
-from aotgen.recipe import RecipeError
+from aotgen.recipe import RecipeError, check_keys
 
 STYLES = ("colwise", "rowwise", "replicate")
 PARALLEL_KEYS = ("tensor", "plan")
@@ -102,11 +102,7 @@ def parse_parallel(raw: dict[str, Any] | None) -> TensorParallel | None:
         return None
     if not isinstance(raw, dict):
         raise RecipeError(f"parallel: expected a mapping like {{tensor: 2}}, got {raw!r}")
-    unknown = sorted(set(raw) - set(PARALLEL_KEYS))
-    if unknown:
-        raise RecipeError(
-            f"parallel: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(PARALLEL_KEYS)}"
-        )
+    check_keys("parallel", raw, list(PARALLEL_KEYS))
     n = raw.get("tensor", 1)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise RecipeError(f"parallel.tensor: must be a positive integer (ranks), got {n!r}")

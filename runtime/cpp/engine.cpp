@@ -601,22 +601,19 @@ Engine Engine::load(const fs::path& package_dir, const LoadOptions& options) {
     impl->target->bind_weights(package_dir, models.at("target"), mapped);
     if (impl->draft) impl->draft->bind_weights(package_dir, models.at("draft"), mapped);
     const json tok_config = read_json_if_present(tok_dir / "tokenizer_config.json");
+    const json gen_config = read_json_if_present(tok_dir / "generation_config.json");
+    const json model_config = read_json_if_present(tok_dir / "config.json");
     std::set<int64_t> eos;
-    add_ids(read_json_if_present(tok_dir / "generation_config.json").value("eos_token_id", json()),
-            eos);
-    add_ids(read_json_if_present(tok_dir / "config.json").value("eos_token_id", json()), eos);
+    add_ids(gen_config.value("eos_token_id", json()), eos);
+    add_ids(model_config.value("eos_token_id", json()), eos);
     if (const auto eos_token = token_str(tok_config.value("eos_token", json()))) {
       if (const auto id = impl->tokenizer->token_id(*eos_token)) eos.insert(*id);
     }
     impl->eos_ids.assign(eos.begin(), eos.end());
     if (tok_config.value("add_bos_token", json()) == json(true)) {  // tokenizer.py prompt_ids
       std::set<int64_t> bos;
-      const json gen_bos = read_json_if_present(tok_dir / "generation_config.json")
-                               .value("bos_token_id", json());
-      add_ids(gen_bos.is_null() ? read_json_if_present(tok_dir / "config.json")
-                                      .value("bos_token_id", json())
-                                : gen_bos,
-              bos);
+      const json gen_bos = gen_config.value("bos_token_id", json());
+      add_ids(gen_bos.is_null() ? model_config.value("bos_token_id", json()) : gen_bos, bos);
       if (!bos.empty()) {
         impl->bos_id = *bos.begin();
       } else if (const auto bos_token = token_str(tok_config.value("bos_token", json()))) {
