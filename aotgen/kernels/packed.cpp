@@ -1,0 +1,212 @@
+// Register-tiled matmuls for linears with float32 or int8 (per output channel) weights and
+// float32 activations: out [M, N] = x [M, K] @ W^T. Compiled into each graph's .so by
+// AOTInductor as the C shims of `aotgen::packed_linear` / `aotgen::packed_linear_int8`
+// (kernels/packed.py).
+//
+// Layout: the weight in panels of 16 output features, [N / 16][K][16]: input k of a panel's 16
+// outputs is one 64-byte vector (int8: 16 bytes). A tile of RM activation rows x RN panels
+// keeps RM * RN vector accumulators in registers; each step over k loads RN weight vectors once
+// and multiplies them into every row (one broadcast per row), so a weight is read once per
+// step whatever the number of rows, and no horizontal sums are needed at the end. One row
+// (decode) is the same loop with RN independent accumulators streaming RN panels side by side.
+//
+// Vectors: GCC vector extensions, 16 lanes where the CPU has AVX-512, else 8 (AVX2: two per
+// panel row; a 16-lane type on AVX2 is split by GCC through the stack, ~10x slower).
+// Threads: OpenMP over groups of RN panels (the output features): each core streams its own
+// part of the weight, all cores read all of x.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#pragma GCC push_options
+#pragma GCC optimize("O3")  // AOTInductor builds its wrapper (where this lands) at -O1
+
+namespace aotgen_packed {
+
+constexpr int64_t kPanel = 16;
+#ifdef __AVX512F__
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+constexpr int kVecs = kPanel / kLanes;  // vectors per panel row
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+
+typedef float vf_unaligned __attribute__((vector_size(4 * kLanes), aligned(4)));
+typedef int8_t vi8_unaligned __attribute__((vector_size(kLanes), aligned(1)));
+
+template <typename W>
+inline vf load(const W* w) {  // a plain dereference: a memcpy may go through the stack
+  if constexpr (sizeof(W) == 4)
+    return *(const vf_unaligned*)w;
+  else
+    return __builtin_convertvector(*(const vi8_unaligned*)w, vf);
+}
+
+// RM rows of x (stride ldx) x RN panels at w -> out (stride ldo), times scale[n] if given.
+template <int RM, int RN, typename W>
+inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, const float* scale,
+                 float* out, int64_t ldo) {
+  constexpr int V = RN * kVecs;
+  vf acc[RM][V];
+#pragma GCC unroll 64
+  for (int m = 0; m < RM; m++)
+#pragma GCC unroll 64
+    for (int v = 0; v < V; v++) acc[m][v] = (vf){};
+  for (int64_t k = 0; k < K; k++) {
+    const W* wk = w + k * kPanel;
+#pragma GCC unroll 64
+    for (int m = 0; m < RM; m++) {
+      const float xv = x[m * ldx + k];  // the weight vectors are reloaded per row from L1:
+#pragma GCC unroll 64                   // registers hold the accumulators and one broadcast
+      for (int v = 0; v < V; v++) acc[m][v] += load(wk + (v / kVecs) * K * kPanel + (v % kVecs) * kLanes) * xv;
+    }
+  }
+#pragma GCC unroll 64
+  for (int m = 0; m < RM; m++)
+#pragma GCC unroll 64
+    for (int v = 0; v < V; v++) {
+      vf r = acc[m][v];
+      if (scale) r *= load(scale + v * kLanes);
+      *(vf_unaligned*)(out + m * ldo + v * kLanes) = r;
+    }
+}
+
+// Accumulator vectors a tile may hold: the register file (32 zmm / 16 ymm), less loads and
+// broadcasts; the autotune measures which fitting tile is fastest.
+constexpr int kMaxAcc = kLanes == 16 ? 28 : 14;
+
+constexpr int max_panels(int rm) { return kMaxAcc / (rm * kVecs) > 0 ? kMaxAcc / (rm * kVecs) : 1; }
+
+// The widest instantiated tile of at most `want` panels that fits `rm` rows.
+inline int tile_panels(int want, int rm) {
+  const int allowed[] = {8, 6, 4, 3, 2, 1};
+  for (int a : allowed)
+    if (a <= want && a <= max_panels(rm)) return a;
+  return 1;
+}
+
+template <int RM, int RN, typename W>
+inline void tile_if_fits(const float* x, int64_t ldx, const W* w, int64_t K, const float* scale,
+                         float* out, int64_t ldo) {
+  if constexpr (RN <= max_panels(RM)) tile<RM, RN>(x, ldx, w, K, scale, out, ldo);
+}
+
+template <int RM, typename W>
+inline void tile_rows(int rn, const float* x, int64_t ldx, const W* w, int64_t K,
+                      const float* scale, float* out, int64_t ldo) {
+  switch (rn) {
+    case 1: return tile_if_fits<RM, 1>(x, ldx, w, K, scale, out, ldo);
+    case 2: return tile_if_fits<RM, 2>(x, ldx, w, K, scale, out, ldo);
+    case 3: return tile_if_fits<RM, 3>(x, ldx, w, K, scale, out, ldo);
+    case 4: return tile_if_fits<RM, 4>(x, ldx, w, K, scale, out, ldo);
+    case 6: return tile_if_fits<RM, 6>(x, ldx, w, K, scale, out, ldo);
+    default: return tile_if_fits<RM, 8>(x, ldx, w, K, scale, out, ldo);
+  }
+}
+
+template <typename W>
+inline void tile_any(int rm, int rn, const float* x, int64_t ldx, const W* w, int64_t K,
+                     const float* scale, float* out, int64_t ldo) {
+  switch (rm) {
+    case 1: return tile_rows<1>(rn, x, ldx, w, K, scale, out, ldo);
+    case 2: return tile_rows<2>(rn, x, ldx, w, K, scale, out, ldo);
+    case 3: return tile_rows<3>(rn, x, ldx, w, K, scale, out, ldo);
+    case 4: return tile_rows<4>(rn, x, ldx, w, K, scale, out, ldo);
+    case 5: return tile_rows<5>(rn, x, ldx, w, K, scale, out, ldo);
+    case 6: return tile_rows<6>(rn, x, ldx, w, K, scale, out, ldo);
+    case 7: return tile_rows<7>(rn, x, ldx, w, K, scale, out, ldo);
+    default: return tile_rows<8>(rn, x, ldx, w, K, scale, out, ldo);
+  }
+}
+
+// out [M, N] (N a multiple of 16) = x [M, K] (row stride ldx) @ W^T, in tiles of up to
+// `rows` x `panels` (from the build's autotune; narrowed to what fits the registers).
+template <typename W>
+inline void linear(const float* x, int64_t ldx, int64_t M, int64_t K, const W* w,
+                   const float* scale, int64_t N, float* out, int rows, int panels) {
+  rows = std::clamp(rows, 1, 8);
+  panels = tile_panels(panels, rows);
+  const int64_t total = N / kPanel, groups = (total + panels - 1) / panels;
+#pragma omp parallel for schedule(static)
+  for (int64_t g = 0; g < groups; g++) {
+    const int64_t end = std::min(total, (g + 1) * panels);
+    for (int64_t p = g * panels; p < end;) {  // the last group may need narrower tiles
+      const int rn = tile_panels((int)(end - p), rows);
+      for (int64_t m0 = 0; m0 < M; m0 += rows) {
+        const int rm = (int)std::min<int64_t>(rows, M - m0);
+        tile_any<W>(rm, rn, x + m0 * ldx, ldx, w + p * K * kPanel, K,
+                    scale ? scale + p * kPanel : nullptr, out + m0 * N + p * kPanel, N);
+      }
+      p += rn;
+    }
+  }
+}
+
+}  // namespace aotgen_packed
+
+#pragma GCC pop_options
+
+#ifdef AOTGEN_PACKED_STANDALONE
+// For tests and the build's autotune: the kernel without AOTInductor's tensor handles.
+extern "C" void aotgen_packed_linear(int bits, const float* x, int64_t M, int64_t K,
+                                     const void* weight, const float* scale, int64_t N,
+                                     float* out, int rows, int panels) {
+  if (bits == 8)
+    aotgen_packed::linear(x, K, M, K, (const int8_t*)weight, scale, N, out, rows, panels);
+  else
+    aotgen_packed::linear(x, K, M, K, (const float*)weight, nullptr, N, out, rows, panels);
+}
+#else
+// The C shims AOTInductor calls: x [M, K] float32 (rows may be strided), the packed weight
+// [N / 16, K, 16] (and int8 scales [N]) -> a new float32 [M, N].
+static AOTITorchError aotgen_packed_shim(AtenTensorHandle x, AtenTensorHandle weight,
+                                         AtenTensorHandle scale, int64_t rows, int64_t panels,
+                                         AtenTensorHandle* ret0) {
+  int64_t *x_sizes, *x_strides, *w_sizes;
+  void *x_data, *w_data, *s_data = nullptr, *o_data;
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(x, &x_sizes));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(x, &x_strides));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(weight, &w_sizes));
+  if (x_strides[1] != 1) return AOTI_TORCH_FAILURE;
+  const int64_t M = x_sizes[0], K = x_sizes[1], N = w_sizes[0] * aotgen_packed::kPanel;
+  int64_t out_sizes[2] = {M, N}, out_strides[2] = {N, 1};
+  AtenTensorHandle out;
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(2, out_sizes, out_strides,
+                                                       aoti_torch_dtype_float32(),
+                                                       aoti_torch_device_type_cpu(), 0, &out));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(x, &x_data));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(weight, &w_data));
+  if (scale) AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(scale, &s_data));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(out, &o_data));
+#ifdef AOTGEN_SHIM_PACKED_LINEAR_INT8
+  if (scale)
+    aotgen_packed::linear((const float*)x_data, x_strides[0], M, K, (const int8_t*)w_data,
+                          (const float*)s_data, N, (float*)o_data, (int)rows, (int)panels);
+#endif
+#ifdef AOTGEN_SHIM_PACKED_LINEAR
+  if (!scale)
+    aotgen_packed::linear((const float*)x_data, x_strides[0], M, K, (const float*)w_data,
+                          nullptr, N, (float*)o_data, (int)rows, (int)panels);
+#endif
+  *ret0 = out;
+  return AOTI_TORCH_SUCCESS;
+}
+
+#ifdef AOTGEN_SHIM_PACKED_LINEAR
+static AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenTensorHandle weight,
+                                                   int64_t rows, int64_t panels,
+                                                   AtenTensorHandle* ret0) {
+  return aotgen_packed_shim(x, weight, nullptr, rows, panels, ret0);
+}
+#endif
+
+#ifdef AOTGEN_SHIM_PACKED_LINEAR_INT8
+static AOTITorchError aoti_torch_cpu_packed_linear_int8(AtenTensorHandle x,
+                                                        AtenTensorHandle weight,
+                                                        AtenTensorHandle scale, int64_t rows,
+                                                        int64_t panels, AtenTensorHandle* ret0) {
+  return aotgen_packed_shim(x, weight, scale, rows, panels, ret0);
+}
+#endif
+#endif

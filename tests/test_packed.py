@@ -1,0 +1,85 @@
+"""The packed-panel linear kernels (kernels/packed.{py,cpp}) against `F.linear` on the same
+(dequantized) weights: every ISA path the CPU can run, every tile shape, M = 1..64, K and N
+that are not multiples of the vector width or the panel.
+
+Bound: the kernel sums over k in order per output, BLAS in blocks; both in float32. Over K
+<= 1536 products of unit-normal values the difference stays below 1e-4 relative to the
+output's norm (measured ~1e-6).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aotgen.kernels import packed as pk
+
+CPU_FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+ISAS = {  # path -> (compiler flags, CPU flags it needs)
+    "avx512": (("-mavx512f", "-mavx512vl", "-mavx512bw", "-mfma"), {"avx512f", "avx512vl", "avx512bw", "fma"}),
+    "avx2": (("-mavx2", "-mfma"), {"avx2", "fma"}),
+    "portable": ((), set()),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(ISAS))
+def lib(request):
+    flags, needs = ISAS[request.param]
+    if not needs <= CPU_FLAGS:
+        pytest.skip(f"CPU without {', '.join(sorted(needs - CPU_FLAGS))}")
+    library = pk.library(flags)
+    if library is None:
+        pytest.skip("no C++ compiler")
+    return library
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.abs().amax(1) / 127
+    return (w / scale[:, None]).round().to(torch.int8), scale
+
+
+@pytest.mark.parametrize("n,k", [(48, 64), (37, 131), (576, 576), (200, 1536)])
+@pytest.mark.parametrize("bits", [32, 8])
+def test_kernel_matches_linear(lib, n, k, bits):
+    torch.manual_seed(n * k + bits)
+    w = torch.randn(n, k)
+    if bits == 8:
+        q, scale = _int8(w)
+        dense, weight = q.float() * scale[:, None], pk.pack(q)
+        scale = torch.cat([scale, torch.zeros(pk.padded_outputs(n) - n)])
+    else:
+        dense, weight, scale = w, pk.pack(w), None
+    for m in (1, 2, 3, 5, 7, 8, 9, 16, 33, 64):
+        x = torch.randn(m, k)
+        ref = F.linear(x, dense)
+        for rows in pk.ROWS:
+            for panels in pk.PANELS:
+                out = pk.run_library(lib, x, weight, scale, rows, panels)[:, :n]
+                assert _rel(out, ref) < 1e-4, (m, rows, panels)
+
+
+def test_pack_round_trip_and_gather():
+    w = torch.randn(37, 11)
+    packed = pk.pack(w)
+    assert packed.shape == (3, 11, 16)
+    assert torch.equal(pk.unpack(packed)[:37], w)
+    assert not pk.unpack(packed)[37:].any()
+    ids = torch.tensor([[0, 36, 17], [5, 5, 16]])
+    assert torch.equal(pk.gather_rows(packed, ids), F.embedding(ids, w))
+
+
+def test_reference_ops_match_linear():
+    w, x = torch.randn(40, 24), torch.randn(3, 24)
+    out = torch.ops.aotgen.packed_linear(x, pk.pack(w), 3, 2)
+    assert _rel(out[:, :40], F.linear(x, w)) < 1e-6
+    q, scale = _int8(w)
+    padded = torch.cat([scale, torch.zeros(8)])
+    out = torch.ops.aotgen.packed_linear_int8(x, pk.pack(q), padded, 3, 2)
+    assert _rel(out[:, :40], F.linear(x, q.float() * scale[:, None])) < 1e-6
