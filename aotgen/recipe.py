@@ -32,6 +32,8 @@ class CompileOptions:
     few_token_linears: str = "reduction"
     # Linears reading the same activation (q/k/v, gate/up) as one (see passes/fuse.py).
     fuse_linears: bool = True
+    # CPU linears on weights packed into panels, register-tiled (see passes/pack.py).
+    packed_linears: bool = True
 
 
 # KV positions past max_seq_len: a full verify block may run that far. At least 8, so that
@@ -140,7 +142,7 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
     )
     if compile_opts.get("few_token_linears", "reduction") not in ("reduction", "blas"):
         raise RecipeError(f"{where} compile.few_token_linears: 'reduction' or 'blas'")
-    for key in ("fuse_linears", "max_autotune"):
+    for key in ("fuse_linears", "max_autotune", "packed_linears"):
         if not isinstance(compile_opts.get(key, False), bool):
             raise RecipeError(
                 f"{where} compile.{key}: must be true or false, got {compile_opts[key]!r}"

@@ -17,12 +17,15 @@ import torch.nn.functional as F
 
 from aotgen.kernels import packed as pk
 
-CPU_FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+CPU_FLAGS = (
+    set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+)
+AVX512 = ("avx512f", "avx512vl", "avx512bw", "fma")
 ISAS = {  # path -> (compiler flags, CPU flags it needs)
-    "avx512": (("-mavx512f", "-mavx512vl", "-mavx512bw", "-mfma"), {"avx512f", "avx512vl", "avx512bw", "fma"}),
+    "avx512": (tuple(f"-m{f}" for f in AVX512), set(AVX512)),
     "avx2": (("-mavx2", "-mfma"), {"avx2", "fma"}),
     "portable": ((), set()),
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module", params=list(ISAS))

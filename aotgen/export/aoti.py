@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.export import Dim, ExportedProgram
 from torch.utils import _pytree as pytree
 
-from aotgen.kernels import block_dot
+from aotgen.kernels import block_dot, packed
 from aotgen.tempdirs import partial_dir, remove_stale
 
 
@@ -148,8 +148,12 @@ def compile_graph(
     import torch._inductor
 
     options = inductor_options(max_autotune, args[0].device.type)
-    if block_dot.uses_block_ops(ep.graph):
-        options[C_SHIMS] = block_dot.c_shims()
+    shims = {
+        **(block_dot.c_shims() if block_dot.uses_block_ops(ep.graph) else {}),
+        **packed.c_shims(ep.graph),
+    }
+    if shims:
+        options[C_SHIMS] = shims
     entry = cache / compile_key(ep, args, options) if cache else None
     if entry and (cached := _cached_files(entry)) is not None:
         return cached, True

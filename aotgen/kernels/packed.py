@@ -33,6 +33,14 @@ ROWS = (1, 2, 3, 4, 5, 6, 7, 8)  # the tile heights packed.cpp instantiates
 PANELS = (1, 2, 3, 4, 6, 8)  # and widths, in panels
 
 
+def tile_panels(rows: int, panels: int, lanes: int) -> int:
+    """The tile width packed.cpp runs for a requested `rows` x `panels` (`tile_panels` there):
+    the widest instantiated one whose accumulators fit the registers."""
+    vecs, max_acc = PANEL // lanes, 28 if lanes == 16 else 14
+    fits = max(1, max_acc // (rows * vecs))
+    return max(p for p in PANELS if p <= panels and p <= fits) if panels >= 1 else 1
+
+
 def padded_outputs(n: int) -> int:
     return -(-n // PANEL) * PANEL
 

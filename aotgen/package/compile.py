@@ -28,8 +28,10 @@ from aotgen.export.aoti import (
     graph_identity,
 )
 from aotgen.model.llama import ModelConfig
+from aotgen.package.autotune import Autotune
 from aotgen.package.models import ModelBuild, recipe_kv_cache
 from aotgen.passes.gemv import linears_as_reductions
+from aotgen.passes.pack import PackLinears
 from aotgen.passes.tp import fake_process_group, rank_config, shard_model
 from aotgen.recipe import Recipe
 
@@ -56,6 +58,8 @@ class CompiledModel:
     signatures: dict[str, Any]  # graph name -> its manifest entry
     graphs: list[GraphReport] = field(default_factory=list)
     group_name: str | None = None  # the process group the compiled collectives name
+    tiles: list[dict] = field(default_factory=list)  # the packed kernels' autotune
+    packed: int = 0  # weights repacked into panels
 
 
 def graph_signature(spec: GraphSpec, cfg: ModelConfig, cache: list[Tensor]) -> dict[str, Any]:
@@ -88,12 +92,22 @@ def compile_model(
     `ranks`: the per-rank shards under tensor parallel."""
     ranks = ranks or [mb.model]
     cache = recipe_kv_cache(rank_cfg or mb.config, recipe)
-    # The reduction rewrite is a CPU tuning (passes/gemv.py); GPUs keep their GEMM kernels.
-    reductions = recipe.compile.few_token_linears == "reduction" and recipe.device == "cpu"
+    # CPU tunings (passes/pack.py, passes/gemv.py); GPUs keep their GEMM kernels.
+    cpu = recipe.device == "cpu"
+    reductions = recipe.compile.few_token_linears == "reduction" and cpu
+    tuner = Autotune(compile_cache.parent / "autotune")
+    packers = (
+        [PackLinears(tuner.choose) for _ in ranks]
+        if recipe.compile.packed_linears and cpu
+        else None
+    )
     compiled = CompiledModel({}, [{} for _ in ranks], {})
     for spec in mb.graphs:
         t0 = time.perf_counter()
-        eps = [_exported(model, mb, spec, cache, reductions) for model in ranks]
+        eps = [
+            _exported(model, mb, spec, cache, reductions, packers[r] if packers else None)
+            for r, model in enumerate(ranks)
+        ]
         _check_same_code(eps, f"{mb.role}/{spec.name}")
         ep = eps[0]
         t1 = time.perf_counter()
@@ -112,16 +126,25 @@ def compile_model(
         so_bytes = sum(os.path.getsize(f) for f in graph_files if f.endswith(".so"))
         report = GraphReport(mb.role, spec.name, t1 - t0, t2 - t1, so_bytes, cached)
         compiled.graphs.append(report)
+    compiled.tiles = tuner.summary()
+    compiled.packed = len(packers[0].packed_names) if packers else 0
     return compiled
 
 
 def _exported(
-    model: nn.Module, mb: ModelBuild, spec: GraphSpec, cache: list[Tensor], reductions: bool
+    model: nn.Module,
+    mb: ModelBuild,
+    spec: GraphSpec,
+    cache: list[Tensor],
+    reductions: bool,
+    packer: PackLinears | None,
 ) -> ExportedProgram:
     """One graph of `model` exported and put through the model's graph passes."""
     ep = export_graph(model, spec, cache)
     for graph_pass in mb.graph_passes:
         ep = graph_pass(ep)
+    if packer is not None:
+        ep = packer(ep, spec.max_tokens if spec.dynamic else spec.min_tokens)
     if not spec.dynamic and reductions:
         ep = linears_as_reductions(ep)
     return ep

@@ -1,0 +1,129 @@
+"""The build's autotune: which tile of the packed-panel kernel (kernels/packed.py) runs each
+linear shape fastest, measured on the build machine.
+
+The fastest tile depends on the CPU (register file, cache sizes, 512- or 256-bit FMAs), on the
+weight's shape (how many panel groups the threads share) and on the rows per step (a 7-row
+verify wants a 7-row tile; decode several panels side by side to hide FMA latency), so it is
+measured, not set by rule: each (weight type, N, K, rows) the pass meets is timed for the
+candidate tiles with the kernel built as Inductor builds it (`-march=native`), and BLAS
+(`F.linear` on the row-major weight) beside it for the report. Results are kept per CPU in
+the project's cache, so a rebuild measures nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from aotgen.kernels import packed as pk
+
+# Time spent per candidate, at least one call; the median of the calls counts.
+BUDGET_S = 0.02
+MAX_CALLS = 9
+
+
+@dataclass(frozen=True)
+class Tile:
+    kind: str  # "float32" | "int8"
+    n: int
+    k: int
+    rows: int  # activation rows per call
+    tile_rows: int
+    tile_panels: int
+    us: float  # the chosen tile, microseconds per call
+    blas_us: float  # F.linear on the row-major float32 weight, for comparison
+
+
+def _median_us(fn, budget_s: float = BUDGET_S) -> float:
+    fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < MAX_CALLS and (not times or time.perf_counter() - start < budget_s):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2] * 1e6
+
+
+def candidates(rows: int) -> list[tuple[int, int]]:
+    """Distinct tiles for `rows` rows: heights of all rows (up to 8), 4 and 6; every width
+    that fits the registers."""
+    lanes = 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
+    heights = sorted({min(rows, 8), *(h for h in (4, 6) if h < rows)})
+    return sorted({(h, pk.tile_panels(h, p, lanes)) for h in heights for p in pk.PANELS})
+
+
+class Autotune:
+    """`choose(kind, n, k, rows)` -> (tile rows, tile panels); every measurement is kept in
+    `tiles` for the build report and the manifest."""
+
+    def __init__(self, cache_dir: Path | None):
+        self.tiles: dict[tuple[str, int, int, int], Tile] = {}
+        self._file = cache_dir / f"tiles-{_machine_key()}.json" if cache_dir else None
+        self._known: dict[str, dict] = {}
+        if self._file and self._file.exists():
+            self._known = json.loads(self._file.read_text())
+
+    def choose(self, kind: str, n: int, k: int, rows: int) -> tuple[int, int]:
+        key = (kind, n, k, rows)
+        if key not in self.tiles:
+            known = self._known.get(repr(key))
+            self.tiles[key] = Tile(**known) if known else self._measure(*key)
+            if not known and self._file:
+                self._known[repr(key)] = asdict(self.tiles[key])
+                self._file.parent.mkdir(parents=True, exist_ok=True)
+                tmp = self._file.with_suffix(".tmp")
+                tmp.write_text(json.dumps(self._known, indent=0))
+                tmp.replace(self._file)
+        tile = self.tiles[key]
+        return tile.tile_rows, tile.tile_panels
+
+    def _measure(self, kind: str, n: int, k: int, rows: int) -> Tile:
+        lib = pk.library()
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(n, k, generator=gen)
+        x = torch.randn(rows, k, generator=gen)
+        scale = None
+        if kind == "int8":
+            scale = torch.full((pk.padded_outputs(n),), 0.01)
+            w = w.mul(20).clamp(-127, 127).to(torch.int8)
+        packed = pk.pack(w)
+        out = torch.empty(rows, pk.padded_outputs(n))
+        timed = []
+        if lib is not None:
+            for tile in candidates(rows):
+                run = lambda t=tile: pk.run_library(lib, x, packed, scale, *t, out=out)  # noqa: E731
+                timed.append((_median_us(run), tile))
+        dense = w.float()
+        blas_us = _median_us(lambda: F.linear(x, dense))
+        us, (tile_rows, tile_panels) = min(timed) if timed else (0.0, (min(rows, 8), 1))
+        return Tile(kind, n, k, rows, tile_rows, tile_panels, round(us, 1), round(blas_us, 1))
+
+    def summary(self) -> list[dict]:
+        return [
+            asdict(t) for t in sorted(self.tiles.values(), key=lambda t: (t.kind, t.n, t.k, t.rows))
+        ]
+
+
+def _machine_key() -> str:
+    """Tiles are only valid for the CPU, thread count and kernel they were measured with."""
+    import hashlib
+    import platform
+
+    cpu = ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        cpu = next((line for line in cpuinfo.read_text().splitlines() if "model name" in line), "")
+    parts = (
+        cpu,
+        platform.machine(),
+        torch.get_num_threads(),
+        torch.backends.cpu.get_cpu_capability(),
+        pk.SOURCE.read_text(),
+    )
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
