@@ -30,6 +30,7 @@ from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
 from aotgen.package.build import build
 from aotgen.package.compile import graph_signature
 from aotgen.passes.gemv import linears_as_reductions
+from aotgen.passes.pack import PackLinears
 from aotgen.passes.quantize import QuantizePass, quantize_pass
 from aotgen.passes.quantize_numerics import (
     dequantize_int4,
@@ -293,18 +294,19 @@ def test_package_keeps_the_graph_contract(quantized):
 def test_package_stores_quantized_weights_once(int8_build, int4_build):
     with safe_open(str(int8_build.path / "rank0" / "target.safetensors"), "pt") as f:
         names = set(f.keys())
-        # q/k/v were fused (compile.fuse_linears) before they were quantized.
-        qkv = "model.layers.0.self_attn.q_proj_k_proj_v_proj.weight_int8"
+        # q/k/v were fused (compile.fuse_linears) before they were quantized, then packed
+        # into panels (compile.packed_linears).
+        qkv = "model.layers.0.self_attn.q_proj_k_proj_v_proj.weight_int8_packed"
         assert f.get_slice(qkv).get_dtype() == "I8"
     # Tied lm_head + embedding: one int8 tensor serves both, no float copy is left.
     tied = [n for n in names if n.startswith(("lm_head", "model.embed_tokens"))]
     assert sorted(tied) == ["lm_head.weight_int8", "lm_head.weight_int8_scales"]
     assert "model.layers.0.self_attn.q_proj.weight" not in names
-    assert "model.layers.1.mlp.down_proj.weight" in names  # skipped: stays float
+    assert "model.layers.1.mlp.down_proj.weight_packed" in names  # skipped: stays float
     with safe_open(str(int4_build.path / "rank0" / "target.safetensors"), "pt") as f:
         names = set(f.keys())
     assert "model.layers.0.mlp.gate_proj_up_proj.weight_int4g32" in names
-    assert "lm_head.weight_int8" in names and "lm_head.weight" not in names  # the override
+    assert "lm_head.weight_int8_packed" in names and "lm_head.weight" not in names  # override
     assert not any(n.endswith(".weight") and "proj" in n for n in names)
 
 
@@ -324,10 +326,12 @@ def test_compiled_matches_eager_quantized_and_fp32(quantized, tiny_model_for):
     g = torch.Generator().manual_seed(0)
     specs = graph_specs(TINY_RECIPE["prefill_chunk"], TINY_RECIPE["verify_k"])
     caches = {k: new_kv_cache(cfg, cache_len) for k in ("eager", "fp32")}
-    # The builder's passes, in its order: quantize, then few-token matmuls as reductions.
+    # The builder's passes, in its order: quantize, packed linears (whose eager op is the float
+    # math the kernel does), then the remaining few-token matmuls as reductions.
+    pack = PackLinears(lambda *_: (4, 2))
     eager = {}
     for s in specs:
-        ep = qp(export_graph(model, s, caches["eager"]))
+        ep = pack(qp(export_graph(model, s, caches["eager"])), s.max_tokens)
         eager[s.name] = (ep if s.dynamic else linears_as_reductions(ep)).module()
     for name, start, length in [("prefill", 0, 11), ("decode", 7, 1), ("verify", 9, 5)]:
         history = torch.randint(0, cfg.vocab_size, (start + length,), generator=g)

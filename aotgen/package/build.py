@@ -29,6 +29,7 @@ from torch import Tensor
 from aotgen import __version__
 from aotgen.export.aoti import package_graphs, use_cache_dir
 from aotgen.package.compile import (
+    CompiledModel,
     GraphReport,
     bound_constant_names,
     compile_model,
@@ -207,8 +208,27 @@ def _compile_models(
             result.notes.append(f"{mb.role}: {fuser.note()}")
         if mb.quantizer:
             result.notes.extend(f"{mb.role}: {n}" for n in mb.quantizer.notes())
+        if compiled.packed:
+            result.notes.append(f"{mb.role}: {_packed_note(compiled)}")
         result.entries[mb.role] = _model_entry(mb, compiled.signatures, recipe, plan.world)
+        result.entries[mb.role]["packed_linears"] = {
+            "weights": compiled.packed,
+            "tiles": compiled.tiles,  # the autotune's measurements (package/autotune.py)
+        }
     return result
+
+
+def _packed_note(compiled: CompiledModel) -> str:
+    """One line per row count: the tiles chosen and the time against BLAS, all shapes."""
+    by_rows: dict[int, list[dict]] = {}
+    for t in compiled.tiles:
+        by_rows.setdefault(t["rows"], []).append(t)
+    parts = []
+    for rows, tiles in sorted(by_rows.items()):
+        us, blas = sum(t["us"] for t in tiles), sum(t["blas_us"] for t in tiles)
+        chosen = ", ".join(sorted({f"{t['tile_rows']}x{t['tile_panels']}" for t in tiles}))
+        parts.append(f"{rows} rows: tiles {chosen}, {us / 1e3:.2f} ms vs BLAS {blas / 1e3:.2f} ms")
+    return f"packed_linears: {compiled.packed} weights; per shape once: " + "; ".join(parts)
 
 
 def _model_entry(

@@ -89,9 +89,8 @@ class PackLinears:
             self._packed[id(t)] = (t, pk.pack(t), scale)
         _, packed, scale = self._packed[id(t)]
         self.packed_names.add(target)
-        base = target.removesuffix(".weight")
-        w = edit.add(f"{base}.packed_weight", packed)
-        return w, (edit.add(f"{base}.packed_scale", scale) if scale is not None else None)
+        w = edit.add(f"{target}_packed", packed)
+        return w, (edit.add(f"{target}_packed_scales", scale) if scale is not None else None)
 
     def _rewrite_users(
         self, edit: WeightEditor, weight: Node, found: tuple[str, Tensor], rows: int
