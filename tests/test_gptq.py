@@ -13,12 +13,14 @@ from safetensors import safe_open
 
 from aotgen.checkpoint.hf import open_checkpoint
 from aotgen.export.aoti import export_graph, graph_specs
+from aotgen.kernels.packed import unpack
 from aotgen.model.llama import new_kv_cache
 from aotgen.package.build import build
 from aotgen.package.models import ModelBuild
 from aotgen.package.models import calibrate as _calibrate
 from aotgen.passes.gemv import linears_as_reductions
 from aotgen.passes.gptq import gptq_codes, input_hessians
+from aotgen.passes.pack import PackLinears
 from aotgen.passes.quantize import QuantizePass
 from aotgen.passes.quantize_numerics import dequantize_int4, quantize_int4, quantize_int8
 from aotgen.passes.quantize_options import parse_quantize
@@ -202,10 +204,11 @@ def test_compiled_gptq_matches_its_eager_graphs(gptq_build, tiny_checkpoint, tin
         ModelBuild("target", model, cfg, specs, [qp]), recipe, Tokenizer.from_dir(tiny_checkpoint)
     )
     runner = Engine.load(gptq_build.path).target
+    pack = PackLinears(lambda *_: (4, 2))  # the builder's next pass; its eager op is float math
     g = torch.Generator().manual_seed(6)
     for spec in specs:
         cache_q, cache_f = new_kv_cache(cfg, cache_len), new_kv_cache(cfg, cache_len)
-        ep = qp(export_graph(model, spec, cache_q))
+        ep = pack(qp(export_graph(model, spec, cache_q)), spec.max_tokens)
         eager = (ep if spec.dynamic else linears_as_reductions(ep)).module()
         t = min(spec.max_tokens, 11)
         tokens = torch.randint(0, cfg.vocab_size, (1, t), generator=g)
@@ -227,9 +230,10 @@ def test_tied_weight_gets_gptq_for_lm_head_and_nearest_for_embedding(tied_checkp
     with safe_open(str(report.path / "rank0" / "target.safetensors"), "pt") as f:
         # export names the tied tensor after one of its users (here lm_head.weight)
         tied = ("lm_head.", "model.embed_tokens.")
-        (gptq,) = [n for n in f.keys() if n.startswith(tied) and n.endswith("_gptq_int8")]
-        lm_head = f.get_tensor(gptq)
-        embedding = f.get_tensor(gptq.replace("_gptq", ""))
+        # lm_head's copy is packed into panels (compile.packed_linears)
+        (gptq,) = [n for n in f.keys() if n.startswith(tied) and n.endswith("_gptq_int8_packed")]
+        embedding = f.get_tensor(gptq.replace("_gptq", "").removesuffix("_packed"))
+        lm_head = unpack(f.get_tensor(gptq))[: len(embedding)]
         assert not {"lm_head.weight", "model.embed_tokens.weight"} & set(f.keys())
     source = open_checkpoint(tied_checkpoint).load_weights()["model.embed_tokens.weight"]
     assert torch.equal(embedding, quantize_int8(source, torch.bfloat16)[0])
