@@ -16,7 +16,9 @@
 // part of the weight, all cores read all of x.
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #pragma GCC push_options
 #pragma GCC optimize("O3")  // AOTInductor builds its wrapper (where this lands) at -O1
@@ -40,7 +42,13 @@ inline vf load(const W* w) {  // a plain dereference: a memcpy may go through th
   if constexpr (sizeof(W) == 4)
     return *(const vf_unaligned*)w;
   else
+#if defined(__AVX512F__)  // GCC's __builtin_convertvector widens int8 lane by lane
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)w)));
+#else
     return __builtin_convertvector(*(const vi8_unaligned*)w, vf);
+#endif
 }
 
 // RM rows of x (stride ldx) x RN panels at w -> out (stride ldo), times scale[n] if given.
