@@ -298,9 +298,14 @@ def test_package_stores_quantized_weights_once(int8_build, int4_build):
         # into panels (compile.packed_linears).
         qkv = "model.layers.0.self_attn.q_proj_k_proj_v_proj.weight_int8_packed"
         assert f.get_slice(qkv).get_dtype() == "I8"
-    # Tied lm_head + embedding: one int8 tensor serves both, no float copy is left.
+    # Tied lm_head + embedding: one int8 tensor serves both (the embedding gathers its rows
+    # from the head's panels), no float copy is left.
     tied = [n for n in names if n.startswith(("lm_head", "model.embed_tokens"))]
-    assert sorted(tied) == ["lm_head.weight_int8", "lm_head.weight_int8_scales"]
+    assert sorted(tied) == [
+        "lm_head.weight_int8_packed",
+        "lm_head.weight_int8_packed_scales",  # float32, for the kernel
+        "lm_head.weight_int8_scales",  # bf16, for the embedding's rows
+    ]
     assert "model.layers.0.self_attn.q_proj.weight" not in names
     assert "model.layers.1.mlp.down_proj.weight_packed" in names  # skipped: stays float
     with safe_open(str(int4_build.path / "rank0" / "target.safetensors"), "pt") as f:

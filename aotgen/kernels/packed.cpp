@@ -38,7 +38,7 @@ typedef float vf_unaligned __attribute__((vector_size(4 * kLanes), aligned(4)));
 typedef int8_t vi8_unaligned __attribute__((vector_size(kLanes), aligned(1)));
 
 template <typename W>
-inline vf load(const W* w) {  // a plain dereference: a memcpy may go through the stack
+__attribute__((always_inline)) inline vf load(const W* w) {  // no memcpy: it may use the stack
   if constexpr (sizeof(W) == 4)
     return *(const vf_unaligned*)w;
   else

@@ -4,11 +4,12 @@ Every CPU linear with a float32 weight (`aten.linear`) or an int8 per-channel we
 quantize pass's `_weight_int8pack_mm`) becomes `aotgen.packed_linear[_int8]` on the weight
 repacked into 16-output panels, with the tile the build's autotune measured fastest for the
 graph's row count (package/autotune.py). An embedding that shares its table with a packed head
-(tied embeddings) gathers its rows from the panels, so the weight is stored once.
+(tied embeddings, float32 or int8) gathers its rows from the panels, so the weight is stored
+once.
 
-A weight is left as it is when anything else reads it (e.g. the int8 embedding's dequantizing
-gather): packing it would need a second copy. Those linears keep the row-major paths
-(passes/gemv.py for few rows, BLAS / the extern kernels for prefill).
+A weight is left as it is when anything else reads it: packing it would need a second copy.
+Those linears keep the row-major paths (passes/gemv.py for few rows, BLAS / the extern kernels
+for prefill).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class PackLinears:
     @staticmethod
     def _packable(t: Tensor, weight: Node) -> bool:
         """Every reader is a linear on `weight` (a float32 one, or the int8 kernel on an int8
-        one) or a float32 embedding; at most one leading dim of the activations is symbolic."""
+        one) or an embedding; at most one leading dim of the activations is symbolic."""
         if t.device.type != "cpu" or t.dim() != 2 or t.dtype not in (torch.float32, torch.int8):
             return False
         linear = INT8_MM if t.dtype == torch.int8 else aten.linear.default
@@ -73,18 +74,20 @@ class PackLinears:
                 dims = user.args[0].meta["val"].shape[:-1]
                 if sum(not isinstance(d, int) for d in dims) > 1:
                     return False
-            elif not (user.target == aten.embedding.default and linear == aten.linear.default):
+            elif not (user.target == aten.embedding.default and user.args[0] is weight):
                 return False
         return True
 
     def _weights(
-        self, edit: WeightEditor, node: Node, target: str, t: Tensor
+        self, edit: WeightEditor, weight: Node, target: str, t: Tensor
     ) -> tuple[Node, Node | None]:
-        """The placeholders of `t` packed (and of the int8 scales, padded to whole panels)."""
+        """The placeholders of `t` packed, and for int8 of its linear's scales (padded to whole
+        panels; an embedding sharing the weight keeps reading its own)."""
         if id(t) not in self._packed:
             scale = None
-            if node.target == INT8_MM:
-                s = edit.weight(node.args[2])[1].float()
+            int8_users = [u for u in weight.users if u.target == INT8_MM]
+            if int8_users:
+                s = edit.weight(int8_users[0].args[2])[1].float()
                 scale = torch.cat([s, s.new_zeros(pk.padded_outputs(len(s)) - len(s))])
             self._packed[id(t)] = (t, pk.pack(t), scale)
         _, packed, scale = self._packed[id(t)]
@@ -96,8 +99,8 @@ class PackLinears:
         self, edit: WeightEditor, weight: Node, found: tuple[str, Tensor], rows: int
     ) -> None:
         target, t = found
+        w, scale = self._weights(edit, weight, target, t)
         for user in list(weight.users):
-            w, scale = self._weights(edit, user, target, t)
             with edit.graph.inserting_before(user):
                 add = partial(emit, edit.graph, user)
                 if user.target == aten.embedding.default:
