@@ -26,7 +26,7 @@ import torch
 from onnxscript import opset18 as op
 from torch import Tensor, nn
 
-from aotgen.export.aoti import GraphSpec, export_graph
+from aotgen.export.aoti import GraphSpec, dynamic_shapes, example_inputs
 from aotgen.model.llama import Transformer
 
 ONNX_DIR = "onnx"
@@ -59,11 +59,14 @@ def _index_copy(self, dim: int, index, source):
 def export_onnx(model: nn.Module, spec: GraphSpec, caches: list[Tensor]) -> onnx.ModelProto:
     """One graph of `model` as an ONNX model, weights inline (save_models moves them out)."""
     n = len(caches)
-    ep = export_graph(_CachesOut(model), spec, caches)
+    # torch.onnx.export runs torch.export itself, so the model sees is_in_onnx_export()
+    # (model/layers.py picks its decode attention by it).
     with warnings.catch_warnings(), _quiet_exporter():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
-            ep,
+            _CachesOut(model),
+            example_inputs(spec, caches),
+            dynamic_shapes=dynamic_shapes(spec, caches),
             dynamo=True,
             optimize=True,
             verbose=False,
