@@ -209,6 +209,23 @@ def test_separate_draft_speculative_greedy_equals_plain(engines, family):
         assert spec.spec.drafted > 0
 
 
+@pytest.mark.skipif(not HAVE_ONNX, reason="needs the aotgen[onnx] extra")
+@pytest.mark.parametrize("family", list(SPEC_PAIRS))
+def test_separate_draft_through_onnx_runtime(engines, checkpoints, project, family):
+    """The separate draft's own ONNX prefill and decode graphs, on its own cache: draft
+    speculation through ONNX Runtime gives the AOTInductor package's plain greedy tokens."""
+    ort = Engine.load(_package(family, checkpoints, project), backend="onnxruntime")
+    assert set(ort.draft.graphs) == {"prefill", "decode"} and not ort.draft.shares_cache
+    ids = ort.tokenizer.encode(PROMPT)
+    plain = engines(family).generate(
+        ids, GenerationConfig(max_new_tokens=N_GREEDY, ignore_eos=True)
+    )
+    cfg = GenerationConfig(max_new_tokens=N_GREEDY, ignore_eos=True, speculative="draft", k=3)
+    spec = ort.generate(ids, cfg)
+    assert spec.token_ids == plain.token_ids
+    assert spec.spec.drafted > 0
+
+
 # ---- tensor-parallel plans (no compile) ------------------------------------------------
 
 

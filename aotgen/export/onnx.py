@@ -18,6 +18,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -51,13 +53,14 @@ class _CachesOut(nn.Module):
 
 
 def _index_copy(self, dim: int, index, source):
-    """`cache.index_copy(dim, positions, new)` as one ScatterElements on `dim`."""
+    """`cache.index_copy(2, positions, new)` as one ScatterElements on the position axis of
+    a `[1, kv_heads, cache_len, head_dim]` cache (the model's only index_copy)."""
     positions = op.Reshape(index, op.Constant(value_ints=[1, 1, -1, 1]))
     return op.ScatterElements(self, op.Expand(positions, op.Shape(source)), source, axis=dim)
 
 
 def export_onnx(model: nn.Module, spec: GraphSpec, caches: list[Tensor]) -> onnx.ModelProto:
-    """One graph of `model` as an ONNX model, weights inline (save_models moves them out)."""
+    """One graph of `model` as an ONNX model, weights inline (export_model moves them out)."""
     n = len(caches)
     # torch.onnx.export runs torch.export itself, so the model sees is_in_onnx_export()
     # (model/layers.py picks its decode attention by it).
@@ -77,37 +80,16 @@ def export_onnx(model: nn.Module, spec: GraphSpec, caches: list[Tensor]) -> onnx
     return program.model_proto
 
 
-class _quiet_exporter:
+@contextmanager
+def _quiet_exporter() -> Iterator[None]:
     """The exporter logs a warning per torchvision op it cannot register: not ours to show."""
-
-    def __enter__(self) -> None:
-        self.logger = logging.getLogger("torch.onnx")
-        self.level = self.logger.level
-        self.logger.setLevel(logging.ERROR)
-
-    def __exit__(self, *exc) -> None:
-        self.logger.setLevel(self.level)
-
-
-def save_models(out: Path, role: str, models: dict[str, onnx.ModelProto]) -> dict[str, str]:
-    """Write `role`'s graphs to `out/ONNX_DIR` with their weights in one shared data file,
-    each distinct tensor once, and check every file with `onnx.checker`. Returns the
-    package-relative paths: {graph name: .onnx file, "data": the data file}."""
-    folder = out / ONNX_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    data_name = f"{role}.onnx.data"
-    stored: dict[tuple, tuple[int, int]] = {}  # (dtype, dims, sha256) -> (offset, length)
-    paths = {"data": f"{ONNX_DIR}/{data_name}"}
-    with open(folder / data_name, "wb") as data:
-        for graph, proto in models.items():
-            for tensor in proto.graph.initializer:
-                _externalize(tensor, data, data_name, stored)
-            path = folder / f"{role}-{graph}.onnx"
-            path.write_bytes(proto.SerializeToString())
-            paths[graph] = f"{ONNX_DIR}/{path.name}"
-    for graph in models:
-        onnx.checker.check_model(str(out / paths[graph]))
-    return paths
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _externalize(tensor: onnx.TensorProto, data, data_name: str, stored: dict) -> None:
@@ -134,13 +116,27 @@ def _externalize(tensor: onnx.TensorProto, data, data_name: str, stored: dict) -
 def export_model(
     out: Path, role: str, model: Transformer, graphs: list[GraphSpec], caches: list[Tensor]
 ) -> dict[str, Any]:
-    """Every graph of one model as ONNX in `out`; returns the model's manifest entry."""
-    with torch.no_grad():
-        protos = {spec.name: export_onnx(model, spec, caches) for spec in graphs}
-    paths = save_models(out, role, protos)
+    """Every graph of one model as ONNX in `out/ONNX_DIR`, with the weights in one data file
+    shared by the graphs, each distinct tensor once; every file checked with `onnx.checker`.
+    One graph is in memory at a time. Returns the model's manifest entry."""
+    folder = out / ONNX_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    data_name = f"{role}.onnx.data"
+    stored: dict[tuple, tuple[int, int]] = {}  # (dtype, dims, sha256) -> (offset, length)
+    files = {}
+    with open(folder / data_name, "wb") as data, torch.no_grad():
+        for spec in graphs:
+            proto = export_onnx(model, spec, caches)
+            for tensor in proto.graph.initializer:
+                _externalize(tensor, data, data_name, stored)
+            path = folder / f"{role}-{spec.name}.onnx"
+            path.write_bytes(proto.SerializeToString())
+            files[spec.name] = f"{ONNX_DIR}/{path.name}"
+    for rel in files.values():
+        onnx.checker.check_model(str(out / rel))
     return {
-        "graphs": {name: paths[name] for name in protos},
-        "data": paths["data"],
+        "graphs": files,
+        "data": f"{ONNX_DIR}/{data_name}",
         "inputs": ["tokens", "input_pos", "kv_0..kv_N"],
         "outputs": ["logits", "kv_out_0..kv_out_N (bind each to its kv_i buffer)"],
         "weights": "float32",
