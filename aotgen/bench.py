@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from aotgen.runtime.engine import Engine, GenerationConfig, GenerationResult
+from aotgen.runtime.onnx_backend import onnx_weight_bytes
 from aotgen.runtime.sampling import SamplingParams
 
 
@@ -38,6 +39,8 @@ def measure_bandwidth(mbytes: int = 512, runs: int = 5, device: str = "cpu") -> 
 
 def weight_bytes(engine: Engine) -> int:
     """Bytes of target weights read per decoded token (every weight, once)."""
+    if engine.backend == "onnxruntime":
+        return onnx_weight_bytes(engine.root, engine.manifest["models"]["target"])
     seen, total = set(), 0
     for t in engine.target.weights.values():
         key = t.untyped_storage().data_ptr()
@@ -76,9 +79,19 @@ def prompt_ids(vocab: int, n: int) -> list[int]:
 class PackageRunner:
     """One aotgen package: timed generations through the Python runtime."""
 
-    def __init__(self, path: str | Path, prompt_len: int, gen_tokens: int, threads: int | None):
-        self.engine = Engine.load(path, threads=threads)
+    def __init__(
+        self,
+        path: str | Path,
+        prompt_len: int,
+        gen_tokens: int,
+        threads: int | None,
+        backend: str = "aoti",
+        label: bool = False,
+    ):
+        self.engine = Engine.load(path, threads=threads, backend=backend)
         self.name, self.load_s = Path(path).name, self.engine.load_s
+        if label:  # several backends in one table
+            self.name += f" ({'AOTInductor' if backend == 'aoti' else 'ONNX Runtime'})"
         self.device = self.engine.target.device.type
         self.weight_bytes = weight_bytes(self.engine)
         self.prompt = prompt_ids(self.engine.tokenizer.vocab_size, prompt_len)

@@ -105,6 +105,19 @@ def _at_least(option: str, value: int | None, low: int = 1) -> None:
         raise CliError(f"{option} must be >= {low}, got {value}")
 
 
+BACKEND_HELP = (
+    "aoti: the AOTInductor graphs; onnxruntime: the package's ONNX graphs through ONNX Runtime "
+    "(a recipe with formats: [aoti, onnx]; pip install 'aotgen[onnx]')"
+)
+
+
+def _check_backend(backend: str) -> None:
+    from aotgen.runtime.onnx_backend import BACKENDS
+
+    if backend not in BACKENDS:
+        raise CliError(f"--backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+
+
 def _threads(threads: int | None) -> int | None:
     """--threads if given (>= 1), else aotgen.toml's `threads` (0 there: torch's default)."""
     from aotgen.recipe import Project
@@ -306,6 +319,7 @@ def run(
             "stats) on stdout instead of streaming the text",
         ),
     ] = False,
+    backend: Annotated[str, typer.Option(help=BACKEND_HELP)] = "aoti",
     nnodes: Annotated[int, typer.Option(help="tensor parallel: nodes taking part")] = 1,
     node_rank: Annotated[int, typer.Option(help="tensor parallel: this node's rank")] = 0,
     master_addr: Annotated[str | None, typer.Option(help="tensor parallel: node 0's host")] = None,
@@ -317,7 +331,7 @@ def run(
     under `torchrun --nproc-per-node N -m aotgen run ...`); only rank 0 prints.
     """
     from aotgen.runtime import distributed
-    from aotgen.runtime.engine import GenerationConfig
+    from aotgen.runtime.engine import Engine, GenerationConfig
     from aotgen.runtime.sampling import SamplingParams
 
     given = [x for x in (prompt, prompt_file, chat) if x is not None]
@@ -341,7 +355,15 @@ def run(
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     text = _read_prompt_file(prompt_file) if prompt_file is not None else prompt
     threads = _threads(threads)
-    if distributed.needs_launch(package):
+    _check_backend(backend)
+    if backend != "aoti":
+        if distributed.needs_launch(package):
+            raise CliError(
+                f"--backend {backend} runs single-process packages; {package} is tensor-parallel "
+                "(its recipe cannot have formats onnx): use --backend aoti"
+            )
+        engine = Engine.load(package, threads=threads, backend=backend)
+    elif distributed.needs_launch(package):
         # Re-run this same command as the package's ranks.
         distributed.launch(
             ["aotgen", *sys.argv[1:]],
@@ -353,7 +375,8 @@ def run(
             threads=threads,
         )
         return
-    engine = distributed.start(package, threads=threads)
+    else:
+        engine = distributed.start(package, threads=threads)
     if engine is None:  # a tensor-parallel rank other than 0: it served rank 0's calls
         return
     ids = (
@@ -515,6 +538,13 @@ def bench(
             "runs on the grounded prompts, as a baseline (binary from $LLAMA_CPP_BIN or PATH)"
         ),
     ] = None,
+    backend: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="runtime backend per package (repeatable: each package runs with each, side by "
+            "side): aoti (default) or onnxruntime (its ONNX graphs; formats: [aoti, onnx])"
+        ),
+    ] = None,
     as_json: Annotated[
         bool,
         typer.Option("--json", help="print the results as one JSON object on stdout"),
@@ -529,7 +559,12 @@ def bench(
     _at_least("--runs", runs)
     _at_least("--k", k)
     threads = _threads(threads)
+    backends = list(dict.fromkeys(backend or ["aoti"]))
+    for b in backends:
+        _check_backend(b)
     report: dict[str, Any] = {"threads": threads, "isa": _isa()}
+    if backends != ["aoti"] and speculative:
+        raise CliError("--speculative benchmarks the aoti backend only; drop --backend")
     if llama_lookup and not speculative:
         raise CliError("--llama-lookup compares n-gram speculation: add --speculative")
     if llama_lookup and not llama_lookup.is_file():
@@ -543,6 +578,8 @@ def bench(
             _print_json(report)
         return
     tp = [p for p in packages if package_world_size(p) > 1]
+    if tp and backends != ["aoti"]:
+        raise CliError(f"{tp[0]} is tensor-parallel: it runs with the aoti backend only")
     report["tensor_parallel"] = [
         _bench_tp(p, prompt_len, gen_tokens, runs, threads, as_json) for p in tp
     ]
@@ -550,7 +587,11 @@ def bench(
     results = []
     bandwidth: dict[str, float] = {}
     if packages or llama_cpp:
-        runners = [PackageRunner(p, prompt_len, gen_tokens, threads) for p in packages]
+        runners = [
+            PackageRunner(p, prompt_len, gen_tokens, threads, b, label=len(backends) > 1)
+            for p in packages
+            for b in backends
+        ]
         runners += [LlamaCppRunner(g, prompt_len, gen_tokens, threads) for g in llama_cpp or []]
         results = bench_interleaved(runners, runs)
         bandwidth = {d: measure_bandwidth(device=d) for d in sorted({r.device for r in results})}

@@ -63,6 +63,8 @@ class Recipe:
     compile: CompileOptions = field(default_factory=CompileOptions)
     # Held-out perplexity, eager vs package, in the build report (always on when quantized).
     perplexity: bool = False
+    # Graph formats written: AOTInductor always; "onnx" adds ONNX graphs (export/onnx.py).
+    formats: tuple[str, ...] = ("aoti",)
 
     @property
     def cache_len(self) -> int:
@@ -75,6 +77,7 @@ class Recipe:
 
 
 DTYPES = ("float32", "bfloat16")
+FORMATS = ("aoti", "onnx")
 DEVICES = ("cpu", "cuda")
 # verify_k (and speculative.k) bound: the verify graph scores k + 1 positions and the KV cache
 # grows by max(k + 1, VERIFY_ROOM); drafts longer than this are almost never accepted whole.
@@ -166,6 +169,8 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
             raise RecipeError(f"{where}: {key} must be a positive integer, got {value!r}")
     if "quantize" in data:
         data["quantize"] = _resolve_calibration(data["quantize"], base_dir)
+    if "formats" in data:
+        data["formats"] = _parse_formats(data["formats"], where)
     recipe = Recipe(
         name=data.pop("name", name), checkpoint=ckpt, compile=CompileOptions(**compile_opts), **data
     )
@@ -186,7 +191,29 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
         raise RecipeError(
             f"{where}: `parallel` runs on CPU ranks only so far; drop it for device {recipe.device}"
         )
+    if "onnx" in recipe.formats and (
+        recipe.device != "cpu" or recipe.parallel or recipe.dtype != "float32"
+    ):
+        raise RecipeError(
+            f"{where}: formats onnx is for float32 CPU packages without `parallel`; drop onnx, "
+            "or build with dtype: float32, device: cpu and no parallel"
+        )
     return recipe
+
+
+def _parse_formats(formats: Any, where: str) -> tuple[str, ...]:
+    """`formats: [aoti, onnx]`: the AOTInductor graphs are always built (the runtime's
+    default backend, and the build's perplexity check runs them)."""
+    if (
+        not isinstance(formats, list)
+        or not all(isinstance(f, str) and f in FORMATS for f in formats)
+        or "aoti" not in formats
+    ):
+        raise RecipeError(
+            f"{where}: formats must be a list of {', '.join(FORMATS)} that includes aoti, "
+            f"e.g. [aoti, onnx]; got {formats!r}"
+        )
+    return tuple(dict.fromkeys(formats))
 
 
 def _resolve_calibration(quantize: Any, base_dir: Path) -> Any:

@@ -91,6 +91,8 @@ def build_real_recipe(name: str, checkpoint: Path, root: Path) -> Path:
 # smollm2_package at run time).
 REAL_PACKAGE_USERS = {
     "smollm2-135m": {"smollm2_package", "real_package"},
+    # After smollm2-135m: its AOTInductor graphs are the same, taken from the compile cache.
+    "smollm2-135m-onnx": {"smollm2_onnx_package"},
     "smollm2-135m-int8": {"smollm2_int8_package"},
     "smollm2-135m-int4-g64": {"smollm2_int4_g64_package"},
     "gemma3-270m": {"gemma_package"},
@@ -111,6 +113,13 @@ def gguf_installed(name: str) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def have_onnx() -> bool:
+    """Whether the aotgen[onnx] extra is installed (formats: [aoti, onnx] recipes build)."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) for m in ("onnx", "onnxscript", "onnxruntime"))
 
 
 BUILD_TIMEOUT_S = 40 * 60
@@ -176,6 +185,7 @@ def pytest_collection_modifyitems(config, items) -> None:
         return
     names = [name for name in REAL_PACKAGE_USERS if any(name in needed[i] for i in users)]
     names = [name for name in names if gguf_installed(bundled_gguf(name))]  # others skip
+    names = [name for name in names if have_onnx() or not name.endswith("-onnx")]
     if names:
         config.stash[BUILDS] = BackgroundBuilds(names)
 
@@ -199,6 +209,11 @@ def _real_package(request, recipe: str, checkpoint_fixture: str = "smollm2_check
 @pytest.fixture(scope="session")
 def smollm2_package(request) -> Path:
     return _real_package(request, "smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_onnx_package(request) -> Path:
+    return _real_package(request, "smollm2-135m-onnx")
 
 
 @pytest.fixture(scope="session")

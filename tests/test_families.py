@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import have_onnx
 from families import load_reference as _load_reference
 from families import (
     make_family_checkpoint,
@@ -26,8 +27,15 @@ from aotgen.runtime.engine import Engine, GenerationConfig
 
 pytest.importorskip("transformers")
 
+# ONNX graphs too where the aotgen[onnx] extra is installed (test_onnx_graphs_match_...).
+HAVE_ONNX = have_onnx()
 # max_seq_len 96: room for a 40-token history and 32 greedy tokens after the prompt.
-RECIPE = {"max_seq_len": 96, "prefill_chunk": 16, "verify_k": 4}
+RECIPE = {
+    "max_seq_len": 96,
+    "prefill_chunk": 16,
+    "verify_k": 4,
+    **({"formats": ["aoti", "onnx"]} if HAVE_ONNX else {}),
+}
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}
 PARITY = ["llama", "qwen2-tied", "qwen3", "gemma3", "gptneox-parallel", "gptneox-sequential"]
@@ -123,6 +131,34 @@ def test_greedy_matches_transformers(engines, checkpoints, family):
     assert got.token_ids == reference_greedy(load_reference(checkpoints[family]), ids, N_GREEDY)
 
 
+@pytest.mark.skipif(not HAVE_ONNX, reason="needs the aotgen[onnx] extra")
+@pytest.mark.parametrize("family", PARITY)
+def test_onnx_graphs_match_aoti_and_transformers(engines, checkpoints, project, family):
+    """Each ONNX graph through ONNX Runtime gives the AOTInductor graph's logits and
+    transformers' (same fp32 math in another order: within FP32_TOL of both), and greedy
+    generation through ONNX Runtime gives the AOTInductor package's tokens."""
+    aoti = engines(family)
+    ort = Engine.load(_package(family, checkpoints, project), backend="onnxruntime")
+    gen = torch.Generator().manual_seed(0)
+    history = torch.randint(0, aoti.target.vocab_size, (20,), generator=gen).tolist()
+    want = reference_logits(load_reference(checkpoints[family]), history)
+    for graph, start, length in [("prefill", 0, 14), ("verify", 14, 5), ("decode", 19, 1)]:
+        got = {}
+        for name, engine in (("aoti", aoti), ("ort", ort)):
+            runner = engine.target
+            if start == 0:
+                for c in runner.caches:
+                    c.zero_()
+            tokens = torch.tensor([history[start : start + length]])
+            positions = torch.arange(start, start + length)
+            got[name] = runner.graphs[graph](tokens, positions, runner.caches)[0]
+        assert _rel_err(got["ort"], got["aoti"]) < FP32_TOL
+        assert _rel_err(got["ort"], want[start : start + length]) < FP32_TOL
+    ids = aoti.tokenizer.encode(PROMPT)
+    cfg = GenerationConfig(max_new_tokens=N_GREEDY, ignore_eos=True)
+    assert ort.generate(ids, cfg).token_ids == aoti.generate(ids, cfg).token_ids
+
+
 @pytest.mark.slow  # two more builds, ~100 s each on 2 cores
 @pytest.mark.parametrize("family", ["qwen2-tied", "gptneox-parallel"])
 def test_int8_fused_build_stays_close(engines, checkpoints, family):
@@ -171,6 +207,23 @@ def test_separate_draft_speculative_greedy_equals_plain(engines, family):
         spec = engine.generate(ids, cfg)
         assert spec.token_ids == plain.token_ids, k
         assert spec.spec.drafted > 0
+
+
+@pytest.mark.skipif(not HAVE_ONNX, reason="needs the aotgen[onnx] extra")
+@pytest.mark.parametrize("family", list(SPEC_PAIRS))
+def test_separate_draft_through_onnx_runtime(engines, checkpoints, project, family):
+    """The separate draft's own ONNX prefill and decode graphs, on its own cache: draft
+    speculation through ONNX Runtime gives the AOTInductor package's plain greedy tokens."""
+    ort = Engine.load(_package(family, checkpoints, project), backend="onnxruntime")
+    assert set(ort.draft.graphs) == {"prefill", "decode"} and not ort.draft.shares_cache
+    ids = ort.tokenizer.encode(PROMPT)
+    plain = engines(family).generate(
+        ids, GenerationConfig(max_new_tokens=N_GREEDY, ignore_eos=True)
+    )
+    cfg = GenerationConfig(max_new_tokens=N_GREEDY, ignore_eos=True, speculative="draft", k=3)
+    spec = ort.generate(ids, cfg)
+    assert spec.token_ids == plain.token_ids
+    assert spec.spec.drafted > 0
 
 
 # ---- tensor-parallel plans (no compile) ------------------------------------------------

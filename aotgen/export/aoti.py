@@ -55,15 +55,22 @@ def example_inputs(spec: GraphSpec, caches: list[Tensor]) -> tuple:
     )
 
 
+def dynamic_shapes(spec: GraphSpec, caches: list[Tensor]) -> tuple | None:
+    """The token count of `tokens` and `input_pos` is dynamic in the prefill graph only."""
+    if not spec.dynamic:
+        return None
+    t = Dim(f"{spec.name}_tokens", min=spec.min_tokens, max=spec.max_tokens)
+    return ({1: t}, {0: t}, [None] * len(caches))
+
+
 def export_graph(model: nn.Module, spec: GraphSpec, caches: list[Tensor]) -> ExportedProgram:
-    dynamic_shapes = None
-    if spec.dynamic:
-        t = Dim(f"{spec.name}_tokens", min=spec.min_tokens, max=spec.max_tokens)
-        dynamic_shapes = ({1: t}, {0: t}, [None] * len(caches))
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         return torch.export.export(
-            model, example_inputs(spec, caches), dynamic_shapes=dynamic_shapes, strict=False
+            model,
+            example_inputs(spec, caches),
+            dynamic_shapes=dynamic_shapes(spec, caches),
+            strict=False,
         )
 
 

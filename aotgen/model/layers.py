@@ -66,7 +66,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # multiply-sums and softmax into the layer's kernel, where SDPA is an extern call per layer
 # (dispatch, its own parallel region, sgemm packing for a single row). Measured on SmolLM2
 # int8: decode 5.6 -> 5.3 ms at position 64, 11.0 -> 9.9 ms at 1000. The verify graph keeps
-# SDPA: with 5 rows the multiply-sums were 12% slower at position 1000.
+# SDPA: with 5 rows the multiply-sums were 12% slower at position 1000. ONNX export keeps
+# SDPA (MatMul + Softmax) for decode too: ONNX Runtime does not fuse the broadcast
+# multiply-sum, and materialising its products took a quarter of an ORT decode step.
 def attend_one(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
     """Masked softmax attention as broadcast multiply-sums: [b, h, m, d] x [b, h, n, d]."""
     scores = (q.unsqueeze(3) * keys.unsqueeze(2)).sum(-1) * scale
@@ -99,7 +101,7 @@ def cached_attention(
     group = q.shape[1] // kv_heads
     q = q.reshape(b, kv_heads, group * t, head_dim)
     mask = mask.repeat(group, 1)
-    if isinstance(t, int) and t == 1:  # static: the decode graph
+    if isinstance(t, int) and t == 1 and not torch.onnx.is_in_onnx_export():  # decode graph
         y = attend_one(q, keys, values, mask, scale)
     else:
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)

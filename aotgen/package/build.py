@@ -37,7 +37,7 @@ from aotgen.package.compile import (
 )
 from aotgen.package.inputs import BuildInputs, read_inputs, up_to_date
 from aotgen.package.manifest import FORMAT_VERSION, target_info, write_manifest
-from aotgen.package.models import ModelBuild, calibrate, prepare_models
+from aotgen.package.models import ModelBuild, calibrate, prepare_models, recipe_kv_cache
 from aotgen.package.perplexity import measure_perplexity
 from aotgen.package.weights import save_constants
 from aotgen.passes.fuse import FuseLinearsPass
@@ -121,6 +121,8 @@ def _build(
     out = project.artifacts_dir / recipe.name
     report = BuildReport(recipe.name, out)
     inputs = read_inputs(recipe, project)
+    if "onnx" in recipe.formats:
+        _onnx_export()  # a missing optional package fails now, not after the compiles
     if not force and up_to_date(out, inputs.digest):
         report.up_to_date = True
         report.package_bytes = _tree_bytes(out)
@@ -278,9 +280,39 @@ def _write_package(
     tok_dir.mkdir()
     for f in inputs.ckpt.tokenizer_files:
         shutil.copy2(f, tok_dir / f.name)
+    _write_onnx(tmp, plan, compiled, inputs.recipe)
     manifest = _manifest(inputs, plan, compiled, pt2.relative_to(tmp).as_posix(), ranks)
     write_manifest(tmp, manifest)
     return manifest, weight_bytes
+
+
+def _onnx_export() -> Any:
+    """export/onnx.py, or a recipe error naming the optional packages it needs."""
+    try:
+        from aotgen.export import onnx
+    except ImportError as e:
+        raise RecipeError(
+            f"formats onnx needs the optional onnx and onnxscript packages ({e}): "
+            "pip install 'aotgen[onnx]'"
+        ) from None
+    return onnx
+
+
+def _write_onnx(tmp: Path, plan: _Models, compiled: _Compiled, recipe: Recipe) -> None:
+    """`formats: [aoti, onnx]`: every model's graphs as ONNX too, from the float model (a
+    quantized package's ONNX graphs keep float weights: docs/onnx.md)."""
+    if "onnx" not in recipe.formats:
+        return
+    onnx = _onnx_export()
+    for mb in plan.models:
+        cache = recipe_kv_cache(mb.config, recipe)
+        entry = onnx.export_model(tmp, mb.role, mb.model, mb.graphs, cache)
+        compiled.entries[mb.role]["onnx"] = entry
+        if mb.quantizer:
+            compiled.notes.append(
+                f"{mb.role}: ONNX graphs keep float32 weights (the quantized kernels are "
+                "AOTInductor-only)"
+            )
 
 
 def _write_weights(

@@ -173,9 +173,13 @@ def _check_structure(manifest: dict[str, Any], path: Path) -> None:
 
 def referenced_files(manifest: dict[str, Any]) -> list[str]:
     """Every package-relative path the runtimes open: the compiled package, the weights
-    files (per rank for tensor parallel) and the tokenizer files."""
+    files (per rank for tensor parallel), the ONNX graphs and their data, and the tokenizer
+    files."""
     refs = [manifest["package"]]
     refs += [m["weights"]["file"] for m in manifest["models"].values()]
+    for m in manifest["models"].values():
+        if "onnx" in m:  # formats: [aoti, onnx]
+            refs += [*m["onnx"]["graphs"].values(), m["onnx"]["data"]]
     for rank in manifest.get("ranks", []):
         refs.append(rank["package"])
         refs += [w["file"] for w in rank["weights"].values()]

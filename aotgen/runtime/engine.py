@@ -22,6 +22,7 @@ from torch import Tensor
 
 from aotgen.package.manifest import PackageError, verify_package
 from aotgen.package.weights import is_padding
+from aotgen.runtime.onnx_backend import BACKENDS, onnx_graphs
 from aotgen.runtime.proposers import (
     DraftOrLookupProposer,
     DraftProposer,
@@ -128,27 +129,17 @@ class ModelRunner:
         entry: dict[str, Any],
         target_caches: list[Tensor] | None = None,
         device: str = "cpu",
+        backend: str = "aoti",
     ):
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
         self.config = entry["config"]
         self.vocab_size = self.config["vocab_size"]
-        # The builder aligns every tensor to 64 bytes in the file (package/weights.py), so the
-        # kernels run on the mapping in place; a misaligned tensor is copied, since misaligned
-        # AVX-512 loads made decode 2.5x slower.
-        weights = {
-            name: t.clone() if t.data_ptr() % 64 else t
-            for name, t in load_file(str(root / entry["weights"]["file"]), str(self.device)).items()
-            if not is_padding(name)
-        }
-        for alias, name in entry["weights"]["aliases"].items():
-            weights[alias] = weights[name]
-        self.weights = weights  # keep alive: the graphs use these tensors in place
-        self.graphs = {
-            name: CompiledGraph(pt2, sig["package_model"], sig, self.device)
-            for name, sig in entry["graphs"].items()
-        }
-        for g in self.graphs.values():
-            g.bind(weights)
+        if backend == "onnxruntime":
+            # ORT reads the ONNX graphs' own weights file; no AOTInductor code is loaded.
+            self.weights: dict[str, Tensor] = {}
+            self.graphs = onnx_graphs(root, entry, "target" if target_caches is None else "draft")
+        else:
+            self.weights, self.graphs = self._aoti_graphs(root, pt2, entry)
         kv = entry["kv_cache"]
         self.cache_len = kv["cache_len"]
         dtype = getattr(torch, kv["dtype"])
@@ -162,6 +153,28 @@ class ModelRunner:
         # A draft on the target's cache only ever decodes: it is built without a prefill graph.
         self.prefill_chunk = self.graphs["prefill"].max_tokens if "prefill" in self.graphs else 1
         self.verify_len = self.graphs["verify"].max_tokens if "verify" in self.graphs else 0
+
+    def _aoti_graphs(
+        self, root: Path, pt2: Path, entry: dict[str, Any]
+    ) -> tuple[dict[str, Tensor], dict[str, CompiledGraph]]:
+        """The weights, loaded once, and the AOTInductor graphs bound to them."""
+        # The builder aligns every tensor to 64 bytes in the file (package/weights.py), so the
+        # kernels run on the mapping in place; a misaligned tensor is copied, since misaligned
+        # AVX-512 loads made decode 2.5x slower.
+        weights = {
+            name: t.clone() if t.data_ptr() % 64 else t
+            for name, t in load_file(str(root / entry["weights"]["file"]), str(self.device)).items()
+            if not is_padding(name)
+        }
+        for alias, name in entry["weights"]["aliases"].items():
+            weights[alias] = weights[name]
+        graphs = {
+            name: CompiledGraph(pt2, sig["package_model"], sig, self.device)
+            for name, sig in entry["graphs"].items()
+        }
+        for g in graphs.values():
+            g.bind(weights)
+        return weights, graphs  # keep the weights alive: the graphs use them in place
 
     def forward(self, tokens: list[int], start_pos: int, all_logits: bool = False) -> Tensor:
         """Run `tokens` at positions start_pos.. through the fitting graph(s).
@@ -296,18 +309,29 @@ class Engine:
         root: Path | None = None,
         manifest: dict[str, Any] | None = None,
         load_s: float = 0.0,
+        backend: str = "aoti",
     ):
         self.tokenizer, self.target, self.draft = tokenizer, target, draft
         self.max_seq_len, self.verify_k = max_seq_len, verify_k
         self.root, self.manifest, self.load_s = root, manifest or {}, load_s
+        self.backend = backend  # "aoti" or "onnxruntime": which graphs run
         # One KV cache, so one request at a time: concurrent generate() calls queue here.
         self._lock = threading.Lock()
 
     @classmethod
-    def load(cls, path: str | Path, threads: int | None = None, verify: bool = True) -> Engine:
-        """Verify the manifest (hashes, torch version, ISA) first, then load native code."""
+    def load(
+        cls,
+        path: str | Path,
+        threads: int | None = None,
+        verify: bool = True,
+        backend: str = "aoti",
+    ) -> Engine:
+        """Verify the manifest (hashes, torch version, ISA) first, then load native code:
+        the AOTInductor graphs, or with `backend="onnxruntime"` the package's ONNX graphs."""
         t0 = time.perf_counter()
         root = Path(path)
+        if backend not in BACKENDS:
+            raise PackageError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
         manifest = verify_package(root, check_hashes=verify)
         if manifest.get("world_size", 1) != 1:
             raise PackageError(
@@ -320,9 +344,9 @@ class Engine:
         pt2 = root / manifest["package"]
         models = manifest["models"]
         device = manifest["target"]["device"]
-        target = ModelRunner(root, pt2, models["target"], device=device)
+        target = ModelRunner(root, pt2, models["target"], device=device, backend=backend)
         draft = (
-            ModelRunner(root, pt2, models["draft"], target.caches, device)
+            ModelRunner(root, pt2, models["draft"], target.caches, device, backend)
             if "draft" in models
             else None
         )
@@ -335,6 +359,7 @@ class Engine:
             root,
             manifest,
             time.perf_counter() - t0,
+            backend,
         )
 
     # ---- prompts -------------------------------------------------------------------------

@@ -1,0 +1,143 @@
+"""ONNX export: a model's prefill / decode / verify graphs as ONNX models for ONNX Runtime.
+
+Each graph takes the AOTInductor graphs' inputs, `(tokens [1, T], input_pos [T], kv_0 ..
+kv_{2L-1})`, and returns `(logits, kv_out_0 .. kv_out_{2L-1})`: ONNX has no in-place update
+of an input, so every cache also comes back as an output. The cache write is one
+`ScatterElements` along the position axis per cache (a custom translation of
+`aten.index_copy`; the default one transposes the whole cache twice per layer), so a runtime
+that binds one buffer as both a cache input and its output gets the update in place
+(runtime/onnx_backend.py, docs/onnx.md).
+
+Weights are float: the graphs are exported from the model before the quantize pass, whose
+int8/int4 kernels are aotgen's own CPU ops with no ONNX equivalent here. All graphs of a
+model share one external-data file in which each distinct tensor is stored once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import onnx
+import torch
+from onnxscript import opset18 as op
+from torch import Tensor, nn
+
+from aotgen.export.aoti import GraphSpec, dynamic_shapes, example_inputs
+from aotgen.model.llama import Transformer
+
+ONNX_DIR = "onnx"
+# Tensors smaller than this stay inside each graph file (scalars, shapes); the rest go to the
+# shared data file, aligned so a reader may map them in place.
+EXTERNAL_MIN_BYTES = 1024
+DATA_ALIGN = 4096
+
+
+class _CachesOut(nn.Module):
+    """The model with its cache writes made outputs: export sees a copy updated and returned."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, tokens: Tensor, input_pos: Tensor, caches: list[Tensor]
+    ) -> tuple[Tensor, list[Tensor]]:
+        caches = [c.clone() for c in caches]
+        return self.model(tokens, input_pos, caches), caches
+
+
+def _index_copy(self, dim: int, index, source):
+    """`cache.index_copy(2, positions, new)` as one ScatterElements on the position axis of
+    a `[1, kv_heads, cache_len, head_dim]` cache (the model's only index_copy)."""
+    positions = op.Reshape(index, op.Constant(value_ints=[1, 1, -1, 1]))
+    return op.ScatterElements(self, op.Expand(positions, op.Shape(source)), source, axis=dim)
+
+
+def export_onnx(model: nn.Module, spec: GraphSpec, caches: list[Tensor]) -> onnx.ModelProto:
+    """One graph of `model` as an ONNX model, weights inline (export_model moves them out)."""
+    n = len(caches)
+    # torch.onnx.export runs torch.export itself, so the model sees is_in_onnx_export()
+    # (model/layers.py picks its decode attention by it).
+    with warnings.catch_warnings(), _quiet_exporter():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            _CachesOut(model),
+            example_inputs(spec, caches),
+            dynamic_shapes=dynamic_shapes(spec, caches),
+            dynamo=True,
+            optimize=True,
+            verbose=False,
+            input_names=["tokens", "input_pos", *(f"kv_{i}" for i in range(n))],
+            output_names=["logits", *(f"kv_out_{i}" for i in range(n))],
+            custom_translation_table={torch.ops.aten.index_copy.default: _index_copy},
+        )
+    return program.model_proto
+
+
+@contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """The exporter logs a warning per torchvision op it cannot register: not ours to show."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _externalize(tensor: onnx.TensorProto, data, data_name: str, stored: dict) -> None:
+    """Point `tensor` at its bytes in the data file, appending them if not stored yet."""
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        raise ValueError(f"initializer {tensor.name} is already external")
+    raw = tensor.raw_data or onnx.numpy_helper.to_array(tensor).tobytes()
+    if len(raw) < EXTERNAL_MIN_BYTES:
+        return
+    key = (tensor.data_type, tuple(tensor.dims), hashlib.sha256(raw).hexdigest())
+    if key not in stored:
+        data.write(b"\0" * (-data.tell() % DATA_ALIGN))
+        stored[key] = (data.tell(), len(raw))
+        data.write(raw)
+    offset, length = stored[key]
+    for field in ("float_data", "int32_data", "int64_data", "double_data"):
+        tensor.ClearField(field)
+    tensor.raw_data = raw  # set_external_data insists on it; cleared just after
+    onnx.external_data_helper.set_external_data(tensor, data_name, offset, length)
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    tensor.ClearField("raw_data")
+
+
+def export_model(
+    out: Path, role: str, model: Transformer, graphs: list[GraphSpec], caches: list[Tensor]
+) -> dict[str, Any]:
+    """Every graph of one model as ONNX in `out/ONNX_DIR`, with the weights in one data file
+    shared by the graphs, each distinct tensor once; every file checked with `onnx.checker`.
+    One graph is in memory at a time. Returns the model's manifest entry."""
+    folder = out / ONNX_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    data_name = f"{role}.onnx.data"
+    stored: dict[tuple, tuple[int, int]] = {}  # (dtype, dims, sha256) -> (offset, length)
+    files = {}
+    with open(folder / data_name, "wb") as data, torch.no_grad():
+        for spec in graphs:
+            proto = export_onnx(model, spec, caches)
+            for tensor in proto.graph.initializer:
+                _externalize(tensor, data, data_name, stored)
+            path = folder / f"{role}-{spec.name}.onnx"
+            path.write_bytes(proto.SerializeToString())
+            files[spec.name] = f"{ONNX_DIR}/{path.name}"
+    for rel in files.values():
+        onnx.checker.check_model(str(out / rel))
+    return {
+        "graphs": files,
+        "data": f"{ONNX_DIR}/{data_name}",
+        "inputs": ["tokens", "input_pos", "kv_0..kv_N"],
+        "outputs": ["logits", "kv_out_0..kv_out_N (bind each to its kv_i buffer)"],
+        "weights": "float32",
+    }
