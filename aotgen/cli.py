@@ -295,6 +295,16 @@ def run(
         typer.Option(help="shortest lookup match (default: 1; 3 with --speculative too)"),
     ] = None,
     ngram_max: Annotated[int, typer.Option(help="longest lookup match tried first")] = 4,
+    draft_parallel: Annotated[
+        int | None,
+        typer.Option(
+            help="tree drafting: up to N sequences (llama.cpp's n_parallel), scored in one "
+            "tree-graph call; needs a package built with tree_nodes"
+        ),
+    ] = None,
+    p_split: Annotated[
+        float, typer.Option(help="tree drafting: branch where an alternative's probability > P")
+    ] = 0.1,
     threads: Annotated[
         int | None, typer.Option(help="intra-op threads, >= 1 (default: aotgen.toml's)")
     ] = None,
@@ -319,6 +329,7 @@ def run(
     from aotgen.runtime import distributed
     from aotgen.runtime.engine import GenerationConfig
     from aotgen.runtime.sampling import SamplingParams
+    from aotgen.runtime.tree_draft import TreeParams
 
     given = [x for x in (prompt, prompt_file, chat) if x is not None]
     if len(given) != 1:
@@ -331,6 +342,9 @@ def run(
     _at_least("--k", k)
     _at_least("--ngram-min", ngram_min)
     _at_least("--ngram-max", ngram_max)
+    _at_least("--draft-parallel", draft_parallel)
+    if not 0.0 <= p_split <= 1.0:
+        raise CliError(f"--p-split must be in 0..1, got {p_split}")
     if ngram_min is not None and ngram_min > ngram_max:
         raise CliError(
             f"--ngram-min ({ngram_min}) must be <= --ngram-max ({ngram_max}); the lookup tries "
@@ -374,6 +388,7 @@ def run(
         adaptive_k=adaptive_k,
         ngram_min=ngram_min,
         ngram_max=ngram_max,
+        tree=TreeParams(draft_parallel, p_split) if draft_parallel else None,
     )
     stream = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = engine.generate(ids, cfg, on_text=stream)
@@ -393,6 +408,8 @@ def run(
         lookups = (
             f", n-gram proposed {s.lookup_steps} of {s.steps}" if mode == "draft+ngram" else ""
         )
+        if cfg.tree:
+            lookups += f", tree nodes {s.tree_nodes}, a branch won {s.branch_steps} steps"
         console.print(
             f"[dim]speculative ({mode}): drafted {s.drafted}, accepted {s.accepted}, "
             f"acceptance {s.acceptance_rate:.2f}, mean accepted length "

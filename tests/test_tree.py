@@ -253,3 +253,87 @@ def test_tree_needs_a_tree_graph(tree_engines, tiny_checkpoint):
         _generate(engine, ids, speculative="ngram", tree=TreeParams())
     with pytest.raises(GenerationError, match="speculative mode"):
         _generate(tree_engines["own"], ids, tree=TreeParams())
+
+
+# ---- a compiled package with the tree graph ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tree_package(tiny_checkpoint, project) -> Path:
+    """The tiny target, its first layer as a shared-cache draft, and a 8-row tree graph."""
+    from conftest import TINY_RECIPE
+
+    from aotgen.package.build import build
+    from aotgen.recipe import parse_recipe
+
+    data = {
+        "checkpoint": str(tiny_checkpoint),
+        **TINY_RECIPE,
+        "tree_nodes": 8,
+        "speculative": {"draft": {"layers": 1}},
+    }
+    return build(parse_recipe(data, "tiny-tree", Path(".")), project).path
+
+
+def test_compiled_tree_greedy_equals_plain(tree_package):
+    from aotgen.package.manifest import verify_package
+    from aotgen.runtime.engine import Engine
+    from aotgen.runtime.tree_draft import TreeParams
+
+    graphs = verify_package(tree_package)["models"]["target"]["graphs"]
+    assert graphs["tree"]["inputs"][-1] == {"name": "tree_mask", "shape": [8, 8], "dtype": "bool"}
+    engine = Engine.load(tree_package)
+    for mode in ("ngram", "draft", "draft+ngram"):
+        branch_steps = 0
+        for prompt in PROMPTS:
+            ids = engine.tokenizer.encode(prompt)
+            plain = _generate(engine, ids).token_ids
+            for tree in (TreeParams(1), TreeParams(4, 0.1), TreeParams(8, 0.0)):
+                spec = _generate(engine, ids, speculative=mode, k=4, tree=tree)
+                assert spec.token_ids == plain, (prompt, mode, tree)
+                branch_steps += spec.spec.branch_steps
+        if mode != "ngram":
+            assert branch_steps > 0, mode
+
+
+def test_compiled_tree_sampling_matches_plain(tree_package):
+    from test_speculative import _chi_square_same, _samples
+
+    from aotgen.runtime.engine import Engine
+    from aotgen.runtime.tree_draft import TreeParams
+
+    engine = Engine.load(tree_package)
+    ids = engine.tokenizer.encode(PROMPTS[1])
+    n, position = 600, 2
+    plain = _samples(engine, ids, n, position)
+    tree = TreeParams(4, 0.05)
+    spec = _samples(engine, ids, n, position, speculative="draft", k=4, tree=tree)
+    stat, dof, crit = _chi_square_same(plain, spec)
+    assert dof >= 2 and stat < crit, (stat, dof, crit)
+
+
+def test_package_without_tree_graph_refuses_tree_mode(tiny_package):
+    """An older package (no tree graph): one clear line from the CLI, no traceback."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "aotgen", "run", str(tiny_package), "--prompt", PROMPTS[0]]
+    cmd += ["--lookup", "ngram", "--draft-parallel", "4", "--max-new-tokens", "4"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "has no tree verify graph" in out.stderr and "tree_nodes" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "tree_nodes, match",
+    [(1, "tree_nodes must be 0"), (33, "tree_nodes must be 0"), (True, "tree_nodes must be 0")],
+)
+def test_tree_nodes_is_checked(tree_nodes, match):
+    from aotgen.recipe import RecipeError, parse_recipe
+
+    with pytest.raises(RecipeError, match=match):
+        parse_recipe({"checkpoint": "c", "tree_nodes": tree_nodes}, "r", Path("."))
+    with pytest.raises(RecipeError, match="not supported with `parallel`"):
+        parse_recipe(
+            {"checkpoint": "c", "tree_nodes": 8, "parallel": {"tensor": 2}}, "r", Path(".")
+        )
