@@ -518,6 +518,10 @@ def bench(
         bool, typer.Option(help="plain vs n-gram vs draft speculative decode, in one run")
     ] = False,
     k: Annotated[int | None, typer.Option(help="draft length for --speculative")] = None,
+    draft_parallel: Annotated[
+        int, typer.Option(help="tree rows of --speculative (packages with tree_nodes): N")
+    ] = 4,
+    p_split: Annotated[float, typer.Option(help="tree rows: the branch threshold")] = 0.1,
     llama_cpp: Annotated[
         list[Path] | None,
         typer.Option(
@@ -545,6 +549,9 @@ def bench(
         _at_least(option, value)
     _at_least("--runs", runs)
     _at_least("--k", k)
+    _at_least("--draft-parallel", draft_parallel)
+    if not 0.0 <= p_split <= 1.0:
+        raise CliError(f"--p-split must be in 0..1, got {p_split}")
     threads = _threads(threads)
     report: dict[str, Any] = {"threads": threads, "isa": _isa()}
     if llama_lookup and not speculative:
@@ -553,7 +560,9 @@ def bench(
         raise CliError(f"--llama-lookup {llama_lookup}: no such GGUF file")
     if speculative:
         report["speculative"] = [
-            _bench_speculative(p, gen_tokens, k, threads, runs, as_json, llama_lookup)
+            _bench_speculative(
+                p, gen_tokens, k, threads, runs, as_json, llama_lookup, (draft_parallel, p_split)
+            )
             for p in packages
         ]
         if as_json:
@@ -655,10 +664,14 @@ def _bench_speculative(
     rounds: int,
     as_json: bool,
     llama_lookup: Path | None,
+    tree: tuple[int, float] = (4, 0.1),
 ) -> dict[str, Any]:
     from aotgen.bench import bench_speculative
+    from aotgen.runtime.tree_draft import TreeParams
 
-    rows, costs = bench_speculative(package, max(gen_tokens, 96), k, threads, rounds, llama_lookup)
+    rows, costs = bench_speculative(
+        package, max(gen_tokens, 96), k, threads, rounds, llama_lookup, TreeParams(*tree)
+    )
     if as_json:
         return {"package": package.name, "rows": [dataclasses.asdict(r) for r in rows], **costs}
     plain = {r.task: r for r in rows if r.mode == "plain"}
@@ -673,6 +686,7 @@ def _bench_speculative(
         "acceptance",
         "tok/step",
         "by position",
+        "branch won",
         "same text",
     ):
         table.add_column(col)
@@ -688,6 +702,7 @@ def _bench_speculative(
             "" if r.mode == "plain" else f"{r.acceptance:.3f}",
             "" if r.mode == "plain" else f"{r.mean_accepted_length:.2f}",
             by_pos,
+            f"{r.branch_steps}/{r.steps}" if r.mode.endswith(" tree") else "",
             {True: "yes", False: "no (near-tie)", None: ""}[r.same_as_plain],
         )
     _wide_console().print(table)
@@ -705,6 +720,8 @@ def _bench_speculative(
     line = f"decode step {d:.2f} ms · verify step {v:.2f} ms (v = {v / d:.2f})"
     if "draft_ms" in costs:
         line += f" · draft step {costs['draft_ms']:.2f} ms (c = {costs['draft_ms'] / d:.2f})"
+    if "tree_ms" in costs:
+        line += f" · tree step {costs['tree_ms']:.2f} ms ({costs['tree_ms'] / d:.2f})"
     line += "\nend to end: prompt prefill included (the same in every mode); " + _cpu_line(threads)
     _wide_console().print(line)
     return {"package": package.name, "rows": [dataclasses.asdict(r) for r in rows], **costs}

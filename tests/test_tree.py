@@ -337,3 +337,26 @@ def test_tree_nodes_is_checked(tree_nodes, match):
         parse_recipe(
             {"checkpoint": "c", "tree_nodes": 8, "parallel": {"tensor": 2}}, "r", Path(".")
         )
+
+
+def test_bench_has_tree_rows(tree_package, tmp_path, monkeypatch):
+    """`aotgen bench --speculative` on a package with a tree graph: a tree row per mode,
+    each with plain greedy's output, and the tree step's cost."""
+    from aotgen import bench
+
+    prompts = {
+        "chat": ["the cat sat"],
+        "grounded": ["Repeat: {text}"],
+        "grounded_text": "a b c a b",
+    }
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    monkeypatch.setattr(bench, "PROMPTS_FILE", tmp_path / "prompts.json")
+    rows, costs = bench.bench_speculative(tree_package, max_new_tokens=8, rounds=1)
+    modes = ["ngram", "draft", "draft+ngram"]
+    assert [r.mode for r in rows if r.task == "chat"] == [
+        "plain",
+        *modes,
+        *(f"{m} tree" for m in modes),
+    ]
+    assert all(r.same_as_plain for r in rows)
+    assert costs["tree_ms"] > 0
