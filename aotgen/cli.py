@@ -429,6 +429,8 @@ def _run_json(load_s: float, prompt_ids: list[int], result: Any, mode: str | Non
             "accepted": s.accepted,
             "steps": s.steps,
             "lookup_steps": s.lookup_steps,
+            "tree_nodes": s.tree_nodes,
+            "branch_steps": s.branch_steps,
             "acceptance_rate": s.acceptance_rate,
             "mean_accepted_length": s.mean_accepted_length,
             "acceptance_rate_by_position": s.acceptance_rate_by_position,

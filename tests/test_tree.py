@@ -360,3 +360,68 @@ def test_bench_has_tree_rows(tree_package, tmp_path, monkeypatch):
     ]
     assert all(r.same_as_plain for r in rows)
     assert costs["tree_ms"] > 0
+
+
+@pytest.mark.cpp
+@pytest.mark.parametrize(
+    "mode, flags",
+    [
+        ("ngram", ["--lookup", "ngram"]),
+        ("draft", ["--speculative"]),
+        ("draft+ngram", ["--speculative", "--lookup", "ngram"]),
+    ],
+)
+def test_cpp_tree_speculation_gives_pythons_ids(run_bin, tree_package, mode, flags):
+    """aotgen-run --draft-parallel: the same ids and counts as the Python runtime, greedy and
+    sampled (same drafting order, same random draws), and greedy equals plain."""
+    from test_cpp_runtime import cpp_generate, sampling_args
+
+    from aotgen.runtime.engine import Engine, GenerationConfig
+    from aotgen.runtime.sampling import SamplingParams
+    from aotgen.runtime.tree_draft import TreeParams
+
+    engine = Engine.load(tree_package)
+    tree = TreeParams(4, 0.05)
+    tree_flags = ["--draft-parallel", "4", "--p-split", "0.05", "--k", "4"]
+    nodes = 0
+    for prompt in PROMPTS:
+        ids = engine.tokenizer.encode(prompt)
+        common = ["--max-new-tokens", str(N_TOKENS), "--ignore-eos"]
+        for params in (SamplingParams(), SamplingParams(temperature=0.9, top_k=40, seed=7)):
+            cfg = GenerationConfig(
+                max_new_tokens=N_TOKENS,
+                ignore_eos=True,
+                sampling=params,
+                speculative=mode,
+                k=4,
+                tree=tree,
+            )
+            ref = engine.generate(ids, cfg)
+            got = cpp_generate(
+                run_bin, tree_package, ids, *common, *sampling_args(params), *flags, *tree_flags
+            )
+            assert got["ids"] == ref.token_ids, (prompt, params)
+            for key in ("drafted", "accepted", "lookup_steps", "tree_nodes", "branch_steps"):
+                assert got["spec"][key] == getattr(ref.spec, key), key
+            if params.greedy:
+                assert got["ids"] == _plain(engine, prompt)
+            nodes += got["spec"]["tree_nodes"]
+    assert nodes > 0
+
+
+@pytest.mark.cpp
+def test_cpp_package_without_tree_graph_refuses_tree_mode(run_bin, tiny_package):
+    from test_cpp_runtime import assert_fails, run
+
+    proc = run(
+        run_bin,
+        tiny_package,
+        "--prompt",
+        "a b",
+        "--lookup",
+        "ngram",
+        "--draft-parallel",
+        "2",
+        check=False,
+    )
+    assert_fails(proc, "has no tree verify graph")
