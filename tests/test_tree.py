@@ -422,6 +422,8 @@ def test_cpp_package_without_tree_graph_refuses_tree_mode(run_bin, tiny_package)
         "ngram",
         "--draft-parallel",
         "2",
+        "--max-new-tokens",
+        "4",
         check=False,
     )
     assert_fails(proc, "has no tree verify graph")
