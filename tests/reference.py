@@ -60,6 +60,7 @@ class EagerRunner(EagerModel):
     @torch.no_grad()
     def tree_forward(self, tree, start: int) -> torch.Tensor:
         """The tree graph's contract, eagerly: unpadded, node i at slot start + i."""
+        assert len(tree) <= self.tree_len, f"a tree of {len(tree)} nodes, {self.tree_len} rows"
         positions = start + torch.tensor(tree.depths)
         return self.model(torch.tensor([tree.tokens]), positions, self.caches, tree.mask())[0]
 

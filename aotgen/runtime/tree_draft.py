@@ -189,9 +189,10 @@ class TreeLookupProposer:
                     if f.token != chain[j - 1] and f.count > self.tree_params.p_split * total
                 ]
             )
-        for j, tok, _ in plan_branches(options, self.tree_params, budget - len(tree)):
-            node = tree.add(j - 1, tok)
-            rest = self._continue(tail + chain[: j - 1] + [tok], k - j)
+        branches = plan_branches(options, self.tree_params, budget - len(tree))
+        firsts = [(j, tree.add(j - 1, tok)) for j, tok, _ in branches]  # each gets its row
+        for j, node in firsts:
+            rest = self._continue(tail + chain[: j - 1] + [tree.tokens[node]], k - j)
             for t in rest[: budget - len(tree)]:
                 node = tree.add(node, t)
         return tree

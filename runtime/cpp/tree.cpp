@@ -163,12 +163,15 @@ class TreeLookupProposer final : public TreeProposer {
       }
       options.push_back(std::move(opts));
     }
+    std::vector<std::pair<int64_t, int64_t>> firsts;  // (depth, node): each gets its row
     for (const auto& b : plan_branches(options, tree_, budget - tree.size())) {
-      int64_t node = tree.add(b.depth - 1, b.token);
+      firsts.emplace_back(b.depth, tree.add(b.depth - 1, b.token));
+    }
+    for (auto [depth, node] : firsts) {
       std::vector<int64_t> context = tail;
-      context.insert(context.end(), chain.begin(), chain.begin() + (b.depth - 1));
-      context.push_back(b.token);
-      const auto rest = follow(context, k - b.depth);
+      context.insert(context.end(), chain.begin(), chain.begin() + (depth - 1));
+      context.push_back(tree.tokens[node]);
+      const auto rest = follow(context, k - depth);
       const int64_t room = budget - tree.size();
       for (int64_t i = 0; i < std::min<int64_t>(room, static_cast<int64_t>(rest.size())); ++i) {
         node = tree.add(node, rest[i]);
