@@ -22,6 +22,8 @@ import torch
 from aotgen.runtime.engine import Engine, GenerationConfig, GenerationResult
 from aotgen.runtime.onnx_backend import onnx_weight_bytes
 from aotgen.runtime.sampling import SamplingParams
+from aotgen.runtime.tree import Tree
+from aotgen.runtime.tree_draft import TreeParams
 
 
 def measure_bandwidth(mbytes: int = 512, runs: int = 5, device: str = "cpu") -> float:
@@ -233,6 +235,9 @@ def step_costs(engine: Engine, reps: int = 20) -> dict[str, float]:
     costs["decode_ms"] = median_ms(lambda: t.decode(5, len(prompt)))
     block = [5] * (engine.verify_k + 1)
     costs["verify_ms"] = median_ms(lambda: t.forward(block, len(prompt), all_logits=True))
+    if getattr(t, "tree_len", 0):  # a full tree-graph call (its rows are padded anyway)
+        tree = Tree([5] * t.tree_len, [-1] + list(range(t.tree_len - 1)), [None] * t.tree_len)
+        costs["tree_ms"] = median_ms(lambda: t.tree_forward(tree, len(prompt)))
     if engine.draft is not None:
         d = engine.draft
         d.forward(prompt, 0)
@@ -291,6 +296,8 @@ class SpecBenchRow:
     mean_accepted_length: float = float("nan")
     by_position: list[float] | None = None
     same_as_plain: bool | None = True  # None: not compared (llama.cpp's own runs)
+    branch_steps: int = 0  # tree modes: steps whose accepted path left the main chain
+    steps: int = 0
 
 
 def bench_speculative(
@@ -300,12 +307,14 @@ def bench_speculative(
     threads: int | None = None,
     rounds: int = 3,
     llama_lookup: Path | None = None,
+    tree: TreeParams | None = None,
 ) -> tuple[list[SpecBenchRow], dict[str, float]]:
     """Plain vs speculative greedy decode in one run, on chat prompts and on two input-grounded
     copy/edit prompts (a row each): n-gram lookup, and with a draft in the package the draft
     alone and the draft behind lookup (draft+ngram), all on the same loaded package. With
     `llama_lookup` (a GGUF of the same weights), llama.cpp's `llama-lookup` runs the grounded
-    prompts too, with the same draft length.
+    prompts too, with the same draft length. A package with a tree graph adds each
+    speculative mode as a tree (`tree`, default TreeParams()).
 
     The modes take turns on each prompt (plain, n-gram, draft, ..., then the next prompt), for
     `rounds` passes over the prompts, so the machine's speed, which can drift by tens of
@@ -320,13 +329,8 @@ def bench_speculative(
     tasks = {"chat": [engine.chat_ids(p) for p in prompts["chat"]]}
     for i, template in enumerate(prompts["grounded"], 1):
         tasks[f"grounded {i}"] = [engine.chat_ids(template.format(text=prompts["grounded_text"]))]
-    modes = ["plain", "ngram"] + (["draft", "draft+ngram"] if engine.draft is not None else [])
-    configs = {
-        mode: GenerationConfig(
-            max_new_tokens=max_new_tokens, speculative=None if mode == "plain" else mode, k=k
-        )
-        for mode in modes
-    }
+    configs = speculative_configs(engine, max_new_tokens, k, tree)
+    modes = list(configs)
     rows = []
     for task, prompt_ids in tasks.items():
         for cfg in configs.values():
@@ -346,6 +350,23 @@ def bench_speculative(
         if lookups:
             rows.append(_lookup_row(task, lookups))
     return rows, step_costs(engine)
+
+
+def speculative_configs(
+    engine: Engine, max_new_tokens: int, k: int | None, tree: TreeParams | None
+) -> dict[str, GenerationConfig]:
+    """The benched modes: plain, n-gram, the draft ones, and with a tree graph in the package
+    each speculative mode again as a tree ("<mode> tree", `tree` or the default TreeParams)."""
+    modes = ["ngram"] + (["draft", "draft+ngram"] if engine.draft is not None else [])
+    configs = {"plain": GenerationConfig(max_new_tokens=max_new_tokens)}
+    for mode in modes:
+        configs[mode] = GenerationConfig(max_new_tokens=max_new_tokens, speculative=mode, k=k)
+    if getattr(engine.target, "tree_len", 0):
+        for mode in modes:
+            configs[f"{mode} tree"] = GenerationConfig(
+                max_new_tokens=max_new_tokens, speculative=mode, k=k, tree=tree or TreeParams()
+            )
+    return configs
 
 
 def _lookup_row(task: str, runs: list[LookupRun]) -> SpecBenchRow:
@@ -378,6 +399,7 @@ def _spec_row(
     drafted = sum(s.drafted for s in stats)
     accepted = sum(s.accepted for s in stats)
     steps = sum(s.steps for s in stats)
+    row.steps, row.branch_steps = steps, sum(s.branch_steps for s in stats)
     row.acceptance = accepted / max(drafted, 1)
     row.mean_accepted_length = (accepted + steps) / max(steps, 1)
     width = max(len(s.accepted_by_position) for s in stats)

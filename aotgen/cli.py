@@ -308,6 +308,16 @@ def run(
         typer.Option(help="shortest lookup match (default: 1; 3 with --speculative too)"),
     ] = None,
     ngram_max: Annotated[int, typer.Option(help="longest lookup match tried first")] = 4,
+    draft_parallel: Annotated[
+        int | None,
+        typer.Option(
+            help="tree drafting: up to N sequences (llama.cpp's n_parallel), scored in one "
+            "tree-graph call; needs a package built with tree_nodes"
+        ),
+    ] = None,
+    p_split: Annotated[
+        float, typer.Option(help="tree drafting: branch where an alternative's probability > P")
+    ] = 0.1,
     threads: Annotated[
         int | None, typer.Option(help="intra-op threads, >= 1 (default: aotgen.toml's)")
     ] = None,
@@ -333,6 +343,7 @@ def run(
     from aotgen.runtime import distributed
     from aotgen.runtime.engine import Engine, GenerationConfig
     from aotgen.runtime.sampling import SamplingParams
+    from aotgen.runtime.tree_draft import TreeParams
 
     given = [x for x in (prompt, prompt_file, chat) if x is not None]
     if len(given) != 1:
@@ -345,6 +356,9 @@ def run(
     _at_least("--k", k)
     _at_least("--ngram-min", ngram_min)
     _at_least("--ngram-max", ngram_max)
+    _at_least("--draft-parallel", draft_parallel)
+    if not 0.0 <= p_split <= 1.0:
+        raise CliError(f"--p-split must be in 0..1, got {p_split}")
     if ngram_min is not None and ngram_min > ngram_max:
         raise CliError(
             f"--ngram-min ({ngram_min}) must be <= --ngram-max ({ngram_max}); the lookup tries "
@@ -397,6 +411,7 @@ def run(
         adaptive_k=adaptive_k,
         ngram_min=ngram_min,
         ngram_max=ngram_max,
+        tree=TreeParams(draft_parallel, p_split) if draft_parallel else None,
     )
     stream = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = engine.generate(ids, cfg, on_text=stream)
@@ -416,6 +431,8 @@ def run(
         lookups = (
             f", n-gram proposed {s.lookup_steps} of {s.steps}" if mode == "draft+ngram" else ""
         )
+        if cfg.tree:
+            lookups += f", tree nodes {s.tree_nodes}, a branch won {s.branch_steps} steps"
         console.print(
             f"[dim]speculative ({mode}): drafted {s.drafted}, accepted {s.accepted}, "
             f"acceptance {s.acceptance_rate:.2f}, mean accepted length "
@@ -435,6 +452,8 @@ def _run_json(load_s: float, prompt_ids: list[int], result: Any, mode: str | Non
             "accepted": s.accepted,
             "steps": s.steps,
             "lookup_steps": s.lookup_steps,
+            "tree_nodes": s.tree_nodes,
+            "branch_steps": s.branch_steps,
             "acceptance_rate": s.acceptance_rate,
             "mean_accepted_length": s.mean_accepted_length,
             "acceptance_rate_by_position": s.acceptance_rate_by_position,
@@ -524,6 +543,10 @@ def bench(
         bool, typer.Option(help="plain vs n-gram vs draft speculative decode, in one run")
     ] = False,
     k: Annotated[int | None, typer.Option(help="draft length for --speculative")] = None,
+    draft_parallel: Annotated[
+        int, typer.Option(help="tree rows of --speculative (packages with tree_nodes): N")
+    ] = 4,
+    p_split: Annotated[float, typer.Option(help="tree rows: the branch threshold")] = 0.1,
     llama_cpp: Annotated[
         list[Path] | None,
         typer.Option(
@@ -558,6 +581,9 @@ def bench(
         _at_least(option, value)
     _at_least("--runs", runs)
     _at_least("--k", k)
+    _at_least("--draft-parallel", draft_parallel)
+    if not 0.0 <= p_split <= 1.0:
+        raise CliError(f"--p-split must be in 0..1, got {p_split}")
     threads = _threads(threads)
     backends = list(dict.fromkeys(backend or ["aoti"]))
     for b in backends:
@@ -571,7 +597,9 @@ def bench(
         raise CliError(f"--llama-lookup {llama_lookup}: no such GGUF file")
     if speculative:
         report["speculative"] = [
-            _bench_speculative(p, gen_tokens, k, threads, runs, as_json, llama_lookup)
+            _bench_speculative(
+                p, gen_tokens, k, threads, runs, as_json, llama_lookup, (draft_parallel, p_split)
+            )
             for p in packages
         ]
         if as_json:
@@ -679,10 +707,14 @@ def _bench_speculative(
     rounds: int,
     as_json: bool,
     llama_lookup: Path | None,
+    tree: tuple[int, float] = (4, 0.1),
 ) -> dict[str, Any]:
     from aotgen.bench import bench_speculative
+    from aotgen.runtime.tree_draft import TreeParams
 
-    rows, costs = bench_speculative(package, max(gen_tokens, 96), k, threads, rounds, llama_lookup)
+    rows, costs = bench_speculative(
+        package, max(gen_tokens, 96), k, threads, rounds, llama_lookup, TreeParams(*tree)
+    )
     if as_json:
         return {"package": package.name, "rows": [dataclasses.asdict(r) for r in rows], **costs}
     plain = {r.task: r for r in rows if r.mode == "plain"}
@@ -697,6 +729,7 @@ def _bench_speculative(
         "acceptance",
         "tok/step",
         "by position",
+        "branch won",
         "same text",
     ):
         table.add_column(col)
@@ -712,6 +745,7 @@ def _bench_speculative(
             "" if r.mode == "plain" else f"{r.acceptance:.3f}",
             "" if r.mode == "plain" else f"{r.mean_accepted_length:.2f}",
             by_pos,
+            f"{r.branch_steps}/{r.steps}" if r.mode.endswith(" tree") else "",
             {True: "yes", False: "no (near-tie)", None: ""}[r.same_as_plain],
         )
     _wide_console().print(table)
@@ -729,6 +763,8 @@ def _bench_speculative(
     line = f"decode step {d:.2f} ms · verify step {v:.2f} ms (v = {v / d:.2f})"
     if "draft_ms" in costs:
         line += f" · draft step {costs['draft_ms']:.2f} ms (c = {costs['draft_ms'] / d:.2f})"
+    if "tree_ms" in costs:
+        line += f" · tree step {costs['tree_ms']:.2f} ms ({costs['tree_ms'] / d:.2f})"
     line += "\nend to end: prompt prefill included (the same in every mode); " + _cpu_line(threads)
     _wide_console().print(line)
     return {"package": package.name, "rows": [dataclasses.asdict(r) for r in rows], **costs}

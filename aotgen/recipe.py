@@ -42,9 +42,9 @@ class CompileOptions:
 VERIFY_ROOM = 8
 
 
-def kv_cache_len(max_seq_len: int, verify_k: int) -> int:
+def kv_cache_len(max_seq_len: int, verify_k: int, tree_nodes: int = 0) -> int:
     """KV positions per layer for a package serving `max_seq_len` tokens."""
-    return max_seq_len + max(verify_k + 1, VERIFY_ROOM)
+    return max_seq_len + max(verify_k + 1, tree_nodes, VERIFY_ROOM)
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ class Recipe:
     max_seq_len: int = 2048  # prompt + generated tokens the package supports
     prefill_chunk: int = 256  # max tokens per prefill call; longer prompts are chunked
     verify_k: int = 4  # the verify graph scores verify_k + 1 positions
+    tree_nodes: int = 0  # the tree verify graph's rows (runtime/tree.py); 0: no tree graph
     dtype: str = "float32"
     # Where the package runs: "cpu", or "cuda" (built on a machine with the GPU it targets).
     device: str = "cpu"
@@ -68,7 +69,7 @@ class Recipe:
 
     @property
     def cache_len(self) -> int:
-        return kv_cache_len(self.max_seq_len, self.verify_k)
+        return kv_cache_len(self.max_seq_len, self.verify_k, self.tree_nodes)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -82,6 +83,8 @@ DEVICES = ("cpu", "cuda")
 # verify_k (and speculative.k) bound: the verify graph scores k + 1 positions and the KV cache
 # grows by max(k + 1, VERIFY_ROOM); drafts longer than this are almost never accepted whole.
 MAX_VERIFY_K = 16
+# tree_nodes bound: the tree graph's rows (root included), like verify_k + 1 for the chain.
+MAX_TREE_NODES = 32
 # A package name becomes one directory under artifacts/: no separators, no `..`, not hidden.
 _NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
@@ -181,6 +184,7 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
         )
     if recipe.prefill_chunk < 2:
         raise RecipeError(f"{where}: prefill_chunk must be >= 2 (1 token is decode)")
+    _check_tree_nodes(recipe, where)
     if recipe.speculative is not None:
         recipe = _parse_speculative(recipe, "verify_k" in data, base_dir)
     if recipe.dtype not in DTYPES:
@@ -214,6 +218,21 @@ def _parse_formats(formats: Any, where: str) -> tuple[str, ...]:
             f"e.g. [aoti, onnx]; got {formats!r}"
         )
     return tuple(dict.fromkeys(formats))
+
+
+def _check_tree_nodes(recipe: Recipe, where: str) -> None:
+    """tree_nodes: 0 (no tree graph) or 2..MAX_TREE_NODES rows, single-rank packages only."""
+    n = recipe.tree_nodes
+    if not _is_int(n) or not (n == 0 or 2 <= n <= MAX_TREE_NODES):
+        raise RecipeError(
+            f"{where}: tree_nodes must be 0 (no tree graph) or an integer in 2..{MAX_TREE_NODES} "
+            f"(the tree verify graph's rows, root included), got {n!r}"
+        )
+    if n and recipe.parallel:
+        raise RecipeError(
+            f"{where}: tree_nodes is not supported with `parallel` (the tensor-parallel runtime "
+            "verifies chains only); drop one of them"
+        )
 
 
 def _resolve_calibration(quantize: Any, base_dir: Path) -> Any:

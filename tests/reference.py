@@ -44,6 +44,7 @@ class EagerRunner(EagerModel):
     generation loops (plain and speculative) can run against the reference."""
 
     shares_cache = False  # eager_engine(share_kv=True) hands a draft the target's cache
+    tree_len = 0  # eager_engine(tree_nodes=N): the tree graph's rows
 
     def __init__(self, checkpoint: Path, cache_len: int):
         super().__init__(checkpoint, cache_len)
@@ -56,17 +57,30 @@ class EagerRunner(EagerModel):
     def decode(self, token: int, pos: int) -> torch.Tensor:
         return super().forward([token], pos)[-1]
 
+    @torch.no_grad()
+    def tree_forward(self, tree, start: int) -> torch.Tensor:
+        """The tree graph's contract, eagerly: unpadded, node i at slot start + i."""
+        assert len(tree) <= self.tree_len, f"a tree of {len(tree)} nodes, {self.tree_len} rows"
+        positions = start + torch.tensor(tree.depths)
+        return self.model(torch.tensor([tree.tokens]), positions, self.caches, tree.mask())[0]
+
 
 def eager_engine(
-    target: Path, draft: Path | None, max_seq_len: int, verify_k: int, share_kv: bool = False
+    target: Path,
+    draft: Path | None,
+    max_seq_len: int,
+    verify_k: int,
+    share_kv: bool = False,
+    tree_nodes: int = 0,
 ):
     """A runtime `Engine` whose models are eager references; with `share_kv` the draft runs
     on the first layers of the target's cache, as a package built with share_kv does."""
     from aotgen.runtime.engine import Engine
     from aotgen.runtime.tokenizer import Tokenizer
 
-    cache_len = kv_cache_len(max_seq_len, verify_k)
+    cache_len = kv_cache_len(max_seq_len, verify_k, tree_nodes)
     target_runner = EagerRunner(target, cache_len)
+    target_runner.tree_len = tree_nodes
     draft_runner = EagerRunner(draft, cache_len) if draft else None
     if draft_runner and share_kv:
         draft_runner.caches = target_runner.caches[: len(draft_runner.caches)]

@@ -2,8 +2,10 @@
 
 Every graph keeps one signature, `(tokens [1, T], input_pos [T], *kv_caches) -> logits`,
 and differs only in T: `prefill` (dynamic, 2..prefill_chunk), `decode` (1) and `verify`
-(verify_k + 1). Weights stay out of the `.so` (`package_constants_in_so=False`): the
-package stores them once, and the runtime binds that one copy to every graph.
+(verify_k + 1). The optional `tree` graph (tree_nodes rows) also takes a `[T, T]` bool tree
+mask after the caches (model/layers.py). Weights stay out of the `.so`
+(`package_constants_in_so=False`): the package stores them once, and the runtime binds that
+one copy to every graph.
 """
 
 from __future__ import annotations
@@ -35,24 +37,32 @@ class GraphSpec:
     def dynamic(self) -> bool:
         return self.min_tokens != self.max_tokens
 
+    @property
+    def tree(self) -> bool:
+        return self.name == "tree"
 
-def graph_specs(prefill_chunk: int, verify_k: int) -> list[GraphSpec]:
-    return [
+
+def graph_specs(prefill_chunk: int, verify_k: int, tree_nodes: int = 0) -> list[GraphSpec]:
+    specs = [
         GraphSpec("prefill", 2, prefill_chunk),
         GraphSpec("decode", 1, 1),
         GraphSpec("verify", verify_k + 1, verify_k + 1),
     ]
+    return specs + [GraphSpec("tree", tree_nodes, tree_nodes)] if tree_nodes else specs
 
 
 def example_inputs(spec: GraphSpec, caches: list[Tensor]) -> tuple:
     t = spec.max_tokens if spec.dynamic else spec.min_tokens
     # Positions near the start keep the data-dependent attention length valid in tracing.
     device = caches[0].device  # the graph runs where its cache lives
-    return (
+    args = (
         torch.zeros(1, t, dtype=torch.long, device=device),
         torch.arange(t, device=device),
         caches,
     )
+    if spec.tree:  # a chain: any tree traces the same graph
+        return (*args, torch.ones(t, t, dtype=torch.bool, device=device).tril())
+    return args
 
 
 def dynamic_shapes(spec: GraphSpec, caches: list[Tensor]) -> tuple | None:

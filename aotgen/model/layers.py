@@ -8,6 +8,9 @@ later, no rollback). This is the contract every exported graph keeps:
 
     forward(tokens [1, T], input_pos [T], caches [k0, v0, k1, v1, ...]) -> logits [1, T, V]
 
+The tree graph adds `tree_mask [T, T]` (bool) after the caches: its rows are the nodes of a
+token tree written at consecutive slots, each attending to the prefix and its ancestors.
+
 Sliding-window layers keep a full-length cache and a window mask: the same cache layout
 for every layer, so the runtimes, speculation and the draft's shared cache need nothing
 new; the cost is memory for keys the window no longer sees.
@@ -142,19 +145,40 @@ class CausalLM(nn.Module):
     def logits(self, x: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def forward(self, tokens: Tensor, input_pos: Tensor, caches: list[Tensor]) -> Tensor:
+    def forward(
+        self,
+        tokens: Tensor,
+        input_pos: Tensor,
+        caches: list[Tensor],
+        tree_mask: Tensor | None = None,
+    ) -> Tensor:
         cfg = self.config
-        # Positions in one call are consecutive, so the last one bounds what is attended to.
-        attn_len = input_pos[-1].item() + 1
-        torch._check(attn_len >= 1)
-        torch._check(attn_len <= self.cache_len)
         x = self.embed(tokens)
         dtype = x.dtype
+        if tree_mask is None:
+            # Positions in one call are consecutive, so the last one bounds what is attended
+            # to, and each row's keys and values go to the slot of its position.
+            attn_len = input_pos[-1].item() + 1
+            slots = input_pos
+        else:
+            # A token tree (runtime/tree.py): row i is written to slot input_pos[0] + i and has
+            # RoPE position input_pos[i] (input_pos[0] plus its depth); tree_mask [T, T] says
+            # which rows each row sees (its ancestors and itself), next to the whole prefix.
+            start = input_pos[0]
+            attn_len = start.item() + tokens.shape[1]
+            slots = start + self.key_positions[: tokens.shape[1]]
+        torch._check(attn_len >= 1)
+        torch._check(attn_len <= self.cache_len)
         cos, sin = self.rope_cos[input_pos].to(dtype), self.rope_sin[input_pos].to(dtype)
         keys = self.key_positions[:attn_len].unsqueeze(0)
-        mask = keys <= input_pos.unsqueeze(1)
+        if tree_mask is None:
+            mask = keys <= input_pos.unsqueeze(1)
+        else:
+            rel = keys[0] - start  # < 0 on the prefix, else the key's tree row
+            mask = (rel < 0).unsqueeze(0) | tree_mask.index_select(1, rel.clamp(min=0))
         local = (cos, sin, mask)
         if cfg.layer_types:
+            # Tree rows' slots are never behind their positions, so the window keeps them.
             window = mask & (keys > input_pos.unsqueeze(1) - cfg.sliding_window)
             local = (cos, sin, window)
             if cfg.rope_local_theta is not None:
@@ -165,7 +189,7 @@ class CausalLM(nn.Module):
                 )
         for i, layer in enumerate(self.decoder_layers):
             c, s, m = local if cfg.is_sliding(i) else (cos, sin, mask)
-            x = layer(x, c, s, input_pos, m, caches[2 * i], caches[2 * i + 1], attn_len)
+            x = layer(x, c, s, slots, m, caches[2 * i], caches[2 * i + 1], attn_len)
         return self.logits(x).float()
 
 

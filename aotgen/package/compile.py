@@ -64,6 +64,7 @@ class CompiledModel:
 
 def graph_signature(spec: GraphSpec, cfg: ModelConfig, cache: list[Tensor]) -> dict[str, Any]:
     t: Any = "T" if spec.dynamic else spec.min_tokens
+    tree = [{"name": "tree_mask", "shape": [t, t], "dtype": "bool"}] if spec.tree else []
     return {
         "tokens": {"min": spec.min_tokens, "max": spec.max_tokens},
         "inputs": [
@@ -75,6 +76,7 @@ def graph_signature(spec: GraphSpec, cfg: ModelConfig, cache: list[Tensor]) -> d
                 "shape": list(cache[0].shape),
                 "dtype": str(cache[0].dtype).removeprefix("torch."),
             },
+            *tree,
         ],
         "outputs": [{"name": "logits", "shape": [1, t, cfg.vocab_size], "dtype": "float32"}],
     }

@@ -87,7 +87,7 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
     cfg = ModelConfig.from_hf(ckpt.config)
     weights = ckpt.load_weights()
     dtype = getattr(torch, recipe.dtype)
-    graphs = graph_specs(recipe.prefill_chunk, recipe.verify_k)
+    graphs = graph_specs(recipe.prefill_chunk, recipe.verify_k, recipe.tree_nodes)
     models = [
         ModelBuild(
             "target",
@@ -100,7 +100,11 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
     draft = (recipe.speculative or {}).get("draft")
     if draft:
         # The draft never verifies; on the target's cache it never prefills either.
-        skip = ("verify", "prefill") if recipe.speculative.get("share_kv") else ("verify",)
+        skip = (
+            ("verify", "tree", "prefill")
+            if recipe.speculative.get("share_kv")
+            else ("verify", "tree")
+        )
         draft_graphs = [g for g in graphs if g.name not in skip]
         dcfg, dweights = _draft_weights(draft, ckpt, cfg, weights)
         models.append(

@@ -32,6 +32,8 @@ from aotgen.runtime.proposers import (
 from aotgen.runtime.sampling import SamplingParams, make_generator, select_next
 from aotgen.runtime.speculative import AdaptiveK, SpecStats, verify
 from aotgen.runtime.tokenizer import StreamDecoder, Tokenizer
+from aotgen.runtime.tree import Tree
+from aotgen.runtime.tree_draft import TreeParams, tree_steps
 
 SPECULATIVE_MODES = (None, "draft", "ngram", "draft+ngram")
 # Shortest n-gram match that may make a proposal (it must also convince by its counts:
@@ -74,13 +76,20 @@ class CompiledGraph:
         # user_managed: the graph uses our tensors, so all graphs share one copy.
         self.loader.load_constants({n: weights[n] for n in names}, False, True, True)
 
-    def __call__(self, tokens: Tensor, input_pos: Tensor, caches: list[Tensor]) -> Tensor:
+    def __call__(
+        self,
+        tokens: Tensor,
+        input_pos: Tensor,
+        caches: list[Tensor],
+        tree_mask: Tensor | None = None,
+    ) -> Tensor:
         t = tokens.shape[1]
         if not self.min_tokens <= t <= self.max_tokens:
             raise ValueError(
                 f"{self.name} takes {self.min_tokens}..{self.max_tokens} tokens, got {t}"
             )
-        return self.loader.boxed_run([tokens, input_pos, *caches])[0]
+        extra = [] if tree_mask is None else [tree_mask]
+        return self.loader.boxed_run([tokens, input_pos, *caches, *extra])[0]
 
 
 def zeros_on_demand(
@@ -153,6 +162,7 @@ class ModelRunner:
         # A draft on the target's cache only ever decodes: it is built without a prefill graph.
         self.prefill_chunk = self.graphs["prefill"].max_tokens if "prefill" in self.graphs else 1
         self.verify_len = self.graphs["verify"].max_tokens if "verify" in self.graphs else 0
+        self.tree_len = self.graphs["tree"].max_tokens if "tree" in self.graphs else 0
 
     def _aoti_graphs(
         self, root: Path, pt2: Path, entry: dict[str, Any]
@@ -213,6 +223,23 @@ class ModelRunner:
             return self.verify_len
         return n
 
+    def tree_forward(self, tree: Tree, start: int) -> Tensor:
+        """Score a token tree rooted at position `start` in one tree-graph call (padded to its
+        rows): logits `[len(tree), V]`. Node i's keys/values land in slot start + i."""
+        n, width = len(tree), self.tree_len
+        if not 1 <= n <= width or start + width > self.cache_len:
+            raise GenerationError(f"a tree of {n} nodes at {start} does not fit the tree graph")
+        ids = tree.tokens + tree.tokens[-1:] * (width - n)
+        positions = [start + d for d in tree.depths] + [start] * (width - n)
+        dev = self.device
+        logits = self.graphs["tree"](
+            torch.tensor([ids], device=dev),
+            torch.tensor(positions, device=dev),
+            self.caches,
+            tree.mask(width).to(dev),
+        )
+        return logits[0][:n].cpu()
+
     def decode(self, token: int, pos: int) -> Tensor:
         """The per-token hot path: one decode call, logits `[V]`."""
         tokens = torch.tensor([[token]], device=self.device)
@@ -231,6 +258,7 @@ class GenerationConfig:
     adaptive_k: bool = False
     ngram_min: int | None = None  # shortest suffix match; default: see NGRAM_MIN
     ngram_max: int = 4
+    tree: TreeParams | None = None  # tree speculation (runtime/tree_draft.py); None: a chain
 
     @property
     def uses_draft(self) -> bool:
@@ -414,11 +442,24 @@ class Engine:
                 f"{self.root} has no draft model; build with a `speculative: draft:` recipe "
                 "or use n-gram lookup (--lookup ngram)"
             )
+        if config.tree is not None:
+            self._check_tree(config)
         if config.uses_lookup and not 1 <= config.lookup_min <= config.ngram_max:
             raise GenerationError(
                 f"need 1 <= ngram_min <= ngram_max, got {config.lookup_min} and "
                 f"{config.ngram_max} (--ngram-min / --ngram-max)"
             )
+
+    def _check_tree(self, config: GenerationConfig) -> None:
+        if config.speculative is None:
+            raise GenerationError("tree drafting needs a speculative mode (draft or ngram)")
+        if not getattr(self.target, "tree_len", 0):
+            raise GenerationError(
+                f"{self.root} has no tree verify graph: rebuild it with `tree_nodes: N` in the "
+                "recipe, or draft a chain (no --draft-parallel)"
+            )
+        if config.adaptive_k:
+            raise GenerationError("adaptive k drafts chains only: drop it with tree drafting")
 
     def _generate(
         self,
@@ -497,6 +538,9 @@ class Engine:
         gen: torch.Generator,
     ) -> Iterator[list[int]]:
         """Propose -> verify -> accept, one verify step per yield."""
+        if config.tree is not None:
+            yield from tree_steps(self, prompt, tok, pos, config, spec, gen)
+            return
         max_k = self.verify_k
         k = min(config.k or max_k, max_k)
         adaptive = AdaptiveK(k=k, k_min=1, k_max=max_k) if config.adaptive_k else None

@@ -185,6 +185,8 @@ class SpecStats:
     accepted: int = 0
     steps: int = 0
     lookup_steps: int = 0  # steps whose proposal came from n-gram lookup, not the draft
+    tree_nodes: int = 0  # drafted tree nodes (tree speculation: `drafted` counts depths)
+    branch_steps: int = 0  # tree steps whose accepted path left the main chain
     accepted_by_position: list[int] = field(default_factory=list)
     proposed_by_position: list[int] = field(default_factory=list)
 

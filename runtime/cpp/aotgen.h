@@ -62,6 +62,13 @@ struct SamplingParams {
 // DraftNgram: n-gram lookup proposes when it finds a match, the draft model otherwise.
 enum class Speculative { None, Ngram, Draft, DraftNgram };
 
+// Tree drafting (llama.cpp's n_parallel / p_split): sequences drafted at once, and the
+// probability an alternative needs to open a branch. Needs a package with a tree graph.
+struct TreeParams {
+  int64_t n_parallel = 4;
+  double p_split = 0.1;
+};
+
 struct GenerationConfig {
   int64_t max_new_tokens = 256;
   SamplingParams sampling;
@@ -74,6 +81,7 @@ struct GenerationConfig {
   // (engine.py NGRAM_MIN: a shorter match is mostly a worse guess than the draft's).
   std::optional<int64_t> ngram_min;
   int64_t ngram_max = 4;
+  std::optional<TreeParams> tree;  // tree speculation; none: a chain
 };
 
 struct SpecStats {
@@ -81,6 +89,8 @@ struct SpecStats {
   int64_t accepted = 0;
   int64_t steps = 0;
   int64_t lookup_steps = 0;  // steps whose proposal came from n-gram lookup, not the draft
+  int64_t tree_nodes = 0;    // drafted tree nodes (tree speculation: drafted counts depths)
+  int64_t branch_steps = 0;  // tree steps whose accepted path left the main chain
   double acceptance_rate() const { return drafted ? double(accepted) / double(drafted) : 0.0; }
   // Tokens emitted per verify step: accepted drafts plus the target's own token.
   double mean_accepted_length() const {

@@ -68,6 +68,9 @@ std::vector<int64_t> verify_stochastic(const std::vector<int64_t>& draft,
                                        const at::Tensor& draft_probs,
                                        const at::Tensor& target_probs, at::Generator& generator);
 
+// max(0, p_target - p_draft) per row (unnormalised), or p_target where that is all zero.
+at::Tensor residual_probs(const at::Tensor& target_probs, const at::Tensor& draft_probs);
+
 // A deterministic proposer (n-gram) as a draft distribution: one-hot rows [K, V].
 at::Tensor one_hot(const std::vector<int64_t>& tokens, int64_t vocab);
 

@@ -22,6 +22,7 @@
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
 #include "detail.h"
+#include "tree.h"
 
 namespace aotgen {
 namespace fs = std::filesystem;
@@ -110,9 +111,11 @@ class Graph {
                             /*user_managed=*/true);
   }
 
-  // tokens [1, T], input_pos [T] -> logits [T, V]; the caches are updated in place.
+  // tokens [1, T], input_pos [T] -> logits [T, V]; the caches are updated in place. The
+  // tree graph also takes tree_mask [T, T] (bool), after the caches.
   at::Tensor operator()(const at::Tensor& tokens, const at::Tensor& input_pos,
-                        const std::vector<at::Tensor>& caches) {
+                        const std::vector<at::Tensor>& caches,
+                        const at::Tensor& tree_mask = at::Tensor()) {
     const int64_t t = tokens.size(1);
     if (t < min_tokens_ || t > max_tokens_) {
       throw std::logic_error(name_ + " takes " + std::to_string(min_tokens_) + ".." +
@@ -123,6 +126,7 @@ class Graph {
     inputs.push_back(tokens);
     inputs.push_back(input_pos);
     inputs.insert(inputs.end(), caches.begin(), caches.end());
+    if (tree_mask.defined()) inputs.push_back(tree_mask);
     auto outputs = loader_->boxed_run(std::move(inputs));
     if (outputs.empty() || outputs[0].dim() != 3 || outputs[0].size(0) != 1 ||
         outputs[0].size(1) != t || outputs[0].size(2) != vocab_ ||
@@ -165,6 +169,7 @@ class ModelRunner {
     if (graphs.contains("verify")) {
       verify_ = std::make_unique<Graph>(pt2, graphs["verify"], vocab_size_);
     }
+    if (graphs.contains("tree")) tree_ = std::make_unique<Graph>(pt2, graphs["tree"], vocab_size_);
     const auto dtype = detail::dtype_from_name(kv.at("dtype"));
     shares_cache_ = kv.value("shared_with", "") == "target";
     if (shares_cache_) {
@@ -201,13 +206,33 @@ class ModelRunner {
       const at::Tensor tensor = it->second;
       weights_.insert_or_assign(alias, tensor);
     }
-    for (Graph* g : {prefill_.get(), decode_.get(), verify_.get()}) {
+    for (Graph* g : {prefill_.get(), decode_.get(), verify_.get(), tree_.get()}) {
       if (g) g->bind(weights_);
     }
   }
 
   int64_t vocab_size() const { return vocab_size_; }
   bool shares_cache() const { return shares_cache_; }
+  int64_t tree_len() const { return tree_ ? tree_->max_tokens() : 0; }
+  const std::vector<at::Tensor>& caches() const { return caches_; }
+
+  // Scores a token tree rooted at position start in one tree-graph call (padded to its
+  // rows): logits [tree.size(), V]; node i's keys/values land in slot start + i.
+  at::Tensor tree_forward(const detail::Tree& tree, int64_t start) {
+    const int64_t n = tree.size(), width = tree_len();
+    if (n < 1 || n > width || start + width > cache_len_) {
+      throw GenerationError("a tree of " + std::to_string(n) + " nodes at " +
+                            std::to_string(start) + " does not fit the tree graph");
+    }
+    at::Tensor ids = at::full({1, width}, tree.tokens.back(), at::kLong);
+    at::Tensor positions = at::full({width}, start, at::kLong);
+    const auto depths = tree.depths();
+    for (int64_t i = 0; i < n; ++i) {
+      ids[0][i] = tree.tokens[i];
+      positions[i] = start + depths[i];
+    }
+    return (*tree_)(ids, positions, caches_, tree.mask(width)).narrow(0, 0, n);
+  }
 
   // Runs tokens at positions start_pos.. through the fitting graph(s): logits [T, V] for
   // every position if all_logits, else [V] for the last one.
@@ -264,7 +289,7 @@ class ModelRunner {
 
   int64_t vocab_size_;
   std::unordered_map<std::string, at::Tensor> weights_;  // the graphs use these in place
-  std::unique_ptr<Graph> prefill_, decode_, verify_;
+  std::unique_ptr<Graph> prefill_, decode_, verify_, tree_;
   std::vector<at::Tensor> caches_;
   bool shares_cache_ = false;
   int64_t cache_len_ = 0;
@@ -451,6 +476,20 @@ std::vector<int64_t> verify(const Proposal& proposal, const at::Tensor& target_l
                                    detail::logits_to_probs(target_logits, params), gen);
 }
 
+// The draft model as tree drafting sees it (tree.h).
+class DraftCalls final : public detail::DraftModel {
+ public:
+  explicit DraftCalls(ModelRunner& runner) : runner_(runner) {}
+  at::Tensor forward(const std::vector<int64_t>& tokens, int64_t start) override {
+    return runner_.forward(tokens, start);
+  }
+  at::Tensor decode(int64_t token, int64_t pos) override { return runner_.decode(token, pos); }
+  bool shares_cache() const override { return runner_.shares_cache(); }
+
+ private:
+  ModelRunner& runner_;
+};
+
 }  // namespace
 
 struct Engine::Impl {
@@ -493,7 +532,7 @@ class TokenSteps {
       return {tok_};
     }
     if (!spec_started_) start_speculative();
-    return speculative_round();
+    return config_.tree ? tree_round() : speculative_round();
   }
 
  private:
@@ -503,7 +542,41 @@ class TokenSteps {
     if (config_.adaptive_k) adaptive_ = AdaptiveK{std::clamp<int64_t>(k_, 1, max_k_), 1, max_k_};
     history_ = prompt_;
     history_.push_back(tok_);
-    proposer_ = make_proposer();
+    if (config_.tree) {
+      if (draft_) draft_calls_.emplace(*draft_);
+      tree_proposer_ = detail::make_tree_proposer(
+          config_.speculative, draft_calls_ ? &*draft_calls_ : nullptr, prompt_, params_, gen_,
+          *config_.tree, ngram_min(config_), config_.ngram_max);
+    } else {
+      proposer_ = make_proposer();
+    }
+  }
+
+  // Propose a tree -> score it in one tree-graph call -> keep one path (tree_draft.py).
+  std::vector<int64_t> tree_round() {
+    const int64_t budget = target_.tree_len();
+    const int64_t k = std::min(config_.k.value_or(max_k_), budget - 1);
+    const detail::Tree tree = tree_proposer_->propose(history_, k, budget);
+    const at::Tensor logits = tree.size() == 1 ? target_.decode(tok_, pos_).unsqueeze(0)
+                                               : target_.tree_forward(tree, pos_);
+    const auto verdict = detail::verify_tree(tree, logits, params_, gen_);
+    const int64_t moved = detail::commit_path(target_.caches(), pos_, verdict.path);
+    std::vector<int64_t> accepted;
+    for (std::size_t i = 1; i < verdict.path.size(); ++i) {
+      accepted.push_back(tree.tokens[verdict.path[i]]);
+    }
+    accepted.push_back(verdict.next);
+    spec_->drafted += tree.depth();
+    spec_->accepted += static_cast<int64_t>(verdict.path.size()) - 1;
+    spec_->steps += 1;
+    spec_->lookup_steps += tree.looked_up;
+    spec_->tree_nodes += tree.size() - 1;
+    spec_->branch_steps += moved > 0;
+    pos_ += static_cast<int64_t>(verdict.path.size());
+    tree_proposer_->accepted(pos_);
+    history_.insert(history_.end(), accepted.begin(), accepted.end());
+    tok_ = accepted.back();
+    return accepted;
   }
 
   // The proposer of config.speculative: Ngram, Draft or DraftNgram.
@@ -558,6 +631,8 @@ class TokenSteps {
   std::optional<AdaptiveK> adaptive_;
   std::vector<int64_t> history_;
   std::unique_ptr<Proposer> proposer_;
+  std::optional<DraftCalls> draft_calls_;
+  std::unique_ptr<detail::TreeProposer> tree_proposer_;
 };
 
 }  // namespace
@@ -680,6 +755,22 @@ GenerationResult Engine::generate(const std::vector<int64_t>& prompt_ids,
   if (config.speculative != Speculative::None) {
     if (ngram_min(config) < 1 || ngram_min(config) > config.ngram_max) {
       throw GenerationError("need 1 <= ngram_min <= ngram_max");
+    }
+  }
+  if (config.tree) {
+    if (config.speculative == Speculative::None) {
+      throw GenerationError("tree drafting needs a speculative mode (draft or ngram)");
+    }
+    if (e.target->tree_len() == 0) {
+      throw GenerationError(e.root.string() +
+                            " has no tree verify graph: rebuild it with `tree_nodes: N` in the "
+                            "recipe, or draft a chain (no --draft-parallel)");
+    }
+    if (config.adaptive_k) {
+      throw GenerationError("adaptive k drafts chains only: drop it with tree drafting");
+    }
+    if (config.tree->n_parallel < 1 || config.tree->p_split < 0 || config.tree->p_split > 1) {
+      throw GenerationError("tree drafting needs n_parallel >= 1 and p_split in 0..1");
     }
   }
 

@@ -77,13 +77,13 @@ at::Tensor top_p_filter(const at::Tensor& probs, double top_p, int64_t head) {
   return kept / kept.sum(-1, /*keepdim=*/true);
 }
 
+}  // namespace
+
 at::Tensor residual_probs(const at::Tensor& target_probs, const at::Tensor& draft_probs) {
   const at::Tensor residual = (target_probs - draft_probs).clamp_(0.0);
   const at::Tensor empty = residual.sum(-1, /*keepdim=*/true) <= 0;
   return at::where(empty, target_probs, residual);
 }
-
-}  // namespace
 
 at::Tensor logits_to_probs(const at::Tensor& input, const SamplingParams& params) {
   at::Tensor logits = input.to(at::kFloat);

@@ -54,6 +54,9 @@ options:
   --adaptive-k           adapt the draft length (+2 after a full accept, else -1)
   --ngram-min N          shortest lookup match (default: 1; 3 with --speculative too)
   --ngram-max N          longest lookup match, tried first (default 4)
+  --draft-parallel N     tree drafting: up to N sequences, scored in one tree-graph call
+                         (needs a package built with tree_nodes)
+  --p-split P            tree drafting: branch where an alternative's probability > P (0.1)
   --threads N            intra-op threads, >= 1 (default: torch's default)
   --no-verify            skip the sha256 check of the package files
   --json, --ids          print a JSON object (ids, text, stats) instead of streaming text
@@ -170,7 +173,8 @@ const char* mode_name(aotgen::Speculative mode) {
 Args parse_args(int argc, char** argv) {
   Args args;
   auto& cfg = args.config;
-  bool lookup = false, draft = false;
+  bool lookup = false, draft = false, use_tree = false;
+  aotgen::TreeParams tree;
   for (int i = 1; i < argc; ++i) {
     const std::string_view arg = argv[i];
     const auto value = [&]() -> std::string_view {
@@ -214,6 +218,11 @@ Args parse_args(int argc, char** argv) {
       cfg.ngram_min = parse_number<int64_t>(arg, value());
     } else if (arg == "--ngram-max") {
       cfg.ngram_max = parse_number<int64_t>(arg, value());
+    } else if (arg == "--draft-parallel") {
+      tree.n_parallel = parse_number<int64_t>(arg, value());
+      use_tree = true;
+    } else if (arg == "--p-split") {
+      tree.p_split = parse_number<double>(arg, value());
     } else if (arg == "--threads") {
       args.threads = parse_number<int>(arg, value());
     } else if (arg == "--no-verify") {
@@ -227,6 +236,7 @@ Args parse_args(int argc, char** argv) {
     }
   }
   if (args.package.empty()) throw UsageError("give the package directory");
+  if (use_tree) cfg.tree = tree;
   using aotgen::Speculative;
   cfg.speculative = draft    ? (lookup ? Speculative::DraftNgram : Speculative::Draft)
                     : lookup ? Speculative::Ngram
@@ -247,6 +257,10 @@ void check_values(Args& args) {
   if (cfg.k) at_least("--k", *cfg.k);
   if (cfg.ngram_min) at_least("--ngram-min", *cfg.ngram_min);
   at_least("--ngram-max", cfg.ngram_max);
+  if (cfg.tree) {
+    at_least("--draft-parallel", cfg.tree->n_parallel);
+    if (cfg.tree->p_split < 0 || cfg.tree->p_split > 1) throw BadValue("--p-split must be in 0..1");
+  }
   if (cfg.ngram_min && *cfg.ngram_min > cfg.ngram_max) {
     throw BadValue("--ngram-min (" + std::to_string(*cfg.ngram_min) +
                    ") must be <= --ngram-max (" + std::to_string(cfg.ngram_max) +
@@ -304,7 +318,9 @@ int run(Args args) {
       out["spec"] = {{"drafted", result.spec->drafted},
                      {"accepted", result.spec->accepted},
                      {"steps", result.spec->steps},
-                     {"lookup_steps", result.spec->lookup_steps}};
+                     {"lookup_steps", result.spec->lookup_steps},
+                     {"tree_nodes", result.spec->tree_nodes},
+                     {"branch_steps", result.spec->branch_steps}};
     }
     std::cout << out.dump(-1, ' ', false, json::error_handler_t::replace) << std::endl;
   } else {

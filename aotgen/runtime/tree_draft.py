@@ -1,0 +1,259 @@
+"""Tree drafting and the tree speculation loop (llama.cpp `speculative`'s `n_parallel` /
+`p_split`).
+
+A round drafts the main chain of up to k tokens, then opens branches off it: where an
+alternative candidate for a chain position has draft probability above `p_split` (n-gram
+lookup: a share of the n-gram's followers above `p_split`), a branch starts with it, up to
+`n_parallel` sequences in all (the main chain included), shallowest positions first, within
+the tree graph's rows. Each branch then continues like the main chain, down to depth k. The
+target scores the whole tree in one tree-graph call and `verify_tree` keeps one path.
+
+Branches open off the main chain only (llama.cpp also branches off branches). A sampled draft
+draws a branch's first token i.i.d. from the same distribution as the chain token it stands
+beside (duplicates included), which is what keeps sampled verification exact (tree.py); the
+number of branches at a position depends on that distribution only, never on the draws.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from aotgen.runtime.ngram import NgramProposer
+from aotgen.runtime.sampling import SamplingParams, logits_to_probs, sample
+from aotgen.runtime.tree import Tree, commit_path, verify_tree
+
+if TYPE_CHECKING:
+    from aotgen.runtime.engine import Engine, GenerationConfig, ModelRunner
+    from aotgen.runtime.speculative import SpecStats
+
+MAX_SIBLINGS = 7  # candidates tried per position, as llama.cpp's `for f = 1..7`
+
+
+@dataclass(frozen=True)
+class TreeParams:
+    """llama.cpp's controls: sequences drafted at once, and the branch threshold."""
+
+    n_parallel: int = 4
+    p_split: float = 0.1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n_parallel, bool) or not (
+            isinstance(self.n_parallel, int) and self.n_parallel >= 1
+        ):
+            raise ValueError(f"n_parallel must be an integer >= 1, got {self.n_parallel!r}")
+        if not 0.0 <= self.p_split <= 1.0:
+            raise ValueError(f"p_split must be in [0, 1], got {self.p_split!r}")
+
+
+def plan_branches(
+    options: list[list[tuple[int, Tensor | None]]], params: TreeParams, room: int
+) -> list[tuple[int, int, Tensor | None]]:
+    """(depth, token, probs) of the branches to open, shallowest first: options[j - 1] are
+    the candidates beside the chain token at depth j; at most n_parallel - 1 and `room`."""
+    limit = min(params.n_parallel - 1, room)
+    picked = [(j, tok, q) for j, opts in enumerate(options, 1) for tok, q in opts]
+    return picked[:limit]
+
+
+class TreeDraftProposer:
+    """A token tree from the draft model (see the module docstring). `self.pos` is the first
+    position missing from the draft's cache, as in `DraftProposer`."""
+
+    def __init__(
+        self,
+        draft: ModelRunner,
+        prompt: list[int],
+        params: SamplingParams,
+        generator: torch.Generator,
+        tree: TreeParams,
+    ) -> None:
+        self.draft, self.params, self.generator, self.tree_params = draft, params, generator, tree
+        if not draft.shares_cache:
+            draft.forward(prompt, 0)
+        self.pos = len(prompt)
+
+    def _pick(self, logits: Tensor) -> tuple[int, Tensor | None]:
+        if self.params.greedy:
+            return int(logits.argmax()), None
+        q = logits_to_probs(logits[None], self.params)[0]
+        return int(sample(q[None], self.generator)), q
+
+    def _alternatives(self, logits: Tensor, q: Tensor | None, token: int) -> list:
+        """Branch starts beside `token`: a greedy draft's next candidates above p_split, or
+        as many i.i.d. draws from q as q has candidates above p_split."""
+        p_split = self.tree_params.p_split
+        if q is None:
+            top = torch.softmax(logits.float(), -1).topk(MAX_SIBLINGS + 1)
+            return [
+                (int(t), None)
+                for p, t in zip(top.values.tolist(), top.indices.tolist(), strict=True)
+                if t != token and p > p_split
+            ][:MAX_SIBLINGS]
+        ranked = q.topk(MAX_SIBLINGS + 1).values[1:]  # beside the top one
+        count = int((ranked > p_split).sum())
+        return [(int(sample(q[None], self.generator)), q) for _ in range(count)]
+
+    def _extend(
+        self, tree: Tree, node: int, logits: Tensor, pos: int, depth: int, k: int, budget: int
+    ) -> None:
+        """Continue node's sequence (its token at `pos`, `logits` after it) down to depth k."""
+        while depth < k and len(tree) < budget:
+            tok, q = self._pick(logits)
+            node = tree.add(node, tok, q)
+            depth += 1
+            if depth < k and len(tree) < budget:
+                logits = self.draft.decode(tok, pos + 1)
+                pos += 1
+
+    def propose(self, history: list[int], k: int, budget: int) -> Tree:
+        if self.draft.shares_cache:
+            self.pos = len(history) - 1
+        start = len(history) - 1  # the root's position
+        logits = self.draft.forward(history[self.pos :], self.pos)
+        tree = Tree.root(history[-1])
+        chain_logits: list[Tensor] = []
+        node = 0
+        for depth in range(1, k + 1):  # the main chain: node index == depth
+            if len(tree) >= budget:
+                break
+            chain_logits.append(logits)
+            tok, q = self._pick(logits)
+            node = tree.add(node, tok, q)
+            if depth < k and len(tree) < budget:
+                logits = self.draft.decode(tok, start + depth)
+        self.pos = start + len(tree) - 1  # written: the root and all chain tokens but the last
+        if self.tree_params.n_parallel == 1:
+            return tree
+        options = [
+            self._alternatives(lg, tree.probs[j], tree.tokens[j])
+            for j, lg in enumerate(chain_logits, 1)
+        ]
+        branches = plan_branches(options, self.tree_params, budget - len(tree))
+        if not branches:
+            return tree
+        # Deepest first: a branch at depth j overwrites the draft cache from start + j on,
+        # which the shallower branches still to come do not read.
+        firsts = [(j, tree.add(j - 1, tok, q)) for j, tok, q in branches]
+        for j, b in sorted(firsts, reverse=True):
+            if j < k and len(tree) < budget:
+                lg = self.draft.decode(tree.tokens[b], start + j)
+                self._extend(tree, b, lg, start + j, j, k, budget)
+        self.pos = min(self.pos, start + min(j for j, _ in firsts))
+        return tree
+
+    def accepted(self, pos: int) -> None:
+        self.pos = min(self.pos, pos)
+
+
+class TreeLookupProposer:
+    """A token tree from n-gram lookup: the chain `NgramProposer.propose` drafts, with the
+    other ranked followers (`candidates`) whose share passes p_split as branches."""
+
+    def __init__(self, min_n: int, max_n: int, tree: TreeParams) -> None:
+        self.ngram = NgramProposer(min_n, max_n)
+        self.tree_params = tree
+
+    def _continue(self, context: list[int], n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            ranked = self.ngram.candidates(context)
+            if not ranked:
+                break
+            out.append(ranked[0].token)
+            context = context + [ranked[0].token]
+        return out
+
+    def propose(self, history: list[int], k: int, budget: int) -> Tree:
+        chain = self.ngram.propose(history, min(k, budget - 1))  # syncs the index
+        tree = Tree.root(history[-1])
+        for tok in chain:
+            tree.add(len(tree) - 1, tok)
+        tree.looked_up = bool(chain)
+        if not chain or self.tree_params.n_parallel == 1:
+            return tree
+        tail = list(history[-self.ngram.max_n :])
+        options = []
+        for j in range(1, len(chain) + 1):
+            context = tail + chain[: j - 1]
+            ranked = self.ngram.candidates(context)
+            total = sum(f.count for f in ranked)
+            options.append(
+                [
+                    (f.token, None)
+                    for f in ranked[: MAX_SIBLINGS + 1]
+                    if f.token != chain[j - 1] and f.count > self.tree_params.p_split * total
+                ]
+            )
+        branches = plan_branches(options, self.tree_params, budget - len(tree))
+        firsts = [(j, tree.add(j - 1, tok)) for j, tok, _ in branches]  # each gets its row
+        for j, node in firsts:
+            rest = self._continue(tail + chain[: j - 1] + [tree.tokens[node]], k - j)
+            for t in rest[: budget - len(tree)]:
+                node = tree.add(node, t)
+        return tree
+
+    def accepted(self, pos: int) -> None:
+        pass
+
+
+class TreeDraftOrLookup:
+    """draft+ngram: the lookup tree when lookup drafts anything, else the draft's tree."""
+
+    def __init__(self, lookup: TreeLookupProposer, draft: TreeDraftProposer) -> None:
+        self.lookup, self.draft = lookup, draft
+
+    def propose(self, history: list[int], k: int, budget: int) -> Tree:
+        tree = self.lookup.propose(history, k, budget)
+        return tree if len(tree) > 1 else self.draft.propose(history, k, budget)
+
+    def accepted(self, pos: int) -> None:
+        self.draft.accepted(pos)
+
+
+def tree_proposer(
+    engine: Engine, prompt: list[int], config: GenerationConfig, gen: torch.Generator
+) -> TreeDraftProposer | TreeLookupProposer | TreeDraftOrLookup:
+    lookup = TreeLookupProposer(config.lookup_min, config.ngram_max, config.tree)
+    if not config.uses_draft:
+        return lookup
+    draft = TreeDraftProposer(engine.draft, prompt, config.sampling, gen, config.tree)
+    return TreeDraftOrLookup(lookup, draft) if config.uses_lookup else draft
+
+
+def tree_steps(
+    engine: Engine,
+    prompt: list[int],
+    tok: int,
+    pos: int,
+    config: GenerationConfig,
+    spec: SpecStats,
+    gen: torch.Generator,
+) -> Iterator[list[int]]:
+    """Propose a tree -> score it in one tree-graph call -> keep one path, per yield."""
+    target = engine.target
+    budget = target.tree_len
+    k = min(config.k or engine.verify_k, budget - 1)
+    proposer = tree_proposer(engine, prompt, config, gen)
+    history = list(prompt) + [tok]
+    while True:
+        tree = proposer.propose(history, k, budget)
+        if len(tree) == 1:  # nothing drafted: a plain decode step
+            logits = target.decode(tok, pos)[None]
+        else:
+            logits = target.tree_forward(tree, pos)
+        path, nxt = verify_tree(tree, logits, config.sampling, gen)
+        moved = commit_path(target.caches, pos, path)
+        accepted = [tree.tokens[i] for i in path[1:]] + [nxt]
+        spec.update(tree.depth, len(path) - 1, lookup=tree.looked_up)
+        spec.tree_nodes += len(tree) - 1
+        spec.branch_steps += moved > 0
+        pos += len(path)
+        proposer.accepted(pos)
+        history.extend(accepted)
+        tok = nxt
+        yield accepted

@@ -1,0 +1,429 @@
+"""Tree speculation: the tree forward against chain decoding of each path, the KV fix-up,
+and greedy tree verification against plain greedy on the eager reference."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from aotgen.model.llama import new_kv_cache
+from aotgen.runtime.tree import Tree, commit_path, verify_tree_greedy
+
+# (parents of nodes 1.., as a list): chain, wide, deep, a branch at every position.
+SHAPES = {
+    "chain": [0, 1, 2, 3, 4],
+    "wide": [0, 0, 0, 0, 0, 0],
+    "deep": [0, 1, 2, 3, 0, 5, 6, 7],
+    "every": [0, 1, 2, 3, 0, 1, 2, 3],
+    "bushy": [0, 1, 1, 0, 4, 4, 2],
+}
+
+
+def make_tree(parents: list[int], seed: int, vocab: int) -> Tree:
+    gen = torch.Generator().manual_seed(seed)
+    tree = Tree.root(int(torch.randint(vocab, (), generator=gen)))
+    for p in parents:
+        tree.add(p, int(torch.randint(vocab, (), generator=gen)))
+    tree.check()
+    return tree
+
+
+def path_to(tree: Tree, node: int) -> list[int]:
+    path = [node]
+    while tree.parents[path[-1]] >= 0:
+        path.append(tree.parents[path[-1]])
+    return path[::-1]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_tree_forward_equals_chain_forward_of_every_path(tiny_model, shape):
+    """Each node's logits equal plain decoding of its root-to-node path after the prefix, and
+    after `commit_path` the cache holds the path's keys/values at their positions."""
+    model, cfg, cache_len = tiny_model
+    prompt = torch.randint(cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    start = prompt.shape[1]
+    tree = make_tree(SHAPES[shape], seed=1, vocab=cfg.vocab_size)
+    caches = new_kv_cache(cfg, cache_len)
+    model(prompt, torch.arange(start), caches)
+    depths = torch.tensor(tree.depths)
+    logits = model(torch.tensor([tree.tokens]), start + depths, caches, tree.mask())[0]
+    for node in range(len(tree)):
+        path = path_to(tree, node)
+        ref_caches = new_kv_cache(cfg, cache_len)
+        model(prompt, torch.arange(start), ref_caches)
+        ref = model(
+            torch.tensor([[tree.tokens[i] for i in path]]),
+            start + torch.arange(len(path)),
+            ref_caches,
+        )[0]
+        torch.testing.assert_close(logits[node], ref[-1], rtol=1e-4, atol=1e-4)
+        if tree.children(node):
+            continue  # commit the leaves' paths (each covers its ancestors)
+        committed = [c.clone() for c in caches]
+        commit_path(committed, start, path)
+        end = start + len(path)
+        for got, want in zip(committed, ref_caches, strict=True):
+            torch.testing.assert_close(got[:, :, :end], want[:, :, :end], rtol=1e-5, atol=1e-5)
+
+
+def test_tree_mask_and_checks():
+    tree = make_tree(SHAPES["bushy"], seed=0, vocab=50)
+    m = tree.mask(9)
+    assert m[7].nonzero().flatten().tolist() == [0, 1, 2, 7]  # node 7: 0 -> 1 -> 2 -> 7
+    assert m[8].nonzero().flatten().tolist() == [0, 8]  # padding: root and itself
+    assert tree.depths == [0, 1, 2, 2, 1, 2, 2, 3]
+    bad = Tree([1, 2], [-1, 1], [None, None])
+    with pytest.raises(ValueError, match="precede"):
+        bad.check()
+
+
+def test_commit_path_moves_only_branch_nodes():
+    caches = [torch.arange(10.0).reshape(1, 1, 10, 1).clone()]
+    assert commit_path(caches, 2, [0, 1, 2]) == 0
+    assert commit_path(caches, 2, [0, 4, 6]) == 2  # slots 6 -> 3, 8 -> 4
+    assert caches[0].flatten().tolist() == [0, 1, 2, 6, 8, 5, 6, 7, 8, 9]
+
+
+def test_verify_tree_greedy_follows_argmax():
+    #        0
+    #      /   \
+    #     1(5)  3(7)
+    #     |      |
+    #     2(6)   4(8)
+    tree = Tree.root(9)
+    for parent, token in [(0, 5), (1, 6), (0, 7), (3, 8)]:
+        tree.add(parent, token)
+    logits = torch.zeros(5, 10)
+    logits[0, 7] = logits[3, 8] = logits[4, 1] = 1.0  # the sibling branch, fully, then 1
+    assert verify_tree_greedy(tree, logits) == ([0, 3, 4], 1)
+    logits[0, 7], logits[0, 2] = 0.0, 1.0  # every child of the root rejected
+    assert verify_tree_greedy(tree, logits) == ([0], 2)
+
+
+# ---- the runtime's tree loop on the eager reference -------------------------------------------
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "Paris is the capital of France. Berlin is the capital of",
+    "1 2 3 4 5 6 7 8 9 10 11 12 1 2 3 4 5",
+]
+N_TOKENS = 40
+TREE_NODES = 12
+# (n_parallel, p_split, k): a chain, wide (many branches at the first positions), deep.
+TREE_PARAMS = {
+    "chain": (1, 0.1, 4),
+    "default": (4, 0.1, 4),
+    "wide": (8, 0.0, 2),
+    "deep": (2, 0.0, 7),
+}
+
+
+def first_layer_checkpoint(src: Path, out: Path) -> Path:
+    """The target's first layer with its norm and head: a draft that is often right."""
+    shutil.copytree(src, out)
+    config = json.loads((out / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(config))
+    weights = load_file(str(out / "model.safetensors"))
+    save_file(
+        {k: v for k, v in weights.items() if ".layers.1." not in k}, str(out / "model.safetensors")
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def tree_engines(tiny_checkpoint, tmp_path_factory):
+    from reference import eager_engine
+
+    draft = first_layer_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("draft") / "layer0")
+    return {
+        "own": eager_engine(tiny_checkpoint, draft, 160, 6, tree_nodes=TREE_NODES),
+        "shared": eager_engine(
+            tiny_checkpoint, draft, 160, 6, share_kv=True, tree_nodes=TREE_NODES
+        ),
+    }
+
+
+_PLAIN: dict[tuple[int, str], list[int]] = {}
+
+
+def _plain(engine, prompt: str) -> list[int]:
+    """Plain greedy ids, once per engine and prompt."""
+    key = (id(engine), prompt)
+    if key not in _PLAIN:
+        _PLAIN[key] = _generate(engine, engine.tokenizer.encode(prompt)).token_ids
+    return _PLAIN[key]
+
+
+def _generate(engine, ids, **kw):
+    from aotgen.runtime.engine import GenerationConfig
+
+    return engine.generate(ids, GenerationConfig(max_new_tokens=N_TOKENS, ignore_eos=True, **kw))
+
+
+@pytest.mark.parametrize("shape", list(TREE_PARAMS))
+@pytest.mark.parametrize(
+    "proposer", ["ngram-own", "draft-own", "draft-shared", "draft+ngram-shared"]
+)
+def test_tree_greedy_equals_plain_greedy_eager(tree_engines, proposer, shape):
+    from aotgen.runtime.tree_draft import TreeParams
+
+    mode, _, which = proposer.partition("-")
+    engine = tree_engines[which]
+    n_parallel, p_split, k = TREE_PARAMS[shape]
+    tree = TreeParams(n_parallel, p_split)
+    nodes = drafted = branch_steps = 0
+    for prompt in PROMPTS:
+        ids = engine.tokenizer.encode(prompt)
+        spec = _generate(engine, ids, speculative=mode, k=k, tree=tree)
+        assert spec.token_ids == _plain(engine, prompt), (prompt, proposer, shape)
+        nodes += spec.spec.tree_nodes
+        drafted += spec.spec.drafted
+        branch_steps += spec.spec.branch_steps
+    assert drafted > 0, "nothing was drafted: the test would be vacuous"
+    if shape == "chain":
+        assert nodes == drafted and branch_steps == 0
+    elif mode != "ngram":  # branches open and some win
+        assert nodes > drafted and branch_steps > 0, (nodes, drafted, branch_steps)
+
+
+class FixedShapes:
+    """A proposer of a fixed tree shape: the chain is the target's greedy continuation, each
+    token replaced by a random one with probability 1/3; branch tokens are the true token or
+    random, half each. Every path through the tree gets exercised, copies included."""
+
+    def __init__(self, parents: list[int], truth: list[int], seed: int) -> None:
+        self.parents, self.truth = parents, truth
+        self.gen = torch.Generator().manual_seed(seed)
+        self.start = 0
+
+    def _token(self, true_token: int, p_wrong: float) -> int:
+        if float(torch.rand((), generator=self.gen)) < p_wrong:
+            return int(torch.randint(300, (), generator=self.gen))
+        return true_token
+
+    def propose(self, history: list[int], k: int, budget: int) -> Tree:
+        tree = Tree.root(history[-1])
+        done = len(history) - self.start  # tokens of `truth` already out
+        for p in self.parents[: budget - 1]:
+            depth = tree.depths[p] + 1
+            true = self.truth[min(done + depth - 1, len(self.truth) - 1)]
+            tree.add(p, self._token(true, 1 / 3 if len(tree) == depth else 1 / 2))
+        return tree
+
+    def accepted(self, pos: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_fixed_tree_shapes_greedy_equals_plain(tree_engines, shape, monkeypatch):
+    from aotgen.runtime import tree_draft
+    from aotgen.runtime.tree_draft import TreeParams
+
+    engine = tree_engines["own"]
+    branch_steps = 0
+    for seed, prompt in enumerate(PROMPTS):
+        ids = engine.tokenizer.encode(prompt)
+        plain = _plain(engine, prompt)
+        fixed = FixedShapes(SHAPES[shape], plain, seed)
+        fixed.start = len(ids)
+        monkeypatch.setattr(tree_draft, "tree_proposer", lambda *a, fixed=fixed: fixed)
+        spec = _generate(engine, ids, speculative="ngram", tree=TreeParams())
+        assert spec.token_ids == plain, (prompt, shape)
+        branch_steps += spec.spec.branch_steps
+    if shape != "chain":
+        assert branch_steps > 0
+
+
+def test_tree_needs_a_tree_graph(tree_engines, tiny_checkpoint):
+    from reference import eager_engine
+
+    from aotgen.runtime.engine import GenerationError
+    from aotgen.runtime.tree_draft import TreeParams
+
+    engine = eager_engine(tiny_checkpoint, None, 160, 4)
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    with pytest.raises(GenerationError, match="no tree verify graph.*tree_nodes"):
+        _generate(engine, ids, speculative="ngram", tree=TreeParams())
+    with pytest.raises(GenerationError, match="speculative mode"):
+        _generate(tree_engines["own"], ids, tree=TreeParams())
+
+
+# ---- a compiled package with the tree graph ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tree_package(tiny_checkpoint, project) -> Path:
+    """The tiny target, its first layer as a shared-cache draft, and a 8-row tree graph."""
+    from conftest import TINY_RECIPE
+
+    from aotgen.package.build import build
+    from aotgen.recipe import parse_recipe
+
+    data = {
+        "checkpoint": str(tiny_checkpoint),
+        **TINY_RECIPE,
+        "tree_nodes": 8,
+        "speculative": {"draft": {"layers": 1}},
+    }
+    return build(parse_recipe(data, "tiny-tree", Path(".")), project).path
+
+
+def test_compiled_tree_greedy_equals_plain(tree_package):
+    from aotgen.package.manifest import verify_package
+    from aotgen.runtime.engine import Engine
+    from aotgen.runtime.tree_draft import TreeParams
+
+    graphs = verify_package(tree_package)["models"]["target"]["graphs"]
+    assert graphs["tree"]["inputs"][-1] == {"name": "tree_mask", "shape": [8, 8], "dtype": "bool"}
+    engine = Engine.load(tree_package)
+    for mode in ("ngram", "draft", "draft+ngram"):
+        branch_steps = 0
+        for prompt in PROMPTS:
+            ids = engine.tokenizer.encode(prompt)
+            plain = _generate(engine, ids).token_ids
+            for tree in (TreeParams(1), TreeParams(4, 0.1), TreeParams(8, 0.0)):
+                spec = _generate(engine, ids, speculative=mode, k=4, tree=tree)
+                assert spec.token_ids == plain, (prompt, mode, tree)
+                branch_steps += spec.spec.branch_steps
+        if mode != "ngram":
+            assert branch_steps > 0, mode
+
+
+def test_compiled_tree_sampling_matches_plain(tree_package):
+    from test_speculative import _chi_square_same, _samples
+
+    from aotgen.runtime.engine import Engine
+    from aotgen.runtime.tree_draft import TreeParams
+
+    engine = Engine.load(tree_package)
+    ids = engine.tokenizer.encode(PROMPTS[1])
+    n, position = 600, 2
+    plain = _samples(engine, ids, n, position)
+    tree = TreeParams(4, 0.05)
+    spec = _samples(engine, ids, n, position, speculative="draft", k=4, tree=tree)
+    stat, dof, crit = _chi_square_same(plain, spec)
+    assert dof >= 2 and stat < crit, (stat, dof, crit)
+
+
+def test_package_without_tree_graph_refuses_tree_mode(tiny_package):
+    """An older package (no tree graph): one clear line from the CLI, no traceback."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "aotgen", "run", str(tiny_package), "--prompt", PROMPTS[0]]
+    cmd += ["--lookup", "ngram", "--draft-parallel", "4", "--max-new-tokens", "4"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "has no tree verify graph" in out.stderr and "tree_nodes" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "tree_nodes, match",
+    [(1, "tree_nodes must be 0"), (33, "tree_nodes must be 0"), (True, "tree_nodes must be 0")],
+)
+def test_tree_nodes_is_checked(tree_nodes, match):
+    from aotgen.recipe import RecipeError, parse_recipe
+
+    with pytest.raises(RecipeError, match=match):
+        parse_recipe({"checkpoint": "c", "tree_nodes": tree_nodes}, "r", Path("."))
+    with pytest.raises(RecipeError, match="not supported with `parallel`"):
+        parse_recipe(
+            {"checkpoint": "c", "tree_nodes": 8, "parallel": {"tensor": 2}}, "r", Path(".")
+        )
+
+
+def test_bench_has_tree_rows(tree_package, tmp_path, monkeypatch):
+    """`aotgen bench --speculative` on a package with a tree graph: a tree row per mode,
+    each with plain greedy's output, and the tree step's cost."""
+    from aotgen import bench
+
+    prompts = {
+        "chat": ["the cat sat"],
+        "grounded": ["Repeat: {text}"],
+        "grounded_text": "a b c a b",
+    }
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    monkeypatch.setattr(bench, "PROMPTS_FILE", tmp_path / "prompts.json")
+    rows, costs = bench.bench_speculative(tree_package, max_new_tokens=8, rounds=1)
+    modes = ["ngram", "draft", "draft+ngram"]
+    assert [r.mode for r in rows if r.task == "chat"] == [
+        "plain",
+        *modes,
+        *(f"{m} tree" for m in modes),
+    ]
+    assert all(r.same_as_plain for r in rows)
+    assert costs["tree_ms"] > 0
+
+
+@pytest.mark.cpp
+@pytest.mark.parametrize(
+    "mode, flags",
+    [
+        ("ngram", ["--lookup", "ngram"]),
+        ("draft", ["--speculative"]),
+        ("draft+ngram", ["--speculative", "--lookup", "ngram"]),
+    ],
+)
+def test_cpp_tree_speculation_gives_pythons_ids(run_bin, tree_package, mode, flags):
+    """aotgen-run --draft-parallel: the same ids and counts as the Python runtime, greedy and
+    sampled (same drafting order, same random draws), and greedy equals plain."""
+    from test_cpp_runtime import cpp_generate, sampling_args
+
+    from aotgen.runtime.engine import Engine, GenerationConfig
+    from aotgen.runtime.sampling import SamplingParams
+    from aotgen.runtime.tree_draft import TreeParams
+
+    engine = Engine.load(tree_package)
+    tree = TreeParams(4, 0.05)
+    tree_flags = ["--draft-parallel", "4", "--p-split", "0.05", "--k", "4"]
+    nodes = 0
+    for prompt in PROMPTS:
+        ids = engine.tokenizer.encode(prompt)
+        common = ["--max-new-tokens", str(N_TOKENS), "--ignore-eos"]
+        for params in (SamplingParams(), SamplingParams(temperature=0.9, top_k=40, seed=7)):
+            cfg = GenerationConfig(
+                max_new_tokens=N_TOKENS,
+                ignore_eos=True,
+                sampling=params,
+                speculative=mode,
+                k=4,
+                tree=tree,
+            )
+            ref = engine.generate(ids, cfg)
+            got = cpp_generate(
+                run_bin, tree_package, ids, *common, *sampling_args(params), *flags, *tree_flags
+            )
+            assert got["ids"] == ref.token_ids, (prompt, params)
+            for key in ("drafted", "accepted", "lookup_steps", "tree_nodes", "branch_steps"):
+                assert got["spec"][key] == getattr(ref.spec, key), key
+            if params.greedy:
+                assert got["ids"] == _plain(engine, prompt)
+            nodes += got["spec"]["tree_nodes"]
+    assert nodes > 0
+
+
+@pytest.mark.cpp
+def test_cpp_package_without_tree_graph_refuses_tree_mode(run_bin, tiny_package):
+    from test_cpp_runtime import assert_fails, run
+
+    proc = run(
+        run_bin,
+        tiny_package,
+        "--prompt",
+        "a b",
+        "--lookup",
+        "ngram",
+        "--draft-parallel",
+        "2",
+        "--max-new-tokens",
+        "4",
+        check=False,
+    )
+    assert_fails(proc, "has no tree verify graph")
