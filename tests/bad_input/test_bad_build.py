@@ -54,9 +54,11 @@ def _wait_for_partial(proc: subprocess.Popen, artifacts: Path, timeout: float = 
 
 @pytest.fixture
 def cache_copy(project, tiny_package: Path, tmp_path: Path) -> Path:
-    """The session's compile cache (it holds the tiny graphs), copied: damage stays here."""
+    """The session's compile cache (it holds the tiny graphs) and the tiles they were compiled
+    with (a re-measured tile would make other graphs), copied: damage stays here."""
     cache = tmp_path / "cache"
-    shutil.copytree(project.cache_dir / "graphs", cache / "graphs")
+    for part in ("graphs", "autotune"):
+        shutil.copytree(project.cache_dir / part, cache / part)
     return cache
 
 
