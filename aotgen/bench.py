@@ -13,6 +13,7 @@ import shutil
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -212,6 +213,17 @@ def requantize_gguf(src: str | Path, dst: str | Path, ftype: str) -> Path:
 PROMPTS_FILE = Path(__file__).parent / "data" / "bench_prompts.json"
 
 
+def median_call_ms(fn: Callable[[], object], reps: int) -> float:
+    """Median milliseconds of `reps` calls of `fn`, after one untimed call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
 def step_costs(engine: Engine, reps: int = 20) -> dict[str, float]:
     """Median ms of one target decode, one verify block and one draft decode step.
 
@@ -220,16 +232,7 @@ def step_costs(engine: Engine, reps: int = 20) -> dict[str, float]:
     """
     prompt = list(range(100, 164))
     costs: dict[str, float] = {}
-
-    def median_ms(fn) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e3
-
+    median_ms = partial(median_call_ms, reps=reps)
     t = engine.target
     t.forward(prompt, 0)
     costs["decode_ms"] = median_ms(lambda: t.decode(5, len(prompt)))

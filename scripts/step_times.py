@@ -7,22 +7,12 @@ medians. `v` = verify / decode, the cost that bounds speculative speed-ups.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
 import torch
 
+from aotgen.bench import median_call_ms
 from aotgen.runtime.engine import Engine
-
-
-def median_ms(fn, calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def main(paths: list[str]) -> None:
@@ -38,7 +28,7 @@ def main(paths: list[str]) -> None:
                 "prefill": (lambda r=r: r.forward(list(range(300, 428)), 200), 3),
             }
             for name, (fn, calls) in steps.items():
-                ms = median_ms(fn, calls)
+                ms = median_call_ms(fn, calls)
                 best[path][name] = min(ms, best[path].get(name, ms))
     for path, ms in best.items():
         rows = runners[path].verify_len

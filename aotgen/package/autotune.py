@@ -12,7 +12,9 @@ the project's cache, so a rebuild measures nothing.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -112,9 +114,6 @@ class Autotune:
 
 def _machine_key() -> str:
     """Tiles are only valid for the CPU, thread count and kernel they were measured with."""
-    import hashlib
-    import platform
-
     cpu = ""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():

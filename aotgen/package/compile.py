@@ -97,12 +97,10 @@ def compile_model(
     # CPU tunings (passes/pack.py, passes/gemv.py); GPUs keep their GEMM kernels.
     cpu = recipe.device == "cpu"
     reductions = recipe.compile.few_token_linears == "reduction" and cpu
-    tuner = Autotune(compile_cache.parent / "autotune")
-    packers = (
-        [PackLinears(tuner.choose) for _ in ranks]
-        if recipe.compile.packed_linears and cpu
-        else None
-    )
+    packers = None
+    if recipe.compile.packed_linears and cpu:  # the tiles are measured here, on first use
+        tuner = Autotune(compile_cache.parent / "autotune")
+        packers = [PackLinears(tuner.choose) for _ in ranks]
     compiled = CompiledModel({}, [{} for _ in ranks], {})
     for spec in mb.graphs:
         t0 = time.perf_counter()
@@ -128,8 +126,9 @@ def compile_model(
         so_bytes = sum(os.path.getsize(f) for f in graph_files if f.endswith(".so"))
         report = GraphReport(mb.role, spec.name, t1 - t0, t2 - t1, so_bytes, cached)
         compiled.graphs.append(report)
-    compiled.tiles = tuner.summary()
-    compiled.packed = len(packers[0].packed_names) if packers else 0
+    if packers:
+        compiled.tiles = tuner.summary()
+        compiled.packed = len(packers[0].packed_names)
     return compiled
 
 

@@ -7,6 +7,7 @@ import contextlib
 import re
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
@@ -36,6 +37,35 @@ def emit(graph: Graph, replaced: Node, target: Any, *args: Any, **kwargs: Any) -
         if key in replaced.meta:
             new.meta[key] = replaced.meta[key]
     return new
+
+
+def is_cast_from_float32(node: Node) -> bool:
+    """`node` is a plain dtype cast of a float32 value (e.g. the bf16 cast in front of an
+    int8 kernel)."""
+    return (
+        node.target == torch.ops.aten._to_copy.default
+        and set(node.kwargs) == {"dtype"}
+        and node.args[0].meta["val"].dtype == torch.float32
+    )
+
+
+def float32_result(add: Any, replaced: Node, out: Node) -> Node:
+    """`out` (float32) standing in for `replaced`, which returned another dtype (the int8
+    kernel's bf16): users that only cast back to float32 take `out` directly, else it is cast
+    to `replaced`'s dtype. A bf16 round trip would be dropped by Inductor (it does not emulate
+    intermediate precision casts) but not by eager execution of the same graph.
+    `add(target, *args, **kwargs)` emits a node."""
+    want = replaced.meta["val"].dtype
+    if out.meta["val"].dtype == want:
+        return out
+    cast = torch.ops.aten._to_copy.default
+    users = list(replaced.users)
+    if all(u.target == cast and u.kwargs == {"dtype": torch.float32} for u in users):
+        for user in users:
+            user.replace_all_uses_with(out)
+            user.graph.erase_node(user)
+        return out
+    return add(cast, out, dtype=want)
 
 
 class WeightEditor:

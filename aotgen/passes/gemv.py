@@ -44,7 +44,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 
-from aotgen.passes.fx import emit
+from aotgen.passes.fx import emit, float32_result, is_cast_from_float32
 
 aten = torch.ops.aten
 
@@ -79,14 +79,6 @@ def k_chunks(k: int, rows: int) -> int:
         if k % chunks == 0 and (chunks == 1 or width % 64 == 0) and rows * width * 4 <= ROWS_BYTES:
             return chunks
     return 1
-
-
-def _is_cast_from_float32(node: Node) -> bool:
-    return (
-        node.target == aten._to_copy.default
-        and set(node.kwargs) == {"dtype"}
-        and node.args[0].meta["val"].dtype == torch.float32
-    )
 
 
 def _int8_bytes(add: Callable[..., Node], words: Node) -> list[Node]:
@@ -195,7 +187,7 @@ def linears_as_reductions(ep: ExportedProgram, max_rows: int = MAX_ROWS) -> Expo
             # lowering materialises its input, so the rows are computed once. Otherwise the
             # producer (e.g. an RMSNorm) is inlined into the reduction and recomputed for
             # every output row: that made a verify step's 49k-row head 2x slower.
-            if scales is not None and _is_cast_from_float32(x):
+            if scales is not None and is_cast_from_float32(x):
                 x = x.args[0]  # the bf16 cast was for the kernel; the reduction reads float32
             dense = add(aten.clone.default, x, memory_format=torch.contiguous_format)
             if scales is not None:
@@ -224,19 +216,9 @@ def linears_as_reductions(ep: ExportedProgram, max_rows: int = MAX_ROWS) -> Expo
             out = add(aten.reshape.default, out, [*lead, -1])
             if bias is not None:
                 out = add(aten.add.Tensor, out, bias)
-            # The int8 sum is float32. Users that only cast back to float32 (the quantize
-            # pass's output cast) take it directly. Like the input cast skipped above, a
-            # bf16 round trip would be dropped by Inductor (it does not emulate intermediate
-            # precision casts) but not by eager execution of the same graph.
-            to_float = {"dtype": torch.float32}
-            users = list(node.users)
-            if out.meta["val"].dtype != node.meta["val"].dtype:
-                if all(u.target == aten._to_copy.default and u.kwargs == to_float for u in users):
-                    for user in users:
-                        user.replace_all_uses_with(out)
-                        graph.erase_node(user)
-                else:
-                    out = add(aten._to_copy.default, out, dtype=node.meta["val"].dtype)
+            # The int8 sum is float32: the quantize pass's output cast is dropped, as the
+            # input cast above.
+            out = float32_result(add, node, out)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
     ep.graph_module.recompile()

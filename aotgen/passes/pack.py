@@ -23,21 +23,13 @@ from torch.export import ExportedProgram
 from torch.fx import Node
 
 from aotgen.kernels import packed as pk
-from aotgen.passes.fx import WeightEditor, emit
+from aotgen.passes.fx import WeightEditor, emit, float32_result, is_cast_from_float32
 
 aten = torch.ops.aten
 INT8_MM = aten._weight_int8pack_mm.default
 
 # (kind, n, k, rows) -> (tile rows, tile panels): the autotune's choice.
 TileChooser = Callable[[str, int, int, int], tuple[int, int]]
-
-
-def _is_cast_from_float32(node: Node) -> bool:
-    return (
-        node.target == aten._to_copy.default
-        and set(node.kwargs) == {"dtype"}
-        and node.args[0].meta["val"].dtype == torch.float32
-    )
 
 
 class PackLinears:
@@ -116,7 +108,7 @@ class PackLinears:
         x, weight, *rest = node.args
         bias = rest[0] if rest and scale is None else None
         n, k = weight.meta["val"].shape
-        if scale is not None and _is_cast_from_float32(x):
+        if scale is not None and is_cast_from_float32(x):
             x = x.args[0]  # the bf16 cast was for the int8 kernel; this one reads float32
         # The leading dims back as they were: a symbolic one (prefill's tokens) as -1.
         lead = [d if isinstance(d, int) else -1 for d in x.meta["val"].shape[:-1]]
@@ -134,26 +126,10 @@ class PackLinears:
         out = add(aten.reshape.default, out, [*lead, n])
         if bias is not None:
             out = add(aten.add.Tensor, out, bias)
-        return _cast_like(add, node, out)
+        return float32_result(add, node, out)
 
 
 def _gather(add: Callable[..., Node], packed: Node, ids: Node) -> Node:
     hi = add(aten.div.Tensor_mode, ids, pk.PANEL, rounding_mode="floor")
     lo = add(aten.remainder.Scalar, ids, pk.PANEL)
     return add(aten.index.Tensor, packed, [hi, None, lo])
-
-
-def _cast_like(add: Callable[..., Node], node: Node, out: Node) -> Node:
-    """The float32 result where the replaced op returned another dtype (the int8 kernel's
-    bf16): users that only cast back to float32 take it directly (see passes/gemv.py)."""
-    want = node.meta["val"].dtype
-    if out.meta["val"].dtype == want:
-        return out
-    to_float = {"dtype": torch.float32}
-    users = list(node.users)
-    if users and all(u.target == aten._to_copy.default and u.kwargs == to_float for u in users):
-        for user in users:
-            user.replace_all_uses_with(out)
-            user.graph.erase_node(user)
-        return out
-    return add(aten._to_copy.default, out, dtype=want)
