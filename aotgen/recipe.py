@@ -55,6 +55,8 @@ class Recipe:
     prefill_chunk: int = 256  # max tokens per prefill call; longer prompts are chunked
     verify_k: int = 4  # the verify graph scores verify_k + 1 positions
     tree_nodes: int = 0  # the tree verify graph's rows (runtime/tree.py); 0: no tree graph
+    # Sequences the batched graphs serve at once (runtime/batch_engine.py); 0: no batched graphs.
+    max_batch: int = 0
     dtype: str = "float32"
     # Where the package runs: "cpu", or "cuda" (built on a machine with the GPU it targets).
     device: str = "cpu"
@@ -83,6 +85,8 @@ DEVICES = ("cpu", "cuda")
 # verify_k (and speculative.k) bound: the verify graph scores k + 1 positions and the KV cache
 # grows by max(k + 1, VERIFY_ROOM); drafts longer than this are almost never accepted whole.
 MAX_VERIFY_K = 16
+# max_batch bound: each slot holds a whole KV cache (max_seq_len positions per layer).
+MAX_BATCH = 64
 # tree_nodes bound: the tree graph's rows (root included), like verify_k + 1 for the chain.
 MAX_TREE_NODES = 32
 # A package name becomes one directory under artifacts/: no separators, no `..`, not hidden.
@@ -185,6 +189,7 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
     if recipe.prefill_chunk < 2:
         raise RecipeError(f"{where}: prefill_chunk must be >= 2 (1 token is decode)")
     _check_tree_nodes(recipe, where)
+    _check_max_batch(recipe, where)
     if recipe.speculative is not None:
         recipe = _parse_speculative(recipe, "verify_k" in data, base_dir)
     if recipe.dtype not in DTYPES:
@@ -232,6 +237,21 @@ def _check_tree_nodes(recipe: Recipe, where: str) -> None:
         raise RecipeError(
             f"{where}: tree_nodes is not supported with `parallel` (the tensor-parallel runtime "
             "verifies chains only); drop one of them"
+        )
+
+
+def _check_max_batch(recipe: Recipe, where: str) -> None:
+    """max_batch: 0 (no batched graphs) or 2..MAX_BATCH sequences, single-rank packages only."""
+    n = recipe.max_batch
+    if not _is_int(n) or not (n == 0 or 2 <= n <= MAX_BATCH):
+        raise RecipeError(
+            f"{where}: max_batch must be 0 (no batched graphs) or an integer in 2..{MAX_BATCH} "
+            f"(the sequences one batched step serves), got {n!r}"
+        )
+    if n and recipe.parallel:
+        raise RecipeError(
+            f"{where}: max_batch is not supported with `parallel` (the tensor-parallel runtime "
+            "serves one sequence); drop one of them"
         )
 
 

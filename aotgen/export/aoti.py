@@ -3,7 +3,9 @@
 Every graph keeps one signature, `(tokens [1, T], input_pos [T], *kv_caches) -> logits`,
 and differs only in T: `prefill` (dynamic, 2..prefill_chunk), `decode` (1) and `verify`
 (verify_k + 1). The optional `tree` graph (tree_nodes rows) also takes a `[T, T]` bool tree
-mask after the caches (model/layers.py). Weights stay out of the `.so`
+mask after the caches; the optional batched graphs `batch_decode` (T = 1) and
+`batch_verify` (verify_k + 1) take `tokens [B, T]`, `input_pos [B, T]`, caches with one row
+per slot and `slots [B]`, for B in 2..max_batch (model/layers.py). Weights stay out of the `.so`
 (`package_constants_in_so=False`): the package stores them once, and the runtime binds that
 one copy to every graph.
 """
@@ -32,29 +34,55 @@ class GraphSpec:
     name: str
     min_tokens: int
     max_tokens: int
+    batch: int = 0  # batched graphs: the cache's slots, the most sequences per call
 
     @property
     def dynamic(self) -> bool:
+        """Whether the token count varies (the prefill graph); a batch's size always does."""
         return self.min_tokens != self.max_tokens
+
+    @property
+    def rows(self) -> int:
+        """The most rows one call multiplies through each weight (what kernels tune for)."""
+        return self.max_tokens * max(self.batch, 1)
 
     @property
     def tree(self) -> bool:
         return self.name == "tree"
 
 
-def graph_specs(prefill_chunk: int, verify_k: int, tree_nodes: int = 0) -> list[GraphSpec]:
+def graph_specs(
+    prefill_chunk: int, verify_k: int, tree_nodes: int = 0, max_batch: int = 0
+) -> list[GraphSpec]:
     specs = [
         GraphSpec("prefill", 2, prefill_chunk),
         GraphSpec("decode", 1, 1),
         GraphSpec("verify", verify_k + 1, verify_k + 1),
     ]
-    return specs + [GraphSpec("tree", tree_nodes, tree_nodes)] if tree_nodes else specs
+    if tree_nodes:
+        specs.append(GraphSpec("tree", tree_nodes, tree_nodes))
+    if max_batch:
+        specs.append(GraphSpec("batch_decode", 1, 1, max_batch))
+        specs.append(GraphSpec("batch_verify", verify_k + 1, verify_k + 1, max_batch))
+    return specs
+
+
+def slotted(caches: list[Tensor], slots: int) -> list[Tensor]:
+    """Caches like `caches` (`[1, ...]` each) with one row per sequence slot."""
+    return [c.new_zeros(slots, *c.shape[1:]) for c in caches]
 
 
 def example_inputs(spec: GraphSpec, caches: list[Tensor]) -> tuple:
+    """A graph's example inputs on the single-sequence `caches` (batched graphs get their
+    slotted copy). Positions near the start keep the data-dependent attention length valid."""
     t = spec.max_tokens if spec.dynamic else spec.min_tokens
-    # Positions near the start keep the data-dependent attention length valid in tracing.
     device = caches[0].device  # the graph runs where its cache lives
+    if spec.batch:
+        b = spec.batch
+        positions = torch.arange(t, device=device).repeat(b, 1)
+        tokens = torch.zeros(b, t, dtype=torch.long, device=device)
+        slots = torch.arange(b, device=device)
+        return (tokens, positions, slotted(caches, b), None, slots)
     args = (
         torch.zeros(1, t, dtype=torch.long, device=device),
         torch.arange(t, device=device),
@@ -66,7 +94,11 @@ def example_inputs(spec: GraphSpec, caches: list[Tensor]) -> tuple:
 
 
 def dynamic_shapes(spec: GraphSpec, caches: list[Tensor]) -> tuple | None:
-    """The token count of `tokens` and `input_pos` is dynamic in the prefill graph only."""
+    """The token count of `tokens` and `input_pos` is dynamic in the prefill graph, the
+    number of sequences in the batched graphs."""
+    if spec.batch:
+        b = Dim(f"{spec.name}_batch", min=2, max=spec.batch)
+        return ({0: b}, {0: b}, [None] * len(caches), None, {0: b})
     if not spec.dynamic:
         return None
     t = Dim(f"{spec.name}_tokens", min=spec.min_tokens, max=spec.max_tokens)
@@ -121,7 +153,8 @@ def compile_key(ep: ExportedProgram, args: tuple, options: dict) -> str:
     from torch._inductor import config
     from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
 
-    inputs = [(t.shape, t.stride(), t.dtype, t.device) for t in pytree.tree_leaves(args)]
+    leaves = [t for t in pytree.tree_leaves(args) if t is not None]
+    inputs = [(t.shape, t.stride(), t.dtype, t.device) for t in leaves]
     # aot_compile fills aot_inductor.metadata in (device, ISA) on its first call: drop it,
     # or a process's first graph would key differently from the same graph later.
     inductor = {

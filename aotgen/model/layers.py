@@ -11,6 +11,15 @@ later, no rollback). This is the contract every exported graph keeps:
 The tree graph adds `tree_mask [T, T]` (bool) after the caches: its rows are the nodes of a
 token tree written at consecutive slots, each attending to the prefix and its ancestors.
 
+The batched graphs serve several sequences at once (runtime/batch_engine.py). Their caches hold
+one row per sequence slot (`[slots, n_kv_heads, cache_len, head_dim]`), and `slots [B]` says
+which row each of the B sequences uses; positions are per sequence:
+
+    forward(tokens [B, T], input_pos [B, T], caches, None, slots [B]) -> logits [B, T, V]
+
+A slot's row of such a cache is itself a `[1, ...]` cache, so the single-sequence graphs run
+one sequence of a batch on a view, with no copy.
+
 Sliding-window layers keep a full-length cache and a window mask: the same cache layout
 for every layer, so the runtimes, speculation and the draft's shared cache need nothing
 new; the cost is memory for keys the window no longer sees.
@@ -79,31 +88,45 @@ def attend_one(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: flo
     return (probs.unsqueeze(-1) * values.unsqueeze(2)).sum(3)
 
 
+# Where a graph writes its keys and values: the positions `[T]` of its one sequence, or
+# (slots [B, 1], positions [B, T]) for a batch of sequences in a slotted cache.
+CacheIndex = Tensor | tuple[Tensor, Tensor]
+
+
 def cached_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    input_pos: Tensor,
+    write_at: CacheIndex,
     mask: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
     attn_len: int,
     scale: float,
 ) -> Tensor:
-    """Write k/v `[b, kv_heads, t, d]` into the caches at input_pos, attend q `[b, heads,
-    t, d]` to the filled prefix under `mask` `[t, attn_len]`; returns `[b, t, heads * d]`."""
+    """Write k/v `[b, kv_heads, t, d]` into the caches at `write_at`, attend q `[b, heads,
+    t, d]` to the filled prefix under `mask` (`[t, attn_len]`, or `[b, t, attn_len]` for a
+    batch); returns `[b, t, heads * d]`."""
     b, _, t, head_dim = q.shape
-    k_cache.index_copy_(2, input_pos, k.to(k_cache.dtype))
-    v_cache.index_copy_(2, input_pos, v.to(v_cache.dtype))
+    kv_heads = k.shape[1]
+    group = q.shape[1] // kv_heads
     # Attend only to the filled prefix of the cache, not all of it.
-    keys = k_cache[:, :, :attn_len].to(q.dtype)
-    values = v_cache[:, :, :attn_len].to(q.dtype)
+    if isinstance(write_at, tuple):
+        slots, positions = write_at
+        k_cache[slots, :, positions] = k.transpose(1, 2).to(k_cache.dtype)
+        v_cache[slots, :, positions] = v.transpose(1, 2).to(v_cache.dtype)
+        keys = k_cache[slots[:, 0], :, :attn_len].to(q.dtype)
+        values = v_cache[slots[:, 0], :, :attn_len].to(q.dtype)
+        mask = mask.repeat(1, group, 1).unsqueeze(1)
+    else:
+        k_cache.index_copy_(2, write_at, k.to(k_cache.dtype))
+        v_cache.index_copy_(2, write_at, v.to(v_cache.dtype))
+        keys = k_cache[:, :, :attn_len].to(q.dtype)
+        values = v_cache[:, :, :attn_len].to(q.dtype)
+        mask = mask.repeat(group, 1)
     # GQA without repeating K/V: fold each KV head's group of query heads into the
     # query-length axis ([b, kv, group * t, d]), so no expanded K/V copy per layer.
-    kv_heads = keys.shape[1]
-    group = q.shape[1] // kv_heads
     q = q.reshape(b, kv_heads, group * t, head_dim)
-    mask = mask.repeat(group, 1)
     if isinstance(t, int) and t == 1 and not torch.onnx.is_in_onnx_export():  # decode graph
         y = attend_one(q, keys, values, mask, scale)
     else:
@@ -115,7 +138,7 @@ def cached_attention(
 
 class CausalLM(nn.Module):
     """The shared forward. A family provides `decoder_layers`, `embed(tokens)`, `logits(x)`;
-    each layer is called as `layer(x, cos, sin, input_pos, mask, k_cache, v_cache,
+    each layer is called as `layer(x, cos, sin, write_at, mask, k_cache, v_cache,
     attn_len)` with its own RoPE rows and mask (sliding or global)."""
 
     def __init__(self, cfg: ModelConfig, cache_len: int):
@@ -151,45 +174,78 @@ class CausalLM(nn.Module):
         input_pos: Tensor,
         caches: list[Tensor],
         tree_mask: Tensor | None = None,
+        slots: Tensor | None = None,
     ) -> Tensor:
-        cfg = self.config
         x = self.embed(tokens)
-        dtype = x.dtype
+        if slots is not None:
+            return self._batch_forward(x, input_pos, caches, slots)
         if tree_mask is None:
             # Positions in one call are consecutive, so the last one bounds what is attended
             # to, and each row's keys and values go to the slot of its position.
             attn_len = input_pos[-1].item() + 1
-            slots = input_pos
+            write_at = input_pos
         else:
             # A token tree (runtime/tree.py): row i is written to slot input_pos[0] + i and has
             # RoPE position input_pos[i] (input_pos[0] plus its depth); tree_mask [T, T] says
             # which rows each row sees (its ancestors and itself), next to the whole prefix.
             start = input_pos[0]
             attn_len = start.item() + tokens.shape[1]
-            slots = start + self.key_positions[: tokens.shape[1]]
+            write_at = start + self.key_positions[: tokens.shape[1]]
         torch._check(attn_len >= 1)
         torch._check(attn_len <= self.cache_len)
-        cos, sin = self.rope_cos[input_pos].to(dtype), self.rope_sin[input_pos].to(dtype)
         keys = self.key_positions[:attn_len].unsqueeze(0)
         if tree_mask is None:
             mask = keys <= input_pos.unsqueeze(1)
         else:
             rel = keys[0] - start  # < 0 on the prefix, else the key's tree row
             mask = (rel < 0).unsqueeze(0) | tree_mask.index_select(1, rel.clamp(min=0))
-        local = (cos, sin, mask)
+        return self._layers(x, input_pos, write_at, caches, attn_len, mask)
+
+    def _batch_forward(
+        self, x: Tensor, input_pos: Tensor, caches: list[Tensor], slots: Tensor
+    ) -> Tensor:
+        """B sequences, each at its own positions `input_pos [B, T]`, in cache rows `slots`.
+        Every row attends up to the furthest position in the batch, masked to its own."""
+        attn_len = input_pos.max().item() + 1
+        torch._check(attn_len >= 1)
+        torch._check(attn_len <= self.cache_len)
+        keys = self.key_positions[:attn_len]
+        mask = keys <= input_pos.unsqueeze(-1)  # [B, T, attn_len]
+        write_at = (slots.unsqueeze(1), input_pos)
+        return self._layers(x, input_pos, write_at, caches, attn_len, mask, heads_dim=True)
+
+    def _layers(
+        self,
+        x: Tensor,
+        input_pos: Tensor,
+        write_at: CacheIndex,
+        caches: list[Tensor],
+        attn_len: int,
+        mask: Tensor,
+        heads_dim: bool = False,
+    ) -> Tensor:
+        """The decoder layers and the head; each layer gets the RoPE rows and mask of its kind
+        (sliding or global). `heads_dim`: positions are `[B, T]`, so the RoPE rows get a heads
+        axis to broadcast against `[B, heads, T, d]`."""
+        cfg = self.config
+        dtype = x.dtype
+        keys = self.key_positions[:attn_len]
+
+        def rope(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+            cos, sin = cos[input_pos].to(dtype), sin[input_pos].to(dtype)
+            return (cos.unsqueeze(1), sin.unsqueeze(1)) if heads_dim else (cos, sin)
+
+        glob = (*rope(self.rope_cos, self.rope_sin), mask)
+        local = glob
         if cfg.layer_types:
             # Tree rows' slots are never behind their positions, so the window keeps them.
-            window = mask & (keys > input_pos.unsqueeze(1) - cfg.sliding_window)
-            local = (cos, sin, window)
+            window = mask & (keys > input_pos.unsqueeze(-1) - cfg.sliding_window)
+            local = (*glob[:2], window)
             if cfg.rope_local_theta is not None:
-                local = (
-                    self.rope_local_cos[input_pos].to(dtype),
-                    self.rope_local_sin[input_pos].to(dtype),
-                    window,
-                )
+                local = (*rope(self.rope_local_cos, self.rope_local_sin), window)
         for i, layer in enumerate(self.decoder_layers):
-            c, s, m = local if cfg.is_sliding(i) else (cos, sin, mask)
-            x = layer(x, c, s, slots, m, caches[2 * i], caches[2 * i + 1], attn_len)
+            c, s, m = local if cfg.is_sliding(i) else glob
+            x = layer(x, c, s, write_at, m, caches[2 * i], caches[2 * i + 1], attn_len)
         return self.logits(x).float()
 
 

@@ -50,7 +50,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.gemma)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.gemma)
 
-    def forward(self, x, cos, sin, input_pos, mask, k_cache, v_cache, attn_len) -> Tensor:
+    def forward(self, x, cos, sin, write_at, mask, k_cache, v_cache, attn_len) -> Tensor:
         b, t, _ = x.shape
         # Heads are sized from the weights, not the config, so a tensor-parallel shard
         # (fewer heads per rank) runs through the same code.
@@ -60,7 +60,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = cached_attention(q, k, v, input_pos, mask, k_cache, v_cache, attn_len, self.scale)
+        y = cached_attention(q, k, v, write_at, mask, k_cache, v_cache, attn_len, self.scale)
         return self.o_proj(y)
 
 
@@ -91,9 +91,9 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(d, eps, gemma)
             self.post_feedforward_layernorm = RMSNorm(d, eps, gemma)
 
-    def forward(self, x, cos, sin, input_pos, mask, k_cache, v_cache, attn_len) -> Tensor:
+    def forward(self, x, cos, sin, write_at, mask, k_cache, v_cache, attn_len) -> Tensor:
         a = self.self_attn(
-            self.input_layernorm(x), cos, sin, input_pos, mask, k_cache, v_cache, attn_len
+            self.input_layernorm(x), cos, sin, write_at, mask, k_cache, v_cache, attn_len
         )
         if self.gemma:  # norms on both sides of attention and of the MLP
             h = x + self.post_attention_layernorm(a)

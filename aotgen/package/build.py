@@ -306,7 +306,8 @@ def _write_onnx(tmp: Path, plan: _Models, compiled: _Compiled, recipe: Recipe) -
     onnx = _onnx_export()
     for mb in plan.models:
         cache = recipe_kv_cache(mb.config, recipe)
-        entry = onnx.export_model(tmp, mb.role, mb.model, mb.graphs, cache)
+        graphs = [g for g in mb.graphs if not g.batch]  # batched graphs are AOTInductor-only
+        entry = onnx.export_model(tmp, mb.role, mb.model, graphs, cache)
         compiled.entries[mb.role]["onnx"] = entry
         if mb.quantizer:
             compiled.notes.append(

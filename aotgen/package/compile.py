@@ -64,21 +64,26 @@ class CompiledModel:
 
 def graph_signature(spec: GraphSpec, cfg: ModelConfig, cache: list[Tensor]) -> dict[str, Any]:
     t: Any = "T" if spec.dynamic else spec.min_tokens
+    b: Any = "B" if spec.batch else 1
     tree = [{"name": "tree_mask", "shape": [t, t], "dtype": "bool"}] if spec.tree else []
+    slots = [{"name": "slots", "shape": [b], "dtype": "int64"}] if spec.batch else []
+    batch = {"batch": {"min": 2, "max": spec.batch}} if spec.batch else {}
     return {
         "tokens": {"min": spec.min_tokens, "max": spec.max_tokens},
+        **batch,
         "inputs": [
-            {"name": "tokens", "shape": [1, t], "dtype": "int64"},
-            {"name": "input_pos", "shape": [t], "dtype": "int64"},
+            {"name": "tokens", "shape": [b, t], "dtype": "int64"},
+            {"name": "input_pos", "shape": [b, t] if spec.batch else [t], "dtype": "int64"},
             {
                 "name": "kv_caches",
                 "count": len(cache),
-                "shape": list(cache[0].shape),
+                "shape": [spec.batch or 1, *cache[0].shape[1:]],
                 "dtype": str(cache[0].dtype).removeprefix("torch."),
             },
             *tree,
+            *slots,
         ],
-        "outputs": [{"name": "logits", "shape": [1, t, cfg.vocab_size], "dtype": "float32"}],
+        "outputs": [{"name": "logits", "shape": [b, t, cfg.vocab_size], "dtype": "float32"}],
     }
 
 
@@ -145,8 +150,8 @@ def _exported(
     for graph_pass in mb.graph_passes:
         ep = graph_pass(ep)
     if packer is not None:
-        ep = packer(ep, spec.max_tokens if spec.dynamic else spec.min_tokens)
-    if not spec.dynamic and reductions:
+        ep = packer(ep, spec.rows)
+    if not spec.dynamic and not spec.batch and reductions:
         ep = linears_as_reductions(ep)
     return ep
 

@@ -87,7 +87,7 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
     cfg = ModelConfig.from_hf(ckpt.config)
     weights = ckpt.load_weights()
     dtype = getattr(torch, recipe.dtype)
-    graphs = graph_specs(recipe.prefill_chunk, recipe.verify_k, recipe.tree_nodes)
+    graphs = graph_specs(recipe.prefill_chunk, recipe.verify_k, recipe.tree_nodes, recipe.max_batch)
     models = [
         ModelBuild(
             "target",
@@ -99,13 +99,14 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
     ]
     draft = (recipe.speculative or {}).get("draft")
     if draft:
-        # The draft never verifies; on the target's cache it never prefills either.
+        # The draft never verifies; on the target's cache it never prefills either. It
+        # drafts for one sequence at a time (the batched graphs are the target's).
         skip = (
             ("verify", "tree", "prefill")
             if recipe.speculative.get("share_kv")
             else ("verify", "tree")
         )
-        draft_graphs = [g for g in graphs if g.name not in skip]
+        draft_graphs = [g for g in graphs if g.name not in skip and not g.batch]
         dcfg, dweights = _draft_weights(draft, ckpt, cfg, weights)
         models.append(
             ModelBuild(

@@ -30,8 +30,9 @@ from aotgen.runtime.proposers import (
     Proposer,
 )
 from aotgen.runtime.sampling import SamplingParams, make_generator, select_next
+from aotgen.runtime.sequence import TokenSink
 from aotgen.runtime.speculative import AdaptiveK, SpecStats, verify
-from aotgen.runtime.tokenizer import StreamDecoder, Tokenizer
+from aotgen.runtime.tokenizer import Tokenizer
 from aotgen.runtime.tree import Tree
 from aotgen.runtime.tree_draft import TreeParams, tree_steps
 
@@ -56,7 +57,7 @@ def open_loader(pt2: Path, package_model: str, device: torch.device) -> Any:
 
 
 class CompiledGraph:
-    """One AOTInductor graph; checks the token count the graph was compiled for."""
+    """One AOTInductor graph; checks the token count (and batch size) it was compiled for."""
 
     def __init__(
         self, pt2: Path, package_model: str, signature: dict[str, Any], device: torch.device
@@ -64,6 +65,8 @@ class CompiledGraph:
         self.name = package_model
         self.min_tokens = signature["tokens"]["min"]
         self.max_tokens = signature["tokens"]["max"]
+        batch = signature.get("batch", {"min": 1, "max": 1})
+        self.min_batch, self.max_batch = batch["min"], batch["max"]
         self.loader = open_loader(pt2, package_model, device)
 
     def bind(self, weights: dict[str, Tensor]) -> None:
@@ -82,13 +85,18 @@ class CompiledGraph:
         input_pos: Tensor,
         caches: list[Tensor],
         tree_mask: Tensor | None = None,
+        slots: Tensor | None = None,
     ) -> Tensor:
-        t = tokens.shape[1]
+        b, t = tokens.shape
         if not self.min_tokens <= t <= self.max_tokens:
             raise ValueError(
                 f"{self.name} takes {self.min_tokens}..{self.max_tokens} tokens, got {t}"
             )
-        extra = [] if tree_mask is None else [tree_mask]
+        if not self.min_batch <= b <= self.max_batch:
+            raise ValueError(
+                f"{self.name} takes {self.min_batch}..{self.max_batch} sequences, got {b}"
+            )
+        extra = [x for x in (tree_mask, slots) if x is not None]
         return self.loader.boxed_run([tokens, input_pos, *caches, *extra])[0]
 
 
@@ -139,6 +147,7 @@ class ModelRunner:
         target_caches: list[Tensor] | None = None,
         device: str = "cpu",
         backend: str = "aoti",
+        slots: int = 1,
     ):
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
         self.config = entry["config"]
@@ -156,9 +165,17 @@ class ModelRunner:
         if self.shares_cache:
             self.caches = _target_cache_layers(kv, dtype, target_caches)
         else:
+            shape = [slots, *kv["shape"][1:]]
             self.caches = [
-                zeros_on_demand(kv["shape"], dtype, self.device) for _ in range(2 * kv["layers"])
+                zeros_on_demand(shape, dtype, self.device) for _ in range(2 * kv["layers"])
             ]
+        # Slots: one sequence's cache rows each (the batch engine's); a row is a `[1, ...]`
+        # view that the single-sequence graphs run on in place.
+        self.slot_caches = (
+            [self.caches]
+            if slots == 1
+            else [[c[s : s + 1] for c in self.caches] for s in range(slots)]
+        )
         # A draft on the target's cache only ever decodes: it is built without a prefill graph.
         self.prefill_chunk = self.graphs["prefill"].max_tokens if "prefill" in self.graphs else 1
         self.verify_len = self.graphs["verify"].max_tokens if "verify" in self.graphs else 0
@@ -186,11 +203,13 @@ class ModelRunner:
             g.bind(weights)
         return weights, graphs  # keep the weights alive: the graphs use them in place
 
-    def forward(self, tokens: list[int], start_pos: int, all_logits: bool = False) -> Tensor:
-        """Run `tokens` at positions start_pos.. through the fitting graph(s).
-
-        Returns logits `[T, V]` for every position if `all_logits`, else for the last.
+    def forward(
+        self, tokens: list[int], start_pos: int, all_logits: bool = False, slot: int = 0
+    ) -> Tensor:
+        """Run `tokens` at positions start_pos.. through the fitting graph(s), in the cache of
+        `slot`. Returns logits `[T, V]` for every position if `all_logits`, else for the last.
         """
+        caches = self.slot_caches[slot]
         end = start_pos + len(tokens)
         if end > self.cache_len:
             raise GenerationError(f"position {end} is past the KV cache ({self.cache_len})")
@@ -206,7 +225,7 @@ class ModelRunner:
             chunk += chunk[-1:] * (width - n)
             chunk_ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
             positions = torch.arange(pos, pos + width, device=self.device)
-            logits = graph(chunk_ids, positions, self.caches)[0][:n].cpu()
+            logits = graph(chunk_ids, positions, caches)[0][:n].cpu()
             outs.append(logits if all_logits else logits[-1:])
             pos += n
         return torch.cat(outs) if all_logits else outs[-1][0]
@@ -240,11 +259,20 @@ class ModelRunner:
         )
         return logits[0][:n].cpu()
 
-    def decode(self, token: int, pos: int) -> Tensor:
+    def decode(self, token: int, pos: int, slot: int = 0) -> Tensor:
         """The per-token hot path: one decode call, logits `[V]`."""
         tokens = torch.tensor([[token]], device=self.device)
-        logits = self.graphs["decode"](tokens, torch.tensor([pos], device=self.device), self.caches)
+        positions = torch.tensor([pos], device=self.device)
+        logits = self.graphs["decode"](tokens, positions, self.slot_caches[slot])
         return logits[0, 0].cpu()
+
+    def batch(self, graph: str, tokens: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
+        """One batched-graph call: `tokens`, `positions` `[B, T]` in cache rows `slots [B]`;
+        logits `[B, T, V]`."""
+        dev = self.device
+        return self.graphs[graph](
+            tokens.to(dev), positions.to(dev), self.caches, None, slots.to(dev)
+        ).cpu()
 
 
 @dataclass
@@ -283,6 +311,7 @@ class GenerationResult:
     prefill_s: float
     decode_s: float
     spec: SpecStats | None = None
+    error: str | None = None  # finish_reason "error": what failed
 
     @property
     def prefill_tok_s(self) -> float:
@@ -295,33 +324,23 @@ class GenerationResult:
         return n / self.decode_s if n > 0 and self.decode_s else 0.0
 
 
-class _StopText:
-    """Streams text while holding back anything that could still become a stop string."""
+# KV-cache slots of a package without batched graphs: its requests take turns step by step.
+DEFAULT_SLOTS = 4
 
-    def __init__(self, stops: tuple[str, ...]):
-        self.stops = [s for s in stops if s]
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.text = ""
-        self.emitted = 0
-        self.stopped = False
 
-    def add(self, piece: str) -> str:
-        self.text += piece
-        for s in self.stops:
-            i = self.text.find(s, max(0, self.emitted - len(s)))
-            if i >= 0:
-                self.text = self.text[:i]
-                self.stopped = True
-                return self.flush()
-        safe = len(self.text) - self.hold if self.stops else len(self.text)
-        out = self.text[self.emitted : max(safe, self.emitted)]
-        self.emitted += len(out)
-        return out
-
-    def flush(self) -> str:
-        out = self.text[self.emitted :]
-        self.emitted = len(self.text)
-        return out
+def _cache_slots(manifest: dict[str, Any], slots: int) -> int:
+    """The target cache's rows: `slots`, or 0 for the package's `max_batch` (its batched
+    graphs are compiled for exactly that many)."""
+    batch_graph = manifest["models"]["target"]["graphs"].get("batch_decode", {})
+    max_batch = batch_graph.get("batch", {}).get("max", 0)
+    if slots == 0:
+        return max_batch or DEFAULT_SLOTS
+    if max_batch and slots not in (1, max_batch):
+        raise PackageError(
+            f"the package's batched graphs serve a cache of {max_batch} slots, not {slots}: "
+            f"use {max_batch} (or 0 for the package's own)"
+        )
+    return slots
 
 
 class Engine:
@@ -353,9 +372,12 @@ class Engine:
         threads: int | None = None,
         verify: bool = True,
         backend: str = "aoti",
+        slots: int = 1,
     ) -> Engine:
         """Verify the manifest (hashes, torch version, ISA) first, then load native code:
-        the AOTInductor graphs, or with `backend="onnxruntime"` the package's ONNX graphs."""
+        the AOTInductor graphs, or with `backend="onnxruntime"` the package's ONNX graphs.
+        `slots` > 1 gives the target a KV cache row per sequence for the batch engine
+        (runtime/batch_engine.py), which drafts for no sequence: the draft is not loaded."""
         t0 = time.perf_counter()
         root = Path(path)
         if backend not in BACKENDS:
@@ -368,14 +390,15 @@ class Engine:
             )
         if threads:
             torch.set_num_threads(threads)
+        slots = _cache_slots(manifest, slots)
         tokenizer = Tokenizer.from_dir(root / manifest["tokenizer"]["dir"])
         pt2 = root / manifest["package"]
         models = manifest["models"]
         device = manifest["target"]["device"]
-        target = ModelRunner(root, pt2, models["target"], device=device, backend=backend)
+        target = ModelRunner(root, pt2, models["target"], None, device, backend, slots)
         draft = (
             ModelRunner(root, pt2, models["draft"], target.caches, device, backend)
-            if "draft" in models
+            if "draft" in models and slots == 1
             else None
         )
         return cls(
@@ -467,11 +490,9 @@ class Engine:
         config: GenerationConfig,
         on_text: Callable[[str], None] | None,
     ) -> GenerationResult:
-        eos = set() if config.ignore_eos else self.tokenizer.eos_ids
-        stream = StreamDecoder(self.tokenizer)
-        stop = _StopText(config.stop)
-        out: list[int] = []
-        finish = "length"
+        sink = TokenSink(
+            self.tokenizer, config.max_new_tokens, config.stop, config.ignore_eos, on_text
+        )
         spec = SpecStats() if config.speculative else None
         t0 = time.perf_counter()
         t_first = None
@@ -479,32 +500,15 @@ class Engine:
         for new_tokens in steps:
             if t_first is None:
                 t_first = time.perf_counter()
-            for tok in new_tokens:
-                if tok in eos:
-                    finish = "eos"
-                    break
-                out.append(tok)
-                piece = stop.add(stream.put(tok))
-                if piece and on_text:
-                    on_text(piece)
-                if stop.stopped:
-                    finish = "stop"
-                    break
-                if len(out) >= config.max_new_tokens:
-                    break
-            if finish != "length" or len(out) >= config.max_new_tokens:
+            if sink.add(new_tokens):
                 break
         steps.close()
         t_end = time.perf_counter()
-        if not stop.stopped:
-            tail = stop.add(stream.flush()) + stop.flush()
-            if tail and on_text:
-                on_text(tail)
         return GenerationResult(
-            text=stop.text,
-            token_ids=out,
+            text=sink.text,
+            token_ids=sink.ids,
             prompt_tokens=len(prompt_ids),
-            finish_reason=finish,
+            finish_reason=sink.finish_reason,
             prefill_s=(t_first or t_end) - t0,
             decode_s=t_end - (t_first or t_end),
             spec=spec,

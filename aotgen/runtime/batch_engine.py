@@ -1,0 +1,270 @@
+"""Many requests on one package at once: continuous batching over the batched graphs.
+
+Each request holds a slot, one row of the target's KV cache (`[slots, kv_heads, cache_len,
+head_dim]` per layer; model/layers.py). A step runs, in order:
+
+- one prefill chunk of the oldest request still prefilling, at most `prefill_step` tokens
+  while others decode (the whole prefill graph when none does), through the single-sequence
+  graphs on the slot's row;
+- one decode for every request past its prompt: the `batch_decode` graph for two or more
+  (each weight read once for all of them), the single-sequence `decode` graph for one;
+- with n-gram speculation, the requests whose lookup found a proposal verify it in one
+  `batch_verify` call instead, and each accepts its own prefix (lossless, as alone).
+
+Sampling is per request (its parameters, its seeded generator, its stop strings), with the
+same functions as `Engine`, so a request's output does not depend on what it is batched with
+beyond float rounding between graphs. Requests join and leave between steps; a cancelled one
+gives its slot back at the next step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from aotgen.runtime.engine import Engine, GenerationConfig, GenerationError, GenerationResult
+from aotgen.runtime.proposers import LookupProposer
+from aotgen.runtime.sampling import select_next
+from aotgen.runtime.scheduler import Scheduler
+from aotgen.runtime.sequence import Sequence, TokenSink
+from aotgen.runtime.speculative import Proposal, SpecStats, verify
+
+OnDone = Callable[[GenerationResult], None]
+
+
+class BatchEngine:
+    """A loaded package serving requests in batches; `start()` runs steps in a thread."""
+
+    def __init__(self, engine: Engine, max_queue: int = 64, prefill_step: int = 64):
+        self.engine = engine
+        self.target = engine.target
+        self.tokenizer = engine.tokenizer
+        self.slots = len(self.target.slot_caches)
+        self.scheduler = Scheduler(self.slots, max_queue)
+        self.prefill_step = max(1, prefill_step)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._closing = False
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        slots: int = 0,
+        threads: int | None = None,
+        max_queue: int = 64,
+        prefill_step: int = 64,
+    ) -> BatchEngine:
+        """`slots` 0: as many as the package's batched graphs serve (`max_batch`)."""
+        engine = Engine.load(path, threads=threads, slots=slots)
+        return cls(engine, max_queue, prefill_step)
+
+    # ---- requests (any thread) -----------------------------------------------------------
+    def submit(
+        self,
+        prompt_ids: list[int],
+        config: GenerationConfig | None = None,
+        on_text: Callable[[str], None] | None = None,
+        on_done: OnDone | None = None,
+    ) -> int:
+        """Queue a request; returns its id. Raises GenerationError for a request the package
+        cannot serve and QueueFull when `max_queue` requests already wait."""
+        config = config or GenerationConfig()
+        self._check(prompt_ids, config)
+        sink = TokenSink(
+            self.tokenizer, config.max_new_tokens, config.stop, config.ignore_eos, on_text
+        )
+        seq = Sequence(next(self._ids), list(prompt_ids), sink, config, on_done)
+        if config.uses_lookup:
+            seq.lookup = LookupProposer(config.lookup_min, config.ngram_max)
+            seq.spec = SpecStats()
+        with self._lock:
+            self.scheduler.add(seq)
+            self._wake.notify()
+        return seq.id
+
+    def cancel(self, request_id: int) -> None:
+        """Stop a request (e.g. its client went away); its slot is free at the next step."""
+        with self._lock:
+            seq = self.scheduler.find(request_id)
+            if seq is not None:
+                seq.cancelled = True
+                self._wake.notify()
+
+    def generate_many(
+        self, prompts: list[list[int]], configs: list[GenerationConfig] | GenerationConfig
+    ) -> list[GenerationResult]:
+        """Serve `prompts` together and return their results in order (steps run here unless
+        the engine's thread runs them)."""
+        if isinstance(configs, GenerationConfig):
+            configs = [configs] * len(prompts)
+        results: dict[int, GenerationResult] = {}
+        done = threading.Event()
+        ids = []
+        for prompt, config in zip(prompts, configs, strict=True):
+
+            def finished(result: GenerationResult, i: int = len(ids)) -> None:
+                results[i] = result
+                if len(results) == len(prompts):
+                    done.set()
+
+            ids.append(self.submit(prompt, config, on_done=finished))
+        while not done.is_set():
+            if self._thread is None:
+                self.step()
+            else:
+                done.wait(0.1)
+        return [results[i] for i in range(len(prompts))]
+
+    def _check(self, prompt_ids: list[int], config: GenerationConfig) -> None:
+        self.engine._check_request(prompt_ids, config)
+        if config.uses_draft or config.tree is not None:
+            raise GenerationError(
+                "the batch engine speculates with n-gram lookup only (speculative='ngram'); "
+                "draft models and trees serve one request at a time (Engine)"
+            )
+        if config.adaptive_k:
+            raise GenerationError("adaptive k is not supported in a batch; drop it")
+
+    # ---- the loop ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Run steps in a background thread while there is work."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="aotgen-batch", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while self.scheduler.idle and not self._closing:
+                    self._wake.wait()
+                if self._closing:
+                    return
+            self.step()
+
+    def step(self) -> bool:
+        """One engine step; False when there was nothing to do."""
+        with self._lock:
+            for seq in [s for s in (*self.scheduler.running, *self.scheduler.waiting)]:
+                if seq.cancelled:
+                    seq.sink.close("cancelled")
+                    self._finish(seq)
+            self.scheduler.admit()
+            prefill = self.scheduler.next_prefill()
+            decoding = self.scheduler.decoding()
+        if prefill is None and not decoding:
+            return False
+        try:
+            if prefill is not None:
+                self._prefill(prefill, others_decoding=bool(decoding))
+            if decoding:
+                self._decode(decoding)
+        except Exception as e:  # a failed step ends the requests in it, not the engine
+            for seq in [s for s in (prefill, *decoding) if s is not None]:
+                seq.error = f"{type(e).__name__}: {e}"
+                seq.sink.close("error")
+        with self._lock:
+            for seq in [s for s in self.scheduler.running if s.done]:
+                self._finish(seq)
+        return True
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.release(seq)
+        seq.finished = time.perf_counter()
+        if seq.on_done is not None:
+            seq.on_done(self._result(seq))
+
+    @staticmethod
+    def _result(seq: Sequence) -> GenerationResult:
+        first = seq.first_token or seq.finished
+        return GenerationResult(
+            text=seq.sink.text,
+            token_ids=seq.sink.ids,
+            prompt_tokens=len(seq.prompt),
+            finish_reason=seq.sink.finish_reason,
+            prefill_s=first - seq.submitted,  # time to first token, queueing included
+            decode_s=seq.finished - first,
+            spec=seq.spec,
+            error=seq.error,
+        )
+
+    # ---- model steps ---------------------------------------------------------------------
+    def _prefill(self, seq: Sequence, others_decoding: bool) -> None:
+        """The next chunk of `seq`'s prompt; after the last, its first token."""
+        limit = self.prefill_step if others_decoding else self.target.prefill_chunk
+        chunk = seq.prompt[seq.pos : seq.pos + limit]
+        logits = self.target.forward(chunk, seq.pos, slot=seq.slot)
+        seq.pos += len(chunk)
+        if not seq.prefilling:
+            seq.accept([select_next(logits, seq.config.sampling, seq.generator)])
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        """Every request past its prompt moves on by one decode or one verify."""
+        proposals = {s.id: self._propose(s) for s in seqs if s.lookup is not None}
+        verifying = [s for s in seqs if proposals.get(s.id)]
+        plain = [s for s in seqs if not proposals.get(s.id)]
+        if plain:
+            for seq, row in zip(plain, self._decode_logits(plain), strict=True):
+                seq.pos += 1
+                if seq.spec is not None:
+                    seq.spec.update(0, 0)
+                seq.accept([select_next(row, seq.config.sampling, seq.generator)])
+        if verifying:
+            props = [proposals[s.id] for s in verifying]
+            all_logits = self._verify_logits(verifying, props)
+            for seq, p, logits in zip(verifying, props, all_logits, strict=True):
+                accepted = verify(p, logits, seq.config.sampling, seq.generator)
+                seq.spec.update(len(p.tokens), len(accepted) - 1, lookup=True)
+                seq.pos += len(accepted)
+                seq.accept(accepted)
+
+    def _propose(self, seq: Sequence) -> Proposal | None:
+        engine = self.engine
+        k = min(seq.config.k or engine.verify_k, engine.verify_k)
+        k = min(k, engine.max_seq_len + engine.verify_k - seq.pos)
+        proposal = seq.lookup.propose(seq.history, k)
+        return proposal if proposal.tokens else None
+
+    def _decode_logits(self, seqs: list[Sequence]) -> Tensor:
+        """`[B, V]`: the batched graph for two or more sequences, else the decode graph."""
+        target = self.target
+        if len(seqs) == 1 or "batch_decode" not in target.graphs:
+            return torch.stack([target.decode(s.pending, s.pos, s.slot) for s in seqs])
+        tokens = torch.tensor([[s.pending] for s in seqs])
+        positions = torch.tensor([[s.pos] for s in seqs])
+        slots = torch.tensor([s.slot for s in seqs])
+        return target.batch("batch_decode", tokens, positions, slots)[:, 0]
+
+    def _verify_logits(self, seqs: list[Sequence], props: list[Proposal]) -> list[Tensor]:
+        """Each sequence's `[k + 1, V]` logits for its pending token and its proposal. Rows
+        are padded to the graph's width by repeating the last token: padded positions are
+        written past the proposal and never read before they are overwritten."""
+        target = self.target
+        rows = [[s.pending, *p.tokens] for s, p in zip(seqs, props, strict=True)]
+        if len(seqs) == 1 or "batch_verify" not in target.graphs:
+            return [
+                target.forward(r, s.pos, all_logits=True, slot=s.slot)
+                for s, r in zip(seqs, rows, strict=True)
+            ]
+        width = target.verify_len
+        tokens = torch.tensor([r + r[-1:] * (width - len(r)) for r in rows])
+        positions = torch.tensor([[s.pos + i for i in range(width)] for s in seqs])
+        slots = torch.tensor([s.slot for s in seqs])
+        logits = target.batch("batch_verify", tokens, positions, slots)
+        return [logits[i, : len(r)] for i, r in enumerate(rows)]

@@ -1,0 +1,63 @@
+"""Continuous batching: which requests hold a KV-cache slot, which wait, who goes next.
+
+Requests queue FIFO (bounded: a full queue refuses, it does not grow without limit), take a
+free slot between steps, and give it back the step they finish or are cancelled. Prefill is
+first come, first served, one request at a time, so a long prompt is chunked across steps
+while the running requests keep decoding.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from aotgen.runtime.sequence import Sequence
+
+
+class QueueFull(RuntimeError):
+    """The engine holds as many waiting requests as it may: retry later."""
+
+
+class Scheduler:
+    def __init__(self, slots: int, max_queue: int):
+        self.free: deque[int] = deque(range(slots))
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.max_queue = max_queue
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFull(
+                f"{len(self.waiting)} requests are already waiting (max_queue={self.max_queue}); "
+                "retry later"
+            )
+        self.waiting.append(seq)
+
+    def admit(self) -> None:
+        """Give free slots to waiting requests, oldest first."""
+        while self.waiting and self.free:
+            seq = self.waiting.popleft()
+            seq.slot = self.free.popleft()
+            self.running.append(seq)
+
+    def next_prefill(self) -> Sequence | None:
+        """The oldest running request whose prompt is not all in its cache yet."""
+        return next((s for s in self.running if s.prefilling), None)
+
+    def decoding(self) -> list[Sequence]:
+        return [s for s in self.running if not s.prefilling and not s.done]
+
+    def release(self, seq: Sequence) -> None:
+        """A finished or cancelled request leaves: its slot is free for the next step."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.free.append(seq.slot)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.slot = -1
+
+    def find(self, request_id: int) -> Sequence | None:
+        return next((s for s in (*self.running, *self.waiting) if s.id == request_id), None)

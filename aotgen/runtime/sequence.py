@@ -1,0 +1,151 @@
+"""One request's output: accepted token ids in, streamed text out, and when it ends.
+
+Both engines feed each model step's accepted tokens through a `TokenSink`: the single-request
+`Engine` and the batch engine's per-request `Sequence`, so eos, stop strings, `max_new_tokens`
+and streaming behave the same whether a request is served alone or in a batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from aotgen.runtime.proposers import LookupProposer
+from aotgen.runtime.sampling import make_generator
+from aotgen.runtime.speculative import SpecStats
+from aotgen.runtime.tokenizer import StreamDecoder, Tokenizer
+
+
+class StopText:
+    """Streams text while holding back anything that could still become a stop string."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+        self.stopped = False
+
+    def add(self, piece: str) -> str:
+        self.text += piece
+        for s in self.stops:
+            i = self.text.find(s, max(0, self.emitted - len(s)))
+            if i >= 0:
+                self.text = self.text[:i]
+                self.stopped = True
+                return self.flush()
+        safe = len(self.text) - self.hold if self.stops else len(self.text)
+        out = self.text[self.emitted : max(safe, self.emitted)]
+        self.emitted += len(out)
+        return out
+
+    def flush(self) -> str:
+        out = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return out
+
+
+class TokenSink:
+    """Accepts generated ids until eos, a stop string or `max_new_tokens`; streams the text."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        max_new_tokens: int,
+        stop: tuple[str, ...] = (),
+        ignore_eos: bool = False,
+        on_text: Callable[[str], None] | None = None,
+    ):
+        self.eos = set() if ignore_eos else tokenizer.eos_ids
+        self.stream = StreamDecoder(tokenizer)
+        self.stop = StopText(stop)
+        self.max_new_tokens = max_new_tokens
+        self.on_text = on_text
+        self.ids: list[int] = []
+        self.finish_reason: str | None = None  # "eos" | "stop" | "length" once done
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        return self.stop.text
+
+    def add(self, tokens: list[int]) -> bool:
+        """Take one step's accepted tokens (those past the end are dropped); True when done."""
+        for tok in tokens:
+            if tok in self.eos:
+                self.finish_reason = "eos"
+                break
+            self.ids.append(tok)
+            self._emit(self.stop.add(self.stream.put(tok)))
+            if self.stop.stopped:
+                self.finish_reason = "stop"
+                break
+            if len(self.ids) >= self.max_new_tokens:
+                self.finish_reason = "length"
+                break
+        if self.done and not self.stop.stopped:
+            self._emit(self.stop.add(self.stream.flush()) + self.stop.flush())
+        return self.done
+
+    def close(self, reason: str) -> None:
+        """End early (the caller cancelled, or the step failed): flush what is held back."""
+        if not self.done:
+            self.finish_reason = reason
+            self._emit(self.stop.add(self.stream.flush()) + self.stop.flush())
+
+    def _emit(self, piece: str) -> None:
+        if piece and self.on_text:
+            self.on_text(piece)
+
+
+@dataclass
+class Sequence:
+    """A request in the batch engine: its slot in the KV cache and how far it has got.
+
+    `pos` counts the tokens in the cache. While prefilling, the prompt's tokens go in chunks;
+    after that `pending` is the last sampled token, not yet in the cache (it is the next
+    step's input at position `pos`)."""
+
+    id: int
+    prompt: list[int]
+    sink: TokenSink
+    config: object  # GenerationConfig (runtime/engine.py)
+    on_done: Callable[[Sequence], None] | None = None
+    slot: int = -1
+    pos: int = 0
+    pending: int | None = None
+    generator: torch.Generator = field(init=False)
+    lookup: LookupProposer | None = None
+    history: list[int] = field(init=False)
+    spec: SpecStats | None = None
+    cancelled: bool = False
+    error: str | None = None
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    finished: float | None = None
+
+    def __post_init__(self) -> None:
+        self.generator = make_generator(self.config.sampling.seed)
+        self.history = list(self.prompt)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.pos < len(self.prompt)
+
+    @property
+    def done(self) -> bool:
+        return self.sink.done
+
+    def accept(self, tokens: list[int]) -> None:
+        """One step's tokens: the last becomes the next step's input."""
+        if self.first_token is None:
+            self.first_token = time.perf_counter()
+        self.pending = tokens[-1]
+        self.history.extend(tokens)
+        self.sink.add(tokens)
