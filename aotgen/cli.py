@@ -568,6 +568,13 @@ def bench(
             "side): aoti (default) or onnxruntime (its ONNX graphs; formats: [aoti, onnx])"
         ),
     ] = None,
+    concurrency: Annotated[
+        str | None,
+        typer.Option(
+            help="serving: requests at once per level, e.g. 1,4,8,16 (the batch engine; with "
+            "--llama-cpp GGUF, llama.cpp's llama-batched-bench beside it)"
+        ),
+    ] = None,
     as_json: Annotated[
         bool,
         typer.Option("--json", help="print the results as one JSON object on stdout"),
@@ -595,6 +602,14 @@ def bench(
         raise CliError("--llama-lookup compares n-gram speculation: add --speculative")
     if llama_lookup and not llama_lookup.is_file():
         raise CliError(f"--llama-lookup {llama_lookup}: no such GGUF file")
+    if concurrency is not None:
+        levels = _levels(concurrency)
+        report["concurrency"] = _bench_concurrency(
+            packages, levels, prompt_len, gen_tokens, runs, threads, llama_cpp, as_json
+        )
+        if as_json:
+            _print_json(report)
+        return
     if speculative:
         report["speculative"] = [
             _bench_speculative(
@@ -668,6 +683,55 @@ def bench(
         f"measured read bandwidth {measured} (torch sum over 512 MiB, best of 5), "
         + _cpu_line(threads)
     )
+
+
+def _levels(concurrency: str) -> list[int]:
+    try:
+        levels = [int(x) for x in concurrency.split(",")]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise CliError(f"--concurrency takes whole numbers >= 1 like 1,4,8,16, got {concurrency!r}")
+    return levels
+
+
+def _bench_concurrency(
+    packages: list[Path],
+    levels: list[int],
+    prompt_len: int,
+    gen_tokens: int,
+    runs: int,
+    threads: int | None,
+    llama_cpp: list[Path] | None,
+    as_json: bool,
+) -> list[dict[str, Any]]:
+    import torch
+
+    from aotgen.bench_serving import bench_concurrency, llama_batched_bench
+
+    rows = [r for p in packages for r in bench_concurrency(p, levels, prompt_len, gen_tokens, runs)]
+    for gguf in llama_cpp or []:
+        threads_used = threads or torch.get_num_threads()
+        rows += llama_batched_bench(gguf, levels, prompt_len, gen_tokens, threads_used)
+    if not as_json:
+        table = Table(
+            title=f"many requests at once: prompt {prompt_len}, {gen_tokens} new tokens each, "
+            f"median of {runs}"
+        )
+        for col in ("runtime", "requests", "aggregate decode tok/s", "TTFT p50 ms", "TTFT p99 ms"):
+            table.add_column(col, justify="left" if col == "runtime" else "right", no_wrap=True)
+        table.add_column("per-request tok/s", justify="right", no_wrap=True)
+        for r in rows:
+            cells = (r.ttft_p50_ms, r.ttft_p99_ms, r.request_tok_s)
+            table.add_row(
+                r.name,
+                str(r.concurrency),
+                f"{r.aggregate_tok_s:.1f}",
+                *("-" if c != c else f"{c:.0f}" if c > 100 else f"{c:.1f}" for c in cells),
+            )
+        _wide_console().print(table)
+        Console().print(_cpu_line(threads))
+    return [dataclasses.asdict(r) for r in rows]
 
 
 def _isa() -> str:

@@ -95,6 +95,8 @@ REAL_PACKAGE_USERS = {
     "smollm2-135m-onnx": {"smollm2_onnx_package"},
     "smollm2-135m-int8": {"smollm2_int8_package"},
     "smollm2-135m-int4-g64": {"smollm2_int4_g64_package"},
+    # Its single-sequence graphs are smollm2-135m's: only the batched graphs compile.
+    "smollm2-135m-serve": {"smollm2_serve_package"},
     "gemma3-270m": {"gemma_package"},
 }
 # Recipe -> the bundled GGUF (`aotgen import-gguf` short name) its checkpoint comes from.
@@ -224,6 +226,20 @@ def smollm2_int8_package(request) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_int4_g64_package(request) -> Path:
     return _real_package(request, "smollm2-135m-int4-g64")
+
+
+@pytest.fixture(scope="session")
+def smollm2_serve_package(request) -> Path:
+    return _real_package(request, "smollm2-135m-serve")
+
+
+@pytest.fixture(scope="session")
+def tiny_batch_package(tiny_checkpoint, project) -> Path:
+    """The tiny recipe with batched graphs for 4 sequences."""
+    from aotgen.package.build import build
+
+    data = {"checkpoint": str(tiny_checkpoint), **TINY_RECIPE, "max_batch": 4}
+    return build(parse_recipe(data, "tiny-batch", Path(".")), project).path
 
 
 @pytest.fixture(scope="session")

@@ -125,7 +125,6 @@ class BatchEngine:
         return [results[i] for i in range(len(prompts))]
 
     def _check(self, prompt_ids: list[int], config: GenerationConfig) -> None:
-        self.engine._check_request(prompt_ids, config)
         if config.uses_draft or config.tree is not None:
             raise GenerationError(
                 "the batch engine speculates with n-gram lookup only (speculative='ngram'); "
@@ -133,6 +132,7 @@ class BatchEngine:
             )
         if config.adaptive_k:
             raise GenerationError("adaptive k is not supported in a batch; drop it")
+        self.engine._check_request(prompt_ids, config)
 
     # ---- the loop ------------------------------------------------------------------------
     def start(self) -> None:
