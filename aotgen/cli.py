@@ -475,6 +475,55 @@ def _run_json(load_s: float, prompt_ids: list[int], result: Any, mode: str | Non
 
 @app.command()
 @user_errors_exit
+def serve(
+    package: Annotated[Path, typer.Argument(help="artifacts/NAME")],
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    lookup: Annotated[
+        str | None, typer.Option(help="'ngram': prompt-lookup speculation for every request")
+    ] = None,
+    slots: Annotated[
+        int,
+        typer.Option(help="requests decoding at once (default: the package's max_batch, or 4)"),
+    ] = 0,
+    max_queue: Annotated[int, typer.Option(help="waiting requests before 429s")] = 64,
+    prefill_step: Annotated[
+        int, typer.Option(help="prompt tokens per step while other requests decode")
+    ] = 64,
+    threads: Annotated[
+        int | None, typer.Option(help="intra-op threads, >= 1 (default: aotgen.toml's)")
+    ] = None,
+) -> None:
+    """Serve a package over an OpenAI-compatible HTTP API, many requests at once."""
+    from aotgen.runtime import distributed
+    from aotgen.runtime.batch_engine import BatchEngine
+
+    if lookup not in (None, "ngram"):
+        raise CliError(f"--lookup {lookup!r}: the only lookup is 'ngram'")
+    for option, value in (("--max-queue", max_queue), ("--prefill-step", prefill_step)):
+        _at_least(option, value)
+    _at_least("--slots", slots, low=0)
+    if not 0 < port < 65536:
+        raise CliError(f"--port must be in 1..65535, got {port}")
+    if distributed.needs_launch(package):
+        raise CliError(f"{package} is tensor-parallel: `aotgen serve` runs single-process packages")
+    try:
+        from aotgen.serve import serve as serve_http
+    except ImportError as e:
+        raise CliError(
+            f"aotgen serve needs the serve extra ({e}): pip install 'aotgen[serve]'"
+        ) from None
+    engine = BatchEngine.load(package, slots, _threads(threads), max_queue, prefill_step)
+    name = package.resolve().name
+    Console(stderr=True).print(
+        f"serving {name} on http://{host}:{port}/v1 ({engine.slots} slots"
+        f"{', n-gram speculation' if lookup else ''})"
+    )
+    serve_http(engine, name, host, port, speculative=lookup)
+
+
+@app.command()
+@user_errors_exit
 def inspect(
     package: Annotated[Path, typer.Argument(help="artifacts/NAME")],
     as_json: Annotated[
