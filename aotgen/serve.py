@@ -210,6 +210,7 @@ def create_app(engine: BatchEngine, name: str, speculative: str | None = None) -
             "slots": engine.slots,
             "running": len(s.running),
             "waiting": len(s.waiting),
+            "finished": dict(engine.finished),  # finish reason -> requests
         }
 
     @app.get("/v1/models")

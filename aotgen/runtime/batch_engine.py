@@ -53,6 +53,7 @@ class BatchEngine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._closing = False
+        self.finished: dict[str, int] = {}  # finish reason -> requests, since load
 
     @classmethod
     def load(
@@ -187,6 +188,8 @@ class BatchEngine:
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.release(seq)
         seq.finished = time.perf_counter()
+        reason = seq.sink.finish_reason
+        self.finished[reason] = self.finished.get(reason, 0) + 1
         if seq.on_done is not None:
             seq.on_done(self._result(seq))
 

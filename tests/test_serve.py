@@ -1,0 +1,243 @@
+"""`aotgen serve` as a real process on 127.0.0.1: the official `openai` client, concurrent
+requests against the same requests served alone, OpenAI-shaped errors, a full queue, a client
+that leaves mid-stream, and the bounded load test."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from aotgen.runtime.engine import Engine, GenerationConfig  # noqa: E402
+from aotgen.runtime.sampling import SamplingParams  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+AOTGEN = [sys.executable, "-m", "aotgen"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`aotgen serve PACKAGE` in a subprocess, up once /health answers."""
+
+    def __init__(self, package: Path, *args: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [*AOTGEN, "serve", str(package), "--port", str(self.port), "--threads", "1", *args]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"aotgen serve exited: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.3)
+        self.close()
+        raise RuntimeError("aotgen serve did not come up in 120 s")
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health").json()
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_batch_package):
+    server = Server(tiny_batch_package)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_batch_package) -> Engine:
+    return Engine.load(tiny_batch_package, threads=1)
+
+
+def _ids(i: int, n: int) -> list[int]:
+    return [5 + (i * 37 + j * 11) % 200 for j in range(n)]
+
+
+def test_models_and_health(tiny_server, tiny_batch_package):
+    models = httpx.get(f"{tiny_server.url}/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == [tiny_batch_package.name]
+    assert tiny_server.health()["slots"] == 4
+
+
+def test_sixteen_concurrent_requests_equal_each_alone(tiny_server, alone):
+    """16 requests at once on 4 slots, different prompts and lengths: each answer is the one
+    the request gets alone, none lost or duplicated."""
+
+    def ask(i: int) -> dict:
+        body = {"prompt": _ids(i, 3 + 2 * i), "max_tokens": 4 + 3 * i, "temperature": 0}
+        body |= {"stream": i % 2 == 1}
+        if not body["stream"]:
+            return httpx.post(f"{tiny_server.url}/v1/completions", json=body, timeout=60).json()
+        text, usage = "", None
+        body["stream_options"] = {"include_usage": True}
+        with httpx.stream("POST", f"{tiny_server.url}/v1/completions", json=body) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        for line in lines[:-1]:
+            event = json.loads(line[6:])
+            text += "".join(c["text"] for c in event["choices"])
+            usage = event.get("usage") or usage
+        return {"choices": [{"text": text}], "usage": usage}
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, range(16)))
+    for i, answer in enumerate(answers):
+        want = alone.generate(
+            _ids(i, 3 + 2 * i), GenerationConfig(max_new_tokens=4 + 3 * i, ignore_eos=False)
+        )
+        assert answer["choices"][0]["text"] == want.text, i
+        assert answer["usage"]["completion_tokens"] == len(want.token_ids)
+        assert answer["usage"]["prompt_tokens"] == 3 + 2 * i
+
+
+def test_seeded_sampling_reproduces_the_request_alone(tiny_server, alone):
+    body = {"prompt": _ids(3, 9), "max_tokens": 20, "temperature": 0.9, "seed": 1234}
+    got = httpx.post(f"{tiny_server.url}/v1/completions", json=body).json()
+    sampling = SamplingParams(temperature=0.9, seed=1234)
+    want = alone.generate(_ids(3, 9), GenerationConfig(max_new_tokens=20, sampling=sampling))
+    assert got["choices"][0]["text"] == want.text
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", "{not json", None),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 100_000}, None),
+        ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+        ("/v1/completions", {"max_tokens": 3}, "prompt"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, None),
+    ],
+)
+def test_bad_requests_get_openai_shaped_errors(tiny_server, path, body, param):
+    kwargs = {"content": body} if isinstance(body, str) else {"json": body}
+    r = httpx.post(
+        f"{tiny_server.url}{path}", headers={"content-type": "application/json"}, **kwargs
+    )
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param:
+        assert error["param"] == param
+    # ... and the server keeps serving
+    ok = httpx.post(f"{tiny_server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_full_queue_answers_429_with_retry_after(tiny_batch_package):
+    server = Server(tiny_batch_package, "--max-queue", "1")
+    try:
+
+        def ask(i: int) -> httpx.Response:
+            body = {"prompt": _ids(i, 4), "max_tokens": 150, "temperature": 0}
+            return httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+
+        with ThreadPoolExecutor(12) as pool:
+            responses = list(pool.map(ask, range(12)))
+        refused = [r for r in responses if r.status_code == 429]
+        assert refused and all(r.headers["retry-after"] == "1" for r in refused)
+        assert refused[0].json()["error"]["type"] == "rate_limit_error"
+        assert all(r.status_code == 200 for r in responses if r.status_code != 429)
+        assert len(refused) <= 12 - 5  # four slots and one queue place were there to take
+    finally:
+        server.close()
+
+
+def test_load_test_reports_throughput_and_percentiles(tiny_server):
+    sys.path.insert(0, str(REPO / "scripts"))
+    import load_test
+
+    report = load_test.main(
+        [tiny_server.url, "--requests", "24", "--concurrency", "6", "--max-tokens", "8", "--json"]
+    )
+    assert report["ok"] == 24 and report["failed"] == 0
+    assert 0 < report["ttft_p50_ms"] <= report["ttft_p99_ms"]
+    assert report["latency_p50_ms"] <= report["latency_p99_ms"]
+    assert report["tokens_per_s"] > 0
+
+
+# ---- the real package ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_serve_package):
+    server = Server(smollm2_serve_package)
+    yield server
+    server.close()
+
+
+def test_openai_client_chat_equals_aotgen_run(smollm2_server, smollm2_serve_package):
+    openai = pytest.importorskip("openai")
+    question = "What is the capital of France?"
+    run = subprocess.run(
+        [*AOTGEN, "run", str(smollm2_serve_package), "--chat", question, "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    want = json.loads(run.stdout)["text"]
+    assert want == "The capital of France is Paris."
+    client = openai.OpenAI(base_url=f"{smollm2_server.url}/v1", api_key="unused")
+    messages = [{"role": "user", "content": question}]
+    reply = client.chat.completions.create(
+        model=smollm2_serve_package.name, messages=messages, temperature=0
+    )
+    assert reply.choices[0].message.content == want
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens > 0
+    stream = client.chat.completions.create(
+        model=smollm2_serve_package.name, messages=messages, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+
+
+def test_client_leaving_mid_stream_frees_its_slot(smollm2_server):
+    before = smollm2_server.health()["finished"].get("cancelled", 0)
+    body = {
+        "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+        "max_tokens": 1000,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{smollm2_server.url}/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if '"content": "' in line and '"content": ""' not in line:
+                break  # one piece of text, then hang up
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        health = smollm2_server.health()
+        if health["running"] == 0 and health["finished"].get("cancelled", 0) > before:
+            break
+        time.sleep(0.2)
+    assert health["running"] == 0
+    assert health["finished"].get("cancelled", 0) == before + 1
