@@ -235,10 +235,12 @@ def smollm2_serve_package(request) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_batch_package(tiny_checkpoint, project) -> Path:
-    """The tiny recipe with batched graphs for 4 sequences."""
+    """The tiny recipe with batched graphs for 4 sequences and a 1-layer draft (the target's
+    first layer, on its KV cache)."""
     from aotgen.package.build import build
 
     data = {"checkpoint": str(tiny_checkpoint), **TINY_RECIPE, "max_batch": 4}
+    data["speculative"] = {"draft": {"layers": 1}}
     return build(parse_recipe(data, "tiny-batch", Path(".")), project).path
 
 

@@ -50,11 +50,15 @@ class EagerRunner(EagerModel):
         super().__init__(checkpoint, cache_len)
         self.vocab_size = self.config.vocab_size
 
-    def forward(self, tokens: list[int], start_pos: int, all_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self, tokens: list[int], start_pos: int, all_logits: bool = False, slot: int = 0
+    ) -> torch.Tensor:
+        assert slot == 0, "the eager runner holds one sequence"
         logits = super().forward(tokens, start_pos)
         return logits if all_logits else logits[-1]
 
-    def decode(self, token: int, pos: int) -> torch.Tensor:
+    def decode(self, token: int, pos: int, slot: int = 0) -> torch.Tensor:
+        assert slot == 0, "the eager runner holds one sequence"
         return super().forward([token], pos)[-1]
 
     @torch.no_grad()

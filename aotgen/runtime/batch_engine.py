@@ -8,8 +8,9 @@ head_dim]` per layer; model/layers.py). A step runs, in order:
   graphs on the slot's row;
 - one decode for every request past its prompt: the `batch_decode` graph for two or more
   (each weight read once for all of them), the single-sequence `decode` graph for one;
-- with n-gram speculation, the requests whose lookup found a proposal verify it in one
-  `batch_verify` call instead, and each accepts its own prefix (lossless, as alone).
+- with speculation, the requests with a proposal (n-gram lookup, or the draft model run in
+  the request's own cache row) verify it in one `batch_verify` call instead, and each
+  accepts its own prefix (lossless, as alone).
 
 Sampling is per request (its parameters, its seeded generator, its stop strings), with the
 same functions as `Engine`, so a request's output does not depend on what it is batched with
@@ -29,7 +30,6 @@ import torch
 from torch import Tensor
 
 from aotgen.runtime.engine import Engine, GenerationConfig, GenerationError, GenerationResult
-from aotgen.runtime.proposers import LookupProposer
 from aotgen.runtime.sampling import select_next
 from aotgen.runtime.scheduler import Scheduler
 from aotgen.runtime.sequence import Sequence, TokenSink
@@ -84,8 +84,7 @@ class BatchEngine:
             self.tokenizer, config.max_new_tokens, config.stop, config.ignore_eos, on_text
         )
         seq = Sequence(next(self._ids), list(prompt_ids), sink, config, on_done)
-        if config.uses_lookup:
-            seq.lookup = LookupProposer(config.lookup_min, config.ngram_max)
+        if config.speculative:
             seq.spec = SpecStats()
         with self._lock:
             self.scheduler.add(seq)
@@ -126,14 +125,12 @@ class BatchEngine:
         return [results[i] for i in range(len(prompts))]
 
     def _check(self, prompt_ids: list[int], config: GenerationConfig) -> None:
-        if config.uses_draft or config.tree is not None:
+        if config.tree is not None or config.adaptive_k:
             raise GenerationError(
-                "the batch engine speculates with n-gram lookup only (speculative='ngram'); "
-                "draft models and trees serve one request at a time (Engine)"
+                "the batch engine drafts chains of a fixed length: tree drafting and adaptive k "
+                "serve one request at a time (Engine)"
             )
-        if config.adaptive_k:
-            raise GenerationError("adaptive k is not supported in a batch; drop it")
-        self.engine._check_request(prompt_ids, config)
+        self.engine.check_request(prompt_ids, config)
 
     # ---- the loop ------------------------------------------------------------------------
     def start(self) -> None:
@@ -219,29 +216,35 @@ class BatchEngine:
 
     def _decode(self, seqs: list[Sequence]) -> None:
         """Every request past its prompt moves on by one decode or one verify."""
-        proposals = {s.id: self._propose(s) for s in seqs if s.lookup is not None}
+        proposals = {s.id: self._propose(s) for s in seqs if s.config.speculative}
         verifying = [s for s in seqs if proposals.get(s.id)]
         plain = [s for s in seqs if not proposals.get(s.id)]
         if plain:
             for seq, row in zip(plain, self._decode_logits(plain), strict=True):
                 seq.pos += 1
-                if seq.spec is not None:
+                if seq.proposer is not None:  # it found nothing to propose
                     seq.spec.update(0, 0)
+                    seq.proposer.accepted(seq.pos)
                 seq.accept([select_next(row, seq.config.sampling, seq.generator)])
         if verifying:
             props = [proposals[s.id] for s in verifying]
             all_logits = self._verify_logits(verifying, props)
             for seq, p, logits in zip(verifying, props, all_logits, strict=True):
                 accepted = verify(p, logits, seq.config.sampling, seq.generator)
-                seq.spec.update(len(p.tokens), len(accepted) - 1, lookup=True)
+                seq.spec.update(len(p.tokens), len(accepted) - 1, lookup=p.looked_up)
                 seq.pos += len(accepted)
+                seq.proposer.accepted(seq.pos)
                 seq.accept(accepted)
 
     def _propose(self, seq: Sequence) -> Proposal | None:
+        """Up to k tokens from the request's own proposer (n-gram lookup, its draft in its
+        cache row, or both), made the first time it decodes; None if nothing to propose."""
         engine = self.engine
+        if seq.proposer is None:
+            seq.proposer = engine.proposer(seq.prompt, seq.config, seq.generator, seq.slot)
         k = min(seq.config.k or engine.verify_k, engine.verify_k)
         k = min(k, engine.max_seq_len + engine.verify_k - seq.pos)
-        proposal = seq.lookup.propose(seq.history, k)
+        proposal = seq.proposer.propose(seq.history, k)
         return proposal if proposal.tokens else None
 
     def _decode_logits(self, seqs: list[Sequence]) -> Tensor:

@@ -124,7 +124,8 @@ def _target_cache_layers(
     if (
         target_caches is None
         or len(target_caches) < n
-        or any(list(c.shape) != kv["shape"] or c.dtype != dtype for c in target_caches[:n])
+        # Per slot: the batch engine's caches hold several rows of the layout.
+        or any(list(c.shape[1:]) != kv["shape"][1:] or c.dtype != dtype for c in target_caches[:n])
     ):
         raise PackageError(
             "the draft is built to share the target's KV cache, but the target's cache "
@@ -376,8 +377,8 @@ class Engine:
     ) -> Engine:
         """Verify the manifest (hashes, torch version, ISA) first, then load native code:
         the AOTInductor graphs, or with `backend="onnxruntime"` the package's ONNX graphs.
-        `slots` > 1 gives the target a KV cache row per sequence for the batch engine
-        (runtime/batch_engine.py), which drafts for no sequence: the draft is not loaded."""
+        `slots` > 1 gives the models a KV cache row per sequence for the batch engine
+        (runtime/batch_engine.py); 0: as many as the package's batched graphs serve."""
         t0 = time.perf_counter()
         root = Path(path)
         if backend not in BACKENDS:
@@ -397,8 +398,8 @@ class Engine:
         device = manifest["target"]["device"]
         target = ModelRunner(root, pt2, models["target"], None, device, backend, slots)
         draft = (
-            ModelRunner(root, pt2, models["draft"], target.caches, device, backend)
-            if "draft" in models and slots == 1
+            ModelRunner(root, pt2, models["draft"], target.caches, device, backend, slots)
+            if "draft" in models
             else None
         )
         return cls(
@@ -430,11 +431,11 @@ class Engine:
         Safe to call from several threads: the engine has one KV cache, so calls run one
         after the other (each waits for the one before), never interleaved."""
         config = config or GenerationConfig()
-        self._check_request(prompt_ids, config)
+        self.check_request(prompt_ids, config)
         with self._lock:
             return self._generate(prompt_ids, config, on_text)
 
-    def _check_request(self, prompt_ids: list[int], config: GenerationConfig) -> None:
+    def check_request(self, prompt_ids: list[int], config: GenerationConfig) -> None:
         if not prompt_ids:
             raise GenerationError("empty prompt: give at least one token")
         if isinstance(config.max_new_tokens, bool) or not (
@@ -549,7 +550,7 @@ class Engine:
         k = min(config.k or max_k, max_k)
         adaptive = AdaptiveK(k=k, k_min=1, k_max=max_k) if config.adaptive_k else None
         history = list(prompt) + [tok]
-        proposer = self._proposer(prompt, config, gen)
+        proposer = self.proposer(prompt, config, gen)
         while True:
             k = adaptive.k if adaptive else k
             k = min(k, self.max_seq_len + max_k - pos)
@@ -567,12 +568,13 @@ class Engine:
             tok = accepted[-1]
             yield accepted
 
-    def _proposer(
-        self, prompt: list[int], config: GenerationConfig, gen: torch.Generator
+    def proposer(
+        self, prompt: list[int], config: GenerationConfig, gen: torch.Generator, slot: int = 0
     ) -> Proposer:
-        """The proposer of config.speculative: "ngram", "draft" or "draft+ngram"."""
+        """The proposer of config.speculative: "ngram", "draft" or "draft+ngram"; a draft
+        runs in the cache row `slot`."""
         lookup = LookupProposer(config.lookup_min, config.ngram_max)
         if not config.uses_draft:
             return lookup
-        draft = DraftProposer(self.draft, prompt, config.sampling, gen)
+        draft = DraftProposer(self.draft, prompt, config.sampling, gen, slot)
         return DraftOrLookupProposer(lookup, draft) if config.uses_lookup else draft

@@ -56,14 +56,15 @@ class DraftProposer:
         prompt: list[int],
         params: SamplingParams,
         generator: torch.Generator,
+        slot: int = 0,
     ) -> None:
-        self.draft, self.params, self.generator = draft, params, generator
+        self.draft, self.params, self.generator, self.slot = draft, params, generator, slot
         # A draft that shares the target's cache finds every accepted position already
         # written by the target (prefill, then each verify), so it never prefills and never
         # catches up: each round starts with a one-token decode of `tok` (history[-1]). Its
         # own entries (tok and the proposals) are overwritten by the verify that follows.
         if not draft.shares_cache:
-            draft.forward(prompt, 0)
+            draft.forward(prompt, 0, slot=slot)
         self.pos = len(prompt)
 
     def propose(self, history: list[int], k: int) -> Proposal:
@@ -71,7 +72,7 @@ class DraftProposer:
             self.pos = len(history) - 1
         # Catch the draft cache up on accepted tokens it has not seen, then draft.
         pending = history[self.pos :]
-        logits = self.draft.forward(pending, self.pos)
+        logits = self.draft.forward(pending, self.pos, slot=self.slot)
         self.pos += len(pending)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
@@ -83,7 +84,7 @@ class DraftProposer:
                 nxt = int(sample(rows[-1][None], self.generator))
             tokens.append(nxt)
             if i + 1 < k:
-                logits = self.draft.decode(nxt, self.pos)
+                logits = self.draft.decode(nxt, self.pos, self.slot)
                 self.pos += 1
         return Proposal(tokens, torch.stack(rows) if rows else None)
 

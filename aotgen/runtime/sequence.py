@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aotgen.runtime.proposers import LookupProposer
+from aotgen.runtime.proposers import Proposer
 from aotgen.runtime.sampling import make_generator
 from aotgen.runtime.speculative import SpecStats
 from aotgen.runtime.tokenizer import StreamDecoder, Tokenizer
@@ -121,7 +121,7 @@ class Sequence:
     pos: int = 0
     pending: int | None = None
     generator: torch.Generator = field(init=False)
-    lookup: LookupProposer | None = None
+    proposer: Proposer | None = None  # speculative requests: made at their first decode
     history: list[int] = field(init=False)
     spec: SpecStats | None = None
     cancelled: bool = False
