@@ -398,9 +398,7 @@ def run(
         if chat is not None
         else engine.tokenizer.prompt_ids(text)
     )
-    mode = {(True, True): "draft+ngram", (True, False): "draft", (False, True): "ngram"}.get(
-        (speculative, lookup is not None)
-    )
+    mode = _speculative_mode(speculative, lookup)
     cfg = GenerationConfig(
         max_new_tokens=max_new_tokens,
         sampling=sampling,
@@ -439,6 +437,13 @@ def run(
             f"{s.mean_accepted_length:.2f} tok/step, by position [{by_pos}]{lookups}[/]",
             highlight=False,
         )
+
+
+def _speculative_mode(speculative: bool, lookup: str | None) -> str | None:
+    """--speculative (the draft) and --lookup ngram, alone or together."""
+    return {(True, True): "draft+ngram", (True, False): "draft", (False, True): "ngram"}.get(
+        (speculative, lookup is not None)
+    )
 
 
 def _run_json(load_s: float, prompt_ids: list[int], result: Any, mode: str | None) -> dict:
@@ -482,6 +487,9 @@ def serve(
     lookup: Annotated[
         str | None, typer.Option(help="'ngram': prompt-lookup speculation for every request")
     ] = None,
+    speculative: Annotated[
+        bool, typer.Option(help="draft-model speculation for every request (with --lookup: both)")
+    ] = False,
     slots: Annotated[
         int,
         typer.Option(help="requests decoding at once (default: the package's max_batch, or 4)"),
@@ -514,12 +522,15 @@ def serve(
             f"aotgen serve needs the serve extra ({e}): pip install 'aotgen[serve]'"
         ) from None
     engine = BatchEngine.load(package, slots, _threads(threads), max_queue, prefill_step)
+    if speculative and engine.engine.draft is None:
+        raise CliError(f"{package} has no draft model: drop --speculative, or use --lookup ngram")
+    mode = _speculative_mode(speculative, lookup)
     name = package.resolve().name
     Console(stderr=True).print(
         f"serving {name} on http://{host}:{port}/v1 ({engine.slots} slots"
-        f"{', n-gram speculation' if lookup else ''})"
+        f"{f', speculative: {mode}' if mode else ''})"
     )
-    serve_http(engine, name, host, port, speculative=lookup)
+    serve_http(engine, name, host, port, speculative=mode)
 
 
 @app.command()
