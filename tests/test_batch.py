@@ -143,6 +143,24 @@ def test_repetitive_prompts_verify_in_one_batched_call(batch_engine, alone, monk
     assert "batch_verify" in calls and "batch_decode" in calls
 
 
+def test_drafts_step_together_through_the_drafts_batched_graph(batch_engine, alone, monkeypatch):
+    """The draft on the target's cache drafts for all requests in one batch_decode call
+    per draft step; greedy and sampled outputs still equal each request alone."""
+    draft = batch_engine.engine.draft
+    assert draft.shares_cache and "batch_decode" in draft.graphs
+    calls = []
+    batch = draft.batch
+    monkeypatch.setattr(draft, "batch", lambda g, *a: calls.append(g) or batch(g, *a))
+    prompts = _prompts(4, alone.target.vocab_size, seed=12)
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.8, seed=5)):
+        config = GenerationConfig(
+            max_new_tokens=20, ignore_eos=True, speculative="draft", sampling=sampling
+        )
+        want = [alone.generate(p, config).token_ids for p in prompts]
+        assert [r.token_ids for r in batch_engine.generate_many(prompts, config)] == want
+    assert "batch_decode" in calls
+
+
 def test_streamed_text_and_stop_strings(batch_engine, alone):
     prompts = _prompts(3, alone.target.vocab_size, seed=5)
     texts = [alone.generate(p, GREEDY).text for p in prompts]

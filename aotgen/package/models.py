@@ -99,14 +99,12 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
     ]
     draft = (recipe.speculative or {}).get("draft")
     if draft:
-        # The draft never verifies; on the target's cache it never prefills either. It
-        # drafts for one sequence at a time (the batched graphs are the target's).
-        skip = (
-            ("verify", "tree", "prefill")
-            if recipe.speculative.get("share_kv")
-            else ("verify", "tree")
-        )
-        draft_graphs = [g for g in graphs if g.name not in skip and not g.batch]
+        # The draft never verifies. On the target's cache it never prefills, and it drafts
+        # for a batch of sequences at once (runtime/batch_draft.py); on its own cache each
+        # sequence catches up on its own accepted tokens, so it drafts one at a time.
+        skip = ["verify", "tree", "batch_verify"]
+        skip += ["prefill"] if recipe.speculative.get("share_kv") else ["batch_decode"]
+        draft_graphs = [g for g in graphs if g.name not in skip]
         dcfg, dweights = _draft_weights(draft, ckpt, cfg, weights)
         models.append(
             ModelBuild(

@@ -29,7 +29,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from aotgen.runtime.batch_draft import can_draft_in_batch, draft_batch
 from aotgen.runtime.engine import Engine, GenerationConfig, GenerationError, GenerationResult
+from aotgen.runtime.proposers import LookupProposer
 from aotgen.runtime.sampling import select_next
 from aotgen.runtime.scheduler import Scheduler
 from aotgen.runtime.sequence import Sequence, TokenSink
@@ -216,16 +218,15 @@ class BatchEngine:
 
     def _decode(self, seqs: list[Sequence]) -> None:
         """Every request past its prompt moves on by one decode or one verify."""
-        proposals = {s.id: self._propose(s) for s in seqs if s.config.speculative}
-        verifying = [s for s in seqs if proposals.get(s.id)]
-        plain = [s for s in seqs if not proposals.get(s.id)]
+        proposals = self._proposals([s for s in seqs if s.config.speculative])
+        verifying = [s for s in seqs if s.id in proposals and proposals[s.id].tokens]
+        plain = [s for s in seqs if s not in verifying]
         if plain:
             for seq, row in zip(plain, self._decode_logits(plain), strict=True):
                 seq.pos += 1
-                if seq.proposer is not None:  # it found nothing to propose
+                if seq.spec is not None:  # it found nothing to propose
                     seq.spec.update(0, 0)
-                    seq.proposer.accepted(seq.pos)
-                seq.accept([select_next(row, seq.config.sampling, seq.generator)])
+                self._accepted(seq, [select_next(row, seq.config.sampling, seq.generator)])
         if verifying:
             props = [proposals[s.id] for s in verifying]
             all_logits = self._verify_logits(verifying, props)
@@ -233,19 +234,42 @@ class BatchEngine:
                 accepted = verify(p, logits, seq.config.sampling, seq.generator)
                 seq.spec.update(len(p.tokens), len(accepted) - 1, lookup=p.looked_up)
                 seq.pos += len(accepted)
-                seq.proposer.accepted(seq.pos)
-                seq.accept(accepted)
+                self._accepted(seq, accepted)
 
-    def _propose(self, seq: Sequence) -> Proposal | None:
-        """Up to k tokens from the request's own proposer (n-gram lookup, its draft in its
-        cache row, or both), made the first time it decodes; None if nothing to propose."""
+    @staticmethod
+    def _accepted(seq: Sequence, tokens: list[int]) -> None:
+        """A step's tokens, once `seq.pos` counts the positions its cache now holds."""
+        if seq.proposer is not None:
+            seq.proposer.accepted(seq.pos)
+        seq.accept(tokens)
+
+    def _proposals(self, seqs: list[Sequence]) -> dict[int, Proposal]:
+        """Each speculating request's proposal (empty: nothing to propose). Requests whose
+        draft runs on the target's cache draft together through the draft's batched graph
+        (runtime/batch_draft.py); the others through their own proposer, made the first time
+        they decode: n-gram lookup, their draft in their cache row, or both."""
         engine = self.engine
-        if seq.proposer is None:
-            seq.proposer = engine.proposer(seq.prompt, seq.config, seq.generator, seq.slot)
-        k = min(seq.config.k or engine.verify_k, engine.verify_k)
-        k = min(k, engine.max_seq_len + engine.verify_k - seq.pos)
-        proposal = seq.proposer.propose(seq.history, k)
-        return proposal if proposal.tokens else None
+        together = can_draft_in_batch(engine.draft)
+        out: dict[int, Proposal] = {}
+        drafting: list[tuple[Sequence, int]] = []
+        for seq in seqs:
+            k = min(seq.config.k or engine.verify_k, engine.verify_k)
+            k = min(k, engine.max_seq_len + engine.verify_k - seq.pos)
+            if seq.proposer is None and not (together and seq.config.uses_draft):
+                seq.proposer = engine.proposer(seq.prompt, seq.config, seq.generator, seq.slot)
+            if together and seq.config.uses_draft:
+                if seq.config.uses_lookup and seq.proposer is None:
+                    seq.proposer = LookupProposer(seq.config.lookup_min, seq.config.ngram_max)
+                out[seq.id] = seq.proposer.propose(seq.history, k) if seq.proposer else Proposal([])
+                if not out[seq.id].tokens and k > 0:
+                    drafting.append((seq, k))
+            else:
+                out[seq.id] = seq.proposer.propose(seq.history, k)
+        if drafting:
+            seqs_, ks = [s for s, _ in drafting], [k for _, k in drafting]
+            for seq, proposal in zip(seqs_, draft_batch(engine.draft, seqs_, ks), strict=True):
+                out[seq.id] = proposal
+        return out
 
     def _decode_logits(self, seqs: list[Sequence]) -> Tensor:
         """`[B, V]`: the batched graph for two or more sequences, else the decode graph."""
