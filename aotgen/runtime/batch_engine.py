@@ -110,15 +110,14 @@ class BatchEngine:
             configs = [configs] * len(prompts)
         results: dict[int, GenerationResult] = {}
         done = threading.Event()
-        ids = []
-        for prompt, config in zip(prompts, configs, strict=True):
+        for i, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
 
-            def finished(result: GenerationResult, i: int = len(ids)) -> None:
+            def finished(result: GenerationResult, i: int = i) -> None:
                 results[i] = result
                 if len(results) == len(prompts):
                     done.set()
 
-            ids.append(self.submit(prompt, config, on_done=finished))
+            self.submit(prompt, config, on_done=finished)
         while not done.is_set():
             if self._thread is None:
                 self.step()
@@ -159,15 +158,19 @@ class BatchEngine:
             self.step()
 
     def step(self) -> bool:
-        """One engine step; False when there was nothing to do."""
+        """One engine step; False when there was nothing to do. Callbacks run in the calling
+        thread, outside the engine's lock (they may submit or cancel)."""
         with self._lock:
-            for seq in [s for s in (*self.scheduler.running, *self.scheduler.waiting)]:
-                if seq.cancelled:
-                    seq.sink.close("cancelled")
-                    self._finish(seq)
+            cancelled = [
+                s for s in (*self.scheduler.running, *self.scheduler.waiting) if s.cancelled
+            ]
+            for seq in cancelled:
+                seq.sink.close("cancelled")
+                self._release(seq)
             self.scheduler.admit()
             prefill = self.scheduler.next_prefill()
             decoding = self.scheduler.decoding()
+        self._report(cancelled)
         if prefill is None and not decoding:
             return False
         try:
@@ -180,17 +183,23 @@ class BatchEngine:
                 seq.error = f"{type(e).__name__}: {e}"
                 seq.sink.close("error")
         with self._lock:
-            for seq in [s for s in self.scheduler.running if s.done]:
-                self._finish(seq)
+            done = [s for s in self.scheduler.running if s.done]
+            for seq in done:
+                self._release(seq)
+        self._report(done)
         return True
 
-    def _finish(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence) -> None:
+        """A finished request leaves its slot (under the lock)."""
         self.scheduler.release(seq)
         seq.finished = time.perf_counter()
         reason = seq.sink.finish_reason
         self.finished[reason] = self.finished.get(reason, 0) + 1
-        if seq.on_done is not None:
-            seq.on_done(self._result(seq))
+
+    def _report(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if seq.on_done is not None:
+                seq.on_done(self._result(seq))
 
     @staticmethod
     def _result(seq: Sequence) -> GenerationResult:

@@ -59,5 +59,8 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.slot = -1
 
+    def cancelled(self) -> list[Sequence]:
+        return [s for s in (*self.running, *self.waiting) if s.cancelled]
+
     def find(self, request_id: int) -> Sequence | None:
         return next((s for s in (*self.running, *self.waiting) if s.id == request_id), None)
