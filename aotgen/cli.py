@@ -26,7 +26,8 @@ console = Console(stderr=True)
 
 P = ParamSpec("P")
 R = TypeVar("R")
-# torch seeds its generators with an unsigned 64-bit integer (so does the C++ runtime).
+# torch seeds its generators with an unsigned 64-bit integer (so does the C++ runtime); the
+# same bound as runtime/sampling.py's, kept here so that `--help` does not import torch.
 SEED_MAX = 2**64 - 1
 
 

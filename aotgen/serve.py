@@ -25,10 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.engine import GenerationConfig, GenerationError, GenerationResult
-from aotgen.runtime.sampling import SamplingParams
+from aotgen.runtime.sampling import SEED_MAX, SamplingParams
 from aotgen.runtime.scheduler import QueueFull
-
-SEED_MAX = 2**64 - 1
 
 
 class ApiError(Exception):
@@ -38,11 +36,10 @@ class ApiError(Exception):
         self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
 
 
-def _error(status: int, message: str, param: str | None = None, kind: str = "") -> JSONResponse:
-    e = ApiError(status, message, param, kind)
-    body = {"error": {"message": message, "type": e.kind, "param": param, "code": None}}
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
-    return JSONResponse(body, status_code=status, headers=headers)
+def _error(e: ApiError) -> JSONResponse:
+    body = {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": None}}
+    headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+    return JSONResponse(body, status_code=e.status, headers=headers)
 
 
 class _Sampling(BaseModel):
@@ -194,13 +191,15 @@ def create_app(engine: BatchEngine, name: str, speculative: str | None = None) -
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":
-            return _error(400, f"the request body is not valid JSON ({first.get('msg')})")
+            return _error(ApiError(400, f"the request body is not valid JSON ({first.get('msg')})"))
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return _error(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", where)
+        return _error(
+            ApiError(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", where)
+        )
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc.status, exc.message, exc.param, exc.kind)
+        return _error(exc)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

@@ -16,6 +16,8 @@ from torch import Tensor
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows to inf/nan.
 GREEDY_EPS = 1e-5
+# Seeds are torch.Generator's: 64-bit unsigned.
+SEED_MAX = 2**64 - 1
 # top-p first looks at this many most likely tokens (see _top_p).
 TOP_P_HEAD = 256
 
