@@ -212,12 +212,18 @@ class AnnouncedRunner:
     def __init__(self, runner: ModelRunner, role: int, control: Control):
         self.runner, self.role, self.control = runner, role, control
 
-    def forward(self, tokens: list[int], start_pos: int, all_logits: bool = False) -> Tensor:
+    def forward(
+        self, tokens: list[int], start_pos: int, all_logits: bool = False, slot: int = 0
+    ) -> Tensor:
+        if slot:
+            raise ValueError("a tensor-parallel package serves one sequence (slot 0)")
         with self.control.peers():
             self.control.send(FORWARD, self.role, start_pos, tokens)
             return self.runner.forward(tokens, start_pos, all_logits)
 
-    def decode(self, token: int, pos: int) -> Tensor:
+    def decode(self, token: int, pos: int, slot: int = 0) -> Tensor:
+        if slot:
+            raise ValueError("a tensor-parallel package serves one sequence (slot 0)")
         with self.control.peers():
             self.control.send(DECODE, self.role, pos, [token])
             return self.runner.decode(token, pos)
