@@ -188,8 +188,8 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
         )
     if recipe.prefill_chunk < 2:
         raise RecipeError(f"{where}: prefill_chunk must be >= 2 (1 token is decode)")
-    _check_tree_nodes(recipe, where)
-    _check_max_batch(recipe, where)
+    _check_rows(recipe, "tree_nodes", MAX_TREE_NODES, "the tree graph's rows, root included", where)
+    _check_rows(recipe, "max_batch", MAX_BATCH, "the sequences a batched step serves", where)
     if recipe.speculative is not None:
         recipe = _parse_speculative(recipe, "verify_k" in data, base_dir)
     if recipe.dtype not in DTYPES:
@@ -225,33 +225,19 @@ def _parse_formats(formats: Any, where: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(formats))
 
 
-def _check_tree_nodes(recipe: Recipe, where: str) -> None:
-    """tree_nodes: 0 (no tree graph) or 2..MAX_TREE_NODES rows, single-rank packages only."""
-    n = recipe.tree_nodes
-    if not _is_int(n) or not (n == 0 or 2 <= n <= MAX_TREE_NODES):
+def _check_rows(recipe: Recipe, key: str, bound: int, what: str, where: str) -> None:
+    """tree_nodes / max_batch: 0 (no such graph) or 2..bound, single-rank packages only (the
+    tensor-parallel runtime verifies chains of one sequence)."""
+    n = getattr(recipe, key)
+    if not _is_int(n) or not (n == 0 or 2 <= n <= bound):
         raise RecipeError(
-            f"{where}: tree_nodes must be 0 (no tree graph) or an integer in 2..{MAX_TREE_NODES} "
-            f"(the tree verify graph's rows, root included), got {n!r}"
+            f"{where}: {key} must be 0 (no such graph) or an integer in 2..{bound} ({what}), "
+            f"got {n!r}"
         )
     if n and recipe.parallel:
         raise RecipeError(
-            f"{where}: tree_nodes is not supported with `parallel` (the tensor-parallel runtime "
-            "verifies chains only); drop one of them"
-        )
-
-
-def _check_max_batch(recipe: Recipe, where: str) -> None:
-    """max_batch: 0 (no batched graphs) or 2..MAX_BATCH sequences, single-rank packages only."""
-    n = recipe.max_batch
-    if not _is_int(n) or not (n == 0 or 2 <= n <= MAX_BATCH):
-        raise RecipeError(
-            f"{where}: max_batch must be 0 (no batched graphs) or an integer in 2..{MAX_BATCH} "
-            f"(the sequences one batched step serves), got {n!r}"
-        )
-    if n and recipe.parallel:
-        raise RecipeError(
-            f"{where}: max_batch is not supported with `parallel` (the tensor-parallel runtime "
-            "serves one sequence); drop one of them"
+            f"{where}: {key} is not supported with `parallel` (the tensor-parallel runtime "
+            "verifies chains of one sequence); drop one of them"
         )
 
 
