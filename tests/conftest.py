@@ -91,12 +91,12 @@ def build_real_recipe(name: str, checkpoint: Path, root: Path) -> Path:
 # smollm2_package at run time).
 REAL_PACKAGE_USERS = {
     "smollm2-135m": {"smollm2_package", "real_package"},
+    # Its single-sequence graphs are smollm2-135m's: only the batched graphs compile.
+    "smollm2-135m-serve": {"smollm2_serve_package"},
     # After smollm2-135m: its AOTInductor graphs are the same, taken from the compile cache.
     "smollm2-135m-onnx": {"smollm2_onnx_package"},
     "smollm2-135m-int8": {"smollm2_int8_package"},
     "smollm2-135m-int4-g64": {"smollm2_int4_g64_package"},
-    # Its single-sequence graphs are smollm2-135m's: only the batched graphs compile.
-    "smollm2-135m-serve": {"smollm2_serve_package"},
     "gemma3-270m": {"gemma_package"},
 }
 # Recipe -> the bundled GGUF (`aotgen import-gguf` short name) its checkpoint comes from.
