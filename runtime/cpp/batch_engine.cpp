@@ -4,6 +4,7 @@
 #include <chrono>
 #include <deque>
 #include <mutex>
+#include <set>
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/stack.h>
@@ -342,7 +343,8 @@ bool BatchEngine::step() {
 }
 
 std::vector<GenerationResult> BatchEngine::generate_many(
-    const std::vector<std::vector<int64_t>>& prompts, const std::vector<GenerationConfig>& configs) {
+    const std::vector<std::vector<int64_t>>& prompts,
+    const std::vector<GenerationConfig>& configs) {
   if (configs.size() != prompts.size() && configs.size() != 1) {
     throw std::invalid_argument("give one config, or one per prompt");
   }

@@ -7,6 +7,7 @@
 // and served in continuous batches. Prints one JSON line per request as it finishes, then a
 // summary line; timings go to stderr. Errors: one message on stderr, exit status 1 (2 for a
 // command line that cannot be parsed).
+#include <algorithm>
 #include <charconv>
 #include <chrono>
 #include <cstdint>
@@ -232,17 +233,21 @@ int run(Args args) {
     if (!batch.step()) break;
     ++steps;
   }
-  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  const auto seconds_since = [](auto start) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  const double wall = seconds_since(t_start);
   const json summary = {{"requests", lines.size()}, {"steps", steps}, {"tokens", tokens},
                         {"slots", batch.slots()},   {"free_slots", batch.free_slots()},
                         {"wall_s", wall}};
   std::cout << json{{"summary", summary}}.dump() << std::endl;
-  std::fprintf(stderr, "load %.2f s · %zu requests on %lld slots · %lld steps · %lld tok in %.2f s"
+  std::fprintf(stderr,
+               "load %.2f s · %zu requests on %lld slots · %lld steps · %lld tok in %.2f s"
                " (%.1f tok/s) · total %.2f s\n",
                batch.engine().load_s(), lines.size(), static_cast<long long>(batch.slots()),
                static_cast<long long>(steps), static_cast<long long>(tokens), wall,
                wall > 0 ? double(tokens) / wall : 0.0,
-               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+               seconds_since(t0));
   return 0;
 }
 
