@@ -102,10 +102,12 @@ struct GenerationResult {
   std::string text;
   std::vector<int64_t> token_ids;
   int64_t prompt_tokens = 0;
-  std::string finish_reason;  // "eos" | "stop" | "length"
+  // "eos" | "stop" | "length"; in a BatchEngine also "cancelled" or "error" (see `error`)
+  std::string finish_reason;
   double prefill_s = 0;       // generate() start to the first token
   double decode_s = 0;        // first token to the end
   std::optional<SpecStats> spec;
+  std::string error;  // finish_reason "error": what failed
 
   double prefill_tok_s() const { return prefill_s > 0 ? double(prompt_tokens) / prefill_s : 0; }
   // Tokens after the first one, over the time spent producing them.
@@ -161,6 +163,76 @@ class Engine {
  private:
   struct Impl;
   explicit Engine(std::unique_ptr<Impl> impl);
+  // `slots` KV-cache rows of the target, one per sequence (BatchEngine); with more than one,
+  // no draft model is loaded.
+  static Engine load(const std::filesystem::path& package_dir, const LoadOptions& options,
+                     int64_t slots);
+  std::unique_ptr<Impl> impl_;
+  friend class BatchEngine;
+};
+
+// ---- Continuous batching (aotgen/runtime/batch_engine.py) --------------------------------
+
+// submit() when max_queue requests already wait: retry later.
+class QueueFull : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct BatchOptions {
+  // KV-cache rows, one per running request. 0: the package's max_batch, which its batched
+  // graphs are compiled for (4 for a package without batched graphs: its requests take turns).
+  int64_t slots = 0;
+  int64_t max_queue = 64;     // waiting requests (beyond the slots) before submit refuses
+  int64_t prefill_step = 64;  // prompt tokens per step while other requests decode
+};
+
+// Receives a request's result once it has finished (also when cancelled or failed).
+using DoneCallback = std::function<void(int64_t request_id, const GenerationResult&)>;
+
+// Many requests on one package at once. Each request holds a slot, one row of the target's
+// KV cache; a step() runs, in order: one prefill chunk of the oldest request still
+// prefilling (at most prefill_step tokens while others decode); one decode for every request
+// past its prompt (the batch_decode graph for two or more, the decode graph for one); with
+// n-gram speculation, the requests whose lookup found a proposal verify it in one
+// batch_verify call instead and each accepts its own prefix. Sampling, seeds, stop strings
+// and max_new_tokens are per request, so a request's output is the one it gets alone (and
+// Python's BatchEngine's). submit() and cancel() may be called from any thread; step() runs
+// in one thread at a time (the caller's loop).
+class BatchEngine {
+ public:
+  // Engine::load with a KV-cache row per slot (and no draft model).
+  static BatchEngine load(const std::filesystem::path& package_dir,
+                          const LoadOptions& options = {}, const BatchOptions& batch = {});
+
+  BatchEngine(BatchEngine&&) noexcept;
+  BatchEngine& operator=(BatchEngine&&) noexcept;
+  ~BatchEngine();
+
+  // Queues a request; returns its id. on_text streams its text as it becomes final, on_done
+  // gets its result, both called from step(). Throws GenerationError for a request the
+  // package cannot serve (as Engine::generate; draft models, trees and adaptive k too) and
+  // QueueFull when max_queue requests already wait.
+  int64_t submit(const std::vector<int64_t>& prompt_ids, const GenerationConfig& config = {},
+                 TextCallback on_text = {}, DoneCallback on_done = {});
+  // Stops a request (e.g. its client went away): it finishes with "cancelled" and its slot
+  // is free at the next step. Unknown or finished ids are ignored.
+  void cancel(int64_t request_id);
+  // One engine step; false when there was nothing to do.
+  bool step();
+  // Serves prompts together (steps run here) and returns their results in order.
+  std::vector<GenerationResult> generate_many(const std::vector<std::vector<int64_t>>& prompts,
+                                              const std::vector<GenerationConfig>& configs);
+
+  int64_t slots() const;
+  int64_t free_slots() const;
+  int64_t waiting() const;  // queued requests without a slot
+  int64_t running() const;  // requests holding a slot
+  const Engine& engine() const;  // tokenizer, chat_ids, prompt_ids, limits
+
+ private:
+  struct Impl;
+  explicit BatchEngine(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -68,6 +68,14 @@ std::vector<int64_t> verify_stochastic(const std::vector<int64_t>& draft,
                                        const at::Tensor& draft_probs,
                                        const at::Tensor& target_probs, at::Generator& generator);
 
+// The accepted prefix of a proposal plus one token from the target (speculative.py verify):
+// greedy, or speculative sampling against draft_probs [K, V] (undefined for a deterministic
+// proposal such as n-gram lookup: one-hot rows). target_logits: [K+1, V].
+std::vector<int64_t> verify_proposal(const std::vector<int64_t>& draft,
+                                     const at::Tensor& draft_probs,
+                                     const at::Tensor& target_logits,
+                                     const SamplingParams& params, at::Generator& generator);
+
 // max(0, p_target - p_draft) per row (unnormalised), or p_target where that is all zero.
 at::Tensor residual_probs(const at::Tensor& target_probs, const at::Tensor& draft_probs);
 

@@ -1,54 +1,39 @@
-// The engine: graphs, weights, KV caches and the generation loops of
-// aotgen/runtime/engine.py (ModelRunner, Engine.generate, _token_steps, _speculative_steps)
-// and the proposers of aotgen/runtime/proposers.py.
+// The engine: loading a package and the generation loops of aotgen/runtime/engine.py
+// (Engine.generate, _token_steps, _speculative_steps) and the proposers of
+// aotgen/runtime/proposers.py. Graphs and KV caches: runner.cpp.
 #include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <future>
 #include <mutex>
-#include <new>
 #include <set>
 
-#include <sys/mman.h>
-
 #include <ATen/Parallel.h>
-#include <ATen/ops/arange.h>
-#include <ATen/ops/cat.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
-#include <ATen/ops/full.h>
 #include <ATen/ops/stack.h>
 #include <nlohmann/json.hpp>
-#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
 #include "detail.h"
+#include "runner.h"
+#include "sink.h"
 #include "tree.h"
 
 namespace aotgen {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
+using detail::ModelRunner;
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// KV-cache slots of a package without batched graphs: its requests take turns step by step.
+constexpr int64_t kDefaultSlots = 4;
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// A zero tensor on fresh anonymous pages, which the kernel zero-fills when first written.
-// KV caches start zeroed, as with at::zeros, but are written only as far as the context
-// reaches. at::zeros writes all cache_len positions at load, in a parallel fill whose
-// threads spun against the hashing threads (perf: about a third of the CPU samples while
-// hashing, on 2 cores).
-at::Tensor zeros_on_demand(const std::vector<int64_t>& shape, at::ScalarType dtype) {
-  std::size_t bytes = c10::elementSize(dtype);
-  for (const auto d : shape) bytes *= static_cast<std::size_t>(d);
-  void* data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (data == MAP_FAILED) throw std::bad_alloc();
-  return at::from_blob(
-      data, shape, [bytes](void* p) { ::munmap(p, bytes); }, at::TensorOptions().dtype(dtype));
-}
 
 json read_json_if_present(const fs::path& path) {
   if (!fs::is_regular_file(path)) return json::object();
@@ -75,273 +60,6 @@ std::optional<std::string> token_str(const json& value) {
   if (value.is_object() && value.contains("content")) return value["content"].get<std::string>();
   return std::nullopt;
 }
-
-// One AOTInductor graph; checks the token count it was compiled for and its output.
-class Graph {
- public:
-  Graph(const fs::path& pt2, const json& signature, int64_t vocab)
-      : name_(signature.at("package_model").get<std::string>()),
-        min_tokens_(signature.at("tokens").at("min").get<int64_t>()),
-        max_tokens_(signature.at("tokens").at("max").get<int64_t>()),
-        vocab_(vocab),
-        // (path, model name, run single-threaded, runners, device index): -1 is CPU.
-        loader_(std::make_unique<torch::inductor::AOTIModelPackageLoader>(pt2.string(), name_,
-                                                                          false, 1, -1)) {}
-
-  int64_t min_tokens() const { return min_tokens_; }
-  int64_t max_tokens() const { return max_tokens_; }
-
-  // user_managed: the graph uses our tensors in place, so all graphs share one copy.
-  void bind(const std::unordered_map<std::string, at::Tensor>& weights) {
-    std::unordered_map<std::string, at::Tensor> constants;
-    std::string missing;
-    for (const auto& name : loader_->get_constant_fqns()) {
-      const auto it = weights.find(name);
-      if (it == weights.end()) {
-        missing += (missing.empty() ? "" : ", ") + name;
-      } else {
-        constants.emplace(name, it->second);
-      }
-    }
-    if (!missing.empty()) {
-      throw PackageError("graph " + name_ + " needs weights missing from the package: " +
-                         missing);
-    }
-    loader_->load_constants(constants, /*use_inactive=*/false, /*check_full_update=*/true,
-                            /*user_managed=*/true);
-  }
-
-  // tokens [1, T], input_pos [T] -> logits [T, V]; the caches are updated in place. The
-  // tree graph also takes tree_mask [T, T] (bool), after the caches.
-  at::Tensor operator()(const at::Tensor& tokens, const at::Tensor& input_pos,
-                        const std::vector<at::Tensor>& caches,
-                        const at::Tensor& tree_mask = at::Tensor()) {
-    const int64_t t = tokens.size(1);
-    if (t < min_tokens_ || t > max_tokens_) {
-      throw std::logic_error(name_ + " takes " + std::to_string(min_tokens_) + ".." +
-                             std::to_string(max_tokens_) + " tokens, got " + std::to_string(t));
-    }
-    std::vector<at::Tensor> inputs;
-    inputs.reserve(2 + caches.size());
-    inputs.push_back(tokens);
-    inputs.push_back(input_pos);
-    inputs.insert(inputs.end(), caches.begin(), caches.end());
-    if (tree_mask.defined()) inputs.push_back(tree_mask);
-    auto outputs = loader_->boxed_run(std::move(inputs));
-    if (outputs.empty() || outputs[0].dim() != 3 || outputs[0].size(0) != 1 ||
-        outputs[0].size(1) != t || outputs[0].size(2) != vocab_ ||
-        outputs[0].scalar_type() != at::kFloat) {
-      throw PackageError("graph " + name_ + " returned no float32 [1, T, vocab] logits");
-    }
-    return outputs[0][0];
-  }
-
- private:
-  std::string name_;
-  int64_t min_tokens_;
-  int64_t max_tokens_;
-  int64_t vocab_;
-  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
-};
-
-// One model of a package: its graphs, weights bound once, and its KV cache: its own, or the
-// target's for a draft built with kv_cache.shared_with: target.
-class ModelRunner {
- public:
-  // Loads the graphs' code; the weights come later, in bind_weights. `target` is the target's
-  // runner when this is a draft (it may share the target's cache).
-  ModelRunner(const fs::path& pt2, const json& entry, const ModelRunner* target = nullptr)
-      : vocab_size_(entry.at("config").at("vocab_size").get<int64_t>()) {
-    const auto& kv = entry.at("kv_cache");
-    const auto layers = kv.at("layers").get<int64_t>();
-    const auto shape = kv.at("shape").get<std::vector<int64_t>>();
-    cache_len_ = kv.at("cache_len").get<int64_t>();
-    const auto& graphs = entry.at("graphs");
-    for (const auto& [name, signature] : graphs.items()) {
-      check_signature(name, signature, layers, shape);
-    }
-    if (!graphs.contains("decode")) throw PackageError("the package has no decode graph");
-    // A draft on the target's cache only ever decodes: it is built without a prefill graph.
-    if (graphs.contains("prefill")) {
-      prefill_ = std::make_unique<Graph>(pt2, graphs["prefill"], vocab_size_);
-    }
-    decode_ = std::make_unique<Graph>(pt2, graphs["decode"], vocab_size_);
-    if (graphs.contains("verify")) {
-      verify_ = std::make_unique<Graph>(pt2, graphs["verify"], vocab_size_);
-    }
-    if (graphs.contains("tree")) tree_ = std::make_unique<Graph>(pt2, graphs["tree"], vocab_size_);
-    const auto dtype = detail::dtype_from_name(kv.at("dtype"));
-    shares_cache_ = kv.value("shared_with", "") == "target";
-    if (shares_cache_) {
-      // The first layers of the target's cache, checked: the draft must read exactly the
-      // tensors the target writes.
-      const bool fits = target && static_cast<int64_t>(target->caches_.size()) >= 2 * layers &&
-                        std::all_of(target->caches_.begin(), target->caches_.begin() + 2 * layers,
-                                    [&](const at::Tensor& c) {
-                                      return c.sizes().vec() == shape && c.scalar_type() == dtype;
-                                    });
-      if (!fits) {
-        throw PackageError(
-            "the draft is built to share the target's KV cache, but the target's cache layout "
-            "differs from the draft's; rebuild the package");
-      }
-      caches_.assign(target->caches_.begin(), target->caches_.begin() + 2 * layers);
-    } else {
-      for (int64_t i = 0; i < 2 * layers; ++i) caches_.push_back(zeros_on_demand(shape, dtype));
-    }
-    prefill_chunk_ = prefill_ ? prefill_->max_tokens() : 1;
-    verify_len_ = verify_ ? verify_->max_tokens() : 0;
-  }
-
-  // Binds the weights file to every graph, once its hashes are verified; `mapped` holds the
-  // mapping the hashes were read through (absent with --no-verify: mapped here).
-  void bind_weights(const fs::path& root, const json& entry, const detail::MappedFiles& mapped) {
-    const fs::path file = root / entry.at("weights").at("file").get<std::string>();
-    const auto it = mapped.find(file.string());
-    weights_ = detail::load_safetensors(file, it == mapped.end() ? nullptr : it->second);
-    const json aliases = entry.at("weights").value("aliases", json::object());
-    for (const auto& [alias, name] : aliases.items()) {
-      const auto it = weights_.find(name.get<std::string>());
-      if (it == weights_.end()) throw PackageError("weight alias " + alias + " -> missing tensor");
-      const at::Tensor tensor = it->second;
-      weights_.insert_or_assign(alias, tensor);
-    }
-    for (Graph* g : {prefill_.get(), decode_.get(), verify_.get(), tree_.get()}) {
-      if (g) g->bind(weights_);
-    }
-  }
-
-  int64_t vocab_size() const { return vocab_size_; }
-  bool shares_cache() const { return shares_cache_; }
-  int64_t tree_len() const { return tree_ ? tree_->max_tokens() : 0; }
-  const std::vector<at::Tensor>& caches() const { return caches_; }
-
-  // Scores a token tree rooted at position start in one tree-graph call (padded to its
-  // rows): logits [tree.size(), V]; node i's keys/values land in slot start + i.
-  at::Tensor tree_forward(const detail::Tree& tree, int64_t start) {
-    const int64_t n = tree.size(), width = tree_len();
-    if (n < 1 || n > width || start + width > cache_len_) {
-      throw GenerationError("a tree of " + std::to_string(n) + " nodes at " +
-                            std::to_string(start) + " does not fit the tree graph");
-    }
-    at::Tensor ids = at::full({1, width}, tree.tokens.back(), at::kLong);
-    at::Tensor positions = at::full({width}, start, at::kLong);
-    const auto depths = tree.depths();
-    for (int64_t i = 0; i < n; ++i) {
-      ids[0][i] = tree.tokens[i];
-      positions[i] = start + depths[i];
-    }
-    return (*tree_)(ids, positions, caches_, tree.mask(width)).narrow(0, 0, n);
-  }
-
-  // Runs tokens at positions start_pos.. through the fitting graph(s): logits [T, V] for
-  // every position if all_logits, else [V] for the last one.
-  at::Tensor forward(const std::vector<int64_t>& tokens, int64_t start_pos,
-                     bool all_logits = false) {
-    const auto count = static_cast<int64_t>(tokens.size());
-    const int64_t end = start_pos + count;
-    if (count == 0) throw std::logic_error("forward needs at least one token");
-    if (end > cache_len_) {
-      throw GenerationError("position " + std::to_string(end) + " is past the KV cache (" +
-                            std::to_string(cache_len_) + ")");
-    }
-    std::vector<at::Tensor> outs;
-    for (int64_t pos = start_pos; pos < end;) {
-      const int64_t n = std::min(end - pos, prefill_chunk_);
-      const int64_t width = graph_width(n, pos);
-      Graph& graph = width == 1 ? *decode_ : (width == verify_len_ ? *verify_ : *prefill_);
-      at::Tensor chunk = at::empty({1, width}, at::kLong);
-      auto* ids = chunk.data_ptr<int64_t>();
-      std::copy_n(tokens.begin() + (pos - start_pos), n, ids);
-      std::fill(ids + n, ids + width, ids[n - 1]);
-      at::Tensor logits =
-          graph(chunk, at::arange(pos, pos + width, at::kLong), caches_).narrow(0, 0, n);
-      outs.push_back(all_logits ? logits : logits.narrow(0, n - 1, 1));
-      pos += n;
-    }
-    return all_logits ? at::cat(outs) : outs.back()[0];
-  }
-
-  // The per-token hot path: one decode call, logits [V].
-  at::Tensor decode(int64_t token, int64_t pos) {
-    return (*decode_)(at::full({1, 1}, token, at::kLong), at::full({1}, pos, at::kLong),
-                      caches_)[0];
-  }
-
- private:
-  // Positions to run for n tokens at pos: ModelRunner._graph_width in engine.py (a few
-  // tokens go through the verify graph, padded: the prefill graph is slowest there).
-  int64_t graph_width(int64_t n, int64_t pos) const {
-    if (n > 1 && n < verify_len_ && pos + verify_len_ <= cache_len_) return verify_len_;
-    return n;
-  }
-
-  static void check_signature(const std::string& name, const json& signature, int64_t layers,
-                              const std::vector<int64_t>& shape) {
-    for (const auto& input : signature.value("inputs", json::array())) {
-      if (input.value("name", "") != "kv_caches") continue;
-      if (input.value("count", int64_t{-1}) != 2 * layers ||
-          input.value("shape", std::vector<int64_t>{}) != shape) {
-        throw PackageError("graph " + name + " expects other KV caches than kv_cache describes");
-      }
-    }
-  }
-
-  int64_t vocab_size_;
-  std::unordered_map<std::string, at::Tensor> weights_;  // the graphs use these in place
-  std::unique_ptr<Graph> prefill_, decode_, verify_, tree_;
-  std::vector<at::Tensor> caches_;
-  bool shares_cache_ = false;
-  int64_t cache_len_ = 0;
-  int64_t prefill_chunk_ = 0;
-  int64_t verify_len_ = 0;
-};
-
-// Streams text while holding back anything that could still become a stop string.
-// Works on UTF-8 bytes and only ever cuts at character boundaries.
-class StopText {
- public:
-  explicit StopText(const std::vector<std::string>& stops) {
-    for (const auto& s : stops) {
-      if (!s.empty()) stops_.push_back(s);
-    }
-    for (const auto& s : stops_) hold_ = std::max(hold_, s.size() - 1);
-  }
-
-  std::string add(std::string_view piece) {
-    text_ += piece;
-    for (const auto& s : stops_) {
-      const auto i = text_.find(s, emitted_ > s.size() ? emitted_ - s.size() : 0);
-      if (i != std::string::npos) {
-        text_.resize(i);
-        stopped_ = true;
-        return flush();
-      }
-    }
-    std::size_t safe = text_.size() > hold_ ? text_.size() - hold_ : 0;
-    while (safe > emitted_ && safe < text_.size() && (text_[safe] & 0xC0) == 0x80) --safe;
-    if (safe <= emitted_) return {};
-    auto out = text_.substr(emitted_, safe - emitted_);
-    emitted_ = safe;
-    return out;
-  }
-
-  std::string flush() {
-    auto out = text_.substr(std::min(emitted_, text_.size()));
-    emitted_ = text_.size();
-    return out;
-  }
-
-  bool stopped() const { return stopped_; }
-  const std::string& text() const { return text_; }
-
- private:
-  std::vector<std::string> stops_;
-  std::size_t hold_ = 0;
-  std::string text_;
-  std::size_t emitted_ = 0;
-  bool stopped_ = false;
-};
 
 bool uses_draft(Speculative mode) {
   return mode == Speculative::Draft || mode == Speculative::DraftNgram;
@@ -467,13 +185,7 @@ class DraftOrLookupProposer final : public Proposer {
 // The accepted prefix of the proposal plus one token from the target (speculative.py verify).
 std::vector<int64_t> verify(const Proposal& proposal, const at::Tensor& target_logits,
                             const SamplingParams& params, at::Generator& gen) {
-  if (params.greedy()) return detail::verify_greedy(proposal.tokens, target_logits);
-  if (proposal.tokens.empty()) return {detail::select_next(target_logits[0], params, gen)};
-  const at::Tensor draft_probs =
-      proposal.probs.defined() ? proposal.probs
-                               : detail::one_hot(proposal.tokens, target_logits.size(-1));
-  return detail::verify_stochastic(proposal.tokens, draft_probs,
-                                   detail::logits_to_probs(target_logits, params), gen);
+  return detail::verify_proposal(proposal.tokens, proposal.probs, target_logits, params, gen);
 }
 
 // The draft model as tree drafting sees it (tree.h).
@@ -492,20 +204,6 @@ class DraftCalls final : public detail::DraftModel {
 
 }  // namespace
 
-struct Engine::Impl {
-  fs::path root;
-  json manifest;
-  std::optional<Tokenizer> tokenizer;  // always set once loaded
-  std::vector<int64_t> eos_ids;
-  std::optional<int64_t> bos_id;  // led plain prompts when the checkpoint asks (add_bos_token)
-  std::optional<std::string> chat_template;
-  std::unique_ptr<ModelRunner> target;
-  std::unique_ptr<ModelRunner> draft;
-  int64_t max_seq_len = 0;
-  int64_t verify_k = 0;
-  double load_s = 0;
-  std::mutex generate_mutex;  // one KV cache: one request at a time
-};
 
 namespace {
 
@@ -635,6 +333,23 @@ class TokenSteps {
   std::unique_ptr<detail::TreeProposer> tree_proposer_;
 };
 
+// The target cache's rows (engine.py _cache_slots): `slots`, or for 0 the package's
+// max_batch (its batched graphs are compiled for exactly that many).
+int64_t cache_slots(const json& target, int64_t slots) {
+  const int64_t max_batch = target.at("graphs")
+                                .value("batch_decode", json::object())
+                                .value("batch", json::object())
+                                .value("max", int64_t{0});
+  if (slots < 0) throw PackageError("slots must be >= 0, got " + std::to_string(slots));
+  if (slots == 0) return max_batch ? max_batch : kDefaultSlots;
+  if (max_batch && slots != 1 && slots != max_batch) {
+    throw PackageError("the package's batched graphs serve a cache of " +
+                       std::to_string(max_batch) + " slots, not " + std::to_string(slots) +
+                       ": use " + std::to_string(max_batch) + " (or 0 for the package's own)");
+  }
+  return slots;
+}
+
 }  // namespace
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -643,6 +358,10 @@ Engine& Engine::operator=(Engine&&) noexcept = default;
 Engine::~Engine() = default;
 
 Engine Engine::load(const fs::path& package_dir, const LoadOptions& options) {
+  return load(package_dir, options, 1);
+}
+
+Engine Engine::load(const fs::path& package_dir, const LoadOptions& options, int64_t slots) {
   const auto t0 = Clock::now();
   auto impl = std::make_unique<Impl>();
   impl->root = package_dir;
@@ -668,8 +387,10 @@ Engine Engine::load(const fs::path& package_dir, const LoadOptions& options) {
     impl->tokenizer = Tokenizer::from_file((tok_dir / "tokenizer.json").string());
     const fs::path pt2 = package_dir / m.at("package").get<std::string>();
     const auto& models = m.at("models");
-    impl->target = std::make_unique<ModelRunner>(pt2, models.at("target"));
-    if (models.contains("draft")) {
+    // A batch engine's cache has a row per sequence, and no sequence drafts: no draft.
+    const int64_t rows = cache_slots(models.at("target"), slots);
+    impl->target = std::make_unique<ModelRunner>(pt2, models.at("target"), nullptr, rows);
+    if (models.contains("draft") && rows == 1) {
       impl->draft = std::make_unique<ModelRunner>(pt2, models.at("draft"), impl->target.get());
     }
     const detail::MappedFiles mapped = weights_verified.get();  // rethrows a hash mismatch
@@ -718,9 +439,8 @@ Engine Engine::load(const fs::path& package_dir, const LoadOptions& options) {
   return Engine(std::move(impl));
 }
 
-GenerationResult Engine::generate(const std::vector<int64_t>& prompt_ids,
-                                  const GenerationConfig& config, const TextCallback& on_text) {
-  Impl& e = *impl_;
+void detail::check_request(const detail::EngineState& e, const std::vector<int64_t>& prompt_ids,
+                           const GenerationConfig& config) {
   config.sampling.validate();
   if (prompt_ids.empty()) throw GenerationError("empty prompt: give at least one token");
   if (config.max_new_tokens < 1) {
@@ -773,17 +493,19 @@ GenerationResult Engine::generate(const std::vector<int64_t>& prompt_ids,
       throw GenerationError("tree drafting needs n_parallel >= 1 and p_split in 0..1");
     }
   }
+}
 
+GenerationResult Engine::generate(const std::vector<int64_t>& prompt_ids,
+                                  const GenerationConfig& config, const TextCallback& on_text) {
+  Impl& e = *impl_;
+  detail::check_request(e, prompt_ids, config);
   const std::lock_guard<std::mutex> one_at_a_time(e.generate_mutex);
   std::set<int64_t> eos;
   if (!config.ignore_eos) eos.insert(e.eos_ids.begin(), e.eos_ids.end());
-  StreamDecoder stream(*e.tokenizer);
-  StopText stop(config.stop);
+  detail::TokenSink sink(*e.tokenizer, eos, config.max_new_tokens, config.stop, on_text);
   GenerationResult result;
-  result.prompt_tokens = prompt_len;
+  result.prompt_tokens = static_cast<int64_t>(prompt_ids.size());
   if (config.speculative != Speculative::None) result.spec.emplace();
-  std::string finish = "length";
-  auto& out = result.token_ids;
 
   const auto t0 = Clock::now();
   std::optional<Clock::time_point> t_first;
@@ -792,29 +514,12 @@ GenerationResult Engine::generate(const std::vector<int64_t>& prompt_ids,
   while (true) {
     const auto new_tokens = steps.next();
     if (!t_first) t_first = Clock::now();
-    for (const auto tok : new_tokens) {
-      if (eos.contains(tok)) {
-        finish = "eos";
-        break;
-      }
-      out.push_back(tok);
-      const auto piece = stop.add(stream.push(tok));
-      if (!piece.empty() && on_text) on_text(piece);
-      if (stop.stopped()) {
-        finish = "stop";
-        break;
-      }
-      if (static_cast<int64_t>(out.size()) >= config.max_new_tokens) break;
-    }
-    if (finish != "length" || static_cast<int64_t>(out.size()) >= config.max_new_tokens) break;
+    if (sink.add(new_tokens)) break;
   }
   const auto t_end = Clock::now();
-  if (!stop.stopped()) {
-    const auto tail = stop.add(stream.flush()) + stop.flush();
-    if (!tail.empty() && on_text) on_text(tail);
-  }
-  result.text = stop.text();
-  result.finish_reason = finish;
+  result.token_ids = sink.ids();
+  result.text = sink.text();
+  result.finish_reason = sink.finish_reason();
   result.prefill_s = std::chrono::duration<double>(*t_first - t0).count();
   result.decode_s = std::chrono::duration<double>(t_end - *t_first).count();
   return result;

@@ -170,5 +170,15 @@ at::Tensor one_hot(const std::vector<int64_t>& tokens, int64_t vocab) {
   return q;
 }
 
+std::vector<int64_t> verify_proposal(const std::vector<int64_t>& draft,
+                                     const at::Tensor& draft_probs,
+                                     const at::Tensor& target_logits,
+                                     const SamplingParams& params, at::Generator& generator) {
+  if (params.greedy()) return verify_greedy(draft, target_logits);
+  if (draft.empty()) return {select_next(target_logits[0], params, generator)};
+  const at::Tensor q = draft_probs.defined() ? draft_probs : one_hot(draft, target_logits.size(-1));
+  return verify_stochastic(draft, q, logits_to_probs(target_logits, params), generator);
+}
+
 }  // namespace detail
 }  // namespace aotgen

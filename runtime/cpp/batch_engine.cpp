@@ -1,0 +1,393 @@
+// Continuous batching over the batched graphs: aotgen/runtime/batch_engine.py, scheduler.py
+// and sequence.py, step for step, so that a request gets the ids it gets there (and alone).
+#include <algorithm>
+#include <chrono>
+#include <deque>
+#include <mutex>
+#include <set>
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/stack.h>
+#include <c10/util/Exception.h>
+
+#include "detail.h"
+#include "runner.h"
+#include "sink.h"
+
+namespace aotgen {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds(Clock::time_point from, Clock::time_point to) {
+  return std::chrono::duration<double>(to - from).count();
+}
+
+// A request: its slot in the KV cache and how far it has got (sequence.py Sequence). `pos`
+// counts the tokens in the cache. While prefilling, the prompt goes in by chunks; after that
+// `pending` is the last sampled token, not yet in the cache (the next step's input at pos).
+struct Request {
+  Request(int64_t id, const std::vector<int64_t>& prompt, const GenerationConfig& config,
+          detail::TokenSink sink, DoneCallback on_done)
+      : id(id), prompt(prompt), config(config), sink(std::move(sink)),
+        on_done(std::move(on_done)), gen(detail::make_generator(config.sampling.seed)),
+        history(prompt) {
+    if (config.speculative == Speculative::Ngram) {
+      lookup.emplace(config.ngram_min.value_or(1), config.ngram_max);
+      spec.emplace();
+    }
+  }
+
+  bool prefilling() const { return pos < static_cast<int64_t>(prompt.size()); }
+  bool done() const { return sink.done(); }
+
+  // One step's tokens: the last becomes the next step's input.
+  void accept(const std::vector<int64_t>& tokens) {
+    if (!first_token) first_token = Clock::now();
+    pending = tokens.back();
+    history.insert(history.end(), tokens.begin(), tokens.end());
+    sink.add(tokens);
+  }
+
+  GenerationResult result() const {
+    GenerationResult r;
+    r.text = sink.text();
+    r.token_ids = sink.ids();
+    r.prompt_tokens = static_cast<int64_t>(prompt.size());
+    r.finish_reason = sink.finish_reason();
+    const auto first = first_token.value_or(finished);
+    r.prefill_s = seconds(submitted, first);  // time to first token, queueing included
+    r.decode_s = seconds(first, finished);
+    r.spec = spec;
+    r.error = error;
+    return r;
+  }
+
+  int64_t id;
+  std::vector<int64_t> prompt;
+  GenerationConfig config;
+  detail::TokenSink sink;
+  DoneCallback on_done;
+  at::Generator gen;
+  std::optional<NgramProposer> lookup;
+  std::vector<int64_t> history;  // prompt + accepted tokens
+  std::optional<SpecStats> spec;
+  int64_t slot = -1;
+  int64_t pos = 0;
+  int64_t pending = 0;
+  bool cancelled = false;
+  std::string error;
+  Clock::time_point submitted = Clock::now();
+  std::optional<Clock::time_point> first_token;
+  Clock::time_point finished;
+};
+
+using RequestPtr = std::shared_ptr<Request>;
+
+// [B, T] int64 from rows of equal length.
+at::Tensor long_tensor(const std::vector<std::vector<int64_t>>& rows) {
+  const auto b = static_cast<int64_t>(rows.size());
+  const auto t = static_cast<int64_t>(rows.front().size());
+  at::Tensor out = at::empty({b, t}, at::kLong);
+  auto* p = out.data_ptr<int64_t>();
+  for (const auto& row : rows) p = std::copy(row.begin(), row.end(), p);
+  return out;
+}
+
+}  // namespace
+
+struct BatchEngine::Impl {
+  Impl(Engine engine_, detail::EngineState& state, const BatchOptions& options)
+      : engine(std::move(engine_)), e(state), target(*state.target),
+        max_queue(options.max_queue), prefill_step(std::max<int64_t>(1, options.prefill_step)) {
+    for (int64_t s = 0; s < target.slots(); ++s) free.push_back(s);
+  }
+
+  // ---- the scheduler (scheduler.py), under `mutex` -----------------------------------------
+  // Gives free slots to waiting requests, oldest first.
+  void admit() {
+    while (!waiting.empty() && !free.empty()) {
+      RequestPtr r = waiting.front();
+      waiting.pop_front();
+      r->slot = free.front();
+      free.pop_front();
+      running.push_back(r);
+    }
+  }
+
+  // A finished or cancelled request leaves: its slot is free for the next step.
+  void release(const RequestPtr& r) {
+    r->finished = Clock::now();
+    if (const auto it = std::find(running.begin(), running.end(), r); it != running.end()) {
+      running.erase(it);
+      free.push_back(r->slot);
+    } else if (const auto w = std::find(waiting.begin(), waiting.end(), r); w != waiting.end()) {
+      waiting.erase(w);
+    }
+    r->slot = -1;
+  }
+
+  // ---- model steps (outside the lock) -----------------------------------------------------
+  // The next chunk of r's prompt; after the last, its first token.
+  void prefill(Request& r, bool others_decoding) {
+    const int64_t limit = others_decoding ? prefill_step : target.prefill_chunk();
+    const auto begin = r.prompt.begin() + r.pos;
+    const auto n = std::min<int64_t>(limit, r.prompt.end() - begin);
+    const std::vector<int64_t> chunk(begin, begin + n);
+    const at::Tensor logits = target.forward(chunk, r.pos, false, r.slot);
+    r.pos += n;
+    if (!r.prefilling()) r.accept({detail::select_next(logits, r.config.sampling, r.gen)});
+  }
+
+  // Every request past its prompt moves on by one decode or one verify.
+  void decode(const std::vector<RequestPtr>& seqs) {
+    std::vector<RequestPtr> plain, verifying;
+    std::vector<std::vector<int64_t>> proposals;
+    for (const auto& r : seqs) {
+      std::vector<int64_t> proposal = r->lookup ? propose(*r) : std::vector<int64_t>{};
+      if (proposal.empty()) {
+        plain.push_back(r);
+      } else {
+        verifying.push_back(r);
+        proposals.push_back(std::move(proposal));
+      }
+    }
+    if (!plain.empty()) {
+      const at::Tensor logits = decode_logits(plain);
+      for (std::size_t i = 0; i < plain.size(); ++i) {
+        Request& r = *plain[i];
+        r.pos += 1;
+        if (r.spec) r.spec->steps += 1;
+        r.accept({detail::select_next(logits[static_cast<int64_t>(i)], r.config.sampling, r.gen)});
+      }
+    }
+    if (!verifying.empty()) {
+      const auto all_logits = verify_logits(verifying, proposals);
+      for (std::size_t i = 0; i < verifying.size(); ++i) {
+        Request& r = *verifying[i];
+        const auto accepted = detail::verify_proposal(proposals[i], {}, all_logits[i],
+                                                      r.config.sampling, r.gen);
+        r.spec->steps += 1;
+        r.spec->lookup_steps += 1;
+        r.spec->drafted += static_cast<int64_t>(proposals[i].size());
+        r.spec->accepted += static_cast<int64_t>(accepted.size()) - 1;
+        r.pos += static_cast<int64_t>(accepted.size());
+        r.accept(accepted);
+      }
+    }
+  }
+
+  std::vector<int64_t> propose(Request& r) {
+    int64_t k = std::min(r.config.k.value_or(e.verify_k), e.verify_k);
+    k = std::min(k, e.max_seq_len + e.verify_k - r.pos);
+    return r.lookup->propose(r.history, k);
+  }
+
+  // [B, V]: the batched graph for two or more requests, else the decode graph.
+  at::Tensor decode_logits(const std::vector<RequestPtr>& seqs) {
+    if (seqs.size() == 1 || !target.has_batch_decode()) {
+      std::vector<at::Tensor> rows;
+      for (const auto& r : seqs) rows.push_back(target.decode(r->pending, r->pos, r->slot));
+      return at::stack(rows);
+    }
+    std::vector<std::vector<int64_t>> tokens, positions, slots(1);
+    for (const auto& r : seqs) {
+      tokens.push_back({r->pending});
+      positions.push_back({r->pos});
+      slots[0].push_back(r->slot);
+    }
+    return target.batch(long_tensor(tokens), long_tensor(positions), long_tensor(slots)[0])
+        .select(1, 0);
+  }
+
+  // Each request's [k + 1, V] logits for its pending token and its proposal. Rows are padded
+  // to the graph's width by repeating the last token: the padded positions are written past
+  // the proposal and never read before they are overwritten.
+  std::vector<at::Tensor> verify_logits(const std::vector<RequestPtr>& seqs,
+                                        const std::vector<std::vector<int64_t>>& proposals) {
+    std::vector<std::vector<int64_t>> rows;
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      rows.push_back({seqs[i]->pending});
+      rows.back().insert(rows.back().end(), proposals[i].begin(), proposals[i].end());
+    }
+    std::vector<at::Tensor> out;
+    if (seqs.size() == 1 || !target.has_batch_verify()) {
+      for (std::size_t i = 0; i < seqs.size(); ++i) {
+        out.push_back(target.forward(rows[i], seqs[i]->pos, true, seqs[i]->slot));
+      }
+      return out;
+    }
+    const int64_t width = target.verify_len();
+    std::vector<std::vector<int64_t>> tokens, positions, slots(1);
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      tokens.push_back(rows[i]);
+      tokens.back().resize(width, rows[i].back());
+      auto& p = positions.emplace_back();
+      for (int64_t j = 0; j < width; ++j) p.push_back(seqs[i]->pos + j);
+      slots[0].push_back(seqs[i]->slot);
+    }
+    const at::Tensor logits =
+        target.batch(long_tensor(tokens), long_tensor(positions), long_tensor(slots)[0]);
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      out.push_back(logits[static_cast<int64_t>(i)].narrow(0, 0, rows[i].size()));
+    }
+    return out;
+  }
+
+  Engine engine;
+  detail::EngineState& e;
+  detail::ModelRunner& target;
+  int64_t max_queue;
+  int64_t prefill_step;
+  mutable std::mutex mutex;  // the scheduler's state: submit / cancel from any thread
+  std::deque<int64_t> free;
+  std::deque<RequestPtr> waiting;
+  std::vector<RequestPtr> running;
+  int64_t next_id = 0;
+};
+
+BatchEngine::BatchEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+BatchEngine::BatchEngine(BatchEngine&&) noexcept = default;
+BatchEngine& BatchEngine::operator=(BatchEngine&&) noexcept = default;
+BatchEngine::~BatchEngine() = default;
+
+BatchEngine BatchEngine::load(const std::filesystem::path& package_dir, const LoadOptions& options,
+                              const BatchOptions& batch) {
+  Engine engine = Engine::load(package_dir, options, batch.slots);
+  detail::EngineState& state = *engine.impl_;
+  return BatchEngine(std::make_unique<Impl>(std::move(engine), state, batch));
+}
+
+int64_t BatchEngine::submit(const std::vector<int64_t>& prompt_ids, const GenerationConfig& config,
+                            TextCallback on_text, DoneCallback on_done) {
+  Impl& b = *impl_;
+  const bool drafts =
+      config.speculative == Speculative::Draft || config.speculative == Speculative::DraftNgram;
+  if (drafts || config.tree) {
+    throw GenerationError(
+        "the batch engine speculates with n-gram lookup only; draft models and trees serve "
+        "one request at a time (Engine)");
+  }
+  if (config.adaptive_k) throw GenerationError("adaptive k is not supported in a batch; drop it");
+  detail::check_request(b.e, prompt_ids, config);
+  std::set<int64_t> eos;
+  if (!config.ignore_eos) eos.insert(b.e.eos_ids.begin(), b.e.eos_ids.end());
+  detail::TokenSink sink(*b.e.tokenizer, std::move(eos), config.max_new_tokens, config.stop,
+                         std::move(on_text));
+  const std::lock_guard<std::mutex> lock(b.mutex);
+  if (static_cast<int64_t>(b.waiting.size()) >= b.max_queue) {
+    throw QueueFull(std::to_string(b.waiting.size()) + " requests are already waiting (max_queue=" +
+                    std::to_string(b.max_queue) + "); retry later");
+  }
+  const int64_t id = b.next_id++;
+  b.waiting.push_back(
+      std::make_shared<Request>(id, prompt_ids, config, std::move(sink), std::move(on_done)));
+  return id;
+}
+
+void BatchEngine::cancel(int64_t request_id) {
+  const std::lock_guard<std::mutex> lock(impl_->mutex);
+  for (const auto& r : impl_->running) r->cancelled |= r->id == request_id;
+  for (const auto& r : impl_->waiting) r->cancelled |= r->id == request_id;
+}
+
+bool BatchEngine::step() {
+  Impl& b = *impl_;
+  RequestPtr prefill;
+  std::vector<RequestPtr> decoding, finished;
+  const auto finish = [&](const RequestPtr& r) {
+    b.release(r);
+    finished.push_back(r);
+  };
+  {
+    const std::lock_guard<std::mutex> lock(b.mutex);
+    std::vector<RequestPtr> all(b.running.begin(), b.running.end());
+    all.insert(all.end(), b.waiting.begin(), b.waiting.end());
+    for (const auto& r : all) {
+      if (!r->cancelled) continue;
+      r->sink.close("cancelled");
+      finish(r);
+    }
+    b.admit();
+    for (const auto& r : b.running) {
+      if (r->prefilling()) {
+        if (!prefill) prefill = r;
+      } else if (!r->done()) {
+        decoding.push_back(r);
+      }
+    }
+  }
+  const bool work = prefill || !decoding.empty();
+  if (work) {
+    try {
+      if (prefill) b.prefill(*prefill, !decoding.empty());
+      if (!decoding.empty()) b.decode(decoding);
+    } catch (const std::exception& e) {  // a failed step ends the requests in it, not the engine
+      const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+      const std::string what = c10_error ? c10_error->what_without_backtrace() : e.what();
+      if (prefill) decoding.push_back(prefill);
+      for (const auto& r : decoding) {
+        r->error = what;
+        r->sink.close("error");
+      }
+    }
+    const std::lock_guard<std::mutex> lock(b.mutex);
+    for (const auto& r : std::vector<RequestPtr>(b.running)) {
+      if (r->done()) finish(r);
+    }
+  }
+  for (const auto& r : finished) {  // outside the lock: a callback may submit
+    if (r->on_done) r->on_done(r->id, r->result());
+  }
+  return work;
+}
+
+std::vector<GenerationResult> BatchEngine::generate_many(
+    const std::vector<std::vector<int64_t>>& prompts,
+    const std::vector<GenerationConfig>& configs) {
+  if (configs.size() != prompts.size() && configs.size() != 1) {
+    throw std::invalid_argument("give one config, or one per prompt");
+  }
+  std::vector<GenerationResult> results(prompts.size());
+  std::size_t done = 0;
+  std::vector<int64_t> ids;
+  try {
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      ids.push_back(submit(prompts[i], configs[configs.size() == 1 ? 0 : i], {},
+                           [&results, &done, i](int64_t, const GenerationResult& r) {
+                             results[i] = r;
+                             ++done;
+                           }));
+    }
+  } catch (...) {  // the queued ones refer to `results`: end them before it goes
+    for (const auto id : ids) cancel(id);
+    while (done < ids.size() && step()) {
+    }
+    throw;
+  }
+  while (done < prompts.size()) {
+    if (!step() && done < prompts.size()) throw std::logic_error("requests left unserved");
+  }
+  return results;
+}
+
+int64_t BatchEngine::slots() const { return impl_->target.slots(); }
+
+int64_t BatchEngine::free_slots() const {
+  const std::lock_guard<std::mutex> lock(impl_->mutex);
+  return static_cast<int64_t>(impl_->free.size());
+}
+
+int64_t BatchEngine::waiting() const {
+  const std::lock_guard<std::mutex> lock(impl_->mutex);
+  return static_cast<int64_t>(impl_->waiting.size());
+}
+
+int64_t BatchEngine::running() const {
+  const std::lock_guard<std::mutex> lock(impl_->mutex);
+  return static_cast<int64_t>(impl_->running.size());
+}
+
+const Engine& BatchEngine::engine() const { return impl_->engine; }
+
+}  // namespace aotgen

@@ -1,0 +1,254 @@
+// Graphs, weights and KV caches: ModelRunner and CompiledGraph of aotgen/runtime/engine.py.
+#include "runner.h"
+
+#include <algorithm>
+#include <new>
+
+#include <sys/mman.h>
+
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/full.h>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+
+#include "tree.h"
+
+namespace aotgen::detail {
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+// A zero tensor on fresh anonymous pages, which the kernel zero-fills when first written.
+// KV caches start zeroed, as with at::zeros, but are written only as far as the context
+// reaches. at::zeros writes all cache_len positions at load, in a parallel fill whose
+// threads spun against the hashing threads (perf: about a third of the CPU samples while
+// hashing, on 2 cores).
+at::Tensor zeros_on_demand(const std::vector<int64_t>& shape, at::ScalarType dtype) {
+  std::size_t bytes = c10::elementSize(dtype);
+  for (const auto d : shape) bytes *= static_cast<std::size_t>(d);
+  void* data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (data == MAP_FAILED) throw std::bad_alloc();
+  return at::from_blob(
+      data, shape, [bytes](void* p) { ::munmap(p, bytes); }, at::TensorOptions().dtype(dtype));
+}
+
+// The KV caches a graph takes: 2 * layers tensors of kv_cache's shape, with as many rows
+// as the batched graphs serve (their `batch.max`).
+void check_signature(const std::string& name, const json& signature, int64_t layers,
+                     std::vector<int64_t> shape) {
+  if (signature.contains("batch")) shape[0] = signature["batch"].at("max").get<int64_t>();
+  for (const auto& input : signature.value("inputs", json::array())) {
+    if (input.value("name", "") != "kv_caches") continue;
+    if (input.value("count", int64_t{-1}) != 2 * layers ||
+        input.value("shape", std::vector<int64_t>{}) != shape) {
+      throw PackageError("graph " + name + " expects other KV caches than kv_cache describes");
+    }
+  }
+}
+
+}  // namespace
+
+// ---- Graph -------------------------------------------------------------------------------
+
+Graph::Graph(const fs::path& pt2, const json& signature, int64_t vocab)
+    : name_(signature.at("package_model").get<std::string>()),
+      min_tokens_(signature.at("tokens").at("min").get<int64_t>()),
+      max_tokens_(signature.at("tokens").at("max").get<int64_t>()),
+      min_batch_(signature.value("batch", json{{"min", 1}, {"max", 1}}).at("min").get<int64_t>()),
+      max_batch_(signature.value("batch", json{{"min", 1}, {"max", 1}}).at("max").get<int64_t>()),
+      vocab_(vocab),
+      // (path, model name, run single-threaded, runners, device index): -1 is CPU.
+      loader_(std::make_unique<torch::inductor::AOTIModelPackageLoader>(pt2.string(), name_,
+                                                                        false, 1, -1)) {}
+
+Graph::~Graph() = default;
+
+void Graph::bind(const std::unordered_map<std::string, at::Tensor>& weights) {
+  std::unordered_map<std::string, at::Tensor> constants;
+  std::string missing;
+  for (const auto& name : loader_->get_constant_fqns()) {
+    const auto it = weights.find(name);
+    if (it == weights.end()) {
+      missing += (missing.empty() ? "" : ", ") + name;
+    } else {
+      constants.emplace(name, it->second);
+    }
+  }
+  if (!missing.empty()) {
+    throw PackageError("graph " + name_ + " needs weights missing from the package: " + missing);
+  }
+  loader_->load_constants(constants, /*use_inactive=*/false, /*check_full_update=*/true,
+                          /*user_managed=*/true);
+}
+
+at::Tensor Graph::operator()(const at::Tensor& tokens, const at::Tensor& input_pos,
+                             const std::vector<at::Tensor>& caches, const at::Tensor& extra) {
+  const int64_t b = tokens.size(0), t = tokens.size(1);
+  if (t < min_tokens_ || t > max_tokens_) {
+    throw std::logic_error(name_ + " takes " + std::to_string(min_tokens_) + ".." +
+                           std::to_string(max_tokens_) + " tokens, got " + std::to_string(t));
+  }
+  if (b < min_batch_ || b > max_batch_) {
+    throw std::logic_error(name_ + " takes " + std::to_string(min_batch_) + ".." +
+                           std::to_string(max_batch_) + " sequences, got " + std::to_string(b));
+  }
+  std::vector<at::Tensor> inputs;
+  inputs.reserve(3 + caches.size());
+  inputs.push_back(tokens);
+  inputs.push_back(input_pos);
+  inputs.insert(inputs.end(), caches.begin(), caches.end());
+  if (extra.defined()) inputs.push_back(extra);
+  auto outputs = loader_->boxed_run(std::move(inputs));
+  if (outputs.empty() || outputs[0].dim() != 3 || outputs[0].size(0) != b ||
+      outputs[0].size(1) != t || outputs[0].size(2) != vocab_ ||
+      outputs[0].scalar_type() != at::kFloat) {
+    throw PackageError("graph " + name_ + " returned no float32 [B, T, vocab] logits");
+  }
+  return outputs[0];
+}
+
+// ---- ModelRunner -------------------------------------------------------------------------
+
+ModelRunner::ModelRunner(const fs::path& pt2, const json& entry, const ModelRunner* target,
+                         int64_t slots)
+    : vocab_size_(entry.at("config").at("vocab_size").get<int64_t>()) {
+  const auto& kv = entry.at("kv_cache");
+  const auto layers = kv.at("layers").get<int64_t>();
+  auto shape = kv.at("shape").get<std::vector<int64_t>>();
+  cache_len_ = kv.at("cache_len").get<int64_t>();
+  const auto& graphs = entry.at("graphs");
+  for (const auto& [name, signature] : graphs.items()) {
+    check_signature(name, signature, layers, shape);
+  }
+  if (!graphs.contains("decode")) throw PackageError("the package has no decode graph");
+  const auto load = [&](const char* name, bool wanted = true) {
+    return graphs.contains(name) && wanted
+               ? std::make_unique<Graph>(pt2, graphs[name], vocab_size_)
+               : nullptr;
+  };
+  // A draft on the target's cache only ever decodes: it is built without a prefill graph.
+  prefill_ = load("prefill");
+  decode_ = load("decode");
+  verify_ = load("verify");
+  tree_ = load("tree");
+  // The batched graphs serve a cache of exactly their batch.max rows (engine.py _cache_slots).
+  batch_decode_ = load("batch_decode", slots > 1);
+  batch_verify_ = load("batch_verify", slots > 1);
+  const auto dtype = dtype_from_name(kv.at("dtype"));
+  shares_cache_ = kv.value("shared_with", "") == "target";
+  if (shares_cache_) {
+    // The first layers of the target's cache, checked: the draft must read exactly the
+    // tensors the target writes.
+    const auto& theirs = target ? target->caches() : caches_;
+    const bool fits = static_cast<int64_t>(theirs.size()) >= 2 * layers &&
+                      std::all_of(theirs.begin(), theirs.begin() + 2 * layers,
+                                  [&](const at::Tensor& c) {
+                                    return c.sizes().vec() == shape && c.scalar_type() == dtype;
+                                  });
+    if (!fits) {
+      throw PackageError(
+          "the draft is built to share the target's KV cache, but the target's cache layout "
+          "differs from the draft's; rebuild the package");
+    }
+    caches_.assign(theirs.begin(), theirs.begin() + 2 * layers);
+  } else {
+    shape[0] = slots;
+    for (int64_t i = 0; i < 2 * layers; ++i) caches_.push_back(zeros_on_demand(shape, dtype));
+  }
+  if (slots == 1) {
+    slot_caches_.push_back(caches_);
+  } else {
+    for (int64_t s = 0; s < slots; ++s) {
+      auto& rows = slot_caches_.emplace_back();
+      for (const auto& c : caches_) rows.push_back(c.narrow(0, s, 1));
+    }
+  }
+  prefill_chunk_ = prefill_ ? prefill_->max_tokens() : 1;
+  verify_len_ = verify_ ? verify_->max_tokens() : 0;
+}
+
+ModelRunner::~ModelRunner() = default;
+
+void ModelRunner::bind_weights(const fs::path& root, const json& entry, const MappedFiles& mapped) {
+  const fs::path file = root / entry.at("weights").at("file").get<std::string>();
+  const auto it = mapped.find(file.string());
+  weights_ = load_safetensors(file, it == mapped.end() ? nullptr : it->second);
+  const json aliases = entry.at("weights").value("aliases", json::object());
+  for (const auto& [alias, name] : aliases.items()) {
+    const auto it = weights_.find(name.get<std::string>());
+    if (it == weights_.end()) throw PackageError("weight alias " + alias + " -> missing tensor");
+    const at::Tensor tensor = it->second;
+    weights_.insert_or_assign(alias, tensor);
+  }
+  for (Graph* g : {prefill_.get(), decode_.get(), verify_.get(), tree_.get(), batch_decode_.get(),
+                   batch_verify_.get()}) {
+    if (g) g->bind(weights_);
+  }
+}
+
+int64_t ModelRunner::tree_len() const { return tree_ ? tree_->max_tokens() : 0; }
+
+at::Tensor ModelRunner::tree_forward(const Tree& tree, int64_t start) {
+  const int64_t n = tree.size(), width = tree_len();
+  if (n < 1 || n > width || start + width > cache_len_) {
+    throw GenerationError("a tree of " + std::to_string(n) + " nodes at " +
+                          std::to_string(start) + " does not fit the tree graph");
+  }
+  at::Tensor ids = at::full({1, width}, tree.tokens.back(), at::kLong);
+  at::Tensor positions = at::full({width}, start, at::kLong);
+  const auto depths = tree.depths();
+  for (int64_t i = 0; i < n; ++i) {
+    ids[0][i] = tree.tokens[i];
+    positions[i] = start + depths[i];
+  }
+  return (*tree_)(ids, positions, caches(), tree.mask(width))[0].narrow(0, 0, n);
+}
+
+at::Tensor ModelRunner::forward(const std::vector<int64_t>& tokens, int64_t start_pos,
+                                bool all_logits, int64_t slot) {
+  const auto count = static_cast<int64_t>(tokens.size());
+  const int64_t end = start_pos + count;
+  if (count == 0) throw std::logic_error("forward needs at least one token");
+  if (end > cache_len_) {
+    throw GenerationError("position " + std::to_string(end) + " is past the KV cache (" +
+                          std::to_string(cache_len_) + ")");
+  }
+  const auto& caches = slot_caches_.at(slot);
+  std::vector<at::Tensor> outs;
+  for (int64_t pos = start_pos; pos < end;) {
+    const int64_t n = std::min(end - pos, prefill_chunk_);
+    const int64_t width = graph_width(n, pos);
+    Graph& graph = width == 1 ? *decode_ : (width == verify_len_ ? *verify_ : *prefill_);
+    at::Tensor chunk = at::empty({1, width}, at::kLong);
+    auto* ids = chunk.data_ptr<int64_t>();
+    std::copy_n(tokens.begin() + (pos - start_pos), n, ids);
+    std::fill(ids + n, ids + width, ids[n - 1]);
+    at::Tensor logits =
+        graph(chunk, at::arange(pos, pos + width, at::kLong), caches)[0].narrow(0, 0, n);
+    outs.push_back(all_logits ? logits : logits.narrow(0, n - 1, 1));
+    pos += n;
+  }
+  return all_logits ? at::cat(outs) : outs.back()[0];
+}
+
+at::Tensor ModelRunner::decode(int64_t token, int64_t pos, int64_t slot) {
+  return (*decode_)(at::full({1, 1}, token, at::kLong), at::full({1}, pos, at::kLong),
+                    slot_caches_.at(slot))[0][0];
+}
+
+at::Tensor ModelRunner::batch(const at::Tensor& tokens, const at::Tensor& positions,
+                              const at::Tensor& slots) {
+  Graph* graph = tokens.size(1) == 1 ? batch_decode_.get() : batch_verify_.get();
+  if (!graph) throw std::logic_error("the package has no batched graph for this call");
+  return (*graph)(tokens, positions, caches_, slots);
+}
+
+int64_t ModelRunner::graph_width(int64_t n, int64_t pos) const {
+  if (n > 1 && n < verify_len_ && pos + verify_len_ <= cache_len_) return verify_len_;
+  return n;
+}
+
+}  // namespace aotgen::detail

@@ -1,0 +1,142 @@
+// Internals shared by engine.cpp and batch_engine.cpp (not part of the public API): one
+// AOTInductor graph, one model of a package with its KV cache (ModelRunner in
+// aotgen/runtime/engine.py), and the loaded engine's state.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <nlohmann/json.hpp>
+
+#include "aotgen.h"
+#include "detail.h"
+
+namespace torch::inductor {
+class AOTIModelPackageLoader;
+}
+
+namespace aotgen::detail {
+
+struct Tree;
+
+// One AOTInductor graph; checks the token count (and batch size) it was compiled for and
+// its output.
+class Graph {
+ public:
+  Graph(const std::filesystem::path& pt2, const nlohmann::json& signature, int64_t vocab);
+  ~Graph();
+
+  int64_t min_tokens() const { return min_tokens_; }
+  int64_t max_tokens() const { return max_tokens_; }
+
+  // user_managed: the graph uses our tensors in place, so all graphs share one copy.
+  void bind(const std::unordered_map<std::string, at::Tensor>& weights);
+
+  // tokens [B, T], input_pos ([T] for a single-sequence graph, [B, T] for a batched one)
+  // -> logits [B, T, V]; the caches are updated in place. The tree graph also takes
+  // tree_mask [T, T] (bool), a batched graph the cache rows `slots` [B], after the caches.
+  at::Tensor operator()(const at::Tensor& tokens, const at::Tensor& input_pos,
+                        const std::vector<at::Tensor>& caches, const at::Tensor& extra = {});
+
+ private:
+  std::string name_;
+  int64_t min_tokens_, max_tokens_, min_batch_, max_batch_, vocab_;
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
+};
+
+// One model of a package: its graphs, weights bound once, and its KV cache: its own, or the
+// target's for a draft built with kv_cache.shared_with: target. The target's cache has
+// `slots` rows per layer ([slots, kv_heads, cache_len, head_dim]); a row is a [1, ...] view
+// that the single-sequence graphs run on in place, and the batched graphs (loaded only when
+// slots > 1) take all of them.
+class ModelRunner {
+ public:
+  // Loads the graphs' code; the weights come later, in bind_weights. `target` is the target's
+  // runner when this is a draft (it may share the target's cache).
+  ModelRunner(const std::filesystem::path& pt2, const nlohmann::json& entry,
+              const ModelRunner* target = nullptr, int64_t slots = 1);
+  ~ModelRunner();
+
+  // Binds the weights file to every graph, once its hashes are verified; `mapped` holds the
+  // mapping the hashes were read through (absent with --no-verify: mapped here).
+  void bind_weights(const std::filesystem::path& root, const nlohmann::json& entry,
+                    const MappedFiles& mapped);
+
+  int64_t vocab_size() const { return vocab_size_; }
+  bool shares_cache() const { return shares_cache_; }
+  int64_t tree_len() const;
+  int64_t prefill_chunk() const { return prefill_chunk_; }
+  int64_t verify_len() const { return verify_len_; }
+  int64_t slots() const { return static_cast<int64_t>(slot_caches_.size()); }
+  bool has_batch_decode() const { return batch_decode_ != nullptr; }
+  bool has_batch_verify() const { return batch_verify_ != nullptr; }
+  // Slot 0's cache rows: all of the cache when there is one slot.
+  const std::vector<at::Tensor>& caches() const { return slot_caches_[0]; }
+
+  // Scores a token tree rooted at position start in one tree-graph call (padded to its
+  // rows): logits [tree.size(), V]; node i's keys/values land in slot start + i.
+  at::Tensor tree_forward(const Tree& tree, int64_t start);
+
+  // Runs tokens at positions start_pos.. through the fitting graph(s) in the cache of
+  // `slot`: logits [T, V] for every position if all_logits, else [V] for the last one.
+  at::Tensor forward(const std::vector<int64_t>& tokens, int64_t start_pos,
+                     bool all_logits = false, int64_t slot = 0);
+
+  // The per-token hot path: one decode call, logits [V].
+  at::Tensor decode(int64_t token, int64_t pos, int64_t slot = 0);
+
+  // One batched-graph call (batch_decode, or batch_verify when T > 1): tokens, positions
+  // [B, T] in cache rows slots [B]; logits [B, T, V].
+  at::Tensor batch(const at::Tensor& tokens, const at::Tensor& positions,
+                   const at::Tensor& slots);
+
+ private:
+  // Positions to run for n tokens at pos: ModelRunner._graph_width in engine.py (a few
+  // tokens go through the verify graph, padded: the prefill graph is slowest there).
+  int64_t graph_width(int64_t n, int64_t pos) const;
+
+  int64_t vocab_size_;
+  std::unordered_map<std::string, at::Tensor> weights_;  // the graphs use these in place
+  std::unique_ptr<Graph> prefill_, decode_, verify_, tree_, batch_decode_, batch_verify_;
+  std::vector<at::Tensor> caches_;                    // all slots
+  std::vector<std::vector<at::Tensor>> slot_caches_;  // [slot][layer]: [1, ...] rows
+  bool shares_cache_ = false;
+  int64_t cache_len_ = 0;
+  int64_t prefill_chunk_ = 0;
+  int64_t verify_len_ = 0;
+};
+
+// A request's checks before it runs (Engine::generate's and BatchEngine::submit's): throws
+// GenerationError / std::invalid_argument with the reason.
+struct EngineState;
+void check_request(const EngineState& e, const std::vector<int64_t>& prompt_ids,
+                   const GenerationConfig& config);
+
+// The loaded package behind an Engine.
+struct EngineState {
+  std::filesystem::path root;
+  nlohmann::json manifest;
+  std::optional<Tokenizer> tokenizer;  // always set once loaded
+  std::vector<int64_t> eos_ids;
+  std::optional<int64_t> bos_id;  // led plain prompts when the checkpoint asks (add_bos_token)
+  std::optional<std::string> chat_template;
+  std::unique_ptr<ModelRunner> target;
+  std::unique_ptr<ModelRunner> draft;
+  int64_t max_seq_len = 0;
+  int64_t verify_k = 0;
+  double load_s = 0;
+  std::mutex generate_mutex;  // one KV cache: one request at a time
+};
+
+}  // namespace aotgen::detail
+
+namespace aotgen {
+struct Engine::Impl : detail::EngineState {};
+}  // namespace aotgen

@@ -1,0 +1,279 @@
+// aotgen-batch: serve many requests at once with the C++ BatchEngine (aotgen.h).
+//
+//   aotgen-batch PACKAGE REQUESTS [options]
+//
+// REQUESTS is a file (or - for stdin) with one request per line: a plain text prompt, or a
+// JSON object with the prompt and its own generation parameters. All are submitted at once
+// and served in continuous batches. Prints one JSON line per request as it finishes, then a
+// summary line; timings go to stderr. Errors: one message on stderr, exit status 1 (2 for a
+// command line that cannot be parsed).
+#include <algorithm>
+#include <charconv>
+#include <chrono>
+#include <cstdint>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+
+#include "aotgen.h"
+
+namespace {
+
+using json = nlohmann::json;
+
+constexpr const char* kUsage = R"(usage: aotgen-batch PACKAGE REQUESTS [options]
+
+REQUESTS: a file (- for stdin), one request per line: a plain text prompt, or a JSON object
+  {"prompt": TEXT | "chat": TEXT | "prompt_ids": [IDS], "system": TEXT,
+   "max_new_tokens": N, "temperature": T, "top_k": K, "top_p": P, "seed": S,
+   "stop": [TEXT], "ignore_eos": BOOL, "lookup": "ngram" | null, "k": K,
+   "ngram_min": N, "ngram_max": N, "cancel_after": STEPS}
+  (cancel_after: cancel the request after that many engine steps).
+options (defaults for every request):
+  --chat                 plain text lines are chat messages (ChatML), not raw prompts
+  --max-new-tokens N     (default 256)
+  --temperature T, --top-k K, --top-p P, --seed S, --ignore-eos, --lookup ngram
+  --slots N              KV-cache slots (default: the package's max_batch)
+  --prefill-step N       prompt tokens per step while others decode (default 64)
+  --threads N            intra-op threads
+  --no-verify            skip the sha256 check of the package files
+Output: one JSON line per finished request (request, prompt_ids, ids, text, finish_reason,
+step, spec, error), then {"summary": {...}}.
+)";
+
+struct UsageError : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+template <typename T>
+T parse_number(std::string_view flag, std::string_view text) {
+  T value{};
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || end != text.data() + text.size()) {
+    throw UsageError(std::string(flag) + ": not a valid number: '" + std::string(text) + "'");
+  }
+  return value;
+}
+
+struct Args {
+  std::string package, requests;
+  bool chat = false;
+  aotgen::GenerationConfig config;
+  aotgen::LoadOptions load;
+  aotgen::BatchOptions batch;
+};
+
+Args parse_args(int argc, char** argv) {
+  Args args;
+  auto& cfg = args.config;
+  std::vector<std::string_view> positional;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    const auto value = [&]() -> std::string_view {
+      if (i + 1 >= argc) throw UsageError(std::string(arg) + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--chat") {
+      args.chat = true;
+    } else if (arg == "--max-new-tokens") {
+      cfg.max_new_tokens = parse_number<int64_t>(arg, value());
+    } else if (arg == "--temperature") {
+      cfg.sampling.temperature = parse_number<double>(arg, value());
+    } else if (arg == "--top-k") {
+      cfg.sampling.top_k = parse_number<int64_t>(arg, value());
+    } else if (arg == "--top-p") {
+      cfg.sampling.top_p = parse_number<double>(arg, value());
+    } else if (arg == "--seed") {
+      cfg.sampling.seed = parse_number<uint64_t>(arg, value());
+    } else if (arg == "--ignore-eos") {
+      cfg.ignore_eos = true;
+    } else if (arg == "--lookup") {
+      if (value() != "ngram") throw UsageError("--lookup: the only lookup proposer is 'ngram'");
+      cfg.speculative = aotgen::Speculative::Ngram;
+    } else if (arg == "--slots") {
+      args.batch.slots = parse_number<int64_t>(arg, value());
+    } else if (arg == "--prefill-step") {
+      args.batch.prefill_step = parse_number<int64_t>(arg, value());
+    } else if (arg == "--threads") {
+      args.load.threads = parse_number<int>(arg, value());
+    } else if (arg == "--no-verify") {
+      args.load.verify_hashes = false;
+    } else if (arg.starts_with("-") && arg != "-") {
+      throw UsageError("unexpected argument: " + std::string(arg));
+    } else {
+      positional.push_back(arg);
+    }
+  }
+  if (positional.size() != 2) throw UsageError("give the package directory and the requests file");
+  args.package = positional[0];
+  args.requests = positional[1];
+  return args;
+}
+
+// One line's request: its prompt ids, its config, and when to cancel it (if ever).
+struct Line {
+  std::vector<int64_t> prompt_ids;
+  aotgen::GenerationConfig config;
+  std::optional<int64_t> cancel_after;
+};
+
+Line parse_line(const std::string& text, const Args& args, const aotgen::Engine& engine) {
+  Line line{{}, args.config, std::nullopt};
+  if (!text.starts_with("{")) {
+    line.prompt_ids = args.chat ? engine.chat_ids(text) : engine.prompt_ids(text);
+    return line;
+  }
+  const json r = json::parse(text);  // json::exception: reported with the line number
+  static const std::vector<std::string> known = {
+      "prompt", "chat", "prompt_ids", "system", "max_new_tokens", "temperature", "top_k",
+      "top_p", "seed", "stop", "ignore_eos", "lookup", "k", "ngram_min", "ngram_max",
+      "cancel_after"};
+  for (const auto& [key, _] : r.items()) {
+    if (std::find(known.begin(), known.end(), key) == known.end()) {
+      throw std::invalid_argument("unknown field '" + key + "'");
+    }
+  }
+  const int prompts = r.contains("prompt") + r.contains("chat") + r.contains("prompt_ids");
+  if (prompts != 1) throw std::invalid_argument("give exactly one of prompt, chat, prompt_ids");
+  if (r.contains("chat")) {
+    const auto system = r.contains("system") ? std::optional(r["system"].get<std::string>())
+                                             : std::nullopt;
+    line.prompt_ids = engine.chat_ids(r["chat"].get<std::string>(), system);
+  } else if (r.contains("prompt")) {
+    line.prompt_ids = engine.prompt_ids(r["prompt"].get<std::string>());
+  } else {
+    line.prompt_ids = r["prompt_ids"].get<std::vector<int64_t>>();
+  }
+  auto& c = line.config;
+  c.max_new_tokens = r.value("max_new_tokens", c.max_new_tokens);
+  c.sampling.temperature = r.value("temperature", c.sampling.temperature);
+  c.sampling.top_k = r.value("top_k", c.sampling.top_k);
+  c.sampling.top_p = r.value("top_p", c.sampling.top_p);
+  if (r.contains("seed")) c.sampling.seed = r["seed"].get<uint64_t>();
+  if (r.contains("stop")) {
+    c.stop = r["stop"].is_string() ? std::vector{r["stop"].get<std::string>()}
+                                   : r["stop"].get<std::vector<std::string>>();
+  }
+  c.ignore_eos = r.value("ignore_eos", c.ignore_eos);
+  if (r.contains("lookup")) {
+    if (!r["lookup"].is_null() && r["lookup"] != "ngram") {
+      throw std::invalid_argument("lookup: the only lookup proposer is 'ngram'");
+    }
+    c.speculative = r["lookup"].is_null() ? aotgen::Speculative::None : aotgen::Speculative::Ngram;
+  }
+  if (r.contains("k")) c.k = r["k"].get<int64_t>();
+  if (r.contains("ngram_min")) c.ngram_min = r["ngram_min"].get<int64_t>();
+  c.ngram_max = r.value("ngram_max", c.ngram_max);
+  if (r.contains("cancel_after")) line.cancel_after = r["cancel_after"].get<int64_t>();
+  return line;
+}
+
+std::vector<Line> read_lines(const Args& args, const aotgen::Engine& engine) {
+  std::ifstream file;
+  if (args.requests != "-") {
+    file.open(args.requests);
+    if (!file) throw std::invalid_argument(args.requests + ": cannot be read");
+  }
+  std::istream& in = args.requests == "-" ? std::cin : file;
+  std::vector<Line> lines;
+  std::string text;
+  for (int n = 1; std::getline(in, text); ++n) {
+    if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
+    try {
+      lines.push_back(parse_line(text, args, engine));
+    } catch (const std::exception& e) {
+      throw std::invalid_argument(args.requests + " line " + std::to_string(n) + ": " + e.what());
+    }
+  }
+  if (lines.empty()) throw std::invalid_argument(args.requests + ": no requests");
+  return lines;
+}
+
+json spec_json(const std::optional<aotgen::SpecStats>& s) {
+  if (!s) return nullptr;
+  return {{"drafted", s->drafted}, {"accepted", s->accepted}, {"steps", s->steps},
+          {"lookup_steps", s->lookup_steps}};
+}
+
+int run(Args args) {
+  const auto t0 = std::chrono::steady_clock::now();
+  args.batch.max_queue = 1 << 30;  // every line is submitted up front
+  auto batch = aotgen::BatchEngine::load(args.package, args.load, args.batch);
+  const auto lines = read_lines(args, batch.engine());
+  int64_t steps = 0, tokens = 0;
+  std::map<int64_t, std::size_t> line_of;  // request id -> line index
+  for (std::size_t i = 0; i < lines.size(); ++i) try {
+    const auto id = batch.submit(
+        lines[i].prompt_ids, lines[i].config, {},
+        [&](int64_t id, const aotgen::GenerationResult& r) {
+          const std::size_t n = line_of.at(id);
+          tokens += static_cast<int64_t>(r.token_ids.size());
+          const json out = {{"request", n},           {"prompt_ids", lines[n].prompt_ids},
+                            {"ids", r.token_ids},     {"text", r.text},
+                            {"finish_reason", r.finish_reason}, {"step", steps},
+                            {"spec", spec_json(r.spec)}, {"error", r.error}};
+          std::cout << out.dump(-1, ' ', false, json::error_handler_t::replace) << std::endl;
+        });
+    line_of[id] = i;
+  } catch (const std::invalid_argument& e) {  // GenerationError, bad sampling parameters
+    throw std::invalid_argument("request " + std::to_string(i + 1) + ": " + e.what());
+  }
+  const auto t_start = std::chrono::steady_clock::now();
+  while (true) {
+    for (const auto& [id, i] : line_of) {
+      if (lines[i].cancel_after && *lines[i].cancel_after == steps) batch.cancel(id);
+    }
+    if (!batch.step()) break;
+    ++steps;
+  }
+  const auto seconds_since = [](auto start) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  const double wall = seconds_since(t_start);
+  const json summary = {{"requests", lines.size()}, {"steps", steps}, {"tokens", tokens},
+                        {"slots", batch.slots()},   {"free_slots", batch.free_slots()},
+                        {"wall_s", wall}};
+  std::cout << json{{"summary", summary}}.dump() << std::endl;
+  std::fprintf(stderr,
+               "load %.2f s · %zu requests on %lld slots · %lld steps · %lld tok in %.2f s"
+               " (%.1f tok/s) · total %.2f s\n",
+               batch.engine().load_s(), lines.size(), static_cast<long long>(batch.slots()),
+               static_cast<long long>(steps), static_cast<long long>(tokens), wall,
+               wall > 0 ? double(tokens) / wall : 0.0,
+               seconds_since(t0));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args args;
+  try {
+    for (int i = 1; i < argc; ++i) {
+      if (std::string_view(argv[i]) == "-h" || std::string_view(argv[i]) == "--help") {
+        std::cout << kUsage;
+        return 0;
+      }
+    }
+    args = parse_args(argc, argv);
+  } catch (const UsageError& e) {
+    std::cerr << "aotgen-batch: " << e.what() << "\n" << kUsage;
+    return 2;
+  }
+  try {
+    return run(args);
+  } catch (const c10::Error& e) {  // torch errors: without their C++ backtrace
+    std::cerr << "aotgen-batch: error: " << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "aotgen-batch: error: " << e.what() << "\n";
+    return 1;
+  }
+}

@@ -1,0 +1,200 @@
+"""The C++ BatchEngine (runtime/cpp/batch_engine.cpp, driven through `aotgen-batch`) against
+the Python BatchEngine: more requests than slots, of different lengths, greedy and seeded
+sampling, with and without n-gram speculation, give the same ids, text, finish reasons and
+speculation counts as Python's batch engine, and each the ids it gets alone. A cancelled
+request frees its slot for a waiting one. On the real SmolLM2 serve package, 16 chat
+prompts give Python's ids.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from cpp_build import cmake_cache_value, require_cpp_build
+
+from aotgen.runtime.batch_engine import BatchEngine
+from aotgen.runtime.engine import Engine, GenerationConfig
+from aotgen.runtime.sampling import SamplingParams
+
+pytestmark = pytest.mark.cpp
+
+PREFILL_STEP = 8  # below the tiny package's prefill chunk (16): prompts prefill over steps
+
+
+@pytest.fixture(scope="session")
+def batch_bin(tmp_path_factory) -> Path:
+    build_dir = require_cpp_build(tmp_path_factory, [])  # configure only
+    if (cmake_cache_value(build_dir, "AOTGEN_WITH_TORCH") or "").upper() not in {"1", "ON", "TRUE"}:
+        pytest.skip("CMake did not find torch's CMake config: aotgen-batch is not configured")
+    return require_cpp_build(tmp_path_factory, ["aotgen-batch"]) / "aotgen-batch"
+
+
+def run_batch(
+    binary: Path, package: Path, requests: list[dict], tmp_path: Path, *args: str, check=True
+) -> subprocess.CompletedProcess:
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    proc = subprocess.run(
+        [str(binary), str(package), str(path), *args],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def cpp_results(proc: subprocess.CompletedProcess) -> tuple[list[dict], dict]:
+    """Results in request order, and the summary line."""
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    results = sorted(lines[:-1], key=lambda r: r["request"])
+    return results, lines[-1]["summary"]
+
+
+def request_json(ids: list[int], config: GenerationConfig) -> dict:
+    s = config.sampling
+    r = {"prompt_ids": ids, "max_new_tokens": config.max_new_tokens}
+    r |= {"ignore_eos": config.ignore_eos, "stop": list(config.stop)}
+    r |= {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
+    if s.seed is not None:
+        r["seed"] = s.seed
+    if config.speculative == "ngram":
+        r["lookup"] = "ngram"
+    return r
+
+
+def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    """Random prompts of 2..40 tokens; every third repeats itself, so that lookup proposes."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 40, (n,), generator=g).tolist()
+    prompts = [torch.randint(5, vocab, (m,), generator=g).tolist() for m in lengths]
+    return [(p[:5] * 8)[: len(p) + 8] if i % 3 == 0 else p for i, p in enumerate(prompts)]
+
+
+def _configs(n: int) -> list[GenerationConfig]:
+    """Greedy and seeded sampling (temperature, top-k, top-p), each plain and with n-gram
+    speculation, of different lengths."""
+    sampled = [
+        SamplingParams(temperature=0.9, seed=7),
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=11),
+    ]
+    configs = []
+    for i in range(n):
+        params = SamplingParams() if i % 2 == 0 else sampled[(i // 2) % 2]
+        speculative = "ngram" if i % 4 in (0, 1) else None
+        tokens = 12 + 5 * (i % 4)
+        configs.append(GenerationConfig(tokens, params, ignore_eos=True, speculative=speculative))
+    return configs
+
+
+@pytest.mark.parametrize("package_fixture", ["tiny_batch_package", "tiny_package"])
+def test_batch_matches_python(request, batch_bin, tmp_path, package_fixture):
+    """Ten requests on four slots (the batched graphs' max_batch; the package without them
+    gets four slots and runs its requests one by one in each step)."""
+    package = request.getfixturevalue(package_fixture)
+    py = BatchEngine.load(package, prefill_step=PREFILL_STEP)
+    prompts = _prompts(10, py.target.vocab_size, seed=3)
+    configs = _configs(len(prompts))
+    # A stop string from the middle of a greedy answer: ASCII, since the two runtimes' text
+    # differs where a random model's bytes are not UTF-8 (replacement characters).
+    alone = Engine.load(package)
+    text = alone.generate(prompts[2], configs[2]).text
+    ascii_at = [i for i in range(len(text) // 3, len(text) - 1) if text[i : i + 2].isascii()]
+    configs[2].stop = (text[ascii_at[0] : ascii_at[0] + 2],)
+    want = py.generate_many(prompts, configs)
+    requests = [request_json(p, c) for p, c in zip(prompts, configs, strict=True)]
+    proc = run_batch(batch_bin, package, requests, tmp_path, "--prefill-step", str(PREFILL_STEP))
+    got, summary = cpp_results(proc)
+    assert summary["slots"] == summary["free_slots"] == 4
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g["ids"] == w.token_ids, i
+        assert (g["text"], g["finish_reason"]) == (w.text, w.finish_reason), i
+        spec = w.spec and {"drafted": w.spec.drafted, "accepted": w.spec.accepted}
+        assert (g["spec"] and {k: g["spec"][k] for k in ("drafted", "accepted")}) == spec, i
+    # Batching does not change what a request gets alone (the single-sequence engine).
+    for p, c, g in zip(prompts, configs, got, strict=True):
+        assert g["ids"] == alone.generate(p, c).token_ids
+    assert got[2]["finish_reason"] == "stop"
+    assert sum(g["spec"]["accepted"] for g in got if g["spec"]) > 0  # lookup really verified
+
+
+def test_cancel_frees_the_slot(batch_bin, tiny_batch_package, tmp_path):
+    """Four long requests fill the slots; cancelling one after 3 steps lets the waiting
+    short one in, which finishes long before the others, with its own ids. A request
+    cancelled while it waits ends with no tokens."""
+    alone = Engine.load(tiny_batch_package)
+    prompts = _prompts(6, alone.target.vocab_size, seed=6)
+    long = GenerationConfig(max_new_tokens=60, ignore_eos=True)
+    short = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    requests = [request_json(p, long) for p in prompts[:4]]
+    requests += [request_json(prompts[4], short), request_json(prompts[5], short)]
+    requests[0]["cancel_after"] = 3
+    requests[5]["cancel_after"] = 1
+    got, summary = cpp_results(run_batch(batch_bin, tiny_batch_package, requests, tmp_path))
+    assert got[0]["finish_reason"] == got[5]["finish_reason"] == "cancelled"
+    assert 0 < len(got[0]["ids"]) < 60 and got[5]["ids"] == []
+    assert got[4]["ids"] == alone.generate(prompts[4], short).token_ids
+    assert got[4]["step"] < min(got[i]["step"] for i in (1, 2, 3))
+    for i in (1, 2, 3):
+        assert got[i]["ids"] == alone.generate(prompts[i], long).token_ids
+    assert summary["free_slots"] == 4
+
+
+def test_bad_requests(batch_bin, tiny_batch_package, tmp_path):
+    cases = [
+        ({"prompt_ids": [1, 2], "max_new_tokens": 500}, "request 1: prompt (2 tokens)"),
+        ({"prompt_ids": [1, 2], "colour": "red"}, "line 1: unknown field 'colour'"),
+        ({"prompt_ids": [1, 2], "temperature": -1}, "request 1: temperature"),
+    ]
+    for request, message in cases:
+        proc = run_batch(batch_bin, tiny_batch_package, [request], tmp_path, check=False)
+        assert proc.returncode == 1, proc.stderr
+        assert len(proc.stderr.splitlines()) == 1 and message in proc.stderr, proc.stderr
+
+
+# ---- the real model -------------------------------------------------------------------------
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Count from 1 to 10.",
+    "Name three primary colours.",
+    "What is 12 times 12?",
+    "Give me a synonym for happy.",
+    "Why is the sky blue?",
+    "Translate 'good morning' into Spanish.",
+    "What is the largest planet in the solar system?",
+    "List the days of the week.",
+    "Who wrote Romeo and Juliet?",
+    "What does a CPU do?",
+    "Suggest a name for a cat.",
+    "What is the boiling point of water?",
+    "Describe a rainbow in one sentence.",
+    "How many legs does a spider have?",
+]
+
+
+def check_real_package(binary: Path, package: Path, tmp_path: Path) -> None:
+    """16 chat prompts at once, greedy (two with n-gram speculation): Python's ids."""
+    py = BatchEngine.load(package, threads=2)
+    prompts = [py.engine.chat_ids(q) for q in CHATS]
+    configs = [
+        GenerationConfig(max_new_tokens=32, speculative="ngram" if i % 8 == 2 else None)
+        for i in range(len(prompts))
+    ]
+    want = py.generate_many(prompts, configs)
+    requests = [{"chat": q, "max_new_tokens": 32} for q in CHATS]
+    for i in (2, 10):
+        requests[i]["lookup"] = "ngram"
+    got, summary = cpp_results(run_batch(binary, package, requests, tmp_path, "--threads", "2"))
+    assert [g["prompt_ids"] for g in got] == prompts
+    assert [g["ids"] for g in got] == [w.token_ids for w in want]
+    assert [g["text"] for g in got] == [w.text for w in want]
+    assert got[0]["text"] == "The capital of France is Paris."
+    assert summary["slots"] == 16
+
+
+def test_real_serve_package(batch_bin, smollm2_serve_package, tmp_path):
+    check_real_package(batch_bin, smollm2_serve_package, tmp_path)
