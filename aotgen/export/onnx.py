@@ -8,9 +8,11 @@ of an input, so every cache also comes back as an output. The cache write is one
 that binds one buffer as both a cache input and its output gets the update in place
 (runtime/onnx_backend.py, docs/onnx.md).
 
-Weights are float: the graphs are exported from the model before the quantize pass, whose
-int8/int4 kernels are aotgen's own CPU ops with no ONNX equivalent here. All graphs of a
-model share one external-data file in which each distinct tensor is stored once.
+The graphs are exported from the model's modules, not from the passed graphs (the quantize
+pass's kernels and the packed linears are AOTInductor-only); a quantized model's linears and
+embeddings are swapped for their ONNX Runtime `MatMulNBits` forms first (export/onnx_quant.py),
+so its weights stay int8 / int4. All graphs of a model share one external-data file in which
+each distinct tensor is stored once.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from onnxscript import opset18 as op
 from torch import Tensor, nn
 
 from aotgen.export.aoti import GraphSpec, dynamic_shapes, example_inputs
+from aotgen.export.onnx_quant import TRANSLATIONS, onnx_fallback, quantized_modules
 from aotgen.model.llama import Transformer
+from aotgen.passes.quantize_options import QuantizeOptions
 
 ONNX_DIR = "onnx"
 # Tensors smaller than this stay inside each graph file (scalars, shapes); the rest go to the
@@ -75,7 +79,10 @@ def export_onnx(model: nn.Module, spec: GraphSpec, caches: list[Tensor]) -> onnx
             verbose=False,
             input_names=["tokens", "input_pos", *(f"kv_{i}" for i in range(n))],
             output_names=["logits", *(f"kv_out_{i}" for i in range(n))],
-            custom_translation_table={torch.ops.aten.index_copy.default: _index_copy},
+            custom_translation_table={
+                torch.ops.aten.index_copy.default: _index_copy,
+                **TRANSLATIONS,
+            },
         )
     return program.model_proto
 
@@ -114,17 +121,27 @@ def _externalize(tensor: onnx.TensorProto, data, data_name: str, stored: dict) -
 
 
 def export_model(
-    out: Path, role: str, model: Transformer, graphs: list[GraphSpec], caches: list[Tensor]
+    out: Path,
+    role: str,
+    model: Transformer,
+    graphs: list[GraphSpec],
+    caches: list[Tensor],
+    quantize: QuantizeOptions | None = None,
 ) -> dict[str, Any]:
     """Every graph of one model as ONNX in `out/ONNX_DIR`, with the weights in one data file
     shared by the graphs, each distinct tensor once; every file checked with `onnx.checker`.
+    `quantize`: the model's quantize options, whose int8 / int4 weights the graphs keep.
     One graph is in memory at a time. Returns the model's manifest entry."""
     folder = out / ONNX_DIR
     folder.mkdir(parents=True, exist_ok=True)
     data_name = f"{role}.onnx.data"
     stored: dict[tuple, tuple[int, int]] = {}  # (dtype, dims, sha256) -> (offset, length)
     files = {}
-    with open(folder / data_name, "wb") as data, torch.no_grad():
+    with (
+        open(folder / data_name, "wb") as data,
+        torch.no_grad(),
+        quantized_modules(model, quantize) as quantized,
+    ):
         for spec in graphs:
             proto = export_onnx(model, spec, caches)
             for tensor in proto.graph.initializer:
@@ -139,5 +156,15 @@ def export_model(
         "data": f"{ONNX_DIR}/{data_name}",
         "inputs": ["tokens", "input_pos", "kv_0..kv_N"],
         "outputs": ["logits", "kv_out_0..kv_out_N (bind each to its kv_i buffer)"],
-        "weights": "float32",
+        "weights": _weights_entry(quantize, quantized),
     }
+
+
+def _weights_entry(quantize: QuantizeOptions | None, quantized: dict[str, str]) -> Any:
+    """What the manifest says of the ONNX weights: float32, or per op how it is stored."""
+    if quantize is None:
+        return "float32"
+    if not quantized:
+        why = onnx_fallback(quantize) or "no linear or embedding is quantized"
+        return {"float32": f"quantized only in the AOTInductor graphs: {why}"}
+    return {"quantized": dict(sorted(quantized.items())), "other": "float32"}

@@ -299,20 +299,26 @@ def _onnx_export() -> Any:
 
 
 def _write_onnx(tmp: Path, plan: _Models, compiled: _Compiled, recipe: Recipe) -> None:
-    """`formats: [aoti, onnx]`: every model's graphs as ONNX too, from the float model (a
-    quantized package's ONNX graphs keep float weights: docs/onnx.md)."""
+    """`formats: [aoti, onnx]`: every model's graphs as ONNX too, from the model's modules,
+    with the quantized weights ONNX Runtime has an operator for (docs/onnx.md)."""
     if "onnx" not in recipe.formats:
         return
     onnx = _onnx_export()
     for mb in plan.models:
         cache = recipe_kv_cache(mb.config, recipe)
         graphs = [g for g in mb.graphs if not g.batch]  # batched graphs are AOTInductor-only
-        entry = onnx.export_model(tmp, mb.role, mb.model, graphs, cache)
+        options = mb.quantizer.options if mb.quantizer else None
+        entry = onnx.export_model(tmp, mb.role, mb.model, graphs, cache, options)
         compiled.entries[mb.role]["onnx"] = entry
-        if mb.quantizer:
+        weights = entry["weights"]
+        if isinstance(weights, dict) and "float32" in weights:
             compiled.notes.append(
-                f"{mb.role}: ONNX graphs keep float32 weights (the quantized kernels are "
-                "AOTInductor-only)"
+                f"{mb.role}: ONNX graphs keep float32 weights: {weights['float32']}"
+            )
+        elif isinstance(weights, dict):
+            n = len(weights["quantized"])
+            compiled.notes.append(
+                f"{mb.role}: ONNX graphs: {n} ops with quantized weights (MatMulNBits)"
             )
 
 
