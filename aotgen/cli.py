@@ -612,7 +612,8 @@ def bench(
         list[Path] | None,
         typer.Option(
             help="GGUF file to run through llama.cpp in the same run, as a baseline "
-            "(repeatable; needs the optional llama-cpp-python: pip install 'aotgen[llamacpp]')"
+            "(repeatable; needs the optional llama-cpp-python: pip install 'aotgen[llamacpp]'; "
+            "with --concurrency, llama.cpp's llama-batched-bench from $LLAMA_CPP_BIN or PATH)"
         ),
     ] = None,
     llama_lookup: Annotated[
