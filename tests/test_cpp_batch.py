@@ -61,8 +61,10 @@ def request_json(ids: list[int], config: GenerationConfig) -> dict:
     r |= {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
     if s.seed is not None:
         r["seed"] = s.seed
-    if config.speculative == "ngram":
+    if config.uses_lookup:
         r["lookup"] = "ngram"
+    if config.uses_draft:
+        r["speculative"] = True
     return r
 
 
@@ -74,9 +76,10 @@ def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     return [(p[:5] * 8)[: len(p) + 8] if i % 3 == 0 else p for i, p in enumerate(prompts)]
 
 
-def _configs(n: int) -> list[GenerationConfig]:
+def _configs(n: int, draft: bool = False) -> list[GenerationConfig]:
     """Greedy and seeded sampling (temperature, top-k, top-p), each plain and with n-gram
-    speculation, of different lengths."""
+    speculation, of different lengths. With `draft`, some plain ones draft with the draft
+    model instead: greedy ones with "draft", sampled ones with "draft+ngram"."""
     sampled = [
         SamplingParams(temperature=0.9, seed=7),
         SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=11),
@@ -85,6 +88,8 @@ def _configs(n: int) -> list[GenerationConfig]:
     for i in range(n):
         params = SamplingParams() if i % 2 == 0 else sampled[(i // 2) % 2]
         speculative = "ngram" if i % 4 in (0, 1) else None
+        if draft and (i % 4 == 3 or i % 4 == 2 and i >= 4):
+            speculative = "draft" if params.greedy else "draft+ngram"
         tokens = 12 + 5 * (i % 4)
         configs.append(GenerationConfig(tokens, params, ignore_eos=True, speculative=speculative))
     return configs
@@ -93,11 +98,14 @@ def _configs(n: int) -> list[GenerationConfig]:
 @pytest.mark.parametrize("package_fixture", ["tiny_batch_package", "tiny_package"])
 def test_batch_matches_python(request, batch_bin, tmp_path, package_fixture):
     """Ten requests on four slots (the batched graphs' max_batch; the package without them
-    gets four slots and runs its requests one by one in each step)."""
+    gets four slots and runs its requests one by one in each step). The package with batched
+    graphs has a draft on the target's cache: there two more requests, and five draft with it
+    (greedy "draft", sampled "draft+ngram"), stepping together through its batch_decode."""
     package = request.getfixturevalue(package_fixture)
     py = BatchEngine.load(package, prefill_step=PREFILL_STEP)
-    prompts = _prompts(10, py.target.vocab_size, seed=3)
-    configs = _configs(len(prompts))
+    draft = py.engine.draft is not None
+    prompts = _prompts(12 if draft else 10, py.target.vocab_size, seed=3)
+    configs = _configs(len(prompts), draft)
     # A stop string from the middle of a greedy answer: ASCII, since the two runtimes' text
     # differs where a random model's bytes are not UTF-8 (replacement characters).
     alone = Engine.load(package)
@@ -112,13 +120,19 @@ def test_batch_matches_python(request, batch_bin, tmp_path, package_fixture):
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g["ids"] == w.token_ids, i
         assert (g["text"], g["finish_reason"]) == (w.text, w.finish_reason), i
-        spec = w.spec and {"drafted": w.spec.drafted, "accepted": w.spec.accepted}
-        assert (g["spec"] and {k: g["spec"][k] for k in ("drafted", "accepted")}) == spec, i
+        keys = ("drafted", "accepted", "steps", "lookup_steps")
+        spec = w.spec and {k: getattr(w.spec, k) for k in keys}
+        assert (g["spec"] and {k: g["spec"][k] for k in keys}) == spec, i
     # Batching does not change what a request gets alone (the single-sequence engine).
     for p, c, g in zip(prompts, configs, got, strict=True):
         assert g["ids"] == alone.generate(p, c).token_ids
     assert got[2]["finish_reason"] == "stop"
     assert sum(g["spec"]["accepted"] for g in got if g["spec"]) > 0  # lookup really verified
+    if draft:  # the draft model really drafted, greedy and sampled
+        drafting = [(g, c) for g, c in zip(got, configs, strict=True) if c.uses_draft]
+        for mode in ("draft", "draft+ngram"):  # every step proposes: lookup, else the draft
+            spec = [g["spec"] for g, c in drafting if c.speculative == mode]
+            assert sum(s["steps"] for s in spec) > sum(s["lookup_steps"] for s in spec), mode
 
 
 def test_cancel_frees_the_slot(batch_bin, tiny_batch_package, tmp_path):

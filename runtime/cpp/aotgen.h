@@ -163,8 +163,8 @@ class Engine {
  private:
   struct Impl;
   explicit Engine(std::unique_ptr<Impl> impl);
-  // `slots` KV-cache rows of the target, one per sequence (BatchEngine); with more than one,
-  // no draft model is loaded.
+  // `slots` KV-cache rows of the target (and of a draft with its own cache), one per
+  // sequence (BatchEngine).
   static Engine load(const std::filesystem::path& package_dir, const LoadOptions& options,
                      int64_t slots);
   std::unique_ptr<Impl> impl_;
@@ -194,14 +194,16 @@ using DoneCallback = std::function<void(int64_t request_id, const GenerationResu
 // KV cache; a step() runs, in order: one prefill chunk of the oldest request still
 // prefilling (at most prefill_step tokens while others decode); one decode for every request
 // past its prompt (the batch_decode graph for two or more, the decode graph for one); with
-// n-gram speculation, the requests whose lookup found a proposal verify it in one
-// batch_verify call instead and each accepts its own prefix. Sampling, seeds, stop strings
-// and max_new_tokens are per request, so a request's output is the one it gets alone (and
-// Python's BatchEngine's). submit() and cancel() may be called from any thread; step() runs
-// in one thread at a time (the caller's loop).
+// speculation (n-gram lookup, the draft model, or both), the requests with a proposal verify
+// it in one batch_verify call instead and each accepts its own prefix. A draft on the
+// target's cache drafts for all drafting requests together, one batch_decode call of the
+// draft per draft step; a draft with its own cache drafts per request in the request's row.
+// Sampling, seeds, stop strings and max_new_tokens are per request, so a request's output is
+// the one it gets alone (and Python's BatchEngine's). submit() and cancel() may be called
+// from any thread; step() runs in one thread at a time (the caller's loop).
 class BatchEngine {
  public:
-  // Engine::load with a KV-cache row per slot (and no draft model).
+  // Engine::load with a KV-cache row per slot.
   static BatchEngine load(const std::filesystem::path& package_dir,
                           const LoadOptions& options = {}, const BatchOptions& batch = {});
 
@@ -211,7 +213,7 @@ class BatchEngine {
 
   // Queues a request; returns its id. on_text streams its text as it becomes final, on_done
   // gets its result, both called from step(). Throws GenerationError for a request the
-  // package cannot serve (as Engine::generate; draft models, trees and adaptive k too) and
+  // package cannot serve (as Engine::generate; tree drafting and adaptive k too) and
   // QueueFull when max_queue requests already wait.
   int64_t submit(const std::vector<int64_t>& prompt_ids, const GenerationConfig& config = {},
                  TextCallback on_text = {}, DoneCallback on_done = {});

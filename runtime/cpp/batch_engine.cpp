@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include "detail.h"
+#include "proposers.h"
 #include "runner.h"
 #include "sink.h"
 
@@ -32,10 +33,7 @@ struct Request {
       : id(id), prompt(prompt), config(config), sink(std::move(sink)),
         on_done(std::move(on_done)), gen(detail::make_generator(config.sampling.seed)),
         history(prompt) {
-    if (config.speculative == Speculative::Ngram) {
-      lookup.emplace(config.ngram_min.value_or(1), config.ngram_max);
-      spec.emplace();
-    }
+    if (config.speculative != Speculative::None) spec.emplace();
   }
 
   bool prefilling() const { return pos < static_cast<int64_t>(prompt.size()); }
@@ -69,7 +67,9 @@ struct Request {
   detail::TokenSink sink;
   DoneCallback on_done;
   at::Generator gen;
-  std::optional<NgramProposer> lookup;
+  // Made the first time the request decodes; none for a draft that drafts in a batch
+  // (draft_batch) without lookup.
+  std::unique_ptr<detail::Proposer> proposer;
   std::vector<int64_t> history;  // prompt + accepted tokens
   std::optional<SpecStats> spec;
   int64_t slot = -1;
@@ -141,15 +141,15 @@ struct BatchEngine::Impl {
 
   // Every request past its prompt moves on by one decode or one verify.
   void decode(const std::vector<RequestPtr>& seqs) {
+    std::vector<detail::Proposal> proposals = propose(seqs);
     std::vector<RequestPtr> plain, verifying;
-    std::vector<std::vector<int64_t>> proposals;
-    for (const auto& r : seqs) {
-      std::vector<int64_t> proposal = r->lookup ? propose(*r) : std::vector<int64_t>{};
-      if (proposal.empty()) {
-        plain.push_back(r);
+    std::vector<detail::Proposal> props;
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      if (proposals[i].tokens.empty()) {
+        plain.push_back(seqs[i]);
       } else {
-        verifying.push_back(r);
-        proposals.push_back(std::move(proposal));
+        verifying.push_back(seqs[i]);
+        props.push_back(std::move(proposals[i]));
       }
     }
     if (!plain.empty()) {
@@ -157,30 +157,69 @@ struct BatchEngine::Impl {
       for (std::size_t i = 0; i < plain.size(); ++i) {
         Request& r = *plain[i];
         r.pos += 1;
-        if (r.spec) r.spec->steps += 1;
-        r.accept({detail::select_next(logits[static_cast<int64_t>(i)], r.config.sampling, r.gen)});
+        if (r.spec) r.spec->steps += 1;  // it found nothing to propose
+        accepted(r, {detail::select_next(logits[static_cast<int64_t>(i)], r.config.sampling,
+                                         r.gen)});
       }
     }
     if (!verifying.empty()) {
-      const auto all_logits = verify_logits(verifying, proposals);
+      const auto all_logits = verify_logits(verifying, props);
       for (std::size_t i = 0; i < verifying.size(); ++i) {
         Request& r = *verifying[i];
-        const auto accepted = detail::verify_proposal(proposals[i], {}, all_logits[i],
-                                                      r.config.sampling, r.gen);
+        const auto tokens = detail::verify(props[i], all_logits[i], r.config.sampling, r.gen);
         r.spec->steps += 1;
-        r.spec->lookup_steps += 1;
-        r.spec->drafted += static_cast<int64_t>(proposals[i].size());
-        r.spec->accepted += static_cast<int64_t>(accepted.size()) - 1;
-        r.pos += static_cast<int64_t>(accepted.size());
-        r.accept(accepted);
+        r.spec->lookup_steps += props[i].looked_up;
+        r.spec->drafted += static_cast<int64_t>(props[i].tokens.size());
+        r.spec->accepted += static_cast<int64_t>(tokens.size()) - 1;
+        r.pos += static_cast<int64_t>(tokens.size());
+        accepted(r, tokens);
       }
     }
   }
 
-  std::vector<int64_t> propose(Request& r) {
-    int64_t k = std::min(r.config.k.value_or(e.verify_k), e.verify_k);
-    k = std::min(k, e.max_seq_len + e.verify_k - r.pos);
-    return r.lookup->propose(r.history, k);
+  // A step's tokens, once r.pos counts the positions its cache now holds.
+  static void accepted(Request& r, const std::vector<int64_t>& tokens) {
+    if (r.proposer) r.proposer->accepted(r.pos);
+    r.accept(tokens);
+  }
+
+  // Each request's proposal (empty: none, or not speculating). Requests whose draft runs on
+  // the target's cache draft together through the draft's batched graph (draft_batch), after
+  // n-gram lookup for draft+ngram; the others through their own proposer, made the first
+  // time they decode: n-gram lookup, their draft in their cache row, or both.
+  std::vector<detail::Proposal> propose(const std::vector<RequestPtr>& seqs) {
+    const bool together = detail::can_draft_in_batch(e.draft.get());
+    std::vector<detail::Proposal> out(seqs.size());
+    std::vector<std::size_t> drafting;
+    std::vector<detail::DraftRequest> requests;
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      Request& r = *seqs[i];
+      const GenerationConfig& c = r.config;
+      if (c.speculative == Speculative::None) continue;
+      int64_t k = std::min(c.k.value_or(e.verify_k), e.verify_k);
+      k = std::min(k, e.max_seq_len + e.verify_k - r.pos);
+      if (!together || !detail::uses_draft(c.speculative)) {
+        if (!r.proposer) {
+          r.proposer = detail::make_proposer(e.draft.get(), r.prompt, c, r.gen, r.slot);
+        }
+        out[i] = r.proposer->propose(r.history, k);
+        continue;
+      }
+      if (!r.proposer && c.speculative == Speculative::DraftNgram) {
+        r.proposer = std::make_unique<detail::LookupProposer>(detail::ngram_min(c), c.ngram_max);
+      }
+      if (r.proposer) out[i] = r.proposer->propose(r.history, k);
+      if (out[i].tokens.empty() && k > 0) {
+        drafting.push_back(i);
+        const auto last = static_cast<int64_t>(r.history.size()) - 1;
+        requests.push_back({r.history.back(), last, r.slot, k, c.sampling, r.gen});
+      }
+    }
+    if (!drafting.empty()) {
+      auto drafts = detail::draft_batch(*e.draft, requests);
+      for (std::size_t j = 0; j < drafting.size(); ++j) out[drafting[j]] = std::move(drafts[j]);
+    }
+    return out;
   }
 
   // [B, V]: the batched graph for two or more requests, else the decode graph.
@@ -204,11 +243,12 @@ struct BatchEngine::Impl {
   // to the graph's width by repeating the last token: the padded positions are written past
   // the proposal and never read before they are overwritten.
   std::vector<at::Tensor> verify_logits(const std::vector<RequestPtr>& seqs,
-                                        const std::vector<std::vector<int64_t>>& proposals) {
+                                        const std::vector<detail::Proposal>& proposals) {
     std::vector<std::vector<int64_t>> rows;
     for (std::size_t i = 0; i < seqs.size(); ++i) {
+      const auto& tokens = proposals[i].tokens;
       rows.push_back({seqs[i]->pending});
-      rows.back().insert(rows.back().end(), proposals[i].begin(), proposals[i].end());
+      rows.back().insert(rows.back().end(), tokens.begin(), tokens.end());
     }
     std::vector<at::Tensor> out;
     if (seqs.size() == 1 || !target.has_batch_verify()) {
@@ -261,14 +301,11 @@ BatchEngine BatchEngine::load(const std::filesystem::path& package_dir, const Lo
 int64_t BatchEngine::submit(const std::vector<int64_t>& prompt_ids, const GenerationConfig& config,
                             TextCallback on_text, DoneCallback on_done) {
   Impl& b = *impl_;
-  const bool drafts =
-      config.speculative == Speculative::Draft || config.speculative == Speculative::DraftNgram;
-  if (drafts || config.tree) {
+  if (config.tree || config.adaptive_k) {
     throw GenerationError(
-        "the batch engine speculates with n-gram lookup only; draft models and trees serve "
+        "the batch engine drafts chains of a fixed length: tree drafting and adaptive k serve "
         "one request at a time (Engine)");
   }
-  if (config.adaptive_k) throw GenerationError("adaptive k is not supported in a batch; drop it");
   detail::check_request(b.e, prompt_ids, config);
   std::set<int64_t> eos;
   if (!config.ignore_eos) eos.insert(b.e.eos_ids.begin(), b.e.eos_ids.end());

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "detail.h"
+#include "proposers.h"
 #include "runner.h"
 #include "sink.h"
 #include "tree.h"
@@ -22,6 +23,10 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 using detail::ModelRunner;
+using detail::ngram_min;
+using detail::Proposal;
+using detail::Proposer;
+using detail::uses_draft;
 
 namespace {
 
@@ -61,14 +66,6 @@ std::optional<std::string> token_str(const json& value) {
   return std::nullopt;
 }
 
-bool uses_draft(Speculative mode) {
-  return mode == Speculative::Draft || mode == Speculative::DraftNgram;
-}
-
-int64_t ngram_min(const GenerationConfig& config) {
-  return config.ngram_min.value_or(config.speculative == Speculative::DraftNgram ? 3 : 1);
-}
-
 // Draft-length schedule of HF assisted generation: +2 after a full accept, else -1.
 struct AdaptiveK {
   int64_t k, k_min, k_max;
@@ -76,117 +73,6 @@ struct AdaptiveK {
     if (drafted > 0) k = std::clamp(k + (accepted >= drafted ? 2 : -1), k_min, k_max);
   }
 };
-
-// ---- Proposers: where the draft tokens of a speculative step come from (proposers.py) ----
-
-// The draft tokens of one verify step.
-struct Proposal {
-  std::vector<int64_t> tokens;
-  // [K, V]: the distribution each token was drawn from (a sampled draft); undefined for a
-  // deterministic proposal (a greedy draft, n-gram lookup).
-  at::Tensor probs;
-  bool looked_up = false;  // from n-gram lookup, not the draft model
-};
-
-// propose: up to k tokens to follow history (prompt + output; its last token sits at position
-// history.size() - 1, not yet in the target's cache). accepted: after verification, positions
-// < pos of the target's cache hold accepted tokens.
-class Proposer {
- public:
-  virtual ~Proposer() = default;
-  virtual Proposal propose(const std::vector<int64_t>& history, int64_t k) = 0;
-  virtual void accepted(int64_t /*pos*/) {}
-};
-
-// n-gram lookup in the prompt + output (NgramProposer): no model, deterministic. One per
-// request: its index grows with the request's text.
-class LookupProposer final : public Proposer {
- public:
-  LookupProposer(int64_t min_n, int64_t max_n) : ngram_(min_n, max_n) {}
-
-  Proposal propose(const std::vector<int64_t>& history, int64_t k) override {
-    Proposal proposal;
-    proposal.tokens = ngram_.propose(history, k);
-    proposal.looked_up = !proposal.tokens.empty();
-    return proposal;
-  }
-
- private:
-  NgramProposer ngram_;
-};
-
-// k tokens from the draft model, greedy or sampled; sampling keeps each token's distribution
-// for speculative sampling. pos_ is the first position missing from the draft's cache.
-class DraftProposer final : public Proposer {
- public:
-  DraftProposer(ModelRunner& draft, const std::vector<int64_t>& prompt,
-                const SamplingParams& params, at::Generator& gen)
-      : draft_(draft), params_(params), gen_(gen), pos_(static_cast<int64_t>(prompt.size())) {
-    // A draft that shares the target's cache finds every accepted position already written
-    // by the target (prefill, then each verify): it never prefills and never catches up.
-    if (!draft_.shares_cache()) draft_.forward(prompt, 0);
-  }
-
-  Proposal propose(const std::vector<int64_t>& history, int64_t k) override {
-    // Catch the draft cache up on accepted tokens it has not seen, then draft. A shared
-    // cache lacks only tok: the verify that follows overwrites the draft's entries.
-    if (draft_.shares_cache()) pos_ = static_cast<int64_t>(history.size()) - 1;
-    const std::vector<int64_t> pending(history.begin() + pos_, history.end());
-    at::Tensor logits = draft_.forward(pending, pos_);
-    pos_ += static_cast<int64_t>(pending.size());
-    Proposal proposal;
-    std::vector<at::Tensor> rows;
-    for (int64_t i = 0; i < k; ++i) {
-      int64_t next;
-      if (params_.greedy()) {
-        next = logits.argmax().item<int64_t>();
-      } else {
-        rows.push_back(detail::logits_to_probs(logits.unsqueeze(0), params_)[0]);
-        next = detail::sample(rows.back().unsqueeze(0), gen_).item<int64_t>();
-      }
-      proposal.tokens.push_back(next);
-      if (i + 1 < k) logits = draft_.decode(next, pos_++);
-    }
-    if (!rows.empty()) proposal.probs = at::stack(rows);
-    return proposal;
-  }
-
-  // The draft cache is valid up to the accepted prefix; later positions are stale and get
-  // overwritten next round (position overwrite: no rollback). After a full accept the last
-  // proposal is not in it yet: it is fed with the next round.
-  void accepted(int64_t pos) override { pos_ = std::min(pos_, pos); }
-
- private:
-  ModelRunner& draft_;
-  const SamplingParams& params_;
-  at::Generator& gen_;
-  int64_t pos_;
-};
-
-// DraftNgram: a long enough match in the prompt + output costs nothing to propose; the draft
-// runs only when there is none.
-class DraftOrLookupProposer final : public Proposer {
- public:
-  DraftOrLookupProposer(LookupProposer lookup, DraftProposer draft)
-      : lookup_(std::move(lookup)), draft_(std::move(draft)) {}
-
-  Proposal propose(const std::vector<int64_t>& history, int64_t k) override {
-    Proposal proposal = lookup_.propose(history, k);
-    return proposal.tokens.empty() ? draft_.propose(history, k) : proposal;
-  }
-
-  void accepted(int64_t pos) override { draft_.accepted(pos); }
-
- private:
-  LookupProposer lookup_;
-  DraftProposer draft_;
-};
-
-// The accepted prefix of the proposal plus one token from the target (speculative.py verify).
-std::vector<int64_t> verify(const Proposal& proposal, const at::Tensor& target_logits,
-                            const SamplingParams& params, at::Generator& gen) {
-  return detail::verify_proposal(proposal.tokens, proposal.probs, target_logits, params, gen);
-}
 
 // The draft model as tree drafting sees it (tree.h).
 class DraftCalls final : public detail::DraftModel {
@@ -246,7 +132,7 @@ class TokenSteps {
           config_.speculative, draft_calls_ ? &*draft_calls_ : nullptr, prompt_, params_, gen_,
           *config_.tree, ngram_min(config_), config_.ngram_max);
     } else {
-      proposer_ = make_proposer();
+      proposer_ = detail::make_proposer(draft_, prompt_, config_, gen_);
     }
   }
 
@@ -277,17 +163,6 @@ class TokenSteps {
     return accepted;
   }
 
-  // The proposer of config.speculative: Ngram, Draft or DraftNgram.
-  std::unique_ptr<Proposer> make_proposer() {
-    LookupProposer lookup(ngram_min(config_), config_.ngram_max);
-    if (!uses_draft(config_.speculative)) return std::make_unique<LookupProposer>(lookup);
-    DraftProposer draft(*draft_, prompt_, params_, gen_);
-    if (config_.speculative == Speculative::DraftNgram) {
-      return std::make_unique<DraftOrLookupProposer>(lookup, std::move(draft));
-    }
-    return std::make_unique<DraftProposer>(std::move(draft));
-  }
-
   // Propose -> verify -> accept: one verify step.
   std::vector<int64_t> speculative_round() {
     int64_t k = adaptive_ ? adaptive_->k : k_;
@@ -298,7 +173,7 @@ class TokenSteps {
     std::vector<int64_t> block{tok_};
     block.insert(block.end(), proposal.tokens.begin(), proposal.tokens.end());
     const at::Tensor logits = target_.forward(block, pos_, /*all_logits=*/true);
-    const std::vector<int64_t> accepted = verify(proposal, logits, params_, gen_);
+    const std::vector<int64_t> accepted = detail::verify(proposal, logits, params_, gen_);
     const auto n_acc = static_cast<int64_t>(accepted.size()) - 1;
     spec_->drafted += n;
     spec_->accepted += n_acc;
@@ -387,11 +262,13 @@ Engine Engine::load(const fs::path& package_dir, const LoadOptions& options, int
     impl->tokenizer = Tokenizer::from_file((tok_dir / "tokenizer.json").string());
     const fs::path pt2 = package_dir / m.at("package").get<std::string>();
     const auto& models = m.at("models");
-    // A batch engine's cache has a row per sequence, and no sequence drafts: no draft.
+    // A batch engine's caches have a row per sequence, the draft's too (on the target's
+    // cache: the same rows).
     const int64_t rows = cache_slots(models.at("target"), slots);
     impl->target = std::make_unique<ModelRunner>(pt2, models.at("target"), nullptr, rows);
-    if (models.contains("draft") && rows == 1) {
-      impl->draft = std::make_unique<ModelRunner>(pt2, models.at("draft"), impl->target.get());
+    if (models.contains("draft")) {
+      impl->draft =
+          std::make_unique<ModelRunner>(pt2, models.at("draft"), impl->target.get(), rows);
     }
     const detail::MappedFiles mapped = weights_verified.get();  // rethrows a hash mismatch
     impl->target->bind_weights(package_dir, models.at("target"), mapped);

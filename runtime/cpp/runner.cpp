@@ -140,13 +140,17 @@ ModelRunner::ModelRunner(const fs::path& pt2, const json& entry, const ModelRunn
   const auto dtype = dtype_from_name(kv.at("dtype"));
   shares_cache_ = kv.value("shared_with", "") == "target";
   if (shares_cache_) {
-    // The first layers of the target's cache, checked: the draft must read exactly the
-    // tensors the target writes.
-    const auto& theirs = target ? target->caches() : caches_;
+    // The first layers of the target's cache (all its slots), checked: the draft must read
+    // exactly the tensors the target writes.
+    const auto& theirs = target ? target->caches_ : caches_;
     const bool fits = static_cast<int64_t>(theirs.size()) >= 2 * layers &&
                       std::all_of(theirs.begin(), theirs.begin() + 2 * layers,
                                   [&](const at::Tensor& c) {
-                                    return c.sizes().vec() == shape && c.scalar_type() == dtype;
+                                    return c.dim() == static_cast<int64_t>(shape.size()) &&
+                                           c.size(0) == slots &&
+                                           c.sizes().slice(1).vec() ==
+                                               std::vector(shape.begin() + 1, shape.end()) &&
+                                           c.scalar_type() == dtype;
                                   });
     if (!fits) {
       throw PackageError(

@@ -33,13 +33,15 @@ constexpr const char* kUsage = R"(usage: aotgen-batch PACKAGE REQUESTS [options]
 REQUESTS: a file (- for stdin), one request per line: a plain text prompt, or a JSON object
   {"prompt": TEXT | "chat": TEXT | "prompt_ids": [IDS], "system": TEXT,
    "max_new_tokens": N, "temperature": T, "top_k": K, "top_p": P, "seed": S,
-   "stop": [TEXT], "ignore_eos": BOOL, "lookup": "ngram" | null, "k": K,
-   "ngram_min": N, "ngram_max": N, "cancel_after": STEPS}
-  (cancel_after: cancel the request after that many engine steps).
+   "stop": [TEXT], "ignore_eos": BOOL, "lookup": "ngram" | null, "speculative": BOOL,
+   "k": K, "ngram_min": N, "ngram_max": N, "cancel_after": STEPS}
+  (speculative: draft with the package's draft model, with lookup only where lookup finds
+  no match; cancel_after: cancel the request after that many engine steps).
 options (defaults for every request):
   --chat                 plain text lines are chat messages (ChatML), not raw prompts
   --max-new-tokens N     (default 256)
-  --temperature T, --top-k K, --top-p P, --seed S, --ignore-eos, --lookup ngram
+  --temperature T, --top-k K, --top-p P, --seed S, --ignore-eos, --lookup ngram,
+  --speculative
   --slots N              KV-cache slots (default: the package's max_batch)
   --prefill-step N       prompt tokens per step while others decode (default 64)
   --threads N            intra-op threads
@@ -64,11 +66,18 @@ T parse_number(std::string_view flag, std::string_view text) {
 
 struct Args {
   std::string package, requests;
-  bool chat = false;
+  bool chat = false, lookup = false, draft = false;
   aotgen::GenerationConfig config;
   aotgen::LoadOptions load;
   aotgen::BatchOptions batch;
 };
+
+// The speculative mode of n-gram lookup and / or the draft model.
+aotgen::Speculative speculative(bool lookup, bool draft) {
+  using aotgen::Speculative;
+  if (draft) return lookup ? Speculative::DraftNgram : Speculative::Draft;
+  return lookup ? Speculative::Ngram : Speculative::None;
+}
 
 Args parse_args(int argc, char** argv) {
   Args args;
@@ -96,7 +105,9 @@ Args parse_args(int argc, char** argv) {
       cfg.ignore_eos = true;
     } else if (arg == "--lookup") {
       if (value() != "ngram") throw UsageError("--lookup: the only lookup proposer is 'ngram'");
-      cfg.speculative = aotgen::Speculative::Ngram;
+      args.lookup = true;
+    } else if (arg == "--speculative") {
+      args.draft = true;
     } else if (arg == "--slots") {
       args.batch.slots = parse_number<int64_t>(arg, value());
     } else if (arg == "--prefill-step") {
@@ -112,6 +123,7 @@ Args parse_args(int argc, char** argv) {
     }
   }
   if (positional.size() != 2) throw UsageError("give the package directory and the requests file");
+  cfg.speculative = speculative(args.lookup, args.draft);
   args.package = positional[0];
   args.requests = positional[1];
   return args;
@@ -133,8 +145,8 @@ Line parse_line(const std::string& text, const Args& args, const aotgen::Engine&
   const json r = json::parse(text);  // json::exception: reported with the line number
   static const std::vector<std::string> known = {
       "prompt", "chat", "prompt_ids", "system", "max_new_tokens", "temperature", "top_k",
-      "top_p", "seed", "stop", "ignore_eos", "lookup", "k", "ngram_min", "ngram_max",
-      "cancel_after"};
+      "top_p", "seed", "stop", "ignore_eos", "lookup", "speculative", "k", "ngram_min",
+      "ngram_max", "cancel_after"};
   for (const auto& [key, _] : r.items()) {
     if (std::find(known.begin(), known.end(), key) == known.end()) {
       throw std::invalid_argument("unknown field '" + key + "'");
@@ -162,12 +174,14 @@ Line parse_line(const std::string& text, const Args& args, const aotgen::Engine&
                                    : r["stop"].get<std::vector<std::string>>();
   }
   c.ignore_eos = r.value("ignore_eos", c.ignore_eos);
+  bool lookup = args.lookup;
   if (r.contains("lookup")) {
     if (!r["lookup"].is_null() && r["lookup"] != "ngram") {
       throw std::invalid_argument("lookup: the only lookup proposer is 'ngram'");
     }
-    c.speculative = r["lookup"].is_null() ? aotgen::Speculative::None : aotgen::Speculative::Ngram;
+    lookup = !r["lookup"].is_null();
   }
+  c.speculative = speculative(lookup, r.value("speculative", args.draft));
   if (r.contains("k")) c.k = r["k"].get<int64_t>();
   if (r.contains("ngram_min")) c.ngram_min = r["ngram_min"].get<int64_t>();
   c.ngram_max = r.value("ngram_max", c.ngram_max);

@@ -1,0 +1,116 @@
+// Draft-model proposers (aotgen/runtime/proposers.py) and batched drafting (batch_draft.py).
+#include "proposers.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/stack.h>
+
+#include "runner.h"
+
+namespace aotgen::detail {
+namespace {
+
+// The draft's next token from its logits [V]: the argmax, or sampled with the request's
+// generator, its distribution kept in `rows` for the lossless acceptance rule.
+int64_t draft_token(const at::Tensor& logits, const SamplingParams& params, at::Generator& gen,
+                    std::vector<at::Tensor>& rows) {
+  if (params.greedy()) return logits.argmax().item<int64_t>();
+  rows.push_back(logits_to_probs(logits.unsqueeze(0), params)[0]);
+  return sample(rows.back().unsqueeze(0), gen).item<int64_t>();
+}
+
+// [n] or [n, 1] int64 from values.
+at::Tensor long_tensor(const std::vector<int64_t>& values, bool column) {
+  const auto n = static_cast<int64_t>(values.size());
+  at::Tensor out = column ? at::empty({n, 1}, at::kLong) : at::empty({n}, at::kLong);
+  std::copy(values.begin(), values.end(), out.data_ptr<int64_t>());
+  return out;
+}
+
+}  // namespace
+
+DraftProposer::DraftProposer(ModelRunner& draft, const std::vector<int64_t>& prompt,
+                             const SamplingParams& params, at::Generator& gen, int64_t slot)
+    : draft_(draft), params_(params), gen_(gen), slot_(slot),
+      pos_(static_cast<int64_t>(prompt.size())) {
+  // A draft that shares the target's cache finds every accepted position already written by
+  // the target (prefill, then each verify): it never prefills and never catches up.
+  if (!draft_.shares_cache()) draft_.forward(prompt, 0, false, slot_);
+}
+
+Proposal DraftProposer::propose(const std::vector<int64_t>& history, int64_t k) {
+  // Catch the draft cache up on accepted tokens it has not seen, then draft. A shared cache
+  // lacks only tok: the verify that follows overwrites the draft's entries.
+  if (draft_.shares_cache()) pos_ = static_cast<int64_t>(history.size()) - 1;
+  const std::vector<int64_t> pending(history.begin() + pos_, history.end());
+  at::Tensor logits = draft_.forward(pending, pos_, false, slot_);
+  pos_ += static_cast<int64_t>(pending.size());
+  Proposal proposal;
+  std::vector<at::Tensor> rows;
+  for (int64_t i = 0; i < k; ++i) {
+    proposal.tokens.push_back(draft_token(logits, params_, gen_, rows));
+    if (i + 1 < k) logits = draft_.decode(proposal.tokens.back(), pos_++, slot_);
+  }
+  if (!rows.empty()) proposal.probs = at::stack(rows);
+  return proposal;
+}
+
+std::unique_ptr<Proposer> make_proposer(ModelRunner* draft, const std::vector<int64_t>& prompt,
+                                        const GenerationConfig& config, at::Generator& gen,
+                                        int64_t slot) {
+  LookupProposer lookup(ngram_min(config), config.ngram_max);
+  if (!uses_draft(config.speculative)) return std::make_unique<LookupProposer>(lookup);
+  DraftProposer drafted(*draft, prompt, config.sampling, gen, slot);
+  if (config.speculative == Speculative::DraftNgram) {
+    return std::make_unique<DraftOrLookupProposer>(lookup, std::move(drafted));
+  }
+  return std::make_unique<DraftProposer>(std::move(drafted));
+}
+
+bool can_draft_in_batch(const ModelRunner* draft) {
+  return draft && draft->shares_cache() && draft->has_batch_decode();
+}
+
+std::vector<Proposal> draft_batch(ModelRunner& draft, const std::vector<DraftRequest>& requests) {
+  const std::size_t n = requests.size();
+  std::vector<Proposal> out(n);
+  std::vector<std::vector<at::Tensor>> rows(n);
+  std::vector<int64_t> last(n), pos(n);
+  int64_t steps = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    last[i] = requests[i].last;
+    pos[i] = requests[i].pos;
+    steps = std::max(steps, requests[i].k);
+  }
+  for (int64_t step = 0; step < steps; ++step) {
+    std::vector<std::size_t> active;
+    std::vector<int64_t> tokens, positions, slots;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (step >= requests[i].k) continue;
+      active.push_back(i);
+      tokens.push_back(last[i]);
+      positions.push_back(pos[i]);
+      slots.push_back(requests[i].slot);
+    }
+    // [len(active), V]: the batched graph for two or more, else one decode.
+    const at::Tensor logits =
+        active.size() == 1
+            ? draft.decode(tokens[0], positions[0], slots[0]).unsqueeze(0)
+            : draft.batch(long_tensor(tokens, true), long_tensor(positions, true),
+                          long_tensor(slots, false))
+                  .select(1, 0);
+    for (std::size_t j = 0; j < active.size(); ++j) {
+      const std::size_t i = active[j];
+      const DraftRequest& r = requests[i];
+      const int64_t next = draft_token(logits[static_cast<int64_t>(j)], r.params, r.gen, rows[i]);
+      out[i].tokens.push_back(next);
+      last[i] = next;
+      pos[i] += 1;
+    }
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!rows[i].empty()) out[i].probs = at::stack(rows[i]);
+  }
+  return out;
+}
+
+}  // namespace aotgen::detail

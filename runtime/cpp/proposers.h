@@ -1,0 +1,138 @@
+// Proposers: where the draft tokens of a speculative step come from (aotgen/runtime/
+// proposers.py), and drafting for several requests at once through the draft's batched graph
+// (batch_draft.py). Shared by Engine::generate (engine.cpp) and BatchEngine (batch_engine.cpp).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
+
+#include "aotgen.h"
+#include "detail.h"
+
+namespace aotgen::detail {
+
+class ModelRunner;
+
+inline bool uses_draft(Speculative mode) {
+  return mode == Speculative::Draft || mode == Speculative::DraftNgram;
+}
+
+// The shortest n-gram match lookup proposes from (engine.py NGRAM_MIN).
+inline int64_t ngram_min(const GenerationConfig& config) {
+  return config.ngram_min.value_or(config.speculative == Speculative::DraftNgram ? 3 : 1);
+}
+
+// The draft tokens of one verify step.
+struct Proposal {
+  std::vector<int64_t> tokens;
+  // [K, V]: the distribution each token was drawn from (a sampled draft); undefined for a
+  // deterministic proposal (a greedy draft, n-gram lookup).
+  at::Tensor probs;
+  bool looked_up = false;  // from n-gram lookup, not the draft model
+};
+
+// propose: up to k tokens to follow history (prompt + output; its last token sits at position
+// history.size() - 1, not yet in the target's cache). accepted: after verification, positions
+// < pos of the target's cache hold accepted tokens.
+class Proposer {
+ public:
+  virtual ~Proposer() = default;
+  virtual Proposal propose(const std::vector<int64_t>& history, int64_t k) = 0;
+  virtual void accepted(int64_t /*pos*/) {}
+};
+
+// n-gram lookup in the prompt + output (NgramProposer): no model, deterministic. One per
+// request: its index grows with the request's text.
+class LookupProposer final : public Proposer {
+ public:
+  LookupProposer(int64_t min_n, int64_t max_n) : ngram_(min_n, max_n) {}
+
+  Proposal propose(const std::vector<int64_t>& history, int64_t k) override {
+    Proposal proposal;
+    proposal.tokens = ngram_.propose(history, k);
+    proposal.looked_up = !proposal.tokens.empty();
+    return proposal;
+  }
+
+ private:
+  NgramProposer ngram_;
+};
+
+// k tokens from the draft model, greedy or sampled, in the draft's cache row `slot`; sampling
+// keeps each token's distribution for speculative sampling. pos_ is the first position
+// missing from the draft's cache.
+class DraftProposer final : public Proposer {
+ public:
+  DraftProposer(ModelRunner& draft, const std::vector<int64_t>& prompt,
+                const SamplingParams& params, at::Generator& gen, int64_t slot = 0);
+
+  Proposal propose(const std::vector<int64_t>& history, int64_t k) override;
+
+  // The draft cache is valid up to the accepted prefix; later positions are stale and get
+  // overwritten next round (position overwrite: no rollback). After a full accept the last
+  // proposal is not in it yet: it is fed with the next round.
+  void accepted(int64_t pos) override { pos_ = std::min(pos_, pos); }
+
+ private:
+  ModelRunner& draft_;
+  const SamplingParams& params_;
+  at::Generator& gen_;
+  int64_t slot_;
+  int64_t pos_;
+};
+
+// DraftNgram: a long enough match in the prompt + output costs nothing to propose; the draft
+// runs only when there is none.
+class DraftOrLookupProposer final : public Proposer {
+ public:
+  DraftOrLookupProposer(LookupProposer lookup, DraftProposer draft)
+      : lookup_(std::move(lookup)), draft_(std::move(draft)) {}
+
+  Proposal propose(const std::vector<int64_t>& history, int64_t k) override {
+    Proposal proposal = lookup_.propose(history, k);
+    return proposal.tokens.empty() ? draft_.propose(history, k) : proposal;
+  }
+
+  void accepted(int64_t pos) override { draft_.accepted(pos); }
+
+ private:
+  LookupProposer lookup_;
+  DraftProposer draft_;
+};
+
+// The proposer of config.speculative (Ngram, Draft or DraftNgram; Engine.proposer): a draft
+// runs in the cache row `slot`. `config` and `gen` must outlive it.
+std::unique_ptr<Proposer> make_proposer(ModelRunner* draft, const std::vector<int64_t>& prompt,
+                                        const GenerationConfig& config, at::Generator& gen,
+                                        int64_t slot = 0);
+
+// The accepted prefix of the proposal plus one token from the target (speculative.py verify).
+inline std::vector<int64_t> verify(const Proposal& proposal, const at::Tensor& target_logits,
+                                   const SamplingParams& params, at::Generator& gen) {
+  return verify_proposal(proposal.tokens, proposal.probs, target_logits, params, gen);
+}
+
+// ---- Drafting for several requests at once (batch_draft.py) -------------------------------
+
+// A draft on the target's cache with a batch_decode graph drafts for a batch of requests.
+bool can_draft_in_batch(const ModelRunner* draft);
+
+// One request's draft round: k tokens after `last`, which sits at position `pos` of cache row
+// `slot` (the target has written every position before it).
+struct DraftRequest {
+  int64_t last, pos, slot, k;
+  const SamplingParams& params;
+  at::Generator& gen;
+};
+
+// Each request's proposal, all stepping together: one batch_decode call of the draft per draft
+// step (the decode graph when one request is left), tokens chosen as DraftProposer chooses
+// them, drawn step by step in request order.
+std::vector<Proposal> draft_batch(ModelRunner& draft, const std::vector<DraftRequest>& requests);
+
+}  // namespace aotgen::detail
