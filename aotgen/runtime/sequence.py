@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from aotgen.runtime.proposers import Proposer
 from aotgen.runtime.sampling import make_generator
 from aotgen.runtime.speculative import SpecStats
 from aotgen.runtime.tokenizer import StreamDecoder, Tokenizer
+
+if TYPE_CHECKING:  # engine.py imports this module
+    from aotgen.runtime.engine import GenerationConfig
 
 
 class StopText:
@@ -115,7 +119,7 @@ class Sequence:
     id: int
     prompt: list[int]
     sink: TokenSink
-    config: object  # GenerationConfig (runtime/engine.py)
+    config: GenerationConfig
     on_done: Callable[[Sequence], None] | None = None
     slot: int = -1
     pos: int = 0
