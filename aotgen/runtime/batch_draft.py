@@ -30,7 +30,10 @@ def draft_batch(draft: ModelRunner, seqs: list[Sequence], ks: list[int]) -> list
     pos = [len(s.history) - 1 for s in seqs]
     for step in range(max(ks)):
         active = [i for i in range(len(seqs)) if step < ks[i]]
-        for i, logits in zip(active, _decode(draft, seqs, active, last, pos), strict=True):
+        logits_rows = draft.decode_many(
+            [last[i] for i in active], [pos[i] for i in active], [seqs[i].slot for i in active]
+        )
+        for i, logits in zip(active, logits_rows, strict=True):
             params, generator = seqs[i].config.sampling, seqs[i].generator
             if params.greedy:
                 nxt = int(logits.argmax())
@@ -40,16 +43,3 @@ def draft_batch(draft: ModelRunner, seqs: list[Sequence], ks: list[int]) -> list
             tokens[i].append(nxt)
             last[i], pos[i] = nxt, pos[i] + 1
     return [Proposal(t, torch.stack(r) if r else None) for t, r in zip(tokens, rows, strict=True)]
-
-
-def _decode(
-    draft: ModelRunner, seqs: list[Sequence], active: list[int], last: list[int], pos: list[int]
-) -> torch.Tensor:
-    """`[len(active), V]` draft logits: the batched graph for two or more, else one decode."""
-    if len(active) == 1:
-        i = active[0]
-        return draft.decode(last[i], pos[i], seqs[i].slot)[None]
-    tokens = torch.tensor([[last[i]] for i in active])
-    positions = torch.tensor([[pos[i]] for i in active])
-    slots = torch.tensor([seqs[i].slot for i in active])
-    return draft.batch("batch_decode", tokens, positions, slots)[:, 0]

@@ -231,7 +231,13 @@ class BatchEngine:
         verifying = [s for s in seqs if s.id in proposals and proposals[s.id].tokens]
         plain = [s for s in seqs if s not in verifying]
         if plain:
-            for seq, row in zip(plain, self._decode_logits(plain), strict=True):
+            for seq, row in zip(
+                plain,
+                self.target.decode_many(
+                    [s.pending for s in plain], [s.pos for s in plain], [s.slot for s in plain]
+                ),
+                strict=True,
+            ):
                 seq.pos += 1
                 if seq.spec is not None:  # it found nothing to propose
                     seq.spec.update(0, 0)
@@ -279,16 +285,6 @@ class BatchEngine:
             for seq, proposal in zip(seqs_, draft_batch(engine.draft, seqs_, ks), strict=True):
                 out[seq.id] = proposal
         return out
-
-    def _decode_logits(self, seqs: list[Sequence]) -> Tensor:
-        """`[B, V]`: the batched graph for two or more sequences, else the decode graph."""
-        target = self.target
-        if len(seqs) == 1 or "batch_decode" not in target.graphs:
-            return torch.stack([target.decode(s.pending, s.pos, s.slot) for s in seqs])
-        tokens = torch.tensor([[s.pending] for s in seqs])
-        positions = torch.tensor([[s.pos] for s in seqs])
-        slots = torch.tensor([s.slot for s in seqs])
-        return target.batch("batch_decode", tokens, positions, slots)[:, 0]
 
     def _verify_logits(self, seqs: list[Sequence], props: list[Proposal]) -> list[Tensor]:
         """Each sequence's `[k + 1, V]` logits for its pending token and its proposal. Rows

@@ -267,6 +267,16 @@ class ModelRunner:
         logits = self.graphs["decode"](tokens, positions, self.slot_caches[slot])
         return logits[0, 0].cpu()
 
+    def decode_many(self, tokens: list[int], positions: list[int], slots: list[int]) -> Tensor:
+        """One decode step for several sequences, `[B, V]`: the `batch_decode` graph for two or
+        more (each weight read once for all), the decode graph for one or without it."""
+        if len(tokens) == 1 or "batch_decode" not in self.graphs:
+            return torch.stack(
+                [self.decode(t, p, s) for t, p, s in zip(tokens, positions, slots, strict=True)]
+            )
+        rows = torch.tensor(tokens)[:, None], torch.tensor(positions)[:, None]
+        return self.batch("batch_decode", *rows, torch.tensor(slots))[:, 0]
+
     def batch(self, graph: str, tokens: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
         """One batched-graph call: `tokens`, `positions` `[B, T]` in cache rows `slots [B]`;
         logits `[B, T, V]`."""
