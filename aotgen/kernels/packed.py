@@ -105,21 +105,24 @@ def c_shims(graph: torch.fx.Graph) -> dict:
 
 # ---- the kernel as a plain shared library: tests and the build's autotune ---------------------
 @cache
-def library(arch_flags: tuple[str, ...] = ("-march=native",)) -> ctypes.CDLL | None:
-    """packed.cpp built with `arch_flags` (None without a C++ compiler). Cached by source and
-    flags in the temp dir: a build's autotune and the tests share it."""
+def library(
+    arch_flags: tuple[str, ...] = ("-march=native",),
+    source: Path = SOURCE,
+    define: str = "AOTGEN_PACKED_STANDALONE",
+) -> ctypes.CDLL | None:
+    """A kernel source (packed.cpp by default) built with `arch_flags` and its standalone
+    `define` (None without a C++ compiler). Cached by source and flags in the temp dir: a
+    build's autotune and the tests share it."""
     compiler = shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + repr(arch_flags).encode()).hexdigest()[:16]
-    out = Path(tempfile.gettempdir()) / f"aotgen-packed-{key}.so"
+    key = hashlib.sha256(source.read_bytes() + repr(arch_flags).encode()).hexdigest()[:16]
+    out = Path(tempfile.gettempdir()) / f"aotgen-{source.stem}-{key}.so"
     if not out.exists():
         tmp = out.with_suffix(f".{id(out)}.tmp")
         cmd = [compiler, "-shared", "-fPIC", "-std=c++17", "-O2", "-fopenmp", *arch_flags]
         subprocess.run(
-            [*cmd, "-DAOTGEN_PACKED_STANDALONE", str(SOURCE), "-o", str(tmp)],
-            check=True,
-            capture_output=True,
+            [*cmd, f"-D{define}", str(source), "-o", str(tmp)], check=True, capture_output=True
         )
         tmp.replace(out)
     return ctypes.CDLL(str(out))

@@ -1,0 +1,432 @@
+// Linears on GGUF quantization blocks kept as the file had them, float32 activations:
+// out [M, N] = x [M, K] @ W^T, W dequantized in registers to exactly the values
+// `gguf.quants.dequantize` gives. Compiled into each graph's .so by AOTInductor as the C shims
+// of `aotgen::gguf_linear` / `aotgen::gguf_linear_k` (kernels/gguf_blocks.py).
+//
+// Layout (kernels/gguf_blocks.py `pack`): panels of 16 output features, as kernels/packed.cpp.
+// - codes: per panel, units of U inputs (U = 8 for 4-, 5- and 6-bit codes, 4 for 8-bit ones),
+//   each unit 64 bytes: 32-bit lane j holds output j's codes for the unit, byte i the code of
+//   input i (8-bit) or inputs i and i + 4 (low and high nibble). 5- and 6-bit codes follow
+//   with their high bits: 16 bytes (byte j: bit t = bit 4 of input t's code) or 32 (uint16 j:
+//   bits 2t, 2t + 1 = bits 4, 5 of input t's code).
+// - group scales: float16 [K / G][NG][16] per panel: the group's scale (or, for k-quants, its
+//   6/8-bit sub-scale) and, with NG = 2, its offset (k-quants: sub-minimum).
+// - k-quants also carry super-block scales: float16 [K / 256][NS][16]: d and, with NS = 2,
+//   -dmin.
+// A group's weights are w = s * (code - zero) + o with s = d * sub-scale and o = -dmin * sub-min
+// (k-quants) or s = d and o = m (legacy). Each product is exact in float32 (at most 23
+// significant bits), so one fused multiply-add gives gguf's value bit for bit.
+//
+// Tile: rows x panels accumulators, as packed.cpp; each unit's codes are decoded once per
+// tile and multiplied into every row. Threads: OpenMP over groups of panels.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#pragma GCC push_options
+#pragma GCC optimize("O3")  // AOTInductor builds its wrapper (where this lands) at -O1
+
+namespace aotgen_gguf {
+
+constexpr int64_t kPanel = 16;
+#ifdef __AVX512F__
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+constexpr int kVecs = kPanel / kLanes;
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
+typedef float vf_unaligned __attribute__((vector_size(4 * kLanes), aligned(4)));
+typedef int32_t vi_unaligned __attribute__((vector_size(4 * kLanes), aligned(1)));
+
+// What a GGUF block type is to this kernel (kernels/gguf_blocks.py QTYPES, same order).
+struct QType {
+  int bits, group, zero, ng, ns;  // ns = 0: no super-blocks (legacy types)
+};
+constexpr QType kTypes[] = {
+    {4, 32, 8, 1, 0},   // Q4_0
+    {4, 32, 0, 2, 0},   // Q4_1
+    {5, 32, 16, 1, 0},  // Q5_0
+    {5, 32, 0, 2, 0},   // Q5_1
+    {8, 32, 128, 1, 0}, // Q8_0 (codes stored as q + 128)
+    {4, 32, 0, 2, 2},   // Q4_K
+    {5, 32, 0, 2, 2},   // Q5_K
+    {6, 16, 32, 1, 1},  // Q6_K
+};
+constexpr int kSuper = 256;
+
+constexpr int unit_inputs(int bits) { return bits == 8 ? 4 : 8; }
+constexpr int unit_bytes(int bits) { return 64 + (bits == 5 ? 16 : bits == 6 ? 32 : 0); }
+
+__attribute__((always_inline)) inline vf halves(const uint16_t* h) {  // kLanes float16 -> float32
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h));
+#elif defined(__AVX2__) && defined(__F16C__)
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h));
+#else
+  vf r;
+  for (int i = 0; i < kLanes; i++) {
+    const uint32_t b = h[i], sign = (b & 0x8000u) << 16, e = (b >> 10) & 0x1f, m = b & 0x3ff;
+    float v;
+    if (e == 0)
+      v = (float)m * (1.0f / 16777216.0f);  // subnormal: m * 2^-24
+    else if (e == 31) {
+      const uint32_t bits = 0x7f800000u | (m << 13);
+      std::memcpy(&v, &bits, 4);
+    } else {
+      const uint32_t bits = ((e + 112) << 23) | (m << 13);
+      std::memcpy(&v, &bits, 4);
+    }
+    uint32_t out;
+    std::memcpy(&out, &v, 4);
+    out |= sign;
+    std::memcpy(&r[i], &out, 4);
+  }
+  return r;
+#endif
+}
+
+// The high bits of a 5/6-bit unit, one 32-bit lane per output (vector v of the panel).
+template <int BITS>
+__attribute__((always_inline)) inline vi high_bits(const uint8_t* h, int v) {
+#if defined(__AVX512F__)
+  if constexpr (BITS == 5) return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)h));
+  else return (vi)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)h));
+#elif defined(__AVX2__)
+  if constexpr (BITS == 5) return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(h + 8 * v)));
+  else return (vi)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(h + 16 * v)));
+#else
+  vi r;
+  for (int i = 0; i < kLanes; i++)
+    r[i] = BITS == 5 ? h[kLanes * v + i] : ((const uint16_t*)h)[kLanes * v + i];
+  return r;
+#endif
+}
+
+// Code of unit input t, from the unit's code lanes c and high-bit lanes h.
+template <int BITS, int T>
+__attribute__((always_inline)) inline vi code(vi c, vi h) {
+  if constexpr (BITS == 8) return (c >> (8 * T)) & 0xff;
+  vi q = (c >> (8 * (T % 4) + 4 * (T / 4))) & 0xf;
+  if constexpr (BITS == 5) q |= T <= 4 ? (h << (4 - T)) & 0x10 : (h >> (T - 4)) & 0x10;
+  if constexpr (BITS == 6) q |= T <= 2 ? (h << (4 - 2 * T)) & 0x30 : (h >> (2 * T - 4)) & 0x30;
+  return q;
+}
+
+// Code of unit input t, from the unit's code lanes c and high-bit lanes h (t is a constant
+// once the loops over it are unrolled).
+template <int BITS>
+__attribute__((always_inline)) inline vi code(vi c, vi h, int t) {
+  if constexpr (BITS == 8) return (c >> (8 * t)) & 0xff;
+  vi q = (c >> (8 * (t % 4) + 4 * (t / 4))) & 0xf;
+  if constexpr (BITS == 5) q |= t <= 4 ? (h << (4 - t)) & 0x10 : (h >> (t - 4)) & 0x10;
+  if constexpr (BITS == 6) q |= t <= 2 ? (h << (4 - 2 * t)) & 0x30 : (h >> (2 * t - 4)) & 0x30;
+  return q;
+}
+
+// Where one panel's data starts, and the scale / offset of a group.
+template <int TYPE>
+struct Panel {
+  static constexpr QType Q = kTypes[TYPE];
+  static constexpr int U = unit_inputs(Q.bits), UB = unit_bytes(Q.bits);
+  const uint8_t* q = nullptr;
+  const uint16_t *g = nullptr, *s = nullptr;
+
+  Panel() = default;
+  Panel(const uint8_t* codes, const uint16_t* groups, const uint16_t* supers, int64_t K, int64_t p)
+      : q(codes + p * (K / U) * UB),
+        g(groups + p * (K / Q.group) * Q.ng * kPanel),
+        s(Q.ns ? supers + p * (K / kSuper) * Q.ns * kPanel : nullptr) {}
+
+  __attribute__((always_inline)) inline void scale(int64_t gi, int v, vf& sc, vf& off) const {
+    const uint16_t* gp = g + gi * Q.ng * kPanel + v * kLanes;
+    sc = halves(gp);
+    off = (vf){};
+    if constexpr (Q.ns) {
+      const uint16_t* sp = s + (gi * Q.group / kSuper) * Q.ns * kPanel + v * kLanes;
+      sc *= halves(sp);  // d * sub-scale: exact
+      if constexpr (Q.ng == 2) off = halves(sp + kPanel) * halves(gp + kPanel);  // -dmin * m
+    } else if constexpr (Q.ng == 2) {
+      off = halves(gp + kPanel);
+    }
+  }
+};
+
+// RM rows of x (stride ldx) x RN panels: the codes decoded once per unit, multiplied into
+// every row.
+template <int TYPE, int RM, int RN>
+inline void tile(const float* x, int64_t ldx, const Panel<TYPE>* panels, int64_t K, float* out,
+                 int64_t ldo) {
+  using P = Panel<TYPE>;
+  constexpr QType Q = P::Q;
+  constexpr int V = RN * kVecs, U = P::U;
+  vf acc[RM][V];
+#pragma GCC unroll 64
+  for (int m = 0; m < RM; m++)
+#pragma GCC unroll 64
+    for (int v = 0; v < V; v++) acc[m][v] = (vf){};
+  for (int64_t gi = 0; gi < K / Q.group; gi++) {
+    vf sc[V], off[V];
+#pragma GCC unroll 64
+    for (int v = 0; v < V; v++) panels[v / kVecs].scale(gi, v % kVecs, sc[v], off[v]);
+    for (int64_t u = gi * Q.group / U; u < (gi + 1) * Q.group / U; u++) {
+      vi c[V], h[V];
+#pragma GCC unroll 64
+      for (int v = 0; v < V; v++) {
+        const uint8_t* unit = panels[v / kVecs].q + u * P::UB;
+        c[v] = *(const vi_unaligned*)(unit + (v % kVecs) * kLanes * 4);
+        if constexpr (Q.bits == 5 || Q.bits == 6) h[v] = high_bits<Q.bits>(unit + 64, v % kVecs);
+        else h[v] = (vi){};
+      }
+#pragma GCC unroll 8
+      for (int t = 0; t < U; t++) {
+        const int64_t k = u * U + t;
+#pragma GCC unroll 64
+        for (int v = 0; v < V; v++) {
+          const vf w = sc[v] * __builtin_convertvector(code<Q.bits>(c[v], h[v], t) - Q.zero, vf) + off[v];
+#pragma GCC unroll 64
+          for (int m = 0; m < RM; m++) acc[m][v] += w * x[m * ldx + k];
+        }
+      }
+    }
+  }
+#pragma GCC unroll 64
+  for (int m = 0; m < RM; m++)
+#pragma GCC unroll 64
+    for (int v = 0; v < V; v++) *(vf_unaligned*)(out + m * ldo + v * kLanes) = acc[m][v];
+}
+
+// One panel's weights dequantized to float32 [K][16] (the prefill path: once per call, then
+// every row tile reads them from cache).
+template <int TYPE>
+inline void dequantize(const Panel<TYPE>& panel, int64_t K, float* w) {
+  using P = Panel<TYPE>;
+  constexpr QType Q = P::Q;
+  for (int64_t gi = 0; gi < K / Q.group; gi++) {
+    vf sc[kVecs], off[kVecs];
+    for (int v = 0; v < kVecs; v++) panel.scale(gi, v, sc[v], off[v]);
+    for (int64_t u = gi * Q.group / P::U; u < (gi + 1) * Q.group / P::U; u++) {
+      const uint8_t* unit = panel.q + u * P::UB;
+#pragma GCC unroll 2
+      for (int v = 0; v < kVecs; v++) {
+        const vi c = *(const vi_unaligned*)(unit + v * kLanes * 4);
+        vi h = (vi){};
+        if constexpr (Q.bits == 5 || Q.bits == 6) h = high_bits<Q.bits>(unit + 64, v);
+#pragma GCC unroll 8
+        for (int t = 0; t < P::U; t++)
+          *(vf_unaligned*)(w + (u * P::U + t) * kPanel + v * kLanes) =
+              sc[v] * __builtin_convertvector(code<Q.bits>(c, h, t) - Q.zero, vf) + off[v];
+      }
+    }
+  }
+}
+
+// RM rows x RN float32 panels [K][16] (stride K * 16), as kernels/packed.cpp's tile.
+template <int RM, int RN>
+inline void float_tile(const float* x, int64_t ldx, const float* w, int64_t K, float* out,
+                       int64_t ldo) {
+  constexpr int V = RN * kVecs;
+  vf acc[RM][V];
+#pragma GCC unroll 64
+  for (int m = 0; m < RM; m++)
+#pragma GCC unroll 64
+    for (int v = 0; v < V; v++) acc[m][v] = (vf){};
+  for (int64_t k = 0; k < K; k++) {
+#pragma GCC unroll 64
+    for (int m = 0; m < RM; m++) {
+      const float xv = x[m * ldx + k];
+#pragma GCC unroll 64
+      for (int v = 0; v < V; v++)
+        acc[m][v] += *(const vf_unaligned*)(w + (v / kVecs) * K * kPanel + k * kPanel +
+                                            (v % kVecs) * kLanes) * xv;
+    }
+  }
+#pragma GCC unroll 64
+  for (int m = 0; m < RM; m++)
+#pragma GCC unroll 64
+    for (int v = 0; v < V; v++) *(vf_unaligned*)(out + m * ldo + v * kLanes) = acc[m][v];
+}
+
+constexpr int kMaxAcc = kLanes == 16 ? 24 : 12;  // the decode needs registers of its own
+constexpr int max_panels(int rm) { return kMaxAcc / (rm * kVecs) > 0 ? kMaxAcc / (rm * kVecs) : 1; }
+
+inline int tile_panels(int want, int rm) {
+  const int allowed[] = {8, 6, 4, 3, 2, 1};
+  for (int a : allowed)
+    if (a <= want && a <= max_panels(rm)) return a;
+  return 1;
+}
+
+// Calls F::template run<RM, RN>() for runtime rm in 1..8, rn in {1, 2, 3, 4, 6, 8} that fit.
+template <typename F, int RM>
+inline void dispatch_rn(int rn, F& f) {
+  switch (rn) {
+#define AOTGEN_RN(N) \
+  case N:            \
+    if constexpr (N <= max_panels(RM)) f.template run<RM, N>(); \
+    return;
+    AOTGEN_RN(1) AOTGEN_RN(2) AOTGEN_RN(3) AOTGEN_RN(4) AOTGEN_RN(6) AOTGEN_RN(8)
+#undef AOTGEN_RN
+  }
+}
+
+template <typename F>
+inline void dispatch(int rm, int rn, F& f) {
+  switch (rm) {
+    case 1: return dispatch_rn<F, 1>(rn, f);
+    case 2: return dispatch_rn<F, 2>(rn, f);
+    case 3: return dispatch_rn<F, 3>(rn, f);
+    case 4: return dispatch_rn<F, 4>(rn, f);
+    case 5: return dispatch_rn<F, 5>(rn, f);
+    case 6: return dispatch_rn<F, 6>(rn, f);
+    case 7: return dispatch_rn<F, 7>(rn, f);
+    default: return dispatch_rn<F, 8>(rn, f);
+  }
+}
+
+template <int TYPE>
+struct QuantTile {
+  const float* x;
+  int64_t ldx;
+  const Panel<TYPE>* panels;
+  int64_t K;
+  float* out;
+  int64_t ldo;
+  template <int RM, int RN>
+  void run() { tile<TYPE, RM, RN>(x, ldx, panels, K, out, ldo); }
+};
+
+struct FloatTile {
+  const float* x;
+  int64_t ldx;
+  const float* w;
+  int64_t K;
+  float* out;
+  int64_t ldo;
+  template <int RM, int RN>
+  void run() { float_tile<RM, RN>(x, ldx, w, K, out, ldo); }
+};
+
+// out [M, N] (N a multiple of 16) = x [M, K] (row stride ldx) @ W^T in tiles of up to
+// `rows` x `panels`. With more rows than one tile, each panel group is dequantized once into
+// a per-thread buffer and the row tiles run on floats.
+template <int TYPE>
+inline void linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* codes,
+                   const uint16_t* groups, const uint16_t* supers, int64_t N, float* out,
+                   int rows, int panels) {
+  rows = std::clamp(rows, 1, 8);
+  panels = tile_panels(panels, rows);
+  const int64_t total = N / kPanel, ngroups = (total + panels - 1) / panels;
+  const bool buffered = M > rows;
+#pragma omp parallel for schedule(static)
+  for (int64_t gi = 0; gi < ngroups; gi++) {
+    static thread_local float* buffer = nullptr;
+    static thread_local int64_t buffer_floats = 0;
+    const int64_t end = std::min(total, (gi + 1) * panels);
+    for (int64_t p = gi * panels; p < end;) {
+      const int rn = tile_panels((int)(end - p), rows);
+      Panel<TYPE> ps[8];
+      for (int r = 0; r < rn; r++) ps[r] = Panel<TYPE>(codes, groups, supers, K, p + r);
+      if (buffered) {
+        if (buffer_floats < rn * K * kPanel) {
+          delete[] buffer;
+          buffer_floats = rn * K * kPanel;
+          buffer = new float[buffer_floats];
+        }
+        for (int r = 0; r < rn; r++) dequantize<TYPE>(ps[r], K, buffer + r * K * kPanel);
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += rows) {
+        const int rm = (int)std::min<int64_t>(rows, M - m0);
+        float* o = out + m0 * N + p * kPanel;
+        if (buffered) {
+          FloatTile f{x + m0 * ldx, ldx, buffer, K, o, N};
+          dispatch(rm, rn, f);
+        } else {
+          QuantTile<TYPE> f{x + m0 * ldx, ldx, ps, K, o, N};
+          dispatch(rm, rn, f);
+        }
+      }
+      p += rn;
+    }
+  }
+}
+
+inline void linear_any(int qtype, const float* x, int64_t ldx, int64_t M, int64_t K,
+                       const uint8_t* codes, const uint16_t* groups, const uint16_t* supers,
+                       int64_t N, float* out, int rows, int panels) {
+  switch (qtype) {
+#define AOTGEN_QTYPE(T) \
+  case T: return linear<T>(x, ldx, M, K, codes, groups, supers, N, out, rows, panels);
+    AOTGEN_QTYPE(0) AOTGEN_QTYPE(1) AOTGEN_QTYPE(2) AOTGEN_QTYPE(3)
+    AOTGEN_QTYPE(4) AOTGEN_QTYPE(5) AOTGEN_QTYPE(6) AOTGEN_QTYPE(7)
+#undef AOTGEN_QTYPE
+  }
+}
+
+}  // namespace aotgen_gguf
+
+#pragma GCC pop_options
+
+#ifdef AOTGEN_GGUF_STANDALONE
+// For tests and the build's autotune: the kernel without AOTInductor's tensor handles.
+extern "C" void aotgen_gguf_linear(int qtype, const float* x, int64_t M, int64_t K,
+                                   const uint8_t* codes, const uint16_t* groups,
+                                   const uint16_t* supers, int64_t N, float* out, int rows,
+                                   int panels) {
+  aotgen_gguf::linear_any(qtype, x, K, M, K, codes, groups, supers, N, out, rows, panels);
+}
+#else
+// The C shims AOTInductor calls: x [M, K] float32 (rows may be strided), the panels' codes
+// [N / 16, ...] uint8, group scales (and k-quants' super-block scales) float16 -> a new
+// float32 [M, N].
+static AOTITorchError aotgen_gguf_shim(AtenTensorHandle x, AtenTensorHandle codes,
+                                       AtenTensorHandle groups, AtenTensorHandle supers,
+                                       int64_t qtype, int64_t rows, int64_t panels,
+                                       AtenTensorHandle* ret0) {
+  int64_t *x_sizes, *x_strides, *c_sizes;
+  void *x_data, *c_data, *g_data, *s_data = nullptr, *o_data;
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(x, &x_sizes));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(x, &x_strides));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(codes, &c_sizes));
+  if (x_strides[1] != 1 || qtype < 0 || qtype > 7) return AOTI_TORCH_FAILURE;
+  const int64_t M = x_sizes[0], K = x_sizes[1], N = c_sizes[0] * aotgen_gguf::kPanel;
+  int64_t out_sizes[2] = {M, N}, out_strides[2] = {N, 1};
+  AtenTensorHandle out;
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(2, out_sizes, out_strides,
+                                                       aoti_torch_dtype_float32(),
+                                                       aoti_torch_device_type_cpu(), 0, &out));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(x, &x_data));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(codes, &c_data));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(groups, &g_data));
+  if (supers) AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(supers, &s_data));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(out, &o_data));
+  aotgen_gguf::linear_any((int)qtype, (const float*)x_data, x_strides[0], M, K,
+                          (const uint8_t*)c_data, (const uint16_t*)g_data,
+                          (const uint16_t*)s_data, N, (float*)o_data, (int)rows, (int)panels);
+  *ret0 = out;
+  return AOTI_TORCH_SUCCESS;
+}
+
+#ifdef AOTGEN_SHIM_GGUF_LINEAR
+static AOTITorchError aoti_torch_cpu_gguf_linear(AtenTensorHandle x, AtenTensorHandle codes,
+                                                 AtenTensorHandle groups, int64_t qtype,
+                                                 int64_t rows, int64_t panels,
+                                                 AtenTensorHandle* ret0) {
+  return aotgen_gguf_shim(x, codes, groups, nullptr, qtype, rows, panels, ret0);
+}
+#endif
+
+#ifdef AOTGEN_SHIM_GGUF_LINEAR_K
+static AOTITorchError aoti_torch_cpu_gguf_linear_k(AtenTensorHandle x, AtenTensorHandle codes,
+                                                   AtenTensorHandle groups,
+                                                   AtenTensorHandle supers, int64_t qtype,
+                                                   int64_t rows, int64_t panels,
+                                                   AtenTensorHandle* ret0) {
+  return aotgen_gguf_shim(x, codes, groups, supers, qtype, rows, panels, ret0);
+}
+#endif
+#endif

@@ -1,0 +1,132 @@
+"""GGUF blocks kept as they are (kernels/gguf_blocks.{py,cpp}): decoding every block type gives
+`gguf.quants.dequantize`'s values bit for bit, the panel layout round-trips, and the kernel on
+every ISA path the CPU can run equals `F.linear` on the dequantized weights.
+
+Blocks come from gguf's own quantizer where it has one (legacy types) and otherwise are random
+bytes with sane float16 scales: any bytes are a valid block, so every code and sub-scale value
+is exercised. Bound on the linear: the kernel sums over k in order, BLAS in blocks, both in
+float32: below 1e-5 relative to the output's largest value (measured ~1e-6).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf.quants import dequantize, quantize
+
+from aotgen.kernels import gguf_blocks as gb
+from tests.test_packed import CPU_FLAGS
+
+ISAS = {  # path -> (compiler flags, CPU flags it needs)
+    "avx512": (("-mavx512f", "-mavx512vl", "-mavx512bw", "-mfma"), {"avx512f", "avx512bw", "fma"}),
+    "avx2": (("-mavx2", "-mfma", "-mf16c"), {"avx2", "fma", "f16c"}),
+    "portable": ((), set()),
+}
+
+
+def random_blocks(q: gb.QType, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """[N, K / block * block_bytes] bytes: random codes and sub-scales, float16 scales in
+    0.001..0.02 (random bytes there would be NaN or huge)."""
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, size=(n * k // q.block, q.block_bytes), dtype=np.uint8)
+
+    def f16(count: int = 1) -> np.ndarray:
+        v = rng.uniform(0.001, 0.02, size=(b.shape[0], count)) * rng.choice([-1, 1], (b.shape[0], 1))
+        return v.astype(np.float16).view(np.uint8)
+
+    if q.name == "Q6_K":
+        b[:, 208:210] = f16()
+    else:  # d (and m / dmin) lead the block
+        b[:, : 2 * (1 + (q.n_groups == 2 and q.n_supers == 0) + (q.n_supers == 2))] = f16(
+            1 + (q.n_groups == 2 and q.n_supers == 0) + (q.n_supers == 2)
+        )
+    return b.reshape(n, -1)
+
+
+def blocks(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """gguf's quantizer on normal weights where it has one for `name`, else random blocks."""
+    q = gb.QTYPES[name]
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    try:
+        return quantize(w, getattr(gguf.GGMLQuantizationType, name)).reshape(n, -1)
+    except NotImplementedError:
+        return random_blocks(q, n, k, seed)
+
+
+@pytest.mark.parametrize("name", list(gb.QTYPES))
+@pytest.mark.parametrize("source", ["quantizer", "random"])
+def test_decode_is_bit_exact(name, source):
+    n, k = 37, 512
+    raw = blocks(name, n, k) if source == "quantizer" else random_blocks(gb.QTYPES[name], n, k)
+    expect = dequantize(raw, getattr(gguf.GGMLQuantizationType, name)).reshape(n, k)
+    dec = gb.decode(raw, name, (n, k))
+    assert np.array_equal(gb.dequantize(dec), expect)
+    packed = gb.pack(dec)
+    back = gb.dequantize_packed(*packed, dec.qtype)
+    assert torch.equal(back[:n], torch.from_numpy(expect))
+    assert not back[n:].any()  # the panels' padding is zero
+    assert np.array_equal(gb.unpack_codes(packed[0], dec.qtype)[:n].numpy(), dec.codes)
+
+
+@pytest.mark.parametrize("name", list(gb.QTYPES))
+def test_storage_is_the_files_bits(name):
+    """The packed tensors hold the file's bytes; the k-quants' sub-scales (6 or 8 bits in the
+    file) take 16 bits: 1.14x for Q4_K, 1.11x for Q5_K, 1.08x for Q6_K."""
+    n, k = 64, 1024
+    q = gb.QTYPES[name]
+    raw = random_blocks(q, n, k)
+    packed = gb.pack(gb.decode(raw, name, (n, k)))
+    stored = sum(t.numel() * t.element_size() for t in packed if t is not None)
+    if q.n_supers == 0:
+        assert stored == raw.nbytes
+    else:
+        file_sub_scales = {"Q6_K": 16, "Q4_K": 12, "Q5_K": 12}[name] * n * k // gb.SUPER
+        assert stored == raw.nbytes - file_sub_scales + 2 * q.n_groups * n * k // q.group
+        assert stored <= 1.14 * raw.nbytes
+
+
+@pytest.fixture(scope="module", params=list(ISAS))
+def lib(request):
+    flags, needs = ISAS[request.param]
+    if not needs <= CPU_FLAGS:
+        pytest.skip(f"CPU without {', '.join(sorted(needs - CPU_FLAGS))}")
+    library = gb.library(flags)
+    if library is None:
+        pytest.skip("no C++ compiler")
+    return library
+
+
+@pytest.mark.parametrize("name", list(gb.QTYPES))
+def test_kernel_equals_linear_on_dequantized(lib, name):
+    q = gb.QTYPES[name]
+    for n, k in ((37, 512), (16, 256), (50, 768)):
+        raw = random_blocks(q, n, k, seed=n)
+        w = torch.from_numpy(dequantize(raw, getattr(gguf.GGMLQuantizationType, name)).reshape(n, k))
+        packed = gb.pack(gb.decode(raw, name, (n, k)))
+        gen = torch.Generator().manual_seed(k)
+        for m, rows, panels in ((1, 1, 1), (1, 1, 4), (2, 2, 3), (5, 5, 2), (7, 7, 1), (7, 4, 3), (33, 8, 2), (64, 6, 4)):
+            x = torch.randn(m, k, generator=gen)
+            out = gb.run_library(lib, x, packed, q, rows, panels)
+            expect = F.linear(x.double(), w.double()).float()
+            scale = expect.abs().max()
+            assert (out[:, :n] - expect).abs().max() <= 1e-5 * scale, (name, n, k, m, rows, panels)
+            assert not out[:, n:].any()
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q6_K"])
+def test_ops_eager_reference(name):
+    """The custom ops' eager path (what export traces) is the dequantized linear."""
+    n, k = 20, 256
+    raw = random_blocks(gb.QTYPES[name], n, k)
+    q = gb.QTYPES[name]
+    codes, groups, supers = gb.pack(gb.decode(raw, name, (n, k)))
+    w = torch.from_numpy(dequantize(raw, getattr(gguf.GGMLQuantizationType, name)).reshape(n, k))
+    x = torch.randn(3, k)
+    if supers is None:
+        out = torch.ops.aotgen.gguf_linear(x, codes, groups, q.index, 1, 1)
+    else:
+        out = torch.ops.aotgen.gguf_linear_k(x, codes, groups, supers, q.index, 1, 1)
+    torch.testing.assert_close(out[:, :n], F.linear(x, w), rtol=1e-5, atol=1e-5)
