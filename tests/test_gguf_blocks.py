@@ -27,25 +27,6 @@ ISAS = {  # path -> (compiler flags, CPU flags it needs)
 }
 
 
-def random_blocks(q: gb.QType, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """[N, K / block * block_bytes] bytes: random codes and sub-scales, float16 scales in
-    0.001..0.02 (random bytes there would be NaN or huge)."""
-    rng = np.random.default_rng(seed)
-    b = rng.integers(0, 256, size=(n * k // q.block, q.block_bytes), dtype=np.uint8)
-
-    def f16(count: int = 1) -> np.ndarray:
-        v = rng.uniform(0.001, 0.02, size=(b.shape[0], count)) * rng.choice([-1, 1], (b.shape[0], 1))
-        return v.astype(np.float16).view(np.uint8)
-
-    if q.name == "Q6_K":
-        b[:, 208:210] = f16()
-    else:  # d (and m / dmin) lead the block
-        b[:, : 2 * (1 + (q.n_groups == 2 and q.n_supers == 0) + (q.n_supers == 2))] = f16(
-            1 + (q.n_groups == 2 and q.n_supers == 0) + (q.n_supers == 2)
-        )
-    return b.reshape(n, -1)
-
-
 def blocks(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     """gguf's quantizer on normal weights where it has one for `name`, else random blocks."""
     q = gb.QTYPES[name]
@@ -53,14 +34,14 @@ def blocks(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     try:
         return quantize(w, getattr(gguf.GGMLQuantizationType, name)).reshape(n, -1)
     except NotImplementedError:
-        return random_blocks(q, n, k, seed)
+        return gb.random_blocks(q, n, k, seed)
 
 
 @pytest.mark.parametrize("name", list(gb.QTYPES))
 @pytest.mark.parametrize("source", ["quantizer", "random"])
 def test_decode_is_bit_exact(name, source):
     n, k = 37, 512
-    raw = blocks(name, n, k) if source == "quantizer" else random_blocks(gb.QTYPES[name], n, k)
+    raw = blocks(name, n, k) if source == "quantizer" else gb.random_blocks(gb.QTYPES[name], n, k)
     expect = dequantize(raw, getattr(gguf.GGMLQuantizationType, name)).reshape(n, k)
     dec = gb.decode(raw, name, (n, k))
     assert np.array_equal(gb.dequantize(dec), expect)
@@ -77,7 +58,7 @@ def test_storage_is_the_files_bits(name):
     file) take 16 bits: 1.14x for Q4_K, 1.11x for Q5_K, 1.08x for Q6_K."""
     n, k = 64, 1024
     q = gb.QTYPES[name]
-    raw = random_blocks(q, n, k)
+    raw = gb.random_blocks(q, n, k)
     packed = gb.pack(gb.decode(raw, name, (n, k)))
     stored = sum(t.numel() * t.element_size() for t in packed if t is not None)
     if q.n_supers == 0:
@@ -86,6 +67,10 @@ def test_storage_is_the_files_bits(name):
         file_sub_scales = {"Q6_K": 16, "Q4_K": 12, "Q5_K": 12}[name] * n * k // gb.SUPER
         assert stored == raw.nbytes - file_sub_scales + 2 * q.n_groups * n * k // q.group
         assert stored <= 1.14 * raw.nbytes
+
+
+# (rows M, tile rows, tile panels): decode, verify, prefill-like; tiles that fit and that do not
+TILES = ((1, 1, 1), (1, 1, 4), (2, 2, 3), (5, 5, 2), (7, 7, 1), (7, 4, 3), (33, 8, 2), (64, 6, 4))
 
 
 @pytest.fixture(scope="module", params=list(ISAS))
@@ -103,11 +88,11 @@ def lib(request):
 def test_kernel_equals_linear_on_dequantized(lib, name):
     q = gb.QTYPES[name]
     for n, k in ((37, 512), (16, 256), (50, 768)):
-        raw = random_blocks(q, n, k, seed=n)
-        w = torch.from_numpy(dequantize(raw, getattr(gguf.GGMLQuantizationType, name)).reshape(n, k))
+        raw = gb.random_blocks(q, n, k, seed=n)
+        w = torch.from_numpy(dequantize(raw, gguf.GGMLQuantizationType[name]).reshape(n, k))
         packed = gb.pack(gb.decode(raw, name, (n, k)))
         gen = torch.Generator().manual_seed(k)
-        for m, rows, panels in ((1, 1, 1), (1, 1, 4), (2, 2, 3), (5, 5, 2), (7, 7, 1), (7, 4, 3), (33, 8, 2), (64, 6, 4)):
+        for m, rows, panels in TILES:
             x = torch.randn(m, k, generator=gen)
             out = gb.run_library(lib, x, packed, q, rows, panels)
             expect = F.linear(x.double(), w.double()).float()
@@ -120,7 +105,7 @@ def test_kernel_equals_linear_on_dequantized(lib, name):
 def test_ops_eager_reference(name):
     """The custom ops' eager path (what export traces) is the dequantized linear."""
     n, k = 20, 256
-    raw = random_blocks(gb.QTYPES[name], n, k)
+    raw = gb.random_blocks(gb.QTYPES[name], n, k)
     q = gb.QTYPES[name]
     codes, groups, supers = gb.pack(gb.decode(raw, name, (n, k)))
     w = torch.from_numpy(dequantize(raw, getattr(gguf.GGMLQuantizationType, name)).reshape(n, k))

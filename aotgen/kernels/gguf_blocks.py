@@ -31,6 +31,12 @@ SUPER = 256  # inputs per k-quant super-block
 SOURCE = Path(__file__).with_name("gguf_blocks.cpp")
 
 
+def max_acc(lanes: int) -> int:
+    """Accumulator vectors a tile may hold (gguf_blocks.cpp `kMaxAcc`): fewer than packed.cpp's,
+    the decoding needs registers of its own."""
+    return 24 if lanes == 16 else 12
+
+
 @dataclass(frozen=True)
 class QType:
     """A GGUF block type as the kernel sees it (gguf_blocks.cpp `kTypes`, same order)."""
@@ -175,6 +181,20 @@ def dequantize(dec: Decoded) -> np.ndarray:
     return w.reshape(n, k)
 
 
+def random_blocks(q: QType, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """[N, K / block * block_bytes] bytes of type `q`: random codes and sub-scales (any bytes
+    are a valid block), float16 scales of either sign in 0.001..0.02 (random bytes there could
+    be NaN or huge). For tests and the autotune."""
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, size=(n * k // q.block, q.block_bytes), dtype=np.uint8)
+    count = 2 if q.n_supers == 2 or (q.n_groups == 2 and not q.n_supers) else 1
+    size = (b.shape[0], count)
+    scales = rng.uniform(0.001, 0.02, size) * rng.choice([-1.0, 1.0], size)
+    at = 208 if q.name == "Q6_K" else 0  # where the float16 scales lie in the block
+    b[:, at : at + 2 * count] = scales.astype(np.float16).view(np.uint8)
+    return b.reshape(n, -1)
+
+
 # ---- panels ------------------------------------------------------------------------------------
 def _panels(t: Tensor) -> Tensor:
     """[N, ...] -> [ceil(N / 16), 16, ...], outputs past N zero."""
@@ -228,9 +248,7 @@ def unpack_codes(codes: Tensor, qtype: QType) -> Tensor:
     return octets.permute(0, 2, 1, 3).reshape(p * PANEL, units * 8)
 
 
-def dequantize_packed(
-    codes: Tensor, groups: Tensor, supers: Tensor | None, qtype: QType
-) -> Tensor:
+def dequantize_packed(codes: Tensor, groups: Tensor, supers: Tensor | None, qtype: QType) -> Tensor:
     """float32 [16 P, K] from the kernel's layout (the ops' eager reference)."""
     q = qtype
     c = (unpack_codes(codes, q) - q.zero).float()

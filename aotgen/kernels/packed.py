@@ -33,10 +33,12 @@ ROWS = (1, 2, 3, 4, 5, 6, 7, 8)  # the tile heights packed.cpp instantiates
 PANELS = (1, 2, 3, 4, 6, 8)  # and widths, in panels
 
 
-def tile_panels(rows: int, panels: int, lanes: int) -> int:
+def tile_panels(rows: int, panels: int, lanes: int, max_acc: int | None = None) -> int:
     """The tile width packed.cpp runs for a requested `rows` x `panels` (`tile_panels` there):
-    the widest instantiated one whose accumulators fit the registers."""
-    vecs, max_acc = PANEL // lanes, 28 if lanes == 16 else 14
+    the widest instantiated one whose accumulators fit the registers (`max_acc` vectors,
+    default packed.cpp's)."""
+    vecs = PANEL // lanes
+    max_acc = max_acc or (28 if lanes == 16 else 14)
     fits = max(1, max_acc // (rows * vecs))
     return max(p for p in PANELS if p <= panels and p <= fits) if panels >= 1 else 1
 

@@ -16,12 +16,14 @@ import hashlib
 import json
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from aotgen.kernels import gguf_blocks as gb
 from aotgen.kernels import packed as pk
 
 # Time spent per candidate, at least one call; the median of the calls counts.
@@ -31,7 +33,7 @@ MAX_CALLS = 9
 
 @dataclass(frozen=True)
 class Tile:
-    kind: str  # "float32" | "int8"
+    kind: str  # "float32" | "int8" | "gguf-<block type>"
     n: int
     k: int
     rows: int  # activation rows per call
@@ -52,12 +54,13 @@ def _median_us(fn, budget_s: float = BUDGET_S) -> float:
     return sorted(times)[len(times) // 2] * 1e6
 
 
-def candidates(rows: int) -> list[tuple[int, int]]:
+def candidates(rows: int, max_acc: Callable[[int], int] | None = None) -> list[tuple[int, int]]:
     """Distinct tiles for `rows` rows: heights of all rows (up to 8), 4 and 6; every width
-    that fits the registers."""
+    whose accumulators fit the registers (`max_acc(lanes)` vectors, default packed.cpp's)."""
     lanes = 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
+    acc = max_acc(lanes) if max_acc else None
     heights = sorted({min(rows, 8), *(h for h in (4, 6) if h < rows)})
-    return sorted({(h, pk.tile_panels(h, p, lanes)) for h in heights for p in pk.PANELS})
+    return sorted({(h, pk.tile_panels(h, p, lanes, acc)) for h in heights for p in pk.PANELS})
 
 
 class Autotune:
@@ -86,6 +89,8 @@ class Autotune:
         return tile.tile_rows, tile.tile_panels
 
     def _measure(self, kind: str, n: int, k: int, rows: int) -> Tile:
+        if kind.startswith("gguf-"):
+            return self._measure_blocks(kind, n, k, rows)
         lib = pk.library()
         gen = torch.Generator().manual_seed(0)
         w = torch.randn(n, k, generator=gen)
@@ -102,6 +107,23 @@ class Autotune:
                 run = lambda t=tile: pk.run_library(lib, x, packed, scale, *t, out=out)  # noqa: E731
                 timed.append((_median_us(run), tile))
         dense = w.float()
+        blas_us = _median_us(lambda: F.linear(x, dense))
+        us, (tile_rows, tile_panels) = min(timed) if timed else (0.0, (min(rows, 8), 1))
+        return Tile(kind, n, k, rows, tile_rows, tile_panels, round(us, 1), round(blas_us, 1))
+
+    def _measure_blocks(self, kind: str, n: int, k: int, rows: int) -> Tile:
+        """The GGUF block kernel (kernels/gguf_blocks.py) on random blocks of the type."""
+        q = gb.QTYPES[kind.removeprefix("gguf-")]
+        lib = gb.library()
+        packed = gb.pack(gb.decode(gb.random_blocks(q, n, k), q.name, (n, k)))
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(0))
+        out = torch.empty(rows, pk.padded_outputs(n))
+        timed = []
+        if lib is not None:
+            for tile in candidates(rows, gb.max_acc):
+                run = lambda t=tile: gb.run_library(lib, x, packed, q, *t, out=out)  # noqa: E731
+                timed.append((_median_us(run), tile))
+        dense = torch.randn(n, k)
         blas_us = _median_us(lambda: F.linear(x, dense))
         us, (tile_rows, tile_panels) = min(timed) if timed else (0.0, (min(rows, 8), 1))
         return Tile(kind, n, k, rows, tile_rows, tile_panels, round(us, 1), round(blas_us, 1))
@@ -124,5 +146,6 @@ def _machine_key() -> str:
         torch.get_num_threads(),
         torch.backends.cpu.get_cpu_capability(),
         pk.SOURCE.read_text(),
+        gb.SOURCE.read_text(),
     )
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]

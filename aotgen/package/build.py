@@ -210,9 +210,13 @@ def _compile_models(
             result.notes.append(f"{mb.role}: {fuser.note()}")
         if mb.quantizer:
             result.notes.extend(f"{mb.role}: {n}" for n in mb.quantizer.notes())
+        if mb.gguf:
+            result.notes.append(f"{mb.role}: {mb.gguf.note()}")
         if compiled.packed:
             result.notes.append(f"{mb.role}: {_packed_note(compiled)}")
         result.entries[mb.role] = _model_entry(mb, compiled.signatures, recipe, plan.world)
+        if mb.gguf:
+            result.entries[mb.role]["quantization"] = mb.gguf.manifest_entry()
         result.entries[mb.role]["packed_linears"] = {
             "weights": compiled.packed,
             "tiles": compiled.tiles,  # the autotune's measurements (package/autotune.py)

@@ -105,7 +105,7 @@ def compile_model(
     packers = None
     if recipe.compile.packed_linears and cpu:  # the tiles are measured here, on first use
         tuner = Autotune(compile_cache.parent / "autotune")
-        packers = [PackLinears(tuner.choose) for _ in ranks]
+        packers = [PackLinears(tuner.choose, mb.gguf) for _ in ranks]
     compiled = CompiledModel({}, [{} for _ in ranks], {})
     for spec in mb.graphs:
         t0 = time.perf_counter()

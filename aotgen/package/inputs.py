@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from aotgen import __version__
-from aotgen.checkpoint.gguf import import_gguf
-from aotgen.checkpoint.hf import Checkpoint, CheckpointError, open_checkpoint
+from aotgen.checkpoint.gguf import IMPORT_FORMAT, import_gguf
+from aotgen.checkpoint.hf import BLOCKS_FILE, Checkpoint, CheckpointError, open_checkpoint
 from aotgen.package.manifest import (
     PackageError,
     cuda_problem,
@@ -58,6 +58,7 @@ def build_hash(ckpt: Checkpoint, recipe: Recipe) -> str:
     files = [
         f for c in ckpts for f in (c.path / "config.json", *c.weight_files, *c.tokenizer_files)
     ]
+    files += [c.path / BLOCKS_FILE for c in ckpts if (c.path / BLOCKS_FILE).is_file()]
     for f in files:
         h.update(f"{f.name}:{sha256_chunks(f)}\n".encode())
     recipe_dict = recipe.to_dict()
@@ -99,7 +100,7 @@ def _gguf_imported(path: Path, cache_dir: Path) -> Path:
     if not path.is_file():
         raise CheckpointError(f"GGUF file not found: {path}")
     digest = hashlib.sha256("".join(sha256_chunks(path)).encode()).hexdigest()[:16]
-    out = Path(cache_dir) / "gguf" / f"{path.stem}-{digest}"
+    out = Path(cache_dir) / "gguf" / f"{path.stem}-{digest}-{IMPORT_FORMAT}"
     if not (out / "config.json").is_file():  # import_gguf renames a complete dir into place
         import_gguf(path, out, overwrite=True)
     return out

@@ -22,7 +22,9 @@ from aotgen.checkpoint.hf import Checkpoint, open_checkpoint
 from aotgen.export.aoti import GraphSpec, export_graph, graph_specs
 from aotgen.model.llama import ModelConfig, Transformer, load_model, new_kv_cache
 from aotgen.passes.fuse import FuseLinearsPass
+from aotgen.passes.gguf_keep import KeepGGUF
 from aotgen.passes.quantize import QuantizePass, quantize_passes
+from aotgen.passes.quantize_options import parse_quantize
 from aotgen.recipe import Recipe, RecipeError
 from aotgen.runtime.tokenizer import Tokenizer
 
@@ -39,6 +41,7 @@ class ModelBuild:
     graphs: list[GraphSpec]
     # ExportedProgram -> ExportedProgram transforms, applied to each graph in order.
     graph_passes: list[Callable[[ExportedProgram], ExportedProgram]] = field(default_factory=list)
+    gguf: KeepGGUF | None = None  # `quantize: {gguf: keep}`: the file's blocks (passes/pack.py)
 
     @property
     def quantizer(self) -> QuantizePass | None:
@@ -82,6 +85,26 @@ def graph_passes(
     return passes + quantizers
 
 
+def keep_gguf(recipe: Recipe, quantize: dict[str, Any] | None, ckpt: Checkpoint) -> KeepGGUF | None:
+    """`quantize: {gguf: keep}`: the checkpoint's kept blocks, after checking the package can
+    run them (the CPU packed kernels, float32, one rank)."""
+    options = parse_quantize(quantize)
+    if options is None or options.gguf != "keep":
+        return None
+    problems = [
+        (recipe.device != "cpu", f"device {recipe.device}: the block kernels are CPU kernels"),
+        (recipe.dtype != "float32", f"dtype {recipe.dtype}: the blocks dequantize to float32"),
+        (not recipe.compile.packed_linears, "compile.packed_linears is off: they run the blocks"),
+        (bool(recipe.parallel), "`parallel`: sharding blocks is not supported yet"),
+        ("onnx" in recipe.formats, "formats onnx: ONNX has no operator for GGUF blocks"),
+    ]
+    for problem, why in problems:
+        if problem:
+            raise RecipeError(f"quantize.gguf: keep cannot build this recipe: {why}")
+    blocks = ckpt.load_gguf_blocks()
+    return KeepGGUF(blocks, integer_dot=options.activations == "int8")
+
+
 def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
     """checkpoint → model(s): the target, plus the draft when the recipe speculates."""
     cfg = ModelConfig.from_hf(ckpt.config)
@@ -95,6 +118,7 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
             cfg,
             graphs,
             graph_passes(recipe, recipe.quantize),
+            keep_gguf(recipe, recipe.quantize, ckpt),
         )
     ]
     draft = (recipe.speculative or {}).get("draft")
@@ -106,6 +130,7 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
         skip += ["prefill"] if recipe.speculative.get("share_kv") else ["batch_decode"]
         draft_graphs = [g for g in graphs if g.name not in skip]
         dcfg, dweights = _draft_weights(draft, ckpt, cfg, weights)
+        dckpt = open_checkpoint(draft["checkpoint"]) if "checkpoint" in draft else ckpt
         models.append(
             ModelBuild(
                 "draft",
@@ -113,6 +138,7 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
                 dcfg,
                 draft_graphs,
                 graph_passes(recipe, draft.get("quantize")),
+                keep_gguf(recipe, draft.get("quantize"), dckpt),
             )
         )
     return models

@@ -25,7 +25,7 @@ def measure_perplexity(
 ) -> tuple[dict[str, float], list[str]]:
     """For a quantized target (or a recipe asking for it): the perplexities for the build
     report, and its notes; the package's manifest in `root` is rewritten with them."""
-    if not (mb.quantizer or recipe.perplexity):
+    if not (mb.quantizer or mb.gguf or recipe.perplexity):
         return {}, []
     if world > 1:
         return {}, ["perplexity not measured: a tensor-parallel package runs only with its ranks"]
@@ -43,7 +43,7 @@ def measure_perplexity(
     write_manifest(root, manifest)
     note = (
         f"{mb.role}: perplexity on {HELDOUT.name} ({tokens} tokens): {recipe.dtype} eager "
-        f"{ref:.3f}, {'quantized ' if mb.quantizer else ''}package {got:.3f} "
+        f"{ref:.3f}, {'quantized ' if mb.quantizer or mb.gguf else ''}package {got:.3f} "
         f"({100 * (got / ref - 1):+.2f}%)"
     )
     return {"reference": ref, "package": got}, [note]

@@ -10,6 +10,10 @@ once.
 A weight is left as it is when anything else reads it: packing it would need a second copy.
 Those linears keep the row-major paths (passes/gemv.py for few rows, BLAS / the extern kernels
 for prefill).
+
+With `quantize: {gguf: keep}` a float32 weight whose rows are a GGUF file's kept blocks
+(passes/gguf_keep.py) runs on those blocks instead (kernels/gguf_blocks.py), one op per
+segment of one block type; a tied Q8_0 embedding gathers and dequantizes its rows from them.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from torch import Tensor
 from torch.export import ExportedProgram
 from torch.fx import Node
 
+from aotgen.kernels import gguf_blocks as gb
 from aotgen.kernels import packed as pk
 from aotgen.passes.fx import WeightEditor, emit, float32_result, is_cast_from_float32
+from aotgen.passes.gguf_keep import KeepGGUF, Segment
 
 aten = torch.ops.aten
 INT8_MM = aten._weight_int8pack_mm.default
@@ -36,9 +42,11 @@ class PackLinears:
     """One model's pass: call it on each graph with the graph's row count; packed weights are
     shared by every graph, so the package stores each once."""
 
-    def __init__(self, choose_tile: TileChooser):
+    def __init__(self, choose_tile: TileChooser, gguf: KeepGGUF | None = None):
         self.choose_tile = choose_tile
+        self.gguf = gguf
         self._packed: dict[int, tuple[Tensor, Tensor, Tensor | None]] = {}  # id(source) -> ...
+        self._blocks: dict[int, tuple[Tensor, list[tuple[Segment, tuple]]]] = {}
         self.packed_names: set[str] = set()
 
     def __call__(self, ep: ExportedProgram, rows: int) -> ExportedProgram:
@@ -50,7 +58,14 @@ class PackLinears:
         ]
         for weight in dict.fromkeys(n.args[1] for n in linears):  # each weight once
             found = edit.weight(weight)
-            if found is not None and self._packable(found[1], weight):
+            if found is None or not self._packable(found[1], weight):
+                continue
+            segments = None
+            if self.gguf is not None and found[1].dtype == torch.float32:
+                segments = self.gguf.segments(found[1])
+            if segments:
+                self._rewrite_on_blocks(edit, weight, found, segments, rows)
+            else:
                 self._rewrite_users(edit, weight, found, rows)
         return edit.finish()
 
@@ -127,6 +142,94 @@ class PackLinears:
         if bias is not None:
             out = add(aten.add.Tensor, out, bias)
         return float32_result(add, node, out)
+
+    # ---- GGUF blocks ---------------------------------------------------------------------------
+    def _block_weights(
+        self, edit: WeightEditor, target: str, t: Tensor, segments: list[Segment]
+    ) -> list[tuple[Segment, gb.QType, list[Node]]]:
+        """Each segment's packed blocks as placeholders (packed once, shared by all graphs)."""
+        if id(t) not in self._blocks:
+            packed = []
+            for seg in segments:
+                dec = gb.decode(seg.raw, seg.qtype, (seg.stop - seg.start, t.shape[1]))
+                packed.append((seg, gb.pack(dec)))
+            self._blocks[id(t)] = (t, packed)
+        self.packed_names.add(target)
+        out = []
+        for i, (seg, tensors) in enumerate(self._blocks[id(t)][1]):
+            names = ("codes", "groups", "supers")
+            nodes = [
+                edit.add(f"{target}_gguf{i}_{name}", tensor)
+                for name, tensor in zip(names, tensors, strict=True)
+                if tensor is not None
+            ]
+            out.append((seg, gb.QTYPES[seg.qtype], nodes))
+        return out
+
+    def _rewrite_on_blocks(
+        self,
+        edit: WeightEditor,
+        weight: Node,
+        found: tuple[str, Tensor],
+        segments: list[Segment],
+        rows: int,
+    ) -> None:
+        target, t = found
+        pieces = self._block_weights(edit, target, t, segments)
+        for user in list(weight.users):
+            with edit.graph.inserting_before(user):
+                add = partial(emit, edit.graph, user)
+                if user.target != aten.embedding.default:
+                    out = self._block_linear(add, user, pieces, rows)
+                elif len(pieces) == 1 and pieces[0][1].name == "Q8_0":
+                    out = _gather_q8_0(add, user, *pieces[0][2])
+                else:  # the embedding keeps reading the float weight
+                    self.gguf.left_float.add(target)
+                    continue
+            user.replace_all_uses_with(out)
+            edit.graph.erase_node(user)
+        self.gguf.kept[target] = "+".join(dict.fromkeys(s.qtype for s in segments))
+
+    def _block_linear(self, add: Callable[..., Node], node: Node, pieces: list, rows: int) -> Node:
+        x, weight, *rest = node.args
+        bias = rest[0] if rest else None
+        n, k = weight.meta["val"].shape
+        lead = [d if isinstance(d, int) else -1 for d in x.meta["val"].shape[:-1]]
+        flat = add(aten.reshape.default, x, [-1, k])
+        if x.meta["val"].dtype != torch.float32:
+            flat = add(aten._to_copy.default, flat, dtype=torch.float32)
+        outs = []
+        for seg, q, tensors in pieces:
+            size = seg.stop - seg.start
+            tile = self.choose_tile(f"gguf-{q.name}", size, k, rows)
+            op = gb.OPS[1] if q.n_supers else gb.OPS[0]
+            out = add(op, flat, *tensors, q.index, *tile)
+            if pk.padded_outputs(size) != size:
+                out = add(aten.slice.Tensor, out, 1, 0, size)
+            outs.append(out)
+        out = outs[0] if len(outs) == 1 else add(aten.cat.default, outs, 1)
+        out = add(aten.reshape.default, out, [*lead, n])
+        if bias is not None:
+            out = add(aten.add.Tensor, out, bias)
+        return float32_result(add, node, out)
+
+
+def _gather_q8_0(add: Callable[..., Node], node: Node, codes: Node, groups: Node) -> Node:
+    """An embedding's rows dequantized from Q8_0 panels: d * (code - 128), exact in float32."""
+    ids = node.args[1]
+    p, units, _ = codes.meta["val"].shape
+    k = units * 4
+    lead = [d if isinstance(d, int) else -1 for d in ids.meta["val"].shape]
+    flat = add(aten.reshape.default, ids, [-1])
+    hi = add(aten.div.Tensor_mode, flat, pk.PANEL, rounding_mode="floor")
+    lo = add(aten.remainder.Scalar, flat, pk.PANEL)
+    lanes = add(aten.view.default, codes, [p, units, pk.PANEL, 4])
+    c = add(aten.index.Tensor, lanes, [hi, None, lo])  # [L, K/4, 4]
+    c = add(aten.reshape.default, c, [-1, k // 32, 32])
+    c = add(aten.sub.Tensor, add(aten._to_copy.default, c, dtype=torch.float32), 128)
+    d = add(aten.index.Tensor, groups, [hi, None, None, lo])  # [L, K/32, 1]
+    w = add(aten.mul.Tensor, c, add(aten._to_copy.default, d, dtype=torch.float32))
+    return float32_result(add, node, add(aten.reshape.default, w, [*lead, k]))
 
 
 def _gather(add: Callable[..., Node], packed: Node, ids: Node) -> Node:

@@ -509,7 +509,7 @@ def _matches(pattern: str, names: tuple[str, ...]) -> bool:
 def quantize_pass(raw: dict[str, Any] | None, device: str = "cpu") -> QuantizePass | None:
     """Recipe `quantize:` → the pass (None when the recipe does not quantize)."""
     options = parse_quantize(raw)
-    return QuantizePass(options, device) if options else None
+    return QuantizePass(options, device) if options and not options.gguf else None
 
 
 def quantize_passes(raw: dict[str, Any] | None, device: str = "cpu") -> list[QuantizePass]:

@@ -7,6 +7,12 @@
 block of 32 as the op runs, integer dot products (`aotgen/kernels/block_dot.py`, C++ compiled into
 the package). Lossy in the activations: meant for speculative drafts.
 
+`gguf: keep` (a GGUF checkpoint): linears run on the file's own quantization blocks, bit-exact
+(`aotgen/kernels/gguf_blocks.py`); with float32 activations (the default) the package computes
+exactly what the dequantized checkpoint computes, with `activations: int8` integer dot products
+on activations quantized per block, as llama.cpp does on CPU. Tensors the file holds in float
+stay float.
+
 `method: gptq` picks the integers with GPTQ (passes/gptq.py) instead of rounding to nearest:
 the builder first runs `calibrate` on a prefill graph over calibration text, which records
 each linear's input Hessian; the kernels and the package format are the same.
@@ -34,7 +40,9 @@ GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_GROUPSIZE = 64
 ACTIVATION_DTYPES = ("bfloat16", "float32", "int8")
 METHODS = ("rtn", "gptq")
-OPTION_KEYS = ("linear", "embedding", "skip", "overrides", "activations", "method", "calibration")
+OPTION_KEYS = (
+    "linear", "embedding", "skip", "overrides", "activations", "method", "calibration", "gguf"
+)  # fmt: skip
 CALIBRATION_TEXT = Path(__file__).resolve().parents[1] / "data" / "calibration.txt"
 
 
@@ -61,6 +69,7 @@ class QuantizeOptions:
     activations: str = "bfloat16"  # dtype the quantized kernels compute in
     method: str = "rtn"  # "rtn": round to nearest; "gptq": see passes/gptq.py
     calibration: Path = CALIBRATION_TEXT  # text GPTQ runs the model on
+    gguf: str | None = None  # "keep": run a GGUF checkpoint's own blocks
 
 
 def _scheme(where: str, value: Any) -> Scheme:
@@ -99,6 +108,8 @@ def parse_quantize(raw: dict[str, Any] | None) -> QuantizeOptions | None:
     if not isinstance(raw, dict):
         raise RecipeError(f"quantize: expected a mapping like {{linear: int8}}, got {raw!r}")
     check_keys("quantize", raw, list(OPTION_KEYS))
+    if "gguf" in raw:
+        return _parse_gguf(raw)
     linear = _scheme("linear", raw["linear"]) if raw.get("linear") is not None else None
     embedding = None
     if raw.get("embedding") is not None:
@@ -147,6 +158,22 @@ def parse_quantize(raw: dict[str, Any] | None) -> QuantizeOptions | None:
     return QuantizeOptions(
         linear, embedding, tuple(skip), override_schemes, act, method, calibration
     )
+
+
+def _parse_gguf(raw: dict[str, Any]) -> QuantizeOptions:
+    """`{gguf: keep}`, optionally with `activations: float32 | int8`; nothing else applies."""
+    if raw["gguf"] != "keep":
+        raise RecipeError(f"quantize.gguf: {raw['gguf']!r}; valid: keep")
+    other = sorted(set(raw) - {"gguf", "activations"})
+    if other:
+        raise RecipeError(
+            f"quantize: {', '.join(other)} cannot be combined with `gguf: keep` (the file's "
+            "blocks are the quantization); drop them or drop `gguf`"
+        )
+    act = raw.get("activations", "float32")
+    if act not in ("float32", "int8"):
+        raise RecipeError(f"quantize.activations: {act!r} with `gguf: keep`; valid: float32, int8")
+    return QuantizeOptions(activations=act, gguf="keep")
 
 
 def _check_block_schemes(schemes: list[tuple[str, Scheme | None]]) -> None:
