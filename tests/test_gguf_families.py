@@ -20,6 +20,7 @@ from tiny import make_tokenizer
 
 from aotgen.checkpoint.gguf import import_gguf
 from aotgen.checkpoint.hf import CheckpointError
+from aotgen.kernels import gguf_blocks
 from aotgen.runtime.tokenizer import Tokenizer
 
 pytest.importorskip("transformers")
@@ -95,14 +96,14 @@ GLOBAL_NAMES = {
 TEXTS = ["Hello world, the capital of France is Paris.", "  two  spaces\nand 12345 digits ✓"]
 
 
-def _checkpoint(out: Path, arch: str) -> Path:
+def _checkpoint(out: Path, arch: str, **sizes: Any) -> Path:
     import transformers
 
     out.mkdir(parents=True)
     tok = make_tokenizer(out)
     cls_name, kwargs = CONFIGS[arch]
     config = getattr(transformers, cls_name)(
-        **{**BASE, **kwargs},
+        **{**BASE, **kwargs, **sizes},
         vocab_size=tok.get_vocab_size(),
         bos_token_id=tok.token_to_id("<|im_start|>"),
         eos_token_id=tok.token_to_id("<|im_end|>"),
@@ -138,8 +139,22 @@ def _converted(arch: str, hf: str, w: np.ndarray, heads: int) -> np.ndarray:
     return w
 
 
-def _write_gguf(ckpt: Path, path: Path, arch: str, quantize: bool = True) -> dict[str, Any]:
-    """The checkpoint as llama.cpp would convert it; returns the HF tensors written."""
+def _blocks(stored: np.ndarray, qtype: str, seed: int) -> np.ndarray:
+    """gguf's quantizer where it has one for `qtype`; else (k-quants) random blocks scaled
+    to weights of about the checkpoint's size."""
+    t = gguf.GGMLQuantizationType[qtype]
+    try:
+        return gguf.quants.quantize(stored, t)
+    except NotImplementedError:
+        q = gguf_blocks.QTYPES[qtype]
+        return gguf_blocks.random_blocks(q, *stored.shape, seed=seed, scale=3e-4)
+
+
+def _write_gguf(
+    ckpt: Path, path: Path, arch: str, quantize: bool = True, qtypes: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The checkpoint as llama.cpp would convert it; returns the HF tensors written. Half the
+    matrices are Q8_0, or with `qtypes` every matrix takes the next of them its rows fit."""
     cfg = json.loads((ckpt / "config.json").read_text())
     tok = json.loads((ckpt / "tokenizer.json").read_text())
     w = gguf.GGUFWriter(str(path), arch)
@@ -184,14 +199,18 @@ def _write_gguf(ckpt: Path, path: Path, arch: str, quantize: bool = True) -> dic
             x = f.get_tensor(hf).astype(np.float32)
             written[hf] = x
             stored = _converted(arch, hf, x, cfg["num_attention_heads"])
-            if quantize and x.ndim == 2 and x.shape[1] % 32 == 0 and n % 2 == 0:
-                qtype = gguf.GGMLQuantizationType.Q8_0
-                back = gguf.quants.dequantize(gguf.quants.quantize(stored, qtype), qtype)
+            blocks = x.ndim == 2 and x.shape[1]
+            fits = [t for t in qtypes if blocks and blocks % gguf_blocks.QTYPES[t].block == 0]
+            if not qtypes and quantize and x.ndim == 2 and x.shape[1] % 32 == 0 and n % 2 == 0:
+                fits = ["Q8_0"]
+            if fits:
+                qtype = gguf.GGMLQuantizationType[fits[n % len(fits)]]
+                q = _blocks(stored, qtype.name, seed=n)
+                back = gguf.quants.dequantize(q, qtype)
                 if arch == "gptneox" and "query_key_value" in hf:  # [q; k; v] → per head
                     heads = cfg["num_attention_heads"]
                     back = back.reshape(3, heads, -1, back.shape[1]).swapaxes(0, 1)
                 written[hf] = back.reshape(x.shape)  # what the importer must give back
-                q = gguf.quants.quantize(stored, qtype)
                 w.add_tensor(_gguf_name(arch, hf), q, raw_shape=q.shape, raw_dtype=qtype)
             else:
                 w.add_tensor(_gguf_name(arch, hf), stored)

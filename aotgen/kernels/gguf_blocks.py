@@ -181,15 +181,15 @@ def dequantize(dec: Decoded) -> np.ndarray:
     return w.reshape(n, k)
 
 
-def random_blocks(q: QType, n: int, k: int, seed: int = 0) -> np.ndarray:
+def random_blocks(q: QType, n: int, k: int, seed: int = 0, scale: float = 0.02) -> np.ndarray:
     """[N, K / block * block_bytes] bytes of type `q`: random codes and sub-scales (any bytes
-    are a valid block), float16 scales of either sign in 0.001..0.02 (random bytes there could
-    be NaN or huge). For tests and the autotune."""
+    are a valid block), float16 scales of either sign in scale / 20 .. scale (random bytes
+    there could be NaN or huge). For tests and the autotune."""
     rng = np.random.default_rng(seed)
     b = rng.integers(0, 256, size=(n * k // q.block, q.block_bytes), dtype=np.uint8)
     count = 2 if q.n_supers == 2 or (q.n_groups == 2 and not q.n_supers) else 1
     size = (b.shape[0], count)
-    scales = rng.uniform(0.001, 0.02, size) * rng.choice([-1.0, 1.0], size)
+    scales = rng.uniform(scale / 20, scale, size) * rng.choice([-1.0, 1.0], size)
     at = 208 if q.name == "Q6_K" else 0  # where the float16 scales lie in the block
     b[:, at : at + 2 * count] = scales.astype(np.float16).view(np.uint8)
     return b.reshape(n, -1)

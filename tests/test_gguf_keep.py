@@ -1,0 +1,121 @@
+"""`quantize: {gguf: keep}` on tiny GGUFs written as llama.cpp writes them: every block type,
+rows moved by the import (GPT-NeoX's qkv regrouped) and by the fuse pass (Gemma's q/k/v of
+mixed types stacked), a tied embedding kept or left float. The compiled graphs must give the
+eager model of the imported (dequantized) checkpoint's logits, and generate its tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY_RECIPE
+from reference import EagerModel
+from test_gguf_families import _checkpoint, _write_gguf
+
+from aotgen.checkpoint.gguf import KEPT_TYPES, import_gguf
+from aotgen.checkpoint.hf import CheckpointError
+from aotgen.kernels import gguf_blocks as gb
+from aotgen.package.build import build
+from aotgen.recipe import RecipeError, parse_recipe
+from aotgen.runtime.engine import Engine, GenerationConfig
+
+pytest.importorskip("transformers")
+
+LEGACY = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+FAMILIES = {  # arch -> (checkpoint sizes, block types cycled over its matrices)
+    # k-quants need 256 inputs; o_proj (4 heads x 32) has 128, so it takes a legacy type
+    "gemma3": (dict(hidden_size=256, intermediate_size=512), ("Q4_K", "Q6_K", "Q5_K", *LEGACY)),
+    "gptneox": ({}, LEGACY),
+}
+
+
+def test_kept_types_are_the_kernels():
+    assert set(KEPT_TYPES) == set(gb.QTYPES)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def kept(request, tmp_path_factory, project):
+    arch = request.param
+    sizes, qtypes = FAMILIES[arch]
+    tmp = tmp_path_factory.mktemp(f"keep-{arch}")
+    _write_gguf(_checkpoint(tmp / "hf", arch, **sizes), tmp / "m.gguf", arch, qtypes=qtypes)
+    imported = import_gguf(tmp / "m.gguf", tmp / "imported")
+    raw = {"checkpoint": str(imported), **TINY_RECIPE, "quantize": {"gguf": "keep"}}
+    report = build(parse_recipe(raw, f"keep-{arch}", Path(".")), project)
+    engine = Engine.load(report.path)
+    return report, engine, EagerModel(imported, engine.target.cache_len), qtypes
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_weights_run_on_their_blocks(kept):
+    report, _, _, qtypes = kept
+    manifest = json.loads((report.path / "manifest.json").read_text())
+    entry = manifest["models"]["target"]["quantization"]
+    assert entry["gguf"] == "keep" and entry["activations"] == "float32"
+    used = {t for types in entry["weights"].values() for t in types.split("+")}
+    assert used == set(qtypes)  # every type the file has runs on its blocks
+    assert any("+" in types for types in entry["weights"].values()) == (qtypes != LEGACY)
+    assert any("gguf keep:" in note for note in report.notes)
+    ppl = entry["perplexity"]  # the same model: the eager checkpoint's perplexity
+    assert ppl["package"] == pytest.approx(ppl["reference"], rel=1e-4)
+
+
+GRAPHS = [("prefill", 11, 0), ("prefill", 16, 5), ("decode", 1, 7), ("verify", 5, 9)]
+
+
+@pytest.mark.parametrize("graph,length,start", GRAPHS)
+def test_graph_logits_equal_the_dequantized_checkpoint(kept, graph, length, start):
+    _, engine, eager, _ = kept
+    runner = engine.target
+    g = torch.Generator().manual_seed(length + start)
+    history = torch.randint(0, runner.vocab_size, (start + length,), generator=g).tolist()
+    for c in (*runner.caches, *eager.caches):
+        c.zero_()
+    if start:
+        runner.forward(history[:start], 0)
+        eager.forward(history[:start], 0)
+    tokens, pos = torch.tensor([history[start:]]), torch.arange(start, start + length)
+    got = runner.graphs[graph](tokens, pos, runner.caches)[0]
+    want = eager.forward(history[start:], start)
+    assert _rel_err(got, want) < 1e-5
+
+
+def test_greedy_equals_eager(kept):
+    _, engine, eager, _ = kept
+    ids = engine.tokenizer.encode("Paris is the capital of")
+    result = engine.generate(ids, GenerationConfig(max_new_tokens=24, ignore_eos=True))
+    assert result.token_ids == eager.greedy(ids, 24)
+
+
+@pytest.mark.parametrize(
+    "quantize,match",
+    [
+        ({"gguf": "drop"}, "quantize.gguf: 'drop'; valid: keep"),
+        ({"gguf": "keep", "linear": "int8"}, "linear cannot be combined with `gguf: keep`"),
+        ({"gguf": "keep", "activations": "bfloat16"}, "valid: float32, int8"),
+    ],
+)
+def test_bad_options_are_one_line(tiny_checkpoint, project, quantize, match):
+    raw = {"checkpoint": str(tiny_checkpoint), **TINY_RECIPE, "quantize": quantize}
+    with pytest.raises(RecipeError, match=match):
+        build(parse_recipe(raw, "bad-keep", Path(".")), project)
+
+
+def test_keep_needs_a_gguf_checkpoint(tiny_checkpoint, project):
+    raw = {"checkpoint": str(tiny_checkpoint), **TINY_RECIPE, "quantize": {"gguf": "keep"}}
+    with pytest.raises(CheckpointError, match="holds no GGUF blocks"):
+        build(parse_recipe(raw, "keep-hf", Path(".")), project)
+    assert not (project.artifacts_dir / "keep-hf").exists()
+
+
+def test_keep_refuses_bfloat16(tiny_checkpoint, project):
+    raw = {"checkpoint": str(tiny_checkpoint), **TINY_RECIPE, "dtype": "bfloat16"}
+    raw["quantize"] = {"gguf": "keep"}
+    with pytest.raises(RecipeError, match="dtype bfloat16: the blocks dequantize to float32"):
+        build(parse_recipe(raw, "keep-bf16", Path(".")), project)
