@@ -31,8 +31,10 @@ def _with(isa: str, flag: str, cpu_flag: str) -> tuple[tuple[str, ...], set[str]
     return (*flags, flag), needs | {cpu_flag}
 
 
+VNNI = _with("avx512", "-mavx512vnni", "avx512_vnni")
 ISAS = {  # path -> (compiler flags, CPU flags it needs)
-    "avx512vnni": _with("avx512", "-mavx512vnni", "avx512_vnni"),
+    "avx512vbmi": ((*VNNI[0], "-mavx512vbmi"), VNNI[1] | {"avx512vbmi"}),  # 5/6-bit multishift
+    "avx512vnni": VNNI,
     "avx512": BLOCK_ISAS["avx512"],
     "avxvnni": _with("avx2", "-mavxvnni", "avx_vnni"),
     "avx2": BLOCK_ISAS["avx2"],

@@ -185,7 +185,19 @@ AOTGEN_DOT_INLINE vi dot4_signed(vi acc, vi q, vi b) {
 // points at the unit's high bits, v is the vector of the panel.
 template <int BITS>
 AOTGEN_DOT_INLINE void merge_high(const uint8_t* h, int v, vi& lo, vi& hi) {
-#if defined(AOTGEN_GGUF_DOT_512)
+#if defined(AOTGEN_GGUF_DOT_512) && defined(__AVX512VBMI__)
+  // Each lane's high bits zero-extended to 32 bits; multishift moves input t's bits of a lane
+  // to bit 4 of its byte t (8 bits from any offset of the lane pair's qword), and a ternary
+  // logic op ORs them in: lo | (shifted & mask).
+  const simd h32 = BITS == 5 ? _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)h))
+                             : _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)h));
+  const simd mask = _mm512_set1_epi8(BITS == 5 ? 0x10 : 0x30);
+  // offsets (mod 64) per destination byte of a qword: lane 2q (bytes 0..3), 2q + 1 (4..7)
+  const simd at_lo = _mm512_set1_epi64(BITS == 5 ? 0x1f1e1d1c3f3e3d3cll : 0x22201e1c02003e3cll);
+  const simd at_hi = _mm512_set1_epi64(BITS == 5 ? 0x2322212003020100ll : 0x2a2826240a080604ll);
+  lo = (vi)_mm512_ternarylogic_epi32((simd)lo, _mm512_multishift_epi64_epi8(at_lo, h32), mask, 0xf8);
+  hi = (vi)_mm512_ternarylogic_epi32((simd)hi, _mm512_multishift_epi64_epi8(at_hi, h32), mask, 0xf8);
+#elif defined(AOTGEN_GGUF_DOT_512)
   // Each lane's high-bit byte(s) copied to its 4 bytes, then bit tests pick the bytes to OR.
   const simd lane = _mm512_setr_epi32(0, 0x01010101, 0x02020202, 0x03030303, 0x04040404,
                                       0x05050505, 0x06060606, 0x07070707, 0x08080808,
