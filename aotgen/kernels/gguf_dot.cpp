@@ -13,10 +13,12 @@
 //
 // A 64-byte unit of codes is VNNI's layout: 32-bit lane j = output j, 4 byte-codes of 4
 // consecutive inputs (4-bit units: low nibbles inputs 0..3, high nibbles 4..7; 5/6-bit high
-// bits OR-ed in at bits 4/5). So each unit is one `dpbusd` per 4 inputs against the row's 4
-// int8 activations broadcast to every lane. Without VNNI, `maddubs` + `madd` (AVX2 and
-// AVX-512BW); maddubs saturates int16, so Q8_0 there takes llama.cpp's sign trick on the
-// signed codes (code - 128). Portable: the same per-byte products in plain loops.
+// bits OR-ed in at bits 4/5, with AVX-512 VBMI by one multishift per 4 inputs, else by byte
+// tests). So each unit is one `dpbusd` per 4 inputs against the row's 4 int8 activations
+// broadcast to every lane. Without VNNI, `maddubs` + `madd` (AVX2 and AVX-512BW); maddubs
+// saturates int16, so Q8_0 there takes llama.cpp's sign trick on the signed codes
+// (code - 128). Portable: the same products in 16-byte generic vectors and 1 x 1 tiles (wider
+// ones spill, and take minutes to compile).
 //
 // Tile: rows x panels; a group's integer sums in registers, then one float update per group.
 // Activations are quantized once per call, then OpenMP over groups of panels.
@@ -539,6 +541,7 @@ static AOTITorchError aotgen_gguf_dot_shim(AtenTensorHandle x, AtenTensorHandle 
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(x, &x_strides));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(codes, &c_sizes));
   if (x_strides[1] != 1 || qtype < 0 || qtype > 7) return AOTI_TORCH_FAILURE;
+  if ((aotgen_gguf_idot::kTypes[qtype].ns != 0) != (supers != nullptr)) return AOTI_TORCH_FAILURE;
   const int64_t M = x_sizes[0], K = x_sizes[1], N = c_sizes[0] * aotgen_gguf_idot::kPanel;
   int64_t out_sizes[2] = {M, N}, out_strides[2] = {N, 1};
   AtenTensorHandle out;
