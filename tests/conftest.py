@@ -97,6 +97,7 @@ REAL_PACKAGE_USERS = {
     "smollm2-135m-onnx": {"smollm2_onnx_package"},
     "smollm2-135m-int8": {"smollm2_int8_package"},
     "smollm2-135m-int4-g64": {"smollm2_int4_g64_package"},
+    "smollm2-135m-q4_1": {"smollm2_q4_1_package"},
     "gemma3-270m": {"gemma_package"},
 }
 # Recipe -> the bundled GGUF (`aotgen import-gguf` short name) its checkpoint comes from.
@@ -226,6 +227,11 @@ def smollm2_int8_package(request) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_int4_g64_package(request) -> Path:
     return _real_package(request, "smollm2-135m-int4-g64")
+
+
+@pytest.fixture(scope="session")
+def smollm2_q4_1_package(request) -> Path:
+    return _real_package(request, "smollm2-135m-q4_1")
 
 
 @pytest.fixture(scope="session")

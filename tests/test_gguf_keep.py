@@ -93,6 +93,41 @@ def test_greedy_equals_eager(kept):
     assert result.token_ids == eager.greedy(ids, 24)
 
 
+@pytest.fixture(scope="module")
+def integer(tmp_path_factory, project):
+    """Gemma 3 with every block type, in integer numerics (`activations: int8`)."""
+    sizes, qtypes = FAMILIES["gemma3"]
+    tmp = tmp_path_factory.mktemp("keep-int8")
+    _write_gguf(_checkpoint(tmp / "hf", "gemma3", **sizes), tmp / "m.gguf", "gemma3", qtypes=qtypes)
+    imported = import_gguf(tmp / "m.gguf", tmp / "imported")
+    quantize = {"gguf": "keep", "activations": "int8"}
+    raw = {"checkpoint": str(imported), **TINY_RECIPE, "quantize": quantize}
+    report = build(parse_recipe(raw, "keep-int8", Path(".")), project)
+    engine = Engine.load(report.path)
+    return report, engine, EagerModel(imported, engine.target.cache_len)
+
+
+@pytest.mark.parametrize("graph,length,start", GRAPHS)
+def test_integer_numerics_graphs(integer, graph, length, start):
+    """The compiled integer-dot graphs against the same graph run eagerly (the ops' reference,
+    `gguf_dot.reference_dot`), and near the dequantized checkpoint (activations rounded to
+    int8 per block: about 1 % of the logits' scale)."""
+    report, engine, eager = integer
+    manifest = json.loads((report.path / "manifest.json").read_text())
+    assert manifest["models"]["target"]["quantization"]["activations"] == "int8"
+    runner = engine.target
+    g = torch.Generator().manual_seed(length + start)
+    history = torch.randint(0, runner.vocab_size, (start + length,), generator=g).tolist()
+    for c in (*runner.caches, *eager.caches):
+        c.zero_()
+    if start:
+        runner.forward(history[:start], 0)
+        eager.forward(history[:start], 0)
+    tokens, pos = torch.tensor([history[start:]]), torch.arange(start, start + length)
+    got = runner.graphs[graph](tokens, pos, runner.caches)[0]
+    assert _rel_err(got, eager.forward(history[start:], start)) < 5e-2
+
+
 @pytest.mark.parametrize(
     "quantize,match",
     [

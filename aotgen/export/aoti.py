@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.export import Dim, ExportedProgram
 from torch.utils import _pytree as pytree
 
-from aotgen.kernels import block_dot, gguf_blocks, packed
+from aotgen.kernels import block_dot, gguf_blocks, gguf_dot, packed
 from aotgen.tempdirs import partial_dir, remove_stale
 
 
@@ -202,6 +202,7 @@ def compile_graph(
         **(block_dot.c_shims() if block_dot.uses_block_ops(ep.graph) else {}),
         **packed.c_shims(ep.graph),
         **gguf_blocks.c_shims(ep.graph),
+        **gguf_dot.c_shims(ep.graph),
     }
     if shims:
         options[C_SHIMS] = shims

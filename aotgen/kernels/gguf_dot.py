@@ -28,6 +28,11 @@ PANEL = gb.PANEL
 SOURCE = Path(__file__).with_name("gguf_dot.cpp")
 
 
+def max_acc(lanes: int) -> int:
+    """Accumulator vectors a tile may hold (gguf_dot.cpp `kMaxAcc`): int32 and float32 ones."""
+    return 12 if lanes == 16 else 6
+
+
 def group_scales(groups: Tensor, supers: Tensor | None, q: gb.QType) -> tuple[Tensor, Tensor]:
     """Per output and group, float32 [16 P, K / G]: the scale s and offset o of
     w = s * (code - zero) + o, as gguf_blocks.cpp `Panel::scale` computes them."""

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from aotgen.kernels import gguf_blocks as gb
+from aotgen.kernels import gguf_dot
 from aotgen.kernels import packed as pk
 
 # Time spent per candidate, at least one call; the median of the calls counts.
@@ -33,7 +34,7 @@ MAX_CALLS = 9
 
 @dataclass(frozen=True)
 class Tile:
-    kind: str  # "float32" | "int8" | "gguf-<block type>"
+    kind: str  # "float32" | "int8" | "gguf-<block type>" | "gguf-dot-<block type>"
     n: int
     k: int
     rows: int  # activation rows per call
@@ -112,16 +113,18 @@ class Autotune:
         return Tile(kind, n, k, rows, tile_rows, tile_panels, round(us, 1), round(blas_us, 1))
 
     def _measure_blocks(self, kind: str, n: int, k: int, rows: int) -> Tile:
-        """The GGUF block kernel (kernels/gguf_blocks.py) on random blocks of the type."""
-        q = gb.QTYPES[kind.removeprefix("gguf-")]
-        lib = gb.library()
+        """A GGUF block kernel (kernels/gguf_blocks.py, or gguf_dot.py for integer dots) on
+        random blocks of the type."""
+        kernel = gguf_dot if kind.startswith("gguf-dot-") else gb
+        q = gb.QTYPES[kind.split("-")[-1]]
+        lib = kernel.library()
         packed = gb.pack(gb.decode(gb.random_blocks(q, n, k), q.name, (n, k)))
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(0))
         out = torch.empty(rows, pk.padded_outputs(n))
         timed = []
         if lib is not None:
-            for tile in candidates(rows, gb.max_acc):
-                run = lambda t=tile: gb.run_library(lib, x, packed, q, *t, out=out)  # noqa: E731
+            for tile in candidates(rows, kernel.max_acc):
+                run = lambda t=tile: kernel.run_library(lib, x, packed, q, *t, out=out)  # noqa: E731
                 timed.append((_median_us(run), tile))
         dense = torch.randn(n, k)
         blas_us = _median_us(lambda: F.linear(x, dense))
@@ -147,5 +150,6 @@ def _machine_key() -> str:
         torch.backends.cpu.get_cpu_capability(),
         pk.SOURCE.read_text(),
         gb.SOURCE.read_text(),
+        gguf_dot.SOURCE.read_text(),
     )
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]

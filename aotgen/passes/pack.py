@@ -27,6 +27,7 @@ from torch.export import ExportedProgram
 from torch.fx import Node
 
 from aotgen.kernels import gguf_blocks as gb
+from aotgen.kernels import gguf_dot
 from aotgen.kernels import packed as pk
 from aotgen.passes.fx import WeightEditor, emit, float32_result, is_cast_from_float32
 from aotgen.passes.gguf_keep import KeepGGUF, Segment
@@ -198,12 +199,13 @@ class PackLinears:
         flat = add(aten.reshape.default, x, [-1, k])
         if x.meta["val"].dtype != torch.float32:
             flat = add(aten._to_copy.default, flat, dtype=torch.float32)
+        integer = self.gguf.integer_dot  # llama.cpp's numerics, else exact float ones
+        ops, kind = (gguf_dot.OPS, "gguf-dot-") if integer else (gb.OPS, "gguf-")
         outs = []
         for seg, q, tensors in pieces:
             size = seg.stop - seg.start
-            tile = self.choose_tile(f"gguf-{q.name}", size, k, rows)
-            op = gb.OPS[1] if q.n_supers else gb.OPS[0]
-            out = add(op, flat, *tensors, q.index, *tile)
+            tile = self.choose_tile(f"{kind}{q.name}", size, k, rows)
+            out = add(ops[1] if q.n_supers else ops[0], flat, *tensors, q.index, *tile)
             if pk.padded_outputs(size) != size:
                 out = add(aten.slice.Tensor, out, 1, 0, size)
             outs.append(out)
