@@ -40,6 +40,7 @@ constexpr int kLanes = 8;
 constexpr int kVecs = kPanel / kLanes;
 typedef float vf __attribute__((vector_size(4 * kLanes)));
 typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
 typedef float vf_unaligned __attribute__((vector_size(4 * kLanes), aligned(4)));
 typedef int32_t vi_unaligned __attribute__((vector_size(4 * kLanes), aligned(1)));
 
@@ -107,25 +108,17 @@ __attribute__((always_inline)) inline vi high_bits(const uint8_t* h, int v) {
 #endif
 }
 
-// Code of unit input t, from the unit's code lanes c and high-bit lanes h.
-template <int BITS, int T>
-__attribute__((always_inline)) inline vi code(vi c, vi h) {
-  if constexpr (BITS == 8) return (c >> (8 * T)) & 0xff;
-  vi q = (c >> (8 * (T % 4) + 4 * (T / 4))) & 0xf;
-  if constexpr (BITS == 5) q |= T <= 4 ? (h << (4 - T)) & 0x10 : (h >> (T - 4)) & 0x10;
-  if constexpr (BITS == 6) q |= T <= 2 ? (h << (4 - 2 * T)) & 0x30 : (h >> (2 * T - 4)) & 0x30;
-  return q;
-}
-
 // Code of unit input t, from the unit's code lanes c and high-bit lanes h (t is a constant
 // once the loops over it are unrolled).
+// Unsigned shifts, so the mask after the top byte's or nibble's shift folds away.
 template <int BITS>
-__attribute__((always_inline)) inline vi code(vi c, vi h, int t) {
-  if constexpr (BITS == 8) return (c >> (8 * t)) & 0xff;
-  vi q = (c >> (8 * (t % 4) + 4 * (t / 4))) & 0xf;
+__attribute__((always_inline)) inline vi code(vi lanes, vi high, int t) {
+  const vu c = (vu)lanes, h = (vu)high;
+  if constexpr (BITS == 8) return (vi)((c >> (8 * t)) & 0xff);
+  vu q = (c >> (8 * (t % 4) + 4 * (t / 4))) & 0xf;
   if constexpr (BITS == 5) q |= t <= 4 ? (h << (4 - t)) & 0x10 : (h >> (t - 4)) & 0x10;
   if constexpr (BITS == 6) q |= t <= 2 ? (h << (4 - 2 * t)) & 0x30 : (h >> (2 * t - 4)) & 0x30;
-  return q;
+  return (vi)q;
 }
 
 // Where one panel's data starts, and the scale / offset of a group.
@@ -152,8 +145,14 @@ struct Panel {
       if constexpr (Q.ng == 2) off = halves(sp + kPanel) * halves(gp + kPanel);  // -dmin * m
     } else if constexpr (Q.ng == 2) {
       off = halves(gp + kPanel);
+    } else {
+      off = sc * (float)-Q.zero;  // -8d, -16d, -128d: exact, and so is s * code + off
     }
   }
+
+  // The zero the codes carry once the offset is applied: the legacy types' is in `off`; for
+  // Q6_K, s * code could need 25 bits, so its zero is subtracted from the code first.
+  static constexpr int kZero = Q.ns ? Q.zero : 0;
 };
 
 // RM rows of x (stride ldx) x RN panels: the codes decoded once per unit, multiplied into
@@ -187,7 +186,7 @@ inline void tile(const float* x, int64_t ldx, const Panel<TYPE>* panels, int64_t
         const int64_t k = u * U + t;
 #pragma GCC unroll 64
         for (int v = 0; v < V; v++) {
-          const vf w = sc[v] * __builtin_convertvector(code<Q.bits>(c[v], h[v], t) - Q.zero, vf) + off[v];
+          const vf w = sc[v] * __builtin_convertvector(code<Q.bits>(c[v], h[v], t) - P::kZero, vf) + off[v];
 #pragma GCC unroll 64
           for (int m = 0; m < RM; m++) acc[m][v] += w * x[m * ldx + k];
         }
@@ -219,7 +218,7 @@ inline void dequantize(const Panel<TYPE>& panel, int64_t K, float* w) {
 #pragma GCC unroll 8
         for (int t = 0; t < P::U; t++)
           *(vf_unaligned*)(w + (u * P::U + t) * kPanel + v * kLanes) =
-              sc[v] * __builtin_convertvector(code<Q.bits>(c, h, t) - Q.zero, vf) + off[v];
+              sc[v] * __builtin_convertvector(code<Q.bits>(c, h, t) - P::kZero, vf) + off[v];
       }
     }
   }
