@@ -22,7 +22,7 @@ from gguf.quants import dequantize
 from aotgen.kernels import gguf_blocks as gb
 from aotgen.kernels import gguf_dot as gd
 from tests.test_gguf_blocks import ISAS as BLOCK_ISAS
-from tests.test_gguf_blocks import blocks, random_blocks
+from tests.test_gguf_blocks import blocks
 from tests.test_packed import CPU_FLAGS
 
 
@@ -68,7 +68,7 @@ def lib(request, libraries):
 def reference_cases(name: str, n: int, k: int) -> tuple:
     """Packed blocks and per case (x, reference output), shared by every ISA's test."""
     q = gb.QTYPES[name]
-    raw = random_blocks(q, n, k, seed=n) if n % 2 else blocks(name, n, k, seed=n)
+    raw = gb.random_blocks(q, n, k, seed=n) if n % 2 else blocks(name, n, k, seed=n)
     packed = gb.pack(gb.decode(raw, name, (n, k)))
     gen = torch.Generator().manual_seed(k)
     cases = []
@@ -180,7 +180,7 @@ def test_c_shims_only_for_used_ops():
             return torch.ops.aotgen.gguf_dot(x, codes, groups, 1, 1, 1)
 
     codes, groups, _ = gb.pack(
-        gb.decode(random_blocks(gb.QTYPES["Q4_1"], 16, 64), "Q4_1", (16, 64))
+        gb.decode(gb.random_blocks(gb.QTYPES["Q4_1"], 16, 64), "Q4_1", (16, 64))
     )
     ep = torch.export.export(Legacy(), (torch.randn(2, 64), codes, groups))
     shims = gd.c_shims(ep.graph)

@@ -49,8 +49,21 @@ def kept(request, tmp_path_factory, project):
     return report, engine, EagerModel(imported, engine.target.cache_len), qtypes
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
+def _graph_error(engine: Engine, eager: EagerModel, graph: str, length: int, start: int) -> float:
+    """One compiled graph's logits against the eager model's, from the same cache state
+    (filled through prefill up to `start`): the relative error."""
+    runner = engine.target
+    g = torch.Generator().manual_seed(length + start)
+    history = torch.randint(0, runner.vocab_size, (start + length,), generator=g).tolist()
+    for c in (*runner.caches, *eager.caches):
+        c.zero_()
+    if start:
+        runner.forward(history[:start], 0)
+        eager.forward(history[:start], 0)
+    tokens, pos = torch.tensor([history[start:]]), torch.arange(start, start + length)
+    got = runner.graphs[graph](tokens, pos, runner.caches)[0]
+    want = eager.forward(history[start:], start)
+    return ((got - want).norm() / want.norm()).item()
 
 
 def test_weights_run_on_their_blocks(kept):
@@ -72,18 +85,7 @@ GRAPHS = [("prefill", 11, 0), ("prefill", 16, 5), ("decode", 1, 7), ("verify", 5
 @pytest.mark.parametrize("graph,length,start", GRAPHS)
 def test_graph_logits_equal_the_dequantized_checkpoint(kept, graph, length, start):
     _, engine, eager, _ = kept
-    runner = engine.target
-    g = torch.Generator().manual_seed(length + start)
-    history = torch.randint(0, runner.vocab_size, (start + length,), generator=g).tolist()
-    for c in (*runner.caches, *eager.caches):
-        c.zero_()
-    if start:
-        runner.forward(history[:start], 0)
-        eager.forward(history[:start], 0)
-    tokens, pos = torch.tensor([history[start:]]), torch.arange(start, start + length)
-    got = runner.graphs[graph](tokens, pos, runner.caches)[0]
-    want = eager.forward(history[start:], start)
-    assert _rel_err(got, want) < 1e-5
+    assert _graph_error(engine, eager, graph, length, start) < 1e-5
 
 
 def test_greedy_equals_eager(kept):
@@ -115,17 +117,7 @@ def test_integer_numerics_graphs(integer, graph, length, start):
     report, engine, eager = integer
     manifest = json.loads((report.path / "manifest.json").read_text())
     assert manifest["models"]["target"]["quantization"]["activations"] == "int8"
-    runner = engine.target
-    g = torch.Generator().manual_seed(length + start)
-    history = torch.randint(0, runner.vocab_size, (start + length,), generator=g).tolist()
-    for c in (*runner.caches, *eager.caches):
-        c.zero_()
-    if start:
-        runner.forward(history[:start], 0)
-        eager.forward(history[:start], 0)
-    tokens, pos = torch.tensor([history[start:]]), torch.arange(start, start + length)
-    got = runner.graphs[graph](tokens, pos, runner.caches)[0]
-    assert _rel_err(got, eager.forward(history[start:], start)) < 5e-2
+    assert _graph_error(engine, eager, graph, length, start) < 5e-2
 
 
 @pytest.mark.parametrize(

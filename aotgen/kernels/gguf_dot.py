@@ -104,14 +104,9 @@ OPS = (torch.ops.aotgen.gguf_dot.default, torch.ops.aotgen.gguf_dot_k.default)
 
 
 def c_shims(graph: torch.fx.Graph) -> dict:
-    """`aot_inductor.custom_ops_to_c_shims` for the ops the graph uses (see packed.c_shims).
-    Its own shim guards and C++ namespace: a graph may also include gguf_blocks.cpp."""
-    used = [op for op in OPS if any(n.target == op for n in graph.nodes)]
-    if not used:
-        return {}
-    defines = "".join(f"#define AOTGEN_SHIM_{op._opname.upper()} 1\n" for op in used)
-    source = '"C++" {\n' + defines + SOURCE.read_text() + "\n}"
-    return {used[0]: [source], **{op: [] for op in used[1:]}}
+    """The integer-dot GGUF block ops' shims (packed.shims_for); a graph may include both GGUF
+    sources: each has its own C++ namespace and shim guards."""
+    return pk.shims_for(graph, OPS, SOURCE)
 
 
 # ---- the kernel as a plain shared library: tests and the build's autotune ---------------------
