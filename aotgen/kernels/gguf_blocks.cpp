@@ -273,8 +273,18 @@ inline void dispatch_rn(int rn, F& f) {
   }
 }
 
+#if defined(__AVX2__)
+constexpr bool kSimd = true;
+#else
+constexpr bool kSimd = false;  // portable: 1 x 1 tiles (wider ones spill, and take minutes to compile)
+#endif
+
 template <typename F>
 inline void dispatch(int rm, int rn, F& f) {
+  if constexpr (!kSimd) {
+    f.template run<1, 1>();
+    return;
+  }
   switch (rm) {
     case 1: return dispatch_rn<F, 1>(rn, f);
     case 2: return dispatch_rn<F, 2>(rn, f);
@@ -317,8 +327,8 @@ template <int TYPE>
 inline void linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* codes,
                    const uint16_t* groups, const uint16_t* supers, int64_t N, float* out,
                    int rows, int panels) {
-  rows = std::clamp(rows, 1, 8);
-  panels = tile_panels(panels, rows);
+  rows = kSimd ? std::clamp(rows, 1, 8) : 1;
+  panels = kSimd ? tile_panels(panels, rows) : 1;
   const int64_t total = N / kPanel, ngroups = (total + panels - 1) / panels;
   const bool buffered = M > rows;
 #pragma omp parallel for schedule(static)
