@@ -143,3 +143,29 @@ def test_keep_refuses_bfloat16(tiny_checkpoint, project):
     raw["quantize"] = {"gguf": "keep"}
     with pytest.raises(RecipeError, match="dtype bfloat16: the blocks dequantize to float32"):
         build(parse_recipe(raw, "keep-bf16", Path(".")), project)
+
+
+def test_tensor_parallel_shards_keep_their_blocks(tmp_path_factory, project, tmp_path):
+    """TP=2 of a kept Qwen2 checkpoint: the column-wise shards (whole rows) and the row-wise
+    ones (each row's half, cut between blocks) still run on the file's blocks, and the ranks
+    together give the TP=1 package's logits and greedy tokens."""
+    from test_tp import _tp_outputs
+    from tp_worker import SCENARIOS, greedy, scenario_logits
+
+    tmp = tmp_path_factory.mktemp("keep-tp")
+    _write_gguf(_checkpoint(tmp / "hf", "qwen2"), tmp / "m.gguf", "qwen2", qtypes=LEGACY)
+    imported = import_gguf(tmp / "m.gguf", tmp / "imported")
+    base = {"checkpoint": str(imported), **TINY_RECIPE, "quantize": {"gguf": "keep"}}
+    tp1 = Engine.load(build(parse_recipe(base, "keep-tp1", Path(".")), project).path)
+    raw = {**base, "parallel": {"tensor": 2}}
+    tp2 = build(parse_recipe(raw, "keep-tp2", Path(".")), project).path
+    entry = json.loads((tp2 / "manifest.json").read_text())["models"]["target"]["quantization"]
+    assert any("o_proj" in name for name in entry["weights"])  # row-wise shards
+    assert any("down_proj" in name for name in entry["weights"])
+    assert any("gate_proj" in name for name in entry["weights"])  # column-wise
+    got = _tp_outputs(tp2, tmp_path / "tp2.pt")
+    for name, t, s in SCENARIOS:
+        ref = scenario_logits(tp1.target, t, s)
+        out = got["logits"][f"{name}-{t}-{s}"]
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-5, f"{name} T={t} at {s}"
+    assert got["greedy"] == greedy(tp1)

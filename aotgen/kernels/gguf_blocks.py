@@ -248,24 +248,20 @@ def unpack_codes(codes: Tensor, qtype: QType) -> Tensor:
     return octets.permute(0, 2, 1, 3).reshape(p * PANEL, units * 8)
 
 
+def unpack(codes: Tensor, groups: Tensor, supers: Tensor | None, qtype: QType) -> Decoded:
+    """The kernel's layout back to row-major codes and scales (padding rows included)."""
+
+    def rows(values: Tensor) -> np.ndarray:  # [P, K/G, n, 16] -> [16 P, K/G, n]
+        p, per, n, _ = values.shape
+        return values.permute(0, 3, 1, 2).reshape(p * PANEL, per, n).numpy()
+
+    codes_rows = unpack_codes(codes, qtype).to(torch.uint8).numpy()
+    return Decoded(qtype, codes_rows, rows(groups), rows(supers) if supers is not None else None)
+
+
 def dequantize_packed(codes: Tensor, groups: Tensor, supers: Tensor | None, qtype: QType) -> Tensor:
     """float32 [16 P, K] from the kernel's layout (the ops' eager reference)."""
-    q = qtype
-    c = (unpack_codes(codes, q) - q.zero).float()
-    n, k = c.shape
-    c = c.reshape(n, k // q.group, q.group)
-    g = groups.permute(0, 3, 1, 2).reshape(n, k // q.group, q.n_groups).float()
-    if supers is not None:
-        s = supers.permute(0, 3, 1, 2).reshape(n, k // SUPER, q.n_supers).float()
-        s = s.repeat_interleave(SUPER // q.group, dim=1)
-        w = (s[..., 0] * g[..., 0])[..., None] * c
-        if q.n_groups == 2:
-            w = w + (s[..., 1] * g[..., 1])[..., None]
-    else:
-        w = g[..., 0][..., None] * c
-        if q.n_groups == 2:
-            w = w + g[..., 1][..., None]
-    return w.reshape(n, k)
+    return torch.from_numpy(dequantize(unpack(codes, groups, supers, qtype)))
 
 
 # ---- ops ---------------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ def graph_passes(
 
 def keep_gguf(recipe: Recipe, quantize: dict[str, Any] | None, ckpt: Checkpoint) -> KeepGGUF | None:
     """`quantize: {gguf: keep}`: the checkpoint's kept blocks, after checking the package can
-    run them (the CPU packed kernels, float32, one rank)."""
+    run them (the CPU packed kernels, float32)."""
     options = parse_quantize(quantize)
     if options is None or options.gguf != "keep":
         return None
@@ -95,7 +95,6 @@ def keep_gguf(recipe: Recipe, quantize: dict[str, Any] | None, ckpt: Checkpoint)
         (recipe.device != "cpu", f"device {recipe.device}: the block kernels are CPU kernels"),
         (recipe.dtype != "float32", f"dtype {recipe.dtype}: the blocks dequantize to float32"),
         (not recipe.compile.packed_linears, "compile.packed_linears is off: they run the blocks"),
-        (bool(recipe.parallel), "`parallel`: sharding blocks is not supported yet"),
         ("onnx" in recipe.formats, "formats onnx: ONNX has no operator for GGUF blocks"),
     ]
     for problem, why in problems:

@@ -2,10 +2,13 @@
 
 The float weights the build exports went through the checkpoint import (q/k rows un-permuted,
 GPT-NeoX's qkv interleaved), the fuse pass (q/k/v and gate/up stacked) and the draft's layer
-selection; each of these moves whole rows. So a weight's blocks are found row by row from its
-values: every kept row is indexed by a digest of its dequantized float32 bytes, which are the
-bytes the checkpoint holds. A weight whose rows are all found runs on their blocks, in segments
-of one block type (Gemma's fused q/k/v mixes Q5_0 and Q8_0); any other weight stays float.
+selection; each of these moves whole rows, and tensor-parallel sharding splits them into rows
+(column-wise) or into contiguous runs of each row's inputs (row-wise). So a weight's blocks are
+found row by row from its values: every kept row is indexed by a digest of its dequantized
+float32 bytes, which are the bytes the checkpoint holds, and, for a row-wise shard, every
+block-aligned slice of that width. A weight whose rows are all found runs on their blocks, in
+segments of one block type (Gemma's fused q/k/v mixes Q5_0 and Q8_0); any other weight (a
+shard that cuts a block) stays float.
 
 The rewrite itself is done by passes/pack.py, with the tiles the build's autotune picks.
 """
@@ -19,6 +22,8 @@ from dataclasses import dataclass
 import gguf
 import numpy as np
 from torch import Tensor
+
+from aotgen.kernels import gguf_blocks as gb
 
 
 @dataclass(frozen=True)
@@ -41,14 +46,27 @@ class KeepGGUF:
     def __init__(self, blocks: dict[str, tuple[str, np.ndarray]], integer_dot: bool = False):
         self.blocks = blocks
         self.integer_dot = integer_dot  # activations quantized per block to int8
-        self._rows: dict[bytes, tuple[str, int]] = {}
-        for name, (qtype, raw) in blocks.items():
-            values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
-            for i, row in enumerate(values.reshape(raw.shape[0], -1)):
-                self._rows.setdefault(_digest(row), (name, i))
+        # digest of a row (or, by width, of a block-aligned slice of one) -> (name, row, column)
+        self._rows = self._index(None)
+        self._slices: dict[int, dict[bytes, tuple[str, int, int]]] = {}
         self._found: dict[int, list[Segment] | None] = {}
         self.kept: dict[str, str] = {}  # weight name -> its block types
         self.left_float: set[str] = set()  # weights read by something other than linears
+
+    def _index(self, width: int | None) -> dict[bytes, tuple[str, int, int]]:
+        """Whole rows (width None), or every block-aligned slice of `width` columns: a
+        tensor-parallel row-wise shard holds a contiguous run of each row's inputs."""
+        index: dict[bytes, tuple[str, int, int]] = {}
+        for name, (qtype, raw) in self.blocks.items():
+            values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
+            values = values.reshape(raw.shape[0], -1)
+            k = values.shape[1]
+            if width is not None and (width >= k or k % width or width % gb.QTYPES[qtype].block):
+                continue
+            for col in range(0, k, width or k):
+                for i, row in enumerate(values[:, col : col + (width or k)]):
+                    index.setdefault(_digest(row), (name, i, col))
+        return index
 
     def segments(self, weight: Tensor) -> list[Segment] | None:
         """`weight`'s rows as block segments, or None if any row is not a kept row."""
@@ -57,19 +75,32 @@ class KeepGGUF:
         return self._found[id(weight)]
 
     def _find(self, weight: Tensor) -> list[Segment] | None:
-        if weight.dim() != 2:
+        if weight.dim() != 2 or weight.shape[0] == 0:
             return None
-        hits = [self._rows.get(_digest(row)) for row in weight.detach().cpu().numpy()]
-        if not hits or any(h is None for h in hits):
-            return None
+        digests = [_digest(row) for row in weight.detach().cpu().numpy()]
+        hits = [self._rows.get(d) for d in digests]
+        if any(h is None for h in hits):
+            width = weight.shape[1]
+            if width not in self._slices:
+                self._slices[width] = self._index(width)
+            hits = [self._slices[width].get(d) for d in digests]
+            if any(h is None for h in hits):
+                return None
         segments: list[Segment] = []
         start = 0
         for i in range(1, len(hits) + 1):
-            if i == len(hits) or self.blocks[hits[i][0]][0] != self.blocks[hits[start][0]][0]:
-                raw = np.stack([self.blocks[name][1][row] for name, row in hits[start:i]])
-                segments.append(Segment(self.blocks[hits[start][0]][0], start, i, raw))
+            qtype = self.blocks[hits[start][0]][0]
+            if i == len(hits) or self.blocks[hits[i][0]][0] != qtype:
+                raw = np.stack([self._raw(*hit, weight.shape[1]) for hit in hits[start:i]])
+                segments.append(Segment(qtype, start, i, raw))
                 start = i
         return segments
+
+    def _raw(self, name: str, row: int, col: int, width: int) -> np.ndarray:
+        """The blocks of `width` inputs from column `col` of a kept row."""
+        qtype, raw = self.blocks[name]
+        q = gb.QTYPES[qtype]
+        return raw[row, col // q.block * q.block_bytes : (col + width) // q.block * q.block_bytes]
 
     def note(self) -> str:
         counts = Counter(t for types in self.kept.values() for t in types.split("+"))
