@@ -279,6 +279,7 @@ def test_smol_files(smol_ckpt: Path) -> None:
     assert sorted(p.name for p in smol_ckpt.iterdir()) == [
         "config.json",
         "generation_config.json",
+        "gguf_blocks.safetensors",  # the file's Q4_1 / Q8_0 blocks as stored (gguf: keep)
         "model.safetensors",
         "tokenizer.json",
         "tokenizer_config.json",
