@@ -22,6 +22,7 @@ from aotgen.kernels import gguf_blocks as gb
 from aotgen.package.build import build
 from aotgen.recipe import RecipeError, parse_recipe
 from aotgen.runtime.engine import Engine, GenerationConfig
+from aotgen.runtime.tokenizer import Tokenizer
 
 pytest.importorskip("transformers")
 
@@ -145,27 +146,38 @@ def test_keep_refuses_bfloat16(tiny_checkpoint, project):
         build(parse_recipe(raw, "keep-bf16", Path(".")), project)
 
 
+class _EagerRunner:
+    """The eager model as tp_worker's scenarios drive a runner."""
+
+    def __init__(self, eager: EagerModel):
+        self.eager, self.vocab_size = eager, eager.config.vocab_size
+
+    def forward(self, tokens: list[int], start_pos: int, all_logits: bool = True) -> torch.Tensor:
+        return self.eager.forward(tokens, start_pos)
+
+
 def test_tensor_parallel_shards_keep_their_blocks(tmp_path_factory, project, tmp_path):
     """TP=2 of a kept Qwen2 checkpoint: the column-wise shards (whole rows) and the row-wise
     ones (each row's half, cut between blocks) still run on the file's blocks, and the ranks
-    together give the TP=1 package's logits and greedy tokens."""
+    together give the dequantized checkpoint's logits and greedy tokens."""
     from test_tp import _tp_outputs
-    from tp_worker import SCENARIOS, greedy, scenario_logits
+    from tp_worker import GREEDY_PROMPT, GREEDY_TOKENS, SCENARIOS, scenario_logits
 
     tmp = tmp_path_factory.mktemp("keep-tp")
     _write_gguf(_checkpoint(tmp / "hf", "qwen2"), tmp / "m.gguf", "qwen2", qtypes=LEGACY)
     imported = import_gguf(tmp / "m.gguf", tmp / "imported")
-    base = {"checkpoint": str(imported), **TINY_RECIPE, "quantize": {"gguf": "keep"}}
-    tp1 = Engine.load(build(parse_recipe(base, "keep-tp1", Path(".")), project).path)
-    raw = {**base, "parallel": {"tensor": 2}}
-    tp2 = build(parse_recipe(raw, "keep-tp2", Path(".")), project).path
-    entry = json.loads((tp2 / "manifest.json").read_text())["models"]["target"]["quantization"]
-    assert any("o_proj" in name for name in entry["weights"])  # row-wise shards
-    assert any("down_proj" in name for name in entry["weights"])
-    assert any("gate_proj" in name for name in entry["weights"])  # column-wise
-    got = _tp_outputs(tp2, tmp_path / "tp2.pt")
+    raw = {"checkpoint": str(imported), **TINY_RECIPE, "quantize": {"gguf": "keep"}}
+    tp2 = build(parse_recipe({**raw, "parallel": {"tensor": 2}}, "keep-tp2", Path(".")), project)
+    entry = json.loads((tp2.path / "manifest.json").read_text())["models"]["target"]
+    kept = entry["quantization"]["weights"]
+    assert any("o_proj" in name for name in kept)  # row-wise shards
+    assert any("down_proj" in name for name in kept)
+    assert any("gate_proj" in name for name in kept)  # column-wise
+    eager = EagerModel(imported, entry["kv_cache"]["cache_len"])
+    got = _tp_outputs(tp2.path, tmp_path / "tp2.pt")
     for name, t, s in SCENARIOS:
-        ref = scenario_logits(tp1.target, t, s)
+        ref = scenario_logits(_EagerRunner(eager), t, s)
         out = got["logits"][f"{name}-{t}-{s}"]
         assert ((out - ref).norm() / ref.norm()).item() < 1e-5, f"{name} T={t} at {s}"
-    assert got["greedy"] == greedy(tp1)
+    ids = Tokenizer.from_dir(imported).encode(GREEDY_PROMPT)
+    assert got["greedy"] == eager.greedy(ids, GREEDY_TOKENS)
