@@ -12,6 +12,7 @@ import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from aotgen.checkpoint.hf import Checkpoint, open_checkpoint
 from aotgen.export.aoti import GraphSpec, export_graph, graph_specs
 from aotgen.model.llama import ModelConfig, Transformer, load_model, new_kv_cache
 from aotgen.passes.fuse import FuseLinearsPass
-from aotgen.passes.gguf_keep import KeepGGUF
+from aotgen.passes.gguf_keep import BlockIndex, KeepGGUF
 from aotgen.passes.quantize import QuantizePass, quantize_passes
 from aotgen.passes.quantize_options import parse_quantize
 from aotgen.recipe import Recipe, RecipeError
@@ -85,9 +86,14 @@ def graph_passes(
     return passes + quantizers
 
 
-def keep_gguf(recipe: Recipe, quantize: dict[str, Any] | None, ckpt: Checkpoint) -> KeepGGUF | None:
-    """`quantize: {gguf: keep}`: the checkpoint's kept blocks, after checking the package can
-    run them (the CPU packed kernels, float32)."""
+def keep_gguf(
+    recipe: Recipe,
+    quantize: dict[str, Any] | None,
+    ckpt: Checkpoint,
+    indexes: dict[Path, BlockIndex],
+) -> KeepGGUF | None:
+    """`quantize: {gguf: keep}`: the checkpoint's kept blocks (indexed once per checkpoint in
+    `indexes`), after checking the package can run them (the CPU packed kernels, float32)."""
     options = parse_quantize(quantize)
     if options is None or options.gguf != "keep":
         return None
@@ -100,8 +106,9 @@ def keep_gguf(recipe: Recipe, quantize: dict[str, Any] | None, ckpt: Checkpoint)
     for problem, why in problems:
         if problem:
             raise RecipeError(f"quantize.gguf: keep cannot build this recipe: {why}")
-    blocks = ckpt.load_gguf_blocks()
-    return KeepGGUF(blocks, integer_dot=options.activations == "int8")
+    if ckpt.path not in indexes:
+        indexes[ckpt.path] = BlockIndex(ckpt.load_gguf_blocks())
+    return KeepGGUF(indexes[ckpt.path], integer_dot=options.activations == "int8")
 
 
 def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
@@ -110,6 +117,7 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
     weights = ckpt.load_weights()
     dtype = getattr(torch, recipe.dtype)
     graphs = graph_specs(recipe.prefill_chunk, recipe.verify_k, recipe.tree_nodes, recipe.max_batch)
+    indexes: dict[Path, BlockIndex] = {}  # `gguf: keep`: one row index per checkpoint
     models = [
         ModelBuild(
             "target",
@@ -117,7 +125,7 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
             cfg,
             graphs,
             graph_passes(recipe, recipe.quantize),
-            keep_gguf(recipe, recipe.quantize, ckpt),
+            keep_gguf(recipe, recipe.quantize, ckpt, indexes),
         )
     ]
     draft = (recipe.speculative or {}).get("draft")
@@ -137,7 +145,7 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
                 dcfg,
                 draft_graphs,
                 graph_passes(recipe, draft.get("quantize")),
-                keep_gguf(recipe, draft.get("quantize"), dckpt),
+                keep_gguf(recipe, draft.get("quantize"), dckpt, indexes),
             )
         )
     return models

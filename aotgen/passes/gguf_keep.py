@@ -40,18 +40,16 @@ def _digest(row: np.ndarray) -> bytes:
     return hashlib.blake2b(row.tobytes(), digest_size=16).digest()
 
 
-class KeepGGUF:
-    """The kept blocks of one checkpoint, and what the build kept of them (for its report)."""
+class BlockIndex:
+    """The kept blocks of one checkpoint, indexed by row: built once per checkpoint and shared
+    by the models that keep them (a draft made of the target's layers)."""
 
-    def __init__(self, blocks: dict[str, tuple[str, np.ndarray]], integer_dot: bool = False):
+    def __init__(self, blocks: dict[str, tuple[str, np.ndarray]]):
         self.blocks = blocks
-        self.integer_dot = integer_dot  # activations quantized per block to int8
         # digest of a row (or, by width, of a block-aligned slice of one) -> (name, row, column)
         self._rows = self._index(None)
         self._slices: dict[int, dict[bytes, tuple[str, int, int]]] = {}
         self._found: dict[int, list[Segment] | None] = {}
-        self.kept: dict[str, str] = {}  # weight name -> its block types
-        self.left_float: set[str] = set()  # weights read by something other than linears
 
     def _index(self, width: int | None) -> dict[bytes, tuple[str, int, int]]:
         """Whole rows (width None), or every block-aligned slice of `width` columns: a
@@ -101,6 +99,20 @@ class KeepGGUF:
         qtype, raw = self.blocks[name]
         q = gb.QTYPES[qtype]
         return raw[row, col // q.block * q.block_bytes : (col + width) // q.block * q.block_bytes]
+
+
+class KeepGGUF:
+    """One model's `gguf: keep`: the checkpoint's blocks, the numerics, and what the build kept
+    (for its report)."""
+
+    def __init__(self, index: BlockIndex, integer_dot: bool = False):
+        self.index = index
+        self.integer_dot = integer_dot  # activations quantized per block to int8
+        self.kept: dict[str, str] = {}  # weight name -> its block types
+        self.left_float: set[str] = set()  # weights read by something other than linears
+
+    def segments(self, weight: Tensor) -> list[Segment] | None:
+        return self.index.segments(weight)
 
     def note(self) -> str:
         counts = Counter(t for types in self.kept.values() for t in types.split("+"))
