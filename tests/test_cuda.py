@@ -172,6 +172,8 @@ def test_cuda_package_matches_eager(name, quantize, loose, hidden, gpu_checkpoin
             got = runner.graphs[graph](tokens, pos, runner.caches).float()
             ref_q = eager[graph](tokens, pos, caches["eager"]).float()
             ref = model(tokens, pos, caches["fp32"]).float()
+        if graph == "prefill":  # its last row only
+            ref = ref[:, -1:]
         # int4 runs in bf16 (8 significant bits): compiled and eager round after different
         # fusions, an ulp (0.4 %) apart here and there; a wrong kernel is off by O(1).
         tight = 1e-2 if name.startswith("int4") else 1e-3

@@ -117,7 +117,9 @@ def test_graph_logits_match_transformers(engines, checkpoints, family, graph, st
         runner.forward(history[:start], 0)
     tokens = torch.tensor([history[start:]])
     got = runner.graphs[graph](tokens, torch.arange(start, start + length), runner.caches)[0]
-    assert got.shape == want.shape == (length, runner.vocab_size)
+    if graph == "prefill":  # its last row only
+        want = want[-1:]
+    assert got.shape == want.shape == (len(want), runner.vocab_size)
     assert _rel_err(got, want) < FP32_TOL
 
 
@@ -153,7 +155,8 @@ def test_onnx_graphs_match_aoti_and_transformers(engines, checkpoints, project, 
             positions = torch.arange(start, start + length)
             got[name] = runner.graphs[graph](tokens, positions, runner.caches)[0]
         assert _rel_err(got["ort"], got["aoti"]) < FP32_TOL
-        assert _rel_err(got["ort"], want[start : start + length]) < FP32_TOL
+        rows = want[start : start + length]
+        assert _rel_err(got["ort"], rows[-1:] if graph == "prefill" else rows) < FP32_TOL
     ids = aoti.tokenizer.encode(PROMPT)
     cfg = GenerationConfig(max_new_tokens=N_GREEDY, ignore_eos=True)
     assert ort.generate(ids, cfg).token_ids == aoti.generate(ids, cfg).token_ids

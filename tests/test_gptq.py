@@ -12,7 +12,7 @@ from conftest import TINY_RECIPE
 from safetensors import safe_open
 
 from aotgen.checkpoint.hf import open_checkpoint
-from aotgen.export.aoti import export_graph, graph_specs
+from aotgen.export.aoti import calibration_spec, export_graph, graph_specs
 from aotgen.kernels.packed import unpack
 from aotgen.model.llama import new_kv_cache
 from aotgen.package.build import build
@@ -104,7 +104,7 @@ def test_input_hessians_match_eager_hooks(tiny_model):
     """X^T X per linear, from interpreting the exported prefill graph, equals the same sum
     taken with forward hooks on the eager nn.Linear modules."""
     model, cfg, cache_len = tiny_model
-    spec = graph_specs(TINY_RECIPE["prefill_chunk"], TINY_RECIPE["verify_k"])[0]
+    spec = calibration_spec(TINY_RECIPE["prefill_chunk"])
     ep = export_graph(model, spec, new_kv_cache(cfg, cache_len))
     g = torch.Generator().manual_seed(5)
     batches = [

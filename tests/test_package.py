@@ -60,7 +60,9 @@ def test_graph_logits_match_eager(engine, eager, graph, length, start):
     pos = torch.arange(start, start + length)
     got = runner.graphs[graph](tokens, pos, runner.caches)[0]
     want = eager.forward(history[start:], start)
-    assert got.shape == want.shape == (length, runner.vocab_size)
+    if graph == "prefill":  # its last row only
+        want = want[-1:]
+    assert got.shape == want.shape == (len(want), runner.vocab_size)
     assert _rel_err(got, want) < 1e-4
     for c_got, c_want in zip(runner.caches, eager.caches, strict=True):
         assert _rel_err(c_got[:, :, : start + length], c_want[:, :, : start + length]) < 1e-4

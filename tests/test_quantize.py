@@ -352,6 +352,9 @@ def test_compiled_matches_eager_quantized_and_fp32(quantized, tiny_model_for):
             got = runner.graphs[name](tokens, pos, runner.caches)
             ref_q = eager[name](tokens, pos, caches["eager"])
             ref = model(tokens, pos, caches["fp32"])
+        if name == "prefill":  # its last row only
+            ref = ref[:, -1:]
+        assert got.shape == ref_q.shape == ref.shape, name
         assert _rel(got, ref_q) < tight, name
         assert _rel(got, ref) < loose, name
 

@@ -1,13 +1,13 @@
 """torch.export + AOTInductor: the three graphs of a model, compiled without their weights.
 
 Every graph keeps one signature, `(tokens [1, T], input_pos [T], *kv_caches) -> logits`,
-and differs only in T: `prefill` (dynamic, 2..prefill_chunk), `decode` (1) and `verify`
-(verify_k + 1). The optional `tree` graph (tree_nodes rows) also takes a `[T, T]` bool tree
-mask after the caches; the optional batched graphs `batch_decode` (T = 1) and
-`batch_verify` (verify_k + 1) take `tokens [B, T]`, `input_pos [B, T]`, caches with one row
-per slot and `slots [B]`, for B in 2..max_batch (model/layers.py). Weights stay out of the `.so`
-(`package_constants_in_so=False`): the package stores them once, and the runtime binds that
-one copy to every graph.
+and differs only in T: `prefill` (dynamic, 2..prefill_chunk; logits of its last row only),
+`decode` (1) and `verify` (verify_k + 1). The optional `tree` graph (tree_nodes rows) also
+takes a `[T, T]` bool tree mask after the caches; the optional batched graphs
+`batch_decode` (T = 1) and `batch_verify` (verify_k + 1) take `tokens [B, T]`,
+`input_pos [B, T]`, caches with one row per slot and `slots [B]`, for B in 2..max_batch
+(model/layers.py). Weights stay out of the `.so` (`package_constants_in_so=False`): the
+package stores them once, and the runtime binds that one copy to every graph.
 """
 
 from __future__ import annotations
@@ -50,6 +50,11 @@ class GraphSpec:
     def tree(self) -> bool:
         return self.name == "tree"
 
+    @property
+    def last_row_logits(self) -> bool:
+        """The graph returns its last row's logits only (model/layers.py)."""
+        return self.name == "prefill"
+
 
 def graph_specs(
     prefill_chunk: int, verify_k: int, tree_nodes: int = 0, max_batch: int = 0
@@ -65,6 +70,11 @@ def graph_specs(
         specs.append(GraphSpec("batch_decode", 1, 1, max_batch))
         specs.append(GraphSpec("batch_verify", verify_k + 1, verify_k + 1, max_batch))
     return specs
+
+
+def calibration_spec(prefill_chunk: int) -> GraphSpec:
+    """The prefill graph's shape with every row's logits (GPTQ sees the head's inputs too)."""
+    return GraphSpec("calibration", 2, prefill_chunk)
 
 
 def slotted(caches: list[Tensor], slots: int) -> list[Tensor]:
@@ -106,7 +116,7 @@ def dynamic_shapes(spec: GraphSpec, caches: list[Tensor]) -> tuple | None:
 
 
 def export_graph(model: nn.Module, spec: GraphSpec, caches: list[Tensor]) -> ExportedProgram:
-    with torch.no_grad(), warnings.catch_warnings():
+    with torch.no_grad(), warnings.catch_warnings(), model.last_row_logits(spec.last_row_logits):
         warnings.simplefilter("ignore", FutureWarning)
         return torch.export.export(
             model,

@@ -68,7 +68,7 @@ def export_onnx(model: nn.Module, spec: GraphSpec, caches: list[Tensor]) -> onnx
     n = len(caches)
     # torch.onnx.export runs torch.export itself, so the model sees is_in_onnx_export()
     # (model/layers.py picks its decode attention by it).
-    with warnings.catch_warnings(), _quiet_exporter():
+    with warnings.catch_warnings(), _quiet_exporter(), model.last_row_logits(spec.last_row_logits):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             _CachesOut(model),

@@ -65,6 +65,7 @@ class CompiledModel:
 def graph_signature(spec: GraphSpec, cfg: ModelConfig, cache: list[Tensor]) -> dict[str, Any]:
     t: Any = "T" if spec.dynamic else spec.min_tokens
     b: Any = "B" if spec.batch else 1
+    rows = 1 if spec.last_row_logits else t
     tree = [{"name": "tree_mask", "shape": [t, t], "dtype": "bool"}] if spec.tree else []
     slots = [{"name": "slots", "shape": [b], "dtype": "int64"}] if spec.batch else []
     batch = {"batch": {"min": 2, "max": spec.batch}} if spec.batch else {}
@@ -83,7 +84,7 @@ def graph_signature(spec: GraphSpec, cfg: ModelConfig, cache: list[Tensor]) -> d
             *tree,
             *slots,
         ],
-        "outputs": [{"name": "logits", "shape": [b, t, cfg.vocab_size], "dtype": "float32"}],
+        "outputs": [{"name": "logits", "shape": [b, rows, cfg.vocab_size], "dtype": "float32"}],
     }
 
 

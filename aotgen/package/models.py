@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.export import ExportedProgram
 
 from aotgen.checkpoint.hf import Checkpoint, open_checkpoint
-from aotgen.export.aoti import GraphSpec, export_graph, graph_specs
+from aotgen.export.aoti import GraphSpec, calibration_spec, export_graph, graph_specs
 from aotgen.model.llama import ModelConfig, Transformer, load_model, new_kv_cache
 from aotgen.passes.fuse import FuseLinearsPass
 from aotgen.passes.gguf_keep import BlockIndex, KeepGGUF
@@ -177,7 +177,7 @@ def calibrate(mb: ModelBuild, recipe: Recipe, tokenizer: Tokenizer) -> None:
     quantization (so the weights are the tensors the graphs will hold), over the
     calibration text in prefill-sized chunks, each from position 0."""
     quantizer = mb.quantizer
-    spec = next(g for g in graph_specs(recipe.prefill_chunk, recipe.verify_k) if g.dynamic)
+    spec = calibration_spec(recipe.prefill_chunk)
     cache = recipe_kv_cache(mb.config, recipe)
     ep = export_graph(mb.model, spec, cache)
     for graph_pass in mb.graph_passes[: mb.graph_passes.index(quantizer)]:

@@ -18,6 +18,7 @@ segment of one block type; a tied Q8_0 embedding gathers and dequantizes its row
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 
@@ -132,7 +133,7 @@ class PackLinears:
         if scale is not None and x.meta["val"].dtype != torch.float32:
             flat = add(aten._to_copy.default, flat, dtype=torch.float32)
         kind = "int8" if scale is not None else "float32"
-        tile = self.choose_tile(kind, n, k, rows)
+        tile = self.choose_tile(kind, n, k, _rows(lead, rows))
         if scale is None:
             out = add(torch.ops.aotgen.packed_linear.default, flat, w, *tile)
         else:
@@ -204,7 +205,7 @@ class PackLinears:
         outs = []
         for seg, q, tensors in pieces:
             size = seg.stop - seg.start
-            tile = self.choose_tile(f"{kind}{q.name}", size, k, rows)
+            tile = self.choose_tile(f"{kind}{q.name}", size, k, _rows(lead, rows))
             out = add(ops[1] if q.n_supers else ops[0], flat, *tensors, q.index, *tile)
             if pk.padded_outputs(size) != size:
                 out = add(aten.slice.Tensor, out, 1, 0, size)
@@ -214,6 +215,12 @@ class PackLinears:
         if bias is not None:
             out = add(aten.add.Tensor, out, bias)
         return float32_result(add, node, out)
+
+
+def _rows(lead: list[int], rows: int) -> int:
+    """The rows a linear multiplies: its static count (the prefill graph's head runs on the
+    last row alone), else the graph's most."""
+    return min(rows, math.prod(lead)) if all(d > 0 for d in lead) else rows
 
 
 def _gather_q8_0(add: Callable[..., Node], node: Node, codes: Node, groups: Node) -> Node:

@@ -52,7 +52,7 @@ DEFAULT_TIMEOUT_S = 60.0
 # Test hook only: the last rank exits after this many replayed calls.
 TEST_EXIT_ENV = "AOTGEN_TP_TEST_EXIT_AFTER"
 
-STOP, FORWARD, DECODE, ALL_REDUCE = 0, 1, 2, 3
+STOP, FORWARD, DECODE, ALL_REDUCE, FORWARD_ALL_LOGITS = 0, 1, 2, 3, 4
 ROLES = ("target", "draft")
 
 
@@ -218,7 +218,9 @@ class AnnouncedRunner:
         if slot:
             raise ValueError("a tensor-parallel package serves one sequence (slot 0)")
         with self.control.peers():
-            self.control.send(FORWARD, self.role, start_pos, tokens)
+            # Every row's logits take other graphs (verify): the ranks must call the same ones.
+            op = FORWARD_ALL_LOGITS if all_logits else FORWARD
+            self.control.send(op, self.role, start_pos, tokens)
             return self.runner.forward(tokens, start_pos, all_logits)
 
     def decode(self, token: int, pos: int, slot: int = 0) -> Tensor:
@@ -266,7 +268,7 @@ def serve(runners: dict[int, ModelRunner], control: Control, group_name: str) ->
             if op == DECODE:
                 runners[role].decode(tokens[0], pos)
             else:
-                runners[role].forward(tokens, pos)
+                runners[role].forward(tokens, pos, all_logits=op == FORWARD_ALL_LOGITS)
         calls += 1
         if exit_after and last_rank and calls >= exit_after:  # test hook: a rank dies
             print(f"{TEST_EXIT_ENV}: rank exits at {time.time():.3f}", file=sys.stderr, flush=True)

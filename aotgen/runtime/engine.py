@@ -209,24 +209,29 @@ class ModelRunner:
     ) -> Tensor:
         """Run `tokens` at positions start_pos.. through the fitting graph(s), in the cache of
         `slot`. Returns logits `[T, V]` for every position if `all_logits`, else for the last.
+        The prefill graph returns its last row only, so every row's logits come from the
+        verify graph, `verify_len` tokens a call (decode where it does not fit).
         """
         caches = self.slot_caches[slot]
         end = start_pos + len(tokens)
         if end > self.cache_len:
             raise GenerationError(f"position {end} is past the KV cache ({self.cache_len})")
+        step = max(self.verify_len, 1) if all_logits else self.prefill_chunk
         outs = []
         pos = start_pos
         while pos < end:
-            n = min(end - pos, self.prefill_chunk)
-            chunk = tokens[pos - start_pos : pos - start_pos + n]
+            n = min(end - pos, step)
             width = self._graph_width(n, pos)
+            if all_logits and width not in (1, self.verify_len):
+                n = width = 1  # the verify graph would run past the cache
+            chunk = tokens[pos - start_pos : pos - start_pos + n]
             graph = self.graphs[
                 "decode" if width == 1 else "verify" if width == self.verify_len else "prefill"
             ]
             chunk += chunk[-1:] * (width - n)
             chunk_ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
             positions = torch.arange(pos, pos + width, device=self.device)
-            logits = graph(chunk_ids, positions, caches)[0][:n].cpu()
+            logits = graph(chunk_ids, positions, caches)[0][:n].cpu()  # prefill: 1 row
             outs.append(logits if all_logits else logits[-1:])
             pos += n
         return torch.cat(outs) if all_logits else outs[-1][0]

@@ -46,6 +46,8 @@ class OnnxGraph:
         options.inter_op_num_threads = 1
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         self.vocab = self.session.get_outputs()[0].shape[-1]
+        rows = signature["outputs"][0]["shape"][1]
+        self.logit_rows = rows if isinstance(rows, int) else None  # None: one per token
         self.binding = self.session.io_binding()
         self._bound: list[int] = []  # data pointers of the caches bound now
 
@@ -67,7 +69,7 @@ class OnnxGraph:
                 f"{self.name} takes {self.min_tokens}..{self.max_tokens} tokens, got {t}"
             )
         self._bind_caches(caches)
-        logits = np.empty((1, t, self.vocab), dtype=np.float32)
+        logits = np.empty((1, self.logit_rows or t, self.vocab), dtype=np.float32)
         b = self.binding
         b.bind_cpu_input("tokens", tokens.numpy())
         b.bind_cpu_input("input_pos", input_pos.numpy())

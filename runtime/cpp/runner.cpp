@@ -60,6 +60,10 @@ Graph::Graph(const fs::path& pt2, const json& signature, int64_t vocab)
       min_batch_(signature.value("batch", json{{"min", 1}, {"max", 1}}).at("min").get<int64_t>()),
       max_batch_(signature.value("batch", json{{"min", 1}, {"max", 1}}).at("max").get<int64_t>()),
       vocab_(vocab),
+      // A number: the logits' rows whatever T is (the prefill graph's last row); "T": one per token.
+      logit_rows_(signature.at("outputs").at(0).at("shape").at(1).is_number_integer()
+                      ? signature["outputs"][0]["shape"][1].get<int64_t>()
+                      : -1),
       // (path, model name, run single-threaded, runners, device index): -1 is CPU.
       loader_(std::make_unique<torch::inductor::AOTIModelPackageLoader>(pt2.string(), name_,
                                                                         false, 1, -1)) {}
@@ -103,9 +107,9 @@ at::Tensor Graph::operator()(const at::Tensor& tokens, const at::Tensor& input_p
   if (extra.defined()) inputs.push_back(extra);
   auto outputs = loader_->boxed_run(std::move(inputs));
   if (outputs.empty() || outputs[0].dim() != 3 || outputs[0].size(0) != b ||
-      outputs[0].size(1) != t || outputs[0].size(2) != vocab_ ||
+      outputs[0].size(1) != (logit_rows_ > 0 ? logit_rows_ : t) || outputs[0].size(2) != vocab_ ||
       outputs[0].scalar_type() != at::kFloat) {
-    throw PackageError("graph " + name_ + " returned no float32 [B, T, vocab] logits");
+    throw PackageError("graph " + name_ + " returned no float32 [B, rows, vocab] logits");
   }
   return outputs[0];
 }
@@ -221,18 +225,22 @@ at::Tensor ModelRunner::forward(const std::vector<int64_t>& tokens, int64_t star
                           std::to_string(cache_len_) + ")");
   }
   const auto& caches = slot_caches_.at(slot);
+  // The prefill graph returns its last row only: every row's logits come from the verify
+  // graph, verify_len_ tokens a call (decode where it would run past the cache).
+  const int64_t step = all_logits ? std::max<int64_t>(verify_len_, 1) : prefill_chunk_;
   std::vector<at::Tensor> outs;
   for (int64_t pos = start_pos; pos < end;) {
-    const int64_t n = std::min(end - pos, prefill_chunk_);
-    const int64_t width = graph_width(n, pos);
+    int64_t n = std::min(end - pos, step);
+    int64_t width = graph_width(n, pos);
+    if (all_logits && width != 1 && width != verify_len_) n = width = 1;
     Graph& graph = width == 1 ? *decode_ : (width == verify_len_ ? *verify_ : *prefill_);
     at::Tensor chunk = at::empty({1, width}, at::kLong);
     auto* ids = chunk.data_ptr<int64_t>();
     std::copy_n(tokens.begin() + (pos - start_pos), n, ids);
     std::fill(ids + n, ids + width, ids[n - 1]);
-    at::Tensor logits =
-        graph(chunk, at::arange(pos, pos + width, at::kLong), caches)[0].narrow(0, 0, n);
-    outs.push_back(all_logits ? logits : logits.narrow(0, n - 1, 1));
+    at::Tensor logits = graph(chunk, at::arange(pos, pos + width, at::kLong), caches)[0];
+    logits = logits.narrow(0, 0, std::min(n, logits.size(0)));  // prefill: one row
+    outs.push_back(all_logits ? logits : logits.narrow(0, logits.size(0) - 1, 1));
     pos += n;
   }
   return all_logits ? at::cat(outs) : outs.back()[0];

@@ -40,14 +40,15 @@ class Graph {
   void bind(const std::unordered_map<std::string, at::Tensor>& weights);
 
   // tokens [B, T], input_pos ([T] for a single-sequence graph, [B, T] for a batched one)
-  // -> logits [B, T, V]; the caches are updated in place. The tree graph also takes
-  // tree_mask [T, T] (bool), a batched graph the cache rows `slots` [B], after the caches.
+  // -> logits [B, T, V] ([1, 1, V] from the prefill graph); the caches are updated in place.
+  // The tree graph also takes tree_mask [T, T] (bool), a batched graph the cache rows
+  // `slots` [B], after the caches.
   at::Tensor operator()(const at::Tensor& tokens, const at::Tensor& input_pos,
                         const std::vector<at::Tensor>& caches, const at::Tensor& extra = {});
 
  private:
   std::string name_;
-  int64_t min_tokens_, max_tokens_, min_batch_, max_batch_, vocab_;
+  int64_t min_tokens_, max_tokens_, min_batch_, max_batch_, vocab_, logit_rows_;
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
 };
 
