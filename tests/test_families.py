@@ -354,9 +354,9 @@ def test_qwen_ignores_inactive_sliding_window():
     ids=["int4", "gptq-int4"],
 )
 def test_int4_and_gptq_passes_on_biased_families(checkpoints, family, quantize):
-    """fuse_linears then int4 (round to nearest or GPTQ) on a prefill graph, biases kept:
+    """fuse_linears then int4 (round to nearest or GPTQ) on a prefill-shaped graph, biases kept:
     close to the float model."""
-    from aotgen.export.aoti import export_graph, graph_specs
+    from aotgen.export.aoti import calibration_spec, export_graph
     from aotgen.model.llama import new_kv_cache
     from aotgen.package.models import ModelBuild
     from aotgen.package.models import calibrate as _calibrate
@@ -367,7 +367,7 @@ def test_int4_and_gptq_passes_on_biased_families(checkpoints, family, quantize):
 
     model = _eager(checkpoints, family)
     cfg = model.config
-    spec = graph_specs(16, 4)[0]
+    spec = calibration_spec(16)  # the prefill graph with every row's logits
     passes = [FuseLinearsPass(), QuantizePass(parse_quantize(quantize))]
     if quantize.get("method") == "gptq":
         recipe = parse_recipe(

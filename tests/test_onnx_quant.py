@@ -143,7 +143,7 @@ def _export_decode(model, cache_len: int, cfg, out: Path, quantize: dict | None)
     export_model(
         out, "target", model, [GraphSpec("decode", 1, 1)], caches, parse_quantize(quantize)
     )
-    sig = {"tokens": {"min": 1, "max": 1}}
+    sig = {"tokens": {"min": 1, "max": 1}, "outputs": [{"shape": [1, 1, cfg.vocab_size]}]}
     return OnnxGraph(out / "onnx" / "target-decode.onnx", sig, torch.get_num_threads())
 
 
