@@ -72,8 +72,9 @@ def linear_shapes(d: dict[str, int]) -> list[tuple[str, int, int]]:
 
 
 def interleaved_us(fns: dict[str, Callable], budget_s: float) -> dict[str, float]:
-    """Median µs per call of each fn; rounds of batched calls (about 1 ms a batch), the
-    candidates in rotating order within each round, after two warm-up calls."""
+    """Median µs per call of each fn: rounds of batched calls (about 1 ms a batch), the
+    candidates in rotating order within each round, after two warm-up calls; 3 to 25 rounds,
+    as many as fit in `budget_s` of wall time."""
     single = {}
     for name, fn in fns.items():
         fn()
@@ -81,17 +82,18 @@ def interleaved_us(fns: dict[str, Callable], budget_s: float) -> dict[str, float
         fn()
         single[name] = max(time.perf_counter() - t0, 1e-7)
     batch = {name: max(1, min(200, round(1e-3 / t))) for name, t in single.items()}
-    round_s = sum(batch[n] * single[n] for n in fns)
-    rounds = max(3, min(25, int(budget_s / round_s)))
     names = list(fns)
     times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
+    start = time.perf_counter()
+    r = 0
+    while r < 3 or (r < 25 and time.perf_counter() - start < budget_s):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             fn, b = fns[name], batch[name]
             t0 = time.perf_counter()
             for _ in range(b):
                 fn()
             times[name].append((time.perf_counter() - t0) / b)
+        r += 1
     return {n: sorted(t)[len(t) // 2] * 1e6 for n, t in times.items()}
 
 
