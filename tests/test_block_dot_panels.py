@@ -9,8 +9,13 @@ below 1e-5 relative to the output's largest value.
 
 from __future__ import annotations
 
+import json
+import zipfile
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from aotgen.kernels import block_dot as bd
@@ -156,3 +161,48 @@ def test_block_dot_kept_only_where_faster_at_every_row_count():
         targets = _targets(new)
         assert gd.OPS[0] not in targets and len(set(BLOCK_BITS) & set(targets)) == 2
         assert "up.weight_int4b32" in new.state_dict
+
+
+# ---- compiled packages (tests/test_quantize.py, tests/test_speculative.py) ---------------------
+def wrapper_sources(package: Path, role: str) -> dict[str, str]:
+    """Each compiled graph of `role`: the C++ of its wrapper, where AOTInductor pastes the
+    custom ops' kernels (their C shims)."""
+    out = {}
+    with zipfile.ZipFile(package / "rank0" / "model.pt2") as z:
+        for name in z.namelist():
+            graph = name.split("/")[-2]
+            if name.endswith(".wrapper.cpp") and graph.startswith(f"{role}_"):
+                out[graph.removeprefix(f"{role}_")] = z.read(name).decode()
+    return out
+
+
+def assert_block_linears_follow_the_autotune(package: Path, role: str) -> None:
+    """A block-quantized model's linears run where the build's autotune put them (its record
+    in the manifest): on gguf_dot's panels unless block_dot.cpp measured faster at every row
+    count of the model's graphs. Each weight is stored once, in the layout its kernel reads.
+    (Which way a tiny shape goes is the measurement's call; tiles are measured, not asserted.)"""
+    manifest = json.loads((package / "manifest.json").read_text())
+    tiles = manifest["models"][role]["packed_linears"]["tiles"]
+    # block-int4/8: both kernels timed; gguf-dot-*: the panels' own tile for a row count
+    # where block_dot.cpp was faster but the weight is on panels (faster at another)
+    kinds = {"block-int4", "block-int8", "gguf-dot-Q4_1", "gguf-dot-Q8_0"}
+    assert tiles and {t["kind"] for t in tiles} <= kinds
+    blocks_timed = [t for t in tiles if t["kind"].startswith("block-")]
+    assert all(t["block_dot_us"] is not None for t in blocks_timed)
+    shapes: dict[tuple, list[bool]] = {}
+    for t in blocks_timed:
+        shapes.setdefault((t["kind"], t["n"], t["k"]), []).append(t["block_dot_us"] < t["us"])
+    kept = {shape for shape, faster in shapes.items() if all(faster)}
+    on_panels = set(shapes) - kept
+    wrappers = wrapper_sources(package, role)
+    assert {"prefill", "decode"} <= set(wrappers)
+    for graph, source in wrappers.items():
+        assert ("namespace aotgen_gguf_idot" in source) == bool(on_panels), graph
+        assert ("aoti_torch_cpu_gguf_dot(" in source) == bool(on_panels), graph
+        assert ("namespace aotgen_block_dot" in source) == bool(kept), graph
+    with safe_open(str(package / "rank0" / f"{role}.safetensors"), "pt") as f:
+        names = set(f.keys())
+    panels = {n.removesuffix("_gguf_codes") for n in names if n.endswith("_gguf_codes")}
+    blocks = {n for n in names if n.endswith(("int4b32", "int8b32"))}
+    assert bool(panels) == bool(on_panels) and bool(blocks) == bool(kept)
+    assert not panels & blocks  # stored once

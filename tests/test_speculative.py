@@ -285,6 +285,7 @@ def test_block_quantized_draft_keeps_greedy_output(tiny_checkpoint, project):
     from aotgen.package.build import build
     from aotgen.recipe import parse_recipe
     from aotgen.runtime.engine import Engine
+    from tests.test_block_dot_panels import assert_block_linears_follow_the_autotune
 
     quantize = {
         "linear": {"int4": {"groupsize": 32}},
@@ -301,9 +302,11 @@ def test_block_quantized_draft_keeps_greedy_output(tiny_checkpoint, project):
         "tiny-block-draft",
         Path("."),
     )
-    engine = Engine.load(build(recipe, project).path)
+    package = build(recipe, project).path
+    engine = Engine.load(package)
     linear = engine.manifest["models"]["draft"]["quantization"]["linear"]
     assert linear["activation_dtype"] == "int8" and "block_linear" in linear["kernel"]
+    assert_block_linears_follow_the_autotune(package, "draft")
     for prompt in PROMPTS:
         ids = engine.tokenizer.encode(prompt)
         plain = _greedy(engine, ids)
