@@ -195,7 +195,7 @@ def assert_block_linears_follow_the_autotune(package: Path, role: str) -> None:
     kept = {shape for shape, faster in shapes.items() if all(faster)}
     on_panels = set(shapes) - kept
     wrappers = wrapper_sources(package, role)
-    assert {"prefill", "decode"} <= set(wrappers)
+    assert "decode" in wrappers  # a draft on the target's cache has no other graph
     for graph, source in wrappers.items():
         assert ("namespace aotgen_gguf_idot" in source) == bool(on_panels), graph
         assert ("aoti_torch_cpu_gguf_dot(" in source) == bool(on_panels), graph
