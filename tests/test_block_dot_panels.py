@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from torch import nn
 from aotgen.kernels import block_dot as bd
 from aotgen.kernels import gguf_blocks as gb
 from aotgen.kernels import gguf_dot as gd
+from aotgen.package.autotune import Autotune, Tile
 from aotgen.passes.pack import BLOCK_BITS, BLOCK_DOT, PackLinears
 from aotgen.passes.quantize import quantize_pass
 from tests.test_gguf_dot import ISAS, libraries  # noqa: F401 (a fixture)
@@ -161,6 +163,22 @@ def test_block_dot_kept_only_where_faster_at_every_row_count():
         targets = _targets(new)
         assert gd.OPS[0] not in targets and len(set(BLOCK_BITS) & set(targets)) == 2
         assert "up.weight_int4b32" in new.state_dict
+
+
+def test_autotune_times_both_kernels():
+    """A block kind's record holds gguf_dot's best tile and block_dot.cpp's time; `choose`
+    answers BLOCK_DOT only where the latter is lower."""
+    tune = Autotune(None)
+    tile = tune._measure("block-int4", 48, 128, 3)
+    assert tile.kind == "block-int4" and tile.block_dot_us is not None and tile.us > 0
+    assert 1 <= tile.tile_rows <= 3 and tile.tile_panels >= 1
+    for block_dot_us, want in ((tile.us / 2, BLOCK_DOT), (tile.us * 2, tile_of(tile))):
+        tune.tiles[("block-int4", 48, 128, 3)] = replace(tile, block_dot_us=block_dot_us)
+        assert tune.choose("block-int4", 48, 128, 3) == want
+
+
+def tile_of(tile: Tile) -> tuple[int, int]:
+    return tile.tile_rows, tile.tile_panels
 
 
 # ---- compiled packages (tests/test_quantize.py, tests/test_speculative.py) ---------------------

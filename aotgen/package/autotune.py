@@ -31,11 +31,11 @@ from aotgen.kernels import block_dot as bd
 from aotgen.kernels import gguf_blocks as gb
 from aotgen.kernels import gguf_dot
 from aotgen.kernels import packed as pk
+from aotgen.passes.pack import BLOCK_DOT  # `choose` for a block linear faster on block_dot.cpp
 
 # Time spent per candidate, at least one call; the median of the calls counts.
 BUDGET_S = 0.02
 MAX_CALLS = 9
-BLOCK_DOT = (0, 0)  # `choose` for a block linear that runs faster on block_dot.cpp
 BLOCK_QTYPES = {"block-int4": "Q4_1", "block-int8": "Q8_0"}  # its weights as GGUF blocks
 
 

@@ -46,7 +46,7 @@ INT8_MM = aten._weight_int8pack_mm.default
 # (kind, n, k, rows) -> (tile rows, tile panels): the autotune's choice. For the block kinds
 # (`block-int4` / `block-int8`), BLOCK_DOT where block_dot.cpp measured faster.
 TileChooser = Callable[[str, int, int, int], tuple[int, int]]
-BLOCK_DOT = (0, 0)
+BLOCK_DOT = (0, 0)  # the autotune's answer: keep block_dot.cpp
 BLOCK_BITS = {bd.OP_FOR["int4"]: 4, bd.OP_FOR["int8"]: 8}
 
 
