@@ -224,3 +224,18 @@ def assert_block_linears_follow_the_autotune(package: Path, role: str) -> None:
     blocks = {n for n in names if n.endswith(("int4b32", "int8b32"))}
     assert bool(panels) == bool(on_panels) and bool(blocks) == bool(kept)
     assert not panels & blocks  # stored once
+
+
+def assert_block_linears_on_panels(package: Path, role: str) -> None:
+    """Every block linear of `role` runs on gguf_dot (a build told to put them there): no
+    block_dot code in any graph, no block_dot tensor in the package."""
+    wrappers = wrapper_sources(package, role)
+    assert "decode" in wrappers
+    for graph, source in wrappers.items():
+        assert "aoti_torch_cpu_gguf_dot(" in source, graph
+        assert "namespace aotgen_block_dot" not in source, graph
+    with safe_open(str(package / "rank0" / f"{role}.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert any(n.endswith("_int4b32_gguf_codes") for n in names)
+    assert any(n.endswith("_int8b32_gguf_codes") for n in names)
+    assert not any(n.endswith(("b32", "b32_scales")) for n in names)
