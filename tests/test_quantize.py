@@ -315,6 +315,15 @@ def test_package_stores_quantized_weights_once(int8_build, int4_build):
     assert not any(n.endswith(".weight") and "proj" in n for n in names)
 
 
+def test_block_linears_run_on_gguf_dot_panels(block_build):
+    """The block linears (int4 body, int8 head) run on gguf_dot's panels where the autotune
+    measured them faster (passes/pack.py); tests/test_block_dot_panels.py holds the panels to
+    block_dot's reference."""
+    from tests.test_block_dot_panels import assert_block_linears_follow_the_autotune
+
+    assert_block_linears_follow_the_autotune(block_build.path, "target")
+
+
 def test_compiled_matches_eager_quantized_and_fp32(quantized, tiny_model_for):
     """Each compiled graph vs the same transformed graph run eagerly (tight), and vs the fp32
     model (loose), on the same inputs and cache state."""

@@ -276,16 +276,34 @@ def test_self_speculation_draft_can_be_quantized(tiny_checkpoint, project):
     assert spec.spec.drafted > 0 and spec.spec.accepted > 0
 
 
-def test_block_quantized_draft_keeps_greedy_output(tiny_checkpoint, project):
+@pytest.mark.parametrize("kernels", ["autotuned", "panels"])
+def test_block_quantized_draft_keeps_greedy_output(tiny_checkpoint, project, kernels, monkeypatch):
     """The spec recipe's draft: the target's weights as int4 (int8 head) with int8
     activations (kernels/block_dot.py), compiled into the package: lossy, so only the
-    acceptance shows it, never the output."""
+    acceptance shows it, never the output. `autotuned`: each weight on the kernel the build
+    measured faster (a tiny one-row draft may keep block_dot.cpp); `panels`: every block
+    linear on gguf_dot's panels, whatever the timings."""
     from conftest import TINY_RECIPE
 
+    from aotgen.package import autotune
     from aotgen.package.build import build
     from aotgen.recipe import parse_recipe
     from aotgen.runtime.engine import Engine
+    from tests.test_block_dot_panels import (
+        assert_block_linears_follow_the_autotune,
+        assert_block_linears_on_panels,
+    )
 
+    if kernels == "panels":
+        measured = autotune.Autotune.choose
+
+        def panels_only(self, kind, n, k, rows):
+            tile = measured(self, kind, n, k, rows)
+            if tile != autotune.BLOCK_DOT:
+                return tile
+            return measured(self, f"gguf-dot-{autotune.BLOCK_QTYPES[kind]}", n, k, rows)
+
+        monkeypatch.setattr(autotune.Autotune, "choose", panels_only)
     quantize = {
         "linear": {"int4": {"groupsize": 32}},
         "overrides": {"lm_head": "int8"},
@@ -298,12 +316,17 @@ def test_block_quantized_draft_keeps_greedy_output(tiny_checkpoint, project):
             **{k: v for k, v in TINY_RECIPE.items() if k != "verify_k"},
             "speculative": {"draft": {"quantize": quantize}, "k": 4},
         },
-        "tiny-block-draft",
+        f"tiny-block-draft-{kernels}",
         Path("."),
     )
-    engine = Engine.load(build(recipe, project).path)
+    package = build(recipe, project).path
+    engine = Engine.load(package)
     linear = engine.manifest["models"]["draft"]["quantization"]["linear"]
     assert linear["activation_dtype"] == "int8" and "block_linear" in linear["kernel"]
+    if kernels == "panels":
+        assert_block_linears_on_panels(package, "draft")
+    else:
+        assert_block_linears_follow_the_autotune(package, "draft")
     for prompt in PROMPTS:
         ids = engine.tokenizer.encode(prompt)
         plain = _greedy(engine, ids)

@@ -278,7 +278,7 @@ inline void linear(int bits, const float* x, int64_t ld, int64_t M, int64_t K, c
 #pragma GCC pop_options
 
 #ifdef AOTGEN_BLOCK_DOT_STANDALONE
-// For tests: the kernel without AOTInductor's tensor handles.
+// For tests and the build's autotune: the kernel without AOTInductor's tensor handles.
 extern "C" void aotgen_block_linear(int bits, const float* x, int64_t M, int64_t K,
                                     const void* weight, const uint16_t* scales, int64_t N,
                                     float* out) {

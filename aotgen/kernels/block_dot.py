@@ -10,15 +10,25 @@ target verifies, and for packages that accept the approximation (docs/quantizati
 The ops are `torch.library` custom ops, so they export and have an eager reference (below);
 AOTInductor compiles `block_dot.cpp` into each graph's `.so` as their C shims (`c_shims`),
 so a package needs neither this module nor any extra library at run time.
+
+The same numbers are GGUF Q4_1 / Q8_0 blocks (`as_gguf`): on CPU with `compile.packed_linears`
+the pack pass (passes/pack.py) moves these ops onto `gguf_dot`'s 16-output panels, whose
+register tiles multiply each weight unit into several rows (verify, batched drafts) and use
+VNNI where the CPU has it; the build's autotune keeps `block_dot.cpp` only for a weight it
+measured faster at every row count the model's graphs run.
 """
 
 from __future__ import annotations
 
+import ctypes
 from functools import cache
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from aotgen.kernels import gguf_blocks as gb
+from aotgen.kernels import packed as pk
 
 BLOCK = 32
 MAX_IN_FEATURES = 32768  # the C++ kernel keeps per-row scale tables on the stack
@@ -105,6 +115,22 @@ def dequantize_int8(q: Tensor, scales: Tensor) -> Tensor:
     return (codes * row_scales(scales)[..., None]).reshape(n, -1)
 
 
+def as_gguf(bits: int, weight: Tensor, scales: Tensor) -> gb.Decoded:
+    """The kernel's weight and scales as GGUF blocks (row-major, for `gguf_blocks.pack`), the
+    same numbers: int4 is Q4_1 (w = q * d + m), int8 is Q8_0 (stored as q + 128)."""
+    n = weight.shape[0]
+    if bits == 4:
+        codes = unpack_int4(weight)
+        groups = row_scales(scales).permute(0, 2, 1)  # [N, nb, (d, m)]
+        qtype = gb.QTYPES["Q4_1"]
+    else:
+        codes = (deinterleave(weight, 32).to(torch.int16) + 128).to(torch.uint8)
+        groups = row_scales(scales)[..., None]  # [N, nb, 1]
+        qtype = gb.QTYPES["Q8_0"]
+    # float16 -> float32 -> float16 is exact
+    return gb.Decoded(qtype, codes.reshape(n, -1).numpy(), groups.half().contiguous().numpy())
+
+
 # ---- activations and the reference linear ----------------------------------------------------
 def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """[M, K] float32 -> (codes [M, K/32, 32] as float, dx [M, K/32], sx = dx * sum(codes)):
@@ -167,3 +193,27 @@ def c_shims() -> dict:
 
 def uses_block_ops(graph: torch.fx.Graph) -> bool:
     return any(node.target in OP_FOR.values() for node in graph.nodes)
+
+
+# ---- the kernel as a plain shared library: tests and the build's autotune ---------------------
+def library(arch_flags: tuple[str, ...] = ("-march=native",)) -> ctypes.CDLL | None:
+    return pk.library(arch_flags, SOURCE, "AOTGEN_BLOCK_DOT_STANDALONE")
+
+
+def run_library(
+    lib: ctypes.CDLL,
+    bits: int,
+    x: Tensor,
+    weight: Tensor,
+    scales: Tensor,
+    out: Tensor | None = None,
+) -> Tensor:
+    """The C++ kernel on contiguous CPU tensors (x float32 [M, K])."""
+    (m, k), n = x.shape, weight.shape[0]
+    out = torch.empty(m, n) if out is None else out
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.aotgen_block_linear(
+        ctypes.c_int(bits), ptr(x.data_ptr()), i64(m), i64(k), ptr(weight.data_ptr()),
+        ptr(scales.data_ptr()), i64(n), ptr(out.data_ptr()),
+    )  # fmt: skip
+    return out

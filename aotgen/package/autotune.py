@@ -8,6 +8,10 @@ measured, not set by rule: each (weight type, N, K, rows) the pass meets is time
 candidate tiles with the kernel built as Inductor builds it (`-march=native`), and BLAS
 (`F.linear` on the row-major weight) beside it for the report. Results are kept per CPU in
 the project's cache, so a rebuild measures nothing.
+
+The int8-activation block linears (kernels/block_dot.py, kinds `block-int4` / `block-int8`) are
+timed twice: on `gguf_dot`'s panels (their Q4_1 / Q8_0 blocks, every tile) and on
+`block_dot.cpp`; `choose` answers `BLOCK_DOT` where the latter was faster.
 """
 
 from __future__ import annotations
@@ -17,24 +21,27 @@ import json
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from aotgen.kernels import block_dot as bd
 from aotgen.kernels import gguf_blocks as gb
 from aotgen.kernels import gguf_dot
 from aotgen.kernels import packed as pk
+from aotgen.passes.pack import BLOCK_DOT  # `choose` for a block linear faster on block_dot.cpp
 
 # Time spent per candidate, at least one call; the median of the calls counts.
 BUDGET_S = 0.02
 MAX_CALLS = 9
+BLOCK_QTYPES = {"block-int4": "Q4_1", "block-int8": "Q8_0"}  # its weights as GGUF blocks
 
 
 @dataclass(frozen=True)
 class Tile:
-    kind: str  # "float32" | "int8" | "gguf-<block type>" | "gguf-dot-<block type>"
+    kind: str  # "float32" | "int8" | "gguf-<block type>" | "gguf-dot-<block type>" | "block-int4|8"
     n: int
     k: int
     rows: int  # activation rows per call
@@ -42,6 +49,7 @@ class Tile:
     tile_panels: int
     us: float  # the chosen tile, microseconds per call
     blas_us: float  # F.linear on the row-major float32 weight, for comparison
+    block_dot_us: float | None = None  # block kinds: block_dot.cpp (`us`: gguf_dot's best tile)
 
 
 def _median_us(fn, budget_s: float = BUDGET_S) -> float:
@@ -76,6 +84,7 @@ class Autotune:
             self._known = json.loads(self._file.read_text())
 
     def choose(self, kind: str, n: int, k: int, rows: int) -> tuple[int, int]:
+        """The fastest tile, or `BLOCK_DOT` for a block kind whose own kernel was faster."""
         key = (kind, n, k, rows)
         if key not in self.tiles:
             known = self._known.get(repr(key))
@@ -87,9 +96,13 @@ class Autotune:
                 tmp.write_text(json.dumps(self._known, indent=0))
                 tmp.replace(self._file)
         tile = self.tiles[key]
+        if tile.block_dot_us is not None and tile.block_dot_us < tile.us:
+            return BLOCK_DOT
         return tile.tile_rows, tile.tile_panels
 
     def _measure(self, kind: str, n: int, k: int, rows: int) -> Tile:
+        if kind in BLOCK_QTYPES:
+            return self._measure_block_dot(kind, n, k, rows)
         if kind.startswith("gguf-"):
             return self._measure_blocks(kind, n, k, rows)
         lib = pk.library()
@@ -131,6 +144,21 @@ class Autotune:
         us, (tile_rows, tile_panels) = min(timed) if timed else (0.0, (min(rows, 8), 1))
         return Tile(kind, n, k, rows, tile_rows, tile_panels, round(us, 1), round(blas_us, 1))
 
+    def _measure_block_dot(self, kind: str, n: int, k: int, rows: int) -> Tile:
+        """A block linear on gguf_dot's panels (every tile) and on block_dot.cpp, both built
+        as Inductor builds them."""
+        tile = self._measure_blocks(f"gguf-dot-{BLOCK_QTYPES[kind]}", n, k, rows)
+        lib = bd.library()
+        if lib is None:
+            return replace(tile, kind=kind)
+        bits = 4 if kind == "block-int4" else 8
+        gen = torch.Generator().manual_seed(0)
+        w, x = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen)
+        q, s = bd.quantize_int4(w) if bits == 4 else bd.quantize_int8(w)
+        out = torch.empty(rows, n)
+        us = _median_us(lambda: bd.run_library(lib, bits, x, q, s, out=out))
+        return replace(tile, kind=kind, block_dot_us=round(us, 1))
+
     def summary(self) -> list[dict]:
         return [
             asdict(t) for t in sorted(self.tiles.values(), key=lambda t: (t.kind, t.n, t.k, t.rows))
@@ -151,5 +179,6 @@ def _machine_key() -> str:
         pk.SOURCE.read_text(),
         gb.SOURCE.read_text(),
         gguf_dot.SOURCE.read_text(),
+        bd.SOURCE.read_text(),
     )
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]

@@ -106,7 +106,8 @@ def compile_model(
     packers = None
     if recipe.compile.packed_linears and cpu:  # the tiles are measured here, on first use
         tuner = Autotune(compile_cache.parent / "autotune")
-        packers = [PackLinears(tuner.choose, mb.gguf) for _ in ranks]
+        rows = tuple(spec.rows for spec in mb.graphs)
+        packers = [PackLinears(tuner.choose, mb.gguf, rows) for _ in ranks]
     compiled = CompiledModel({}, [{} for _ in ranks], {})
     for spec in mb.graphs:
         t0 = time.perf_counter()

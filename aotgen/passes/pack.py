@@ -14,6 +14,13 @@ for prefill).
 With `quantize: {gguf: keep}` a float32 weight whose rows are a GGUF file's kept blocks
 (passes/gguf_keep.py) runs on those blocks instead (kernels/gguf_blocks.py), one op per
 segment of one block type; a tied Q8_0 embedding gathers and dequantizes its rows from them.
+
+The int8-activation block linears of `quantize: {activations: int8}` (kernels/block_dot.py, the
+drafts') run on `gguf_dot`'s panels as well: their weights are Q4_1 / Q8_0 blocks
+(`block_dot.as_gguf`), and gguf_dot's register tiles multiply each weight unit into every row
+(block_dot.cpp goes row by row). The numbers are the same (same activation codes, same integer
+sums, float sums in another order). One kernel per weight, so it is stored once: block_dot.cpp
+only where the autotune measured it faster at every row count the model's graphs run.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from torch import Tensor
 from torch.export import ExportedProgram
 from torch.fx import Node
 
+from aotgen.kernels import block_dot as bd
 from aotgen.kernels import gguf_blocks as gb
 from aotgen.kernels import gguf_dot
 from aotgen.kernels import packed as pk
@@ -36,17 +44,24 @@ from aotgen.passes.gguf_keep import KeepGGUF, Segment
 aten = torch.ops.aten
 INT8_MM = aten._weight_int8pack_mm.default
 
-# (kind, n, k, rows) -> (tile rows, tile panels): the autotune's choice.
+# (kind, n, k, rows) -> (tile rows, tile panels): the autotune's choice. For the block kinds
+# (`block-int4` / `block-int8`), BLOCK_DOT where block_dot.cpp measured faster.
 TileChooser = Callable[[str, int, int, int], tuple[int, int]]
+BLOCK_DOT = (0, 0)  # the autotune's answer: keep block_dot.cpp
+BLOCK_BITS = {bd.OP_FOR["int4"]: 4, bd.OP_FOR["int8"]: 8}
 
 
 class PackLinears:
     """One model's pass: call it on each graph with the graph's row count; packed weights are
     shared by every graph, so the package stores each once."""
 
-    def __init__(self, choose_tile: TileChooser, gguf: KeepGGUF | None = None):
+    def __init__(
+        self, choose_tile: TileChooser, gguf: KeepGGUF | None = None, rows: tuple[int, ...] = ()
+    ):
         self.choose_tile = choose_tile
         self.gguf = gguf
+        self.rows = rows  # every graph's row count: block linears pick one kernel for all
+        self._dot: dict[int, tuple[Tensor, tuple | None]] = {}  # id(block weight) -> panels
         self._packed: dict[int, tuple[Tensor, Tensor, Tensor | None]] = {}  # id(source) -> ...
         self._blocks: dict[int, tuple[Tensor, list[tuple[Segment, tuple]]]] = {}
         self.packed_names: set[str] = set()
@@ -69,6 +84,9 @@ class PackLinears:
                 self._rewrite_on_blocks(edit, weight, found, segments, rows)
             else:
                 self._rewrite_users(edit, weight, found, rows)
+        blocks = [n for n in edit.graph.nodes if n.op == "call_function" and n.target in BLOCK_BITS]
+        for node in blocks:
+            self._block_dot_linear(edit, node, rows)
         return edit.finish()
 
     @staticmethod
@@ -215,6 +233,44 @@ class PackLinears:
         if bias is not None:
             out = add(aten.add.Tensor, out, bias)
         return float32_result(add, node, out)
+
+    # ---- block_dot's int4 / int8 weights ------------------------------------------------------
+    def _block_dot_linear(self, edit: WeightEditor, node: Node, rows: int) -> None:
+        """`node` (block_dot's op) onto gguf_dot's panels of the same blocks, unless the
+        autotune keeps block_dot.cpp for its weight or something else reads the weight."""
+        x, weight, scales = node.args
+        found, found_scales = edit.weight(weight), edit.weight(scales)
+        readers = {*weight.users, *scales.users}
+        if found is None or found_scales is None or found[1].device.type != "cpu":
+            return
+        if any(u.target not in BLOCK_BITS or u.args[1:] != (weight, scales) for u in readers):
+            return
+        (target, t), bits = found, BLOCK_BITS[node.target]
+        n, k = t.shape[0], x.meta["val"].shape[-1]
+        kind = f"block-int{bits}"
+        if id(t) not in self._dot:
+            counts = dict.fromkeys((*self.rows, rows))
+            on_panels = any(self.choose_tile(kind, n, k, r) != BLOCK_DOT for r in counts)
+            packed = gb.pack(bd.as_gguf(bits, t, found_scales[1])) if on_panels else None
+            self._dot[id(t)] = (t, packed)
+        packed = self._dot[id(t)][1]
+        if packed is None:
+            return
+        q = gb.QTYPES["Q4_1" if bits == 4 else "Q8_0"]
+        tile = self.choose_tile(kind, n, k, rows)
+        if tile == BLOCK_DOT:  # faster here, not at another row count: the panels' best tile
+            tile = self.choose_tile(f"gguf-dot-{q.name}", n, k, rows)
+        self.packed_names.add(target)
+        codes, groups, _ = packed
+        codes = edit.add(f"{target}_gguf_codes", codes)
+        groups = edit.add(f"{target}_gguf_groups", groups)
+        with edit.graph.inserting_before(node):
+            add = partial(emit, edit.graph, node)
+            out = add(gguf_dot.OPS[0], x, codes, groups, q.index, *tile)
+            if pk.padded_outputs(n) != n:
+                out = add(aten.slice.Tensor, out, 1, 0, n)
+        node.replace_all_uses_with(out)
+        edit.graph.erase_node(node)
 
 
 def _rows(lead: list[int], rows: int) -> int:

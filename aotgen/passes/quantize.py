@@ -202,7 +202,10 @@ class QuantizePass:
         lin = self.options.linear
         if self.blocks:
             kind = lin.kind if lin else "int8"
-            lin_kernel = f"aotgen.{kind}_block_linear (kernels/block_dot.cpp)"
+            lin_kernel = (
+                f"aotgen.{kind}_block_linear (kernels/block_dot.cpp; with "
+                "compile.packed_linears, gguf_dot's panels where the autotune measured faster)"
+            )
         elif lin and lin.kind == "int8":
             lin_kernel = "aten._weight_int8pack_mm"
         elif self.device == "cpu":
