@@ -247,6 +247,7 @@ class PackLinears:
             return
         (target, t), bits = found, BLOCK_BITS[node.target]
         n, k = t.shape[0], x.meta["val"].shape[-1]
+        rows = _rows([d if isinstance(d, int) else -1 for d in x.meta["val"].shape[:-1]], rows)
         kind = f"block-int{bits}"
         if id(t) not in self._dot:
             counts = dict.fromkeys((*self.rows, rows))
