@@ -25,8 +25,7 @@ from aotgen.kernels import gguf_dot as gd
 from aotgen.package.autotune import Autotune, Tile
 from aotgen.passes.pack import BLOCK_BITS, BLOCK_DOT, PackLinears
 from aotgen.passes.quantize import quantize_pass
-from tests.test_gguf_dot import ISAS, libraries  # noqa: F401 (a fixture)
-from tests.test_packed import CPU_FLAGS
+from tests.test_gguf_dot import lib, libraries  # noqa: F401 (fixtures)
 
 N, K = 37, 128  # an odd N: the last panel is padding
 
@@ -56,18 +55,8 @@ def test_as_gguf_is_the_same_weights(bits):
     assert torch.equal(gb.dequantize_packed(*packed[:2], None, dec.qtype)[:N], want)
 
 
-@pytest.fixture(scope="module", params=list(ISAS))
-def lib(request, libraries):  # noqa: F811
-    flags, needs = ISAS[request.param]
-    if not needs <= CPU_FLAGS:
-        pytest.skip(f"CPU without {', '.join(sorted(needs - CPU_FLAGS))}")
-    if libraries[request.param] is None:
-        pytest.skip("no C++ compiler")
-    return libraries[request.param]
-
-
 @pytest.mark.parametrize("bits", [4, 8])
-def test_panels_compute_the_block_reference(lib, bits):
+def test_panels_compute_the_block_reference(lib, bits):  # noqa: F811
     """M = 1..16 rows, tiles as the autotune picks them (all rows up to 8, several panels)."""
     for m in range(1, 17):
         x, q, s = _case(bits, m, seed=m)
