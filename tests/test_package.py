@@ -92,6 +92,31 @@ def test_few_tokens_run_padded_through_verify(engine, eager, monkeypatch, length
     assert _rel_err(runner.decode(history[nxt], nxt), eager.forward([history[nxt]], nxt)[-1]) < 1e-4
 
 
+def test_every_rows_logits_come_from_verify_and_decode(engine, eager, monkeypatch):
+    """The prefill graph returns its last row only, so `all_logits` runs verify-sized chunks,
+    and one token at a time where the verify graph would pass the cache's end: every row's
+    logits still equal eager."""
+    runner = engine.target
+    end = runner.cache_len
+    start = end - 3 * runner.verify_len - 2  # 3 verify chunks, then 2 tokens at the end
+    history = torch.randint(0, runner.vocab_size, (end,), generator=torch.Generator()).tolist()
+    for c in (*runner.caches, *eager.caches):
+        c.zero_()
+    runner.forward(history[:start], 0)
+    eager.forward(history[:start], 0)
+    used = []
+    for name in ("prefill", "verify", "decode"):
+        graph = runner.graphs[name]
+        monkeypatch.setitem(
+            runner.graphs, name, lambda *a, g=graph, n=name: used.append(n) or g(*a)
+        )
+    tail = history[start:]
+    got = runner.forward(tail, start, all_logits=True)
+    assert used == ["verify"] * 3 + ["decode"] * 2
+    assert got.shape == (len(tail), runner.vocab_size)
+    assert _rel_err(got, eager.forward(tail, start)) < 1e-4
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_tokens_equal_eager(engine, eager, prompt):
     ids = engine.tokenizer.encode(prompt)
