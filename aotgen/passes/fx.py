@@ -39,6 +39,11 @@ def emit(graph: Graph, replaced: Node, target: Any, *args: Any, **kwargs: Any) -
     return new
 
 
+def view_dims(shape: Any) -> list[int]:
+    """`shape` for a view: a symbolic dim (prefill's token count) as -1."""
+    return [d if isinstance(d, int) else -1 for d in shape]
+
+
 def is_cast_from_float32(node: Node) -> bool:
     """`node` is a plain dtype cast of a float32 value (e.g. the bf16 cast in front of an
     int8 kernel)."""

@@ -38,7 +38,13 @@ from aotgen.kernels import block_dot as bd
 from aotgen.kernels import gguf_blocks as gb
 from aotgen.kernels import gguf_dot
 from aotgen.kernels import packed as pk
-from aotgen.passes.fx import WeightEditor, emit, float32_result, is_cast_from_float32
+from aotgen.passes.fx import (
+    WeightEditor,
+    emit,
+    float32_result,
+    is_cast_from_float32,
+    view_dims,
+)
 from aotgen.passes.gguf_keep import KeepGGUF, Segment
 
 aten = torch.ops.aten
@@ -145,8 +151,7 @@ class PackLinears:
         n, k = weight.meta["val"].shape
         if scale is not None and is_cast_from_float32(x):
             x = x.args[0]  # the bf16 cast was for the int8 kernel; this one reads float32
-        # The leading dims back as they were: a symbolic one (prefill's tokens) as -1.
-        lead = [d if isinstance(d, int) else -1 for d in x.meta["val"].shape[:-1]]
+        lead = view_dims(x.meta["val"].shape[:-1])  # the leading dims back as they were
         flat = add(aten.reshape.default, x, [-1, k])
         if scale is not None and x.meta["val"].dtype != torch.float32:
             flat = add(aten._to_copy.default, flat, dtype=torch.float32)
@@ -214,7 +219,7 @@ class PackLinears:
         x, weight, *rest = node.args
         bias = rest[0] if rest else None
         n, k = weight.meta["val"].shape
-        lead = [d if isinstance(d, int) else -1 for d in x.meta["val"].shape[:-1]]
+        lead = view_dims(x.meta["val"].shape[:-1])
         flat = add(aten.reshape.default, x, [-1, k])
         if x.meta["val"].dtype != torch.float32:
             flat = add(aten._to_copy.default, flat, dtype=torch.float32)
@@ -247,7 +252,7 @@ class PackLinears:
             return
         (target, t), bits = found, BLOCK_BITS[node.target]
         n, k = t.shape[0], x.meta["val"].shape[-1]
-        rows = _rows([d if isinstance(d, int) else -1 for d in x.meta["val"].shape[:-1]], rows)
+        rows = _rows(view_dims(x.meta["val"].shape[:-1]), rows)
         kind = f"block-int{bits}"
         if id(t) not in self._dot:
             counts = dict.fromkeys((*self.rows, rows))
@@ -285,7 +290,7 @@ def _gather_q8_0(add: Callable[..., Node], node: Node, codes: Node, groups: Node
     ids = node.args[1]
     p, units, _ = codes.meta["val"].shape
     k = units * 4
-    lead = [d if isinstance(d, int) else -1 for d in ids.meta["val"].shape]
+    lead = view_dims(ids.meta["val"].shape)
     flat = add(aten.reshape.default, ids, [-1])
     hi = add(aten.div.Tensor_mode, flat, pk.PANEL, rounding_mode="floor")
     lo = add(aten.remainder.Scalar, flat, pk.PANEL)

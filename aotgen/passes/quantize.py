@@ -32,7 +32,7 @@ from torch.export import ExportedProgram
 from torch.fx import Node
 
 from aotgen.kernels import block_dot
-from aotgen.passes.fx import WeightEditor, compact_names, op_name
+from aotgen.passes.fx import WeightEditor, compact_names, op_name, view_dims
 from aotgen.passes.fx import emit as emit_node
 from aotgen.passes.gptq import gptq_codes, input_hessians
 from aotgen.passes.quantize_numerics import (
@@ -426,7 +426,7 @@ class QuantizePass:
         n = node.meta["val"].shape[-1]
         # The kernels take 2-D activations; a single dynamic dim (the token count) is -1.
         if sum(not isinstance(d, int) for d in lead) <= 1:
-            return [d if isinstance(d, int) else -1 for d in lead] + [n]
+            return [*view_dims(lead), n]
         return [
             d if isinstance(d, int) else emit(node, aten.sym_size.int, x, i)
             for i, d in enumerate(lead)

@@ -221,9 +221,8 @@ class ModelRunner:
         pos = start_pos
         while pos < end:
             n = min(end - pos, step)
-            width = self._graph_width(n, pos)
-            if all_logits and width not in (1, self.verify_len):
-                n = width = 1  # the verify graph would run past the cache
+            width = self._graph_width(n, pos, all_logits)
+            n = min(n, width)
             chunk = tokens[pos - start_pos : pos - start_pos + n]
             graph = self.graphs[
                 "decode" if width == 1 else "verify" if width == self.verify_len else "prefill"
@@ -236,16 +235,19 @@ class ModelRunner:
             pos += n
         return torch.cat(outs) if all_logits else outs[-1][0]
 
-    def _graph_width(self, n: int, pos: int) -> int:
+    def _graph_width(self, n: int, pos: int, all_logits: bool = False) -> int:
         """How many positions to run for `n` tokens at `pos`: 1 (decode), n (prefill), or the
         verify graph's width, padded, for 1 < n < verify_len. The prefill graph's BLAS calls
         are slowest at a few rows (SmolLM2 fp32: 2-4 tokens 73-136 ms, against 32 ms for the
         5-token verify graph), and a partial speculative block or a short prompt tail lands
         there. The padded positions' cache entries are never read: every graph writes its
-        positions before attending, and attends only up to its last one.
+        positions before attending, and attends only up to its last one. With `all_logits`
+        the prefill graph (last row only) is no choice: 1 where the verify graph does not fit.
         """
         if 1 < n < self.verify_len and pos + self.verify_len <= self.cache_len:
             return self.verify_len
+        if all_logits and n != self.verify_len:
+            return 1
         return n
 
     def tree_forward(self, tree: Tree, start: int) -> Tensor:

@@ -230,9 +230,9 @@ at::Tensor ModelRunner::forward(const std::vector<int64_t>& tokens, int64_t star
   const int64_t step = all_logits ? std::max<int64_t>(verify_len_, 1) : prefill_chunk_;
   std::vector<at::Tensor> outs;
   for (int64_t pos = start_pos; pos < end;) {
-    int64_t n = std::min(end - pos, step);
-    int64_t width = graph_width(n, pos);
-    if (all_logits && width != 1 && width != verify_len_) n = width = 1;
+    const int64_t want = std::min(end - pos, step);
+    const int64_t width = graph_width(want, pos, all_logits);
+    const int64_t n = std::min(want, width);
     Graph& graph = width == 1 ? *decode_ : (width == verify_len_ ? *verify_ : *prefill_);
     at::Tensor chunk = at::empty({1, width}, at::kLong);
     auto* ids = chunk.data_ptr<int64_t>();
@@ -258,8 +258,9 @@ at::Tensor ModelRunner::batch(const at::Tensor& tokens, const at::Tensor& positi
   return (*graph)(tokens, positions, caches_, slots);
 }
 
-int64_t ModelRunner::graph_width(int64_t n, int64_t pos) const {
+int64_t ModelRunner::graph_width(int64_t n, int64_t pos, bool all_logits) const {
   if (n > 1 && n < verify_len_ && pos + verify_len_ <= cache_len_) return verify_len_;
+  if (all_logits && n != verify_len_) return 1;  // the prefill graph returns its last row only
   return n;
 }
 

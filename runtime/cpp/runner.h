@@ -100,8 +100,9 @@ class ModelRunner {
 
  private:
   // Positions to run for n tokens at pos: ModelRunner._graph_width in engine.py (a few
-  // tokens go through the verify graph, padded: the prefill graph is slowest there).
-  int64_t graph_width(int64_t n, int64_t pos) const;
+  // tokens go through the verify graph, padded: the prefill graph is slowest there; every
+  // row's logits never through prefill, which returns its last row only).
+  int64_t graph_width(int64_t n, int64_t pos, bool all_logits = false) const;
 
   int64_t vocab_size_;
   std::unordered_map<std::string, at::Tensor> weights_;  // the graphs use these in place
