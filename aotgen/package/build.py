@@ -234,7 +234,14 @@ def _packed_note(compiled: CompiledModel) -> str:
         us, blas = sum(t["us"] for t in tiles), sum(t["blas_us"] for t in tiles)
         chosen = ", ".join(sorted({f"{t['tile_rows']}x{t['tile_panels']}" for t in tiles}))
         parts.append(f"{rows} rows: tiles {chosen}, {us / 1e3:.2f} ms vs BLAS {blas / 1e3:.2f} ms")
-    return f"packed_linears: {compiled.packed} weights; per shape once: " + "; ".join(parts)
+    note = f"packed_linears: {compiled.packed} weights; per shape once: " + "; ".join(parts)
+    if compiled.tiles_busy is not None:
+        note += (
+            f". The tiles were measured while other processes used {compiled.tiles_busy:.1f}"
+            " cores: not cached, and maybe not the fastest (rebuild with --force on a quiet"
+            " machine)"
+        )
+    return note
 
 
 def _model_entry(

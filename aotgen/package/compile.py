@@ -60,6 +60,9 @@ class CompiledModel:
     group_name: str | None = None  # the process group the compiled collectives name
     tiles: list[dict] = field(default_factory=list)  # the packed kernels' autotune
     packed: int = 0  # weights repacked into panels
+    # Other processes' CPU use (cores) while the tiles were measured, where it was too high for
+    # the tiles to be cached (package/autotune.py); None: quiet, or nothing measured.
+    tiles_busy: float | None = None
 
 
 def graph_signature(spec: GraphSpec, cfg: ModelConfig, cache: list[Tensor]) -> dict[str, Any]:
@@ -135,6 +138,8 @@ def compile_model(
         compiled.graphs.append(report)
     if packers:
         compiled.tiles = tuner.summary()
+        if not tuner.save() and not tuner.quiet:
+            compiled.tiles_busy = tuner.others.cores()
         compiled.packed = len(packers[0].packed_names)
     return compiled
 
