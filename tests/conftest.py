@@ -136,6 +136,7 @@ class BackgroundBuilds:
         import tempfile
 
         self.names = names
+        self.waits: list[str] = []
         self.out = Path(tempfile.mkdtemp(prefix="aotgen-real-builds-"))
         self.log = self.out / "build.log"
         with self.log.open("w") as log:
@@ -151,7 +152,8 @@ class BackgroundBuilds:
         import time
 
         done = self.out / f"{name}.done"
-        deadline = time.monotonic() + BUILD_TIMEOUT_S
+        start = time.monotonic()
+        deadline = start + BUILD_TIMEOUT_S
         while not done.exists():
             failed = self.proc.poll() is not None and not done.exists()
             if failed or time.monotonic() > deadline:
@@ -159,7 +161,14 @@ class BackgroundBuilds:
                 how = "failed" if failed else f"took over {BUILD_TIMEOUT_S} s"
                 pytest.fail(f"background build of {name} {how}:\n{tail}", pytrace=False)
             time.sleep(1)
+        if (waited := time.monotonic() - start) >= 1:
+            self.waits.append(f"a test waited {waited:.0f} s for {name}")
         return Path(done.read_text())
+
+    def report(self) -> list[str]:
+        """How long each build took and what the tests waited: CI's critical path."""
+        built = [ln for ln in self.log.read_text().splitlines() if ln.startswith("built ")]
+        return built + self.waits
 
     def close(self) -> None:
         import shutil
@@ -191,6 +200,14 @@ def pytest_collection_modifyitems(config, items) -> None:
     names = [name for name in names if have_onnx() or not name.endswith("-onnx")]
     if names:
         config.stash[BUILDS] = BackgroundBuilds(names)
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    builds = config.stash.get(BUILDS, None)
+    if builds is not None:
+        terminalreporter.section("background builds of the real-model packages")
+        for line in builds.report():
+            terminalreporter.write_line(line)
 
 
 def pytest_unconfigure(config) -> None:

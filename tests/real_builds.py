@@ -8,6 +8,7 @@ path) as each recipe finishes; a failure ends the process with its traceback in 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -19,14 +20,17 @@ from aotgen.checkpoint.gguf import import_gguf, resolve_gguf  # noqa: E402
 
 def main(out: Path, names: list[str]) -> None:
     checkpoints: dict[str, Path] = {}
+    start = time.monotonic()
     for name in names:
+        t0 = time.monotonic()
         gguf = bundled_gguf(name)
         if gguf not in checkpoints:
             checkpoints[gguf] = import_gguf(resolve_gguf(gguf), out / "checkpoints" / gguf)
         path = build_real_recipe(name, checkpoints[gguf], out / name)
         (out / f"{name}.tmp").write_text(str(path))
         (out / f"{name}.tmp").rename(out / f"{name}.done")  # whole, or not there yet
-        print(f"built {name}: {path}", flush=True)
+        now = time.monotonic()
+        print(f"built {name} in {now - t0:.0f} s, {now - start:.0f} s since start", flush=True)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ constexpr int kLanes = 8;
 #endif
 constexpr int kVecs = kPanel / kLanes;  // vectors per panel row
 typedef float vf __attribute__((vector_size(4 * kLanes)));
+constexpr int64_t kPrefetchBytes = 1024;  // 512-2048 measured alike
 
 typedef float vf_unaligned __attribute__((vector_size(4 * kLanes), aligned(4)));
 typedef int8_t vi8_unaligned __attribute__((vector_size(kLanes), aligned(1)));
@@ -61,8 +62,18 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, const float
   for (int m = 0; m < RM; m++)
 #pragma GCC unroll 64
     for (int v = 0; v < V; v++) acc[m][v] = (vf){};
+  // Prefetch each panel kPrefetchBytes ahead, once per cache line. Where the loop spends long
+  // on each line (several rows; int8 widened in registers) the hardware prefetcher alone lets
+  // streams from memory stall: measured 10-15 % off a 7-row step, 25 % off a 1-row int8 step.
+  // One float32 row streams fast enough without (there it measured 1-2 % slower).
+  constexpr bool kPrefetch = RM > 1 || sizeof(W) == 1;
+  constexpr int64_t kLineK = 64 / (kPanel * sizeof(W));
+  constexpr int64_t kAheadK = kPrefetchBytes / (kPanel * sizeof(W));
   for (int64_t k = 0; k < K; k++) {
     const W* wk = w + k * kPanel;
+    if (kPrefetch && k % kLineK == 0)
+#pragma GCC unroll 8
+      for (int r = 0; r < RN; r++) __builtin_prefetch(wk + r * K * kPanel + kAheadK * kPanel, 0, 2);
 #pragma GCC unroll 64
     for (int m = 0; m < RM; m++) {
       const float xv = x[m * ldx + k];  // the weight vectors are reloaded per row from L1:

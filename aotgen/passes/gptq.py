@@ -38,7 +38,7 @@ BLOCK = 128  # columns updated together (lazy batch updates; speed only)
 
 
 def input_hessians(ep: ExportedProgram, batches: Sequence[Sequence[Any]]) -> dict[str, Tensor]:
-    """X^T X (float64 accumulated, returned float32) of the input of every `aten.linear`
+    """X^T X (summed in float64, returned float32) of the input of every `aten.linear`
     whose weight is a lifted parameter, buffer or constant, keyed by that weight's name,
     summed over running the graph on each of `batches` (the graph's user inputs)."""
     specs = ep.graph_signature.input_specs
@@ -56,8 +56,9 @@ def input_hessians(ep: ExportedProgram, batches: Sequence[Sequence[Any]]) -> dic
         def run_node(self, n: Node) -> Any:
             if n in watch:
                 args, _ = self.fetch_args_kwargs_from_env(n)
-                x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
-                h = x.T @ x
+                # float32 within a chunk (half the float64 cost), summed over chunks in float64
+                x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+                h = (x.T @ x).double()
                 sums[watch[n]] = sums[watch[n]] + h if watch[n] in sums else h
             return super().run_node(n)
 
