@@ -9,9 +9,10 @@ import sys
 import time
 
 import pytest
+import torch
 
 from aotgen.package import autotune
-from aotgen.package.autotune import Autotune, OthersMeter, fastest_us
+from aotgen.package.autotune import Autotune, OthersMeter, cold, fastest_us
 
 KEY = ("float32", 48, 64, 3)
 
@@ -28,6 +29,20 @@ def test_fastest_call_wins_over_a_slow_burst():
     us = fastest_us({"bursty": bursty, "slow": lambda: time.sleep(0.005)})
     assert us["bursty"] < 4000 < us["slow"], us
     assert calls["bursty"] > 4
+
+
+def test_cold_copies_take_turns(monkeypatch):
+    """A weight is handed out as equal copies in turn, enough of them to leave the caches;
+    tuples keep their None parts; a weight larger than that is one copy."""
+    monkeypatch.setattr(autotune, "COLD_BYTES", 1 << 20)
+    w = torch.randn(64, 256)  # 64 KiB: 16 copies
+    turns = cold((w, None))
+    seen = [turns() for _ in range(17)]
+    assert len({t[0].data_ptr() for t in seen}) == 16
+    assert all(torch.equal(t[0], w) and t[1] is None for t in seen)
+    big = torch.randn(1 << 19)  # 2 MiB
+    turns = cold(big)
+    assert turns().data_ptr() == turns().data_ptr() != big.data_ptr()
 
 
 def test_other_processes_cpu_is_seen():

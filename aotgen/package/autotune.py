@@ -18,7 +18,7 @@ Timing is made robust to the rest of the machine: the candidates are timed in in
 rounds and each keeps its fastest call (other work only ever adds time, and a burst of it lands
 on every candidate instead of one). Where other processes used the CPU while the tiles were
 measured (`/proc/stat`), they serve this build but are not cached, and the build report says
-so: a tile picked under load can cost a verify step a third of its time.
+so: tiles picked under load cost SmolLM2's verify step a quarter of its time (docs/benchmarks.md).
 
 The int8-activation block linears (kernels/block_dot.py, kinds `block-int4` / `block-int8`) are
 timed twice: on `gguf_dot`'s panels (their Q4_1 / Q8_0 blocks, every tile) and on
@@ -74,7 +74,7 @@ class Tile:
     block_dot_us: float | None = None  # block kinds: block_dot.cpp (`us`: gguf_dot's best tile)
 
 
-def fastest_us(runs: dict) -> dict:
+def fastest_us(runs: dict[Any, Callable[[], object]]) -> dict[Any, float]:
     """Each callable's fastest call in microseconds, over ROUNDS rounds that each run every
     callable in turn."""
     best = {}
