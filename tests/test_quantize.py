@@ -214,6 +214,32 @@ def test_pass_pads_int8_in_features_to_a_multiple_of_8():
     assert "in_features zero-padded 60 -> 64 for the kernel" in "\n".join(qp.notes())
 
 
+@pytest.mark.parametrize(
+    ("quantize", "tolerance"),
+    [
+        ({"linear": "int8"}, 0.01),
+        ({"linear": {"int4": {"groupsize": 32}}}, 0.1),
+        ({"linear": "int8", "activations": "int8"}, 0.02),
+    ],
+)
+def test_a_linear_that_is_the_graph_output(quantize, tolerance):
+    """A model returning a linear's output directly: the rewritten op's result becomes the
+    program's output (and so does the pack pass's after it), with the same values as when a
+    later op reads it."""
+    torch.manual_seed(0)
+    direct = torch.nn.Linear(64, 32, bias=False).eval()
+    scaled = torch.nn.Sequential(direct, torch.nn.Hardtanh(-1e9, 1e9)).eval()  # an op after it
+    x = torch.randn(3, 64)
+    programs = []
+    for model in (direct, scaled):
+        ep = quantize_pass(quantize, "cpu")(torch.export.export(model, (x,)))
+        programs.append(PackLinears(lambda *key: (3, 2), rows=(3,))(ep, 3))
+    with torch.no_grad():
+        out, want = (ep.module()(x) for ep in programs)
+        assert torch.equal(out, want)
+        assert _rel(out, direct(x)) < tolerance
+
+
 def test_int4_in_features():
     # SmolLM2: hidden 576, intermediate 1536; CUDA tinygemm takes K in 128-wide tiles.
     assert int4_in_features(576, 576, 64, "cpu") == (576, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -16,10 +17,12 @@ from torch.export.graph_signature import (
     ExportGraphSignature,
     InputKind,
     InputSpec,
+    OutputSpec,
     TensorArgument,
 )
 from torch.fx import Graph, Node
 from torch.fx.node import map_arg
+from torch.utils import _pytree as pytree
 
 
 def emit(graph: Graph, replaced: Node, target: Any, *args: Any, **kwargs: Any) -> Node:
@@ -125,6 +128,18 @@ class WeightEditor:
             self.added[target] = node
         return self.added[target]
 
+    def _output_specs(self) -> list[OutputSpec]:
+        """The output specs naming the nodes the output returns now: a rewritten op whose
+        result is a graph output (a model returning a linear's output) has a new node."""
+        returned = pytree.tree_leaves(self.graph.output_node().args[0])
+        specs = list(self.ep.graph_signature.output_specs)
+        return [
+            replace(spec, arg=TensorArgument(name=node.name))
+            if isinstance(spec.arg, TensorArgument) and isinstance(node, Node)
+            else spec
+            for spec, node in zip(specs, returned, strict=True)
+        ]
+
     def finish(self) -> ExportedProgram:
         """The edited program, without the weights that lost their last reader."""
         graph, gm = self.graph, self.ep.graph_module
@@ -143,7 +158,7 @@ class WeightEditor:
         first = next(i for i, s in enumerate(specs) if s.kind == InputKind.USER_INPUT)
         signature = ExportGraphSignature(
             input_specs=specs[:first] + self.new_specs + specs[first:],
-            output_specs=list(self.ep.graph_signature.output_specs),
+            output_specs=self._output_specs(),
         )
         graph.lint()
         gm.recompile()
