@@ -17,8 +17,10 @@ to 11 % slower on a cold weight.
 Timing is made robust to the rest of the machine: the candidates are timed in interleaved
 rounds and each keeps its fastest call (other work only ever adds time, and a burst of it lands
 on every candidate instead of one). Where other processes used the CPU while the tiles were
-measured (`/proc/stat`), they serve this build but are not cached, and the build report says
-so: tiles picked under load cost SmolLM2's verify step a quarter of its time (docs/benchmarks.md).
+measured (`/proc/stat`), they are cached flagged `busy`, and every build that uses them says so:
+tiles picked under load cost SmolLM2's verify step a quarter of its time (docs/benchmarks.md).
+A rebuild reuses them, so its graphs (and their compiles) stay the same; `retune_busy`
+(`aotgen build --force`) measures them again.
 
 The int8-activation block linears (kernels/block_dot.py, kinds `block-int4` / `block-int8`) are
 timed twice: on `gguf_dot`'s panels (their Q4_1 / Q8_0 blocks, every tile) and on
@@ -162,12 +164,13 @@ def candidates(rows: int, max_acc: Callable[[int], int] | None = None) -> list[t
 
 class Autotune:
     """`choose(kind, n, k, rows)` -> (tile rows, tile panels); every measurement is kept in
-    `tiles` for the build report and the manifest, and `save()` adds the new ones to the cache
-    when the machine was quiet while they were measured."""
+    `tiles` for the build report and the manifest, and `save()` adds the new ones to the cache."""
 
-    def __init__(self, cache_dir: Path | None):
+    def __init__(self, cache_dir: Path | None, retune_busy: bool = False):
         self.tiles: dict[tuple[str, int, int, int], Tile] = {}
         self.others = OthersMeter()
+        self.retune_busy = retune_busy
+        self.reused_busy = 0  # tiles taken from the cache that were measured under load
         self._new: set[tuple[str, int, int, int]] = set()
         self._file = cache_dir / f"tiles-{_machine_key()}.json" if cache_dir else None
         self._known: dict[str, dict] = {}
@@ -179,9 +182,11 @@ class Autotune:
         key = (kind, n, k, rows)
         if key not in self.tiles:
             known = dict(self._known.get(repr(key), {}))
-            if known and known.pop("source", None) == _source_key(kind):
+            source, busy = known.pop("source", None), known.pop("busy", False)
+            if known and source == _source_key(kind) and not (busy and self.retune_busy):
                 self.tiles[key] = Tile(**known)
-            else:  # not measured yet, or with another version of its kernel
+                self.reused_busy += busy
+            else:  # not measured yet, with another version of its kernel, or to re-measure
                 with self.others.measuring():
                     self.tiles[key] = self._measure(*key)
                 self._new.add(key)
@@ -196,18 +201,27 @@ class Autotune:
         cores = self.others.cores()
         return cores is None or cores <= BUSY_CORES
 
-    def save(self) -> bool:
-        """Cache the tiles measured since loading, if the machine was quiet; whether it did."""
-        if not self._file or not self._new or not self.quiet:
-            return False
+    def save(self) -> None:
+        """Cache the tiles measured since loading, flagged `busy` if the machine was not."""
+        if not self._file or not self._new:
+            return
+        busy = not self.quiet
         for key in self._new:
-            self._known[repr(key)] = {**asdict(self.tiles[key]), "source": _source_key(key[0])}
+            entry = {**asdict(self.tiles[key]), "source": _source_key(key[0]), "busy": busy}
+            self._known[repr(key)] = entry
         self._file.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._file.with_suffix(".tmp")
         tmp.write_text(json.dumps(self._known, indent=0))
         tmp.replace(self._file)
         self._new.clear()
-        return True
+
+    def busy_note(self) -> str | None:
+        """Why this build's tiles may not be the fastest, if they were measured under load."""
+        if not self.quiet:
+            return f"measured while other processes used {self.others.cores():.1f} cores"
+        if self.reused_busy:
+            return f"in part ({self.reused_busy}) measured on a busy machine by an earlier build"
+        return None
 
     def _measure(self, kind: str, n: int, k: int, rows: int) -> Tile:
         if kind in BLOCK_QTYPES:

@@ -134,7 +134,8 @@ def _build(
     tmp = _partial_dir(out, log)
     try:
         (tmp / "rank0").mkdir(parents=True)
-        compiled = _compile_models(plan, inputs.recipe, progress, project.cache_dir / "graphs")
+        graphs_cache = project.cache_dir / "graphs"
+        compiled = _compile_models(plan, inputs.recipe, progress, graphs_cache, force)
         report.graphs, report.notes = compiled.graphs, compiled.notes
         manifest, report.weight_bytes = _write_package(tmp, inputs, plan, compiled)
         report.perplexity, notes = measure_perplexity(
@@ -190,19 +191,20 @@ def _partial_dir(out: Path, log: Callable[[str], None]) -> Path:
 
 
 def _compile_models(
-    plan: _Models, recipe: Recipe, progress: BuildProgress, compile_cache: Path
+    plan: _Models, recipe: Recipe, progress: BuildProgress, compile_cache: Path, force: bool
 ) -> _Compiled:
-    """Compile every model's graphs; describe each model for the manifest and the report."""
+    """Compile every model's graphs; describe each model for the manifest and the report.
+    `force` also measures again the tiles cached from a busy machine."""
     result = _Compiled()
     for mb in plan.models:
         if plan.world > 1:
             styles = plan.tp_styles[mb.role]
             compiled = compile_sharded(
-                mb, recipe, progress.advance, compile_cache, styles, plan.world
+                mb, recipe, progress.advance, compile_cache, styles, plan.world, force
             )
             result.group_name = compiled.group_name
         else:
-            compiled = compile_model(mb, recipe, progress.advance, compile_cache)
+            compiled = compile_model(mb, recipe, progress.advance, compile_cache, retune_busy=force)
         result.graphs.extend(compiled.graphs)
         result.files.update(compiled.files)
         result.sources[mb.role] = compiled.sources
@@ -237,9 +239,8 @@ def _packed_note(compiled: CompiledModel) -> str:
     note = f"packed_linears: {compiled.packed} weights; per shape once: " + "; ".join(parts)
     if compiled.tiles_busy is not None:
         note += (
-            f". The tiles were measured while other processes used {compiled.tiles_busy:.1f}"
-            " cores: not cached, and maybe not the fastest (rebuild with --force on a quiet"
-            " machine)"
+            f". Tiles {compiled.tiles_busy}: maybe not the fastest (`aotgen build --force` on a"
+            " quiet machine measures them again)"
         )
     return note
 

@@ -60,9 +60,7 @@ class CompiledModel:
     group_name: str | None = None  # the process group the compiled collectives name
     tiles: list[dict] = field(default_factory=list)  # the packed kernels' autotune
     packed: int = 0  # weights repacked into panels
-    # Other processes' CPU use (cores) while the tiles were measured, where it was too high for
-    # the tiles to be cached (package/autotune.py); None: quiet, or nothing measured.
-    tiles_busy: float | None = None
+    tiles_busy: str | None = None  # why the tiles may not be the fastest (Autotune.busy_note)
 
 
 def graph_signature(spec: GraphSpec, cfg: ModelConfig, cache: list[Tensor]) -> dict[str, Any]:
@@ -98,9 +96,11 @@ def compile_model(
     compile_cache: Path,
     ranks: list[nn.Module] | None = None,
     rank_cfg: ModelConfig | None = None,
+    retune_busy: bool = False,
 ) -> CompiledModel:
     """Export and compile each graph (or take the compile from `compile_cache`).
-    `ranks`: the per-rank shards under tensor parallel."""
+    `ranks`: the per-rank shards under tensor parallel. `retune_busy`: measure again the
+    cached tiles that were measured under load."""
     ranks = ranks or [mb.model]
     cache = recipe_kv_cache(rank_cfg or mb.config, recipe)
     # CPU tunings (passes/pack.py, passes/gemv.py); GPUs keep their GEMM kernels.
@@ -108,7 +108,7 @@ def compile_model(
     reductions = recipe.compile.few_token_linears == "reduction" and cpu
     packers = None
     if recipe.compile.packed_linears and cpu:  # the tiles are measured here, on first use
-        tuner = Autotune(compile_cache.parent / "autotune")
+        tuner = Autotune(compile_cache.parent / "autotune", retune_busy)
         rows = tuple(spec.rows for spec in mb.graphs)
         packers = [PackLinears(tuner.choose, mb.gguf, rows) for _ in ranks]
     compiled = CompiledModel({}, [{} for _ in ranks], {})
@@ -138,8 +138,8 @@ def compile_model(
         compiled.graphs.append(report)
     if packers:
         compiled.tiles = tuner.summary()
-        if not tuner.save() and not tuner.quiet:
-            compiled.tiles_busy = tuner.others.cores()
+        tuner.save()
+        compiled.tiles_busy = tuner.busy_note()
         compiled.packed = len(packers[0].packed_names)
     return compiled
 
@@ -170,13 +170,14 @@ def compile_sharded(
     compile_cache: Path,
     styles: dict[str, str],
     world: int,
+    retune_busy: bool = False,
 ) -> CompiledModel:
     """All ranks of one model, compiled in this process against a fake process group,
     whose name the compiled collectives refer to."""
     with fake_process_group(world) as group_name:
         ranks = [shard_model(mb.model, styles, r, world, group_name) for r in range(world)]
         compiled = compile_model(
-            mb, recipe, advance, compile_cache, ranks, rank_config(mb.config, world)
+            mb, recipe, advance, compile_cache, ranks, rank_config(mb.config, world), retune_busy
         )
     compiled.group_name = group_name
     return compiled
