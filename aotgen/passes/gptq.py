@@ -84,31 +84,33 @@ def gptq_codes(
     [N, K] (already expanded per column, fixed), chosen column by column with GPTQ's error
     feedback through `hessian` [K, K]. Columns no calibration input touched round to
     nearest."""
-    w = w.detach().float().clone()
     n, k = w.shape
     h = hessian.clone().double()
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
     order = torch.argsort(torch.diag(h), descending=True)  # act-order
-    w, h = w[:, order], h[order][:, order]
-    scale, zero = scale.float()[:, order], zero.float()[:, order]
+    h = h[order][:, order]
+    # Column j of the weight is row j here: contiguous where the loop reads and writes it
+    # (strided columns made the loop 1.7-3.8x slower).
+    w = w.detach().float().T[order].contiguous()
+    scale, zero = scale.float().T[order].contiguous(), zero.float().T[order].contiguous()
     hinv = _inverse_factor(h).float()
-    q = torch.empty(n, k, dtype=torch.int32, device=w.device)
+    q = torch.empty(k, n, dtype=torch.int32, device=w.device)
     for b0 in range(0, k, BLOCK):
         b1 = min(b0 + BLOCK, k)
-        block = w[:, b0:b1].clone()
+        block = w[b0:b1].clone()
         errors = torch.empty_like(block)
         hb = hinv[b0:b1, b0:b1]
         for i in range(b1 - b0):
             j = b0 + i
-            col = block[:, i]
-            qj = ((col - zero[:, j]) / scale[:, j] + offset).round().clamp(qmin, qmax)
-            q[:, j] = qj.to(torch.int32)
-            err = (col - ((qj - offset) * scale[:, j] + zero[:, j])) / hb[i, i]
-            block[:, i:] -= err[:, None] * hb[i, i:][None, :]
-            errors[:, i] = err
-        w[:, b1:] -= errors @ hinv[b0:b1, b1:]
-    return q[:, torch.argsort(order)]
+            col = block[i]
+            qj = ((col - zero[j]) / scale[j] + offset).round_().clamp_(qmin, qmax)
+            q[j] = qj
+            err = (col - ((qj - offset) * scale[j] + zero[j])) / hb[i, i]
+            block[i:].addr_(hb[i, i:], err, alpha=-1)
+            errors[i] = err
+        w[b1:].addmm_(hinv[b0:b1, b1:].T, errors, alpha=-1)
+    return q[torch.argsort(order)].T.contiguous()
 
 
 def _inverse_factor(h: Tensor) -> Tensor:
