@@ -22,7 +22,6 @@ from torch.export.graph_signature import (
 )
 from torch.fx import Graph, Node
 from torch.fx.node import map_arg
-from torch.utils import _pytree as pytree
 
 
 def emit(graph: Graph, replaced: Node, target: Any, *args: Any, **kwargs: Any) -> Node:
@@ -131,8 +130,10 @@ class WeightEditor:
     def _output_specs(self) -> list[OutputSpec]:
         """The output specs naming the nodes the output returns now: a rewritten op whose
         result is a graph output (a model returning a linear's output) has a new node."""
-        returned = pytree.tree_leaves(self.graph.output_node().args[0])
+        returned = self.graph.output_node().args[0]
         specs = list(self.ep.graph_signature.output_specs)
+        if not isinstance(returned, tuple | list) or len(returned) != len(specs):
+            return specs
         return [
             replace(spec, arg=TensorArgument(name=node.name))
             if isinstance(spec.arg, TensorArgument) and isinstance(node, Node)
