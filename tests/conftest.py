@@ -184,8 +184,7 @@ BUILDS = pytest.StashKey[BackgroundBuilds]()
 
 def pytest_collection_modifyitems(config, items) -> None:
     """Start the background builds if a collected test needs them, and run those tests last,
-    in the order the packages are built, so each runs as soon as its packages are ready
-    while the later ones build."""
+    when the packages are most likely ready."""
     needed = {
         item: [name for name, users in REAL_PACKAGE_USERS.items() if users & set(item.fixturenames)]
         for item in items
@@ -193,8 +192,6 @@ def pytest_collection_modifyitems(config, items) -> None:
     users = [item for item in items if needed[item]]
     if not users:
         return
-    built = list(REAL_PACKAGE_USERS)
-    users.sort(key=lambda item: max(built.index(name) for name in needed[item]))
     items[:] = [item for item in items if not needed[item]] + users
     if config.option.collectonly:
         return
