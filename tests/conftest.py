@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -146,6 +147,9 @@ class BackgroundBuilds:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=REPO,
+                # One thread: beside the tests' own two, a second OpenMP thread spends its time
+                # spinning at barriers (a build's perplexity run took 18 min instead of 3).
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
             )
 
     def wait(self, name: str) -> Path:
