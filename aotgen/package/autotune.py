@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ from aotgen.passes.pack import BLOCK_DOT  # `choose` for a block linear faster o
 ROUNDS = 5
 ROUND_CALLS = 3
 ROUND_BUDGET_S = 0.004
-# Other processes' CPU use while measuring, in cores, above which the tiles are not cached.
+# Other processes' CPU use while measuring, in cores, above which the tiles are flagged busy.
 BUSY_CORES = 0.2
 BLOCK_QTYPES = {"block-int4": "Q4_1", "block-int8": "Q8_0"}  # its weights as GGUF blocks
 COLD_BYTES = 64 << 20  # copies of a weight the candidates take turns over (beyond L2)
@@ -305,6 +306,7 @@ def _machine_key() -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
 
+@cache  # read once per process: every lookup asks
 def _source_key(kind: str) -> str:
     """The kernel sources a kind's timings depend on: a change to one re-measures its kinds only."""
     if kind in BLOCK_QTYPES:

@@ -237,9 +237,9 @@ def _packed_note(compiled: CompiledModel) -> str:
         chosen = ", ".join(sorted({f"{t['tile_rows']}x{t['tile_panels']}" for t in tiles}))
         parts.append(f"{rows} rows: tiles {chosen}, {us / 1e3:.2f} ms vs BLAS {blas / 1e3:.2f} ms")
     note = f"packed_linears: {compiled.packed} weights; per shape once: " + "; ".join(parts)
-    if compiled.tiles_busy is not None:
+    if compiled.tiles_note is not None:
         note += (
-            f". Tiles {compiled.tiles_busy}: maybe not the fastest (`aotgen build --force` on a"
+            f". Tiles {compiled.tiles_note}: maybe not the fastest (`aotgen build --force` on a"
             " quiet machine measures them again)"
         )
     return note

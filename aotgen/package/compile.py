@@ -60,7 +60,7 @@ class CompiledModel:
     group_name: str | None = None  # the process group the compiled collectives name
     tiles: list[dict] = field(default_factory=list)  # the packed kernels' autotune
     packed: int = 0  # weights repacked into panels
-    tiles_busy: str | None = None  # why the tiles may not be the fastest (Autotune.busy_note)
+    tiles_note: str | None = None  # why the tiles may not be the fastest (Autotune.busy_note)
 
 
 def graph_signature(spec: GraphSpec, cfg: ModelConfig, cache: list[Tensor]) -> dict[str, Any]:
@@ -139,7 +139,7 @@ def compile_model(
     if packers:
         compiled.tiles = tuner.summary()
         tuner.save()
-        compiled.tiles_busy = tuner.busy_note()
+        compiled.tiles_note = tuner.busy_note()
         compiled.packed = len(packers[0].packed_names)
     return compiled
 
