@@ -14,7 +14,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -311,13 +311,19 @@ def bench_speculative(
     rounds: int = 3,
     llama_lookup: Path | None = None,
     tree: TreeParams | None = None,
+    sampling: SamplingParams | None = None,
 ) -> tuple[list[SpecBenchRow], dict[str, float]]:
-    """Plain vs speculative greedy decode in one run, on chat prompts and on two input-grounded
+    """Plain vs speculative decode in one run, on chat prompts and on two input-grounded
     copy/edit prompts (a row each): n-gram lookup, and with a draft in the package the draft
     alone and the draft behind lookup (draft+ngram), all on the same loaded package. With
     `llama_lookup` (a GGUF of the same weights), llama.cpp's `llama-lookup` runs the grounded
     prompts too, with the same draft length. A package with a tree graph adds each
     speculative mode as a tree (`tree`, default TreeParams()).
+
+    Greedy by default. With `sampling` (temperature > 0) every mode samples, each generation
+    seeded by its prompt and pass (the same seed for every mode): outputs then differ between
+    modes by design, so `same_as_plain` is None and the speculative modes' exactness is the
+    distribution tests' business (tests/test_tree_sampling.py, tests/test_speculative.py).
 
     The modes take turns on each prompt (plain, n-gram, draft, ..., then the next prompt), for
     `rounds` passes over the prompts, so the machine's speed, which can drift by tens of
@@ -332,23 +338,25 @@ def bench_speculative(
     tasks = {"chat": [engine.chat_ids(p) for p in prompts["chat"]]}
     for i, template in enumerate(prompts["grounded"], 1):
         tasks[f"grounded {i}"] = [engine.chat_ids(template.format(text=prompts["grounded_text"]))]
+    sampling = sampling or SamplingParams()
     configs = speculative_configs(engine, max_new_tokens, k, tree)
     modes = list(configs)
     rows = []
     for task, prompt_ids in tasks.items():
         for cfg in configs.values():
-            engine.generate(prompt_ids[0], cfg)  # warm-up
+            engine.generate(prompt_ids[0], replace(cfg, sampling=sampling))  # warm-up
         results: dict[str, list[GenerationResult]] = {mode: [] for mode in modes}
         lookups: list[LookupRun] = []
-        for _ in range(rounds):
-            for ids in prompt_ids:
+        for rnd in range(rounds):
+            for i, ids in enumerate(prompt_ids):
+                seeded = replace(sampling, seed=rnd * len(prompt_ids) + i)
                 for mode, cfg in configs.items():
-                    results[mode].append(engine.generate(ids, cfg))
+                    results[mode].append(engine.generate(ids, replace(cfg, sampling=seeded)))
                 if binary and task != "chat":
                     text = engine.tokenizer.decode(ids)
                     args = (binary, llama_lookup, text, max_new_tokens, k_used, threads)
                     lookups.append(run_llama_lookup(*args))
-        plain_ids = [r.token_ids for r in results["plain"]]
+        plain_ids = None if not sampling.greedy else [r.token_ids for r in results["plain"]]
         rows += [_spec_row(task, mode, results[mode], plain_ids) for mode in modes]
         if lookups:
             rows.append(_lookup_row(task, lookups))
@@ -386,12 +394,12 @@ def _lookup_row(task: str, runs: list[LookupRun]) -> SpecBenchRow:
 
 
 def _spec_row(
-    task: str, mode: str, results: list[GenerationResult], plain_ids: list[list[int]]
+    task: str, mode: str, results: list[GenerationResult], plain_ids: list[list[int]] | None
 ) -> SpecBenchRow:
     """One table row: decode and end-to-end tok/s over all runs, and the pooled spec stats."""
     n_tok = sum(len(r.token_ids) for r in results)
     secs = sum(r.decode_s + r.prefill_s for r in results)
-    same = [r.token_ids for r in results] == plain_ids
+    same = None if plain_ids is None else [r.token_ids for r in results] == plain_ids
     # Decode: what speculation changes. The target's prefill is the same in every mode; a
     # draft's own prefill runs after the first token, so it is counted here.
     decode_tok_s = sum(len(r.token_ids) - 1 for r in results) / sum(r.decode_s for r in results)

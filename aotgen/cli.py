@@ -13,13 +13,16 @@ import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from aotgen.runtime.sampling import SamplingParams
 
 app = typer.Typer(add_completion=False, no_args_is_help=True)
 console = Console(stderr=True)
@@ -608,6 +611,11 @@ def bench(
         int, typer.Option(help="tree rows of --speculative (packages with tree_nodes): N")
     ] = 4,
     p_split: Annotated[float, typer.Option(help="tree rows: the branch threshold")] = 0.1,
+    temperature: Annotated[
+        float,
+        typer.Option(help="--speculative: 0 = greedy; higher samples every mode (seeded)"),
+    ] = 0.0,
+    top_p: Annotated[float, typer.Option(help="--speculative with --temperature: nucleus")] = 1.0,
     llama_cpp: Annotated[
         list[Path] | None,
         typer.Option(
@@ -653,6 +661,11 @@ def bench(
     _at_least("--draft-parallel", draft_parallel)
     if not 0.0 <= p_split <= 1.0:
         raise CliError(f"--p-split must be in 0..1, got {p_split}")
+    from aotgen.runtime.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=temperature, top_p=top_p)
+    if not sampling.greedy and not speculative:
+        raise CliError("--temperature samples the --speculative comparison: add --speculative")
     threads = _threads(threads)
     backends = list(dict.fromkeys(backend or ["aoti"]))
     for b in backends:
@@ -675,7 +688,15 @@ def bench(
     if speculative:
         report["speculative"] = [
             _bench_speculative(
-                p, gen_tokens, k, threads, runs, as_json, llama_lookup, (draft_parallel, p_split)
+                p,
+                gen_tokens,
+                k,
+                threads,
+                runs,
+                as_json,
+                llama_lookup,
+                (draft_parallel, p_split),
+                sampling,
             )
             for p in packages
         ]
@@ -834,17 +855,22 @@ def _bench_speculative(
     as_json: bool,
     llama_lookup: Path | None,
     tree: tuple[int, float] = (4, 0.1),
+    sampling: SamplingParams | None = None,
 ) -> dict[str, Any]:
     from aotgen.bench import bench_speculative
+    from aotgen.runtime.sampling import SamplingParams
     from aotgen.runtime.tree_draft import TreeParams
 
+    sampling = sampling or SamplingParams()
     rows, costs = bench_speculative(
-        package, max(gen_tokens, 96), k, threads, rounds, llama_lookup, TreeParams(*tree)
+        package, max(gen_tokens, 96), k, threads, rounds, llama_lookup, TreeParams(*tree), sampling
     )
     if as_json:
         return {"package": package.name, "rows": [dataclasses.asdict(r) for r in rows], **costs}
     plain = {r.task: r for r in rows if r.mode == "plain"}
-    table = Table(title=f"{package.name}: greedy, plain vs speculative (same run)")
+    how = "greedy" if sampling.greedy else f"sampled (temperature {sampling.temperature:g}"
+    how += "" if sampling.greedy else f", top-p {sampling.top_p:g})"
+    table = Table(title=f"{package.name}: {how}, plain vs speculative (same run)")
     for col in (
         "task",
         "mode",

@@ -362,6 +362,43 @@ def test_bench_has_tree_rows(tree_package, tmp_path, monkeypatch):
     assert costs["tree_ms"] > 0
 
 
+def test_bench_samples_every_mode_with_seeds(tree_package, tmp_path, monkeypatch):
+    """`aotgen bench --speculative --temperature T`: every mode samples, each generation seeded
+    by prompt and pass with the same seed in every mode; outputs are not compared with plain's
+    (they differ by design)."""
+    from aotgen import bench
+    from aotgen.runtime.engine import Engine, GenerationConfig
+    from aotgen.runtime.sampling import SamplingParams
+
+    prompts = {"chat": ["the cat sat", "one two"], "grounded": ["Repeat: {text}"]}
+    prompts["grounded_text"] = "a b c a b"
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    monkeypatch.setattr(bench, "PROMPTS_FILE", tmp_path / "prompts.json")
+    calls = []
+    generate = Engine.generate
+
+    def spy(self, ids, config):
+        out = generate(self, ids, config)
+        calls.append((tuple(ids), config.speculative, config.tree, config.sampling, out.token_ids))
+        return out
+
+    monkeypatch.setattr(Engine, "generate", spy)
+    sampling = SamplingParams(temperature=1.0, top_p=0.9)
+    rows, _ = bench.bench_speculative(tree_package, 8, rounds=2, sampling=sampling)
+    for r in rows:
+        assert r.same_as_plain is None and r.tokens > 0
+        if r.mode != "plain":
+            assert 0 <= r.acceptance <= 1
+    timed = [c for c in calls if c[3].seed is not None]  # the warm-ups are unseeded
+    assert len(timed) == 7 * (2 * 2 + 2 * 1)  # 7 modes x (2 chat prompts + 1 grounded) x 2
+    assert all((c[3].temperature, c[3].top_p) == (1.0, 0.9) for c in calls)
+    chat = [c for c in timed if c[0] == tuple(timed[0][0])]
+    assert [c[3].seed for c in chat] == [0] * 7 + [2] * 7  # prompt 0: pass 0, then pass 1
+    plain = [c[4] for c in chat if c[1] is None]
+    config = GenerationConfig(8, SamplingParams(temperature=1.0, top_p=0.9, seed=0))
+    assert plain[0] == generate(Engine.load(tree_package), list(chat[0][0]), config).token_ids
+
+
 @pytest.mark.cpp
 @pytest.mark.parametrize(
     "mode, flags",

@@ -251,6 +251,21 @@ ROWS = [
         ("bench", "{pkg}", "--speculative", "--llama-lookup", "{project}/none.gguf"),
         "no such GGUF file",
     ),
+    Row(
+        "bench-temperature-without-speculative",
+        ("bench", "{pkg}", "--temperature", "0.8"),
+        "--temperature samples the --speculative comparison: add --speculative",
+    ),
+    Row(
+        "bench-temperature-negative",
+        ("bench", "{pkg}", "--speculative", "--temperature", "-1"),
+        "temperature must be a finite number >= 0",
+    ),
+    Row(
+        "bench-top-p-zero",
+        ("bench", "{pkg}", "--speculative", "--temperature", "1", "--top-p", "0"),
+        "top_p must be in (0, 1]",
+    ),
     # ---- inspect
     Row("inspect-package-missing", ("inspect", "{project}/none"), "is not an aotgen package"),
     # ---- import-gguf
