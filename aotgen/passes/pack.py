@@ -46,9 +46,11 @@ from aotgen.passes.fx import (
     view_dims,
 )
 from aotgen.passes.gguf_keep import KeepGGUF, Segment
+from aotgen.passes.quantize_numerics import unpack_int4_cpu
 
 aten = torch.ops.aten
 INT8_MM = aten._weight_int8pack_mm.default
+INT4_MM = torch.ops.quantized.int4mm_packed_weight_cpu.default
 
 # (kind, n, k, rows) -> (tile rows, tile panels): the autotune's choice. For the block kinds
 # (`block-int4` / `block-int8`), BLOCK_DOT where block_dot.cpp measured faster.
@@ -68,6 +70,7 @@ class PackLinears:
         self.gguf = gguf
         self.rows = rows  # every graph's row count: block linears pick one kernel for all
         self._dot: dict[int, tuple[Tensor, tuple | None]] = {}  # id(block weight) -> panels
+        self._int4: dict[int, tuple[Tensor, tuple]] = {}  # id(int4 weight) -> Q4_1 panels
         self._packed: dict[int, tuple[Tensor, Tensor, Tensor | None]] = {}  # id(source) -> ...
         self._blocks: dict[int, tuple[Tensor, list[tuple[Segment, tuple]]]] = {}
         self.packed_names: set[str] = set()
@@ -93,6 +96,8 @@ class PackLinears:
         blocks = [n for n in edit.graph.nodes if n.op == "call_function" and n.target in BLOCK_BITS]
         for node in blocks:
             self._block_dot_linear(edit, node, rows)
+        for node in [n for n in edit.graph.nodes if n.target == INT4_MM]:
+            self._int4_linear(edit, node, rows)
         return edit.finish()
 
     @staticmethod
@@ -277,6 +282,60 @@ class PackLinears:
                 out = add(aten.slice.Tensor, out, 1, 0, n)
         node.replace_all_uses_with(out)
         edit.graph.erase_node(node)
+
+    # ---- int4 group-wise weights (the quantize pass's ATen kernel) ------------------------------
+    def _int4_linear(self, edit: WeightEditor, node: Node, rows: int) -> None:
+        """`node` (ATen's int4 kernel, bfloat16 activations) onto Q4_1 panels of the same codes
+        with float32 activations (gguf_blocks' exact float kernel), when the group size is a
+        multiple of Q4_1's 32 and nothing else reads the weight."""
+        x, weight, groupsize, scales_zeros = node.args
+        found, found_g, found_sz = (edit.weight(a) for a in (weight, groupsize, scales_zeros))
+        if found is None or found_g is None or found_sz is None:
+            return
+        g = int(found_g[1].item())
+        readers = {*weight.users, *scales_zeros.users}
+        if g % 32 or any(u.target != INT4_MM or u.args[1:] != node.args[1:] for u in readers):
+            return
+        target, t = found
+        if id(t) not in self._int4:
+            self._int4[id(t)] = (t, gb.pack(int4_as_q4_1(t, found_sz[1], g)))
+        codes, groups, _ = self._int4[id(t)][1]
+        self.packed_names.add(target)
+        codes = edit.add(f"{target}_q4_1_codes", codes)
+        groups = edit.add(f"{target}_q4_1_groups", groups)
+        n, k = codes.meta["val"].shape[0] * pk.PANEL, x.meta["val"].shape[-1]
+        q = gb.QTYPES["Q4_1"]
+        tile = self.choose_tile(
+            f"gguf-{q.name}", n, k, _rows(view_dims(x.meta["val"].shape[:-1]), rows)
+        )
+        with edit.graph.inserting_before(node):
+            add = partial(emit, edit.graph, node)
+            out = add(gb.OPS[0], _float32_input(add, x), codes, groups, q.index, *tile)
+            out = float32_result(add, node, out)
+        node.replace_all_uses_with(out)
+        edit.graph.erase_node(node)
+
+
+def int4_as_q4_1(packed: Tensor, scales_zeros: Tensor, groupsize: int) -> gb.Decoded:
+    """The quantize pass's int4 weight (ATen's CPU layout, w = (q - 8) * s + z per group) as
+    Q4_1 blocks (w = q * d + m): d = s and m = z - 8 s, each group's pair repeated over its
+    32-input blocks. float16 holds bfloat16's s exactly (down to 6e-5); m is rounded to float16
+    once, an error of at most 1/2048 of |m|."""
+    q = unpack_int4_cpu(packed, groupsize)
+    n, k = q.shape
+    s, z = scales_zeros.float().permute(1, 0, 2).unbind(-1)  # [N, K / g] each
+    groups = torch.stack([s, z - 8 * s], -1).repeat_interleave(groupsize // 32, dim=1)
+    return gb.Decoded(gb.QTYPES["Q4_1"], q.to(torch.uint8).numpy(), groups.half().numpy())
+
+
+def _float32_input(add: Callable[..., Node], x: Node) -> Node:
+    """The float32 activation behind `x`, the int4 kernel's bfloat16 input (cast, then
+    zero-padded to the weight's in_features)."""
+    if is_cast_from_float32(x):
+        return x.args[0]
+    if x.target == aten.constant_pad_nd.default and is_cast_from_float32(x.args[0]):
+        return add(aten.constant_pad_nd.default, x.args[0].args[0], *x.args[1:])
+    return add(aten._to_copy.default, x, dtype=torch.float32)
 
 
 def _rows(lead: list[int], rows: int) -> int:

@@ -121,6 +121,17 @@ def pack_int4(q: Tensor, device: str) -> Tensor:
     return aten._convert_weight_to_int4pack(q8, CUDA_INNER_K_TILES)
 
 
+def unpack_int4_cpu(packed: Tensor, groupsize: int) -> Tensor:
+    """`pack_int4(q, "cpu")` -> q int32 [N, K]. ATen's CPU layout is blocked; rather than mirror
+    it, its own kernel reads the codes back: identity rows times (q - 8) * 1 + 8, exact in
+    bfloat16 (one code per output, 0..15)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    ones = torch.stack([torch.ones(k // groupsize, n), torch.full((k // groupsize, n), 8.0)], -1)
+    eye = torch.eye(k, dtype=torch.bfloat16)
+    codes = aten._weight_int4pack_mm_for_cpu(eye, packed, groupsize, ones.to(torch.bfloat16))
+    return codes.T.round().to(torch.int32).contiguous()
+
+
 def int4_in_features(n: int, k: int, groupsize: int, device: str) -> tuple[int, str | None]:
     """The in_features the int4 kernel takes for an [N, K] weight, or why it cannot take it.
 
