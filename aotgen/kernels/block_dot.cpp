@@ -25,7 +25,9 @@
 #endif
 
 #pragma GCC push_options
-#pragma GCC optimize("O3")  // AOTInductor builds its wrapper (where this lands) at -O1
+// AOTInductor builds its wrapper (where this lands) at -O1, and on AVX-512 CPUs with
+// -ffp-contract=off (export/aoti.py), which would split every multiply-add in two.
+#pragma GCC optimize("O3", "fp-contract=fast")
 
 namespace aotgen_block_dot {
 

@@ -221,6 +221,7 @@ def _compile_models(
             result.entries[mb.role]["quantization"] = mb.gguf.manifest_entry()
         result.entries[mb.role]["packed_linears"] = {
             "weights": compiled.packed,
+            "int4_on_q4_1": compiled.int4_on_q4_1,
             "tiles": compiled.tiles,  # the autotune's measurements (package/autotune.py)
         }
     return result
@@ -236,7 +237,10 @@ def _packed_note(compiled: CompiledModel) -> str:
         us, blas = sum(t["us"] for t in tiles), sum(t["blas_us"] for t in tiles)
         chosen = ", ".join(sorted({f"{t['tile_rows']}x{t['tile_panels']}" for t in tiles}))
         parts.append(f"{rows} rows: tiles {chosen}, {us / 1e3:.2f} ms vs BLAS {blas / 1e3:.2f} ms")
-    note = f"packed_linears: {compiled.packed} weights; per shape once: " + "; ".join(parts)
+    note = f"packed_linears: {compiled.packed} weights"
+    if compiled.int4_on_q4_1:
+        note += f" ({compiled.int4_on_q4_1} int4 on Q4_1 panels: float32 activations)"
+    note += "; per shape once: " + "; ".join(parts)
     if compiled.tiles_note is not None:
         note += (
             f". Tiles {compiled.tiles_note}: maybe not the fastest (`aotgen build --force` on a"

@@ -60,6 +60,7 @@ class CompiledModel:
     group_name: str | None = None  # the process group the compiled collectives name
     tiles: list[dict] = field(default_factory=list)  # the packed kernels' autotune
     packed: int = 0  # weights repacked into panels
+    int4_on_q4_1: int = 0  # of them, int4 weights moved onto Q4_1 panels (float32 activations)
     tiles_note: str | None = None  # why the tiles may not be the fastest (Autotune.busy_note)
 
 
@@ -141,6 +142,7 @@ def compile_model(
         tuner.save()
         compiled.tiles_note = tuner.busy_note()
         compiled.packed = len(packers[0].packed_names)
+        compiled.int4_on_q4_1 = len(packers[0].int4_names)
     return compiled
 
 

@@ -74,6 +74,7 @@ class PackLinears:
         self._packed: dict[int, tuple[Tensor, Tensor, Tensor | None]] = {}  # id(source) -> ...
         self._blocks: dict[int, tuple[Tensor, list[tuple[Segment, tuple]]]] = {}
         self.packed_names: set[str] = set()
+        self.int4_names: set[str] = set()  # int4 weights moved onto Q4_1 panels
 
     def __call__(self, ep: ExportedProgram, rows: int) -> ExportedProgram:
         edit = WeightEditor(ep)
@@ -301,6 +302,7 @@ class PackLinears:
             self._int4[id(t)] = (t, gb.pack(int4_as_q4_1(t, found_sz[1], g)))
         codes, groups, _ = self._int4[id(t)][1]
         self.packed_names.add(target)
+        self.int4_names.add(target)
         codes = edit.add(f"{target}_q4_1_codes", codes)
         groups = edit.add(f"{target}_q4_1_groups", groups)
         n, k = codes.meta["val"].shape[0] * pk.PANEL, x.meta["val"].shape[-1]

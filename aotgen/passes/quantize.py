@@ -142,6 +142,12 @@ class QuantizePass:
         self.calibration_tokens = tokens
 
     # -- bookkeeping used by the builder -----------------------------------------------------
+    @property
+    def _packable(self) -> bool:
+        """Weight-only CPU kernels that compile.packed_linears moves onto float32 panels
+        (passes/pack.py: int8 per channel, int4 groups of a multiple of 32)."""
+        return self.device == "cpu" and not self.blocks
+
     def notes(self) -> list[str]:
         """Human-readable build-report lines: what was quantized, skipped, and warnings."""
         o = self.options
@@ -154,6 +160,7 @@ class QuantizePass:
             notes.append(
                 f"quantize: {summary}; weights {self.float_bytes / 2**20:.1f} MiB float -> "
                 f"{self.quant_bytes / 2**20:.1f} MiB, kernels compute in {o.activations}"
+                + (" (float32 where packed into panels)" if self._packable else "")
             )
         if self.needs_calibration:
             notes.append(
