@@ -324,7 +324,6 @@ def int4_as_q4_1(packed: Tensor, scales_zeros: Tensor, groupsize: int) -> gb.Dec
     32-input blocks. float16 holds bfloat16's s exactly (down to 6e-5); m is rounded to float16
     once, an error of at most 1/2048 of |m|."""
     q = unpack_int4_cpu(packed, groupsize)
-    n, k = q.shape
     s, z = scales_zeros.float().permute(1, 0, 2).unbind(-1)  # [N, K / g] each
     groups = torch.stack([s, z - 8 * s], -1).repeat_interleave(groupsize // 32, dim=1)
     return gb.Decoded(gb.QTYPES["Q4_1"], q.to(torch.uint8).numpy(), groups.half().numpy())

@@ -127,9 +127,14 @@ def unpack_int4_cpu(packed: Tensor, groupsize: int) -> Tensor:
     bfloat16 (one code per output, 0..15)."""
     n, k = packed.shape[0], packed.shape[1] * 2
     ones = torch.stack([torch.ones(k // groupsize, n), torch.full((k // groupsize, n), 8.0)], -1)
-    eye = torch.eye(k, dtype=torch.bfloat16)
-    codes = aten._weight_int4pack_mm_for_cpu(eye, packed, groupsize, ones.to(torch.bfloat16))
-    return codes.T.round().to(torch.int32).contiguous()
+    ones = ones.to(torch.bfloat16)
+    codes = []
+    for start in range(0, k, 512):  # 512 identity rows a call, whatever the model's size
+        rows = torch.arange(start, min(start + 512, k))
+        eye = torch.zeros(len(rows), k, dtype=torch.bfloat16)
+        eye[torch.arange(len(rows)), rows] = 1
+        codes.append(aten._weight_int4pack_mm_for_cpu(eye, packed, groupsize, ones))
+    return torch.cat(codes).T.round().to(torch.int32).contiguous()
 
 
 def int4_in_features(n: int, k: int, groupsize: int, device: str) -> tuple[int, str | None]:
