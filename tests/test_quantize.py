@@ -443,6 +443,7 @@ def test_report_notes_and_perplexity(int8_build, int4_build, block_build):
     notes = "\n".join(int8_build.notes)
     assert "x int8" in notes and "kept in float (skip pattern" in notes
     assert "x int4-g32, 1 x int8" in "\n".join(int4_build.notes)  # lm_head's override
+    assert "int4 on Q4_1 panels: float32 activations" in "\n".join(int4_build.notes)
     assert "kernels compute in int8" in "\n".join(block_build.notes)
     # measured 0.3 %, 0.15 %, block
     for report, bound in ((int8_build, 0.02), (int4_build, 0.1), (block_build, 0.1)):

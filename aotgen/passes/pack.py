@@ -288,10 +288,14 @@ class PackLinears:
     def _int4_linear(self, edit: WeightEditor, node: Node, rows: int) -> None:
         """`node` (ATen's int4 kernel, bfloat16 activations) onto Q4_1 panels of the same codes
         with float32 activations (gguf_blocks' exact float kernel), when the group size is a
-        multiple of Q4_1's 32 and nothing else reads the weight."""
+        multiple of Q4_1's 32 and nothing else reads the weight. Only bfloat16 scales: Q4_1's
+        float16 pairs lose less than the bfloat16 activations (int4_as_q4_1); with
+        `activations: float32` ATen's kernel computes exactly and stays."""
         x, weight, groupsize, scales_zeros = node.args
         found, found_g, found_sz = (edit.weight(a) for a in (weight, groupsize, scales_zeros))
         if found is None or found_g is None or found_sz is None:
+            return
+        if found_sz[1].dtype != torch.bfloat16:
             return
         g = int(found_g[1].item())
         readers = {*weight.users, *scales_zeros.users}
