@@ -356,7 +356,7 @@ def bench_speculative(
                     text = engine.tokenizer.decode(ids)
                     args = (binary, llama_lookup, text, max_new_tokens, k_used, threads)
                     lookups.append(run_llama_lookup(*args))
-        plain_ids = None if not sampling.greedy else [r.token_ids for r in results["plain"]]
+        plain_ids = [r.token_ids for r in results["plain"]] if sampling.greedy else None
         rows += [_spec_row(task, mode, results[mode], plain_ids) for mode in modes]
         if lookups:
             rows.append(_lookup_row(task, lookups))

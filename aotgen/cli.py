@@ -854,22 +854,20 @@ def _bench_speculative(
     rounds: int,
     as_json: bool,
     llama_lookup: Path | None,
-    tree: tuple[int, float] = (4, 0.1),
-    sampling: SamplingParams | None = None,
+    tree: tuple[int, float],
+    sampling: SamplingParams,
 ) -> dict[str, Any]:
     from aotgen.bench import bench_speculative
-    from aotgen.runtime.sampling import SamplingParams
     from aotgen.runtime.tree_draft import TreeParams
 
-    sampling = sampling or SamplingParams()
     rows, costs = bench_speculative(
         package, max(gen_tokens, 96), k, threads, rounds, llama_lookup, TreeParams(*tree), sampling
     )
     if as_json:
         return {"package": package.name, "rows": [dataclasses.asdict(r) for r in rows], **costs}
     plain = {r.task: r for r in rows if r.mode == "plain"}
-    how = "greedy" if sampling.greedy else f"sampled (temperature {sampling.temperature:g}"
-    how += "" if sampling.greedy else f", top-p {sampling.top_p:g})"
+    t, p = sampling.temperature, sampling.top_p
+    how = "greedy" if sampling.greedy else f"sampled (temperature {t:g}, top-p {p:g})"
     table = Table(title=f"{package.name}: {how}, plain vs speculative (same run)")
     for col in (
         "task",
