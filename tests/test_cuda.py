@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_RECIPE
+from families import make_family_checkpoint
 from tiny import make_tiny_checkpoint
 
 from aotgen.checkpoint.hf import open_checkpoint
@@ -27,7 +28,9 @@ from aotgen.passes.quantize import QuantizePass
 from aotgen.passes.quantize_numerics import kernel_problem
 from aotgen.passes.quantize_options import parse_quantize
 from aotgen.recipe import Recipe, RecipeError, kv_cache_len, parse_recipe
+from aotgen.runtime.cuda_graph import ReplayedGraph
 from aotgen.runtime.engine import Engine, GenerationConfig
+from aotgen.runtime.tree import Tree
 
 HAS_CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -97,6 +100,43 @@ def test_inspect_names_the_device(tiny_package, relabelled):
         result = CliRunner().invoke(app, ["inspect", str(pkg)])
         assert result.exit_code == 0, result.output
         assert device in result.output.replace("\n", " "), result.output
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gptneox-parallel"])
+def test_whole_cache_attention_equals_prefix_attention(family, tmp_path):
+    """CUDA builds export decode, verify and tree attending to the whole cache, masked past
+    the positions (model/layers.py). Run eagerly it must give the logits and cache entries of
+    attention over the prefix (Gemma's sliding window too), and trace with no host read."""
+    ckpt = open_checkpoint(make_family_checkpoint(tmp_path / family, family))
+    cfg = ModelConfig.from_hf(ckpt.config)
+    model = load_model(cfg, ckpt.load_weights(), 64, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (1, 30), generator=g)
+    prefix = new_kv_cache(cfg, 64)
+    with torch.no_grad():
+        model(ids[:, :20], torch.arange(20), prefix)
+        whole = [c.clone() for c in prefix]
+        chain = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]).bool()
+        steps = [  # decode; verify; a tree of 4 nodes (two branches) written at 26..29
+            (ids[:, 20:21], torch.tensor([20]), None),
+            (ids[:, 21:26], torch.arange(21, 26), None),
+            (ids[:, 26:30], torch.tensor([26, 27, 27, 28]), chain),
+        ]
+        for tokens, pos, tree_mask in steps:
+            ref = model(tokens, pos, prefix, tree_mask)
+            with model.attend_whole_cache():
+                got = model(tokens, pos, whole, tree_mask)
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for got, ref in zip(whole, prefix, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    def host_reads(ep) -> list:
+        return ep.graph.find_nodes(op="call_function", target=torch.ops.aten.item.default)
+
+    verify_args = (*steps[1][:2], prefix)
+    with model.attend_whole_cache():
+        assert not host_reads(torch.export.export(model, verify_args, strict=False))
+    # The negative control: attention over the prefix reads its length back.
+    assert host_reads(torch.export.export(model, verify_args, strict=False))
 
 
 # ---- on a GPU ------------------------------------------------------------------------------
@@ -181,3 +221,40 @@ def test_cuda_package_matches_eager(name, quantize, loose, hidden, gpu_checkpoin
         assert ((got - ref).norm() / ref.norm()).item() < loose, graph
     result = engine.generate([5, 6, 7], GenerationConfig(max_new_tokens=8, ignore_eos=True))
     assert len(result.token_ids) == 8
+
+
+@needs_gpu
+@pytest.mark.parametrize("name, quantize", [("fp32", None), ("int8", INT8)])
+def test_cuda_graph_replays_equal_direct_calls(name, quantize, gpu_checkpoints, project):
+    """Decode, verify and tree replayed as CUDA graphs (runtime/cuda_graph.py) give the logits
+    of the same graphs called directly, at positions other than the captured ones, and greedy
+    generation (plain and speculative) the same ids."""
+    extra = {"quantize": quantize} if quantize else {}
+    recipe = _recipe(gpu_checkpoints[128], f"tiny-cuda-replay-{name}", tree_nodes=4, **extra)
+    path = build(recipe, project).path
+    signatures = json.loads((path / "manifest.json").read_text())["models"]["target"]["graphs"]
+    assert {n for n, s in signatures.items() if s["attention"] == "whole_cache"} == {
+        "decode",
+        "verify",
+        "tree",
+    }
+    replayed, direct = Engine.load(path), Engine.load(path, cuda_graphs=False)
+    r, d = replayed.target, direct.target
+    assert all(isinstance(r.graphs[n], ReplayedGraph) for n in ("decode", "verify", "tree"))
+    assert not any(isinstance(g, ReplayedGraph) for g in d.graphs.values())
+    g = torch.Generator().manual_seed(1)
+    history = torch.randint(0, r.vocab_size, (60,), generator=g).tolist()
+    for runner in (r, d):
+        runner.forward(history[:40], 0)
+    tree = Tree([5, 6, 7, 8], [-1, 0, 0, 1], [None] * 4)
+    for pos in (40, 47, 53):  # a capture at 40, replays after
+        torch.testing.assert_close(r.decode(history[pos], pos), d.decode(history[pos], pos))
+        block = history[pos + 1 : pos + 6]
+        torch.testing.assert_close(
+            r.forward(block, pos + 1, all_logits=True), d.forward(block, pos + 1, all_logits=True)
+        )
+        torch.testing.assert_close(r.tree_forward(tree, pos + 6), d.tree_forward(tree, pos + 6))
+    prompt = history[:12]
+    for speculative in (None, "ngram"):
+        cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True, speculative=speculative)
+        assert replayed.generate(prompt, cfg).token_ids == direct.generate(prompt, cfg).token_ids

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from aotgen.passes.gemv import k_chunks, linears_as_reductions, row_groups
+from aotgen.passes.gemv import int8_linears_for_gpu, k_chunks, linears_as_reductions, row_groups
 
 aten = torch.ops.aten
 
@@ -109,3 +109,33 @@ def test_int8_matmul_rewrite_matches_the_kernel(tokens, in_features):
         torch.testing.assert_close(model(x).float(), ref, **tol)  # the kernel itself
     torch.testing.assert_close(ep.module()(x).float(), ref, **tol)
     torch.testing.assert_close(torch.compile(ep.module())(x).float(), ref, **tol)
+
+
+class Int8MatmulToFloat(Int8Matmul):
+    """As the quantize pass leaves it: the kernel's bf16 output cast back to float32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).float()
+
+
+@pytest.mark.parametrize("tokens, reduced", [(1, True), (8, True), (9, False)])
+def test_int8_matmul_for_gpu_matches_the_dequantized_weight(tokens, reduced):
+    """The CUDA form (a float32 reduction up to 8 rows, a dequantized matmul beyond), checked
+    on the CPU: the rewrite is device-agnostic graph surgery; test_cuda.py runs it compiled."""
+    torch.manual_seed(0)
+    model = Int8MatmulToFloat(62).eval()
+    x = torch.randn(tokens, 62)
+    # As the quantize pass emits it: `_to_copy` casts around the kernel, no metadata asserts.
+    ep = torch.export.export(model, (x,)).run_decompositions({})
+    graph = ep.graph_module.graph
+    for node in graph.find_nodes(op="call_function", target=aten._assert_tensor_metadata.default):
+        graph.erase_node(node)
+    ep = int8_linears_for_gpu(ep)
+    targets = _targets(ep)
+    assert aten._weight_int8pack_mm.default not in targets
+    assert (aten.sum.dim_IntList in targets) == reduced
+    assert (aten.mm.default in targets) == (not reduced)
+    # float32 throughout (the kernel's bf16 casts in and out are gone): float32 rounding only.
+    w = model.q.double() * model.scales.double()[:, None]
+    ref = (x.double() @ w.T).float()
+    torch.testing.assert_close(ep.module()(x), ref, rtol=1e-5, atol=1e-5)

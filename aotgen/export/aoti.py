@@ -115,8 +115,19 @@ def dynamic_shapes(spec: GraphSpec, caches: list[Tensor]) -> tuple | None:
     return ({1: t}, {0: t}, [None] * len(caches))
 
 
+def replayable(spec: GraphSpec, device: torch.device) -> bool:
+    """Whether a graph is exported for CUDA-graph replay: a fixed-width, single-sequence graph
+    for a GPU, attending to the whole cache (model/layers.py, runtime/cuda_graph.py)."""
+    return device.type == "cuda" and not spec.dynamic and not spec.batch
+
+
 def export_graph(model: nn.Module, spec: GraphSpec, caches: list[Tensor]) -> ExportedProgram:
-    with torch.no_grad(), warnings.catch_warnings(), model.last_row_logits(spec.last_row_logits):
+    with (
+        torch.no_grad(),
+        warnings.catch_warnings(),
+        model.last_row_logits(spec.last_row_logits),
+        model.attend_whole_cache(replayable(spec, caches[0].device)),
+    ):
         warnings.simplefilter("ignore", FutureWarning)
         return torch.export.export(
             model,

@@ -28,6 +28,12 @@ one sequence of a batch on a view, with no copy.
 Sliding-window layers keep a full-length cache and a window mask: the same cache layout
 for every layer, so the runtimes, speculation and the draft's shared cache need nothing
 new; the cost is memory for keys the window no longer sees.
+
+How far a graph attends: up to its last position (`input_pos[-1] + 1` keys, read back to the
+host with `.item()`), or, under `attend_whole_cache()`, all `cache_len` keys with the positions
+past `input_pos` masked (gpt-fast's choice). The second has no host read and no shape that
+changes with the position, so the graph can be captured once and replayed as a CUDA graph;
+CUDA builds export their fixed-width graphs that way (export/aoti.py).
 """
 
 from __future__ import annotations
@@ -152,6 +158,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.cache_len = cache_len
         self.last_row_only = False  # set while exporting the prefill graph
+        self.whole_cache = False  # set while exporting a graph for CUDA-graph replay
 
     @contextmanager
     def last_row_logits(self, enabled: bool = True) -> Iterator[None]:
@@ -161,6 +168,15 @@ class CausalLM(nn.Module):
             yield
         finally:
             self.last_row_only = before
+
+    @contextmanager
+    def attend_whole_cache(self, enabled: bool = True) -> Iterator[None]:
+        """Forwards traced inside attend to every cache position, masked past `input_pos`."""
+        before, self.whole_cache = self.whole_cache, enabled
+        try:
+            yield
+        finally:
+            self.whole_cache = before
 
     def init_buffers(self) -> None:
         """RoPE tables and key positions (not in the checkpoint; after a meta init too)."""
@@ -195,18 +211,19 @@ class CausalLM(nn.Module):
         x = self.embed(tokens)
         if slots is not None:
             return self._batch_forward(x, input_pos, caches, slots)
+        t = tokens.shape[1]
         if tree_mask is None:
             # Positions in one call are consecutive, so the last one bounds what is attended
             # to, and each row's keys and values go to the slot of its position.
-            attn_len = input_pos[-1].item() + 1
+            attn_len = self.cache_len if self.whole_cache else input_pos[-1].item() + 1
             write_at = input_pos
         else:
             # A token tree (runtime/tree.py): row i is written to slot input_pos[0] + i and has
             # RoPE position input_pos[i] (input_pos[0] plus its depth); tree_mask [T, T] says
             # which rows each row sees (its ancestors and itself), next to the whole prefix.
             start = input_pos[0]
-            attn_len = start.item() + tokens.shape[1]
-            write_at = start + self.key_positions[: tokens.shape[1]]
+            attn_len = self.cache_len if self.whole_cache else start.item() + t
+            write_at = start + self.key_positions[:t]
         torch._check(attn_len >= 1)
         torch._check(attn_len <= self.cache_len)
         keys = self.key_positions[:attn_len].unsqueeze(0)
@@ -214,7 +231,10 @@ class CausalLM(nn.Module):
             mask = keys <= input_pos.unsqueeze(1)
         else:
             rel = keys[0] - start  # < 0 on the prefix, else the key's tree row
-            mask = (rel < 0).unsqueeze(0) | tree_mask.index_select(1, rel.clamp(min=0))
+            seen = tree_mask.index_select(1, rel.clamp(0, t - 1))
+            if self.whole_cache:  # keys past the tree (rel >= t) are not its rows
+                seen = seen & (rel < t).unsqueeze(0)
+            mask = (rel < 0).unsqueeze(0) | seen
         return self._layers(x, input_pos, write_at, caches, attn_len, mask, self.last_row_only)
 
     def _batch_forward(

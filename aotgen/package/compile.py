@@ -26,11 +26,12 @@ from aotgen.export.aoti import (
     example_inputs,
     export_graph,
     graph_identity,
+    replayable,
 )
 from aotgen.model.llama import ModelConfig
 from aotgen.package.autotune import Autotune
 from aotgen.package.models import ModelBuild, recipe_kv_cache
-from aotgen.passes.gemv import linears_as_reductions
+from aotgen.passes.gemv import int8_linears_for_gpu, linears_as_reductions
 from aotgen.passes.pack import PackLinears
 from aotgen.passes.tp import fake_process_group, rank_config, shard_model
 from aotgen.recipe import Recipe
@@ -71,9 +72,12 @@ def graph_signature(spec: GraphSpec, cfg: ModelConfig, cache: list[Tensor]) -> d
     tree = [{"name": "tree_mask", "shape": [t, t], "dtype": "bool"}] if spec.tree else []
     slots = [{"name": "slots", "shape": [b], "dtype": "int64"}] if spec.batch else []
     batch = {"batch": {"min": 2, "max": spec.batch}} if spec.batch else {}
+    # "whole_cache": no host read of the position, so the runtime may replay it as a CUDA graph.
+    attention = "whole_cache" if replayable(spec, cache[0].device) else "prefix"
     return {
         "tokens": {"min": spec.min_tokens, "max": spec.max_tokens},
         **batch,
+        "attention": attention,
         "inputs": [
             {"name": "tokens", "shape": [b, t], "dtype": "int64"},
             {"name": "input_pos", "shape": [b, t] if spec.batch else [t], "dtype": "int64"},
@@ -162,6 +166,8 @@ def _exported(
         ep = packer(ep, spec.rows)
     if not spec.dynamic and not spec.batch and reductions:
         ep = linears_as_reductions(ep)
+    if cache[0].is_cuda:
+        ep = int8_linears_for_gpu(ep)
     return ep
 
 

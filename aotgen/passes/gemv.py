@@ -223,3 +223,38 @@ def linears_as_reductions(ep: ExportedProgram, max_rows: int = MAX_ROWS) -> Expo
         graph.erase_node(node)
     ep.graph_module.recompile()
     return ep
+
+
+def int8_linears_for_gpu(ep: ExportedProgram, max_rows: int = MAX_ROWS) -> ExportedProgram:
+    """CUDA: int8 weight-only matmuls (`_weight_int8pack_mm`) in float32, as gpt-fast writes
+    them, for Inductor to fuse the dequantization into its own kernels. PyTorch's CUDA kernel
+    ran SmolLM2 int8 decode at half the fp32 speed and prefill at a fifth (docs/cuda.md).
+
+    Up to `max_rows` static rows (decode, verify, tree): `(x[t] * w.float()).sum(-1) * s`,
+    one Triton reduction that reads each int8 weight once a row. More (prefill):
+    `x @ w.float().T * s`, a fused dequantization feeding cuBLAS, whose matmul is
+    compute-bound there anyway.
+    """
+    graph = ep.graph_module.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target != aten._weight_int8pack_mm.default:
+            continue
+        x, weight, scales = node.args
+        rows = x.meta["val"].shape[0]  # the quantize pass hands the kernel [rows, K]
+        add = partial(emit, graph, node)
+        with graph.inserting_before(node):
+            if is_cast_from_float32(x):
+                x = x.args[0]  # the bf16 cast was for the kernel
+            x = add(aten._to_copy.default, x, dtype=torch.float32)
+            w = add(aten._to_copy.default, weight, dtype=torch.float32)
+            if isinstance(rows, int) and rows <= max_rows:
+                terms = add(aten.mul.Tensor, add(aten.unsqueeze.default, x, 1), w)
+                out = add(aten.sum.dim_IntList, terms, [-1])
+            else:
+                out = add(aten.mm.default, x, add(aten.t.default, w))
+            out = add(aten.mul.Tensor, out, add(aten._to_copy.default, scales, dtype=torch.float32))
+            out = float32_result(add, node, out)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+    ep.graph_module.recompile()
+    return ep

@@ -23,6 +23,7 @@ from torch import Tensor
 from aotgen.package.manifest import PackageError, verify_package
 from aotgen.package.weights import is_padding
 from aotgen.runtime.onnx_backend import BACKENDS, onnx_graphs
+from aotgen.runtime.cuda_graph import ReplayedGraph
 from aotgen.runtime.proposers import (
     DraftOrLookupProposer,
     DraftProposer,
@@ -51,9 +52,11 @@ class GenerationError(ValueError):
 def open_loader(pt2: Path, package_model: str, device: torch.device) -> Any:
     """The AOTInductor loader of one graph on `device`: the runtime binds weights and runs
     graphs through it, and the builder reads the constant names a graph asks for."""
-    # (path, model name, run single-threaded, runners, device index): -1 is CPU.
+    # (path, model name, run single-threaded, runners, device index): -1 is CPU. On a GPU
+    # single-threaded, so that a call can be captured as a CUDA graph (runtime/cuda_graph.py).
     index = -1 if device.type == "cpu" else (device.index or 0)
-    return torch._C._aoti.AOTIModelPackageLoader(str(pt2), package_model, False, 1, index)
+    gpu = device.type == "cuda"
+    return torch._C._aoti.AOTIModelPackageLoader(str(pt2), package_model, gpu, 1, index)
 
 
 class CompiledGraph:
@@ -67,6 +70,8 @@ class CompiledGraph:
         self.max_tokens = signature["tokens"]["max"]
         batch = signature.get("batch", {"min": 1, "max": 1})
         self.min_batch, self.max_batch = batch["min"], batch["max"]
+        # No host read of the attended length: the graph can be replayed as a CUDA graph.
+        self.replayable = device.type == "cuda" and signature.get("attention") == "whole_cache"
         self.loader = open_loader(pt2, package_model, device)
 
     def bind(self, weights: dict[str, Tensor]) -> None:
@@ -138,7 +143,8 @@ def _target_cache_layers(
 class ModelRunner:
     """One model of a package: its graphs, weights bound once, and its KV cache: its own, or
     the target's for a draft built with `kv_cache.shared_with: target`. Weights, caches and
-    graphs live on `device`; logits come back on the CPU, where sampling runs."""
+    graphs live on `device`; logits come back on the CPU, where sampling runs. On a GPU the
+    fixed-width graphs are replayed as CUDA graphs unless `cuda_graphs` is off."""
 
     def __init__(
         self,
@@ -149,6 +155,7 @@ class ModelRunner:
         device: str = "cpu",
         backend: str = "aoti",
         slots: int = 1,
+        cuda_graphs: bool = True,
     ):
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
         self.config = entry["config"]
@@ -158,7 +165,7 @@ class ModelRunner:
             self.weights: dict[str, Tensor] = {}
             self.graphs = onnx_graphs(root, entry, "target" if target_caches is None else "draft")
         else:
-            self.weights, self.graphs = self._aoti_graphs(root, pt2, entry)
+            self.weights, self.graphs = self._aoti_graphs(root, pt2, entry, cuda_graphs)
         kv = entry["kv_cache"]
         self.cache_len = kv["cache_len"]
         dtype = getattr(torch, kv["dtype"])
@@ -183,8 +190,8 @@ class ModelRunner:
         self.tree_len = self.graphs["tree"].max_tokens if "tree" in self.graphs else 0
 
     def _aoti_graphs(
-        self, root: Path, pt2: Path, entry: dict[str, Any]
-    ) -> tuple[dict[str, Tensor], dict[str, CompiledGraph]]:
+        self, root: Path, pt2: Path, entry: dict[str, Any], cuda_graphs: bool
+    ) -> tuple[dict[str, Tensor], dict[str, CompiledGraph | ReplayedGraph]]:
         """The weights, loaded once, and the AOTInductor graphs bound to them."""
         # The builder aligns every tensor to 64 bytes in the file (package/weights.py), so the
         # kernels run on the mapping in place; a misaligned tensor is copied, since misaligned
@@ -202,6 +209,9 @@ class ModelRunner:
         }
         for g in graphs.values():
             g.bind(weights)
+        if cuda_graphs and any(g.replayable for g in graphs.values()):
+            pool = torch.cuda.graph_pool_handle()
+            graphs = {k: ReplayedGraph(g, pool) if g.replayable else g for k, g in graphs.items()}
         return weights, graphs  # keep the weights alive: the graphs use them in place
 
     def forward(
@@ -391,11 +401,13 @@ class Engine:
         verify: bool = True,
         backend: str = "aoti",
         slots: int = 1,
+        cuda_graphs: bool = True,
     ) -> Engine:
         """Verify the manifest (hashes, torch version, ISA) first, then load native code:
         the AOTInductor graphs, or with `backend="onnxruntime"` the package's ONNX graphs.
         `slots` > 1 gives the models a KV cache row per sequence for the batch engine
-        (runtime/batch_engine.py); 0: as many as the package's batched graphs serve."""
+        (runtime/batch_engine.py); 0: as many as the package's batched graphs serve.
+        `cuda_graphs`: replay a CUDA package's fixed-width graphs (runtime/cuda_graph.py)."""
         t0 = time.perf_counter()
         root = Path(path)
         if backend not in BACKENDS:
@@ -413,9 +425,13 @@ class Engine:
         pt2 = root / manifest["package"]
         models = manifest["models"]
         device = manifest["target"]["device"]
-        target = ModelRunner(root, pt2, models["target"], None, device, backend, slots)
+        target = ModelRunner(
+            root, pt2, models["target"], None, device, backend, slots, cuda_graphs
+        )
         draft = (
-            ModelRunner(root, pt2, models["draft"], target.caches, device, backend, slots)
+            ModelRunner(
+                root, pt2, models["draft"], target.caches, device, backend, slots, cuda_graphs
+            )
             if "draft" in models
             else None
         )

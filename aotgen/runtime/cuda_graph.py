@@ -1,0 +1,76 @@
+"""Fixed-width graphs of a CUDA package replayed as CUDA graphs.
+
+A decode step of a small model is some hundred kernel launches whose GPU work is shorter
+than issuing them (SmolLM2-135M on an H100: 3 ms a token, the weights read at 7 % of the
+memory bandwidth, docs/cuda.md). Captured once and replayed, a step is one launch.
+
+A graph can be captured when nothing in it reads the device from the host: CUDA builds
+export decode, verify and tree attending to the whole cache (`"attention": "whole_cache"` in
+the graph's signature, model/layers.py), and the runtime loads them single-threaded (the
+AOTInductor container's multi-threaded run synchronises on an event, which a capture
+refuses). Each graph is captured on first use per KV cache it runs on (a batch slot's rows
+are another cache), with inputs copied into buffers the capture owns, and replayed after.
+The logits it returns live in the capture's memory: the next replay overwrites them, so
+callers copy them out (to the CPU, where sampling runs) before the next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class _Capture:
+    graph: torch.cuda.CUDAGraph
+    inputs: list[Tensor]  # tokens, input_pos (and tree_mask): copied into before each replay
+    logits: Tensor  # written by each replay
+
+
+class ReplayedGraph:
+    """Calls of one compiled graph (`CompiledGraph`) replayed as CUDA graphs."""
+
+    def __init__(self, graph, pool: tuple) -> None:
+        self.graph = graph
+        self.name, self.min_tokens, self.max_tokens = graph.name, graph.min_tokens, graph.max_tokens
+        self.pool = pool  # one memory pool for all of a runner's captures: they never overlap
+        self._captures: dict[int, _Capture] = {}  # by the address of the first cache tensor
+
+    def __call__(
+        self,
+        tokens: Tensor,
+        input_pos: Tensor,
+        caches: list[Tensor],
+        tree_mask: Tensor | None = None,
+        slots: Tensor | None = None,
+    ) -> Tensor:
+        if slots is not None:
+            raise ValueError(f"{self.name}: a batched call is not replayed")
+        inputs = [tokens, input_pos] + ([] if tree_mask is None else [tree_mask])
+        capture = self._captures.get(caches[0].data_ptr())
+        if capture is None:
+            capture = self._capture(inputs, caches)
+            self._captures[caches[0].data_ptr()] = capture
+        for static, value in zip(capture.inputs, inputs, strict=True):
+            if static.shape != value.shape:
+                raise ValueError(f"{self.name} takes {list(static.shape)}, got {list(value.shape)}")
+            static.copy_(value, non_blocking=True)
+        capture.graph.replay()
+        return capture.logits
+
+    def _capture(self, inputs: list[Tensor], caches: list[Tensor]) -> _Capture:
+        """Warm up on a side stream (kernel loading, cuBLAS handles: not capturable), then
+        capture one call. Both run the step for real on `inputs`, writing the same keys and
+        values to the same cache slots as the call they stand in for."""
+        static = [x.clone() for x in inputs]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.graph(static[0], static[1], caches, *static[2:])
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.graph(static[0], static[1], caches, *static[2:])
+        return _Capture(graph, static, logits)
