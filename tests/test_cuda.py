@@ -129,6 +129,7 @@ def test_whole_cache_attention_equals_prefix_attention(family, tmp_path):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     for got, ref in zip(whole, prefix, strict=True):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
     def host_reads(ep) -> list:
         return ep.graph.find_nodes(op="call_function", target=torch.ops.aten.item.default)
 

@@ -22,8 +22,8 @@ from torch import Tensor
 
 from aotgen.package.manifest import PackageError, verify_package
 from aotgen.package.weights import is_padding
-from aotgen.runtime.onnx_backend import BACKENDS, onnx_graphs
 from aotgen.runtime.cuda_graph import ReplayedGraph
+from aotgen.runtime.onnx_backend import BACKENDS, onnx_graphs
 from aotgen.runtime.proposers import (
     DraftOrLookupProposer,
     DraftProposer,
@@ -425,9 +425,7 @@ class Engine:
         pt2 = root / manifest["package"]
         models = manifest["models"]
         device = manifest["target"]["device"]
-        target = ModelRunner(
-            root, pt2, models["target"], None, device, backend, slots, cuda_graphs
-        )
+        target = ModelRunner(root, pt2, models["target"], None, device, backend, slots, cuda_graphs)
         draft = (
             ModelRunner(
                 root, pt2, models["draft"], target.caches, device, backend, slots, cuda_graphs
