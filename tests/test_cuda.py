@@ -15,12 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import TINY_RECIPE
 from families import make_family_checkpoint
 from tiny import make_tiny_checkpoint
 
 from aotgen.checkpoint.hf import open_checkpoint
 from aotgen.export.aoti import export_graph, graph_specs
+from aotgen.model.layers import attend_rows
 from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
 from aotgen.package.build import build
 from aotgen.package.manifest import PackageError, target_info
@@ -138,6 +140,22 @@ def test_whole_cache_attention_equals_prefix_attention(family, tmp_path):
         assert not host_reads(torch.export.export(model, verify_args, strict=False))
     # The negative control: attention over the prefix reads its length back.
     assert host_reads(torch.export.export(model, verify_args, strict=False))
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_attention_as_matmuls_equals_sdpa(rows):
+    """`attend_rows` (fixed-width graphs on a GPU, model/layers.py) against SDPA, GQA-folded
+    rows over a long, partly masked cache; keys past every row's position never count."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 3, 3 * rows, 64, generator=g)
+    keys, values = (torch.randn(1, 3, 300, 64, generator=g) for _ in range(2))
+    mask = torch.arange(300) <= torch.arange(200, 200 + rows).repeat(3).unsqueeze(1)
+    keys[..., 250:, :] = values[..., 250:, :] = 1e4  # past every row's position: masked
+    ref = F.scaled_dot_product_attention(
+        q, keys[..., :250, :], values[..., :250, :], attn_mask=mask[:, :250], scale=0.125
+    )
+    got = attend_rows(q, keys, values, mask, 0.125)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 # ---- on a GPU ------------------------------------------------------------------------------
