@@ -1,10 +1,12 @@
-"""`device: cuda` packages (issue 3, part 2: the CUDA quantized kernels).
+"""`device: cuda` packages: the CUDA quantized kernels, CUDA-graph replay.
 
-On a machine without a CUDA GPU (this project's CI) only the refusals run: a CUDA build or
-a CUDA package fails at once with the reason, before anything is written or loaded. The
-GPU tests run where `torch.cuda.is_available()`: build tiny fp32 / int8 / int4 packages for
-the GPU and compare every compiled graph with the same graph run eagerly on the GPU
-(tight) and with the fp32 model (loose; bounds as in test_quantize.py).
+On a machine without a CUDA GPU (this project's CI) the refusals run (a CUDA build or a CUDA
+package fails at once with the reason, before anything is written or loaded), and the
+device-agnostic pieces of the GPU path: whole-cache attention against prefix attention, and
+attention as matmuls against SDPA. The GPU tests run where `torch.cuda.is_available()`: build
+tiny fp32 / int8 / int4 packages for the GPU, compare every compiled graph with the same graph
+run eagerly on the GPU (tight) and with the fp32 model (loose; bounds as in test_quantize.py),
+and replayed CUDA graphs with direct calls of the same graphs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from aotgen.model.layers import attend_rows
 from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
 from aotgen.package.build import build
 from aotgen.package.manifest import PackageError, target_info
+from aotgen.passes.gemv import int8_linears_for_gpu
 from aotgen.passes.quantize import QuantizePass
 from aotgen.passes.quantize_numerics import kernel_problem
 from aotgen.passes.quantize_options import parse_quantize
@@ -190,7 +193,8 @@ def test_cuda_kernels_run(kind):
 )
 def test_cuda_package_matches_eager(name, quantize, loose, hidden, gpu_checkpoints, project):
     """Each compiled graph vs the same (quantized) graph run eagerly on the GPU, and vs the
-    fp32 model; the quantized graphs call the CUDA weight-only kernels."""
+    fp32 model; the quantize pass emits the CUDA weight-only kernels (int8's then become
+    float32 reductions and matmuls, passes/gemv.py, in both)."""
     gpu_checkpoint = gpu_checkpoints[hidden]
     extra = {"quantize": quantize} if quantize else {}
     report = build(_recipe(gpu_checkpoint, f"tiny-cuda-{name}", **extra), project)
@@ -214,6 +218,7 @@ def test_cuda_package_matches_eager(name, quantize, loose, hidden, gpu_checkpoin
             ep = qp(ep)
             ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
             assert f"aten._weight_{name[:4]}pack_mm.default" in ops
+            ep = int8_linears_for_gpu(ep)  # as compile.py does: int8 in float32 on a GPU
         eager[s.name] = ep.module()
     g = torch.Generator().manual_seed(0)
     for graph, start, length in [("prefill", 0, 11), ("decode", 7, 1), ("verify", 9, 5)]:
