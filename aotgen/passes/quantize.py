@@ -148,6 +148,13 @@ class QuantizePass:
         (passes/pack.py: int8 per channel, int4 groups of a multiple of 32)."""
         return self.device == "cpu" and not self.blocks
 
+    @property
+    def _int8_on_gpu(self) -> bool:
+        """CUDA int8 linears, which the build rewrites to float32 Inductor kernels
+        (passes/gemv.py `int8_linears_for_gpu`)."""
+        lin = self.options.linear
+        return self.device == "cuda" and not self.blocks and lin is not None and lin.kind == "int8"
+
     def notes(self) -> list[str]:
         """Human-readable build-report lines: what was quantized, skipped, and warnings."""
         o = self.options
@@ -161,6 +168,7 @@ class QuantizePass:
                 f"quantize: {summary}; weights {self.float_bytes / 2**20:.1f} MiB float -> "
                 f"{self.quant_bytes / 2**20:.1f} MiB, kernels compute in {o.activations}"
                 + (" (float32 where packed into panels)" if self._packable else "")
+                + (" (int8 linears in float32: passes/gemv.py)" if self._int8_on_gpu else "")
             )
         if self.needs_calibration:
             notes.append(
@@ -202,7 +210,9 @@ class QuantizePass:
                 "granularity": "per-channel" if s.kind == "int8" and not blocks else "per-group",
                 "weight_dtype": "int8" if s.kind == "int8" else "uint4 (packed)",
                 "scale_dtype": "float16" if blocks else str(self.act_dtype).removeprefix("torch."),
-                "activation_dtype": self.options.activations,
+                "activation_dtype": "float32"
+                if kernel.startswith("float32")
+                else self.options.activations,
                 "kernel": kernel,
             }
 
@@ -213,6 +223,8 @@ class QuantizePass:
                 f"aotgen.{kind}_block_linear (kernels/block_dot.cpp; with "
                 "compile.packed_linears, gguf_dot's panels where the autotune measured faster)"
             )
+        elif self._int8_on_gpu:
+            lin_kernel = "float32 Triton reduction / dequantized matmul (passes/gemv.py)"
         elif lin and lin.kind == "int8":
             lin_kernel = "aten._weight_int8pack_mm"
         elif self.device == "cpu":
