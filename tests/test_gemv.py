@@ -4,7 +4,13 @@ import pytest
 import torch
 from torch import nn
 
-from aotgen.passes.gemv import int8_linears_for_gpu, k_chunks, linears_as_reductions, row_groups
+from aotgen.passes.gemv import (
+    amx_matmul_faster,
+    int8_linears_for_gpu,
+    k_chunks,
+    linears_as_reductions,
+    row_groups,
+)
 
 aten = torch.ops.aten
 
@@ -139,3 +145,17 @@ def test_int8_matmul_for_gpu_matches_the_dequantized_weight(tokens, reduced):
     w = model.q.double() * model.scales.double()[:, None]
     ref = (x.double() @ w.T).float()
     torch.testing.assert_close(ep.module()(x), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_bfloat16_rows_stay_on_the_amx_matmul(tokens):
+    """bfloat16 weights with several rows keep oneDNN's matmul on a CPU with AMX tiles (else,
+    and for one row, they become reductions); either way the numbers are the linear's."""
+    torch.manual_seed(0)
+    model = TwoLinears().to(torch.bfloat16).eval()
+    x = torch.randn(1, tokens, 24, dtype=torch.bfloat16)
+    ep = linears_as_reductions(torch.export.export(model, (x,)))
+    kept = tokens > 1 and amx_matmul_faster(torch.bfloat16)
+    assert (aten.linear.default in _targets(ep)) == kept
+    assert amx_matmul_faster(torch.float32) is False
+    torch.testing.assert_close(ep.module()(x), model(x), rtol=2e-2, atol=2e-2)
