@@ -101,9 +101,9 @@ def attend_one(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: flo
 
 
 # A few query rows on a GPU (verify, tree, batched steps) attend with `attend_rows`: SDPA's
-# memory-efficient kernel runs a few thread blocks over all the keys one tile at a time. On an
-# H100, SmolLM2's 5-row verify step over a 2053-key cache spent 7.7 of its 11.3 ms in it
-# (255 us a layer); as two batched matmuls and a softmax the step took 6.4 ms.
+# memory-efficient kernel runs a few thread blocks over all the keys one tile at a time: 255 us
+# a layer of SmolLM2's 5-row verify step over a 2053-key cache on an H100. As two batched
+# matmuls and a softmax the compiled verify step went from 9.06 to 3.99 ms (docs/cuda.md).
 def attend_rows(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
     """Masked softmax attention as matmuls: [b, h, m, d] x [b, h, n, d]."""
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
