@@ -22,9 +22,8 @@ import torch
 
 from aotgen.bench import measure_bandwidth, prompt_ids, step_costs, weight_bytes
 from aotgen.checkpoint.hf import open_checkpoint
-from aotgen.export.aoti import export_graph
+from aotgen.package.compile import export_with_passes
 from aotgen.package.models import prepare_models, recipe_kv_cache
-from aotgen.passes.gemv import int8_linears_for_gpu
 from aotgen.recipe import load_recipe
 from aotgen.runtime.engine import Engine, GenerationConfig
 
@@ -50,10 +49,7 @@ def compiled_decode_ms(recipe_path: str, steps: int = 512) -> float:
     target = prepare_models(recipe, open_checkpoint(recipe.checkpoint))[0]
     cache = recipe_kv_cache(target.config, recipe)
     spec = next(s for s in target.graphs if s.name == "decode")
-    ep = export_graph(target.model, spec, cache)
-    for graph_pass in target.graph_passes:
-        ep = graph_pass(ep)
-    module = int8_linears_for_gpu(ep).module()
+    module = export_with_passes(target.model, target, spec, cache, False, None).module()
     for c in cache:
         torch._dynamo.mark_static_address(c)
 

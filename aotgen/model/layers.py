@@ -39,7 +39,7 @@ CUDA builds export their fixed-width graphs that way (export/aoti.py).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -173,23 +173,22 @@ class CausalLM(nn.Module):
         self.last_row_only = False  # set while exporting the prefill graph
         self.whole_cache = False  # set while exporting a graph for CUDA-graph replay
 
-    @contextmanager
-    def last_row_logits(self, enabled: bool = True) -> Iterator[None]:
+    def last_row_logits(self, enabled: bool = True) -> AbstractContextManager[None]:
         """Forwards traced inside return the logits of the last position only: `[1, 1, V]`."""
-        before, self.last_row_only = self.last_row_only, enabled
-        try:
-            yield
-        finally:
-            self.last_row_only = before
+        return self._switched("last_row_only", enabled)
+
+    def attend_whole_cache(self, enabled: bool = True) -> AbstractContextManager[None]:
+        """Forwards traced inside attend to every cache position, masked past `input_pos`."""
+        return self._switched("whole_cache", enabled)
 
     @contextmanager
-    def attend_whole_cache(self, enabled: bool = True) -> Iterator[None]:
-        """Forwards traced inside attend to every cache position, masked past `input_pos`."""
-        before, self.whole_cache = self.whole_cache, enabled
+    def _switched(self, switch: str, enabled: bool) -> Iterator[None]:
+        before = getattr(self, switch)
+        setattr(self, switch, enabled)
         try:
             yield
         finally:
-            self.whole_cache = before
+            setattr(self, switch, before)
 
     def init_buffers(self) -> None:
         """RoPE tables and key positions (not in the checkpoint; after a meta init too)."""

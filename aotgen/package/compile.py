@@ -120,7 +120,7 @@ def compile_model(
     for spec in mb.graphs:
         t0 = time.perf_counter()
         eps = [
-            _exported(model, mb, spec, cache, reductions, packers[r] if packers else None)
+            export_with_passes(model, mb, spec, cache, reductions, packers[r] if packers else None)
             for r, model in enumerate(ranks)
         ]
         _check_same_code(eps, f"{mb.role}/{spec.name}")
@@ -150,7 +150,7 @@ def compile_model(
     return compiled
 
 
-def _exported(
+def export_with_passes(
     model: nn.Module,
     mb: ModelBuild,
     spec: GraphSpec,
@@ -158,7 +158,8 @@ def _exported(
     reductions: bool,
     packer: PackLinears | None,
 ) -> ExportedProgram:
-    """One graph of `model` exported and put through the model's graph passes."""
+    """One graph of `model` exported and put through the model's graph passes, as the package
+    compiles it (scripts/gpu_bench.py exports its baseline through it too)."""
     ep = export_graph(model, spec, cache)
     for graph_pass in mb.graph_passes:
         ep = graph_pass(ep)

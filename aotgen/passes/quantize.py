@@ -200,7 +200,9 @@ class QuantizePass:
     def manifest_entry(self) -> dict[str, Any]:
         """What the manifest records: schemes, dtypes, and which ops stayed float."""
 
-        def describe(s: Scheme | None, kernel: str, blocks: bool) -> dict[str, Any] | None:
+        def describe(
+            s: Scheme | None, kernel: str, blocks: bool, activations: str
+        ) -> dict[str, Any] | None:
             if s is None:
                 return None
             return {
@@ -210,13 +212,11 @@ class QuantizePass:
                 "granularity": "per-channel" if s.kind == "int8" and not blocks else "per-group",
                 "weight_dtype": "int8" if s.kind == "int8" else "uint4 (packed)",
                 "scale_dtype": "float16" if blocks else str(self.act_dtype).removeprefix("torch."),
-                "activation_dtype": "float32"
-                if kernel.startswith("float32")
-                else self.options.activations,
+                "activation_dtype": activations,
                 "kernel": kernel,
             }
 
-        lin = self.options.linear
+        o, lin = self.options, self.options.linear
         if self.blocks:
             kind = lin.kind if lin else "int8"
             lin_kernel = (
@@ -232,8 +232,10 @@ class QuantizePass:
         else:
             lin_kernel = "aten._weight_int4pack_mm (tinygemm)"
         return {
-            "linear": describe(lin, lin_kernel, self.blocks),
-            "embedding": describe(self.options.embedding, "gather + scale", False),
+            "linear": describe(
+                lin, lin_kernel, self.blocks, "float32" if self._int8_on_gpu else o.activations
+            ),
+            "embedding": describe(self.options.embedding, "gather + scale", False, o.activations),
             "method": self.options.method,
             "calibration": (
                 {"text": self.options.calibration.name, "tokens": self.calibration_tokens}
