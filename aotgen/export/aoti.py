@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.export import Dim, ExportedProgram
 from torch.utils import _pytree as pytree
 
-from aotgen.kernels import block_dot, gguf_blocks, gguf_dot, packed
+from aotgen.kernels import attention, block_dot, gguf_blocks, gguf_dot, packed
 from aotgen.tempdirs import partial_dir, remove_stale
 
 
@@ -224,6 +224,7 @@ def compile_graph(
         **packed.c_shims(ep.graph),
         **gguf_blocks.c_shims(ep.graph),
         **gguf_dot.c_shims(ep.graph),
+        **attention.c_shims(ep.graph),
     }
     if shims:
         options[C_SHIMS] = shims

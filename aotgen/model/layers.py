@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from aotgen.kernels import attention
 from aotgen.model.config import ModelConfig, rope_tables
 
 ACT_FNS: dict[str, Callable[[Tensor], Tensor]] = {
@@ -146,16 +147,21 @@ def cached_attention(
         v_cache.index_copy_(2, write_at, v.to(v_cache.dtype))
         keys = k_cache[:, :, :attn_len].to(q.dtype)
         values = v_cache[:, :, :attn_len].to(q.dtype)
-        mask = mask.repeat(group, 1)
     # GQA without repeating K/V: fold each KV head's group of query heads into the
     # query-length axis ([b, kv, group * t, d]), so no expanded K/V copy per layer.
     q = q.reshape(b, kv_heads, group * t, head_dim)
-    if isinstance(t, int) and t == 1 and not torch.onnx.is_in_onnx_export():  # decode graph
-        y = attend_one(q, keys, values, mask, scale)
-    elif isinstance(t, int) and q.is_cuda:  # fixed-width graphs on a GPU
-        y = attend_rows(q, keys, values, mask, scale)
+    fixed_width = isinstance(t, int) and not torch.onnx.is_in_onnx_export()
+    if fixed_width and not isinstance(write_at, tuple) and attention.applies(q, k_cache):
+        y = torch.ops.aotgen.attend_cache(q * scale, k_cache, v_cache, mask)  # CPU graphs
     else:
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        if not isinstance(write_at, tuple):
+            mask = mask.repeat(group, 1)
+        if fixed_width and t == 1:  # decode graph
+            y = attend_one(q, keys, values, mask, scale)
+        elif fixed_width and q.is_cuda:  # fixed-width graphs on a GPU
+            y = attend_rows(q, keys, values, mask, scale)
+        else:
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     # unflatten+permute, not view(b, -1, t, d): export cannot prove the view's stride
     # guard for a dynamic t (prefill failed to export).
     return y.unflatten(2, (group, t)).permute(0, 3, 1, 2, 4).reshape(b, t, -1)

@@ -1,0 +1,269 @@
+// Attention of a few query rows (decode, verify, token trees) over the filled prefix of a KV
+// cache: out [1, H, R, D] = softmax(q k^T + mask) v, q already scaled. Compiled into each
+// graph's .so by AOTInductor as the C shim of `aotgen::attend_cache` (kernels/attention.py,
+// whose eager reference defines it).
+//
+// Why: SDPA's CPU flash kernel costs 50-60 us a layer for SmolLM2's 5-row verify over 205 keys
+// (1.2 M multiply-adds: a few us of work), in dispatch, blocking and MKL calls sized for many
+// rows; 30 layers make that a sixth of an int8 verify step.
+//
+// q [1, H, R, D]: H KV heads, each with its group of query heads folded into the rows
+// (row r = g * T + i: query head g of the group, token i), so K and V are read once per tile
+// of rows. mask [T, N] bool: row r sees key j iff mask[r % T][j]; N is the prefix attended.
+// Work: OpenMP over (head, tile of rows); each tile streams its head's N keys twice (scores,
+// then the weighted sum of values), the rows' scores in a per-thread buffer.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#pragma GCC push_options
+// AOTInductor builds its wrapper (where this lands) at -O1, and on AVX-512 CPUs with
+// -ffp-contract=off (export/aoti.py), which would split every multiply-add in two.
+#pragma GCC optimize("O3", "fp-contract=fast")
+
+namespace aotgen_attn {
+
+#ifdef __AVX512F__
+constexpr int kLanes = 16;
+#elif defined(__AVX2__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;
+#endif
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
+typedef float vf_unaligned __attribute__((vector_size(4 * kLanes), aligned(4)));
+constexpr int kTile = 4;  // rows per work item: one key load serves them all
+
+__attribute__((always_inline)) inline vf load(const float* p) { return *(const vf_unaligned*)p; }
+
+__attribute__((always_inline)) inline float hsum(vf v) {
+#ifdef __AVX512F__
+  return _mm512_reduce_add_ps((__m512)v);
+#else
+  float s = 0.f;
+  for (int i = 0; i < kLanes; i++) s += v[i];
+  return s;
+#endif
+}
+
+// e^x for x <= 0 (scores minus their maximum), Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2,
+// e^r by its degree-6 polynomial, 2^n into the exponent. Relative error ~2e-7; below -87 -> 0.
+__attribute__((always_inline)) inline vf exp_nonpositive(vf x) {
+  const vi under = x < -87.0f;
+  x = under ? (vf){} - 87.0f : x;
+  const vf fn = x * 1.44269504088896341f - 0.5f;
+  const vi n = __builtin_convertvector(fn, vi);  // truncation: round to nearest for fn < 0
+  const vf nf = __builtin_convertvector(n, vf);
+  const vf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  vf p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vf y = (vf)((vi)p + (n << 23));
+  return under ? (vf){} : y;
+}
+
+// Horizontal sums of kLanes vectors at once: lane i of the result is the sum of a[i]'s lanes.
+// Each level adds the two halves of every source's lanes and packs two vectors' sources into
+// one (x's first, then y's): log2(kLanes) levels, kLanes - 1 shuffle pairs in all, where one
+// reduction per vector would spend about that many on each.
+template <int W>  // lanes per source in x and y
+__attribute__((always_inline)) inline vf halve(vf x, vf y) {
+  constexpr int sources = kLanes / W, half = W / 2;
+  vi lo, hi;
+  for (int l = 0; l < kLanes; l++) {
+    const int b = l / half, o = l % half;
+    const int base = b < sources ? b * W : kLanes + (b - sources) * W;
+    lo[l] = base + o;
+    hi[l] = base + half + o;
+  }
+  return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
+}
+
+template <int W = kLanes>
+__attribute__((always_inline)) inline vf sums(vf* a, int count = kLanes) {
+  for (int i = 0; i < count / 2; i++) a[i] = halve<W>(a[2 * i], a[2 * i + 1]);
+  if constexpr (W > 2) return sums<W / 2>(a, count / 2);
+  else return a[0];
+}
+
+__attribute__((always_inline)) inline float dot(const float* a, const float* b, int64_t D) {
+  vf acc = load(a) * load(b);
+  for (int64_t c = kLanes; c < D; c += kLanes) acc += load(a + c) * load(b + c);
+  return hsum(acc);
+}
+
+// Scores of kLanes keys for one row: their block of K stays in L1 across the tile's rows.
+__attribute__((always_inline)) inline vf key_block(const float* qr, const float* k, int64_t ldkv,
+                                                   int64_t D) {
+  vf a[kLanes] = {};
+  for (int64_t c = 0; c < D; c += kLanes) {
+    const vf qc = load(qr + c);
+#pragma GCC unroll 16
+    for (int i = 0; i < kLanes; i++) a[i] += qc * load(k + i * ldkv + c);
+  }
+  return sums(a);
+}
+
+// Masked scores -> softmax weights in place; a row that sees nothing gets zeros.
+inline void softmax(float* s, const uint8_t* mask, int64_t ldm1, int64_t N) {
+  vf mv = (vf){} - INFINITY;
+  int64_t j = 0;
+  for (; j < N; j++)
+    if (!mask[j * ldm1]) s[j] = -INFINITY;
+  for (j = 0; j + kLanes <= N; j += kLanes) {
+    const vf x = load(s + j);
+    mv = x > mv ? x : mv;
+  }
+  float mx = -INFINITY;
+  for (int i = 0; i < kLanes; i++) mx = std::max(mx, mv[i]);
+  for (; j < N; j++) mx = std::max(mx, s[j]);
+  if (mx == -INFINITY) {
+    std::fill(s, s + N, 0.f);
+    return;
+  }
+  vf total = {};
+  for (j = 0; j + kLanes <= N; j += kLanes) {
+    const vf e = exp_nonpositive(load(s + j) - mx);
+    *(vf_unaligned*)(s + j) = e;
+    total += e;
+  }
+  float sum = hsum(total);
+  for (; j < N; j++) {
+    vf tail = {};
+    tail[0] = s[j] - mx;
+    s[j] = exp_nonpositive(tail)[0];
+    sum += s[j];
+  }
+  const vf inv = (vf){} + 1.f / sum;
+  for (j = 0; j + kLanes <= N; j += kLanes) *(vf_unaligned*)(s + j) = load(s + j) * inv;
+  for (; j < N; j++) s[j] *= inv[0];
+}
+
+// out rows += sum_j s[m][j] v_j over C vectors of dimensions from c0: RT * C accumulators.
+template <int RT, int C>
+__attribute__((always_inline)) inline void weigh_values(const float* s, int64_t N,
+                                                        const float* v, int64_t ldkv,
+                                                        int64_t c0, float* out, int64_t ldo) {
+  vf acc[RT][C] = {};
+  for (int64_t j = 0; j < N; j++) {
+    const float* vj = v + j * ldkv + c0;
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c++) {
+      const vf vv = load(vj + c * kLanes);
+#pragma GCC unroll 8
+      for (int m = 0; m < RT; m++) acc[m][c] += vv * s[m * N + j];
+    }
+  }
+  for (int m = 0; m < RT; m++)
+    for (int c = 0; c < C; c++) *(vf_unaligned*)(out + m * ldo + c0 + c * kLanes) = acc[m][c];
+}
+
+// RT rows of one head (row m at q + m * ldq, its mask row at mask_rows[m]); scores in s.
+template <int RT>
+inline void tile(const float* q, int64_t ldq, const float* k, const float* v, int64_t ldkv,
+                 const uint8_t* const* mask_rows, int64_t ldm1, int64_t N, int64_t D, float* s,
+                 float* out, int64_t ldo) {
+  int64_t j0 = 0;
+  for (; j0 + kLanes <= N; j0 += kLanes)
+    for (int m = 0; m < RT; m++)
+      *(vf_unaligned*)(s + m * N + j0) = key_block(q + m * ldq, k + j0 * ldkv, ldkv, D);
+  for (int m = 0; m < RT; m++) {
+    for (int64_t j = j0; j < N; j++) s[m * N + j] = dot(q + m * ldq, k + j * ldkv, D);
+    softmax(s + m * N, mask_rows[m], ldm1, N);
+  }
+  constexpr int kChunk = 4;  // vectors of dimensions per pass over the values
+  int64_t c0 = 0;
+  for (; c0 + kChunk * kLanes <= D; c0 += kChunk * kLanes)
+    weigh_values<RT, kChunk>(s, N, v, ldkv, c0, out, ldo);
+  for (; c0 < D; c0 += kLanes) weigh_values<RT, 1>(s, N, v, ldkv, c0, out, ldo);
+}
+
+// q [H, R, D] (strides ldq_h, ldq), k / v [H, >= N, D] (strides ldkv_h, ldkv), mask [T, N]
+// (strides ldm0, ldm1) -> out [H, R, D] contiguous. D a multiple of kLanes.
+inline void attend(const float* q, int64_t ldq_h, int64_t ldq, const float* k, const float* v,
+                   int64_t ldkv_h, int64_t ldkv, const uint8_t* mask, int64_t ldm0,
+                   int64_t ldm1, int64_t H, int64_t R, int64_t T, int64_t N, int64_t D,
+                   float* out) {
+  // Enough work items for both cores: rows per item down to 1 when there are few heads.
+  int rt = kTile;
+  while (rt > 1 && H * ((R + rt - 1) / rt) < 4) rt /= 2;
+  const int64_t tiles = (R + rt - 1) / rt;
+#pragma omp parallel for schedule(static)
+  for (int64_t item = 0; item < H * tiles; item++) {
+    static thread_local std::vector<float> scores;
+    if ((int64_t)scores.size() < kTile * N) scores.resize(kTile * N);
+    const int64_t h = item / tiles, r0 = (item % tiles) * rt;
+    const int n = (int)std::min<int64_t>(rt, R - r0);
+    const uint8_t* rows[kTile];
+    for (int m = 0; m < n; m++) rows[m] = mask + ((r0 + m) % T) * ldm0;
+    const float* qh = q + h * ldq_h + r0 * ldq;
+    const float *kh = k + h * ldkv_h, *vh = v + h * ldkv_h;
+    float* oh = out + (h * R + r0) * D;
+    float* sc = scores.data();
+    switch (n) {
+      case 1: tile<1>(qh, ldq, kh, vh, ldkv, rows, ldm1, N, D, sc, oh, D); break;
+      case 2: tile<2>(qh, ldq, kh, vh, ldkv, rows, ldm1, N, D, sc, oh, D); break;
+      case 3: tile<3>(qh, ldq, kh, vh, ldkv, rows, ldm1, N, D, sc, oh, D); break;
+      default: tile<4>(qh, ldq, kh, vh, ldkv, rows, ldm1, N, D, sc, oh, D); break;
+    }
+  }
+}
+
+}  // namespace aotgen_attn
+
+#pragma GCC pop_options
+
+#ifdef AOTGEN_ATTENTION_STANDALONE
+// For tests: the kernel without AOTInductor's tensor handles, contiguous tensors.
+extern "C" int aotgen_attend_cache(const float* q, const float* k, const float* v,
+                                   const uint8_t* mask, int64_t H, int64_t R, int64_t T,
+                                   int64_t N, int64_t L, int64_t D, float* out) {
+  if (D % aotgen_attn::kLanes) return 1;
+  aotgen_attn::attend(q, R * D, D, k, v, L * D, D, mask, N, 1, H, R, T, N, D, out);
+  return 0;
+}
+#else
+// The C shim AOTInductor calls: q [1, H, R, D] float32, the caches [1, H, L, D] float32 (the
+// first N = mask.size(1) positions read), mask [T, N] bool -> a new float32 [1, H, R, D].
+static AOTITorchError aoti_torch_cpu_attend_cache(AtenTensorHandle q, AtenTensorHandle k_cache,
+                                                  AtenTensorHandle v_cache,
+                                                  AtenTensorHandle mask,
+                                                  AtenTensorHandle* ret0) {
+  int64_t *q_sizes, *q_strides, *k_strides, *v_strides, *m_sizes, *m_strides;
+  void *q_data, *k_data, *v_data, *m_data, *o_data;
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(q, &q_sizes));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(q, &q_strides));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(k_cache, &k_strides));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(v_cache, &v_strides));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(mask, &m_sizes));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(mask, &m_strides));
+  const int64_t H = q_sizes[1], R = q_sizes[2], D = q_sizes[3];
+  if (q_strides[3] != 1 || k_strides[3] != 1 || v_strides[3] != 1 ||
+      k_strides[1] != v_strides[1] || k_strides[2] != v_strides[2] || D % aotgen_attn::kLanes)
+    return AOTI_TORCH_FAILURE;
+  int64_t out_sizes[4] = {1, H, R, D}, out_strides[4] = {H * R * D, R * D, D, 1};
+  AtenTensorHandle out;
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(4, out_sizes, out_strides,
+                                                       aoti_torch_dtype_float32(),
+                                                       aoti_torch_device_type_cpu(), 0, &out));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(q, &q_data));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(k_cache, &k_data));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(v_cache, &v_data));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(mask, &m_data));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(out, &o_data));
+  aotgen_attn::attend((const float*)q_data, q_strides[1], q_strides[2], (const float*)k_data,
+                      (const float*)v_data, k_strides[1], k_strides[2], (const uint8_t*)m_data,
+                      m_strides[0], m_strides[1], H, R, m_sizes[0], m_sizes[1], D,
+                      (float*)o_data);
+  *ret0 = out;
+  return AOTI_TORCH_SUCCESS;
+}
+#endif

@@ -1,0 +1,89 @@
+"""Few-row attention over a KV cache prefix (kernels/attention.{py,cpp}): the kernel on every
+ISA path the CPU can run equals SDPA in float64 on the same prefix and mask, and the CPU
+graphs of a package call it for decode, verify and tree steps (their logits against eager are
+checked by test_package / test_tree).
+
+Bound: float32 scores and sums in another order than SDPA's, and a polynomial e^x (relative
+error ~2e-7): below 1e-5 absolute on outputs of unit scale (measured ~2e-6).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_RECIPE
+
+from aotgen.export.aoti import export_graph, graph_specs
+from aotgen.kernels import attention as at
+from aotgen.model.llama import new_kv_cache
+from tests.test_gguf_blocks import ISAS
+from tests.test_packed import CPU_FLAGS
+
+
+@pytest.fixture(scope="module", params=list(ISAS))
+def lib(request):
+    flags, needs = ISAS[request.param]
+    if not needs <= CPU_FLAGS:
+        pytest.skip(f"CPU without {', '.join(sorted(needs - CPU_FLAGS))}")
+    library = at.library(flags)
+    if library is None:
+        pytest.skip("no C++ compiler")
+    return library
+
+
+# (KV heads, query heads per KV head, tokens T, keys N, cache length L, head_dim D)
+SHAPES = (
+    (3, 3, 1, 205, 260, 64),  # SmolLM2 decode
+    (3, 3, 5, 205, 260, 64),  # verify
+    (3, 3, 7, 1005, 1030, 64),
+    (1, 4, 5, 37, 64, 256),  # Gemma 3: one KV head, head_dim 256
+    (2, 2, 3, 17, 40, 32),  # N not a multiple of the vector width
+    (4, 1, 32, 3, 8, 80),  # a 32-node tree over 3 keys; D = 5 vectors of 16
+)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_kernel_equals_sdpa(lib, shape):
+    h, g, t, n, length, d = shape
+    gen = torch.Generator().manual_seed(n + d)
+    q = torch.randn(1, h, g * t, d, generator=gen) * d**-0.5
+    k, v = (torch.randn(1, h, length, d, generator=gen) for _ in range(2))
+    mask = torch.rand(t, n, generator=gen) < 0.7
+    mask[:, 0] = True  # every row sees a key (SDPA gives NaN for a row that sees none)
+    k[:, :, n:] = v[:, :, n:] = float("nan")  # past the prefix: never read
+    out = at.run_library(lib, q, k, v, mask)
+    expect = at.attend_cache(q.double(), k.double(), v.double(), mask).float()
+    assert (out - expect).abs().max() <= 1e-5
+
+
+def test_row_that_sees_nothing_is_zero(lib):
+    q, k, v = torch.randn(1, 1, 2, 16), torch.randn(1, 1, 9, 16), torch.randn(1, 1, 9, 16)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1] = False
+    out = at.run_library(lib, q, k, v, mask)
+    assert not out[0, 0, 1].any()
+    expect = at.attend_cache(q.double(), k.double(), v.double(), mask[:1]).float()
+    assert (out[0, 0, 0] - expect[0, 0, 0]).abs().max() <= 1e-5
+
+
+def test_head_dim_outside_the_vectors_is_refused(lib):
+    q, k = torch.randn(1, 1, 1, 6), torch.randn(1, 1, 4, 6)
+    with pytest.raises(ValueError, match="head_dim 6"):
+        at.run_library(lib, q, k, k, torch.ones(1, 4, dtype=torch.bool))
+    assert not at.applies(torch.randn(1, 1, 1, 12), torch.randn(1, 1, 4, 12))
+
+
+def test_cpu_graphs_call_the_kernel(tiny_model):
+    """The exported decode, verify and tree graphs attend through the op; prefill (any
+    number of rows) keeps SDPA."""
+    model, cfg, cache_len = tiny_model
+    caches = new_kv_cache(cfg, cache_len)
+    op = torch.ops.aotgen.attend_cache.default
+    calls = {
+        spec.name: len(
+            export_graph(model, spec, caches).graph.find_nodes(op="call_function", target=op)
+        )
+        for spec in graph_specs(TINY_RECIPE["prefill_chunk"], TINY_RECIPE["verify_k"], tree_nodes=4)
+    }
+    layers = cfg.num_hidden_layers
+    assert calls == {"prefill": 0, "decode": layers, "verify": layers, "tree": layers}
