@@ -56,6 +56,23 @@ def test_kernel_equals_sdpa(lib, shape):
     assert (out - expect).abs().max() <= 1e-5
 
 
+def test_batch_reads_each_sequence_slot(lib):
+    """Batched graphs: sequence b reads cache slot slots[b] under its own mask rows."""
+    gen = torch.Generator().manual_seed(3)
+    b, h, g, t, n, length, d = 3, 3, 3, 2, 50, 64, 64
+    q = torch.randn(b, h, g * t, d, generator=gen) * d**-0.5
+    k, v = (torch.randn(5, h, length, d, generator=gen) for _ in range(2))
+    slots = torch.tensor([4, 0, 2])
+    mask = torch.rand(b, t, n, generator=gen) < 0.6
+    mask[..., 0] = True
+    out = at.run_library(lib, q, k, v, mask, slots)
+    expect = at.attend_cache_slots(q.double(), k.double(), v.double(), mask, slots).float()
+    assert (out - expect).abs().max() <= 1e-5
+    # The negative control: reading slots in batch order is another result.
+    wrong = at.run_library(lib, q, k, v, mask, torch.tensor([0, 1, 2]))
+    assert (wrong - expect).abs().max() > 1e-2
+
+
 def test_row_that_sees_nothing_is_zero(lib):
     q, k, v = torch.randn(1, 1, 2, 16), torch.randn(1, 1, 9, 16), torch.randn(1, 1, 9, 16)
     mask = torch.ones(2, 9, dtype=torch.bool)
@@ -74,16 +91,21 @@ def test_head_dim_outside_the_vectors_is_refused(lib):
 
 
 def test_cpu_graphs_call_the_kernel(tiny_model):
-    """The exported decode, verify and tree graphs attend through the op; prefill (any
-    number of rows) keeps SDPA."""
+    """The exported decode, verify, tree and batched graphs attend through the ops; prefill
+    (any number of rows) keeps SDPA."""
     model, cfg, cache_len = tiny_model
     caches = new_kv_cache(cfg, cache_len)
-    op = torch.ops.aotgen.attend_cache.default
-    calls = {
-        spec.name: len(
-            export_graph(model, spec, caches).graph.find_nodes(op="call_function", target=op)
-        )
-        for spec in graph_specs(TINY_RECIPE["prefill_chunk"], TINY_RECIPE["verify_k"], tree_nodes=4)
+    specs = graph_specs(TINY_RECIPE["prefill_chunk"], TINY_RECIPE["verify_k"], 4, max_batch=3)
+    calls = {}
+    for spec in specs:
+        graph = export_graph(model, spec, caches).graph
+        calls[spec.name] = [len(graph.find_nodes(op="call_function", target=op)) for op in at.OPS]
+    n = cfg.num_hidden_layers
+    assert calls == {
+        "prefill": [0, 0],
+        "decode": [n, 0],
+        "verify": [n, 0],
+        "tree": [n, 0],
+        "batch_decode": [0, n],
+        "batch_verify": [0, n],
     }
-    layers = cfg.num_hidden_layers
-    assert calls == {"prefill": 0, "decode": layers, "verify": layers, "tree": layers}

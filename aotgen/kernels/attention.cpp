@@ -186,33 +186,43 @@ inline void tile(const float* q, int64_t ldq, const float* k, const float* v, in
   for (; c0 < D; c0 += kLanes) weigh_values<RT, 1>(s, N, v, ldkv, c0, out, ldo);
 }
 
-// q [H, R, D] (strides ldq_h, ldq), k / v [H, >= N, D] (strides ldkv_h, ldkv), mask [T, N]
-// (strides ldm0, ldm1) -> out [H, R, D] contiguous. D a multiple of kLanes.
-inline void attend(const float* q, int64_t ldq_h, int64_t ldq, const float* k, const float* v,
-                   int64_t ldkv_h, int64_t ldkv, const uint8_t* mask, int64_t ldm0,
-                   int64_t ldm1, int64_t H, int64_t R, int64_t T, int64_t N, int64_t D,
-                   float* out) {
+// B sequences' rows: q [B, H, R, D], sequence b reading cache slot slots[b] (b without slots)
+// of k / v [S, H, L, D], with mask rows [B or shared, T, N] (batch stride 0: shared);
+// out [B, H, R, D] contiguous. Strides in elements; D a multiple of kLanes.
+struct Problem {
+  const float *q, *k, *v;
+  const uint8_t* mask;
+  const int64_t* slots;  // nullptr: sequence b reads slot b
+  float* out;
+  int64_t B, H, R, T, N, D;
+  int64_t q_b, q_h, q_r, kv_s, kv_h, kv_j, m_b, m_t, m_j, slot_stride;
+};
+
+inline void attend(const Problem& p) {
   // Enough work items for both cores: rows per item down to 1 when there are few heads.
   int rt = kTile;
-  while (rt > 1 && H * ((R + rt - 1) / rt) < 4) rt /= 2;
-  const int64_t tiles = (R + rt - 1) / rt;
+  while (rt > 1 && p.B * p.H * ((p.R + rt - 1) / rt) < 4) rt /= 2;
+  const int64_t tiles = (p.R + rt - 1) / rt;
 #pragma omp parallel for schedule(static)
-  for (int64_t item = 0; item < H * tiles; item++) {
+  for (int64_t item = 0; item < p.B * p.H * tiles; item++) {
     static thread_local std::vector<float> scores;
-    if ((int64_t)scores.size() < kTile * N) scores.resize(kTile * N);
-    const int64_t h = item / tiles, r0 = (item % tiles) * rt;
-    const int n = (int)std::min<int64_t>(rt, R - r0);
+    if ((int64_t)scores.size() < kTile * p.N) scores.resize(kTile * p.N);
+    const int64_t bh = item / tiles, b = bh / p.H, h = bh % p.H, r0 = (item % tiles) * rt;
+    const int64_t slot = p.slots ? p.slots[b * p.slot_stride] : b;
+    const int n = (int)std::min<int64_t>(rt, p.R - r0);
     const uint8_t* rows[kTile];
-    for (int m = 0; m < n; m++) rows[m] = mask + ((r0 + m) % T) * ldm0;
-    const float* qh = q + h * ldq_h + r0 * ldq;
-    const float *kh = k + h * ldkv_h, *vh = v + h * ldkv_h;
-    float* oh = out + (h * R + r0) * D;
+    for (int m = 0; m < n; m++) rows[m] = p.mask + b * p.m_b + ((r0 + m) % p.T) * p.m_t;
+    const float* qh = p.q + b * p.q_b + h * p.q_h + r0 * p.q_r;
+    const float* kh = p.k + slot * p.kv_s + h * p.kv_h;
+    const float* vh = p.v + slot * p.kv_s + h * p.kv_h;
+    float* oh = p.out + ((b * p.H + h) * p.R + r0) * p.D;
     float* sc = scores.data();
+    const int64_t ldq = p.q_r, ldkv = p.kv_j, ldm = p.m_j, N = p.N, D = p.D;
     switch (n) {
-      case 1: tile<1>(qh, ldq, kh, vh, ldkv, rows, ldm1, N, D, sc, oh, D); break;
-      case 2: tile<2>(qh, ldq, kh, vh, ldkv, rows, ldm1, N, D, sc, oh, D); break;
-      case 3: tile<3>(qh, ldq, kh, vh, ldkv, rows, ldm1, N, D, sc, oh, D); break;
-      default: tile<4>(qh, ldq, kh, vh, ldkv, rows, ldm1, N, D, sc, oh, D); break;
+      case 1: tile<1>(qh, ldq, kh, vh, ldkv, rows, ldm, N, D, sc, oh, D); break;
+      case 2: tile<2>(qh, ldq, kh, vh, ldkv, rows, ldm, N, D, sc, oh, D); break;
+      case 3: tile<3>(qh, ldq, kh, vh, ldkv, rows, ldm, N, D, sc, oh, D); break;
+      default: tile<4>(qh, ldq, kh, vh, ldkv, rows, ldm, N, D, sc, oh, D); break;
     }
   }
 }
@@ -222,34 +232,40 @@ inline void attend(const float* q, int64_t ldq_h, int64_t ldq, const float* k, c
 #pragma GCC pop_options
 
 #ifdef AOTGEN_ATTENTION_STANDALONE
-// For tests: the kernel without AOTInductor's tensor handles, contiguous tensors.
+// For tests: the kernel without AOTInductor's tensor handles, contiguous tensors: q [B, H, R,
+// D], k / v [S, H, L, D], mask [B, T, N] (or [T, N] shared: shared_mask), slots [B] or null.
 extern "C" int aotgen_attend_cache(const float* q, const float* k, const float* v,
-                                   const uint8_t* mask, int64_t H, int64_t R, int64_t T,
-                                   int64_t N, int64_t L, int64_t D, float* out) {
+                                   const uint8_t* mask, int shared_mask, const int64_t* slots,
+                                   int64_t B, int64_t H, int64_t R, int64_t T, int64_t N,
+                                   int64_t L, int64_t D, float* out) {
   if (D % aotgen_attn::kLanes) return 1;
-  aotgen_attn::attend(q, R * D, D, k, v, L * D, D, mask, N, 1, H, R, T, N, D, out);
+  aotgen_attn::attend({q, k, v, mask, slots, out, B, H, R, T, N, D, H * R * D, R * D, D,
+                       H * L * D, L * D, D, shared_mask ? 0 : T * N, N, 1, 1});
   return 0;
 }
 #else
-// The C shim AOTInductor calls: q [1, H, R, D] float32, the caches [1, H, L, D] float32 (the
-// first N = mask.size(1) positions read), mask [T, N] bool -> a new float32 [1, H, R, D].
-static AOTITorchError aoti_torch_cpu_attend_cache(AtenTensorHandle q, AtenTensorHandle k_cache,
-                                                  AtenTensorHandle v_cache,
-                                                  AtenTensorHandle mask,
-                                                  AtenTensorHandle* ret0) {
-  int64_t *q_sizes, *q_strides, *k_strides, *v_strides, *m_sizes, *m_strides;
-  void *q_data, *k_data, *v_data, *m_data, *o_data;
+// The C shims AOTInductor calls: q [B, H, R, D] float32, the caches [S, H, L, D] float32 (the
+// first N = mask.size(-1) positions of slot slots[b], or of slot 0 for one sequence read), mask
+// [T, N] (one sequence) or [B, T, N] bool -> a new float32 [B, H, R, D].
+static AOTITorchError aotgen_attend_shim(AtenTensorHandle q, AtenTensorHandle k_cache,
+                                         AtenTensorHandle v_cache, AtenTensorHandle mask,
+                                         AtenTensorHandle slots, AtenTensorHandle* ret0) {
+  int64_t *q_sizes, *q_strides, *k_strides, *v_strides, *m_sizes, *m_strides, *s_strides = nullptr;
+  int64_t m_dim;
+  void *q_data, *k_data, *v_data, *m_data, *s_data = nullptr, *o_data;
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(q, &q_sizes));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(q, &q_strides));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(k_cache, &k_strides));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(v_cache, &v_strides));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dim(mask, &m_dim));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(mask, &m_sizes));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(mask, &m_strides));
-  const int64_t H = q_sizes[1], R = q_sizes[2], D = q_sizes[3];
-  if (q_strides[3] != 1 || k_strides[3] != 1 || v_strides[3] != 1 ||
+  const int64_t B = q_sizes[0], H = q_sizes[1], R = q_sizes[2], D = q_sizes[3];
+  const bool batched = m_dim == 3;
+  if (q_strides[3] != 1 || k_strides[3] != 1 || v_strides[3] != 1 || k_strides[0] != v_strides[0] ||
       k_strides[1] != v_strides[1] || k_strides[2] != v_strides[2] || D % aotgen_attn::kLanes)
     return AOTI_TORCH_FAILURE;
-  int64_t out_sizes[4] = {1, H, R, D}, out_strides[4] = {H * R * D, R * D, D, 1};
+  int64_t out_sizes[4] = {B, H, R, D}, out_strides[4] = {H * R * D, R * D, D, 1};
   AtenTensorHandle out;
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(4, out_sizes, out_strides,
                                                        aoti_torch_dtype_float32(),
@@ -259,11 +275,36 @@ static AOTITorchError aoti_torch_cpu_attend_cache(AtenTensorHandle q, AtenTensor
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(v_cache, &v_data));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(mask, &m_data));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(out, &o_data));
-  aotgen_attn::attend((const float*)q_data, q_strides[1], q_strides[2], (const float*)k_data,
-                      (const float*)v_data, k_strides[1], k_strides[2], (const uint8_t*)m_data,
-                      m_strides[0], m_strides[1], H, R, m_sizes[0], m_sizes[1], D,
-                      (float*)o_data);
+  if (slots) {
+    AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(slots, &s_strides));
+    AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(slots, &s_data));
+  }
+  aotgen_attn::attend({(const float*)q_data, (const float*)k_data, (const float*)v_data,
+                       (const uint8_t*)m_data, (const int64_t*)s_data, (float*)o_data, B, H, R,
+                       m_sizes[m_dim - 2], m_sizes[m_dim - 1], D, q_strides[0], q_strides[1],
+                       q_strides[2], k_strides[0], k_strides[1], k_strides[2],
+                       batched ? m_strides[0] : 0, m_strides[m_dim - 2], m_strides[m_dim - 1],
+                       s_strides ? s_strides[0] : 1});
   *ret0 = out;
   return AOTI_TORCH_SUCCESS;
 }
+
+#ifdef AOTGEN_SHIM_ATTEND_CACHE
+static AOTITorchError aoti_torch_cpu_attend_cache(AtenTensorHandle q, AtenTensorHandle k_cache,
+                                                  AtenTensorHandle v_cache,
+                                                  AtenTensorHandle mask, AtenTensorHandle* ret0) {
+  return aotgen_attend_shim(q, k_cache, v_cache, mask, nullptr, ret0);
+}
+#endif
+
+#ifdef AOTGEN_SHIM_ATTEND_CACHE_SLOTS
+static AOTITorchError aoti_torch_cpu_attend_cache_slots(AtenTensorHandle q,
+                                                        AtenTensorHandle k_cache,
+                                                        AtenTensorHandle v_cache,
+                                                        AtenTensorHandle mask,
+                                                        AtenTensorHandle slots,
+                                                        AtenTensorHandle* ret0) {
+  return aotgen_attend_shim(q, k_cache, v_cache, mask, slots, ret0);
+}
+#endif
 #endif

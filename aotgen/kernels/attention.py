@@ -30,9 +30,24 @@ DIM_MULTIPLE = 16  # head_dim must fill whole vectors on every ISA the kernel ha
 def attend_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor) -> Tensor:
     """q [1, H, R, D] (scaled; row r = g * T + i) attends to the first N = mask.shape[1]
     positions of k_cache / v_cache [1, H, L, D], row r seeing key j iff mask[r % T, j]."""
-    t, n = mask.shape
+    return _reference(q, k_cache, v_cache, mask[None], None)
+
+
+@torch.library.custom_op("aotgen::attend_cache_slots", mutates_args=())
+def attend_cache_slots(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, slots: Tensor
+) -> Tensor:
+    """A batch: q [B, H, R, D], sequence b reading cache slot slots[b] of k_cache / v_cache
+    [S, H, L, D] under mask [B, T, N]."""
+    return _reference(q, k_cache, v_cache, mask, slots)
+
+
+def _reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, slots: Tensor | None):
+    _, t, n = mask.shape
     keys, values = k_cache[:, :, :n], v_cache[:, :, :n]
-    full = mask.repeat(q.shape[2] // t, 1)
+    if slots is not None:
+        keys, values = keys[slots], values[slots]
+    full = mask.repeat(1, q.shape[2] // t, 1).unsqueeze(1)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=full, scale=1.0)
 
 
@@ -41,16 +56,20 @@ def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor) -> Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-OPS = (torch.ops.aotgen.attend_cache.default,)
+@attend_cache_slots.register_fake
+def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, slots: Tensor) -> Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+OPS = (torch.ops.aotgen.attend_cache.default, torch.ops.aotgen.attend_cache_slots.default)
 
 
 def applies(q: Tensor, k_cache: Tensor) -> bool:
     """Whether a fixed-width CPU graph attends through the kernel: float32 q and caches,
-    one sequence, head_dim a multiple of 16."""
+    head_dim a multiple of 16."""
     return (
         not q.is_cuda
         and q.dtype == k_cache.dtype == torch.float32
-        and q.shape[0] == 1
         and q.shape[-1] % DIM_MULTIPLE == 0
     )
 
@@ -66,17 +85,25 @@ def library(arch_flags: tuple[str, ...] = ("-march=native",)) -> ctypes.CDLL | N
 
 
 def run_library(
-    lib: ctypes.CDLL, q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor
+    lib: ctypes.CDLL,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    mask: Tensor,
+    slots: Tensor | None = None,
 ) -> Tensor:
-    """The C++ kernel on contiguous CPU tensors, as `attend_cache`."""
-    _, h, r, d = q.shape
-    t, n = mask.shape
+    """The C++ kernel on contiguous CPU tensors, as `attend_cache` (mask [T, N]) or
+    `attend_cache_slots` (mask [B, T, N], slots [B])."""
+    b, h, r, d = q.shape
+    t, n = mask.shape[-2:]
     out = torch.empty_like(q)
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     mask = mask.to(torch.bool).contiguous()
+    slot_ptr = ptr(slots.data_ptr() if slots is not None else 0)
     rc = lib.aotgen_attend_cache(
         ptr(q.data_ptr()), ptr(k_cache.data_ptr()), ptr(v_cache.data_ptr()), ptr(mask.data_ptr()),
-        i64(h), i64(r), i64(t), i64(n), i64(k_cache.shape[2]), i64(d), ptr(out.data_ptr()),
+        ctypes.c_int(mask.dim() == 2), slot_ptr, i64(b), i64(h), i64(r), i64(t), i64(n),
+        i64(k_cache.shape[2]), i64(d), ptr(out.data_ptr()),
     )  # fmt: skip
     if rc:
         raise ValueError(f"head_dim {d} is not a whole number of vectors")

@@ -134,28 +134,29 @@ def cached_attention(
     b, _, t, head_dim = q.shape
     kv_heads = k.shape[1]
     group = q.shape[1] // kv_heads
-    # Attend only to the filled prefix of the cache, not all of it.
-    if isinstance(write_at, tuple):
+    batch = isinstance(write_at, tuple)
+    if batch:
         slots, positions = write_at
         k_cache[slots, :, positions] = k.transpose(1, 2).to(k_cache.dtype)
         v_cache[slots, :, positions] = v.transpose(1, 2).to(v_cache.dtype)
-        keys = k_cache[slots[:, 0], :, :attn_len].to(q.dtype)
-        values = v_cache[slots[:, 0], :, :attn_len].to(q.dtype)
-        mask = mask.repeat(1, group, 1).unsqueeze(1)
     else:
         k_cache.index_copy_(2, write_at, k.to(k_cache.dtype))
         v_cache.index_copy_(2, write_at, v.to(v_cache.dtype))
-        keys = k_cache[:, :, :attn_len].to(q.dtype)
-        values = v_cache[:, :, :attn_len].to(q.dtype)
     # GQA without repeating K/V: fold each KV head's group of query heads into the
     # query-length axis ([b, kv, group * t, d]), so no expanded K/V copy per layer.
     q = q.reshape(b, kv_heads, group * t, head_dim)
     fixed_width = isinstance(t, int) and not torch.onnx.is_in_onnx_export()
-    if fixed_width and not isinstance(write_at, tuple) and attention.applies(q, k_cache):
-        y = torch.ops.aotgen.attend_cache(q * scale, k_cache, v_cache, mask)  # CPU graphs
+    if fixed_width and attention.applies(q, k_cache):  # CPU graphs: the cache read in place
+        if batch:
+            y = torch.ops.aotgen.attend_cache_slots(q * scale, k_cache, v_cache, mask, slots[:, 0])
+        else:
+            y = torch.ops.aotgen.attend_cache(q * scale, k_cache, v_cache, mask)
     else:
-        if not isinstance(write_at, tuple):
-            mask = mask.repeat(group, 1)
+        # Attend only to the filled prefix of the cache, not all of it.
+        rows = slots[:, 0] if batch else slice(None)
+        keys = k_cache[rows, :, :attn_len].to(q.dtype)
+        values = v_cache[rows, :, :attn_len].to(q.dtype)
+        mask = mask.repeat(1, group, 1).unsqueeze(1) if batch else mask.repeat(group, 1)
         if fixed_width and t == 1:  # decode graph
             y = attend_one(q, keys, values, mask, scale)
         elif fixed_width and q.is_cuda:  # fixed-width graphs on a GPU
