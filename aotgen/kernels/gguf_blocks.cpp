@@ -123,6 +123,21 @@ __attribute__((always_inline)) inline vi code(vi lanes, vi high, int t) {
   return (vi)q;
 }
 
+// Unit input t's codes minus `zero`, as float32. 4-bit codes without a zero to subtract on
+// AVX-512: the shifted lanes index a table of 0..15 (`vpermps` reads the low 4 bits), one
+// instruction where masking and converting take two.
+template <int BITS, int ZERO>
+__attribute__((always_inline)) inline vf code_float(vi lanes, vi high, int t) {
+#if defined(__AVX512F__)
+  if constexpr (BITS == 4 && ZERO == 0) {
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const vu shifted = (vu)lanes >> (8 * (t % 4) + 4 * (t / 4));
+    return (vf)_mm512_permutexvar_ps((__m512i)shifted, table);
+  }
+#endif
+  return __builtin_convertvector(code<BITS>(lanes, high, t) - ZERO, vf);
+}
+
 // Where one panel's data starts, and the scale / offset of a group.
 template <int TYPE>
 struct Panel {
@@ -188,7 +203,7 @@ inline void tile(const float* x, int64_t ldx, const Panel<TYPE>* panels, int64_t
         const int64_t k = u * U + t;
 #pragma GCC unroll 64
         for (int v = 0; v < V; v++) {
-          const vf w = sc[v] * __builtin_convertvector(code<Q.bits>(c[v], h[v], t) - P::kZero, vf) + off[v];
+          const vf w = sc[v] * code_float<Q.bits, P::kZero>(c[v], h[v], t) + off[v];
 #pragma GCC unroll 64
           for (int m = 0; m < RM; m++) acc[m][v] += w * x[m * ldx + k];
         }
@@ -220,7 +235,7 @@ inline void dequantize(const Panel<TYPE>& panel, int64_t K, float* w) {
 #pragma GCC unroll 8
         for (int t = 0; t < P::U; t++)
           *(vf_unaligned*)(w + (u * P::U + t) * kPanel + v * kLanes) =
-              sc[v] * __builtin_convertvector(code<Q.bits>(c, h, t) - P::kZero, vf) + off[v];
+              sc[v] * code_float<Q.bits, P::kZero>(c, h, t) + off[v];
       }
     }
   }
