@@ -19,7 +19,7 @@ SEQUENCES, POSITIONS = 8, (200, 1000)
 
 def main(paths: list[str]) -> None:
     torch.set_num_threads(2)
-    runners = {p: Engine.load(p).target for p in paths}
+    runners = {p: Engine.load(p, slots=0).target for p in paths}
     slots = torch.arange(SEQUENCES)
     best: dict[str, dict[str, float]] = {p: {} for p in paths}
     for _ in range(3):
