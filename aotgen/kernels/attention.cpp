@@ -1,17 +1,19 @@
-// Attention of a few query rows (decode, verify, token trees) over the filled prefix of a KV
-// cache: out [1, H, R, D] = softmax(q k^T + mask) v, q already scaled. Compiled into each
-// graph's .so by AOTInductor as the C shim of `aotgen::attend_cache` (kernels/attention.py,
-// whose eager reference defines it).
+// Attention of a few query rows (decode, verify, token trees, batched steps) over the filled
+// prefix of a KV cache: out [B, H, R, D] = softmax(q k^T + mask) v, q already scaled. Compiled
+// into each graph's .so by AOTInductor as the C shims of `aotgen::attend_cache` (one sequence)
+// and `aotgen::attend_cache_slots` (a batch), kernels/attention.py, whose eager reference
+// defines them.
 //
-// Why: SDPA's CPU flash kernel costs 50-60 us a layer for SmolLM2's 5-row verify over 205 keys
-// (1.2 M multiply-adds: a few us of work), in dispatch, blocking and MKL calls sized for many
-// rows; 30 layers make that a sixth of an int8 verify step.
+// Why: SDPA's CPU kernel took 44 us a layer for SmolLM2's 5-row verify over 205 keys (1.2 M
+// multiply-adds), in dispatch, blocking and MKL calls sized for many rows; a batch first
+// gathered every sequence's prefix out of its cache slot.
 //
-// q [1, H, R, D]: H KV heads, each with its group of query heads folded into the rows
+// q [B, H, R, D]: H KV heads, each with its group of query heads folded into the rows
 // (row r = g * T + i: query head g of the group, token i), so K and V are read once per tile
-// of rows. mask [T, N] bool: row r sees key j iff mask[r % T][j]; N is the prefix attended.
-// Work: OpenMP over (head, tile of rows); each tile streams its head's N keys twice (scores,
-// then the weighted sum of values), the rows' scores in a per-thread buffer.
+// of rows. mask [T, N] or [B, T, N] bool: row r sees key j iff mask[b][r % T][j]; N is the
+// prefix attended; sequence b reads cache slot slots[b]. Work: OpenMP over (sequence, head,
+// tile of rows); each tile streams its head's N keys twice (scores, then the weighted sum of
+// values), the rows' scores in a per-thread buffer.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -1,14 +1,16 @@
 """Attention of a few query rows over the filled prefix of a KV cache, on CPU.
 
-Decode, verify and token-tree graphs attend 1-32 query rows per KV head to a prefix of a
-few hundred to a few thousand keys: a few million multiply-adds a layer. SDPA's CPU kernel
-spends 50-60 us a layer on SmolLM2's 5-row verify at 205 keys, in dispatch, blocking and
-MKL calls sized for many rows; `attention.cpp` streams each head's keys and values once per
-tile of rows, with the scores in a small buffer (layout and threading: its header).
+Decode, verify, token-tree and batched graphs attend 1-32 query rows per KV head to a prefix
+of hundreds to thousands of keys: a few million multiply-adds a layer. SDPA's CPU kernel
+spent 44 us a layer on SmolLM2's 5-row verify at 205 keys, in dispatch, blocking and MKL
+calls sized for many rows, and a batch first gathered every sequence's prefix out of its
+cache slot. `attention.cpp` reads the caches in place and streams each head's keys and
+values once per tile of rows (layout and threading: its header).
 
-`attend_cache` is a `torch.library` custom op whose eager implementation (SDPA on the
-prefix) defines it; AOTInductor compiles `attention.cpp` into each graph's `.so` as its C
-shim (`c_shims`), nothing extra at run time.
+`attend_cache` (one sequence) and `attend_cache_slots` (a batch) are `torch.library` custom
+ops whose eager implementation (SDPA on the prefix) defines them; AOTInductor compiles
+`attention.cpp` into each graph's `.so` as their C shims (`c_shims`), nothing extra at run
+time.
 """
 
 from __future__ import annotations
@@ -42,7 +44,10 @@ def attend_cache_slots(
     return _reference(q, k_cache, v_cache, mask, slots)
 
 
-def _reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, slots: Tensor | None):
+def _reference(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, slots: Tensor | None
+) -> Tensor:
+    """SDPA on the prefix (of each sequence's slot), the mask repeated over the folded heads."""
     _, t, n = mask.shape
     keys, values = k_cache[:, :, :n], v_cache[:, :, :n]
     if slots is not None:
