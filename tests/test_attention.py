@@ -90,6 +90,14 @@ def test_head_dim_outside_the_vectors_is_refused(lib):
     assert not at.applies(torch.randn(1, 1, 1, 12), torch.randn(1, 1, 4, 12))
 
 
+def test_gradients_keep_sdpa():
+    """The ops have no backward: a forward that autograd records (draft distillation) keeps
+    SDPA."""
+    q, k = torch.randn(1, 1, 1, 16, requires_grad=True), torch.randn(1, 1, 4, 16)
+    assert not at.applies(q, k)
+    assert at.applies(q.detach(), k)
+
+
 def test_cpu_graphs_call_the_kernel(tiny_model):
     """The exported decode, verify, tree and batched graphs attend through the ops; prefill
     (any number of rows) keeps SDPA."""

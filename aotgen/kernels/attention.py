@@ -71,9 +71,11 @@ OPS = (torch.ops.aotgen.attend_cache.default, torch.ops.aotgen.attend_cache_slot
 
 def applies(q: Tensor, k_cache: Tensor) -> bool:
     """Whether a fixed-width CPU graph attends through the kernel: float32 q and caches,
-    head_dim a multiple of 16."""
+    head_dim a multiple of 16, and no gradient wanted (the ops have no backward; training
+    a draft runs the model eagerly with autograd)."""
     return (
         not q.is_cuda
+        and not q.requires_grad
         and q.dtype == k_cache.dtype == torch.float32
         and q.shape[-1] % DIM_MULTIPLE == 0
     )
