@@ -1,7 +1,7 @@
 """Few-row attention over a KV cache prefix (kernels/attention.{py,cpp}): the kernel on every
 ISA path the CPU can run equals SDPA in float64 on the same prefix and mask, and the CPU
-graphs of a package call it for decode, verify and tree steps (their logits against eager are
-checked by test_package / test_tree).
+graphs of a package call it for decode, verify, tree and batched steps (their logits against
+eager are checked by test_package, test_tree and test_batch).
 
 Bound: float32 scores and sums in another order than SDPA's, and a polynomial e^x (relative
 error ~2e-7): below 1e-5 absolute on outputs of unit scale (measured ~2e-6).
