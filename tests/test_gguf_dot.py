@@ -172,19 +172,3 @@ def test_ops_eager_and_error(name):
     rms = (out[:, :n].double() - exact).norm() / exact.norm()
     print(f"{name}: max error {err:.2e} of max |out|, relative rms {rms:.2e}")
     assert err < 2e-2
-
-
-def test_c_shims_only_for_used_ops():
-    class Legacy(torch.nn.Module):
-        def forward(self, x, codes, groups):
-            return torch.ops.aotgen.gguf_dot(x, codes, groups, 1, 1, 1)
-
-    codes, groups, _ = gb.pack(
-        gb.decode(gb.random_blocks(gb.QTYPES["Q4_1"], 16, 64), "Q4_1", (16, 64))
-    )
-    ep = torch.export.export(Legacy(), (torch.randn(2, 64), codes, groups))
-    shims = gd.c_shims(ep.graph)
-    assert list(shims) == [torch.ops.aotgen.gguf_dot.default]
-    (source,) = shims[torch.ops.aotgen.gguf_dot.default]
-    assert "#define AOTGEN_SHIM_GGUF_DOT 1\n" in source
-    assert "AOTGEN_SHIM_GGUF_DOT_K 1" not in source

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.export import Dim, ExportedProgram
 from torch.utils import _pytree as pytree
 
-from aotgen.kernels import attention, block_dot, gguf_blocks, gguf_dot, packed
+from aotgen.export import shims
 from aotgen.tempdirs import partial_dir, remove_stale
 
 
@@ -137,9 +137,6 @@ def export_graph(model: nn.Module, spec: GraphSpec, caches: list[Tensor]) -> Exp
         )
 
 
-C_SHIMS = "aot_inductor.custom_ops_to_c_shims"
-
-
 def inductor_options(max_autotune: bool, device: str) -> dict:
     options = {
         "aot_inductor.package": True,
@@ -188,20 +185,20 @@ def compile_key(ep: ExportedProgram, args: tuple, options: dict) -> str:
         if device.type == "cuda"
         else torch.backends.cpu.get_cpu_capability()
     )
-    shims = options.get(C_SHIMS, {})
     parts = (
         graph_identity(ep),
         inputs,
         sorted((str(k), str(v)) for k, v in ep.range_constraints.items()),
-        json.dumps({k: v for k, v in options.items() if k != C_SHIMS}, sort_keys=True),
+        json.dumps({k: v for k, v in options.items() if k != shims.C_SHIMS}, sort_keys=True),
         json.dumps(inductor, sort_keys=True, default=repr),
         torch.get_num_threads(),
         torch.__version__,
         hardware,
         get_compiler_version_info(get_cpp_compiler()),
     )
-    if shims:  # the C++ of custom kernels compiled into the graph (kernels/block_dot.py)
-        parts += (sorted((str(op), source) for op, source in shims.items()),)
+    if c_shims := options.get(shims.C_SHIMS):  # the custom kernels' declarations; their
+        # objects, named in custom_op_libs, carry the key of their source and flags
+        parts += (sorted((str(op), decl) for op, decl in c_shims.items()),)
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
@@ -219,21 +216,15 @@ def compile_graph(
     import torch._inductor
 
     options = inductor_options(max_autotune, args[0].device.type)
-    shims = {
-        **(block_dot.c_shims() if block_dot.uses_block_ops(ep.graph) else {}),
-        **packed.c_shims(ep.graph),
-        **gguf_blocks.c_shims(ep.graph),
-        **gguf_dot.c_shims(ep.graph),
-        **attention.c_shims(ep.graph),
-    }
-    if shims:
-        options[C_SHIMS] = shims
-    entry = cache / compile_key(ep, args, options) if cache else None
-    if entry and (cached := _cached_files(entry)) is not None:
-        return cached, True
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        files = torch._inductor.aot_compile(ep.module(), args, options=options)
+    with shims.kernel_dir(cache) as kernels:
+        link, objects = shims.link_options(ep.graph, kernels)
+        options.update(link)
+        entry = cache / compile_key(ep, args, options) if cache else None
+        if entry and (cached := _cached_files(entry)) is not None:
+            return cached, True
+        with warnings.catch_warnings(), shims.linking(objects):
+            warnings.simplefilter("ignore", FutureWarning)
+            files = torch._inductor.aot_compile(ep.module(), args, options=options)
     if entry:
         _store(entry, [f for f in files if f])
     return files, False

@@ -23,7 +23,7 @@
 #endif
 
 #pragma GCC push_options
-// AOTInductor builds its wrapper (where this lands) at -O1, and on AVX-512 CPUs with
+// AOTInductor builds its wrapper (and this, export/shims.py) at -O1, and on AVX-512 CPUs with
 // -ffp-contract=off (export/aoti.py), which would split every multiply-add in two.
 #pragma GCC optimize("O3", "fp-contract=fast")
 
@@ -246,6 +246,8 @@ extern "C" int aotgen_attend_cache(const float* q, const float* k, const float* 
   return 0;
 }
 #else
+// Hidden: the shims stay inside the graph's .so (export/shims.py links them in).
+#pragma GCC visibility push(hidden)
 // The C shims AOTInductor calls: q [B, H, R, D] float32, the caches [S, H, L, D] float32 (the
 // first N = mask.size(-1) positions of slot slots[b], or of slot 0 for one sequence read), mask
 // [T, N] (one sequence) or [B, T, N] bool -> a new float32 [B, H, R, D].
@@ -291,22 +293,19 @@ static AOTITorchError aotgen_attend_shim(AtenTensorHandle q, AtenTensorHandle k_
   return AOTI_TORCH_SUCCESS;
 }
 
-#ifdef AOTGEN_SHIM_ATTEND_CACHE
-static AOTITorchError aoti_torch_cpu_attend_cache(AtenTensorHandle q, AtenTensorHandle k_cache,
-                                                  AtenTensorHandle v_cache,
-                                                  AtenTensorHandle mask, AtenTensorHandle* ret0) {
+AOTITorchError aoti_torch_cpu_attend_cache(AtenTensorHandle q, AtenTensorHandle k_cache,
+                                           AtenTensorHandle v_cache,
+                                           AtenTensorHandle mask, AtenTensorHandle* ret0) {
   return aotgen_attend_shim(q, k_cache, v_cache, mask, nullptr, ret0);
 }
-#endif
 
-#ifdef AOTGEN_SHIM_ATTEND_CACHE_SLOTS
-static AOTITorchError aoti_torch_cpu_attend_cache_slots(AtenTensorHandle q,
-                                                        AtenTensorHandle k_cache,
-                                                        AtenTensorHandle v_cache,
-                                                        AtenTensorHandle mask,
-                                                        AtenTensorHandle slots,
-                                                        AtenTensorHandle* ret0) {
+AOTITorchError aoti_torch_cpu_attend_cache_slots(AtenTensorHandle q,
+                                                 AtenTensorHandle k_cache,
+                                                 AtenTensorHandle v_cache,
+                                                 AtenTensorHandle mask,
+                                                 AtenTensorHandle slots,
+                                                 AtenTensorHandle* ret0) {
   return aotgen_attend_shim(q, k_cache, v_cache, mask, slots, ret0);
 }
-#endif
+#pragma GCC visibility pop
 #endif

@@ -8,9 +8,9 @@ cache slot. `attention.cpp` reads the caches in place and streams each head's ke
 values once per tile of rows (layout and threading: its header).
 
 `attend_cache` (one sequence) and `attend_cache_slots` (a batch) are `torch.library` custom
-ops whose eager implementation (SDPA on the prefix) defines them; AOTInductor compiles
-`attention.cpp` into each graph's `.so` as their C shims (`c_shims`), nothing extra at run
-time.
+ops whose eager implementation (SDPA on the prefix) defines them; AOTInductor links
+`attention.cpp` into each graph's `.so` as their C shims (export/shims.py), nothing extra at
+run time.
 """
 
 from __future__ import annotations
@@ -79,11 +79,6 @@ def applies(q: Tensor, k_cache: Tensor) -> bool:
         and q.dtype == k_cache.dtype == torch.float32
         and q.shape[-1] % DIM_MULTIPLE == 0
     )
-
-
-def c_shims(graph: torch.fx.Graph) -> dict:
-    """The op's shim, where the graph uses it."""
-    return packed.shims_for(graph, OPS, SOURCE)
 
 
 # ---- the kernel as a plain shared library: tests --------------------------------------------

@@ -25,7 +25,7 @@
 #endif
 
 #pragma GCC push_options
-// AOTInductor builds its wrapper (where this lands) at -O1, and on AVX-512 CPUs with
+// AOTInductor builds its wrapper (and this, export/shims.py) at -O1, and on AVX-512 CPUs with
 // -ffp-contract=off (export/aoti.py), which would split every multiply-add in two.
 #pragma GCC optimize("O3", "fp-contract=fast")
 
@@ -287,8 +287,10 @@ extern "C" void aotgen_block_linear(int bits, const float* x, int64_t M, int64_t
   aotgen_block_dot::linear(bits, x, K, M, K, weight, scales, N, out);
 }
 #else
+// Hidden: the shims stay inside the graph's .so (export/shims.py links them in).
+#pragma GCC visibility push(hidden)
 // The C shims AOTInductor calls: x [M, K] float32 (rows may be strided), weight, scales ->
-// a new float32 [M, N]. Static: each graph's .so keeps its own copy.
+// a new float32 [M, N].
 static AOTITorchError aotgen_block_linear_shim(int bits, AtenTensorHandle x,
                                                AtenTensorHandle weight, AtenTensorHandle scales,
                                                AtenTensorHandle* ret0) {
@@ -314,15 +316,16 @@ static AOTITorchError aotgen_block_linear_shim(int bits, AtenTensorHandle x,
   return AOTI_TORCH_SUCCESS;
 }
 
-static AOTITorchError aoti_torch_cpu_int4_block_linear(AtenTensorHandle x, AtenTensorHandle weight,
-                                                       AtenTensorHandle scales,
-                                                       AtenTensorHandle* ret0) {
+AOTITorchError aoti_torch_cpu_int4_block_linear(AtenTensorHandle x, AtenTensorHandle weight,
+                                                AtenTensorHandle scales,
+                                                AtenTensorHandle* ret0) {
   return aotgen_block_linear_shim(4, x, weight, scales, ret0);
 }
 
-static AOTITorchError aoti_torch_cpu_int8_block_linear(AtenTensorHandle x, AtenTensorHandle weight,
-                                                       AtenTensorHandle scales,
-                                                       AtenTensorHandle* ret0) {
+AOTITorchError aoti_torch_cpu_int8_block_linear(AtenTensorHandle x, AtenTensorHandle weight,
+                                                AtenTensorHandle scales,
+                                                AtenTensorHandle* ret0) {
   return aotgen_block_linear_shim(8, x, weight, scales, ret0);
 }
+#pragma GCC visibility pop
 #endif

@@ -8,7 +8,7 @@ float a conversion each. Lossy in the activations, so it is for drafts, whose gu
 target verifies, and for packages that accept the approximation (docs/quantization.md).
 
 The ops are `torch.library` custom ops, so they export and have an eager reference (below);
-AOTInductor compiles `block_dot.cpp` into each graph's `.so` as their C shims (`c_shims`),
+AOTInductor links `block_dot.cpp` into each graph's `.so` as their C shims (export/shims.py),
 so a package needs neither this module nor any extra library at run time.
 
 The same numbers are GGUF Q4_1 / Q8_0 blocks (`as_gguf`): on CPU with `compile.packed_linears`
@@ -21,7 +21,6 @@ measured faster at every row count the model's graphs run.
 from __future__ import annotations
 
 import ctypes
-from functools import cache
 from pathlib import Path
 
 import torch
@@ -183,16 +182,7 @@ OP_FOR = {  # weight scheme -> the op that runs it
 }
 
 
-@cache
-def c_shims() -> dict:
-    """`aot_inductor.custom_ops_to_c_shims` for the ops: AOTInductor pastes these strings into
-    the graph's wrapper as `extern "C" { extern <string>; }`, which here is a nested C++
-    linkage block holding the whole kernel (its shims are static: one copy per `.so`)."""
-    return {OP_FOR["int4"]: ['"C++" {\n' + SOURCE.read_text() + "\n}"], OP_FOR["int8"]: []}
-
-
-def uses_block_ops(graph: torch.fx.Graph) -> bool:
-    return any(node.target in OP_FOR.values() for node in graph.nodes)
+OPS = tuple(OP_FOR.values())
 
 
 # ---- the kernel as a plain shared library: tests and the build's autotune ---------------------

@@ -10,7 +10,8 @@ Storage is the file's bytes; only the k-quants' 6/8-bit sub-scales are widened t
 (Q4_K 1.14x, Q5_K 1.11x, Q6_K 1.08x their blocks).
 
 The ops are `torch.library` custom ops with an eager reference, so they export; AOTInductor
-compiles `gguf_blocks.cpp` into each graph's `.so` as their C shims (nothing extra at run time).
+links `gguf_blocks.cpp` into each graph's `.so` as their C shims (export/shims.py; nothing
+extra at run time).
 The tile (`rows` x `panels`) is an argument of the op, chosen per shape by the build's autotune.
 """
 
@@ -294,12 +295,6 @@ def _(
 
 
 OPS = (torch.ops.aotgen.gguf_linear.default, torch.ops.aotgen.gguf_linear_k.default)
-
-
-def c_shims(graph: torch.fx.Graph) -> dict:
-    """The exact GGUF block ops' shims (packed.shims_for); a graph may include both GGUF
-    sources: each has its own C++ namespace and shim guards."""
-    return pk.shims_for(graph, OPS, SOURCE)
 
 
 # ---- the kernel as a plain shared library: tests and the build's autotune ---------------------

@@ -32,7 +32,7 @@
 #endif
 
 #pragma GCC push_options
-// AOTInductor builds its wrapper (where this lands) at -O1, and on AVX-512 CPUs with
+// AOTInductor builds its wrapper (and this, export/shims.py) at -O1, and on AVX-512 CPUs with
 // -ffp-contract=off (export/aoti.py), which would split every multiply-add in two.
 #pragma GCC optimize("O3", "fp-contract=fast")
 
@@ -530,6 +530,8 @@ extern "C" void aotgen_gguf_dot(int qtype, const float* x, int64_t ldx, int64_t 
   aotgen_gguf_idot::dot_any(qtype, x, ldx, M, K, codes, groups, supers, N, out, rows, panels);
 }
 #else
+// Hidden: the shims stay inside the graph's .so (export/shims.py links them in).
+#pragma GCC visibility push(hidden)
 // The C shims AOTInductor calls: x [M, K] float32 (rows may be strided), the panels' codes
 // [N / 16, ...] uint8, group scales (and k-quants' super-block scales) float16 -> a new
 // float32 [M, N].
@@ -562,22 +564,19 @@ static AOTITorchError aotgen_gguf_dot_shim(AtenTensorHandle x, AtenTensorHandle 
   return AOTI_TORCH_SUCCESS;
 }
 
-#ifdef AOTGEN_SHIM_GGUF_DOT
-static AOTITorchError aoti_torch_cpu_gguf_dot(AtenTensorHandle x, AtenTensorHandle codes,
-                                              AtenTensorHandle groups, int64_t qtype,
-                                              int64_t rows, int64_t panels,
-                                              AtenTensorHandle* ret0) {
+AOTITorchError aoti_torch_cpu_gguf_dot(AtenTensorHandle x, AtenTensorHandle codes,
+                                       AtenTensorHandle groups, int64_t qtype,
+                                       int64_t rows, int64_t panels,
+                                       AtenTensorHandle* ret0) {
   return aotgen_gguf_dot_shim(x, codes, groups, nullptr, qtype, rows, panels, ret0);
 }
-#endif
 
-#ifdef AOTGEN_SHIM_GGUF_DOT_K
-static AOTITorchError aoti_torch_cpu_gguf_dot_k(AtenTensorHandle x, AtenTensorHandle codes,
-                                                AtenTensorHandle groups,
-                                                AtenTensorHandle supers, int64_t qtype,
-                                                int64_t rows, int64_t panels,
-                                                AtenTensorHandle* ret0) {
+AOTITorchError aoti_torch_cpu_gguf_dot_k(AtenTensorHandle x, AtenTensorHandle codes,
+                                         AtenTensorHandle groups,
+                                         AtenTensorHandle supers, int64_t qtype,
+                                         int64_t rows, int64_t panels,
+                                         AtenTensorHandle* ret0) {
   return aotgen_gguf_dot_shim(x, codes, groups, supers, qtype, rows, panels, ret0);
 }
-#endif
+#pragma GCC visibility pop
 #endif

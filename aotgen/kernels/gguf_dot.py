@@ -8,8 +8,8 @@ decodes each code to float32 and spends a fused multiply-add per input and outpu
 activations' rounding is the price (about 0.5% of the output's scale): for drafts, and for
 packages that accept it, as llama.cpp does.
 
-`reference_dot` defines the numerics and is the ops' eager implementation; AOTInductor compiles
-`gguf_dot.cpp` into each graph's `.so` as their C shims (`c_shims`).
+`reference_dot` defines the numerics and is the ops' eager implementation; AOTInductor links
+`gguf_dot.cpp` into each graph's `.so` as their C shims (export/shims.py).
 """
 
 from __future__ import annotations
@@ -101,12 +101,6 @@ def _(
 
 
 OPS = (torch.ops.aotgen.gguf_dot.default, torch.ops.aotgen.gguf_dot_k.default)
-
-
-def c_shims(graph: torch.fx.Graph) -> dict:
-    """The integer-dot GGUF block ops' shims (packed.shims_for); a graph may include both GGUF
-    sources: each has its own C++ namespace and shim guards."""
-    return pk.shims_for(graph, OPS, SOURCE)
 
 
 # ---- the kernel as a plain shared library: tests and the build's autotune ---------------------

@@ -21,7 +21,7 @@
 #endif
 
 #pragma GCC push_options
-// AOTInductor builds its wrapper (where this lands) at -O1, and on AVX-512 CPUs with
+// AOTInductor builds its wrapper (and this, export/shims.py) at -O1, and on AVX-512 CPUs with
 // -ffp-contract=off (export/aoti.py), which would split every multiply-add in two.
 #pragma GCC optimize("O3", "fp-contract=fast")
 
@@ -179,6 +179,8 @@ extern "C" void aotgen_packed_linear(int bits, const float* x, int64_t M, int64_
     aotgen_packed::linear(x, K, M, K, (const float*)weight, nullptr, N, out, rows, panels);
 }
 #else
+// Hidden: the shims stay inside the graph's .so (export/shims.py links them in).
+#pragma GCC visibility push(hidden)
 // The C shims AOTInductor calls: x [M, K] float32 (rows may be strided), the packed weight
 // [N / 16, K, 16] (and int8 scales [N]) -> a new float32 [M, N].
 static AOTITorchError aotgen_packed_shim(AtenTensorHandle x, AtenTensorHandle weight,
@@ -200,34 +202,27 @@ static AOTITorchError aotgen_packed_shim(AtenTensorHandle x, AtenTensorHandle we
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(weight, &w_data));
   if (scale) AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(scale, &s_data));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(out, &o_data));
-#ifdef AOTGEN_SHIM_PACKED_LINEAR_INT8
   if (scale)
     aotgen_packed::linear((const float*)x_data, x_strides[0], M, K, (const int8_t*)w_data,
                           (const float*)s_data, N, (float*)o_data, (int)rows, (int)panels);
-#endif
-#ifdef AOTGEN_SHIM_PACKED_LINEAR
   if (!scale)
     aotgen_packed::linear((const float*)x_data, x_strides[0], M, K, (const float*)w_data,
                           nullptr, N, (float*)o_data, (int)rows, (int)panels);
-#endif
   *ret0 = out;
   return AOTI_TORCH_SUCCESS;
 }
 
-#ifdef AOTGEN_SHIM_PACKED_LINEAR
-static AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenTensorHandle weight,
-                                                   int64_t rows, int64_t panels,
-                                                   AtenTensorHandle* ret0) {
+AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenTensorHandle weight,
+                                            int64_t rows, int64_t panels,
+                                            AtenTensorHandle* ret0) {
   return aotgen_packed_shim(x, weight, nullptr, rows, panels, ret0);
 }
-#endif
 
-#ifdef AOTGEN_SHIM_PACKED_LINEAR_INT8
-static AOTITorchError aoti_torch_cpu_packed_linear_int8(AtenTensorHandle x,
-                                                        AtenTensorHandle weight,
-                                                        AtenTensorHandle scale, int64_t rows,
-                                                        int64_t panels, AtenTensorHandle* ret0) {
+AOTITorchError aoti_torch_cpu_packed_linear_int8(AtenTensorHandle x,
+                                                 AtenTensorHandle weight,
+                                                 AtenTensorHandle scale, int64_t rows,
+                                                 int64_t panels, AtenTensorHandle* ret0) {
   return aotgen_packed_shim(x, weight, scale, rows, panels, ret0);
 }
-#endif
+#pragma GCC visibility pop
 #endif

@@ -9,7 +9,8 @@ weight is packed once, at build time, into the package's safetensors; the same l
 one row (decode) as well.
 
 The ops are `torch.library` custom ops with an eager reference, so they export; AOTInductor
-compiles `packed.cpp` into each graph's `.so` as their C shims (nothing extra at run time).
+links `packed.cpp` into each graph's `.so` as their C shims (export/shims.py; nothing extra
+at run time).
 The tile (`rows` x `panels`) is an argument of the op, chosen per shape by the build's
 autotune (package/autotune.py).
 """
@@ -91,23 +92,6 @@ def _(x: Tensor, weight: Tensor, scale: Tensor, rows: int, panels: int) -> Tenso
 
 
 OPS = (torch.ops.aotgen.packed_linear.default, torch.ops.aotgen.packed_linear_int8.default)
-
-
-def shims_for(graph: torch.fx.Graph, ops: tuple, source: Path) -> dict:
-    """`aot_inductor.custom_ops_to_c_shims` for those of `ops` the graph uses: the whole
-    kernel `source` as a nested C++ linkage block (see kernels/block_dot.py), with only the
-    shims the graph calls (`AOTGEN_SHIM_<OP>`), so the other ops' code is not compiled."""
-    used = [op for op in ops if any(n.target == op for n in graph.nodes)]
-    if not used:
-        return {}
-    defines = "".join(f"#define AOTGEN_SHIM_{op._opname.upper()} 1\n" for op in used)
-    text = '"C++" {\n' + defines + source.read_text() + "\n}"
-    return {used[0]: [text], **{op: [] for op in used[1:]}}
-
-
-def c_shims(graph: torch.fx.Graph) -> dict:
-    """The packed ops' shims: the float32 and int8 tiles only where the graph uses them."""
-    return shims_for(graph, OPS, SOURCE)
 
 
 # ---- the kernel as a plain shared library: tests and the build's autotune ---------------------

@@ -1,0 +1,72 @@
+"""The custom kernels' C shims (export/shims.py): declared only for the ops a graph calls,
+compiled once per source, and linked into each graph's `.so` as hidden symbols."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import zipfile
+
+import pytest
+import torch
+
+from aotgen.export import shims
+from aotgen.kernels import gguf_blocks as gb
+from aotgen.kernels import gguf_dot as gd
+
+
+def _gguf_dot_graph() -> torch.fx.Graph:
+    class OneOp(torch.nn.Module):
+        def forward(self, x, codes, groups):
+            return torch.ops.aotgen.gguf_dot(x, codes, groups, 1, 1, 1)
+
+    codes, groups, _ = gb.pack(
+        gb.decode(gb.random_blocks(gb.QTYPES["Q4_1"], 16, 64), "Q4_1", (16, 64))
+    )
+    return torch.export.export(OneOp(), (torch.randn(2, 64), codes, groups)).graph
+
+
+def test_only_the_called_ops_are_declared(tmp_path):
+    options, objects = shims.link_options(_gguf_dot_graph(), tmp_path)
+    assert list(options[shims.C_SHIMS]) == [torch.ops.aotgen.gguf_dot.default]
+    (decl,) = options[shims.C_SHIMS][torch.ops.aotgen.gguf_dot.default]
+    assert decl.startswith('"C++" AOTITorchError aoti_torch_cpu_gguf_dot(AtenTensorHandle x,')
+    (obj,) = objects
+    assert obj.path.parent == tmp_path and obj.path.name.startswith("aotgen-gguf_dot-")
+    assert options[shims.LIBS] == [f":{obj.path.name}"]
+    assert not obj.path.exists()  # named only: built when a compile links it
+
+
+def test_every_kernel_declares_its_ops():
+    for source, ops in shims.KERNELS:
+        assert sorted(shims.declarations(source)) == sorted(
+            f"aoti_torch_cpu_{op._opname}" for op in ops
+        )
+
+
+def test_object_key_follows_the_source(tmp_path):
+    a = shims.KernelObject.of(gd.SOURCE, tmp_path)
+    assert shims.KernelObject.of(gd.SOURCE, tmp_path) == a
+    edited = tmp_path / gd.SOURCE.name
+    edited.write_text(gd.SOURCE.read_text() + "\n// edited\n")
+    assert shims.KernelObject.of(edited, tmp_path).path != a.path
+
+
+def test_graph_so_holds_its_shims_hidden(tiny_package, tmp_path):
+    """The decode graph's `.so` defines the shims it calls (packed linears, attention) and
+    neither imports nor exports them: the package runs them without any other library."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm (binutils)")
+    with zipfile.ZipFile(tiny_package / "rank0" / "model.pt2") as pt2:
+        names = [n for n in pt2.namelist() if n.endswith(".so") and "/target_decode/" in n]
+        assert len(names) == 1, pt2.namelist()
+        so = tmp_path / "decode.so"
+        so.write_bytes(pt2.read(names[0]))
+
+    def symbols(*flags: str) -> str:
+        return subprocess.run([nm, "-C", *flags, str(so)], capture_output=True, text=True).stdout
+
+    for shim in ("aoti_torch_cpu_packed_linear(", "aoti_torch_cpu_attend_cache("):
+        assert any(shim in ln and " t " in ln for ln in symbols().splitlines()), shim
+        assert shim not in symbols("-D")
