@@ -17,18 +17,12 @@ from aotgen.export.aoti import export_graph, graph_specs
 from aotgen.kernels import attention as at
 from aotgen.model.llama import new_kv_cache
 from tests.test_gguf_blocks import ISAS
-from tests.test_packed import CPU_FLAGS
+from tests.test_packed import isa_library
 
 
 @pytest.fixture(scope="module", params=list(ISAS))
 def lib(request):
-    flags, needs = ISAS[request.param]
-    if not needs <= CPU_FLAGS:
-        pytest.skip(f"CPU without {', '.join(sorted(needs - CPU_FLAGS))}")
-    library = at.library(flags)
-    if library is None:
-        pytest.skip("no C++ compiler")
-    return library
+    return isa_library(*ISAS[request.param], at.library)
 
 
 # (KV heads, query heads per KV head, tokens T, keys N, cache length L, head_dim D)

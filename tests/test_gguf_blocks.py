@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from gguf.quants import dequantize, quantize
 
 from aotgen.kernels import gguf_blocks as gb
-from tests.test_packed import CPU_FLAGS
+from tests.test_packed import isa_library
 
 ISAS = {  # path -> (compiler flags, CPU flags it needs)
     "avx512": (("-mavx512f", "-mavx512vl", "-mavx512bw", "-mfma"), {"avx512f", "avx512bw", "fma"}),
@@ -75,13 +75,7 @@ TILES = ((1, 1, 1), (1, 1, 4), (2, 2, 3), (5, 5, 2), (7, 7, 1), (7, 4, 3), (33, 
 
 @pytest.fixture(scope="module", params=list(ISAS))
 def lib(request):
-    flags, needs = ISAS[request.param]
-    if not needs <= CPU_FLAGS:
-        pytest.skip(f"CPU without {', '.join(sorted(needs - CPU_FLAGS))}")
-    library = gb.library(flags)
-    if library is None:
-        pytest.skip("no C++ compiler")
-    return library
+    return isa_library(*ISAS[request.param], gb.library)
 
 
 @pytest.mark.parametrize("name", list(gb.QTYPES))

@@ -9,6 +9,8 @@ output's norm (measured ~1e-6).
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,15 +30,20 @@ ISAS = {  # path -> (compiler flags, CPU flags it needs)
 }
 
 
-@pytest.fixture(scope="module", params=list(ISAS))
-def lib(request):
-    flags, needs = ISAS[request.param]
+def isa_library(flags: tuple[str, ...], needs: set[str], build: Callable) -> ctypes.CDLL:
+    """A kernel's test library (`build(flags)`) for one ISA path; skips where this CPU lacks
+    the path's `needs` or there is no C++ compiler."""
     if not needs <= CPU_FLAGS:
         pytest.skip(f"CPU without {', '.join(sorted(needs - CPU_FLAGS))}")
-    library = pk.library(flags)
+    library = build(flags)
     if library is None:
         pytest.skip("no C++ compiler")
     return library
+
+
+@pytest.fixture(scope="module", params=list(ISAS))
+def lib(request):
+    return isa_library(*ISAS[request.param], pk.library)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
