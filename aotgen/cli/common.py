@@ -1,0 +1,174 @@
+"""What every command shares: the Typer app, option checks, and bad input reported as one
+`error:` line (exit 1) while anything else, a bug, keeps its traceback."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, ParamSpec, TypeVar
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+if TYPE_CHECKING:
+    pass
+
+app = typer.Typer(add_completion=False, no_args_is_help=True)
+console = Console(stderr=True)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+# torch seeds its generators with an unsigned 64-bit integer (so does the C++ runtime); the
+# same bound as runtime/sampling.py's, kept here so that `--help` does not import torch.
+SEED_MAX = 2**64 - 1
+
+
+class CliError(ValueError):
+    """A command-line value out of range or unusable, reported like every other user error."""
+
+
+def wide_console() -> Console:
+    """Stdout at least 150 columns wide, so bench tables do not wrap in narrow terminals."""
+    return Console(width=max(Console().width, 150))
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from aotgen.bench import BenchError
+    from aotgen.checkpoint.hf import CheckpointError
+    from aotgen.package.manifest import PackageError
+    from aotgen.recipe import ProjectError, RecipeError
+    from aotgen.runtime.distributed import LaunchError
+    from aotgen.runtime.engine import GenerationError
+
+    return (
+        CliError,
+        BenchError,
+        ProjectError,
+        RecipeError,
+        CheckpointError,
+        PackageError,
+        GenerationError,
+        LaunchError,
+        FileNotFoundError,
+        FileExistsError,
+        ValueError,
+    )
+
+
+def fail(e: Exception) -> NoReturn:
+    """`error: MESSAGE` as one line on stderr (a message spanning lines is joined), exit 1."""
+    message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+def user_errors_exit(fn: Callable[P, R]) -> Callable[P, R]:
+    """Run a command so that bad input prints one `error: ...` line and exits 1; any other
+    exception is a bug and keeps its traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except _user_errors() as e:
+            fail(e)
+
+    return wrapper
+
+
+def print_json(obj: Any, indent: int | None = None) -> None:
+    """One JSON document on stdout; NaN (a row without speculation) becomes null, since
+    strict JSON readers refuse NaN."""
+
+    def clean(x: Any) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return [clean(v) for v in x]
+        return x
+
+    print(json.dumps(clean(obj), indent=indent, ensure_ascii=False, allow_nan=False))
+
+
+def at_least(option: str, value: int | None, low: int = 1) -> None:
+    """Refuse a count below `low` (None: the option was not given)."""
+    if value is not None and value < low:
+        raise CliError(f"{option} must be >= {low}, got {value}")
+
+
+BACKEND_HELP = (
+    "aoti: the AOTInductor graphs; onnxruntime: the package's ONNX graphs through ONNX Runtime "
+    "(a recipe with formats: [aoti, onnx]; pip install 'aotgen[onnx]')"
+)
+
+
+def check_backend(backend: str) -> None:
+    from aotgen.runtime.onnx_backend import BACKENDS
+
+    if backend not in BACKENDS:
+        raise CliError(f"--backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+
+
+def resolve_threads(threads: int | None) -> int | None:
+    """--threads if given (>= 1), else aotgen.toml's `threads` (0 there: torch's default)."""
+    from aotgen.recipe import Project
+
+    if threads is not None:
+        at_least("--threads", threads)
+        return threads
+    return Project.load().threads or None
+
+
+def read_prompt_file(path: Path) -> str:
+    """The prompt file's text; errors name the file and what is wrong with it."""
+    if path.is_dir():
+        raise CliError(f"--prompt-file {path}: is a directory; give a UTF-8 text file")
+    if not path.is_file():
+        raise CliError(f"--prompt-file {path}: no such file")
+    try:
+        return path.read_bytes().decode()
+    except UnicodeDecodeError as e:
+        raise CliError(
+            f"--prompt-file {path}: not UTF-8 text (invalid byte at offset {e.start}); "
+            "save it as UTF-8"
+        ) from None
+
+
+def _version(value: bool) -> None:
+    """`--version`: the ISA is printed because packages only load on the ISA they were
+    compiled for."""
+    if not value:
+        return
+    import torch
+
+    from aotgen import __version__
+    from aotgen.package.manifest import target_info
+
+    target = target_info()
+    print(f"aotgen {__version__}")
+    print(f"torch {torch.__version__}")
+    print(f"CPU ISA {target['isa']} ({target['platform']})")
+    raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            help="print the aotgen and torch versions and the CPU ISA packages built here "
+            "target, then exit",
+            callback=_version,
+            is_eager=True,
+        ),
+    ] = False,
+) -> None:
+    """Compile LLM checkpoints ahead of time into self-contained packages (`aotgen build
+    recipes/NAME.yaml`) and run them without model code (`aotgen run artifacts/NAME`)."""

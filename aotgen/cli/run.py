@@ -1,0 +1,298 @@
+"""`aotgen run` and `aotgen serve`: text from a package, one request at a time or many."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.console import Console
+
+from aotgen.cli.common import (
+    BACKEND_HELP,
+    SEED_MAX,
+    CliError,
+    app,
+    at_least,
+    check_backend,
+    console,
+    print_json,
+    read_prompt_file,
+    resolve_threads,
+    user_errors_exit,
+)
+
+if TYPE_CHECKING:
+    pass
+
+
+@app.command()
+@user_errors_exit
+def run(
+    package: Annotated[Path, typer.Argument(help="artifacts/NAME")],
+    prompt: Annotated[str | None, typer.Option(help="raw prompt text")] = None,
+    prompt_file: Annotated[
+        Path | None, typer.Option(help="read the raw prompt from a UTF-8 text file")
+    ] = None,
+    chat: Annotated[
+        str | None, typer.Option(help="user message, wrapped in the chat template")
+    ] = None,
+    system: Annotated[str | None, typer.Option(help="system message for --chat")] = None,
+    max_new_tokens: Annotated[
+        int, typer.Option(help="stop after this many new tokens (>= 1)")
+    ] = 256,
+    temperature: Annotated[float, typer.Option(help="0 = greedy; higher = more random")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="sample from the K likeliest tokens; 0 = off")] = 0,
+    top_p: Annotated[
+        float, typer.Option(help="sample from the smallest set with this much probability; 1 = off")
+    ] = 1.0,
+    seed: Annotated[
+        int | None,
+        typer.Option(help=f"sampling seed, 0..{SEED_MAX} (default: random)"),
+    ] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
+    ignore_eos: Annotated[bool, typer.Option(help="keep going past end-of-sequence")] = False,
+    lookup: Annotated[
+        str | None,
+        typer.Option(
+            help="'ngram': prompt-lookup speculation; with --speculative, the draft "
+            "proposes only when lookup finds no match"
+        ),
+    ] = None,
+    speculative: Annotated[bool, typer.Option(help="use the package's draft model")] = False,
+    k: Annotated[
+        int | None,
+        typer.Option(help="draft length, >= 1 (default and maximum: the package's verify_k)"),
+    ] = None,
+    adaptive_k: Annotated[
+        bool, typer.Option(help="adapt the draft length (+2 after a full accept, else -1)")
+    ] = False,
+    ngram_min: Annotated[
+        int | None,
+        typer.Option(help="shortest lookup match (default: 1; 3 with --speculative too)"),
+    ] = None,
+    ngram_max: Annotated[int, typer.Option(help="longest lookup match tried first")] = 4,
+    draft_parallel: Annotated[
+        int | None,
+        typer.Option(
+            help="tree drafting: up to N sequences (llama.cpp's n_parallel), scored in one "
+            "tree-graph call; needs a package built with tree_nodes"
+        ),
+    ] = None,
+    p_split: Annotated[
+        float, typer.Option(help="tree drafting: branch where an alternative's probability > P")
+    ] = 0.1,
+    threads: Annotated[
+        int | None, typer.Option(help="intra-op threads, >= 1 (default: aotgen.toml's)")
+    ] = None,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="print one JSON object (text, ids, timings, finish reason, speculative "
+            "stats) on stdout instead of streaming the text",
+        ),
+    ] = False,
+    backend: Annotated[str, typer.Option(help=BACKEND_HELP)] = "aoti",
+    nnodes: Annotated[int, typer.Option(help="tensor parallel: nodes taking part")] = 1,
+    node_rank: Annotated[int, typer.Option(help="tensor parallel: this node's rank")] = 0,
+    master_addr: Annotated[str | None, typer.Option(help="tensor parallel: node 0's host")] = None,
+    master_port: Annotated[int | None, typer.Option(help="tensor parallel: node 0's port")] = None,
+) -> None:
+    """Generate text from a package (streams it, then prints speed and speculation stats).
+
+    A tensor-parallel package starts its ranks through torch.distributed.run (or runs
+    under `torchrun --nproc-per-node N -m aotgen run ...`); only rank 0 prints.
+    """
+    from aotgen.runtime import distributed
+    from aotgen.runtime.engine import Engine, GenerationConfig
+    from aotgen.runtime.sampling import SamplingParams
+    from aotgen.runtime.tree_draft import TreeParams
+
+    given = [x for x in (prompt, prompt_file, chat) if x is not None]
+    if len(given) != 1:
+        raise CliError("give exactly one of --prompt, --prompt-file, --chat")
+    if system is not None and chat is None:
+        raise CliError("--system goes with --chat (a system message for the chat template)")
+    if lookup not in (None, "ngram"):
+        raise CliError(f"--lookup {lookup!r}: the only lookup proposer is 'ngram'")
+    at_least("--max-new-tokens", max_new_tokens)
+    at_least("--k", k)
+    at_least("--ngram-min", ngram_min)
+    at_least("--ngram-max", ngram_max)
+    at_least("--draft-parallel", draft_parallel)
+    if not 0.0 <= p_split <= 1.0:
+        raise CliError(f"--p-split must be in 0..1, got {p_split}")
+    if ngram_min is not None and ngram_min > ngram_max:
+        raise CliError(
+            f"--ngram-min ({ngram_min}) must be <= --ngram-max ({ngram_max}); the lookup tries "
+            "matches from ngram-max tokens down to ngram-min"
+        )
+    if seed is not None and not 0 <= seed <= SEED_MAX:
+        raise CliError(f"--seed must be an integer in 0..{SEED_MAX}, got {seed}")
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    text = read_prompt_file(prompt_file) if prompt_file is not None else prompt
+    threads = resolve_threads(threads)
+    check_backend(backend)
+    if backend != "aoti":
+        if distributed.needs_launch(package):
+            raise CliError(
+                f"--backend {backend} runs single-process packages; {package} is tensor-parallel "
+                "(its recipe cannot have formats onnx): use --backend aoti"
+            )
+        engine = Engine.load(package, threads=threads, backend=backend)
+    elif distributed.needs_launch(package):
+        # Re-run this same command as the package's ranks.
+        distributed.launch(
+            ["aotgen", *sys.argv[1:]],
+            distributed.package_world_size(package),
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
+            threads=threads,
+        )
+        return
+    else:
+        engine = distributed.start(package, threads=threads)
+    if engine is None:  # a tensor-parallel rank other than 0: it served rank 0's calls
+        return
+    ids = (
+        engine.chat_ids(chat, system=system)
+        if chat is not None
+        else engine.tokenizer.prompt_ids(text)
+    )
+    mode = speculative_mode(speculative, lookup)
+    cfg = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        stop=tuple(stop or ()),
+        ignore_eos=ignore_eos,
+        speculative=mode,
+        k=k,
+        adaptive_k=adaptive_k,
+        ngram_min=ngram_min,
+        ngram_max=ngram_max,
+        tree=TreeParams(draft_parallel, p_split) if draft_parallel else None,
+    )
+    stream = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    result = engine.generate(ids, cfg, on_text=stream)
+    if as_json:
+        print_json(_run_json(engine.load_s, ids, result, mode))
+        return
+    sys.stdout.write("\n")
+    console.print(
+        f"[dim]load {engine.load_s:.2f} s · prompt {result.prompt_tokens} tok, prefill "
+        f"{result.prefill_tok_s:.1f} tok/s · {len(result.token_ids)} tok, decode "
+        f"{result.decode_tok_s:.1f} tok/s · finish: {result.finish_reason}[/]",
+        highlight=False,
+    )
+    if result.spec:
+        s = result.spec
+        by_pos = ", ".join(f"{r:.2f}" for r in s.acceptance_rate_by_position)
+        lookups = (
+            f", n-gram proposed {s.lookup_steps} of {s.steps}" if mode == "draft+ngram" else ""
+        )
+        if cfg.tree:
+            lookups += f", tree nodes {s.tree_nodes}, a branch won {s.branch_steps} steps"
+        console.print(
+            f"[dim]speculative ({mode}): drafted {s.drafted}, accepted {s.accepted}, "
+            f"acceptance {s.acceptance_rate:.2f}, mean accepted length "
+            f"{s.mean_accepted_length:.2f} tok/step, by position [{by_pos}]{lookups}[/]",
+            highlight=False,
+        )
+
+
+def speculative_mode(speculative: bool, lookup: str | None) -> str | None:
+    """--speculative (the draft) and --lookup ngram, alone or together."""
+    return {(True, True): "draft+ngram", (True, False): "draft", (False, True): "ngram"}.get(
+        (speculative, lookup is not None)
+    )
+
+
+def _run_json(load_s: float, prompt_ids: list[int], result: Any, mode: str | None) -> dict:
+    """`run --json`: the same fields as the C++ `aotgen-run --json`, plus the rates."""
+    s = result.spec
+    spec = None
+    if s is not None:
+        spec = {
+            "mode": mode,
+            "drafted": s.drafted,
+            "accepted": s.accepted,
+            "steps": s.steps,
+            "lookup_steps": s.lookup_steps,
+            "tree_nodes": s.tree_nodes,
+            "branch_steps": s.branch_steps,
+            "acceptance_rate": s.acceptance_rate,
+            "mean_accepted_length": s.mean_accepted_length,
+            "acceptance_rate_by_position": s.acceptance_rate_by_position,
+        }
+    return {
+        "prompt_ids": prompt_ids,
+        "ids": result.token_ids,
+        "text": result.text,
+        "finish_reason": result.finish_reason,
+        "load_s": load_s,
+        "prompt_tokens": result.prompt_tokens,
+        "prefill_s": result.prefill_s,
+        "decode_s": result.decode_s,
+        "prefill_tok_s": result.prefill_tok_s,
+        "decode_tok_s": result.decode_tok_s,
+        "spec": spec,
+    }
+
+
+@app.command()
+@user_errors_exit
+def serve(
+    package: Annotated[Path, typer.Argument(help="artifacts/NAME")],
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    lookup: Annotated[
+        str | None, typer.Option(help="'ngram': prompt-lookup speculation for every request")
+    ] = None,
+    speculative: Annotated[
+        bool, typer.Option(help="draft-model speculation for every request (with --lookup: both)")
+    ] = False,
+    slots: Annotated[
+        int,
+        typer.Option(help="requests decoding at once (default: the package's max_batch, or 4)"),
+    ] = 0,
+    max_queue: Annotated[int, typer.Option(help="waiting requests before 429s")] = 64,
+    prefill_step: Annotated[
+        int, typer.Option(help="prompt tokens per step while other requests decode")
+    ] = 64,
+    threads: Annotated[
+        int | None, typer.Option(help="intra-op threads, >= 1 (default: aotgen.toml's)")
+    ] = None,
+) -> None:
+    """Serve a package over an OpenAI-compatible HTTP API, many requests at once."""
+    from aotgen.runtime import distributed
+    from aotgen.runtime.batch_engine import BatchEngine
+
+    if lookup not in (None, "ngram"):
+        raise CliError(f"--lookup {lookup!r}: the only lookup is 'ngram'")
+    for option, value in (("--max-queue", max_queue), ("--prefill-step", prefill_step)):
+        at_least(option, value)
+    at_least("--slots", slots, low=0)
+    if not 0 < port < 65536:
+        raise CliError(f"--port must be in 1..65535, got {port}")
+    if distributed.needs_launch(package):
+        raise CliError(f"{package} is tensor-parallel: `aotgen serve` runs single-process packages")
+    try:
+        from aotgen.serve import serve as serve_http
+    except ImportError as e:
+        raise CliError(
+            f"aotgen serve needs the serve extra ({e}): pip install 'aotgen[serve]'"
+        ) from None
+    engine = BatchEngine.load(package, slots, resolve_threads(threads), max_queue, prefill_step)
+    if speculative and engine.engine.draft is None:
+        raise CliError(f"{package} has no draft model: drop --speculative, or use --lookup ngram")
+    mode = speculative_mode(speculative, lookup)
+    name = package.resolve().name
+    Console(stderr=True).print(
+        f"serving {name} on http://{host}:{port}/v1 ({engine.slots} slots"
+        f"{f', speculative: {mode}' if mode else ''})"
+    )
+    serve_http(engine, name, host, port, speculative=mode)
