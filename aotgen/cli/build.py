@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -18,9 +18,6 @@ from aotgen.cli.common import (
     print_json,
     user_errors_exit,
 )
-
-if TYPE_CHECKING:
-    pass
 
 
 @app.command("import-gguf")

@@ -8,14 +8,11 @@ import json
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn, ParamSpec, TypeVar
+from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-
-if TYPE_CHECKING:
-    pass
 
 app = typer.Typer(add_completion=False, no_args_is_help=True)
 console = Console(stderr=True)

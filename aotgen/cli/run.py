@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -24,7 +25,7 @@ from aotgen.cli.common import (
 )
 
 if TYPE_CHECKING:
-    pass
+    from aotgen.runtime.engine import Engine
 
 
 @app.command()
@@ -105,8 +106,7 @@ def run(
     A tensor-parallel package starts its ranks through torch.distributed.run (or runs
     under `torchrun --nproc-per-node N -m aotgen run ...`); only rank 0 prints.
     """
-    from aotgen.runtime import distributed
-    from aotgen.runtime.engine import Engine, GenerationConfig
+    from aotgen.runtime.engine import GenerationConfig
     from aotgen.runtime.sampling import SamplingParams
     from aotgen.runtime.tree_draft import TreeParams
 
@@ -115,48 +115,15 @@ def run(
         raise CliError("give exactly one of --prompt, --prompt-file, --chat")
     if system is not None and chat is None:
         raise CliError("--system goes with --chat (a system message for the chat template)")
-    if lookup not in (None, "ngram"):
-        raise CliError(f"--lookup {lookup!r}: the only lookup proposer is 'ngram'")
+    _check_speculation_options(lookup, k, ngram_min, ngram_max, draft_parallel, p_split)
     at_least("--max-new-tokens", max_new_tokens)
-    at_least("--k", k)
-    at_least("--ngram-min", ngram_min)
-    at_least("--ngram-max", ngram_max)
-    at_least("--draft-parallel", draft_parallel)
-    if not 0.0 <= p_split <= 1.0:
-        raise CliError(f"--p-split must be in 0..1, got {p_split}")
-    if ngram_min is not None and ngram_min > ngram_max:
-        raise CliError(
-            f"--ngram-min ({ngram_min}) must be <= --ngram-max ({ngram_max}); the lookup tries "
-            "matches from ngram-max tokens down to ngram-min"
-        )
     if seed is not None and not 0 <= seed <= SEED_MAX:
         raise CliError(f"--seed must be an integer in 0..{SEED_MAX}, got {seed}")
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     text = read_prompt_file(prompt_file) if prompt_file is not None else prompt
-    threads = resolve_threads(threads)
-    check_backend(backend)
-    if backend != "aoti":
-        if distributed.needs_launch(package):
-            raise CliError(
-                f"--backend {backend} runs single-process packages; {package} is tensor-parallel "
-                "(its recipe cannot have formats onnx): use --backend aoti"
-            )
-        engine = Engine.load(package, threads=threads, backend=backend)
-    elif distributed.needs_launch(package):
-        # Re-run this same command as the package's ranks.
-        distributed.launch(
-            ["aotgen", *sys.argv[1:]],
-            distributed.package_world_size(package),
-            nnodes=nnodes,
-            node_rank=node_rank,
-            master_addr=master_addr,
-            master_port=master_port,
-            threads=threads,
-        )
-        return
-    else:
-        engine = distributed.start(package, threads=threads)
-    if engine is None:  # a tensor-parallel rank other than 0: it served rank 0's calls
+    launch = _Launch(nnodes, node_rank, master_addr, master_port)
+    engine = _start_engine(package, backend, resolve_threads(threads), launch)
+    if engine is None:  # launched as ranks, or a rank other than 0 (it served rank 0's calls)
         return
     ids = (
         engine.chat_ids(chat, system=system)
@@ -182,8 +149,76 @@ def run(
         print_json(_run_json(engine.load_s, ids, result, mode))
         return
     sys.stdout.write("\n")
+    _print_stats(engine.load_s, result, mode, tree=cfg.tree is not None)
+
+
+def _check_speculation_options(
+    lookup: str | None,
+    k: int | None,
+    ngram_min: int | None,
+    ngram_max: int,
+    draft_parallel: int | None,
+    p_split: float,
+) -> None:
+    if lookup not in (None, "ngram"):
+        raise CliError(f"--lookup {lookup!r}: the only lookup proposer is 'ngram'")
+    at_least("--k", k)
+    at_least("--ngram-min", ngram_min)
+    at_least("--ngram-max", ngram_max)
+    at_least("--draft-parallel", draft_parallel)
+    if not 0.0 <= p_split <= 1.0:
+        raise CliError(f"--p-split must be in 0..1, got {p_split}")
+    if ngram_min is not None and ngram_min > ngram_max:
+        raise CliError(
+            f"--ngram-min ({ngram_min}) must be <= --ngram-max ({ngram_max}); the lookup tries "
+            "matches from ngram-max tokens down to ngram-min"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """Where a tensor-parallel package's ranks run (torch.distributed.run's options)."""
+
+    nnodes: int
+    node_rank: int
+    master_addr: str | None
+    master_port: int | None
+
+
+def _start_engine(
+    package: Path, backend: str, threads: int | None, launch: _Launch
+) -> Engine | None:
+    """The package's engine; None when this process only started the ranks of a
+    tensor-parallel package (which re-run this command), or is a rank other than 0."""
+    from aotgen.runtime import distributed
+    from aotgen.runtime.engine import Engine
+
+    check_backend(backend)
+    if backend != "aoti":
+        if distributed.needs_launch(package):
+            raise CliError(
+                f"--backend {backend} runs single-process packages; {package} is tensor-parallel "
+                "(its recipe cannot have formats onnx): use --backend aoti"
+            )
+        return Engine.load(package, threads=threads, backend=backend)
+    if distributed.needs_launch(package):
+        distributed.launch(
+            ["aotgen", *sys.argv[1:]],
+            distributed.package_world_size(package),
+            nnodes=launch.nnodes,
+            node_rank=launch.node_rank,
+            master_addr=launch.master_addr,
+            master_port=launch.master_port,
+            threads=threads,
+        )
+        return None
+    return distributed.start(package, threads=threads)
+
+
+def _print_stats(load_s: float, result: Any, mode: str | None, tree: bool) -> None:
+    """Speed, then speculation's counts, dimmed on stderr after the streamed text."""
     console.print(
-        f"[dim]load {engine.load_s:.2f} s · prompt {result.prompt_tokens} tok, prefill "
+        f"[dim]load {load_s:.2f} s · prompt {result.prompt_tokens} tok, prefill "
         f"{result.prefill_tok_s:.1f} tok/s · {len(result.token_ids)} tok, decode "
         f"{result.decode_tok_s:.1f} tok/s · finish: {result.finish_reason}[/]",
         highlight=False,
@@ -194,7 +229,7 @@ def run(
         lookups = (
             f", n-gram proposed {s.lookup_steps} of {s.steps}" if mode == "draft+ngram" else ""
         )
-        if cfg.tree:
+        if tree:
             lookups += f", tree nodes {s.tree_nodes}, a branch won {s.branch_steps} steps"
         console.print(
             f"[dim]speculative ({mode}): drafted {s.drafted}, accepted {s.accepted}, "
