@@ -2,7 +2,8 @@
 
 On a machine without a CUDA GPU (this project's CI) the refusals run (a CUDA build or a CUDA
 package fails at once with the reason, before anything is written or loaded), and the
-device-agnostic pieces of the GPU path: whole-cache attention against prefix attention, and
+device-agnostic pieces of the GPU path: attention over the given cache positions against prefix
+attention, the spans replayed graphs attend over, and
 attention as matmuls against SDPA. The GPU tests run where `torch.cuda.is_available()`: build
 tiny fp32 / int8 / int4 packages for the GPU, compare every compiled graph with the same graph
 run eagerly on the GPU (tight) and with the fp32 model (loose; bounds as in test_quantize.py),
@@ -23,7 +24,9 @@ from families import make_family_checkpoint
 from tiny import make_tiny_checkpoint
 
 from aotgen.checkpoint.hf import open_checkpoint
+from aotgen.export import aoti
 from aotgen.export.aoti import export_graph, graph_specs
+from aotgen.kernels import attention
 from aotgen.model.layers import attend_rows
 from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
 from aotgen.package.build import build
@@ -34,7 +37,7 @@ from aotgen.passes.quantize_numerics import kernel_problem
 from aotgen.passes.quantize_options import parse_quantize
 from aotgen.recipe import Recipe, RecipeError, kv_cache_len, parse_recipe
 from aotgen.runtime.cuda_graph import ReplayedGraph
-from aotgen.runtime.engine import Engine, GenerationConfig
+from aotgen.runtime.engine import MIN_KEY_SPAN, Engine, GenerationConfig, key_span
 from aotgen.runtime.tree import Tree
 
 HAS_CUDA = torch.cuda.is_available()
@@ -108,10 +111,14 @@ def test_inspect_names_the_device(tiny_package, relabelled):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "gptneox-parallel"])
-def test_whole_cache_attention_equals_prefix_attention(family, tmp_path):
-    """CUDA builds export decode, verify and tree attending to the whole cache, masked past
-    the positions (model/layers.py). Run eagerly it must give the logits and cache entries of
-    attention over the prefix (Gemma's sliding window too), and trace with no host read."""
+def test_key_pos_attention_equals_prefix_attention(family, tmp_path, monkeypatch):
+    """CUDA builds export decode, verify and tree attending over the cache positions `key_pos`
+    they are given, masked past their own positions (model/layers.py). Run eagerly, over any
+    span that covers the positions (up to the whole cache), they must give the logits and
+    cache entries of attention over the prefix (Gemma's sliding window too), and exported as
+    a CUDA build exports them (the span dynamic) they must trace with no host read and run at
+    another span. The GPU's attention code runs here: the CPU attention kernel is off."""
+    monkeypatch.setattr(attention, "applies", lambda q, k_cache: False)
     ckpt = open_checkpoint(make_family_checkpoint(tmp_path / family, family))
     cfg = ModelConfig.from_hf(ckpt.config)
     model = load_model(cfg, ckpt.load_weights(), 64, torch.float32)
@@ -120,29 +127,49 @@ def test_whole_cache_attention_equals_prefix_attention(family, tmp_path):
     prefix = new_kv_cache(cfg, 64)
     with torch.no_grad():
         model(ids[:, :20], torch.arange(20), prefix)
-        whole = [c.clone() for c in prefix]
+        spans = {n: [c.clone() for c in prefix] for n in ("exact", 32, 64)}
         chain = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]).bool()
         steps = [  # decode; verify; a tree of 4 nodes (two branches) written at 26..29
-            (ids[:, 20:21], torch.tensor([20]), None),
-            (ids[:, 21:26], torch.arange(21, 26), None),
-            (ids[:, 26:30], torch.tensor([26, 27, 27, 28]), chain),
+            (ids[:, 20:21], torch.tensor([20]), None, 21),
+            (ids[:, 21:26], torch.arange(21, 26), None, 26),
+            (ids[:, 26:30], torch.tensor([26, 27, 27, 28]), chain, 30),
         ]
-        for tokens, pos, tree_mask in steps:
+        for tokens, pos, tree_mask, end in steps:
             ref = model(tokens, pos, prefix, tree_mask)
-            with model.attend_whole_cache():
-                got = model(tokens, pos, whole, tree_mask)
+            for n, caches in spans.items():
+                key_pos = torch.arange(end if n == "exact" else n)
+                got = model(tokens, pos, caches, tree_mask, None, key_pos)
+                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for caches in spans.values():
+        for got, ref in zip(caches, prefix, strict=True):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    for got, ref in zip(whole, prefix, strict=True):
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
     def host_reads(ep) -> list:
         return ep.graph.find_nodes(op="call_function", target=torch.ops.aten.item.default)
 
-    verify_args = (*steps[1][:2], prefix)
-    with model.attend_whole_cache():
-        assert not host_reads(torch.export.export(model, verify_args, strict=False))
+    # Exported as for a GPU (export/aoti.py): traced over the whole cache, the span dynamic.
+    monkeypatch.setattr(aoti, "replayable", lambda spec, device: not spec.dynamic)
+    spec = next(s for s in graph_specs(16, 4, tree_nodes=4) if s.name == "tree")
+    ep = export_graph(model, spec, [c.clone() for c in spans[64]])
+    assert not host_reads(ep)
+    tokens, pos, tree_mask, _ = steps[2]
+    with torch.no_grad():  # the tree step again, over 32 keys
+        got = ep.module()(tokens, pos, spans[32], tree_mask, None, torch.arange(32))
+        ref = model(tokens, pos, spans[64], tree_mask, None, torch.arange(64))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     # The negative control: attention over the prefix reads its length back.
-    assert host_reads(torch.export.export(model, verify_args, strict=False))
+    assert host_reads(torch.export.export(model, (*steps[1][:2], prefix), strict=False))
+
+
+def test_key_span_covers_the_position_in_a_few_captures():
+    """Replayed graphs attend over one of a few spans (runtime/engine.py): the shortest power
+    of two from MIN_KEY_SPAN that covers the positions, the whole cache past the last."""
+    spans = {key_span(attend, 2053) for attend in range(1, 2054)}
+    assert spans == {128, 256, 512, 1024, 2048, 2053}
+    for attend in range(1, 2054):
+        span = key_span(attend, 2053)
+        assert attend <= span and (span == MIN_KEY_SPAN or span == 2053 or span < 2 * attend)
+    assert key_span(100, 64) == 64
 
 
 @pytest.mark.parametrize("rows", [1, 5])
@@ -232,9 +259,13 @@ def test_cuda_package_matches_eager(name, quantize, loose, hidden, gpu_checkpoin
                 eager["prefill"](*prefix, caches["eager"])
                 model(*prefix, caches["fp32"])
             tokens = history[None, start:]
-            pos = torch.arange(start, start + length, device="cuda")
-            got = runner.graphs[graph](tokens, pos, runner.caches).float()
-            ref_q = eager[graph](tokens, pos, caches["eager"]).float()
+            end = start + length
+            pos = torch.arange(start, end, device="cuda")
+            got = runner.graphs[graph](tokens, pos, runner.caches, attend=end).float()
+            # decode and verify take the cache positions they attend (a span covering `end`)
+            keys = torch.arange(key_span(end, cache_len), device="cuda")
+            extra = () if graph == "prefill" else (None, None, keys)
+            ref_q = eager[graph](tokens, pos, caches["eager"], *extra).float()
             ref = model(tokens, pos, caches["fp32"]).float()
         if graph == "prefill":  # its last row only
             ref = ref[:, -1:]
@@ -257,7 +288,7 @@ def test_cuda_graph_replays_equal_direct_calls(name, quantize, gpu_checkpoints, 
     recipe = _recipe(gpu_checkpoints[128], f"tiny-cuda-replay-{name}", tree_nodes=4, **extra)
     path = build(recipe, project).path
     signatures = json.loads((path / "manifest.json").read_text())["models"]["target"]["graphs"]
-    assert {n for n, s in signatures.items() if s["attention"] == "whole_cache"} == {
+    assert {n for n, s in signatures.items() if s["attention"] == "key_pos"} == {
         "decode",
         "verify",
         "tree",
@@ -270,17 +301,20 @@ def test_cuda_graph_replays_equal_direct_calls(name, quantize, gpu_checkpoints, 
     assert all(isinstance(r.graphs[n], ReplayedGraph) for n in ("decode", "verify", "tree"))
     assert not any(isinstance(g, ReplayedGraph) for g in d.graphs.values())
     g = torch.Generator().manual_seed(1)
-    history = torch.randint(0, r.vocab_size, (60,), generator=g).tolist()
+    history = torch.randint(0, r.vocab_size, (150,), generator=g).tolist()
     for runner in (r, d):
         runner.forward(history[:40], 0)
     tree = Tree([5, 6, 7, 8], [-1, 0, 0, 1], [None] * 4)
-    for pos in (40, 47, 53):  # a capture at 40, replays after
+    # Captures at 40 (over 128 keys) and 120 (the tree's over the whole cache), replays after.
+    for pos in (40, 47, 120, 130):
         torch.testing.assert_close(r.decode(history[pos], pos), d.decode(history[pos], pos))
         block = history[pos + 1 : pos + 6]
         torch.testing.assert_close(
             r.forward(block, pos + 1, all_logits=True), d.forward(block, pos + 1, all_logits=True)
         )
         torch.testing.assert_close(r.tree_forward(tree, pos + 6), d.tree_forward(tree, pos + 6))
+    spans = {name: {span for _, span in r.graphs[name]._captures} for name in ("decode", "tree")}
+    assert spans == {"decode": {128, r.cache_len}, "tree": {128, r.cache_len}}
     prompt = history[:12]
     for speculative in (None, "ngram"):
         cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True, speculative=speculative)

@@ -3,7 +3,8 @@
 Every graph keeps one signature, `(tokens [1, T], input_pos [T], *kv_caches) -> logits`,
 and differs only in T: `prefill` (dynamic, 2..prefill_chunk; logits of its last row only),
 `decode` (1) and `verify` (verify_k + 1). The optional `tree` graph (tree_nodes rows) also
-takes a `[T, T]` bool tree mask after the caches; the optional batched graphs
+takes a `[T, T]` bool tree mask after the caches; on a GPU the fixed-width graphs also take
+`key_pos [K]`, the cache positions they attend (`arange(K)`, K dynamic); the optional batched graphs
 `batch_decode` (T = 1) and `batch_verify` (verify_k + 1) take `tokens [B, T]`,
 `input_pos [B, T]`, caches with one row per slot and `slots [B]`, for B in 2..max_batch
 (model/layers.py). Weights stay out of the `.so` (`package_constants_in_so=False`): the
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 from torch.export import Dim, ExportedProgram
+from torch.fx.experimental import _config as fx_config
 from torch.utils import _pytree as pytree
 
 from aotgen.export import shims
@@ -98,17 +100,27 @@ def example_inputs(spec: GraphSpec, caches: list[Tensor]) -> tuple:
         torch.arange(t, device=device),
         caches,
     )
-    if spec.tree:  # a chain: any tree traces the same graph
-        return (*args, torch.ones(t, t, dtype=torch.bool, device=device).tril())
-    return args
+    # A chain: any tree traces the same graph.
+    tree_mask = torch.ones(t, t, dtype=torch.bool, device=device).tril() if spec.tree else None
+    if replayable(spec, device):  # traced over the whole cache; the length stays dynamic
+        return (*args, tree_mask, None, torch.arange(cache_len(caches), device=device))
+    return args if tree_mask is None else (*args, tree_mask)
+
+
+def cache_len(caches: list[Tensor]) -> int:
+    return caches[0].shape[2]
 
 
 def dynamic_shapes(spec: GraphSpec, caches: list[Tensor]) -> tuple | None:
     """The token count of `tokens` and `input_pos` is dynamic in the prefill graph, the
-    number of sequences in the batched graphs."""
+    number of sequences in the batched graphs, the attended length (`key_pos`) in the graphs
+    replayed on a GPU."""
     if spec.batch:
         b = Dim(f"{spec.name}_batch", min=2, max=spec.batch)
         return ({0: b}, {0: b}, [None] * len(caches), None, {0: b})
+    if replayable(spec, caches[0].device):
+        keys = Dim(f"{spec.name}_keys", min=2, max=cache_len(caches))
+        return (None, None, [None] * len(caches), None, None, {0: keys})
     if not spec.dynamic:
         return None
     t = Dim(f"{spec.name}_tokens", min=spec.min_tokens, max=spec.max_tokens)
@@ -117,16 +129,19 @@ def dynamic_shapes(spec: GraphSpec, caches: list[Tensor]) -> tuple | None:
 
 def replayable(spec: GraphSpec, device: torch.device) -> bool:
     """Whether a graph is exported for CUDA-graph replay: a fixed-width, single-sequence graph
-    for a GPU, attending to the whole cache (model/layers.py, runtime/cuda_graph.py)."""
+    for a GPU, attending over the `key_pos` it is given (model/layers.py, runtime/cuda_graph.py)."""
     return device.type == "cuda" and not spec.dynamic and not spec.batch
 
 
 def export_graph(model: nn.Module, spec: GraphSpec, caches: list[Tensor]) -> ExportedProgram:
+    # A cache slice `[1, kv, K, d]` is contiguous only at K = cache_len: without size-oblivious
+    # guards, tracing a span that may be the whole cache adds the guard K != cache_len.
+    oblivious = replayable(spec, caches[0].device)
     with (
         torch.no_grad(),
         warnings.catch_warnings(),
         model.last_row_logits(spec.last_row_logits),
-        model.attend_whole_cache(replayable(spec, caches[0].device)),
+        fx_config.patch(backed_size_oblivious=oblivious),
     ):
         warnings.simplefilter("ignore", FutureWarning)
         return torch.export.export(

@@ -30,10 +30,12 @@ for every layer, so the runtimes, speculation and the draft's shared cache need 
 new; the cost is memory for keys the window no longer sees.
 
 How far a graph attends: up to its last position (`input_pos[-1] + 1` keys, read back to the
-host with `.item()`), or, under `attend_whole_cache()`, all `cache_len` keys with the positions
-past `input_pos` masked (gpt-fast's choice). The second has no host read and no shape that
-changes with the position, so the graph can be captured once and replayed as a CUDA graph;
-CUDA builds export their fixed-width graphs that way (export/aoti.py).
+host with `.item()`), or over the cache positions `key_pos` (`arange(n)`, n past the last
+position) that the caller passes, with the positions past `input_pos` masked. The second has
+no host read: the length is an input's shape, so the graph can be captured once per length
+and replayed as a CUDA graph. CUDA builds export their fixed-width graphs that way
+(export/aoti.py), and the runtime attends over the shortest of a few lengths that covers the
+position (runtime/cuda_graph.py), not over the whole cache as gpt-fast does.
 """
 
 from __future__ import annotations
@@ -179,15 +181,10 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.cache_len = cache_len
         self.last_row_only = False  # set while exporting the prefill graph
-        self.whole_cache = False  # set while exporting a graph for CUDA-graph replay
 
     def last_row_logits(self, enabled: bool = True) -> AbstractContextManager[None]:
         """Forwards traced inside return the logits of the last position only: `[1, 1, V]`."""
         return self._switched("last_row_only", enabled)
-
-    def attend_whole_cache(self, enabled: bool = True) -> AbstractContextManager[None]:
-        """Forwards traced inside attend to every cache position, masked past `input_pos`."""
-        return self._switched("whole_cache", enabled)
 
     @contextmanager
     def _switched(self, switch: str, enabled: bool) -> Iterator[None]:
@@ -227,35 +224,38 @@ class CausalLM(nn.Module):
         caches: list[Tensor],
         tree_mask: Tensor | None = None,
         slots: Tensor | None = None,
+        key_pos: Tensor | None = None,
     ) -> Tensor:
         x = self.embed(tokens)
         if slots is not None:
             return self._batch_forward(x, input_pos, caches, slots)
         t = tokens.shape[1]
+        start = input_pos[0]
+        if key_pos is not None:  # the caller says how far: no host read
+            attn_len = key_pos.shape[0]
+        elif tree_mask is None:
+            # Positions in one call are consecutive, so the last one bounds what is attended to.
+            attn_len = input_pos[-1].item() + 1
+        else:
+            attn_len = start.item() + t
+        torch._check(attn_len >= 1)
+        torch._check(attn_len <= self.cache_len)
+        keys = self.key_positions[:attn_len] if key_pos is None else key_pos
         if tree_mask is None:
-            # Positions in one call are consecutive, so the last one bounds what is attended
-            # to, and each row's keys and values go to the slot of its position.
-            attn_len = self.cache_len if self.whole_cache else input_pos[-1].item() + 1
+            # Each row's keys and values go to the slot of its position.
             write_at = input_pos
+            mask = keys.unsqueeze(0) <= input_pos.unsqueeze(1)
         else:
             # A token tree (runtime/tree.py): row i is written to slot input_pos[0] + i and has
             # RoPE position input_pos[i] (input_pos[0] plus its depth); tree_mask [T, T] says
             # which rows each row sees (its ancestors and itself), next to the whole prefix.
-            start = input_pos[0]
-            attn_len = self.cache_len if self.whole_cache else start.item() + t
             write_at = start + self.key_positions[:t]
-        torch._check(attn_len >= 1)
-        torch._check(attn_len <= self.cache_len)
-        keys = self.key_positions[:attn_len].unsqueeze(0)
-        if tree_mask is None:
-            mask = keys <= input_pos.unsqueeze(1)
-        else:
-            rel = keys[0] - start  # < 0 on the prefix, else the key's tree row
+            rel = keys - start  # < 0 on the prefix, else the key's tree row
             seen = tree_mask.index_select(1, rel.clamp(0, t - 1))
-            if self.whole_cache:  # keys past the tree (rel >= t) are not its rows
+            if key_pos is not None:  # keys past the tree (rel >= t) are not its rows
                 seen = seen & (rel < t).unsqueeze(0)
             mask = (rel < 0).unsqueeze(0) | seen
-        return self._layers(x, input_pos, write_at, caches, attn_len, mask, self.last_row_only)
+        return self._layers(x, input_pos, write_at, caches, keys, mask, self.last_row_only)
 
     def _batch_forward(
         self, x: Tensor, input_pos: Tensor, caches: list[Tensor], slots: Tensor
@@ -268,7 +268,7 @@ class CausalLM(nn.Module):
         keys = self.key_positions[:attn_len]
         mask = keys <= input_pos.unsqueeze(-1)  # [B, T, attn_len]
         write_at = (slots.unsqueeze(1), input_pos)
-        return self._layers(x, input_pos, write_at, caches, attn_len, mask, heads_dim=True)
+        return self._layers(x, input_pos, write_at, caches, keys, mask, heads_dim=True)
 
     def _layers(
         self,
@@ -276,17 +276,17 @@ class CausalLM(nn.Module):
         input_pos: Tensor,
         write_at: CacheIndex,
         caches: list[Tensor],
-        attn_len: int,
+        keys: Tensor,
         mask: Tensor,
         last_row: bool = False,
         heads_dim: bool = False,
     ) -> Tensor:
-        """The decoder layers and the head; each layer gets the RoPE rows and mask of its kind
-        (sliding or global). `heads_dim`: positions are `[B, T]`, so the RoPE rows get a heads
-        axis to broadcast against `[B, heads, T, d]`."""
+        """The decoder layers and the head over the cache positions `keys`; each layer gets the
+        RoPE rows and mask of its kind (sliding or global). `heads_dim`: positions are `[B, T]`,
+        so the RoPE rows get a heads axis to broadcast against `[B, heads, T, d]`."""
         cfg = self.config
         dtype = x.dtype
-        keys = self.key_positions[:attn_len]
+        attn_len = keys.shape[0]
 
         def rope(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
             cos, sin = cos[input_pos].to(dtype), sin[input_pos].to(dtype)

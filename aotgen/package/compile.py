@@ -72,8 +72,11 @@ def graph_signature(spec: GraphSpec, cfg: ModelConfig, cache: list[Tensor]) -> d
     tree = [{"name": "tree_mask", "shape": [t, t], "dtype": "bool"}] if spec.tree else []
     slots = [{"name": "slots", "shape": [b], "dtype": "int64"}] if spec.batch else []
     batch = {"batch": {"min": 2, "max": spec.batch}} if spec.batch else {}
-    # "whole_cache": no host read of the position, so the runtime may replay it as a CUDA graph.
-    attention = "whole_cache" if replayable(spec, cache[0].device) else "prefix"
+    # "key_pos": the runtime passes the cache positions to attend, so nothing reads the
+    # position back to the host and the graph can be replayed as a CUDA graph.
+    replay = replayable(spec, cache[0].device)
+    key_pos = [{"name": "key_pos", "shape": ["K"], "dtype": "int64"}] if replay else []
+    attention = "key_pos" if replay else "prefix"
     return {
         "tokens": {"min": spec.min_tokens, "max": spec.max_tokens},
         **batch,
@@ -89,6 +92,7 @@ def graph_signature(spec: GraphSpec, cfg: ModelConfig, cache: list[Tensor]) -> d
             },
             *tree,
             *slots,
+            *key_pos,
         ],
         "outputs": [{"name": "logits", "shape": [b, rows, cfg.vocab_size], "dtype": "float32"}],
     }

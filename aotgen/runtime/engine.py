@@ -70,8 +70,13 @@ class CompiledGraph:
         self.max_tokens = signature["tokens"]["max"]
         batch = signature.get("batch", {"min": 1, "max": 1})
         self.min_batch, self.max_batch = batch["min"], batch["max"]
-        # No host read of the attended length: the graph can be replayed as a CUDA graph.
-        self.replayable = device.type == "cuda" and signature.get("attention") == "whole_cache"
+        # Graphs that take the cache positions they attend (`key_pos`) read nothing back to the
+        # host: on a GPU they can be replayed as CUDA graphs (runtime/cuda_graph.py).
+        self.key_pos: Tensor | None = None
+        if signature.get("attention") == "key_pos":
+            caches = next(i for i in signature["inputs"] if i["name"] == "kv_caches")
+            self.key_pos = torch.arange(caches["shape"][2], device=device)
+        self.replayable = device.type == "cuda" and self.key_pos is not None
         self.loader = open_loader(pt2, package_model, device)
 
     def bind(self, weights: dict[str, Tensor]) -> None:
@@ -91,7 +96,9 @@ class CompiledGraph:
         caches: list[Tensor],
         tree_mask: Tensor | None = None,
         slots: Tensor | None = None,
+        attend: int | None = None,
     ) -> Tensor:
+        """`attend`: the call reads cache positions below it (default: the whole cache)."""
         b, t = tokens.shape
         if not self.min_tokens <= t <= self.max_tokens:
             raise ValueError(
@@ -101,8 +108,28 @@ class CompiledGraph:
             raise ValueError(
                 f"{self.name} takes {self.min_batch}..{self.max_batch} sequences, got {b}"
             )
-        extra = [x for x in (tree_mask, slots) if x is not None]
+        key_pos = None if self.key_pos is None else self.key_pos[: self.span(attend)]
+        extra = [x for x in (tree_mask, slots, key_pos) if x is not None]
         return self.loader.boxed_run([tokens, input_pos, *caches, *extra])[0]
+
+    def span(self, attend: int | None) -> int:
+        """How many cache positions a graph that takes `key_pos` attends for a call that reads
+        those below `attend`: one of a few spans (`key_span`), so that a replayed graph has a
+        few captures, not one per position."""
+        assert self.key_pos is not None
+        cache_len = len(self.key_pos)
+        return cache_len if attend is None else key_span(attend, cache_len)
+
+
+# Spans a graph that takes `key_pos` attends over: powers of two from 128, then the whole
+# cache. Attention over the whole cache was a third of an H100 decode step of SmolLM2 at
+# position 200 (docs/cuda.md); the span is at most twice the attended length.
+MIN_KEY_SPAN = 128
+
+
+def key_span(attend: int, cache_len: int) -> int:
+    """The shortest span that covers cache positions below `attend`."""
+    return min(max(MIN_KEY_SPAN, 1 << (attend - 1).bit_length()), cache_len)
 
 
 def zeros_on_demand(
@@ -240,7 +267,7 @@ class ModelRunner:
             chunk += chunk[-1:] * (width - n)
             chunk_ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
             positions = torch.arange(pos, pos + width, device=self.device)
-            logits = graph(chunk_ids, positions, caches)[0][:n].cpu()  # prefill: 1 row
+            logits = graph(chunk_ids, positions, caches, attend=pos + width)[0][:n].cpu()
             outs.append(logits if all_logits else logits[-1:])
             pos += n
         return torch.cat(outs) if all_logits else outs[-1][0]
@@ -274,6 +301,7 @@ class ModelRunner:
             torch.tensor(positions, device=dev),
             self.caches,
             tree.mask(width).to(dev),
+            attend=start + width,
         )
         return logits[0][:n].cpu()
 
@@ -281,7 +309,7 @@ class ModelRunner:
         """The per-token hot path: one decode call, logits `[V]`."""
         tokens = torch.tensor([[token]], device=self.device)
         positions = torch.tensor([pos], device=self.device)
-        logits = self.graphs["decode"](tokens, positions, self.slot_caches[slot])
+        logits = self.graphs["decode"](tokens, positions, self.slot_caches[slot], attend=pos + 1)
         return logits[0, 0].cpu()
 
     def decode_many(self, tokens: list[int], positions: list[int], slots: list[int]) -> Tensor:

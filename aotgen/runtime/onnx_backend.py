@@ -62,7 +62,11 @@ class OnnxGraph:
             self.binding.bind_ortvalue_output(f"kv_out_{i}", value)
         self._bound = ptrs
 
-    def __call__(self, tokens: Tensor, input_pos: Tensor, caches: list[Tensor]) -> Tensor:
+    def __call__(
+        self, tokens: Tensor, input_pos: Tensor, caches: list[Tensor], attend: int | None = None
+    ) -> Tensor:
+        """`attend` is the engine's hint for graphs that take `key_pos`; ONNX graphs attend up
+        to their last position by themselves."""
         t = tokens.shape[1]
         if not self.min_tokens <= t <= self.max_tokens:
             raise ValueError(
