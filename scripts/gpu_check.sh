@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The GPU checks of docs/cuda.md in one run, on a machine with an NVIDIA GPU and a CUDA build of
-# torch (`python3`, or $PYTHON): tests/test_cuda.py beside the builds of the three SmolLM2 CUDA
-# recipes and then scripts/gpu_bench.py on the packages (the tests may still be running: their
-# CPU load shows in the direct calls' times more than in the replayed ones). With no checkpoints/smollm2-135m, the
-# builds use SmolLM2-135M's config and tokenizer from TEMPLATE with random weights (speed does
-# not depend on the values; texts and perplexities then mean nothing). Logs go to $OUT.
+# The GPU checks of docs/cuda.md in one run, on a machine with an NVIDIA GPU and a CUDA build
+# of torch (`python3`, or $PYTHON): tests/test_cuda.py beside the builds of the three SmolLM2
+# CUDA recipes, then scripts/gpu_bench.py on the packages (the tests may still be running: their
+# CPU load shows in the direct calls' times more than in the replayed ones). With no
+# checkpoints/smollm2-135m, the builds use SmolLM2-135M's config and tokenizer from TEMPLATE with
+# random weights (speed does not depend on the values; texts and perplexities then mean nothing).
+# Logs go to $OUT.
 #   bash scripts/gpu_check.sh [TEMPLATE]    # TEMPLATE: a dir with config.json, tokenizer*.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +35,7 @@ EOF
 fi
 
 RECIPES=(smollm2-135m-cuda smollm2-135m-int8-cuda smollm2-135m-int4-cuda)
-timeout 540 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py >"$OUT/test_cuda.log" 2>&1 &
+timeout 500 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py >"$OUT/test_cuda.log" 2>&1 &
 tests=$!
 builds=()
 for r in "${RECIPES[@]}"; do
@@ -42,7 +43,9 @@ for r in "${RECIPES[@]}"; do
   builds+=($!)
 done
 # The torch.compile baseline, compiled now so that its cache serves the bench.
-"$PY" scripts/gpu_bench.py --baseline-only "${RECIPES[@]/#/recipes/}" >"$OUT/baseline.log" 2>&1 &
+baseline=()
+for r in "${RECIPES[@]}"; do baseline+=("recipes/$r.yaml"); done
+"$PY" scripts/gpu_bench.py --baseline-only "${baseline[@]}" >"$OUT/baseline.log" 2>&1 &
 builds+=($!)
 for pid in "${builds[@]}"; do wait "$pid"; done
 for r in "${RECIPES[@]}"; do echo "== $r"; tail -n 3 "$OUT/build-$r.log"; done

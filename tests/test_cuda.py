@@ -27,6 +27,7 @@ from aotgen.checkpoint.hf import open_checkpoint
 from aotgen.export import aoti
 from aotgen.export.aoti import export_graph, graph_specs
 from aotgen.kernels import attention
+from aotgen.model import layers
 from aotgen.model.layers import attend_rows
 from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
 from aotgen.package.build import build
@@ -117,8 +118,10 @@ def test_key_pos_attention_equals_prefix_attention(family, tmp_path, monkeypatch
     span that covers the positions (up to the whole cache), they must give the logits and
     cache entries of attention over the prefix (Gemma's sliding window too), and exported as
     a CUDA build exports them (the span dynamic) they must trace with no host read and run at
-    another span. The GPU's attention code runs here: the CPU attention kernel is off."""
+    another span. The GPU's attention code runs here (`attend_one`, `attend_rows`), not the
+    CPU attention kernel."""
     monkeypatch.setattr(attention, "applies", lambda q, k_cache: False)
+    monkeypatch.setattr(layers, "rows_as_matmuls", lambda q: True)
     ckpt = open_checkpoint(make_family_checkpoint(tmp_path / family, family))
     cfg = ModelConfig.from_hf(ckpt.config)
     model = load_model(cfg, ckpt.load_weights(), 64, torch.float32)
@@ -172,13 +175,14 @@ def test_key_span_covers_the_position_in_a_few_captures():
     assert key_span(100, 64) == 64
 
 
-@pytest.mark.parametrize("rows", [1, 5])
-def test_attention_as_matmuls_equals_sdpa(rows):
+@pytest.mark.parametrize("rows, batch", [(1, 1), (5, 1), (5, 2)])
+def test_attention_as_matmuls_equals_sdpa(rows, batch):
     """`attend_rows` (fixed-width graphs on a GPU, model/layers.py) against SDPA, GQA-folded
-    rows over a long, partly masked cache; keys past every row's position never count."""
+    rows over a long, partly masked cache, for one sequence and a batch; keys past every row's
+    position never count."""
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 3, 3 * rows, 64, generator=g)
-    keys, values = (torch.randn(1, 3, 300, 64, generator=g) for _ in range(2))
+    q = torch.randn(batch, 3, 3 * rows, 64, generator=g)
+    keys, values = (torch.randn(batch, 3, 300, 64, generator=g) for _ in range(2))
     mask = torch.arange(300) <= torch.arange(200, 200 + rows).repeat(3).unsqueeze(1)
     keys[..., 250:, :] = values[..., 250:, :] = 1e4  # past every row's position: masked
     ref = F.scaled_dot_product_attention(

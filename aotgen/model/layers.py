@@ -108,11 +108,23 @@ def attend_one(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: flo
 # memory-efficient kernel runs a few thread blocks over all the keys one tile at a time: 255 us
 # a layer of SmolLM2's 5-row verify step over a 2053-key cache on an H100. As two batched
 # matmuls and a softmax the compiled verify step went from 9.06 to 3.99 ms (docs/cuda.md).
+def rows_as_matmuls(q: Tensor) -> bool:
+    """Whether a fixed-width graph's rows attend with `attend_rows`: on a GPU."""
+    return q.is_cuda
+
+
 def attend_rows(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
     """Masked softmax attention as matmuls: [b, h, m, d] x [b, h, n, d]."""
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    b, h = q.shape[:2]
+
+    # bmm on [b * h, ., .], one sequence's heads selected, not reshaped: torch.matmul's own
+    # folding reshapes the keys, which on a span of the cache (`key_pos`) guards its length.
+    def heads(x: Tensor) -> Tensor:
+        return x[0] if b == 1 else x.flatten(0, 1)
+
+    scores = torch.bmm(heads(q), heads(keys).transpose(1, 2)).unflatten(0, (b, h)) * scale
     probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-    return torch.matmul(probs, values)
+    return torch.bmm(heads(probs), heads(values)).unflatten(0, (b, h))
 
 
 # Where a graph writes its keys and values: the positions `[T]` of its one sequence, or
@@ -162,7 +174,7 @@ def cached_attention(
         mask = mask.repeat(1, group, 1).unsqueeze(1) if batch else mask.repeat(group, 1)
         if fixed_width and t == 1:  # decode graph
             y = attend_one(q, keys, values, mask, scale)
-        elif fixed_width and q.is_cuda:  # fixed-width graphs on a GPU
+        elif fixed_width and rows_as_matmuls(q):
             y = attend_rows(q, keys, values, mask, scale)
         else:
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
