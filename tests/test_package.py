@@ -105,7 +105,7 @@ def test_few_tokens_run_padded_through_verify(engine, eager, monkeypatch, length
     for name in ("prefill", "verify"):
         graph = runner.graphs[name]
         monkeypatch.setitem(
-            runner.graphs, name, lambda *a, g=graph, n=name: used.append(n) or g(*a)
+            runner.graphs, name, lambda *a, g=graph, n=name, **kw: used.append(n) or g(*a, **kw)
         )
     got = runner.forward(history[9 : 9 + length], 9, all_logits=True)
     assert used == ["verify"]
@@ -130,7 +130,7 @@ def test_every_rows_logits_come_from_verify_and_decode(engine, eager, monkeypatc
     for name in ("prefill", "verify", "decode"):
         graph = runner.graphs[name]
         monkeypatch.setitem(
-            runner.graphs, name, lambda *a, g=graph, n=name: used.append(n) or g(*a)
+            runner.graphs, name, lambda *a, g=graph, n=name, **kw: used.append(n) or g(*a, **kw)
         )
     tail = history[start:]
     got = runner.forward(tail, start, all_logits=True)
