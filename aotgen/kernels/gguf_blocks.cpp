@@ -18,10 +18,13 @@
 // significant bits), so one fused multiply-add gives gguf's value bit for bit.
 //
 // Tile: rows x panels accumulators, as packed.cpp; each unit's codes are decoded once per
-// tile and multiplied into every row. Threads: OpenMP over groups of panels.
+// tile and multiplied into every row. On AVX2 without AVX-512 the tile sums code x input per
+// group and applies the group's scale and offset once (`group_tile`). Threads: OpenMP over
+// groups of panels.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -216,6 +219,111 @@ inline void tile(const float* x, int64_t ldx, const Panel<TYPE>* panels, int64_t
     for (int v = 0; v < V; v++) *(vf_unaligned*)(out + m * ldo + v * kLanes) = acc[m][v];
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr bool kGroupSums = true;
+
+// A unit's codes as `group_tile` reads them. 4-bit codes without a zero to subtract are split
+// into bytes once per unit (low nibbles: inputs 0-3, high: 4-7), and input t's becomes the float
+// 1 + q / 128: one byte shuffle puts code byte t % 4 of each lane in bits 16-23 and an or adds
+// 1.0's exponent. Shifting and converting each code instead keeps Zen 1's single 256-bit
+// shift and conversion pipes busy two cycles per 8 weights, the one-row step's bottleneck.
+// Other codes are converted as `code_float` does, Q8_0's (stored q + 128, its zero in the
+// offset) minus 128 first: the group's sum of q x then does not cancel against 128 sum x.
+// `at` gives kScale * q + kBias for the code q the group's scale and offset apply to.
+template <int BITS, int ZERO>
+struct GroupCodes {
+  static constexpr bool kBytes = BITS == 4 && ZERO == 0;
+  static constexpr float kScale = kBytes ? 1.0f / 128 : 1.0f;
+  static constexpr float kBias = kBytes ? 1.0f : BITS == 8 ? -128.0f : 0.0f;
+  vi lo, hi;
+
+  GroupCodes() = default;
+  __attribute__((always_inline)) inline GroupCodes(vi lanes, vi high) {
+    if constexpr (kBytes) {
+      lo = (vi)((vu)lanes & 0x0f0f0f0fu);
+      hi = (vi)(((vu)lanes >> 4) & 0x0f0f0f0fu);
+    } else {
+      lo = lanes;
+      hi = high;
+    }
+  }
+
+  __attribute__((always_inline)) inline vf at(int t) const {
+    if constexpr (kBytes) {
+      const char b = (char)(t % 4), z = (char)0x80;  // z: a zero byte
+      const __m256i pick = _mm256_setr_epi8(z, z, b, z, z, z, b + 4, z, z, z, b + 8, z, z, z,
+                                            b + 12, z, z, z, b, z, z, z, b + 4, z, z, z, b + 8,
+                                            z, z, z, b + 12, z);
+      const vu bytes = (vu)_mm256_shuffle_epi8((__m256i)(t < 4 ? lo : hi), pick);
+      return (vf)(bytes | 0x3f800000u);
+    }
+    return code_float<BITS, ZERO + (BITS == 8 ? 128 : 0)>(lo, hi, t);
+  }
+};
+
+// RM rows x RN panels. Per group, sum_k (s q_k + o) x_k = s sum_k q_k x_k + o sum_k x_k, with
+// the rows' input sums per group given (xsum, stride gstride): after decoding, one
+// multiply-add per weight and row where applying s and o to every weight took two. Each
+// group's result is added into `out` (L1), so the registers hold only the group's sums, S-fold
+// for fewer than 4 of them (their multiply-adds would otherwise wait on each other).
+template <int TYPE, int RM, int RN>
+inline void group_tile(const float* x, int64_t ldx, const float* xsum, int64_t gstride,
+                       const Panel<TYPE>* panels, int64_t K, float* out, int64_t ldo) {
+  using P = Panel<TYPE>;
+  using C = GroupCodes<P::Q.bits, P::kZero>;
+  constexpr QType Q = P::Q;
+  constexpr int V = RN * kVecs, U = P::U, G = Q.group;
+  constexpr int S = RM * V >= 4 ? 1 : 4 / (RM * V);
+#pragma GCC unroll 64
+  for (int m = 0; m < RM; m++)
+#pragma GCC unroll 64
+    for (int v = 0; v < V; v++) *(vf_unaligned*)(out + m * ldo + v * kLanes) = (vf){};
+  for (int64_t gi = 0; gi < K / G; gi++) {
+    vf sum[RM][V][S];
+#pragma GCC unroll 64
+    for (int m = 0; m < RM; m++)
+#pragma GCC unroll 64
+      for (int v = 0; v < V; v++)
+#pragma GCC unroll 4
+        for (int s = 0; s < S; s++) sum[m][v][s] = (vf){};
+#pragma GCC unroll 4
+    for (int64_t u = gi * G / U; u < (gi + 1) * G / U; u++) {
+      C codes[V];
+#pragma GCC unroll 64
+      for (int v = 0; v < V; v++) {
+        const uint8_t* unit = panels[v / kVecs].q + u * P::UB;
+        vi high = (vi){};
+        if constexpr (Q.bits == 5 || Q.bits == 6) high = high_bits<Q.bits>(unit + 64, v % kVecs);
+        codes[v] = C(*(const vi_unaligned*)(unit + (v % kVecs) * kLanes * 4), high);
+      }
+#pragma GCC unroll 8
+      for (int t = 0; t < U; t++)
+#pragma GCC unroll 64
+        for (int v = 0; v < V; v++) {
+          const vf w = codes[v].at(t);
+#pragma GCC unroll 64
+          for (int m = 0; m < RM; m++) sum[m][v][t % S] += w * x[m * ldx + u * U + t];
+        }
+    }
+#pragma GCC unroll 64
+    for (int v = 0; v < V; v++) {
+      vf sc, off;
+      panels[v / kVecs].scale(gi, v % kVecs, sc, off);
+      const vf code_scale = sc * (1.0f / C::kScale), x_scale = off - code_scale * C::kBias;
+#pragma GCC unroll 64
+      for (int m = 0; m < RM; m++) {
+        vf s = sum[m][v][0];
+#pragma GCC unroll 4
+        for (int i = 1; i < S; i++) s += sum[m][v][i];
+        *(vf_unaligned*)(out + m * ldo + v * kLanes) += code_scale * s + x_scale * xsum[m * gstride + gi];
+      }
+    }
+  }
+}
+#else
+constexpr bool kGroupSums = false;
+#endif
+
 // One panel's weights dequantized to float32 [K][16] (the prefill path: once per call, then
 // every row tile reads them from cache).
 template <int TYPE>
@@ -318,12 +426,20 @@ template <int TYPE>
 struct QuantTile {
   const float* x;
   int64_t ldx;
+  const float* xsum;  // kGroupSums: the rows' input sums per group
+  int64_t gstride;
   const Panel<TYPE>* panels;
   int64_t K;
   float* out;
   int64_t ldo;
   template <int RM, int RN>
-  void run() { tile<TYPE, RM, RN>(x, ldx, panels, K, out, ldo); }
+  void run() {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    group_tile<TYPE, RM, RN>(x, ldx, xsum, gstride, panels, K, out, ldo);
+#else
+    tile<TYPE, RM, RN>(x, ldx, panels, K, out, ldo);
+#endif
+  }
 };
 
 struct FloatTile {
@@ -348,6 +464,14 @@ inline void linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint
   panels = kSimd ? tile_panels(panels, rows) : 1;
   const int64_t total = N / kPanel, ngroups = (total + panels - 1) / panels;
   const bool buffered = M > rows;
+  constexpr int64_t G = kTypes[TYPE].group;
+  std::vector<float> xsum(kGroupSums && !buffered ? M * (K / G) : 0);
+  for (int64_t i = 0; i < (int64_t)xsum.size(); i++) {
+    const float* xg = x + (i / (K / G)) * ldx + (i % (K / G)) * G;
+    float s = 0;
+    for (int64_t k = 0; k < G; k++) s += xg[k];
+    xsum[i] = s;
+  }
 #pragma omp parallel for schedule(static)
   for (int64_t gi = 0; gi < ngroups; gi++) {
     static thread_local float* buffer = nullptr;
@@ -372,7 +496,7 @@ inline void linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint
           FloatTile f{x + m0 * ldx, ldx, buffer, K, o, N};
           dispatch(rm, rn, f);
         } else {
-          QuantTile<TYPE> f{x + m0 * ldx, ldx, ps, K, o, N};
+          QuantTile<TYPE> f{x + m0 * ldx, ldx, xsum.data() + m0 * (K / G), K / G, ps, K, o, N};
           dispatch(rm, rn, f);
         }
       }
