@@ -8,10 +8,11 @@ a machine's drift (tens of percent between `aotgen bench` invocations) out of th
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 from aotgen.bench import PROMPTS_FILE
+from aotgen.cli.common import script_main
 from aotgen.runtime.engine import Engine, GenerationConfig
 
 
@@ -39,4 +40,9 @@ def main(a_path: str, b_path: str, rounds: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 3)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("a", help="speculative package A (artifacts/NAME)")
+    ap.add_argument("b", help="speculative package B, same target")
+    ap.add_argument("rounds", nargs="?", type=int, default=3)
+    args = ap.parse_args()
+    script_main(lambda: main(args.a, args.b, args.rounds))

@@ -14,6 +14,7 @@ import json
 import time
 
 from aotgen.bench import PROMPTS_FILE
+from aotgen.cli.common import script_main
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.engine import GenerationConfig
 
@@ -58,4 +59,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

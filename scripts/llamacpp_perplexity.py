@@ -22,6 +22,7 @@ from pathlib import Path
 import gguf
 import torch
 
+from aotgen.cli.common import script_main
 from aotgen.runtime.engine import Engine
 
 HELDOUT = Path(__file__).resolve().parents[1] / "aotgen" / "data" / "heldout.txt"
@@ -91,4 +92,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

@@ -9,11 +9,12 @@ than one domain, and shares nothing with the held-out text the build scores perp
 
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
 
 import torch
 
+from aotgen.cli.common import script_main
 from aotgen.runtime.engine import Engine, GenerationConfig
 from aotgen.runtime.sampling import SamplingParams
 
@@ -35,4 +36,6 @@ def main(package: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("package", help="the SmolLM2 package whose samples make the text")
+    script_main(lambda: main(ap.parse_args().package))

@@ -7,11 +7,12 @@ medians. `v` = verify / decode, the cost that bounds speculative speed-ups.
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import torch
 
 from aotgen.bench import median_call_ms
+from aotgen.cli.common import script_main
 from aotgen.runtime.engine import Engine
 
 
@@ -40,4 +41,7 @@ def main(paths: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("packages", nargs="+", help="package directories (artifacts/NAME)")
+    args = ap.parse_args()
+    script_main(lambda: main(args.packages))

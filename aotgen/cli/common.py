@@ -77,6 +77,18 @@ def user_errors_exit(fn: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
+def script_main(main: Callable[[], R]) -> R:
+    """Run a `scripts/` entry point as the commands run: bad input (a missing package, a
+    recipe error) prints one `error: ...` line and exits 1; a bug keeps its traceback."""
+    try:
+        return main()
+    except _user_errors() as e:
+        try:
+            fail(e)
+        except typer.Exit as done:
+            raise SystemExit(done.exit_code) from None
+
+
 def print_json(obj: Any, indent: int | None = None) -> None:
     """One JSON document on stdout; NaN (a row without speculation) becomes null, since
     strict JSON readers refuse NaN."""
