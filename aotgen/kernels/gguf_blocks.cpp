@@ -222,26 +222,27 @@ inline void tile(const float* x, int64_t ldx, const Panel<TYPE>* panels, int64_t
 #if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr bool kGroupSums = true;
 
-// A unit's codes as `group_tile` reads them. 4-bit codes without a zero to subtract are split
-// into bytes once per unit (low nibbles: inputs 0-3, high: 4-7), and input t's becomes the float
-// 1 + q / 128: one byte shuffle puts code byte t % 4 of each lane in bits 16-23 and an or adds
-// 1.0's exponent. Shifting and converting each code instead keeps Zen 1's single 256-bit
-// shift and conversion pipes busy two cycles per 8 weights, the one-row step's bottleneck.
-// Other codes are converted as `code_float` does, Q8_0's (stored q + 128, its zero in the
-// offset) minus 128 first: the group's sum of q x then does not cancel against 128 sum x.
-// `at` gives kScale * q + kBias for the code q the group's scale and offset apply to.
-template <int BITS, int ZERO>
+// A unit's codes as `group_tile` reads them, as floats kScale * q + kBias of the code q the
+// group's scale and offset apply to. 4-bit codes without a zero (Q4_1, Q4_K) are split once per
+// unit into bytes holding 8 q (low nibbles: inputs 0-3, high: 4-7), and for input t one byte
+// shuffle puts byte t % 4 of each lane in bits 16-23 and an or adds 1.0's exponent: the float
+// 1 + q / 16. Shifting and converting each code instead kept Zen 1's single 256-bit shift and
+// conversion pipes busy two cycles per 8 weights, the one-row step's bottleneck. Other codes
+// are converted, the legacy types' zero subtracted first (Q4_0's 8, Q8_0's 128: stored in their
+// offset, it would cancel against zero * sum(x)).
+template <int TYPE>
 struct GroupCodes {
-  static constexpr bool kBytes = BITS == 4 && ZERO == 0;
-  static constexpr float kScale = kBytes ? 1.0f / 128 : 1.0f;
-  static constexpr float kBias = kBytes ? 1.0f : BITS == 8 ? -128.0f : 0.0f;
+  static constexpr QType Q = kTypes[TYPE];
+  static constexpr bool kBytes = Q.bits == 4 && Q.zero == 0;
+  static constexpr float kScale = kBytes ? 1.0f / 16 : 1.0f;
+  static constexpr float kBias = kBytes ? 1.0f : Q.ns ? 0.0f : -(float)Q.zero;
   vi lo, hi;
 
   GroupCodes() = default;
   __attribute__((always_inline)) inline GroupCodes(vi lanes, vi high) {
-    if constexpr (kBytes) {
-      lo = (vi)((vu)lanes & 0x0f0f0f0fu);
-      hi = (vi)(((vu)lanes >> 4) & 0x0f0f0f0fu);
+    if constexpr (kBytes) {  // 8 q as bytes, in bits 3-6 (bits 19-22 once shuffled)
+      lo = (vi)(((vu)lanes << 3) & 0x78787878u);
+      hi = (vi)(((vu)lanes >> 1) & 0x78787878u);
     } else {
       lo = lanes;
       hi = high;
@@ -257,7 +258,7 @@ struct GroupCodes {
       const vu bytes = (vu)_mm256_shuffle_epi8((__m256i)(t < 4 ? lo : hi), pick);
       return (vf)(bytes | 0x3f800000u);
     }
-    return code_float<BITS, ZERO + (BITS == 8 ? 128 : 0)>(lo, hi, t);
+    return code_float<Q.bits, Q.zero>(lo, hi, t);
   }
 };
 
@@ -270,7 +271,7 @@ template <int TYPE, int RM, int RN>
 inline void group_tile(const float* x, int64_t ldx, const float* xsum, int64_t gstride,
                        const Panel<TYPE>* panels, int64_t K, float* out, int64_t ldo) {
   using P = Panel<TYPE>;
-  using C = GroupCodes<P::Q.bits, P::kZero>;
+  using C = GroupCodes<TYPE>;
   constexpr QType Q = P::Q;
   constexpr int V = RN * kVecs, U = P::U, G = Q.group;
   constexpr int S = RM * V >= 4 ? 1 : 4 / (RM * V);
