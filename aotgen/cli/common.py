@@ -81,12 +81,9 @@ def script_main(main: Callable[[], R]) -> R:
     """Run a `scripts/` entry point as the commands run: bad input (a missing package, a
     recipe error) prints one `error: ...` line and exits 1; a bug keeps its traceback."""
     try:
-        return main()
-    except _user_errors() as e:
-        try:
-            fail(e)
-        except typer.Exit as done:
-            raise SystemExit(done.exit_code) from None
+        return user_errors_exit(main)()
+    except typer.Exit as done:  # outside Typer, its exit is a plain one
+        raise SystemExit(done.exit_code) from None
 
 
 def print_json(obj: Any, indent: int | None = None) -> None:
