@@ -37,21 +37,30 @@ extern "C" double fma_gflops(int threads, int64_t iters) {
   return sink == 12345.f ? 0 : 2.0 * kLanes * kChains * iters * threads / seconds / 1e9;
 }
 
-// GB/s of `threads` threads summing their parts of a `bytes` buffer, best of `rounds`.
+// GB/s of `threads` threads summing their parts of a `bytes` buffer, best of `rounds`. Each
+// thread reads kStreams places of its part in step: one stream at a time leaves the memory
+// system idle between a core's requests (measured 17.6 GB/s on 2 Zen 1 threads, where a kernel
+// streaming three weight panels side by side read 23 GB/s).
+constexpr int kStreams = 4;
+
 extern "C" double read_gbps(int threads, int64_t bytes, int rounds) {
-  const int64_t n = bytes / sizeof(vf);
+  const int64_t n = bytes / sizeof(vf), part = n / threads, step = part / kStreams;
   vf* buf = (vf*)aligned_alloc(64, n * sizeof(vf));
   memset(buf, 1, n * sizeof(vf));
   double best = 0;
   float sink = 0;
   for (int r = 0; r < rounds; r++) {
     const double start = omp_get_wtime();
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : sink)
-    for (int64_t block = 0; block < n / 4; block++) {
-      const vf s = buf[4 * block] + buf[4 * block + 1] + buf[4 * block + 2] + buf[4 * block + 3];
-      sink += s[0];
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    {
+      const vf* base = buf + omp_get_thread_num() * part;
+      vf acc[kStreams] = {};
+      for (int64_t i = 0; i < step; i += 2)
+#pragma GCC unroll 8
+        for (int s = 0; s < kStreams; s++) acc[s] += base[s * step + i] + base[s * step + i + 1];
+      for (int s = 0; s < kStreams; s++) sink += acc[s][0];
     }
-    const double gbps = n * sizeof(vf) / (omp_get_wtime() - start) / 1e9;
+    const double gbps = threads * part * sizeof(vf) / (omp_get_wtime() - start) / 1e9;
     best = gbps > best ? gbps : best;
   }
   free(buf);
