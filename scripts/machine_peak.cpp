@@ -26,8 +26,9 @@ extern "C" double fma_gflops(int threads, int64_t iters) {
   {
     vf acc[kChains];
     const vf m = (vf){} + 0.999f, b = (vf){} + 1e-3f;
+    // No chain may start at the fixed point 1 (0.999 * 1 + 0.001): GCC would fold it away.
 #pragma GCC unroll 16
-    for (int c = 0; c < kChains; c++) acc[c] = (vf){} + (2.5f + c);  // none at the fixed point 1, or GCC folds its chain
+    for (int c = 0; c < kChains; c++) acc[c] = (vf){} + (2.5f + c);
     for (int64_t i = 0; i < iters; i++)
 #pragma GCC unroll 16
       for (int c = 0; c < kChains; c++) acc[c] = acc[c] * m + b;
