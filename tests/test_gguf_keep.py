@@ -92,8 +92,13 @@ GRAPHS = [("prefill", 11, 0), ("prefill", 16, 5), ("decode", 1, 7), ("verify", 5
 
 @pytest.mark.parametrize("graph,length,start", GRAPHS)
 def test_graph_logits_equal_the_dequantized_checkpoint(kept, graph, length, start):
+    """Float32 rounding only: on AVX2 the kernel sums codes x inputs per group and applies
+    scale and offset after (kernels/gguf_blocks.cpp), which measured 2e-7 to 1.5e-5 from the
+    eager float32 logits depending on the position and on the tiles the build's autotune
+    picked (eager float32 itself: 2e-7 to 1.1e-6 from float64). The kernel's own precision
+    is held to 1e-6 of its output in test_gguf_blocks."""
     _, engine, eager, _ = kept
-    assert _graph_error(engine, eager, graph, length, start) < 1e-5
+    assert _graph_error(engine, eager, graph, length, start) < 5e-5
 
 
 def test_greedy_equals_eager(kept):
