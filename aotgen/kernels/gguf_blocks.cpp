@@ -267,8 +267,9 @@ struct GroupCodes {
 // multiply-add per weight and row where applying s and o to every weight took two. Each
 // group's result is added into `out` (L1), so the registers hold only the group's sums, S-fold
 // for fewer than 4 of them (their multiply-adds would otherwise wait on each other). More than
-// 8 sums (5+ rows x a panel) spilled to the stack: those tiles sum one vector of outputs at a
-// time, reading x again from L1 (7 rows: 17 -> 22 GFLOP/s on one Zen 1 core).
+// 8 sums (5+ rows x a panel, or one row x 5+ panels) spilled to the stack: those tiles sum one
+// vector of outputs at a time, reading x again from L1 (7 rows: 17 -> 22 GFLOP/s on one Zen 1
+// core).
 template <int TYPE, int RM, int RN>
 inline void group_tile(const float* x, int64_t ldx, const float* xsum, int64_t gstride,
                        const Panel<TYPE>* panels, int64_t K, float* out, int64_t ldo) {
