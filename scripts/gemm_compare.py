@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import re
 import tempfile
 import time
@@ -33,7 +32,7 @@ from torch._inductor.codecache import PyCodeCache
 
 from aotgen.kernels import packed as pk
 from aotgen.model.config import ModelConfig
-from aotgen.package.autotune import Autotune
+from aotgen.package.autotune import Autotune, cpu_model
 
 # The fields of the checkpoints' config.json that set the linear shapes; read from
 # checkpoints/<dir>/config.json instead where it exists.
@@ -177,12 +176,8 @@ def main() -> None:
     models = dict(list(MODELS.items())[:1]) if args.quick else MODELS
     rows = ROWS[:2] if args.quick else ROWS
 
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-         if ln.startswith("model name")), platform.processor(),
-    ) if Path("/proc/cpuinfo").exists() else platform.processor()  # fmt: skip
     print(
-        f"{cpu}, {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads, "
+        f"{cpu_model()}, {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads, "
         f"torch {torch.__version__}, float32, backends={args.backends}\n"
     )
     print(

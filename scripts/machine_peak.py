@@ -9,20 +9,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import platform
 from pathlib import Path
 
 from aotgen.cli.common import script_main
 from aotgen.kernels.packed import library
+from aotgen.package.autotune import cpu_model
 
 SOURCE = Path(__file__).with_suffix(".cpp")
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:
@@ -36,7 +29,7 @@ def main() -> None:
     if lib is None:
         raise SystemExit("error: no C++ compiler (g++ or c++) on PATH; install one")
     lib.fma_gflops.restype = lib.read_gbps.restype = ctypes.c_double
-    print(f"{cpu_name()}, {args.threads} threads")
+    print(f"{cpu_model()}, {args.threads} threads")
     for threads in sorted({1, args.threads}):
         steps = ctypes.c_int64(100_000_000)
         flops = max(lib.fma_gflops(threads, steps) for _ in range(args.rounds))

@@ -291,14 +291,24 @@ def _fastest_tile(kind: str, n: int, k: int, rows: int, us: dict) -> Tile:
     return Tile(kind, n, k, rows, *best, us.get(best, 0.0), blas_us)
 
 
+def _cpuinfo_model_line() -> str:
+    """/proc/cpuinfo's `model name` line, "" where there is none."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return ""
+    return next((line for line in cpuinfo.read_text().splitlines() if "model name" in line), "")
+
+
+def cpu_model() -> str:
+    """The CPU's model name, for the measurement scripts' headers."""
+    line = _cpuinfo_model_line()
+    return line.split(":", 1)[1].strip() if ":" in line else platform.processor() or "unknown CPU"
+
+
 def _machine_key() -> str:
     """Tiles are only valid for the CPU and thread count they were measured with."""
-    cpu = ""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        cpu = next((line for line in cpuinfo.read_text().splitlines() if "model name" in line), "")
     parts = (
-        cpu,
+        _cpuinfo_model_line(),
         platform.machine(),
         torch.get_num_threads(),
         torch.backends.cpu.get_cpu_capability(),
