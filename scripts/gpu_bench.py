@@ -1,13 +1,15 @@
 """CUDA packages, side by side in one process: decode and verify step times with and without
-CUDA-graph replay (and replayed over the whole cache instead of the span that covers the
-position), greedy generation speed against the GPU's measured read bandwidth, and a
+CUDA-graph replay, greedy generation speed against the GPU's measured read bandwidth (the
+runtime's loop, which keeps greedy tokens on the GPU, and a host loop that copies each
+step's logits back and picks the token on the CPU), the C++ runtime's generation, and a
 same-run baseline: the same decode graph compiled by `torch.compile(mode="reduce-overhead")`
 (Inductor plus CUDA graphs, gpt-fast's recipe), greedy tokens fed back on the device.
 
     python scripts/gpu_bench.py recipes/smollm2-135m-cuda.yaml artifacts/smollm2-135m-cuda ...
 
 Arguments come in pairs: a recipe and the package built from it (the baseline is exported
-from the recipe's checkpoint with the package's passes). Results also go to `--json FILE`.
+from the recipe's checkpoint with the package's passes). Results also go to `--json FILE`;
+`--cpp-run PATH` times the C++ `aotgen-run` on each package too.
 `--baseline-only RECIPE ...` runs the baseline alone, e.g. beside the builds, so that its
 compile is cached when the full run comes.
 """
@@ -15,11 +17,10 @@ compile is cached when the full run comes.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
+import subprocess
 import time
-from collections.abc import Iterator
 
 import torch
 
@@ -28,7 +29,6 @@ from aotgen.checkpoint.hf import open_checkpoint
 from aotgen.package.compile import export_with_passes
 from aotgen.package.models import prepare_models, recipe_kv_cache
 from aotgen.recipe import load_recipe
-from aotgen.runtime import engine as engine_module
 from aotgen.runtime.engine import Engine, GenerationConfig
 
 PROMPT, NEW = 128, 256
@@ -87,40 +87,60 @@ def compiled_decode_ms(recipe_path: str, steps: int = 512) -> float:
     return (time.perf_counter() - t0) / steps * 1e3
 
 
-@contextlib.contextmanager
-def whole_cache_spans() -> Iterator[None]:
-    """Replayed graphs attend over the whole cache (gpt-fast's way), not the shortest span."""
-    before = engine_module.MIN_KEY_SPAN
-    engine_module.MIN_KEY_SPAN = 1 << 40
-    try:
-        yield
-    finally:
-        engine_module.MIN_KEY_SPAN = before
+def host_loop_tok_s(engine: Engine) -> float:
+    """Greedy decode tok/s of a loop that brings each step's logits to the CPU and picks the
+    token there (what the runtime's loop did before greedy stayed on the GPU)."""
+    prompt = prompt_ids(engine.tokenizer.vocab_size, PROMPT)
+    target = engine.target
+
+    def run() -> float:
+        tok = int(target.forward(prompt, 0).argmax())
+        t0 = time.perf_counter()
+        for pos in range(PROMPT, PROMPT + NEW - 1):
+            tok = int(target.decode(tok, pos).argmax())
+        return (NEW - 1) / (time.perf_counter() - t0)
+
+    run()
+    return statistics.median(run() for _ in range(3))
 
 
-def bench(recipe: str, package: str, bandwidth: float) -> dict:
+def cpp_tok_s(binary: str, package: str) -> float | str:
+    """Decode tok/s of the C++ runtime's greedy generation (median of 3 processes), or its
+    error."""
+    prompt = json.dumps(list(range(100, 100 + PROMPT)))
+    args = [binary, package, "--prompt-ids", prompt, "--ids", "--ignore-eos"]
+    speeds = []
+    for _ in range(3):
+        out = subprocess.run(
+            [*args, "--max-new-tokens", str(NEW)], capture_output=True, text=True, check=False
+        )
+        if out.returncode:
+            return out.stderr.strip()[-300:]
+        speeds.append(json.loads(out.stdout)["decode_tok_s"])
+    return statistics.median(speeds)
+
+
+def bench(recipe: str, package: str, bandwidth: float, cpp_run: str | None) -> dict:
     row: dict = {"package": package}
-    engines = {
-        "replayed": Engine.load(package),
-        "direct": Engine.load(package, cuda_graphs=False),
-        "whole_cache": Engine.load(package),
-    }
+    engines = {"replayed": Engine.load(package), "direct": Engine.load(package, cuda_graphs=False)}
     wbytes = weight_bytes(engines["replayed"])
     ids = {}
     for name, engine in engines.items():
-        spans = whole_cache_spans() if name == "whole_cache" else contextlib.nullcontext()
-        with spans:
-            costs = step_costs(engine, reps=50)
-            decode, prefill, ids[name] = generation(engine)
+        costs = step_costs(engine, reps=50)
+        decode, prefill, ids[name] = generation(engine)
         row[name] = {
             **costs,
             "v": costs["verify_ms"] / costs["decode_ms"],
             "decode_tok_s": decode,
             "prefill_tok_s": prefill,
             "roofline": wbytes * decode / (bandwidth * 1e9),
+            "host_loop_tok_s": host_loop_tok_s(engine),
         }
-    row["same_ids"] = ids["replayed"] == ids["direct"] == ids["whole_cache"]
+    row["same_ids"] = ids["replayed"] == ids["direct"]
     row["weight_mb"] = wbytes / 1e6
+    del engines
+    if cpp_run:
+        row["cpp_decode_tok_s"] = cpp_tok_s(cpp_run, package)
     ms = compiled_decode_ms(recipe)
     row["torch_compile"] = {
         "decode_ms": ms,
@@ -134,6 +154,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("pairs", nargs="+", help="recipe package [recipe package ...]")
     parser.add_argument("--json", default=None, help="write the results here too")
+    parser.add_argument("--cpp-run", default=None, help="the C++ aotgen-run binary to time too")
     parser.add_argument(
         "--baseline-only",
         action="store_true",
@@ -152,21 +173,20 @@ def main() -> None:
     print(f"{gpu}, torch {torch.__version__}: read bandwidth {bandwidth:.0f} GB/s")
     rows = []
     for recipe, package in zip(args.pairs[::2], args.pairs[1::2], strict=True):
-        rows.append(row := bench(recipe, package, bandwidth))
-        r, d, w, c = row["replayed"], row["direct"], row["whole_cache"], row["torch_compile"]
+        rows.append(row := bench(recipe, package, bandwidth, args.cpp_run))
+        r, d, c = row["replayed"], row["direct"], row["torch_compile"]
         print(
             f"{package}: {row['weight_mb']:.0f} MB of weights\n"
             f"  replayed: decode {r['decode_tok_s']:.1f} tok/s ({r['roofline']:.0%} of roofline), "
             f"step {r['decode_ms']:.3f} ms, verify {r['verify_ms']:.3f} ms (v {r['v']:.2f}), "
-            f"prefill {r['prefill_tok_s']:.0f} tok/s\n"
+            f"prefill {r['prefill_tok_s']:.0f} tok/s; host loop {r['host_loop_tok_s']:.1f} tok/s\n"
             f"  direct:   decode {d['decode_tok_s']:.1f} tok/s ({d['roofline']:.0%}), "
             f"step {d['decode_ms']:.3f} ms, verify {d['verify_ms']:.3f} ms (v {d['v']:.2f}), "
-            f"prefill {d['prefill_tok_s']:.0f} tok/s\n"
-            f"  replayed over the whole cache: decode {w['decode_tok_s']:.1f} tok/s "
-            f"({w['roofline']:.0%}), step {w['decode_ms']:.3f} ms, verify {w['verify_ms']:.3f} ms\n"
+            f"prefill {d['prefill_tok_s']:.0f} tok/s; host loop {d['host_loop_tok_s']:.1f} tok/s\n"
+            f"  C++ aotgen-run: decode {row.get('cpp_decode_tok_s')} tok/s\n"
             f"  torch.compile reduce-overhead: decode {c['decode_tok_s']:.1f} tok/s "
             f"({c['roofline']:.0%}), {c['decode_ms']:.3f} ms/step\n"
-            f"  replayed ids == direct ids == whole-cache ids: {row['same_ids']}",
+            f"  replayed ids == direct ids: {row['same_ids']}",
             flush=True,
         )
     if args.json:

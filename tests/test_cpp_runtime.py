@@ -17,6 +17,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from cpp_build import REPO_ROOT
 
 from aotgen.package.manifest import PackageError
@@ -327,6 +328,14 @@ def test_other_torch_version_refused(run_bin, package_copy):
     edit_manifest(package_copy, lambda m: m.update(torch_version="2.0.0+cpu"))
     proc = run(run_bin, package_copy, "--prompt", "hi", check=False)
     assert_fails(proc, "was built with torch 2.0.0+cpu but this runtime links libtorch")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_cuda_package_refused_without_cuda(run_bin, package_copy):
+    cuda = {"device": "cuda", "gpu": "NVIDIA H100", "compute_capability": "9.0", "cuda": "13.0"}
+    edit_manifest(package_copy, lambda m: m["target"].update(cuda))
+    proc = run(run_bin, package_copy, "--prompt", "hi", check=False)
+    assert_fails(proc, "was built for a CUDA GPU (NVIDIA H100) but this runtime was built against")
 
 
 def test_other_isa_and_format_refused(run_bin, package_copy):

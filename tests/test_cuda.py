@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -282,15 +283,22 @@ def test_cuda_package_matches_eager(name, quantize, loose, hidden, gpu_checkpoin
     assert len(result.token_ids) == 8
 
 
+def _replay_package(name: str, quantize, gpu_checkpoints, project) -> Path:
+    """A tiny CUDA package with a tree graph, built once per session."""
+    path = project.artifacts_dir / f"tiny-cuda-replay-{name}"
+    if (path / "manifest.json").is_file():
+        return path
+    extra = {"quantize": quantize} if quantize else {}
+    return build(_recipe(gpu_checkpoints[128], path.name, tree_nodes=4, **extra), project).path
+
+
 @needs_gpu
 @pytest.mark.parametrize("name, quantize", [("fp32", None), ("int8", INT8)])
 def test_cuda_graph_replays_equal_direct_calls(name, quantize, gpu_checkpoints, project):
     """Decode, verify and tree replayed as CUDA graphs (runtime/cuda_graph.py) give the logits
     of the same graphs called directly, at positions other than the captured ones, and greedy
     generation (plain and speculative) the same ids."""
-    extra = {"quantize": quantize} if quantize else {}
-    recipe = _recipe(gpu_checkpoints[128], f"tiny-cuda-replay-{name}", tree_nodes=4, **extra)
-    path = build(recipe, project).path
+    path = _replay_package(name, quantize, gpu_checkpoints, project)
     signatures = json.loads((path / "manifest.json").read_text())["models"]["target"]["graphs"]
     assert {n for n, s in signatures.items() if s["attention"] == "key_pos"} == {
         "decode",
@@ -323,3 +331,34 @@ def test_cuda_graph_replays_equal_direct_calls(name, quantize, gpu_checkpoints, 
     for speculative in (None, "ngram"):
         cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True, speculative=speculative)
         assert replayed.generate(prompt, cfg).token_ids == direct.generate(prompt, cfg).token_ids
+    # Plain greedy keeps the logits on the GPU (runtime/device_greedy.py): the same ids as
+    # the host picking each argmax from logits copied back.
+    tok = int(d.forward(prompt, 0).argmax())
+    host = [tok]
+    for pos in range(len(prompt), len(prompt) + 39):
+        host.append(tok := int(d.decode(tok, pos).argmax()))
+    assert replayed.generate(prompt, cfg := GenerationConfig(40, ignore_eos=True)).token_ids == host
+    assert direct.generate(prompt, cfg).token_ids == host
+
+
+@needs_gpu
+def test_cpp_runtime_runs_cuda_packages(run_bin, gpu_checkpoints, project):
+    """aotgen-run on a CUDA package gives the Python runtime's ids: plain greedy with its
+    graphs replayed and called directly, and with n-gram speculation (verify replayed)."""
+    path = _replay_package("fp32", None, gpu_checkpoints, project)
+    engine = Engine.load(path)
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, engine.target.vocab_size, (30,), generator=g).tolist()
+    runs = [([], None), (["--no-cuda-graphs"], None), (["--lookup", "ngram"], "ngram")]
+    for flags, speculative in runs:
+        cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True, speculative=speculative)
+        want = engine.generate(prompt, cfg).token_ids
+        proc = subprocess.run(
+            [str(run_bin), str(path), "--prompt-ids", json.dumps(prompt), "--ids"]
+            + ["--max-new-tokens", "40", "--ignore-eos", *flags],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["ids"] == want, flags

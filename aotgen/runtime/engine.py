@@ -23,6 +23,7 @@ from torch import Tensor
 from aotgen.package.manifest import PackageError, verify_package
 from aotgen.package.weights import is_padding
 from aotgen.runtime.cuda_graph import ReplayedGraph
+from aotgen.runtime.device_greedy import greedy_tokens
 from aotgen.runtime.onnx_backend import BACKENDS, onnx_graphs
 from aotgen.runtime.proposers import (
     DraftOrLookupProposer,
@@ -587,6 +588,9 @@ class Engine:
         yield [tok]
         pos = len(prompt)  # position of `tok`, not yet in the cache
         if config.speculative is None:
+            if params.greedy and target.device.type == "cuda":  # the logits stay on the GPU
+                yield from ([t] for t in greedy_tokens(target, tok, pos))
+                return
             while True:
                 tok = select_next(target.decode(tok, pos), params, gen)
                 pos += 1

@@ -120,6 +120,7 @@ struct GenerationResult {
 struct LoadOptions {
   int threads = 0;            // intra-op threads (at::set_num_threads); 0 -> torch's default
   bool verify_hashes = true;  // sha256 of every file; false only for trusted, huge packages
+  bool cuda_graphs = true;    // a CUDA package's fixed-width graphs replayed as CUDA graphs
 };
 
 // Receives generated text as soon as it is final (complete UTF-8, past any stop string).

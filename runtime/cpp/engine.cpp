@@ -265,10 +265,15 @@ Engine Engine::load(const fs::path& package_dir, const LoadOptions& options, int
     // A batch engine's caches have a row per sequence, the draft's too (on the target's
     // cache: the same rows).
     const int64_t rows = cache_slots(models.at("target"), slots);
-    impl->target = std::make_unique<ModelRunner>(pt2, models.at("target"), nullptr, rows);
+    // Weights, caches and graphs on the package's device (check_compatible admitted it).
+    const at::Device device = m.at("target").value("device", std::string("cpu")) == "cuda"
+                                  ? at::Device(at::kCUDA, 0)
+                                  : at::Device(at::kCPU);
+    impl->target = std::make_unique<ModelRunner>(pt2, models.at("target"), nullptr, rows, device,
+                                                 options.cuda_graphs);
     if (models.contains("draft")) {
-      impl->draft =
-          std::make_unique<ModelRunner>(pt2, models.at("draft"), impl->target.get(), rows);
+      impl->draft = std::make_unique<ModelRunner>(pt2, models.at("draft"), impl->target.get(),
+                                                  rows, device, options.cuda_graphs);
     }
     const detail::MappedFiles mapped = weights_verified.get();  // rethrows a hash mismatch
     impl->target->bind_weights(package_dir, models.at("target"), mapped);

@@ -23,6 +23,7 @@
 #include <openssl/evp.h>
 #include <torch/version.h>
 
+#include "cuda_graph.h"
 #include "detail.h"
 
 namespace aotgen {
@@ -62,6 +63,8 @@ class Mapping {
 
 }  // namespace detail
 
+using detail::cuda_compute_capability;
+using detail::cuda_problem;
 using detail::Mapping;
 
 namespace {
@@ -100,9 +103,23 @@ void check_compatible(const json& manifest, const fs::path& root) {
   }
   const auto& target = manifest.at("target");
   const auto device = target.value("device", std::string("cpu"));
-  if (device != "cpu") {
+  if (device == "cuda") {
+    const std::string gpu = target.value("gpu", std::string("a CUDA GPU"));
+    if (const auto problem = cuda_problem()) {
+      throw PackageError(root.string() + " was built for a CUDA GPU (" + gpu + ") but " +
+                         *problem + "; run it on such a machine with a runtime built against "
+                         "CUDA libtorch, or build the recipe with `device: cpu`");
+    }
+    const auto want = target.at("compute_capability").get<std::string>();
+    const auto have = cuda_compute_capability().value_or("none");
+    if (want != have) {
+      throw PackageError(root.string() + "'s GPU kernels were compiled for compute capability " +
+                         want + " (" + gpu + "), this GPU is " + have +
+                         "; rebuild the package on this machine");
+    }
+  } else if (device != "cpu") {
     throw PackageError(root.string() + " was built for device " + device +
-                       "; this runtime runs CPU packages only");
+                       "; this runtime runs CPU and CUDA packages");
   }
   const auto want_platform = target.at("platform").get<std::string>();
   if (want_platform != platform_string()) {

@@ -11,6 +11,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
 #include "tree.h"
@@ -20,6 +21,10 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 namespace {
+
+// Spans a graph that takes key_pos attends over: powers of two from 128, then the whole cache
+// (engine.py MIN_KEY_SPAN, key_span).
+constexpr int64_t kMinKeySpan = 128;
 
 // A zero tensor on fresh anonymous pages, which the kernel zero-fills when first written.
 // KV caches start zeroed, as with at::zeros, but are written only as far as the context
@@ -53,7 +58,8 @@ void check_signature(const std::string& name, const json& signature, int64_t lay
 
 // ---- Graph -------------------------------------------------------------------------------
 
-Graph::Graph(const fs::path& pt2, const json& signature, int64_t vocab)
+Graph::Graph(const fs::path& pt2, const json& signature, int64_t vocab, const at::Device& device,
+             bool cuda_graphs)
     : name_(signature.at("package_model").get<std::string>()),
       min_tokens_(signature.at("tokens").at("min").get<int64_t>()),
       max_tokens_(signature.at("tokens").at("max").get<int64_t>()),
@@ -64,9 +70,26 @@ Graph::Graph(const fs::path& pt2, const json& signature, int64_t vocab)
       logit_rows_(signature.at("outputs").at(0).at("shape").at(1).is_number_integer()
                       ? signature["outputs"][0]["shape"][1].get<int64_t>()
                       : -1),
-      // (path, model name, run single-threaded, runners, device index): -1 is CPU.
-      loader_(std::make_unique<torch::inductor::AOTIModelPackageLoader>(pt2.string(), name_,
-                                                                        false, 1, -1)) {}
+      device_(device),
+      // (path, model name, run single-threaded, runners, device index): -1 is CPU. On a GPU
+      // single-threaded, so that a call can be captured as a CUDA graph (the container's
+      // multi-threaded run synchronises on an event, which a capture refuses).
+      loader_(std::make_unique<torch::inductor::AOTIModelPackageLoader>(
+          pt2.string(), name_, device.is_cuda(), 1, device.is_cuda() ? device.index() : -1)) {
+  if (signature.value("attention", "") == "key_pos") {
+    for (const auto& input : signature.at("inputs")) {
+      if (input.value("name", "") == "kv_caches") {
+        key_pos_ = at::arange(input.at("shape").at(2).get<int64_t>(),
+                              at::TensorOptions().dtype(at::kLong).device(device));
+      }
+    }
+    if (!key_pos_.defined()) throw PackageError("graph " + name_ + " takes no KV caches");
+    // Batched calls are not replayed (their rows' positions differ per call).
+    if (device.is_cuda() && cuda_graphs && !signature.contains("batch")) {
+      replays_ = std::make_unique<CudaReplays>();
+    }
+  }
+}
 
 Graph::~Graph() = default;
 
@@ -89,7 +112,8 @@ void Graph::bind(const std::unordered_map<std::string, at::Tensor>& weights) {
 }
 
 at::Tensor Graph::operator()(const at::Tensor& tokens, const at::Tensor& input_pos,
-                             const std::vector<at::Tensor>& caches, const at::Tensor& extra) {
+                             const std::vector<at::Tensor>& caches, const at::Tensor& extra,
+                             int64_t attend) {
   const int64_t b = tokens.size(0), t = tokens.size(1);
   if (t < min_tokens_ || t > max_tokens_) {
     throw std::logic_error(name_ + " takes " + std::to_string(min_tokens_) + ".." +
@@ -99,26 +123,50 @@ at::Tensor Graph::operator()(const at::Tensor& tokens, const at::Tensor& input_p
     throw std::logic_error(name_ + " takes " + std::to_string(min_batch_) + ".." +
                            std::to_string(max_batch_) + " sequences, got " + std::to_string(b));
   }
-  std::vector<at::Tensor> inputs;
-  inputs.reserve(3 + caches.size());
-  inputs.push_back(tokens);
-  inputs.push_back(input_pos);
-  inputs.insert(inputs.end(), caches.begin(), caches.end());
-  if (extra.defined()) inputs.push_back(extra);
-  auto outputs = loader_->boxed_run(std::move(inputs));
-  if (outputs.empty() || outputs[0].dim() != 3 || outputs[0].size(0) != b ||
-      outputs[0].size(1) != (logit_rows_ > 0 ? logit_rows_ : t) || outputs[0].size(2) != vocab_ ||
-      outputs[0].scalar_type() != at::kFloat) {
+  std::vector<at::Tensor> inputs{tokens.to(device_), input_pos.to(device_)};
+  if (extra.defined()) inputs.push_back(extra.to(device_));
+  const int64_t keys = key_pos_.defined() ? span(attend) : 0;
+  at::Tensor logits =
+      replays_ ? (*replays_)(inputs, caches.at(0).data_ptr(), keys,
+                             [&](const std::vector<at::Tensor>& in, int64_t s) {
+                               return run(in, caches, s);
+                             })
+               : run(inputs, caches, keys);
+  if (logits.dim() != 3 || logits.size(0) != b ||
+      logits.size(1) != (logit_rows_ > 0 ? logit_rows_ : t) || logits.size(2) != vocab_ ||
+      logits.scalar_type() != at::kFloat) {
     throw PackageError("graph " + name_ + " returned no float32 [B, rows, vocab] logits");
   }
+  // A replay's logits live in its capture's memory: copied out before the next step.
+  return logits.to(at::kCPU);
+}
+
+at::Tensor Graph::run(const std::vector<at::Tensor>& inputs,
+                      const std::vector<at::Tensor>& caches, int64_t span) {
+  std::vector<at::Tensor> all;
+  all.reserve(inputs.size() + caches.size() + 1);
+  all.insert(all.end(), inputs.begin(), inputs.begin() + 2);  // tokens, input_pos
+  all.insert(all.end(), caches.begin(), caches.end());
+  all.insert(all.end(), inputs.begin() + 2, inputs.end());  // tree_mask or slots
+  if (key_pos_.defined()) all.push_back(key_pos_.narrow(0, 0, span));
+  auto outputs = loader_->boxed_run(std::move(all));
+  if (outputs.empty()) throw PackageError("graph " + name_ + " returned nothing");
   return outputs[0];
+}
+
+int64_t Graph::span(int64_t attend) const {
+  const int64_t cache_len = key_pos_.size(0);
+  if (attend < 0) return cache_len;
+  int64_t span = kMinKeySpan;
+  while (span < attend) span *= 2;
+  return std::min(span, cache_len);
 }
 
 // ---- ModelRunner -------------------------------------------------------------------------
 
 ModelRunner::ModelRunner(const fs::path& pt2, const json& entry, const ModelRunner* target,
-                         int64_t slots)
-    : vocab_size_(entry.at("config").at("vocab_size").get<int64_t>()) {
+                         int64_t slots, const at::Device& device, bool cuda_graphs)
+    : vocab_size_(entry.at("config").at("vocab_size").get<int64_t>()), device_(device) {
   const auto& kv = entry.at("kv_cache");
   const auto layers = kv.at("layers").get<int64_t>();
   auto shape = kv.at("shape").get<std::vector<int64_t>>();
@@ -130,7 +178,7 @@ ModelRunner::ModelRunner(const fs::path& pt2, const json& entry, const ModelRunn
   if (!graphs.contains("decode")) throw PackageError("the package has no decode graph");
   const auto load = [&](const char* name, bool wanted = true) {
     return graphs.contains(name) && wanted
-               ? std::make_unique<Graph>(pt2, graphs[name], vocab_size_)
+               ? std::make_unique<Graph>(pt2, graphs[name], vocab_size_, device_, cuda_graphs)
                : nullptr;
   };
   // A draft on the target's cache only ever decodes: it is built without a prefill graph.
@@ -164,7 +212,11 @@ ModelRunner::ModelRunner(const fs::path& pt2, const json& entry, const ModelRunn
     caches_.assign(theirs.begin(), theirs.begin() + 2 * layers);
   } else {
     shape[0] = slots;
-    for (int64_t i = 0; i < 2 * layers; ++i) caches_.push_back(zeros_on_demand(shape, dtype));
+    for (int64_t i = 0; i < 2 * layers; ++i) {
+      caches_.push_back(device_.is_cpu()
+                            ? zeros_on_demand(shape, dtype)
+                            : at::zeros(shape, at::TensorOptions().dtype(dtype).device(device_)));
+    }
   }
   if (slots == 1) {
     slot_caches_.push_back(caches_);
@@ -184,6 +236,9 @@ void ModelRunner::bind_weights(const fs::path& root, const json& entry, const Ma
   const fs::path file = root / entry.at("weights").at("file").get<std::string>();
   const auto it = mapped.find(file.string());
   weights_ = load_safetensors(file, it == mapped.end() ? nullptr : it->second);
+  if (!device_.is_cpu()) {
+    for (auto& [name, tensor] : weights_) tensor = tensor.to(device_);
+  }
   const json aliases = entry.at("weights").value("aliases", json::object());
   for (const auto& [alias, name] : aliases.items()) {
     const auto it = weights_.find(name.get<std::string>());
@@ -212,7 +267,7 @@ at::Tensor ModelRunner::tree_forward(const Tree& tree, int64_t start) {
     ids[0][i] = tree.tokens[i];
     positions[i] = start + depths[i];
   }
-  return (*tree_)(ids, positions, caches(), tree.mask(width))[0].narrow(0, 0, n);
+  return (*tree_)(ids, positions, caches(), tree.mask(width), start + width)[0].narrow(0, 0, n);
 }
 
 at::Tensor ModelRunner::forward(const std::vector<int64_t>& tokens, int64_t start_pos,
@@ -238,7 +293,8 @@ at::Tensor ModelRunner::forward(const std::vector<int64_t>& tokens, int64_t star
     auto* ids = chunk.data_ptr<int64_t>();
     std::copy_n(tokens.begin() + (pos - start_pos), n, ids);
     std::fill(ids + n, ids + width, ids[n - 1]);
-    at::Tensor logits = graph(chunk, at::arange(pos, pos + width, at::kLong), caches)[0];
+    at::Tensor logits =
+        graph(chunk, at::arange(pos, pos + width, at::kLong), caches, {}, pos + width)[0];
     logits = logits.narrow(0, 0, std::min(n, logits.size(0)));  // prefill: one row
     outs.push_back(all_logits ? logits : logits.narrow(0, logits.size(0) - 1, 1));
     pos += n;
@@ -248,7 +304,7 @@ at::Tensor ModelRunner::forward(const std::vector<int64_t>& tokens, int64_t star
 
 at::Tensor ModelRunner::decode(int64_t token, int64_t pos, int64_t slot) {
   return (*decode_)(at::full({1, 1}, token, at::kLong), at::full({1}, pos, at::kLong),
-                    slot_caches_.at(slot))[0][0];
+                    slot_caches_.at(slot), {}, pos + 1)[0][0];
 }
 
 at::Tensor ModelRunner::batch(const at::Tensor& tokens, const at::Tensor& positions,

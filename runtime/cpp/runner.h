@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "aotgen.h"
+#include "cuda_graph.h"
 #include "detail.h"
 
 namespace torch::inductor {
@@ -27,10 +28,13 @@ namespace aotgen::detail {
 struct Tree;
 
 // One AOTInductor graph; checks the token count (and batch size) it was compiled for and
-// its output.
+// its output. On a GPU its inputs go to the device and its logits come back to the CPU; a
+// fixed-width graph that takes the cache positions it attends (`"attention": "key_pos"`)
+// is replayed as a CUDA graph there unless `cuda_graphs` is off.
 class Graph {
  public:
-  Graph(const std::filesystem::path& pt2, const nlohmann::json& signature, int64_t vocab);
+  Graph(const std::filesystem::path& pt2, const nlohmann::json& signature, int64_t vocab,
+        const at::Device& device, bool cuda_graphs);
   ~Graph();
 
   int64_t min_tokens() const { return min_tokens_; }
@@ -40,16 +44,27 @@ class Graph {
   void bind(const std::unordered_map<std::string, at::Tensor>& weights);
 
   // tokens [B, T], input_pos ([T] for a single-sequence graph, [B, T] for a batched one)
-  // -> logits [B, T, V] ([1, 1, V] from the prefill graph); the caches are updated in place.
-  // The tree graph also takes tree_mask [T, T] (bool), a batched graph the cache rows
-  // `slots` [B], after the caches.
+  // -> logits [B, T, V] on the CPU ([1, 1, V] from the prefill graph); the caches are updated
+  // in place. The tree graph also takes tree_mask [T, T] (bool), a batched graph the cache
+  // rows `slots` [B], after the caches. The call reads cache positions below `attend`
+  // (-1: the whole cache).
   at::Tensor operator()(const at::Tensor& tokens, const at::Tensor& input_pos,
-                        const std::vector<at::Tensor>& caches, const at::Tensor& extra = {});
+                        const std::vector<at::Tensor>& caches, const at::Tensor& extra = {},
+                        int64_t attend = -1);
 
  private:
+  // One call on inputs already on the device; a key_pos graph attends `span` positions.
+  at::Tensor run(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& caches,
+                 int64_t span);
+  // The span of keys for a call that reads positions below `attend` (engine.py key_span).
+  int64_t span(int64_t attend) const;
+
   std::string name_;
   int64_t min_tokens_, max_tokens_, min_batch_, max_batch_, vocab_, logit_rows_;
+  at::Device device_;
+  at::Tensor key_pos_;  // arange(cache_len) on the device, for graphs that take key_pos
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
+  std::unique_ptr<CudaReplays> replays_;
 };
 
 // One model of a package: its graphs, weights bound once, and its KV cache: its own, or the
@@ -62,7 +77,8 @@ class ModelRunner {
   // Loads the graphs' code; the weights come later, in bind_weights. `target` is the target's
   // runner when this is a draft (it may share the target's cache).
   ModelRunner(const std::filesystem::path& pt2, const nlohmann::json& entry,
-              const ModelRunner* target = nullptr, int64_t slots = 1);
+              const ModelRunner* target = nullptr, int64_t slots = 1,
+              const at::Device& device = at::kCPU, bool cuda_graphs = true);
   ~ModelRunner();
 
   // Binds the weights file to every graph, once its hashes are verified; `mapped` holds the
@@ -105,6 +121,7 @@ class ModelRunner {
   int64_t graph_width(int64_t n, int64_t pos, bool all_logits = false) const;
 
   int64_t vocab_size_;
+  at::Device device_;  // of the weights and caches; logits come back to the CPU
   std::unordered_map<std::string, at::Tensor> weights_;  // the graphs use these in place
   std::unique_ptr<Graph> prefill_, decode_, verify_, tree_, batch_decode_, batch_verify_;
   std::vector<at::Tensor> caches_;                    // all slots

@@ -59,6 +59,7 @@ options:
   --p-split P            tree drafting: branch where an alternative's probability > P (0.1)
   --threads N            intra-op threads, >= 1 (default: torch's default)
   --no-verify            skip the sha256 check of the package files
+  --no-cuda-graphs       call a CUDA package's graphs directly instead of replaying them
   --json, --ids          print a JSON object (ids, text, stats) instead of streaming text
 )";
 
@@ -227,6 +228,8 @@ Args parse_args(int argc, char** argv) {
       args.threads = parse_number<int>(arg, value());
     } else if (arg == "--no-verify") {
       args.load.verify_hashes = false;
+    } else if (arg == "--no-cuda-graphs") {
+      args.load.cuda_graphs = false;
     } else if (arg == "--ids" || arg == "--json") {
       args.print_ids = true;
     } else if (arg.starts_with("-") || !args.package.empty()) {
