@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 set +e
-.venv/bin/python -m pytest -q -rs --durations=25 "$@"
+.venv/bin/python -m pytest -q -rs --durations=40 "$@"
 rc=$?
 set -e
 # pytest exits 5 when a selection collects no test: not a failure of the code under test.

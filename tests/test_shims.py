@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,6 +51,17 @@ def test_object_key_follows_the_source(tmp_path):
     edited = tmp_path / gd.SOURCE.name
     edited.write_text(gd.SOURCE.read_text() + "\n// edited\n")
     assert shims.KernelObject.of(edited, tmp_path).path != a.path
+
+
+def test_objects_build_under_a_relative_cache_dir(tmp_path, monkeypatch):
+    """The default cache dir is relative (`.aotgen-cache`, no aotgen.toml); the compiler runs
+    elsewhere, so the kernel directory must not be."""
+    monkeypatch.chdir(tmp_path)
+    with shims.kernel_dir(Path(".aotgen-cache") / "graphs") as directory:
+        assert directory.is_absolute()
+        obj = shims.KernelObject.of(gd.SOURCE, directory)
+        obj.build()
+        assert obj.path.is_file()
 
 
 def test_graph_so_holds_its_shims_hidden(tiny_package, tmp_path):

@@ -160,9 +160,11 @@ def linking(objects: list[KernelObject]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def kernel_dir(cache: Path | None) -> Iterator[Path]:
-    """Where kernel objects live: `kernels/` beside the compile cache, or a temporary dir."""
+    """Where kernel objects live: `kernels/` beside the compile cache, or a temporary dir.
+    Absolute: the compiler runs in a directory of its own (a relative cache dir, the default
+    without `aotgen.toml`, would name no file there)."""
     if cache is not None:
-        directory = cache.parent / "kernels"
+        directory = (cache.parent / "kernels").resolve()
         directory.mkdir(parents=True, exist_ok=True)
         yield directory
         return
