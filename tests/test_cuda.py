@@ -7,7 +7,8 @@ attention, the spans replayed graphs attend over, and
 attention as matmuls against SDPA. The GPU tests run where `torch.cuda.is_available()`: build
 tiny fp32 / int8 / int4 packages for the GPU, compare every compiled graph with the same graph
 run eagerly on the GPU (tight) and with the fp32 model (loose; bounds as in test_quantize.py),
-and replayed CUDA graphs with direct calls of the same graphs.
+replayed CUDA graphs with direct calls of the same graphs, greedy decoding on the GPU with a
+host loop, and the C++ runtime's ids with the Python runtime's on a CUDA package.
 """
 
 from __future__ import annotations

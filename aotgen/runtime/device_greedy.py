@@ -21,12 +21,12 @@ if TYPE_CHECKING:
     from aotgen.runtime.engine import ModelRunner
 
 
-def greedy_tokens(runner: ModelRunner, token: int, pos: int, slot: int = 0) -> Iterator[int]:
+def greedy_tokens(runner: ModelRunner, token: int, pos: int) -> Iterator[int]:
     """Greedy tokens after `token` at `pos` (not yet in the cache), decoded on the runner's
     GPU: the ids `select_next` would pick from each step's logits (argmax, first of ties on
     both devices), without the logits leaving the device."""
     device = runner.device
-    decode, caches = runner.graphs["decode"], runner.slot_caches[slot]
+    decode, caches = runner.graphs["decode"], runner.slot_caches[0]  # the engine's row
     tok = torch.tensor([[token]], device=device)  # [1, 1]: the next step's input
     position = torch.tensor([pos], device=device)
     picked = torch.empty(2, dtype=torch.long, pin_memory=True)  # tokens i and i + 1
