@@ -45,6 +45,7 @@ class EagerRunner(EagerModel):
 
     shares_cache = False  # eager_engine(share_kv=True) hands a draft the target's cache
     tree_len = 0  # eager_engine(tree_nodes=N): the tree graph's rows
+    device = torch.device("cpu")  # where the model runs (a CUDA runner decodes greedy there)
 
     def __init__(self, checkpoint: Path, cache_len: int):
         super().__init__(checkpoint, cache_len)
