@@ -89,7 +89,7 @@ def compiled_decode_ms(recipe_path: str, steps: int = 512) -> float:
 
 def host_loop_tok_s(engine: Engine) -> float:
     """Greedy decode tok/s of a loop that brings each step's logits to the CPU and picks the
-    token there (what the runtime's loop did before greedy stayed on the GPU)."""
+    token there (the round trip that greedy decoding on the GPU avoids)."""
     prompt = prompt_ids(engine.tokenizer.vocab_size, PROMPT)
     target = engine.target
 
