@@ -106,6 +106,68 @@ def test_verify_tree_greedy_follows_argmax():
     assert verify_tree_greedy(tree, logits) == ([0], 2)
 
 
+def _random_chain_and_leaves(gen: torch.Generator, depth: int):
+    """Path values of a chain of `depth` nodes and of up to 3 leaves at each of its positions,
+    from random draft distributions (ranked probabilities at each position)."""
+    from aotgen.runtime.tree_draft import ranked_leaves
+
+    values: list[float] = []
+    leaves = []
+    for j in range(1, depth + 1):
+        probs = torch.softmax(torch.randn(5, generator=gen) * 2, -1).sort(descending=True)
+        parent = values[-1] if values else 1.0
+        leaves += ranked_leaves(probs.values.tolist()[:4], [1, 2, 3, 4], 1, j, parent)
+        values.append(parent * float(probs.values[0]))
+    return values, leaves
+
+
+def test_best_first_keeps_the_most_probable_tree():
+    """best_first against a brute force over every tree it may build (a chain prefix and a
+    set of leaves whose chain parent is kept, at most budget - 1 nodes and n_parallel - 1
+    leaves): the kept nodes' total path probability (the expected tokens a calibrated draft
+    gets accepted) is the maximum, and the kept set is such a tree."""
+    from itertools import combinations
+
+    from aotgen.runtime.tree_draft import best_first
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        depth = 1 + trial % 5
+        values, leaves = _random_chain_and_leaves(gen, depth)
+        budget, n_parallel = 2 + trial % 6, 1 + trial % 4
+        kept, chosen = best_first(values, leaves, budget, n_parallel)
+        assert kept + len(chosen) <= budget - 1 and len(chosen) <= n_parallel - 1
+        assert all(f.depth - 1 <= kept for f in chosen), "a leaf without its parent"
+        best = 0.0
+        for d in range(min(depth, budget - 1) + 1):
+            fits = [f for f in leaves if f.depth - 1 <= d]
+            room = min(budget - 1 - d, n_parallel - 1)
+            for n in range(room + 1):
+                for pick in combinations(fits, n):
+                    best = max(best, sum(values[:d]) + sum(f.value for f in pick))
+        got = sum(values[:kept]) + sum(f.value for f in chosen)
+        assert got == pytest.approx(best, rel=1e-12), (trial, kept, chosen)
+
+
+def test_chain_stops_only_when_its_next_node_cannot_be_kept():
+    """chain_is_done says stop exactly when a chain node one deeper, at most as probable as
+    the last, would not be kept by best_first, whatever its value."""
+    from aotgen.runtime.tree_draft import best_first, chain_is_done
+
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(200):
+        values, leaves = _random_chain_and_leaves(gen, 1 + trial % 5)
+        budget, n_parallel = 2 + trial % 6, 1 + trial % 4
+        done = chain_is_done(values, leaves, budget, n_parallel)
+        nxt = values[-1] * float(torch.rand((), generator=gen))
+        for candidate in (values[-1], nxt):  # the best and a typical next value
+            kept, _ = best_first(values + [candidate], leaves, budget, n_parallel)
+            if done:
+                assert kept <= len(values), (trial, candidate)
+        kept, _ = best_first(values + [values[-1]], leaves, budget, n_parallel)
+        assert done == (kept <= len(values)), trial
+
+
 # ---- the runtime's tree loop on the eager reference -------------------------------------------
 
 PROMPTS = [
@@ -115,12 +177,15 @@ PROMPTS = [
 ]
 N_TOKENS = 40
 TREE_NODES = 12
-# (n_parallel, p_split, k): a chain, wide (many branches at the first positions), deep.
+# (n_parallel, p_split, best_first, k): a chain, wide (many branches at the first positions),
+# deep, and trees shaped by path probability.
 TREE_PARAMS = {
-    "chain": (1, 0.1, 4),
-    "default": (4, 0.1, 4),
-    "wide": (8, 0.0, 2),
-    "deep": (2, 0.0, 7),
+    "chain": (1, 0.1, False, 4),
+    "default": (4, 0.1, False, 4),
+    "wide": (8, 0.0, False, 2),
+    "deep": (2, 0.0, False, 7),
+    "best-first": (4, 0.1, True, 6),
+    "best-first-wide": (12, 0.1, True, 3),
 }
 
 
@@ -176,8 +241,8 @@ def test_tree_greedy_equals_plain_greedy_eager(tree_engines, proposer, shape):
 
     mode, _, which = proposer.partition("-")
     engine = tree_engines[which]
-    n_parallel, p_split, k = TREE_PARAMS[shape]
-    tree = TreeParams(n_parallel, p_split)
+    n_parallel, p_split, best, k = TREE_PARAMS[shape]
+    tree = TreeParams(n_parallel, p_split, best)
     nodes = drafted = branch_steps = 0
     for prompt in PROMPTS:
         ids = engine.tokenizer.encode(prompt)
@@ -288,7 +353,12 @@ def test_compiled_tree_greedy_equals_plain(tree_package):
         for prompt in PROMPTS:
             ids = engine.tokenizer.encode(prompt)
             plain = _generate(engine, ids).token_ids
-            for tree in (TreeParams(1), TreeParams(4, 0.1), TreeParams(8, 0.0)):
+            for tree in (
+                TreeParams(1),
+                TreeParams(4, 0.1),
+                TreeParams(8, 0.0),
+                TreeParams(4, best_first=True),
+            ):
                 spec = _generate(engine, ids, speculative=mode, k=4, tree=tree)
                 assert spec.token_ids == plain, (prompt, mode, tree)
                 branch_steps += spec.spec.branch_steps
@@ -408,7 +478,8 @@ def test_bench_samples_every_mode_with_seeds(tree_package, tmp_path, monkeypatch
         ("draft+ngram", ["--speculative", "--lookup", "ngram"]),
     ],
 )
-def test_cpp_tree_speculation_gives_pythons_ids(run_bin, tree_package, mode, flags):
+@pytest.mark.parametrize("best_first", [False, True], ids=["p-split", "best-first"])
+def test_cpp_tree_speculation_gives_pythons_ids(run_bin, tree_package, mode, flags, best_first):
     """aotgen-run --draft-parallel: the same ids and counts as the Python runtime, greedy and
     sampled (same drafting order, same random draws), and greedy equals plain."""
     from test_cpp_runtime import cpp_generate, sampling_args
@@ -418,9 +489,10 @@ def test_cpp_tree_speculation_gives_pythons_ids(run_bin, tree_package, mode, fla
     from aotgen.runtime.tree_draft import TreeParams
 
     engine = Engine.load(tree_package)
-    tree = TreeParams(4, 0.05)
+    tree = TreeParams(4, 0.05, best_first)
     tree_flags = ["--draft-parallel", "4", "--p-split", "0.05", "--k", "4"]
-    nodes = 0
+    tree_flags += ["--best-first"] if best_first else []
+    nodes = branches = 0
     for prompt in PROMPTS:
         ids = engine.tokenizer.encode(prompt)
         common = ["--max-new-tokens", str(N_TOKENS), "--ignore-eos"]
@@ -443,7 +515,10 @@ def test_cpp_tree_speculation_gives_pythons_ids(run_bin, tree_package, mode, fla
             if params.greedy:
                 assert got["ids"] == _plain(engine, prompt)
             nodes += got["spec"]["tree_nodes"]
+            branches += got["spec"]["branch_steps"]
     assert nodes > 0
+    if mode != "ngram":
+        assert branches > 0, "no branch won: the test would not reach the branch code"
 
 
 @pytest.mark.cpp

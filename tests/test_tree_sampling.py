@@ -3,7 +3,8 @@
 
 A toy model over V tokens: the target's first token follows p0 and its second p1[first]; the
 draft's follow q0 and q1[first]. A round drafts a tree of `width` siblings at depth 1, each
-with one child; the first two emitted tokens must follow p0(x) * p1[x](y).
+with one child (best-first: leaves beside a chain); the first two emitted tokens must follow
+p0(x) * p1[x](y).
 """
 
 from __future__ import annotations
@@ -30,30 +31,36 @@ def tables(seed: int):
     return p0, p1, q0, q1
 
 
-def draft_tree(root: int, q: torch.Tensor, q_next: torch.Tensor, width: int, sampled: bool, gen):
-    """Root -> `width` siblings (i.i.d. from q, or q's top tokens as one-hot drafts), each
-    with one child (from q_next[sibling], or its top token)."""
+def draft_tree(root: int, q: torch.Tensor, q_next: torch.Tensor, width: int, kind: str, gen):
+    """Root -> `width` siblings, each with one child. `sampled`: siblings i.i.d. from q,
+    children from q_next[sibling]; `ranked`: q's top tokens as one-hot drafts, children their
+    top token. `best-first` (tree_draft.py): a chain token from q with its child from
+    q_next, then q's top other tokens as one-hot leaves without children."""
     tree = Tree.root(root)
-    if sampled:
+    if kind == "sampled":
         firsts = [(int(sample(q[None], gen)), q) for _ in range(width)]
-    else:
+    elif kind == "ranked":
         firsts = [(int(t), None) for t in q.topk(width).indices]
+    else:
+        x = int(sample(q[None], gen))
+        others = [int(t) for t in q.topk(width).indices if int(t) != x][: width - 1]
+        firsts = [(x, q)] + [(t, None) for t in others]
     for tok, probs in firsts:
         node = tree.add(0, tok, probs)
-        if sampled:
-            tree.add(node, int(sample(q_next[tok][None], gen)), q_next[tok])
-        else:
+        if kind == "ranked":
             tree.add(node, int(q_next[tok].argmax()))
+        elif probs is not None:
+            tree.add(node, int(sample(q_next[tok][None], gen)), q_next[tok])
     return tree
 
 
-def first_two(verifier: Verifier, seed: int, n: int, width: int, sampled: bool) -> torch.Tensor:
+def first_two(verifier: Verifier, seed: int, n: int, width: int, kind: str) -> torch.Tensor:
     p0, p1, q0, q1 = tables(seed)
     gen = make_generator(seed + 100)
     out = torch.empty(n, 2, dtype=torch.long)
     uniform = torch.full((V, V), 1.0 / V)
     for i in range(n):
-        tree = draft_tree(0, q0, q1, width, sampled, gen)
+        tree = draft_tree(0, q0, q1, width, kind, gen)
         # Target rows: the root predicts p0; a depth-1 node x predicts p1[x]; depth 2: any.
         target = torch.stack(
             [p0]
@@ -66,7 +73,7 @@ def first_two(verifier: Verifier, seed: int, n: int, width: int, sampled: bool) 
         emitted = [tree.tokens[j] for j in path[1:]] + [nxt]
         if len(emitted) < 2:  # a second round, rooted at the first token
             x = emitted[0]
-            tree = draft_tree(x, q1[x], uniform, width, sampled, gen)
+            tree = draft_tree(x, q1[x], uniform, width, kind, gen)
             target = torch.stack([p1[x]] + [uniform[0]] * (len(tree) - 1))
             path, nxt = verifier(tree, target, gen)
             emitted.append(([tree.tokens[j] for j in path[1:]] + [nxt])[0])
@@ -111,14 +118,14 @@ def no_residual_between_siblings(tree: Tree, target: torch.Tensor, gen) -> tuple
 N = 20_000
 
 
-@pytest.mark.parametrize("sampled", [True, False], ids=["sampled-draft", "ranked-draft"])
-def test_tree_sampling_matches_target(sampled: bool) -> None:
-    tokens = first_two(verify_tree_stochastic, seed=3, n=N, width=3, sampled=sampled)
+@pytest.mark.parametrize("kind", ["sampled", "ranked", "best-first"])
+def test_tree_sampling_matches_target(kind: str) -> None:
+    tokens = first_two(verify_tree_stochastic, seed=3, n=N, width=3, kind=kind)
     assert check(tokens, seed=3)
     assert check(tokens[: N // 10], seed=3)  # the bound shrinks with n and still holds
 
 
 @pytest.mark.parametrize("broken", [first_child_always, no_residual_between_siblings])
 def test_tree_negative_controls_fail_the_check(broken: Verifier) -> None:
-    for sampled in (True, False):
-        assert not check(first_two(broken, seed=3, n=N, width=3, sampled=sampled), seed=3)
+    for kind in ("sampled", "ranked", "best-first"):
+        assert not check(first_two(broken, seed=3, n=N, width=3, kind=kind), seed=3), kind

@@ -53,6 +53,9 @@ def bench(
         int, typer.Option(help="tree rows of --speculative (packages with tree_nodes): N")
     ] = 4,
     p_split: Annotated[float, typer.Option(help="tree rows: the branch threshold")] = 0.1,
+    best_first: Annotated[
+        bool, typer.Option(help="tree rows: trees shaped by path probability (see `run`)")
+    ] = False,
     temperature: Annotated[
         float,
         typer.Option(help="--speculative: 0 = greedy; higher samples every mode (seeded)"),
@@ -137,7 +140,7 @@ def bench(
                 runs,
                 as_json,
                 llama_lookup,
-                (draft_parallel, p_split),
+                (draft_parallel, p_split, best_first),
                 sampling,
             )
             for p in packages
@@ -296,7 +299,7 @@ def _bench_speculative(
     rounds: int,
     as_json: bool,
     llama_lookup: Path | None,
-    tree: tuple[int, float],
+    tree: tuple[int, float, bool],
     sampling: SamplingParams,
 ) -> dict[str, Any]:
     from aotgen.bench import bench_speculative

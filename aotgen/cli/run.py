@@ -84,6 +84,13 @@ def run(
     p_split: Annotated[
         float, typer.Option(help="tree drafting: branch where an alternative's probability > P")
     ] = 0.1,
+    best_first: Annotated[
+        bool,
+        typer.Option(
+            help="tree drafting: keep the draft's most probable nodes (the chain and one-token "
+            "leaves beside it) instead of --p-split branches"
+        ),
+    ] = False,
     threads: Annotated[
         int | None, typer.Option(help="intra-op threads, >= 1 (default: aotgen.toml's)")
     ] = None,
@@ -116,6 +123,8 @@ def run(
     if system is not None and chat is None:
         raise CliError("--system goes with --chat (a system message for the chat template)")
     _check_speculation_options(lookup, k, ngram_min, ngram_max, draft_parallel, p_split)
+    if best_first and not draft_parallel:
+        raise CliError("--best-first shapes a token tree: add --draft-parallel N")
     at_least("--max-new-tokens", max_new_tokens)
     if seed is not None and not 0 <= seed <= SEED_MAX:
         raise CliError(f"--seed must be an integer in 0..{SEED_MAX}, got {seed}")
@@ -141,7 +150,7 @@ def run(
         adaptive_k=adaptive_k,
         ngram_min=ngram_min,
         ngram_max=ngram_max,
-        tree=TreeParams(draft_parallel, p_split) if draft_parallel else None,
+        tree=TreeParams(draft_parallel, p_split, best_first) if draft_parallel else None,
     )
     stream = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = engine.generate(ids, cfg, on_text=stream)

@@ -12,6 +12,16 @@ Branches open off the main chain only (llama.cpp also branches off branches). A 
 draws a branch's first token i.i.d. from the same distribution as the chain token it stands
 beside (duplicates included), which is what keeps sampled verification exact (tree.py); the
 number of branches at a position depends on that distribution only, never on the draws.
+
+`best_first` shapes the tree by path probability instead (the dynamic trees of Sequoia and
+EAGLE-2, restricted to what the chain's draft steps already computed): every chain position's
+next candidates are one-token leaves beside the chain token, a node's value is the product of
+the draft probabilities along its path (n-gram lookup: the followers' shares), and the tree
+keeps the `budget - 1` most valuable nodes, at most `n_parallel - 1` of them leaves. Where the
+draft is sure the tree is the chain; where it is not, a likely sibling takes the row of a deep,
+unlikely chain node, and the chain stops drafting once its next node could not make the cut.
+Leaves cost no draft step. Their tokens are fixed by the draft's ranking (one-hot
+distributions), which sampled verification handles exactly (tree.py).
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ class TreeParams:
 
     n_parallel: int = 4
     p_split: float = 0.1
+    best_first: bool = False  # shape the tree by path probability (module docstring)
 
     def __post_init__(self) -> None:
         if isinstance(self.n_parallel, bool) or not (
@@ -58,6 +69,51 @@ def plan_branches(
     limit = min(params.n_parallel - 1, room)
     picked = [(j, tok, q) for j, opts in enumerate(options, 1) for tok, q in opts]
     return picked[:limit]
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A one-token branch beside the chain token at `depth`: its path probability, its rank
+    among the position's candidates, its token."""
+
+    value: float
+    depth: int
+    rank: int
+    token: int
+
+
+def ranked_leaves(
+    probs: list[float], tokens: list[int], chain_token: int, depth: int, parent_value: float
+) -> list[Leaf]:
+    """The candidates beside the chain token at `depth` (probs/tokens ranked, best first)."""
+    alts = [(p, t) for p, t in zip(probs, tokens, strict=True) if t != chain_token]
+    return [
+        Leaf(parent_value * p, depth, rank, t) for rank, (p, t) in enumerate(alts[:MAX_SIBLINGS])
+    ]
+
+
+def best_first(
+    chain_values: list[float], leaves: list[Leaf], budget: int, n_parallel: int
+) -> tuple[int, list[Leaf]]:
+    """The chain nodes to keep (a count: the chain's prefix) and the leaves: the budget - 1
+    nodes of highest value, at most n_parallel - 1 of them leaves. Ties go to chain nodes,
+    then to shallower ones, so no node is kept without its parent (a node's value is at most
+    its parent's)."""
+    leaves = sorted(leaves, key=lambda f: (-f.value, f.depth, f.rank))[: n_parallel - 1]
+    chain = [((v, 1, -d, 0), None) for d, v in enumerate(chain_values, 1)]
+    side = [((f.value, 0, -f.depth, -f.rank), f) for f in leaves]
+    kept = sorted(chain + side, key=lambda c: c[0], reverse=True)[: budget - 1]
+    return sum(f is None for _, f in kept), [f for _, f in kept if f is not None]
+
+
+def chain_is_done(
+    chain_values: list[float], leaves: list[Leaf], budget: int, n_parallel: int
+) -> bool:
+    """Whether the chain's next node could not be kept: its value is at most the last one's,
+    and the chain so far and the leaves above that value fill the budget."""
+    last = chain_values[-1]
+    above = sorted((f.value for f in leaves if f.value > last), reverse=True)
+    return len(chain_values) + len(above[: n_parallel - 1]) >= budget - 1
 
 
 class TreeDraftProposer:
@@ -115,6 +171,8 @@ class TreeDraftProposer:
             self.pos = len(history) - 1
         start = len(history) - 1  # the root's position
         logits = self.draft.forward(history[self.pos :], self.pos)
+        if self.tree_params.best_first:
+            return self._best_first(history[-1], logits, start, k, budget)
         tree = Tree.root(history[-1])
         chain_logits: list[Tensor] = []
         node = 0
@@ -144,6 +202,35 @@ class TreeDraftProposer:
                 lg = self.draft.decode(tree.tokens[b], start + j)
                 self._extend(tree, b, lg, start + j, j, k, budget)
         self.pos = min(self.pos, start + min(j for j, _ in firsts))
+        return tree
+
+    def _best_first(self, root: int, logits: Tensor, start: int, k: int, budget: int) -> Tree:
+        """The chain while its next node could still be kept, then the best nodes of it and
+        of the leaves beside it (`best_first`)."""
+        n_parallel = self.tree_params.n_parallel
+        picks: list[tuple[int, Tensor | None]] = []
+        values: list[float] = []
+        leaves: list[Leaf] = []
+        for depth in range(1, min(k, budget - 1) + 1):
+            tok, q = self._pick(logits)
+            probs = torch.softmax(logits.float(), -1) if q is None else q
+            top = probs.topk(MAX_SIBLINGS + 1)
+            parent = values[-1] if values else 1.0
+            leaves += ranked_leaves(top.values.tolist(), top.indices.tolist(), tok, depth, parent)
+            picks.append((tok, q))
+            values.append(parent * float(probs[tok]))
+            if depth == k or chain_is_done(values, leaves, budget, n_parallel):
+                break
+            logits = self.draft.decode(tok, start + depth)
+        self.pos = start + len(picks)  # the root and all chain tokens but the last are written
+        kept, chosen = best_first(values, leaves, budget, n_parallel)
+        tree = Tree.root(root)
+        for tok, q in picks[:kept]:
+            tree.add(len(tree) - 1, tok, q)
+        for leaf in sorted(chosen, key=lambda f: (f.depth, f.rank)):
+            tree.add(leaf.depth - 1, leaf.token)
+        if chosen:  # a leaf's position holds the chain token in the draft's cache
+            self.pos = min(self.pos, start + min(f.depth for f in chosen))
         return tree
 
     def accepted(self, pos: int) -> None:
@@ -177,6 +264,8 @@ class TreeLookupProposer:
         if not chain or self.tree_params.n_parallel == 1:
             return tree
         tail = list(history[-self.ngram.max_n :])
+        if self.tree_params.best_first:
+            return self._best_first(tree, tail, chain, budget)
         options = []
         for j in range(1, len(chain) + 1):
             context = tail + chain[: j - 1]
@@ -196,6 +285,29 @@ class TreeLookupProposer:
             for t in rest[: budget - len(tree)]:
                 node = tree.add(node, t)
         return tree
+
+    def _best_first(self, tree: Tree, tail: list[int], chain: list[int], budget: int) -> Tree:
+        """The chain and the other followers at each of its positions as leaves, valued by
+        the product of the followers' shares along the path (`best_first`)."""
+        values: list[float] = []
+        leaves: list[Leaf] = []
+        for j, tok in enumerate(chain, 1):
+            ranked = self.ngram.candidates(tail + chain[: j - 1])
+            total = sum(f.count for f in ranked)
+            ranked = ranked[: MAX_SIBLINGS + 1]
+            shares = [f.count / total for f in ranked]
+            parent = values[-1] if values else 1.0
+            leaves += ranked_leaves(shares, [f.token for f in ranked], tok, j, parent)
+            share = next((s for s, f in zip(shares, ranked, strict=True) if f.token == tok), 0.0)
+            values.append(parent * share)
+        kept, chosen = best_first(values, leaves, budget, self.tree_params.n_parallel)
+        best = Tree.root(tree.tokens[0])
+        best.looked_up = True
+        for tok in chain[:kept]:
+            best.add(len(best) - 1, tok)
+        for leaf in sorted(chosen, key=lambda f: (f.depth, f.rank)):
+            best.add(leaf.depth - 1, leaf.token)
+        return best
 
     def accepted(self, pos: int) -> None:
         pass

@@ -63,10 +63,13 @@ struct SamplingParams {
 enum class Speculative { None, Ngram, Draft, DraftNgram };
 
 // Tree drafting (llama.cpp's n_parallel / p_split): sequences drafted at once, and the
-// probability an alternative needs to open a branch. Needs a package with a tree graph.
+// probability an alternative needs to open a branch. best_first: shape the tree by path
+// probability instead (the chain and one-token leaves beside it, docs/speculative.md).
+// Needs a package with a tree graph.
 struct TreeParams {
   int64_t n_parallel = 4;
   double p_split = 0.1;
+  bool best_first = false;
 };
 
 struct GenerationConfig {

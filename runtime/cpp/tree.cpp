@@ -39,6 +39,96 @@ std::vector<Branch> plan_branches(const std::vector<std::vector<Branch>>& option
   return picked;
 }
 
+// A one-token branch beside the chain token at `depth` (tree_draft.py Leaf).
+struct Leaf {
+  double value;
+  int64_t depth, rank, token;
+};
+
+// The candidates beside the chain token at `depth` (probs/tokens ranked, best first).
+void add_ranked_leaves(std::vector<Leaf>& leaves, const std::vector<double>& probs,
+                       const std::vector<int64_t>& tokens, int64_t chain_token, int64_t depth,
+                       double parent_value) {
+  int64_t rank = 0;
+  for (std::size_t i = 0; i < probs.size() && rank < kMaxSiblings; ++i) {
+    if (tokens[i] != chain_token) leaves.push_back({parent_value * probs[i], depth, rank++, tokens[i]});
+  }
+}
+
+// The n_parallel - 1 best leaves, best first.
+std::vector<Leaf> best_leaves(std::vector<Leaf> leaves, int64_t n_parallel) {
+  std::stable_sort(leaves.begin(), leaves.end(), [](const Leaf& a, const Leaf& b) {
+    return std::tie(b.value, a.depth, a.rank) < std::tie(a.value, b.depth, b.rank);
+  });
+  leaves.resize(std::min<std::size_t>(leaves.size(), static_cast<std::size_t>(n_parallel - 1)));
+  return leaves;
+}
+
+// The chain nodes to keep (a prefix) and the leaves: the budget - 1 most valuable nodes, at
+// most n_parallel - 1 of them leaves; ties go to chain nodes, then shallower ones.
+std::pair<int64_t, std::vector<Leaf>> best_first(const std::vector<double>& chain_values,
+                                                 const std::vector<Leaf>& all_leaves,
+                                                 int64_t budget, int64_t n_parallel) {
+  const auto leaves = best_leaves(all_leaves, n_parallel);
+  struct Candidate {
+    double value;
+    int64_t is_chain, neg_depth, neg_rank;
+    const Leaf* leaf;
+  };
+  std::vector<Candidate> all;
+  for (std::size_t d = 0; d < chain_values.size(); ++d) {
+    all.push_back({chain_values[d], 1, -static_cast<int64_t>(d + 1), 0, nullptr});
+  }
+  for (const auto& f : leaves) all.push_back({f.value, 0, -f.depth, -f.rank, &f});
+  std::stable_sort(all.begin(), all.end(), [](const Candidate& a, const Candidate& b) {
+    return std::tie(b.value, b.is_chain, b.neg_depth, b.neg_rank) <
+           std::tie(a.value, a.is_chain, a.neg_depth, a.neg_rank);
+  });
+  all.resize(std::min<std::size_t>(all.size(), static_cast<std::size_t>(budget - 1)));
+  int64_t kept = 0;
+  std::vector<Leaf> chosen;
+  for (const auto& c : all) {
+    if (c.leaf == nullptr) {
+      ++kept;
+    } else {
+      chosen.push_back(*c.leaf);
+    }
+  }
+  std::sort(chosen.begin(), chosen.end(), [](const Leaf& a, const Leaf& b) {
+    return std::tie(a.depth, a.rank) < std::tie(b.depth, b.rank);
+  });
+  return {kept, chosen};
+}
+
+// Whether the chain's next node could not be kept (tree_draft.py chain_is_done).
+bool chain_is_done(const std::vector<double>& chain_values, const std::vector<Leaf>& leaves,
+                   int64_t budget, int64_t n_parallel) {
+  const double last = chain_values.back();
+  int64_t above = 0;
+  for (const auto& f : leaves) above += f.value > last;
+  return static_cast<int64_t>(chain_values.size()) + std::min(above, n_parallel - 1) >=
+         budget - 1;
+}
+
+// The tree of a chain prefix and leaves (chain nodes first, at indices equal to depths).
+Tree assemble(int64_t root, const std::vector<std::pair<int64_t, at::Tensor>>& chain,
+              int64_t kept, const std::vector<Leaf>& leaves) {
+  Tree tree = Tree::root(root);
+  for (int64_t d = 0; d < kept; ++d) tree.add(tree.size() - 1, chain[d].first, chain[d].second);
+  for (const auto& f : leaves) tree.add(f.depth - 1, f.token);
+  return tree;
+}
+
+std::vector<double> to_doubles(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kDouble).contiguous();
+  return {c.data_ptr<double>(), c.data_ptr<double>() + c.numel()};
+}
+
+std::vector<int64_t> to_longs(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kLong).contiguous();
+  return {c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel()};
+}
+
 class TreeDraftProposer final : public TreeProposer {
  public:
   TreeDraftProposer(DraftModel& draft, const std::vector<int64_t>& prompt,
@@ -53,6 +143,7 @@ class TreeDraftProposer final : public TreeProposer {
     if (draft_.shares_cache()) pos_ = start;
     at::Tensor logits =
         draft_.forward(std::vector<int64_t>(history.begin() + pos_, history.end()), pos_);
+    if (tree_.best_first) return best_first_tree(history.back(), logits, start, k, budget);
     Tree tree = Tree::root(history.back());
     std::vector<at::Tensor> chain_logits;
     int64_t node = 0;
@@ -88,6 +179,31 @@ class TreeDraftProposer final : public TreeProposer {
   void accepted(int64_t pos) override { pos_ = std::min(pos_, pos); }
 
  private:
+  // The chain while its next node could still be kept, then the best nodes of it and of the
+  // leaves beside it (tree_draft.py _best_first).
+  Tree best_first_tree(int64_t root, at::Tensor logits, int64_t start, int64_t k,
+                       int64_t budget) {
+    std::vector<std::pair<int64_t, at::Tensor>> picks;
+    std::vector<double> values;
+    std::vector<Leaf> leaves;
+    for (int64_t depth = 1; depth <= std::min(k, budget - 1); ++depth) {
+      const auto [tok, q] = pick(logits);
+      const at::Tensor probs = q.defined() ? q : at::softmax(logits.to(at::kFloat), -1);
+      const auto [top_values, top_indices] = at::topk(probs, kMaxSiblings + 1);
+      const double parent = values.empty() ? 1.0 : values.back();
+      add_ranked_leaves(leaves, to_doubles(top_values), to_longs(top_indices), tok, depth,
+                        parent);
+      picks.emplace_back(tok, q);
+      values.push_back(parent * static_cast<double>(probs[tok].item<float>()));
+      if (depth == k || chain_is_done(values, leaves, budget, tree_.n_parallel)) break;
+      logits = draft_.decode(tok, start + depth);
+    }
+    pos_ = start + static_cast<int64_t>(picks.size());
+    const auto [kept, chosen] = best_first(values, leaves, budget, tree_.n_parallel);
+    if (!chosen.empty()) pos_ = std::min(pos_, start + chosen.front().depth);
+    return assemble(root, picks, kept, chosen);
+  }
+
   std::pair<int64_t, at::Tensor> pick(const at::Tensor& logits) {
     if (params_.greedy()) return {logits.argmax().item<int64_t>(), at::Tensor()};
     at::Tensor q = logits_to_probs(logits.unsqueeze(0), params_)[0];
@@ -147,6 +263,7 @@ class TreeLookupProposer final : public TreeProposer {
     const auto keep = std::min<std::size_t>(history.size(), static_cast<std::size_t>(max_n_));
     const std::vector<int64_t> tail(history.end() - static_cast<std::ptrdiff_t>(keep),
                                     history.end());
+    if (tree_.best_first) return best_first_tree(history.back(), tail, chain, budget);
     std::vector<std::vector<Branch>> options;
     for (std::size_t j = 1; j <= chain.size(); ++j) {
       std::vector<int64_t> context = tail;
@@ -181,6 +298,38 @@ class TreeLookupProposer final : public TreeProposer {
   }
 
  private:
+  // The chain and the other followers at each of its positions as leaves, valued by the
+  // product of the followers' shares along the path (tree_draft.py _best_first).
+  Tree best_first_tree(int64_t root, const std::vector<int64_t>& tail,
+                       const std::vector<int64_t>& chain, int64_t budget) const {
+    std::vector<double> values;
+    std::vector<Leaf> leaves;
+    std::vector<std::pair<int64_t, at::Tensor>> picks;
+    for (std::size_t j = 1; j <= chain.size(); ++j) {
+      std::vector<int64_t> context = tail;
+      context.insert(context.end(), chain.begin(), chain.begin() + (j - 1));
+      const auto ranked = ngram_.candidates(context);
+      double total = 0;
+      for (const auto& f : ranked) total += static_cast<double>(f.count);
+      std::vector<double> shares;
+      std::vector<int64_t> tokens;
+      double share = 0.0;
+      for (std::size_t i = 0; i < ranked.size() && i <= kMaxSiblings; ++i) {
+        shares.push_back(static_cast<double>(ranked[i].count) / total);
+        tokens.push_back(ranked[i].token);
+        if (ranked[i].token == chain[j - 1] && share == 0.0) share = shares.back();
+      }
+      const double parent = values.empty() ? 1.0 : values.back();
+      add_ranked_leaves(leaves, shares, tokens, chain[j - 1], static_cast<int64_t>(j), parent);
+      values.push_back(parent * share);
+      picks.emplace_back(chain[j - 1], at::Tensor());
+    }
+    const auto [kept, chosen] = best_first(values, leaves, budget, tree_.n_parallel);
+    Tree tree = assemble(root, picks, kept, chosen);
+    tree.looked_up = true;
+    return tree;
+  }
+
   std::vector<int64_t> follow(std::vector<int64_t> context, int64_t n) const {
     std::vector<int64_t> out;
     while (static_cast<int64_t>(out.size()) < n) {

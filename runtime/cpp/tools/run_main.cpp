@@ -57,6 +57,8 @@ options:
   --draft-parallel N     tree drafting: up to N sequences, scored in one tree-graph call
                          (needs a package built with tree_nodes)
   --p-split P            tree drafting: branch where an alternative's probability > P (0.1)
+  --best-first           tree drafting: keep the draft's most probable nodes (the chain and
+                         one-token leaves beside it) instead of p-split branches
   --threads N            intra-op threads, >= 1 (default: torch's default)
   --no-verify            skip the sha256 check of the package files
   --no-cuda-graphs       call a CUDA package's graphs directly instead of replaying them
@@ -224,6 +226,8 @@ Args parse_args(int argc, char** argv) {
       use_tree = true;
     } else if (arg == "--p-split") {
       tree.p_split = parse_number<double>(arg, value());
+    } else if (arg == "--best-first") {
+      tree.best_first = true;
     } else if (arg == "--threads") {
       args.threads = parse_number<int>(arg, value());
     } else if (arg == "--no-verify") {
