@@ -149,6 +149,29 @@ def test_best_first_keeps_the_most_probable_tree():
         assert got == pytest.approx(best, rel=1e-12), (trial, kept, chosen)
 
 
+def test_calibration_learns_acceptance_by_kind_and_probability():
+    """Before any round the estimate is the draft's probability; after rounds it approaches
+    the rate at which reached nodes of that kind and probability bin were accepted. Nodes
+    whose parent was rejected teach nothing."""
+    from aotgen.runtime.tree_draft import Calibration
+
+    cal = Calibration()
+    assert cal.estimate(0.25, leaf=False) == 0.25 and cal.estimate(0.25, leaf=True) == 0.25
+    for _ in range(200):  # chain 1 -> 2, and a leaf (3) beside node 1; the chain always wins
+        tree = Tree.root(0)
+        for parent, token in [(0, 1), (1, 2), (0, 3)]:
+            tree.add(parent, token)
+        cal.drafted(tree, [(False, 0.25), (False, 0.95), (True, 0.22)])
+        cal.verified([0, 1])  # node 1 accepted, node 2 rejected, the leaf rejected
+    assert cal.estimate(0.21, leaf=False) > 0.98  # node 1's bin: accepted 200 of 200
+    assert cal.estimate(0.95, leaf=False) < 0.02  # node 2: rejected every time
+    assert cal.estimate(0.29, leaf=True) < 0.02
+    assert cal.estimate(0.55, leaf=False) == 0.55  # a bin nothing reached
+    cal.drafted(tree, [(False, 0.55), (False, 0.55), (True, 0.55)])
+    cal.verified([0])  # node 1 rejected: node 2 was not reached
+    assert cal.reached[0][5] == 1 and cal.reached[1][5] == 1
+
+
 def test_chain_stops_only_when_its_next_node_cannot_be_kept():
     """chain_is_done says stop exactly when a chain node one deeper, at most as probable as
     the last, would not be kept by best_first, whatever its value."""
@@ -283,6 +306,9 @@ class FixedShapes:
         return tree
 
     def accepted(self, pos: int) -> None:
+        pass
+
+    def verified(self, path: list[int]) -> None:
         pass
 
 

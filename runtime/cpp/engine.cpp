@@ -144,6 +144,7 @@ class TokenSteps {
     const at::Tensor logits = tree.size() == 1 ? target_.decode(tok_, pos_).unsqueeze(0)
                                                : target_.tree_forward(tree, pos_);
     const auto verdict = detail::verify_tree(tree, logits, params_, gen_);
+    tree_proposer_->verified(verdict.path);
     const int64_t moved = detail::commit_path(target_.caches(), pos_, verdict.path);
     std::vector<int64_t> accepted;
     for (std::size_t i = 1; i < verdict.path.size(); ++i) {

@@ -19,6 +19,8 @@ namespace aotgen::detail {
 namespace {
 
 constexpr int64_t kMaxSiblings = 7;  // candidates tried per position, as llama.cpp's f = 1..7
+constexpr int kCalibrationBins = 10;     // acceptance tracked per tenth of draft probability
+constexpr double kCalibrationPrior = 2.0;  // pseudo-observations at the draft's probability
 
 struct Branch {
   int64_t depth, token;
@@ -43,16 +45,66 @@ std::vector<Branch> plan_branches(const std::vector<std::vector<Branch>>& option
 struct Leaf {
   double value;
   int64_t depth, rank, token;
+  double p;
 };
 
-// The candidates beside the chain token at `depth` (probs/tokens ranked, best first).
+// How often verification accepted a drafted node, by kind (chain pick or leaf) and draft
+// probability, over the rounds so far (tree_draft.py Calibration).
+class Calibration {
+ public:
+  double estimate(double p, bool leaf) const {
+    const int b = bin(p);
+    return (static_cast<double>(accepted_[leaf][b]) + kCalibrationPrior * p) /
+           (static_cast<double>(reached_[leaf][b]) + kCalibrationPrior);
+  }
+
+  // The tree just proposed, with (leaf, draft probability) per node after the root.
+  void drafted(const Tree& tree, std::vector<std::pair<bool, double>> scores) {
+    parents_ = tree.parents;
+    scores_ = std::move(scores);
+  }
+
+  void verified(const std::vector<int64_t>& path) {
+    for (std::size_t node = 1; node <= scores_.size(); ++node) {
+      const auto on_path = [&](int64_t n) { return std::find(path.begin(), path.end(), n) != path.end(); };
+      if (!on_path(parents_[node])) continue;
+      const auto [leaf, p] = scores_[node - 1];
+      reached_[leaf][bin(p)] += 1;
+      accepted_[leaf][bin(p)] += on_path(static_cast<int64_t>(node));
+    }
+    scores_.clear();
+  }
+
+ private:
+  static int bin(double p) { return std::min(static_cast<int>(p * kCalibrationBins), kCalibrationBins - 1); }
+
+  int64_t reached_[2][kCalibrationBins] = {};
+  int64_t accepted_[2][kCalibrationBins] = {};
+  std::vector<int64_t> parents_;
+  std::vector<std::pair<bool, double>> scores_;
+};
+
+// The candidates beside the chain token at `depth` (probs/tokens ranked, best first), valued
+// parent_value * calibration.estimate(p).
 void add_ranked_leaves(std::vector<Leaf>& leaves, const std::vector<double>& probs,
                        const std::vector<int64_t>& tokens, int64_t chain_token, int64_t depth,
-                       double parent_value) {
+                       double parent_value, const Calibration& calibration) {
   int64_t rank = 0;
   for (std::size_t i = 0; i < probs.size() && rank < kMaxSiblings; ++i) {
-    if (tokens[i] != chain_token) leaves.push_back({parent_value * probs[i], depth, rank++, tokens[i]});
+    if (tokens[i] != chain_token) {
+      leaves.push_back({parent_value * calibration.estimate(probs[i], true), depth, rank++,
+                        tokens[i], probs[i]});
+    }
   }
+}
+
+// (leaf, draft probability) per node of a tree of `kept` chain nodes and `leaves`.
+std::vector<std::pair<bool, double>> node_scores(const std::vector<double>& chain_p,
+                                                 int64_t kept, const std::vector<Leaf>& leaves) {
+  std::vector<std::pair<bool, double>> scores;
+  for (int64_t d = 0; d < kept; ++d) scores.emplace_back(false, chain_p[d]);
+  for (const auto& f : leaves) scores.emplace_back(true, f.p);
+  return scores;
 }
 
 // The n_parallel - 1 best leaves, best first.
@@ -184,7 +236,7 @@ class TreeDraftProposer final : public TreeProposer {
   Tree best_first_tree(int64_t root, at::Tensor logits, int64_t start, int64_t k,
                        int64_t budget) {
     std::vector<std::pair<int64_t, at::Tensor>> picks;
-    std::vector<double> values;
+    std::vector<double> values, chain_p;
     std::vector<Leaf> leaves;
     for (int64_t depth = 1; depth <= std::min(k, budget - 1); ++depth) {
       const auto [tok, q] = pick(logits);
@@ -192,17 +244,25 @@ class TreeDraftProposer final : public TreeProposer {
       const auto [top_values, top_indices] = at::topk(probs, kMaxSiblings + 1);
       const double parent = values.empty() ? 1.0 : values.back();
       add_ranked_leaves(leaves, to_doubles(top_values), to_longs(top_indices), tok, depth,
-                        parent);
+                        parent, calibration_);
       picks.emplace_back(tok, q);
-      values.push_back(parent * static_cast<double>(probs[tok].item<float>()));
+      chain_p.push_back(static_cast<double>(probs[tok].item<float>()));
+      values.push_back(parent * calibration_.estimate(chain_p.back(), false));
       if (depth == k || chain_is_done(values, leaves, budget, tree_.n_parallel)) break;
       logits = draft_.decode(tok, start + depth);
     }
     pos_ = start + static_cast<int64_t>(picks.size());
     const auto [kept, chosen] = best_first(values, leaves, budget, tree_.n_parallel);
     if (!chosen.empty()) pos_ = std::min(pos_, start + chosen.front().depth);
-    return assemble(root, picks, kept, chosen);
+    Tree tree = assemble(root, picks, kept, chosen);
+    calibration_.drafted(tree, node_scores(chain_p, kept, chosen));
+    return tree;
   }
+
+ public:
+  void verified(const std::vector<int64_t>& path) override { calibration_.verified(path); }
+
+ private:
 
   std::pair<int64_t, at::Tensor> pick(const at::Tensor& logits) {
     if (params_.greedy()) return {logits.argmax().item<int64_t>(), at::Tensor()};
@@ -247,6 +307,7 @@ class TreeDraftProposer final : public TreeProposer {
   at::Generator& gen_;
   TreeParams tree_;
   int64_t pos_;
+  Calibration calibration_;
 };
 
 class TreeLookupProposer final : public TreeProposer {
@@ -301,8 +362,8 @@ class TreeLookupProposer final : public TreeProposer {
   // The chain and the other followers at each of its positions as leaves, valued by the
   // product of the followers' shares along the path (tree_draft.py _best_first).
   Tree best_first_tree(int64_t root, const std::vector<int64_t>& tail,
-                       const std::vector<int64_t>& chain, int64_t budget) const {
-    std::vector<double> values;
+                       const std::vector<int64_t>& chain, int64_t budget) {
+    std::vector<double> values, chain_p;
     std::vector<Leaf> leaves;
     std::vector<std::pair<int64_t, at::Tensor>> picks;
     for (std::size_t j = 1; j <= chain.size(); ++j) {
@@ -320,15 +381,23 @@ class TreeLookupProposer final : public TreeProposer {
         if (ranked[i].token == chain[j - 1] && share == 0.0) share = shares.back();
       }
       const double parent = values.empty() ? 1.0 : values.back();
-      add_ranked_leaves(leaves, shares, tokens, chain[j - 1], static_cast<int64_t>(j), parent);
-      values.push_back(parent * share);
+      add_ranked_leaves(leaves, shares, tokens, chain[j - 1], static_cast<int64_t>(j), parent,
+                        calibration_);
+      chain_p.push_back(share);
+      values.push_back(parent * calibration_.estimate(share, false));
       picks.emplace_back(chain[j - 1], at::Tensor());
     }
     const auto [kept, chosen] = best_first(values, leaves, budget, tree_.n_parallel);
     Tree tree = assemble(root, picks, kept, chosen);
     tree.looked_up = true;
+    calibration_.drafted(tree, node_scores(chain_p, kept, chosen));
     return tree;
   }
+
+ public:
+  void verified(const std::vector<int64_t>& path) override { calibration_.verified(path); }
+
+ private:
 
   std::vector<int64_t> follow(std::vector<int64_t> context, int64_t n) const {
     std::vector<int64_t> out;
@@ -344,6 +413,7 @@ class TreeLookupProposer final : public TreeProposer {
   NgramProposer ngram_;
   int64_t max_n_;
   TreeParams tree_;
+  Calibration calibration_;
 };
 
 class TreeDraftOrLookup final : public TreeProposer {
@@ -353,13 +423,19 @@ class TreeDraftOrLookup final : public TreeProposer {
 
   Tree propose(const std::vector<int64_t>& history, int64_t k, int64_t budget) override {
     Tree tree = lookup_->propose(history, k, budget);
-    return tree.size() > 1 ? tree : draft_->propose(history, k, budget);
+    looked_up_ = tree.size() > 1;
+    return looked_up_ ? tree : draft_->propose(history, k, budget);
+  }
+
+  void verified(const std::vector<int64_t>& path) override {
+    (looked_up_ ? lookup_ : draft_)->verified(path);
   }
 
   void accepted(int64_t pos) override { draft_->accepted(pos); }
 
  private:
   std::unique_ptr<TreeProposer> lookup_, draft_;
+  bool looked_up_ = false;
 };
 
 TreeVerdict verify_greedy_tree(const Tree& tree, const at::Tensor& logits) {

@@ -60,6 +60,8 @@ class TreeProposer {
   virtual ~TreeProposer() = default;
   // A tree of at most `budget` nodes and depth k to follow history.
   virtual Tree propose(const std::vector<int64_t>& history, int64_t k, int64_t budget) = 0;
+  // The path verification accepted in the tree just proposed (node indices, root first).
+  virtual void verified(const std::vector<int64_t>& /*path*/) {}
   virtual void accepted(int64_t /*pos*/) {}
 };
 
