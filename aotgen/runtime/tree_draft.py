@@ -137,8 +137,8 @@ def chain_is_done(
 class Calibration:
     """How often verification accepted a drafted node, by its kind (the chain's pick, or a
     leaf beside it) and its draft probability (n-gram lookup: share), counted over the rounds
-    so far: a node is reached when its parent was accepted (or is the root). The estimate of
-    an unseen bin is the draft's probability itself."""
+    so far: a node is reached when its parent was accepted (or is the root). Before any
+    round the estimate is the draft's probability itself."""
 
     def __init__(self) -> None:
         self.reached = [[0] * CALIBRATION_BINS for _ in range(2)]
@@ -150,9 +150,15 @@ class Calibration:
         return min(int(p * CALIBRATION_BINS), CALIBRATION_BINS - 1)
 
     def estimate(self, p: float, leaf: bool) -> float:
-        b, kind = self._bin(p), int(leaf)
+        """The bin's rate, shrunk towards the kind's rate over all bins (itself shrunk towards
+        p), so that one round already corrects every bin of a draft that is under- or
+        overconfident throughout."""
+        kind = int(leaf)
+        seen, hits = sum(self.reached[kind]), sum(self.accepted[kind])
+        pooled = (hits + CALIBRATION_PRIOR * p) / (seen + CALIBRATION_PRIOR)
+        b = self._bin(p)
         seen, hits = self.reached[kind][b], self.accepted[kind][b]
-        return (hits + CALIBRATION_PRIOR * p) / (seen + CALIBRATION_PRIOR)
+        return (hits + CALIBRATION_PRIOR * pooled) / (seen + CALIBRATION_PRIOR)
 
     def drafted(self, tree: Tree, scores: list[tuple[bool, float]]) -> None:
         """The tree just proposed, with (leaf, draft probability) per node after the root."""

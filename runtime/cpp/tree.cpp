@@ -52,9 +52,17 @@ struct Leaf {
 // probability, over the rounds so far (tree_draft.py Calibration).
 class Calibration {
  public:
+  // The bin's rate, shrunk towards the kind's rate over all bins (itself shrunk towards p).
   double estimate(double p, bool leaf) const {
+    int64_t seen = 0, hits = 0;
+    for (int b = 0; b < kCalibrationBins; ++b) {
+      seen += reached_[leaf][b];
+      hits += accepted_[leaf][b];
+    }
+    const double pooled = (static_cast<double>(hits) + kCalibrationPrior * p) /
+                          (static_cast<double>(seen) + kCalibrationPrior);
     const int b = bin(p);
-    return (static_cast<double>(accepted_[leaf][b]) + kCalibrationPrior * p) /
+    return (static_cast<double>(accepted_[leaf][b]) + kCalibrationPrior * pooled) /
            (static_cast<double>(reached_[leaf][b]) + kCalibrationPrior);
   }
 
