@@ -499,14 +499,16 @@ def test_bench_samples_every_mode_with_seeds(tree_package, tmp_path, monkeypatch
 
 @pytest.mark.cpp
 @pytest.mark.parametrize(
-    "mode, flags",
+    "mode, flags, best_first",
     [
-        ("ngram", ["--lookup", "ngram"]),
-        ("draft", ["--speculative"]),
-        ("draft+ngram", ["--speculative", "--lookup", "ngram"]),
+        ("ngram", ["--lookup", "ngram"], False),
+        ("draft", ["--speculative"], False),
+        ("draft+ngram", ["--speculative", "--lookup", "ngram"], False),
+        # Both best-first proposers: lookup where it matches, the draft elsewhere.
+        ("draft+ngram", ["--speculative", "--lookup", "ngram"], True),
     ],
+    ids=["ngram", "draft", "draft+ngram", "draft+ngram-best-first"],
 )
-@pytest.mark.parametrize("best_first", [False, True], ids=["p-split", "best-first"])
 def test_cpp_tree_speculation_gives_pythons_ids(run_bin, tree_package, mode, flags, best_first):
     """aotgen-run --draft-parallel: the same ids and counts as the Python runtime, greedy and
     sampled (same drafting order, same random draws), and greedy equals plain."""
@@ -520,7 +522,7 @@ def test_cpp_tree_speculation_gives_pythons_ids(run_bin, tree_package, mode, fla
     tree = TreeParams(4, 0.05, best_first)
     tree_flags = ["--draft-parallel", "4", "--p-split", "0.05", "--k", "4"]
     tree_flags += ["--best-first"] if best_first else []
-    nodes = branches = 0
+    nodes = branches = lookups = 0
     for prompt in PROMPTS:
         ids = engine.tokenizer.encode(prompt)
         common = ["--max-new-tokens", str(N_TOKENS), "--ignore-eos"]
@@ -544,7 +546,10 @@ def test_cpp_tree_speculation_gives_pythons_ids(run_bin, tree_package, mode, fla
                 assert got["ids"] == _plain(engine, prompt)
             nodes += got["spec"]["tree_nodes"]
             branches += got["spec"]["branch_steps"]
+            lookups += got["spec"]["lookup_steps"]
     assert nodes > 0
+    if mode == "draft+ngram":
+        assert lookups > 0, "lookup never proposed: its tree code was not reached"
     if mode != "ngram":
         assert branches > 0, "no branch won: the test would not reach the branch code"
 
