@@ -109,7 +109,7 @@ def test_verify_tree_greedy_follows_argmax():
 def _random_chain_and_leaves(gen: torch.Generator, depth: int):
     """Path values of a chain of `depth` nodes and of up to 3 leaves at each of its positions,
     from random draft distributions (ranked probabilities at each position)."""
-    from aotgen.runtime.tree_draft import ranked_leaves
+    from aotgen.runtime.tree_shape import ranked_leaves
 
     values: list[float] = []
     leaves = []
@@ -128,7 +128,7 @@ def test_best_first_keeps_the_most_probable_tree():
     gets accepted) is the maximum, and the kept set is such a tree."""
     from itertools import combinations
 
-    from aotgen.runtime.tree_draft import best_first
+    from aotgen.runtime.tree_shape import best_first
 
     gen = torch.Generator().manual_seed(0)
     for trial in range(200):
@@ -153,7 +153,7 @@ def test_calibration_learns_acceptance_by_kind_and_probability():
     """Before any round the estimate is the draft's probability; after rounds it approaches
     the rate at which reached nodes of that kind and probability bin were accepted, and a bin
     without observations the kind's rate. Nodes whose parent was rejected teach nothing."""
-    from aotgen.runtime.tree_draft import Calibration
+    from aotgen.runtime.tree_shape import Calibration
 
     cal = Calibration()
     assert cal.estimate(0.25, leaf=False) == 0.25 and cal.estimate(0.25, leaf=True) == 0.25
@@ -177,7 +177,7 @@ def test_calibration_learns_acceptance_by_kind_and_probability():
 def test_chain_stops_only_when_its_next_node_cannot_be_kept():
     """chain_is_done says stop exactly when a chain node one deeper, at most as probable as
     the last, would not be kept by best_first, whatever its value."""
-    from aotgen.runtime.tree_draft import best_first, chain_is_done
+    from aotgen.runtime.tree_shape import best_first, chain_is_done
 
     gen = torch.Generator().manual_seed(1)
     for trial in range(200):

@@ -13,26 +13,15 @@ draws a branch's first token i.i.d. from the same distribution as the chain toke
 beside (duplicates included), which is what keeps sampled verification exact (tree.py); the
 number of branches at a position depends on that distribution only, never on the draws.
 
-`best_first` shapes the tree by the chance that verification accepts each node instead (the
-dynamic trees of Sequoia and EAGLE-2, restricted to what the chain's draft steps already
-computed): every chain position's next candidates are one-token leaves beside the chain token,
-a node's value is the product of its path's acceptance estimates, and the tree keeps the
-`budget - 1` most valuable nodes (the most tokens expected), at most `n_parallel - 1` of them
-leaves. Where the draft is sure the tree is the chain; where it is not, a likely sibling takes
-the row of a deep, unlikely chain node, and the chain stops drafting once its next node could
-not make the cut. Leaves cost no draft step. Their tokens are fixed by the draft's ranking
+`best_first` shapes the tree by the chance that verification accepts each node instead
+(tree_shape.py): the chain, cut where its next node is worth less than a leaf, and one-token
+leaves beside it. Leaves cost no draft step; their tokens are fixed by the draft's ranking
 (one-hot distributions), which sampled verification handles exactly (tree.py).
-
-The estimates come from the generation's own rounds (`Calibration`): a draft's probability
-is a poor guess of its acceptance. The shipped SmolLM2 draft (the target's weights in int4),
-teacher-forced on the target's greedy chat answers, puts 0.60 on its top token on average,
-yet that token is the target's 97 % of the time (89 % where the draft gave it under 0.3),
-and its second choice, at 0.13 on average, is the target's 2.5 % of the time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,14 +31,18 @@ from torch import Tensor
 from aotgen.runtime.ngram import NgramProposer
 from aotgen.runtime.sampling import SamplingParams, logits_to_probs, sample
 from aotgen.runtime.tree import Tree, commit_path, verify_tree
+from aotgen.runtime.tree_shape import (
+    MAX_SIBLINGS,
+    Calibration,
+    Leaf,
+    best_first,
+    chain_is_done,
+    ranked_leaves,
+)
 
 if TYPE_CHECKING:
     from aotgen.runtime.engine import Engine, GenerationConfig, ModelRunner
     from aotgen.runtime.speculative import SpecStats
-
-MAX_SIBLINGS = 7  # candidates tried per position, as llama.cpp's `for f = 1..7`
-CALIBRATION_BINS = 10  # acceptance is tracked per tenth of draft probability
-CALIBRATION_PRIOR = 2.0  # pseudo-observations at the draft's probability, before any round
 
 
 @dataclass(frozen=True)
@@ -58,7 +51,7 @@ class TreeParams:
 
     n_parallel: int = 4
     p_split: float = 0.1
-    best_first: bool = False  # shape the tree by path probability (module docstring)
+    best_first: bool = False  # the most likely accepted nodes instead (tree_shape.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.n_parallel, bool) or not (
@@ -77,103 +70,6 @@ def plan_branches(
     limit = min(params.n_parallel - 1, room)
     picked = [(j, tok, q) for j, opts in enumerate(options, 1) for tok, q in opts]
     return picked[:limit]
-
-
-@dataclass(frozen=True)
-class Leaf:
-    """A one-token branch beside the chain token at `depth`: its value (the chance that
-    verification accepts it), its rank among the position's candidates, its token and its
-    draft probability."""
-
-    value: float
-    depth: int
-    rank: int
-    token: int
-    p: float = 0.0
-
-
-def ranked_leaves(
-    probs: list[float],
-    tokens: list[int],
-    chain_token: int,
-    depth: int,
-    parent_value: float,
-    accept: Callable[[float], float] = float,
-) -> list[Leaf]:
-    """The candidates beside the chain token at `depth` (probs/tokens ranked, best first),
-    valued parent_value * accept(p)."""
-    alts = [(p, t) for p, t in zip(probs, tokens, strict=True) if t != chain_token]
-    return [
-        Leaf(parent_value * accept(p), depth, rank, t, p)
-        for rank, (p, t) in enumerate(alts[:MAX_SIBLINGS])
-    ]
-
-
-def best_first(
-    chain_values: list[float], leaves: list[Leaf], budget: int, n_parallel: int
-) -> tuple[int, list[Leaf]]:
-    """The chain nodes to keep (a count: the chain's prefix) and the leaves: the budget - 1
-    nodes of highest value, at most n_parallel - 1 of them leaves (by depth, then rank).
-    Ties go to chain nodes, then to shallower ones, so no node is kept without its parent (a
-    node's value is at most its parent's)."""
-    leaves = sorted(leaves, key=lambda f: (-f.value, f.depth, f.rank))[: n_parallel - 1]
-    chain = [((v, 1, -d, 0), None) for d, v in enumerate(chain_values, 1)]
-    side = [((f.value, 0, -f.depth, -f.rank), f) for f in leaves]
-    kept = sorted(chain + side, key=lambda c: c[0], reverse=True)[: budget - 1]
-    chosen = sorted((f for _, f in kept if f is not None), key=lambda f: (f.depth, f.rank))
-    return sum(f is None for _, f in kept), chosen
-
-
-def chain_is_done(
-    chain_values: list[float], leaves: list[Leaf], budget: int, n_parallel: int
-) -> bool:
-    """Whether the chain's next node could not be kept: its value is at most the last one's,
-    and the chain so far and the leaves above that value fill the budget."""
-    last = chain_values[-1]
-    above = sorted((f.value for f in leaves if f.value > last), reverse=True)
-    return len(chain_values) + len(above[: n_parallel - 1]) >= budget - 1
-
-
-class Calibration:
-    """How often verification accepted a drafted node, by its kind (the chain's pick, or a
-    leaf beside it) and its draft probability (n-gram lookup: share), counted over the rounds
-    so far: a node is reached when its parent was accepted (or is the root). Before any
-    round the estimate is the draft's probability itself."""
-
-    def __init__(self) -> None:
-        self.reached = [[0] * CALIBRATION_BINS for _ in range(2)]
-        self.accepted = [[0] * CALIBRATION_BINS for _ in range(2)]
-        self.pending: tuple[list[int], list[tuple[bool, float]]] | None = None
-
-    @staticmethod
-    def _bin(p: float) -> int:
-        return min(int(p * CALIBRATION_BINS), CALIBRATION_BINS - 1)
-
-    def estimate(self, p: float, leaf: bool) -> float:
-        """The bin's rate, shrunk towards the kind's rate over all bins (itself shrunk towards
-        p), so that one round already corrects every bin of a draft that is under- or
-        overconfident throughout."""
-        kind = int(leaf)
-        seen, hits = sum(self.reached[kind]), sum(self.accepted[kind])
-        pooled = (hits + CALIBRATION_PRIOR * p) / (seen + CALIBRATION_PRIOR)
-        b = self._bin(p)
-        seen, hits = self.reached[kind][b], self.accepted[kind][b]
-        return (hits + CALIBRATION_PRIOR * pooled) / (seen + CALIBRATION_PRIOR)
-
-    def drafted(self, tree: Tree, scores: list[tuple[bool, float]]) -> None:
-        """The tree just proposed, with (leaf, draft probability) per node after the root."""
-        self.pending = (list(tree.parents), scores)
-
-    def verified(self, path: list[int]) -> None:
-        if self.pending is None:
-            return
-        parents, scores = self.pending
-        self.pending = None
-        on_path = set(path)
-        for node, (leaf, p) in enumerate(scores, 1):
-            if parents[node] in on_path:
-                self.reached[int(leaf)][self._bin(p)] += 1
-                self.accepted[int(leaf)][self._bin(p)] += node in on_path
 
 
 class TreeDraftProposer:
@@ -339,7 +235,7 @@ class TreeLookupProposer:
             return tree
         tail = list(history[-self.ngram.max_n :])
         if self.tree_params.best_first:
-            return self._best_first(tree, tail, chain, budget)
+            return self._best_first(history[-1], tail, chain, budget)
         options = []
         for j in range(1, len(chain) + 1):
             context = tail + chain[: j - 1]
@@ -360,9 +256,9 @@ class TreeLookupProposer:
                 node = tree.add(node, t)
         return tree
 
-    def _best_first(self, tree: Tree, tail: list[int], chain: list[int], budget: int) -> Tree:
+    def _best_first(self, root: int, tail: list[int], chain: list[int], budget: int) -> Tree:
         """The chain and the other followers at each of its positions as leaves, valued by
-        the product of the followers' shares along the path (`best_first`)."""
+        the acceptance estimates of the followers' shares along the path (`best_first`)."""
         cal = self.calibration
         values: list[float] = []
         leaves: list[Leaf] = []
@@ -385,7 +281,7 @@ class TreeLookupProposer:
             chain_shares.append(share)
             values.append(parent * cal.estimate(share, leaf=False))
         kept, chosen = best_first(values, leaves, budget, self.tree_params.n_parallel)
-        best = Tree.root(tree.tokens[0])
+        best = Tree.root(root)
         best.looked_up = True
         for tok in chain[:kept]:
             best.add(len(best) - 1, tok)

@@ -1,5 +1,5 @@
-// Tree speculation: aotgen/runtime/tree.py and tree_draft.py, with the same random draws in
-// the same order, so both runtimes give the same ids (tests/test_cpp_runtime.py).
+// Tree speculation: aotgen/runtime/tree.py, tree_draft.py and tree_shape.py, with the same
+// random draws in the same order, so both runtimes give the same ids (tests/test_tree.py).
 #include "tree.h"
 
 #include <algorithm>
@@ -41,7 +41,7 @@ std::vector<Branch> plan_branches(const std::vector<std::vector<Branch>>& option
   return picked;
 }
 
-// A one-token branch beside the chain token at `depth` (tree_draft.py Leaf).
+// A one-token branch beside the chain token at `depth` (tree_shape.py Leaf).
 struct Leaf {
   double value;
   int64_t depth, rank, token;
@@ -49,7 +49,7 @@ struct Leaf {
 };
 
 // How often verification accepted a drafted node, by kind (chain pick or leaf) and draft
-// probability, over the rounds so far (tree_draft.py Calibration).
+// probability, over the rounds so far (tree_shape.py Calibration).
 class Calibration {
  public:
   // The bin's rate, shrunk towards the kind's rate over all bins (itself shrunk towards p).
@@ -73,8 +73,10 @@ class Calibration {
   }
 
   void verified(const std::vector<int64_t>& path) {
+    const auto on_path = [&](int64_t n) {
+      return std::find(path.begin(), path.end(), n) != path.end();
+    };
     for (std::size_t node = 1; node <= scores_.size(); ++node) {
-      const auto on_path = [&](int64_t n) { return std::find(path.begin(), path.end(), n) != path.end(); };
       if (!on_path(parents_[node])) continue;
       const auto [leaf, p] = scores_[node - 1];
       reached_[leaf][bin(p)] += 1;
@@ -84,7 +86,9 @@ class Calibration {
   }
 
  private:
-  static int bin(double p) { return std::min(static_cast<int>(p * kCalibrationBins), kCalibrationBins - 1); }
+  static int bin(double p) {
+    return std::min(static_cast<int>(p * kCalibrationBins), kCalibrationBins - 1);
+  }
 
   int64_t reached_[2][kCalibrationBins] = {};
   int64_t accepted_[2][kCalibrationBins] = {};
@@ -160,7 +164,7 @@ std::pair<int64_t, std::vector<Leaf>> best_first(const std::vector<double>& chai
   return {kept, chosen};
 }
 
-// Whether the chain's next node could not be kept (tree_draft.py chain_is_done).
+// Whether the chain's next node could not be kept (tree_shape.py chain_is_done).
 bool chain_is_done(const std::vector<double>& chain_values, const std::vector<Leaf>& leaves,
                    int64_t budget, int64_t n_parallel) {
   const double last = chain_values.back();
@@ -368,7 +372,7 @@ class TreeLookupProposer final : public TreeProposer {
 
  private:
   // The chain and the other followers at each of its positions as leaves, valued by the
-  // product of the followers' shares along the path (tree_draft.py _best_first).
+  // acceptance estimates of the followers' shares along the path (tree_draft.py _best_first).
   Tree best_first_tree(int64_t root, const std::vector<int64_t>& tail,
                        const std::vector<int64_t>& chain, int64_t budget) {
     std::vector<double> values, chain_p;
