@@ -230,6 +230,11 @@ ROWS = [
     run("two-prompts", ("--prompt", "a", "--chat", "b"), "give exactly one of", cpp=False),
     run("system-without-chat", ("--system", "be brief"), "--system goes with --chat", cpp=False),
     run("lookup-unknown", ("--lookup", "tree"), "the only lookup proposer is 'ngram'", cpp=False),
+    run(
+        "best-first-without-tree",
+        ("--lookup", "ngram", "--best-first"),
+        "--best-first shapes a token tree: add --draft-parallel N",
+    ),
     Row(
         "package-missing",
         ("run", "{project}/none", "--prompt", "hi"),

@@ -243,6 +243,9 @@ Args parse_args(int argc, char** argv) {
     }
   }
   if (args.package.empty()) throw UsageError("give the package directory");
+  if (tree.best_first && !use_tree) {
+    throw BadValue("--best-first shapes a token tree: add --draft-parallel N");
+  }
   if (use_tree) cfg.tree = tree;
   using aotgen::Speculative;
   cfg.speculative = draft    ? (lookup ? Speculative::DraftNgram : Speculative::Draft)
