@@ -6,7 +6,7 @@ keeps the `budget - 1` nodes most likely to be accepted, as Sequoia's and EAGLE-
 trees do: a node's value is the product of its path's acceptance estimates, so the kept nodes
 maximise the expected number of accepted tokens. The estimates are counted over the
 generation's own rounds (`Calibration`), since a draft's probability is a poor guess of
-acceptance (docs/speculative.md, "Token trees"). The C++ runtime (runtime/cpp/tree.cpp)
+acceptance (docs/speculative.md, "Token trees"). The C++ runtime (runtime/cpp/tree_shape.cpp)
 implements the same rules.
 """
 

@@ -13,14 +13,11 @@
 #include <ATen/ops/zeros.h>
 
 #include "detail.h"
+#include "tree_shape.h"
 
 namespace aotgen::detail {
 
 namespace {
-
-constexpr int64_t kMaxSiblings = 7;  // candidates tried per position, as llama.cpp's f = 1..7
-constexpr int kCalibrationBins = 10;     // acceptance tracked per tenth of draft probability
-constexpr double kCalibrationPrior = 2.0;  // pseudo-observations at the draft's probability
 
 struct Branch {
   int64_t depth, token;
@@ -39,148 +36,6 @@ std::vector<Branch> plan_branches(const std::vector<std::vector<Branch>>& option
     }
   }
   return picked;
-}
-
-// A one-token branch beside the chain token at `depth` (tree_shape.py Leaf).
-struct Leaf {
-  double value;
-  int64_t depth, rank, token;
-  double p;
-};
-
-// How often verification accepted a drafted node, by kind (chain pick or leaf) and draft
-// probability, over the rounds so far (tree_shape.py Calibration).
-class Calibration {
- public:
-  // The bin's rate, shrunk towards the kind's rate over all bins (itself shrunk towards p).
-  double estimate(double p, bool leaf) const {
-    int64_t seen = 0, hits = 0;
-    for (int b = 0; b < kCalibrationBins; ++b) {
-      seen += reached_[leaf][b];
-      hits += accepted_[leaf][b];
-    }
-    const double pooled = (static_cast<double>(hits) + kCalibrationPrior * p) /
-                          (static_cast<double>(seen) + kCalibrationPrior);
-    const int b = bin(p);
-    return (static_cast<double>(accepted_[leaf][b]) + kCalibrationPrior * pooled) /
-           (static_cast<double>(reached_[leaf][b]) + kCalibrationPrior);
-  }
-
-  // The tree just proposed, with (leaf, draft probability) per node after the root.
-  void drafted(const Tree& tree, std::vector<std::pair<bool, double>> scores) {
-    parents_ = tree.parents;
-    scores_ = std::move(scores);
-  }
-
-  void verified(const std::vector<int64_t>& path) {
-    const auto on_path = [&](int64_t n) {
-      return std::find(path.begin(), path.end(), n) != path.end();
-    };
-    for (std::size_t node = 1; node <= scores_.size(); ++node) {
-      if (!on_path(parents_[node])) continue;
-      const auto [leaf, p] = scores_[node - 1];
-      reached_[leaf][bin(p)] += 1;
-      accepted_[leaf][bin(p)] += on_path(static_cast<int64_t>(node));
-    }
-    scores_.clear();
-  }
-
- private:
-  static int bin(double p) {
-    return std::min(static_cast<int>(p * kCalibrationBins), kCalibrationBins - 1);
-  }
-
-  int64_t reached_[2][kCalibrationBins] = {};
-  int64_t accepted_[2][kCalibrationBins] = {};
-  std::vector<int64_t> parents_;
-  std::vector<std::pair<bool, double>> scores_;
-};
-
-// The candidates beside the chain token at `depth` (probs/tokens ranked, best first), valued
-// parent_value * calibration.estimate(p).
-void add_ranked_leaves(std::vector<Leaf>& leaves, const std::vector<double>& probs,
-                       const std::vector<int64_t>& tokens, int64_t chain_token, int64_t depth,
-                       double parent_value, const Calibration& calibration) {
-  int64_t rank = 0;
-  for (std::size_t i = 0; i < probs.size() && rank < kMaxSiblings; ++i) {
-    if (tokens[i] != chain_token) {
-      leaves.push_back({parent_value * calibration.estimate(probs[i], true), depth, rank++,
-                        tokens[i], probs[i]});
-    }
-  }
-}
-
-// (leaf, draft probability) per node of a tree of `kept` chain nodes and `leaves`.
-std::vector<std::pair<bool, double>> node_scores(const std::vector<double>& chain_p,
-                                                 int64_t kept, const std::vector<Leaf>& leaves) {
-  std::vector<std::pair<bool, double>> scores;
-  for (int64_t d = 0; d < kept; ++d) scores.emplace_back(false, chain_p[d]);
-  for (const auto& f : leaves) scores.emplace_back(true, f.p);
-  return scores;
-}
-
-// The n_parallel - 1 best leaves, best first.
-std::vector<Leaf> best_leaves(std::vector<Leaf> leaves, int64_t n_parallel) {
-  std::stable_sort(leaves.begin(), leaves.end(), [](const Leaf& a, const Leaf& b) {
-    return std::tie(b.value, a.depth, a.rank) < std::tie(a.value, b.depth, b.rank);
-  });
-  leaves.resize(std::min<std::size_t>(leaves.size(), static_cast<std::size_t>(n_parallel - 1)));
-  return leaves;
-}
-
-// The chain nodes to keep (a prefix) and the leaves: the budget - 1 most valuable nodes, at
-// most n_parallel - 1 of them leaves; ties go to chain nodes, then shallower ones.
-std::pair<int64_t, std::vector<Leaf>> best_first(const std::vector<double>& chain_values,
-                                                 const std::vector<Leaf>& all_leaves,
-                                                 int64_t budget, int64_t n_parallel) {
-  const auto leaves = best_leaves(all_leaves, n_parallel);
-  struct Candidate {
-    double value;
-    int64_t is_chain, neg_depth, neg_rank;
-    const Leaf* leaf;
-  };
-  std::vector<Candidate> all;
-  for (std::size_t d = 0; d < chain_values.size(); ++d) {
-    all.push_back({chain_values[d], 1, -static_cast<int64_t>(d + 1), 0, nullptr});
-  }
-  for (const auto& f : leaves) all.push_back({f.value, 0, -f.depth, -f.rank, &f});
-  std::stable_sort(all.begin(), all.end(), [](const Candidate& a, const Candidate& b) {
-    return std::tie(b.value, b.is_chain, b.neg_depth, b.neg_rank) <
-           std::tie(a.value, a.is_chain, a.neg_depth, a.neg_rank);
-  });
-  all.resize(std::min<std::size_t>(all.size(), static_cast<std::size_t>(budget - 1)));
-  int64_t kept = 0;
-  std::vector<Leaf> chosen;
-  for (const auto& c : all) {
-    if (c.leaf == nullptr) {
-      ++kept;
-    } else {
-      chosen.push_back(*c.leaf);
-    }
-  }
-  std::sort(chosen.begin(), chosen.end(), [](const Leaf& a, const Leaf& b) {
-    return std::tie(a.depth, a.rank) < std::tie(b.depth, b.rank);
-  });
-  return {kept, chosen};
-}
-
-// Whether the chain's next node could not be kept (tree_shape.py chain_is_done).
-bool chain_is_done(const std::vector<double>& chain_values, const std::vector<Leaf>& leaves,
-                   int64_t budget, int64_t n_parallel) {
-  const double last = chain_values.back();
-  int64_t above = 0;
-  for (const auto& f : leaves) above += f.value > last;
-  return static_cast<int64_t>(chain_values.size()) + std::min(above, n_parallel - 1) >=
-         budget - 1;
-}
-
-// The tree of a chain prefix and leaves (chain nodes first, at indices equal to depths).
-Tree assemble(int64_t root, const std::vector<std::pair<int64_t, at::Tensor>>& chain,
-              int64_t kept, const std::vector<Leaf>& leaves) {
-  Tree tree = Tree::root(root);
-  for (int64_t d = 0; d < kept; ++d) tree.add(tree.size() - 1, chain[d].first, chain[d].second);
-  for (const auto& f : leaves) tree.add(f.depth - 1, f.token);
-  return tree;
 }
 
 std::vector<double> to_doubles(const at::Tensor& t) {
