@@ -54,7 +54,7 @@ def bench(
     ] = 4,
     p_split: Annotated[float, typer.Option(help="tree rows: the branch threshold")] = 0.1,
     best_first: Annotated[
-        bool, typer.Option(help="tree rows: trees shaped by path probability (see `run`)")
+        bool, typer.Option(help="tree rows: best-first trees (see `run`)")
     ] = False,
     temperature: Annotated[
         float,

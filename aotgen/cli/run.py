@@ -87,8 +87,8 @@ def run(
     best_first: Annotated[
         bool,
         typer.Option(
-            help="tree drafting: keep the draft's most probable nodes (the chain and one-token "
-            "leaves beside it) instead of --p-split branches"
+            help="tree drafting: keep the nodes most likely to be accepted (the chain and "
+            "one-token leaves beside it) instead of --p-split branches"
         ),
     ] = False,
     threads: Annotated[

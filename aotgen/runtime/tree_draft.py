@@ -35,6 +35,7 @@ from aotgen.runtime.tree_shape import (
     MAX_SIBLINGS,
     Calibration,
     Leaf,
+    assemble,
     best_first,
     chain_is_done,
     ranked_leaves,
@@ -189,12 +190,8 @@ class TreeDraftProposer:
             logits = self.draft.decode(tok, start + depth)
         self.pos = start + len(picks)  # the root and all chain tokens but the last are written
         kept, chosen = best_first(values, leaves, budget, n_parallel)
-        tree = Tree.root(root)
-        for tok, q, _ in picks[:kept]:
-            tree.add(len(tree) - 1, tok, q)
-        for leaf in chosen:
-            tree.add(leaf.depth - 1, leaf.token)
-        cal.drafted(tree, [(False, p) for _, _, p in picks[:kept]] + [(True, f.p) for f in chosen])
+        tree, scores = assemble(root, picks, kept, chosen)
+        cal.drafted(tree, scores)
         if chosen:  # a leaf's position holds the chain token in the draft's cache
             self.pos = min(self.pos, start + min(f.depth for f in chosen))
         return tree
@@ -281,14 +278,11 @@ class TreeLookupProposer:
             chain_shares.append(share)
             values.append(parent * cal.estimate(share, leaf=False))
         kept, chosen = best_first(values, leaves, budget, self.tree_params.n_parallel)
-        best = Tree.root(root)
-        best.looked_up = True
-        for tok in chain[:kept]:
-            best.add(len(best) - 1, tok)
-        for leaf in chosen:
-            best.add(leaf.depth - 1, leaf.token)
-        cal.drafted(best, [(False, s) for s in chain_shares[:kept]] + [(True, f.p) for f in chosen])
-        return best
+        picks = [(tok, None, share) for tok, share in zip(chain, chain_shares, strict=True)]
+        tree, scores = assemble(root, picks, kept, chosen)
+        tree.looked_up = True
+        cal.drafted(tree, scores)
+        return tree
 
     def accepted(self, pos: int) -> None:
         pass

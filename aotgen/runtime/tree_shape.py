@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from torch import Tensor
+
 from aotgen.runtime.tree import Tree
 
 MAX_SIBLINGS = 7  # candidates tried per position, as llama.cpp's `for f = 1..7`
@@ -117,3 +119,18 @@ class Calibration:
             if parents[node] in on_path:
                 self.reached[int(leaf)][self._bin(p)] += 1
                 self.accepted[int(leaf)][self._bin(p)] += node in on_path
+
+
+def assemble(
+    root: int, chain: list[tuple[int, Tensor | None, float]], kept: int, leaves: list[Leaf]
+) -> tuple[Tree, list[tuple[bool, float]]]:
+    """The tree of the chain's first `kept` (token, probs, draft probability) picks, chain
+    nodes first at indices equal to their depths, then the leaves; and (leaf, draft
+    probability) per node after the root, for `Calibration.drafted`."""
+    tree = Tree.root(root)
+    for tok, q, _ in chain[:kept]:
+        tree.add(len(tree) - 1, tok, q)
+    for leaf in leaves:
+        tree.add(leaf.depth - 1, leaf.token)
+    scores = [(False, p) for _, _, p in chain[:kept]] + [(True, f.p) for f in leaves]
+    return tree, scores
