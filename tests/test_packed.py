@@ -56,7 +56,7 @@ def _int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("n,k", [(48, 64), (37, 131), (576, 576), (200, 1536)])
-@pytest.mark.parametrize("bits", [32, 8])
+@pytest.mark.parametrize("bits", [32, 16, 8])
 def test_kernel_matches_linear(lib, n, k, bits):
     torch.manual_seed(n * k + bits)
     w = torch.randn(n, k)
@@ -64,6 +64,8 @@ def test_kernel_matches_linear(lib, n, k, bits):
         q, scale = _int8(w)
         dense, weight = q.float() * scale[:, None], pk.pack(q)
         scale = torch.cat([scale, torch.zeros(pk.padded_outputs(n) - n)])
+    elif bits == 16:
+        dense, weight, scale = w.bfloat16().float(), pk.pack(w.bfloat16()), None
     else:
         dense, weight, scale = w, pk.pack(w), None
     for m in (1, 2, 3, 5, 7, 8, 9, 16, 33, 64):
@@ -75,14 +77,22 @@ def test_kernel_matches_linear(lib, n, k, bits):
                 assert _rel(out, ref) < 1e-4, (m, rows, panels)
 
 
-def test_pack_round_trip_and_gather():
-    w = torch.randn(37, 11)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_pack_round_trip_and_gather(dtype):
+    w = (torch.randn(37, 11) * 20).to(dtype)
     packed = pk.pack(w)
     assert packed.shape == (3, 11, 16)
     assert torch.equal(pk.unpack(packed)[:37], w)
     assert not pk.unpack(packed)[37:].any()
     ids = torch.tensor([[0, 36, 17], [5, 5, 16]])
     assert torch.equal(pk.gather_rows(packed, ids), F.embedding(ids, w))
+
+
+def test_bfloat16_panel_rows_hold_outputs_in_slot_order():
+    """The kernel reads a bfloat16 row's outputs 0-7 from the even slots, 8-15 from the odd."""
+    w = torch.arange(16, dtype=torch.bfloat16)[:, None]  # output n's weight is n
+    row = pk.pack(w)[0, 0].tolist()
+    assert row[0::2] == list(range(8)) and row[1::2] == list(range(8, 16))
 
 
 def test_reference_ops_match_linear():
@@ -93,3 +103,54 @@ def test_reference_ops_match_linear():
     padded = torch.cat([scale, torch.zeros(8)])
     out = torch.ops.aotgen.packed_linear_int8(x, pk.pack(q), padded, 3, 2)
     assert _rel(out[:, :40], F.linear(x, q.float() * scale[:, None])) < 1e-6
+    out = torch.ops.aotgen.packed_linear_bf16(x, pk.pack(w.bfloat16()), 3, 2)
+    assert _rel(out[:, :40], F.linear(x, w.bfloat16().float())) < 1e-6
+
+
+def _bf16_graphs(rows: tuple[int, ...]):
+    from aotgen.passes.pack import PackLinears
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.SiLU(), torch.nn.Linear(48, 37))
+    net = net.to(torch.bfloat16).eval()
+    graphs = [
+        (r, torch.export.export(net, (torch.randn(r, 24, dtype=torch.bfloat16),))) for r in rows
+    ]
+    return PackLinears, graphs
+
+
+def test_pack_pass_runs_bfloat16_linears_on_panels():
+    """bfloat16 linears onto `packed_linear_bf16` (float32 sums, the result rounded to
+    bfloat16 once, as F.linear's), the packed weights shared by both graphs."""
+    pack_linears, graphs = _bf16_graphs((1, 5))
+    pack = pack_linears(lambda kind, n, k, rows: (min(rows, 8), 2), rows=(1, 5))
+    for rows, ep in graphs:
+        x = torch.randn(rows, 24, dtype=torch.bfloat16)
+        with torch.no_grad():
+            want = ep.module()(x).float()
+        new = pack(ep, rows)
+        targets = [n.target for n in new.graph.nodes if n.op == "call_function"]
+        assert targets.count(torch.ops.aotgen.packed_linear_bf16.default) == 2
+        assert torch.ops.aten.linear.default not in targets
+        with torch.no_grad():
+            got = new.module()(x)
+        assert got.dtype == torch.bfloat16
+        assert _rel(got.float(), want) < 1e-2  # bfloat16 rounding of the outputs: ~4e-3
+
+
+def test_bfloat16_weights_stay_row_major_where_blas_is_faster():
+    """One decision per weight: F.linear faster at a row count above one -> every graph keeps
+    `aten.linear`; faster at one row only -> panels everywhere."""
+    from aotgen.passes.pack import ROW_MAJOR
+
+    for slow_rows, packed in ((5, False), (1, True)):
+        pack_linears, graphs = _bf16_graphs((1, 5))
+
+        def choose(kind, n, k, rows, slow_rows=slow_rows):
+            return ROW_MAJOR if rows == slow_rows and rows > 1 else (min(rows, 8), 1)
+
+        pack = pack_linears(choose, rows=(1, 5))
+        for rows, ep in graphs:
+            targets = [n.target for n in pack(ep, rows).graph.nodes]
+            assert (torch.ops.aotgen.packed_linear_bf16.default in targets) == packed, rows
+            assert (torch.ops.aten.linear.default in targets) != packed, rows

@@ -1,10 +1,11 @@
-// Register-tiled matmuls for linears with float32 or int8 (per output channel) weights and
-// float32 activations: out [M, N] = x [M, K] @ W^T. Compiled into each graph's .so by
-// AOTInductor as the C shims of `aotgen::packed_linear` / `aotgen::packed_linear_int8`
-// (kernels/packed.py).
+// Register-tiled matmuls for linears with float32, bfloat16 or int8 (per output channel)
+// weights and float32 activations: out [M, N] = x [M, K] @ W^T. Compiled into each graph's .so
+// by AOTInductor as the C shims of `aotgen::packed_linear[_bf16|_int8]` (kernels/packed.py).
 //
 // Layout: the weight in panels of 16 output features, [N / 16][K][16]: input k of a panel's 16
-// outputs is one 64-byte vector (int8: 16 bytes). A tile of RM activation rows x RN panels
+// outputs is one 64-byte vector (int8: 16 bytes; bfloat16: 32 bytes, outputs in the order
+// 0, 8, 1, 9, ..., 7, 15, so that one 256-bit load gives outputs 0-7 as its 32-bit lanes
+// shifted left by 16 and outputs 8-15 as the lanes with their low halves cleared). A tile of RM activation rows x RN panels
 // keeps RM * RN vector accumulators in registers; each step over k loads RN weight vectors once
 // and multiplies them into every row (one broadcast per row), so a weight is read once per
 // step whatever the number of rows, and no horizontal sums are needed at the end. One row
@@ -39,6 +40,21 @@ constexpr int64_t kPrefetchBytes = 1024;  // 512-2048 measured alike
 
 typedef float vf_unaligned __attribute__((vector_size(4 * kLanes), aligned(4)));
 typedef int8_t vi8_unaligned __attribute__((vector_size(kLanes), aligned(1)));
+typedef uint32_t vbf16_pairs __attribute__((vector_size(32), aligned(2)));  // a bf16 panel row
+typedef float vf8 __attribute__((vector_size(32)));
+
+// One bfloat16 panel row (16 weights, stored as outputs 0, 8, 1, 9, ...) as float32 vectors in
+// output order: a bfloat16 is the top half of its float32.
+__attribute__((always_inline)) inline void load_bf16(const uint16_t* w, vf out[kVecs]) {
+  const vbf16_pairs pairs = *(const vbf16_pairs*)w;
+  const vf8 lo = (vf8)(pairs << 16), hi = (vf8)(pairs & 0xffff0000u);
+#ifdef __AVX512F__
+  out[0] = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  out[0] = lo;
+  out[1] = hi;
+#endif
+}
 
 template <typename W>
 __attribute__((always_inline)) inline vf load(const W* w) {  // no memcpy: it may use the stack
@@ -68,7 +84,7 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, const float
   // on each line (several rows; int8 widened in registers) the hardware prefetcher alone lets
   // streams from memory stall: measured 10-15 % off a 7-row step, 25 % off a 1-row int8 step.
   // One float32 row streams fast enough without (there it measured 1-2 % slower).
-  constexpr bool kPrefetch = RM > 1 || sizeof(W) == 1;
+  constexpr bool kPrefetch = RM > 1 || sizeof(W) < 4;
   constexpr int64_t kLineK = 64 / (kPanel * sizeof(W));
   constexpr int64_t kAheadK = kPrefetchBytes / (kPanel * sizeof(W));
   for (int64_t k = 0; k < K; k++) {
@@ -76,11 +92,23 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, const float
     if (kPrefetch && k % kLineK == 0)
 #pragma GCC unroll 8
       for (int r = 0; r < RN; r++) __builtin_prefetch(wk + r * K * kPanel + kAheadK * kPanel, 0, 2);
+    if constexpr (sizeof(W) == 2) {  // bfloat16: widened once per step, kept for every row
+      vf wv[V];
+#pragma GCC unroll 8
+      for (int r = 0; r < RN; r++) load_bf16(wk + r * K * kPanel, wv + r * kVecs);
 #pragma GCC unroll 64
-    for (int m = 0; m < RM; m++) {
-      const float xv = x[m * ldx + k];  // the weight vectors are reloaded per row from L1:
-#pragma GCC unroll 64                   // registers hold the accumulators and one broadcast
-      for (int v = 0; v < V; v++) acc[m][v] += load(wk + (v / kVecs) * K * kPanel + (v % kVecs) * kLanes) * xv;
+      for (int m = 0; m < RM; m++) {
+        const float xv = x[m * ldx + k];
+#pragma GCC unroll 64
+        for (int v = 0; v < V; v++) acc[m][v] += wv[v] * xv;
+      }
+    } else {
+#pragma GCC unroll 64
+      for (int m = 0; m < RM; m++) {
+        const float xv = x[m * ldx + k];  // the weight vectors are reloaded per row from L1:
+#pragma GCC unroll 64                     // registers hold the accumulators and one broadcast
+        for (int v = 0; v < V; v++) acc[m][v] += load(wk + (v / kVecs) * K * kPanel + (v % kVecs) * kLanes) * xv;
+      }
     }
   }
 #pragma GCC unroll 64
@@ -175,6 +203,8 @@ extern "C" void aotgen_packed_linear(int bits, const float* x, int64_t M, int64_
                                      float* out, int rows, int panels) {
   if (bits == 8)
     aotgen_packed::linear(x, K, M, K, (const int8_t*)weight, scale, N, out, rows, panels);
+  else if (bits == 16)
+    aotgen_packed::linear(x, K, M, K, (const uint16_t*)weight, nullptr, N, out, rows, panels);
   else
     aotgen_packed::linear(x, K, M, K, (const float*)weight, nullptr, N, out, rows, panels);
 }
@@ -182,8 +212,8 @@ extern "C" void aotgen_packed_linear(int bits, const float* x, int64_t M, int64_
 // Hidden: the shims stay inside the graph's .so (export/shims.py links them in).
 #pragma GCC visibility push(hidden)
 // The C shims AOTInductor calls: x [M, K] float32 (rows may be strided), the packed weight
-// [N / 16, K, 16] (and int8 scales [N]) -> a new float32 [M, N].
-static AOTITorchError aotgen_packed_shim(AtenTensorHandle x, AtenTensorHandle weight,
+// [N / 16, K, 16] of `bits` (and int8 scales [N]) -> a new float32 [M, N].
+static AOTITorchError aotgen_packed_shim(int bits, AtenTensorHandle x, AtenTensorHandle weight,
                                          AtenTensorHandle scale, int64_t rows, int64_t panels,
                                          AtenTensorHandle* ret0) {
   int64_t *x_sizes, *x_strides, *w_sizes;
@@ -202,12 +232,16 @@ static AOTITorchError aotgen_packed_shim(AtenTensorHandle x, AtenTensorHandle we
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(weight, &w_data));
   if (scale) AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(scale, &s_data));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(out, &o_data));
-  if (scale)
-    aotgen_packed::linear((const float*)x_data, x_strides[0], M, K, (const int8_t*)w_data,
-                          (const float*)s_data, N, (float*)o_data, (int)rows, (int)panels);
-  if (!scale)
-    aotgen_packed::linear((const float*)x_data, x_strides[0], M, K, (const float*)w_data,
-                          nullptr, N, (float*)o_data, (int)rows, (int)panels);
+  const float* xs = (const float*)x_data;
+  if (bits == 8)
+    aotgen_packed::linear(xs, x_strides[0], M, K, (const int8_t*)w_data, (const float*)s_data, N,
+                          (float*)o_data, (int)rows, (int)panels);
+  else if (bits == 16)
+    aotgen_packed::linear(xs, x_strides[0], M, K, (const uint16_t*)w_data, nullptr, N,
+                          (float*)o_data, (int)rows, (int)panels);
+  else
+    aotgen_packed::linear(xs, x_strides[0], M, K, (const float*)w_data, nullptr, N,
+                          (float*)o_data, (int)rows, (int)panels);
   *ret0 = out;
   return AOTI_TORCH_SUCCESS;
 }
@@ -215,14 +249,20 @@ static AOTITorchError aotgen_packed_shim(AtenTensorHandle x, AtenTensorHandle we
 AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenTensorHandle weight,
                                             int64_t rows, int64_t panels,
                                             AtenTensorHandle* ret0) {
-  return aotgen_packed_shim(x, weight, nullptr, rows, panels, ret0);
+  return aotgen_packed_shim(32, x, weight, nullptr, rows, panels, ret0);
+}
+
+AOTITorchError aoti_torch_cpu_packed_linear_bf16(AtenTensorHandle x, AtenTensorHandle weight,
+                                                 int64_t rows, int64_t panels,
+                                                 AtenTensorHandle* ret0) {
+  return aotgen_packed_shim(16, x, weight, nullptr, rows, panels, ret0);
 }
 
 AOTITorchError aoti_torch_cpu_packed_linear_int8(AtenTensorHandle x,
                                                  AtenTensorHandle weight,
                                                  AtenTensorHandle scale, int64_t rows,
                                                  int64_t panels, AtenTensorHandle* ret0) {
-  return aotgen_packed_shim(x, weight, scale, rows, panels, ret0);
+  return aotgen_packed_shim(8, x, weight, scale, rows, panels, ret0);
 }
 #pragma GCC visibility pop
 #endif

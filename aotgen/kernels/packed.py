@@ -48,31 +48,51 @@ def padded_outputs(n: int) -> int:
     return -(-n // PANEL) * PANEL
 
 
+def slot(outputs: Tensor) -> Tensor:
+    """Where output `n % 16` sits in a bfloat16 panel row: outputs 0-7 in the even slots, 8-15
+    in the odd ones (packed.cpp widens a row's two halves with one shift and one mask)."""
+    return outputs % 8 * 2 + outputs // 8
+
+
 def pack(w: Tensor) -> Tensor:
-    """[N, K] -> [ceil(N / 16), K, 16]: panel p holds outputs 16p..16p+15, input-major.
-    Outputs past N are zero."""
+    """[N, K] -> [ceil(N / 16), K, 16]: panel p holds outputs 16p..16p+15, input-major (for
+    bfloat16 in `slot` order). Outputs past N are zero."""
     n, k = w.shape
     padded = torch.zeros(padded_outputs(n), k, dtype=w.dtype, device=w.device)
     padded[:n] = w
-    return padded.reshape(-1, PANEL, k).transpose(1, 2).contiguous()
+    packed = padded.reshape(-1, PANEL, k).transpose(1, 2)
+    if w.dtype == torch.bfloat16:
+        packed = packed[..., torch.argsort(slot(torch.arange(PANEL)))]
+    return packed.contiguous()
 
 
 def unpack(packed: Tensor) -> Tensor:
     """[P, K, 16] -> [16 P, K] (padding included)."""
     p, k, _ = packed.shape
+    if packed.dtype == torch.bfloat16:
+        packed = packed[..., slot(torch.arange(PANEL))]
     return packed.transpose(1, 2).reshape(p * PANEL, k)
 
 
 def gather_rows(packed: Tensor, ids: Tensor) -> Tensor:
     """Rows `ids` of the unpacked weight ([*ids.shape, K]), read from the panels: an embedding
     that shares its table with a packed head needs no second copy."""
-    return torch.ops.aten.index.Tensor(packed, [ids // PANEL, None, ids % PANEL])
+    lo = ids % PANEL
+    if packed.dtype == torch.bfloat16:
+        lo = slot(lo)
+    return torch.ops.aten.index.Tensor(packed, [ids // PANEL, None, lo])
 
 
 @torch.library.custom_op("aotgen::packed_linear", mutates_args=())
 def packed_linear(x: Tensor, weight: Tensor, rows: int, panels: int) -> Tensor:
     """x [M, K] float32 @ unpack(weight)^T -> [M, 16 P]."""
     return x @ unpack(weight).T
+
+
+@torch.library.custom_op("aotgen::packed_linear_bf16", mutates_args=())
+def packed_linear_bf16(x: Tensor, weight: Tensor, rows: int, panels: int) -> Tensor:
+    """x [M, K] float32 @ unpack(weight bfloat16)^T, summed in float32 -> [M, 16 P]."""
+    return x @ unpack(weight).float().T
 
 
 @torch.library.custom_op("aotgen::packed_linear_int8", mutates_args=())
@@ -86,12 +106,21 @@ def _(x: Tensor, weight: Tensor, rows: int, panels: int) -> Tensor:
     return x.new_empty(x.shape[0], weight.shape[0] * PANEL)
 
 
+@packed_linear_bf16.register_fake
+def _(x: Tensor, weight: Tensor, rows: int, panels: int) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0] * PANEL)
+
+
 @packed_linear_int8.register_fake
 def _(x: Tensor, weight: Tensor, scale: Tensor, rows: int, panels: int) -> Tensor:
     return x.new_empty(x.shape[0], weight.shape[0] * PANEL)
 
 
-OPS = (torch.ops.aotgen.packed_linear.default, torch.ops.aotgen.packed_linear_int8.default)
+OPS = (
+    torch.ops.aotgen.packed_linear.default,
+    torch.ops.aotgen.packed_linear_bf16.default,
+    torch.ops.aotgen.packed_linear_int8.default,
+)
 
 
 # ---- the kernel as a plain shared library: tests and the build's autotune ---------------------
@@ -128,12 +157,13 @@ def run_library(
     panels: int,
     out: Tensor | None = None,
 ) -> Tensor:
-    """The C++ kernel on contiguous CPU tensors (x float32 [M, K])."""
+    """The C++ kernel on contiguous CPU tensors (x float32 [M, K]; the weight float32,
+    bfloat16, or int8 with `scale`)."""
     (m, k), n = x.shape, weight.shape[0] * PANEL
     out = torch.empty(m, n) if out is None else out
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.aotgen_packed_linear(
-        ctypes.c_int(8 if scale is not None else 32), ptr(x.data_ptr()), i64(m), i64(k),
+        ctypes.c_int(weight.element_size() * 8), ptr(x.data_ptr()), i64(m), i64(k),
         ptr(weight.data_ptr()), ptr(scale.data_ptr() if scale is not None else 0), i64(n),
         ptr(out.data_ptr()), ctypes.c_int(rows), ctypes.c_int(panels),
     )  # fmt: skip

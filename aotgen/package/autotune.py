@@ -24,7 +24,9 @@ A rebuild reuses them, so its graphs (and their compiles) stay the same; `retune
 
 The int8-activation block linears (kernels/block_dot.py, kinds `block-int4` / `block-int8`) are
 timed twice: on `gguf_dot`'s panels (their Q4_1 / Q8_0 blocks, every tile) and on
-`block_dot.cpp`; `choose` answers `BLOCK_DOT` where the latter was faster.
+`block_dot.cpp`; `choose` answers `BLOCK_DOT` where the latter was faster. bfloat16 weights are
+timed against the CPU's own bfloat16 matmul (`F.linear`, oneDNN), which `choose` answers
+`ROW_MAJOR` for at several rows where it was faster.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from aotgen.kernels import block_dot as bd
 from aotgen.kernels import gguf_blocks as gb
 from aotgen.kernels import gguf_dot
 from aotgen.kernels import packed as pk
-from aotgen.passes.pack import BLOCK_DOT  # `choose` for a block linear faster on block_dot.cpp
+from aotgen.passes.pack import BLOCK_DOT, ROW_MAJOR  # `choose`'s answers: keep that kernel
 
 # Each candidate runs in ROUNDS interleaved rounds, each up to ROUND_CALLS calls or
 # ROUND_BUDGET_S (at least one call); its fastest call counts.
@@ -66,14 +68,16 @@ COLD_BYTES = 64 << 20  # copies of a weight the candidates take turns over (beyo
 
 @dataclass(frozen=True)
 class Tile:
-    kind: str  # "float32" | "int8" | "gguf-<block type>" | "gguf-dot-<block type>" | "block-int4|8"
+    kind: (
+        str  # "float32" | "bfloat16" | "int8" | "gguf-<type>" | "gguf-dot-<type>" | "block-int4|8"
+    )
     n: int
     k: int
     rows: int  # activation rows per call
     tile_rows: int
     tile_panels: int
     us: float  # the chosen tile, microseconds per call
-    blas_us: float  # F.linear on the row-major float32 weight, for comparison
+    blas_us: float  # F.linear on the row-major weight (float32; bfloat16 for that kind)
     block_dot_us: float | None = None  # block kinds: block_dot.cpp (`us`: gguf_dot's best tile)
 
 
@@ -179,7 +183,8 @@ class Autotune:
             self._known = json.loads(self._file.read_text())
 
     def choose(self, kind: str, n: int, k: int, rows: int) -> tuple[int, int]:
-        """The fastest tile, or `BLOCK_DOT` for a block kind whose own kernel was faster."""
+        """The fastest tile; `BLOCK_DOT` for a block kind whose own kernel was faster, and
+        `ROW_MAJOR` for bfloat16 at several rows where F.linear was."""
         key = (kind, n, k, rows)
         if key not in self.tiles:
             known = dict(self._known.get(repr(key), {}))
@@ -194,6 +199,8 @@ class Autotune:
         tile = self.tiles[key]
         if tile.block_dot_us is not None and tile.block_dot_us < tile.us:
             return BLOCK_DOT
+        if kind == "bfloat16" and rows > 1 and tile.blas_us < tile.us:
+            return ROW_MAJOR
         return tile.tile_rows, tile.tile_panels
 
     @property
@@ -237,14 +244,18 @@ class Autotune:
         if kind == "int8":
             scale = torch.full((pk.padded_outputs(n),), 0.01)
             w = w.mul(20).clamp(-127, 127).to(torch.int8)
+        elif kind == "bfloat16":
+            w = w.bfloat16()
         packed = cold(pk.pack(w))
         out = torch.empty(rows, pk.padded_outputs(n))
         runs = {}
         if lib is not None:
             for tile in candidates(rows):
                 runs[tile] = lambda t=tile: pk.run_library(lib, x, packed(), scale, *t, out=out)
-        dense = cold(w.float())
-        runs["blas"] = lambda: F.linear(x, dense())
+        # bfloat16 against the CPU's bfloat16 matmul (the pass keeps it where it is faster)
+        dense = cold(w if kind == "bfloat16" else w.float())
+        x_blas = x.to(dense().dtype)
+        runs["blas"] = lambda: F.linear(x_blas, dense())
         return _fastest_tile(kind, n, k, rows, fastest_us(runs))
 
     def _measure_blocks(self, kind: str, n: int, k: int, rows: int) -> Tile:

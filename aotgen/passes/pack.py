@@ -1,11 +1,12 @@
 """Linears onto the packed-panel kernels (kernels/packed.py), as a graph pass.
 
-Every CPU linear with a float32 weight (`aten.linear`) or an int8 per-channel weight (the
-quantize pass's `_weight_int8pack_mm`) becomes `aotgen.packed_linear[_int8]` on the weight
-repacked into 16-output panels, with the tile the build's autotune measured fastest for the
-graph's row count (package/autotune.py). An embedding that shares its table with a packed head
-(tied embeddings, float32 or int8) gathers its rows from the panels, so the weight is stored
-once.
+Every CPU linear with a float32 or bfloat16 weight (`aten.linear`) or an int8 per-channel
+weight (the quantize pass's `_weight_int8pack_mm`) becomes `aotgen.packed_linear[_bf16|_int8]`
+on the weight repacked into 16-output panels, with the tile the build's autotune measured
+fastest for the graph's row count (package/autotune.py). An embedding that shares its table
+with a packed head (tied embeddings) gathers its rows from the panels, so the weight is stored
+once. A bfloat16 weight stays row-major where the CPU's own bfloat16 matmul (oneDNN; AMX tiles
+where the CPU has them) measured faster at one of the model's row counts above one.
 
 A weight is left as it is when anything else reads it: packing it would need a second copy.
 Those linears keep the row-major paths (passes/gemv.py for few rows, BLAS / the extern kernels
@@ -56,6 +57,7 @@ INT4_MM = torch.ops.quantized.int4mm_packed_weight_cpu.default
 # (`block-int4` / `block-int8`), BLOCK_DOT where block_dot.cpp measured faster.
 TileChooser = Callable[[str, int, int, int], tuple[int, int]]
 BLOCK_DOT = (0, 0)  # the autotune's answer: keep block_dot.cpp
+ROW_MAJOR = (-1, -1)  # its answer for a bfloat16 shape that F.linear ran faster
 BLOCK_BITS = {bd.OP_FOR["int4"]: 4, bd.OP_FOR["int8"]: 8}
 
 
@@ -72,6 +74,7 @@ class PackLinears:
         self._dot: dict[int, tuple[Tensor, tuple | None]] = {}  # id(block weight) -> panels
         self._int4: dict[int, tuple[Tensor, tuple]] = {}  # id(int4 weight) -> Q4_1 panels
         self._packed: dict[int, tuple[Tensor, Tensor, Tensor | None]] = {}  # id(source) -> ...
+        self._row_major: dict[int, tuple[Tensor, bool]] = {}  # id(bf16 weight) -> kept as is
         self._blocks: dict[int, tuple[Tensor, list[tuple[Segment, tuple]]]] = {}
         self.packed_names: set[str] = set()
         self.int4_names: set[str] = set()  # int4 weights moved onto Q4_1 panels
@@ -86,6 +89,8 @@ class PackLinears:
         for weight in dict.fromkeys(n.args[1] for n in linears):  # each weight once
             found = edit.weight(weight)
             if found is None or not self._packable(found[1], weight):
+                continue
+            if found[1].dtype == torch.bfloat16 and self._bf16_row_major(found[1]):
                 continue
             segments = None
             if self.gguf is not None and found[1].dtype == torch.float32:
@@ -105,7 +110,9 @@ class PackLinears:
     def _packable(t: Tensor, weight: Node) -> bool:
         """Every reader is a linear on `weight` (a float32 one, or the int8 kernel on an int8
         one) or an embedding; at most one leading dim of the activations is symbolic."""
-        if t.device.type != "cpu" or t.dim() != 2 or t.dtype not in (torch.float32, torch.int8):
+        if t.device.type != "cpu" or t.dim() != 2:
+            return False
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.int8):
             return False
         linear = INT8_MM if t.dtype == torch.int8 else aten.linear.default
         for user in weight.users:
@@ -116,6 +123,17 @@ class PackLinears:
             elif not (user.target == aten.embedding.default and user.args[0] is weight):
                 return False
         return True
+
+    def _bf16_row_major(self, t: Tensor) -> bool:
+        """Whether a bfloat16 weight keeps the row-major paths: F.linear measured faster than
+        the panels at a row count above one of some graph (one decision for all graphs, which
+        share the weight)."""
+        if id(t) not in self._row_major:
+            n, k = t.shape
+            several = [r for r in dict.fromkeys(self.rows) if r > 1]
+            keep = any(self.choose_tile("bfloat16", n, k, r) == ROW_MAJOR for r in several)
+            self._row_major[id(t)] = (t, keep)
+        return self._row_major[id(t)][1]
 
     def _weights(
         self, edit: WeightEditor, weight: Node, target: str, t: Tensor
@@ -159,14 +177,19 @@ class PackLinears:
             x = x.args[0]  # the bf16 cast was for the int8 kernel; this one reads float32
         lead = view_dims(x.meta["val"].shape[:-1])  # the leading dims back as they were
         flat = add(aten.reshape.default, x, [-1, k])
-        if scale is not None and x.meta["val"].dtype != torch.float32:
+        if x.meta["val"].dtype != torch.float32:  # exact: bfloat16 values are float32 values
             flat = add(aten._to_copy.default, flat, dtype=torch.float32)
-        kind = "int8" if scale is not None else "float32"
+        dtype = w.meta["val"].dtype
+        kind = "int8" if scale is not None else "bfloat16" if dtype == torch.bfloat16 else "float32"
         tile = self.choose_tile(kind, n, k, _rows(lead, rows))
-        if scale is None:
-            out = add(torch.ops.aotgen.packed_linear.default, flat, w, *tile)
-        else:
+        if tile == ROW_MAJOR:  # a row count `_bf16_row_major` did not ask about
+            tile = (min(_rows(lead, rows), 8), 1)
+        if scale is not None:
             out = add(torch.ops.aotgen.packed_linear_int8.default, flat, w, scale, *tile)
+        elif dtype == torch.bfloat16:
+            out = add(torch.ops.aotgen.packed_linear_bf16.default, flat, w, *tile)
+        else:
+            out = add(torch.ops.aotgen.packed_linear.default, flat, w, *tile)
         if pk.padded_outputs(n) != n:
             out = add(aten.slice.Tensor, out, 1, 0, n)
         out = add(aten.reshape.default, out, [*lead, n])
@@ -368,6 +391,10 @@ def _gather_q8_0(add: Callable[..., Node], node: Node, codes: Node, groups: Node
 
 
 def _gather(add: Callable[..., Node], packed: Node, ids: Node) -> Node:
+    """`pk.gather_rows` in the graph."""
     hi = add(aten.div.Tensor_mode, ids, pk.PANEL, rounding_mode="floor")
     lo = add(aten.remainder.Scalar, ids, pk.PANEL)
+    if packed.meta["val"].dtype == torch.bfloat16:  # pk.slot
+        half = add(aten.div.Tensor_mode, lo, 8, rounding_mode="floor")
+        lo = add(aten.add.Tensor, add(aten.mul.Tensor, add(aten.remainder.Scalar, lo, 8), 2), half)
     return add(aten.index.Tensor, packed, [hi, None, lo])
