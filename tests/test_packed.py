@@ -154,3 +154,30 @@ def test_bfloat16_weights_stay_row_major_where_blas_is_faster():
             targets = [n.target for n in pack(ep, rows).graph.nodes]
             assert (torch.ops.aotgen.packed_linear_bf16.default in targets) == packed, rows
             assert (torch.ops.aten.linear.default in targets) != packed, rows
+
+
+def test_tied_bfloat16_embedding_gathers_from_the_head_panels():
+    """An embedding tied to a packed bfloat16 head reads its rows from the panels (in their
+    slot order): the same values as the embedding, one stored weight."""
+    from aotgen.passes.pack import PackLinears
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(37, 24)
+            self.head = torch.nn.Linear(24, 37, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(ids) * 2)
+
+    net = Tied().to(torch.bfloat16).eval()
+    ids = torch.tensor([[0, 36, 17, 8, 9]])
+    ep = torch.export.export(net, (ids,))
+    with torch.no_grad():
+        want = ep.module()(ids).float()
+    new = PackLinears(lambda kind, n, k, rows: (min(rows, 8), 1), rows=(5,))(ep, 5)
+    assert list(new.state_dict) == ["head.weight_packed"]
+    with torch.no_grad():
+        got = new.module()(ids).float()
+    assert _rel(got, want) < 1e-2
