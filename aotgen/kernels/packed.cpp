@@ -5,11 +5,12 @@
 // Layout: the weight in panels of 16 output features, [N / 16][K][16]: input k of a panel's 16
 // outputs is one 64-byte vector (int8: 16 bytes; bfloat16: 32 bytes, outputs in the order
 // 0, 8, 1, 9, ..., 7, 15, so that one 256-bit load gives outputs 0-7 as its 32-bit lanes
-// shifted left by 16 and outputs 8-15 as the lanes with their low halves cleared). A tile of RM activation rows x RN panels
-// keeps RM * RN vector accumulators in registers; each step over k loads RN weight vectors once
-// and multiplies them into every row (one broadcast per row), so a weight is read once per
-// step whatever the number of rows, and no horizontal sums are needed at the end. One row
-// (decode) is the same loop with RN independent accumulators streaming RN panels side by side.
+// shifted left by 16 and outputs 8-15 as the lanes with their low halves cleared). A tile of
+// RM activation rows x RN panels keeps RM * RN vector accumulators in registers; each step
+// over k loads RN weight vectors once and multiplies them into every row (one broadcast per
+// row), so a weight is read once per step whatever the number of rows, and no horizontal sums
+// are needed at the end. One row (decode) is the same loop with RN independent accumulators
+// streaming RN panels side by side.
 //
 // Vectors: GCC vector extensions, 16 lanes where the CPU has AVX-512, else 8 (AVX2: two per
 // panel row; a 16-lane type on AVX2 is split by GCC through the stack, ~10x slower).

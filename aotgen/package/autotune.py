@@ -68,9 +68,7 @@ COLD_BYTES = 64 << 20  # copies of a weight the candidates take turns over (beyo
 
 @dataclass(frozen=True)
 class Tile:
-    kind: (
-        str  # "float32" | "bfloat16" | "int8" | "gguf-<type>" | "gguf-dot-<type>" | "block-int4|8"
-    )
+    kind: str  # float32 | bfloat16 | int8 | gguf-<type> | gguf-dot-<type> | block-int4 | -int8
     n: int
     k: int
     rows: int  # activation rows per call

@@ -54,7 +54,8 @@ INT8_MM = aten._weight_int8pack_mm.default
 INT4_MM = torch.ops.quantized.int4mm_packed_weight_cpu.default
 
 # (kind, n, k, rows) -> (tile rows, tile panels): the autotune's choice. For the block kinds
-# (`block-int4` / `block-int8`), BLOCK_DOT where block_dot.cpp measured faster.
+# (`block-int4` / `block-int8`), BLOCK_DOT where block_dot.cpp measured faster; for bfloat16
+# at several rows, ROW_MAJOR where F.linear did.
 TileChooser = Callable[[str, int, int, int], tuple[int, int]]
 BLOCK_DOT = (0, 0)  # the autotune's answer: keep block_dot.cpp
 ROW_MAJOR = (-1, -1)  # its answer for a bfloat16 shape that F.linear ran faster
@@ -108,8 +109,9 @@ class PackLinears:
 
     @staticmethod
     def _packable(t: Tensor, weight: Node) -> bool:
-        """Every reader is a linear on `weight` (a float32 one, or the int8 kernel on an int8
-        one) or an embedding; at most one leading dim of the activations is symbolic."""
+        """Every reader is a linear on `weight` (`aten.linear` on a float32 or bfloat16 one, the
+        int8 kernel on an int8 one) or an embedding; at most one leading dim of the activations
+        is symbolic."""
         if t.device.type != "cpu" or t.dim() != 2:
             return False
         if t.dtype not in (torch.float32, torch.bfloat16, torch.int8):
