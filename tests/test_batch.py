@@ -226,10 +226,12 @@ def test_background_thread_serves_concurrent_submitters(batch_engine, alone):
 
 
 def test_full_queue_and_bad_requests_are_refused(tiny_batch_package):
+    """`max_queue` counts requests beyond the free slots: with no step run yet, 4 slots and a
+    queue of 2 take 6 requests (the refusal must not depend on when the next step admits)."""
     engine = BatchEngine.load(tiny_batch_package, max_queue=2)
-    engine.submit([5, 6], GREEDY)
-    engine.submit([5, 6], GREEDY)
-    with pytest.raises(QueueFull, match="max_queue=2"):
+    for _ in range(4 + 2):
+        engine.submit([5, 6], GREEDY)
+    with pytest.raises(QueueFull, match="2 requests are already waiting for a slot .max_queue=2"):
         engine.submit([5, 6], GREEDY)
     with pytest.raises(GenerationError, match="exceeds the package context"):
         engine.submit([5] * 150, GREEDY)

@@ -303,7 +303,9 @@ def serve(
         int,
         typer.Option(help="requests decoding at once (default: the package's max_batch, or 4)"),
     ] = 0,
-    max_queue: Annotated[int, typer.Option(help="waiting requests before 429s")] = 64,
+    max_queue: Annotated[
+        int, typer.Option(help="requests waiting for a slot (beyond the free ones) before 429s")
+    ] = 64,
     prefill_step: Annotated[
         int, typer.Option(help="prompt tokens per step while other requests decode")
     ] = 64,

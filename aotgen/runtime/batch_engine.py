@@ -79,7 +79,8 @@ class BatchEngine:
         on_done: OnDone | None = None,
     ) -> int:
         """Queue a request; returns its id. Raises GenerationError for a request the package
-        cannot serve and QueueFull when `max_queue` requests already wait."""
+        cannot serve and QueueFull when `max_queue` requests already wait beyond the free
+        slots."""
         config = config or GenerationConfig()
         self._check(prompt_ids, config)
         sink = TokenSink(

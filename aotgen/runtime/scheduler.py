@@ -1,9 +1,9 @@
 """Continuous batching: which requests hold a KV-cache slot, which wait, who goes next.
 
-Requests queue FIFO (bounded: a full queue refuses, it does not grow without limit), take a
-free slot between steps, and give it back the step they finish or are cancelled. Prefill is
-first come, first served, one request at a time, so a long prompt is chunked across steps
-while the running requests keep decoding.
+Requests queue FIFO (bounded: a full queue refuses, it does not grow without limit; requests a
+free slot will take do not count), take a free slot between steps, and give it back the step
+they finish or are cancelled. Prefill is first come, first served, one request at a time, so a
+long prompt is chunked across steps while the running requests keep decoding.
 """
 
 from __future__ import annotations
@@ -29,10 +29,13 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.max_queue:
+        """Queue `seq`; QueueFull when `max_queue` requests already wait beyond the free slots
+        (those take a slot at the next step, however many arrived since the last)."""
+        queued = len(self.waiting) - len(self.free)
+        if queued >= self.max_queue:
             raise QueueFull(
-                f"{len(self.waiting)} requests are already waiting (max_queue={self.max_queue}); "
-                "retry later"
+                f"{queued} requests are already waiting for a slot (max_queue={self.max_queue});"
+                " retry later"
             )
         self.waiting.append(seq)
 

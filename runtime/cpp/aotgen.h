@@ -177,7 +177,7 @@ class Engine {
 
 // ---- Continuous batching (aotgen/runtime/batch_engine.py) --------------------------------
 
-// submit() when max_queue requests already wait: retry later.
+// submit() when max_queue requests already wait beyond the free slots: retry later.
 class QueueFull : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
@@ -218,7 +218,7 @@ class BatchEngine {
   // Queues a request; returns its id. on_text streams its text as it becomes final, on_done
   // gets its result, both called from step(). Throws GenerationError for a request the
   // package cannot serve (as Engine::generate; tree drafting and adaptive k too) and
-  // QueueFull when max_queue requests already wait.
+  // QueueFull when max_queue requests already wait beyond the free slots.
   int64_t submit(const std::vector<int64_t>& prompt_ids, const GenerationConfig& config = {},
                  TextCallback on_text = {}, DoneCallback on_done = {});
   // Stops a request (e.g. its client went away): it finishes with "cancelled" and its slot

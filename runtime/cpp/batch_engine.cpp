@@ -312,8 +312,11 @@ int64_t BatchEngine::submit(const std::vector<int64_t>& prompt_ids, const Genera
   detail::TokenSink sink(*b.e.tokenizer, std::move(eos), config.max_new_tokens, config.stop,
                          std::move(on_text));
   const std::lock_guard<std::mutex> lock(b.mutex);
-  if (static_cast<int64_t>(b.waiting.size()) >= b.max_queue) {
-    throw QueueFull(std::to_string(b.waiting.size()) + " requests are already waiting (max_queue=" +
+  // Requests a free slot takes at the next step do not count: only those beyond the slots wait.
+  const int64_t queued =
+      static_cast<int64_t>(b.waiting.size()) - static_cast<int64_t>(b.free.size());
+  if (queued >= b.max_queue) {
+    throw QueueFull(std::to_string(queued) + " requests are already waiting for a slot (max_queue=" +
                     std::to_string(b.max_queue) + "); retry later");
   }
   const int64_t id = b.next_id++;
