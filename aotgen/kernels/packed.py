@@ -116,11 +116,12 @@ def _(x: Tensor, weight: Tensor, scale: Tensor, rows: int, panels: int) -> Tenso
     return x.new_empty(x.shape[0], weight.shape[0] * PANEL)
 
 
-OPS = (
-    torch.ops.aotgen.packed_linear.default,
-    torch.ops.aotgen.packed_linear_bf16.default,
-    torch.ops.aotgen.packed_linear_int8.default,
-)
+OP_FOR = {  # the weight's dtype -> its op
+    torch.float32: torch.ops.aotgen.packed_linear.default,
+    torch.bfloat16: torch.ops.aotgen.packed_linear_bf16.default,
+    torch.int8: torch.ops.aotgen.packed_linear_int8.default,
+}
+OPS = tuple(OP_FOR.values())
 
 
 # ---- the kernel as a plain shared library: tests and the build's autotune ---------------------

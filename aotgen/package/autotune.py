@@ -252,7 +252,7 @@ class Autotune:
                 runs[tile] = lambda t=tile: pk.run_library(lib, x, packed(), scale, *t, out=out)
         # bfloat16 against the CPU's bfloat16 matmul (the pass keeps it where it is faster)
         dense = cold(w if kind == "bfloat16" else w.float())
-        x_blas = x.to(dense().dtype)
+        x_blas = x.bfloat16() if kind == "bfloat16" else x
         runs["blas"] = lambda: F.linear(x_blas, dense())
         return _fastest_tile(kind, n, k, rows, fastest_us(runs))
 

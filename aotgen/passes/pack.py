@@ -181,17 +181,12 @@ class PackLinears:
         flat = add(aten.reshape.default, x, [-1, k])
         if x.meta["val"].dtype != torch.float32:  # exact: bfloat16 values are float32 values
             flat = add(aten._to_copy.default, flat, dtype=torch.float32)
-        dtype = w.meta["val"].dtype
-        kind = "int8" if scale is not None else "bfloat16" if dtype == torch.bfloat16 else "float32"
-        tile = self.choose_tile(kind, n, k, _rows(lead, rows))
+        dtype = w.meta["val"].dtype  # the autotune's kind: float32 | bfloat16 | int8
+        tile = self.choose_tile(str(dtype).removeprefix("torch."), n, k, _rows(lead, rows))
         if tile == ROW_MAJOR:  # a row count `_bf16_row_major` did not ask about
             tile = (min(_rows(lead, rows), 8), 1)
-        if scale is not None:
-            out = add(torch.ops.aotgen.packed_linear_int8.default, flat, w, scale, *tile)
-        elif dtype == torch.bfloat16:
-            out = add(torch.ops.aotgen.packed_linear_bf16.default, flat, w, *tile)
-        else:
-            out = add(torch.ops.aotgen.packed_linear.default, flat, w, *tile)
+        weights = (w,) if scale is None else (w, scale)
+        out = add(pk.OP_FOR[dtype], flat, *weights, *tile)
         if pk.padded_outputs(n) != n:
             out = add(aten.slice.Tensor, out, 1, 0, n)
         out = add(aten.reshape.default, out, [*lead, n])
