@@ -73,10 +73,24 @@ __attribute__((always_inline)) inline vf exp_nonpositive(vf x) {
 }
 
 // Horizontal sums of kLanes vectors at once: lane i of the result is the sum of a[i]'s lanes.
-// Each level adds the two halves of every source's lanes and packs two vectors' sources into
-// one (x's first, then y's): log2(kLanes) levels, kLanes - 1 shuffle pairs in all, where one
-// reduction per vector would spend about that many on each.
-template <int W>  // lanes per source in x and y
+// The first two levels shuffle inside 128-bit blocks only (vshufps), leaving in block b of a
+// vector the partial sums of four sources over block b's lanes; the blocks are then added
+// across (`halve`): one cross-block shuffle pair per two vectors left, where a cross-block
+// level first cost one per two sources. On Zen 1 a 256-bit cross-block shuffle is several
+// operations and an in-block one two.
+template <bool second>  // first level: lanes (0, 2), (1, 3); second: (0, 1), (2, 3)
+__attribute__((always_inline)) inline vf in_block(vf x, vf y) {
+  vi lo, hi;
+  for (int l = 0; l < kLanes; l++) {
+    const int from = (l % 4 < 2 ? 0 : kLanes) + l / 4 * 4, p = l % 2;
+    lo[l] = from + (second ? 2 * p : p);
+    hi[l] = from + (second ? 2 * p + 1 : p + 2);
+  }
+  return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
+}
+
+// Adds blocks across vectors of W lanes per source: x's sources first, then y's.
+template <int W>
 __attribute__((always_inline)) inline vf halve(vf x, vf y) {
   constexpr int sources = kLanes / W, half = W / 2;
   vi lo, hi;
@@ -89,11 +103,20 @@ __attribute__((always_inline)) inline vf halve(vf x, vf y) {
   return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
 }
 
-template <int W = kLanes>
-__attribute__((always_inline)) inline vf sums(vf* a, int count = kLanes) {
-  for (int i = 0; i < count / 2; i++) a[i] = halve<W>(a[2 * i], a[2 * i + 1]);
-  if constexpr (W > 2) return sums<W / 2>(a, count / 2);
-  else return a[0];
+template <int W>
+__attribute__((always_inline)) inline vf across_blocks(vf* a, int count) {
+  if constexpr (W == 4) {
+    return a[0];
+  } else {
+    for (int i = 0; i < count / 2; i++) a[i] = halve<W>(a[2 * i], a[2 * i + 1]);
+    return across_blocks<W / 2>(a, count / 2);
+  }
+}
+
+__attribute__((always_inline)) inline vf sums(vf* a) {
+  for (int i = 0; i < kLanes / 2; i++) a[i] = in_block<false>(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < kLanes / 4; i++) a[i] = in_block<true>(a[2 * i], a[2 * i + 1]);
+  return across_blocks<kLanes>(a, kLanes / 4);
 }
 
 __attribute__((always_inline)) inline float dot(const float* a, const float* b, int64_t D) {
