@@ -186,6 +186,7 @@ class BackgroundBuilds:
 BUILDS = pytest.StashKey[BackgroundBuilds]()
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: only the tests that will run
 def pytest_collection_modifyitems(config, items) -> None:
     """Start the background builds if a collected test needs them, and run those tests last,
     when the packages are most likely ready."""
