@@ -62,7 +62,6 @@ def build(
     ] = None,
 ) -> None:
     """Compile a recipe into artifacts/NAME (prefill/decode/verify graphs + weights)."""
-    from aotgen.package.build import build as run_build
     from aotgen.recipe import Project, load_recipe
 
     project = Project.load()
@@ -75,6 +74,8 @@ def build(
         TimeElapsedColumn(),
     )
     r = load_recipe(recipe)
+    from aotgen.package.build import build as run_build  # torch: after the recipe is read
+
     # transient: on an error, the one `error:` line is all that stays on screen.
     with Progress(*columns, console=console, transient=True) as progress:
         report = run_build(r, project, _RichProgress(progress), force=force)

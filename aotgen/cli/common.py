@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
@@ -33,26 +34,26 @@ def wide_console() -> Console:
     return Console(width=max(Console().width, 150))
 
 
-def _user_errors() -> tuple[type[Exception], ...]:
-    from aotgen.bench import BenchError
-    from aotgen.checkpoint.hf import CheckpointError
-    from aotgen.package.manifest import PackageError
-    from aotgen.recipe import ProjectError, RecipeError
-    from aotgen.runtime.distributed import LaunchError
-    from aotgen.runtime.engine import GenerationError
+# Errors from the user's input, by the module that defines them. An exception of a module not
+# yet imported cannot have been raised, so classifying one never imports torch: a mistyped
+# option is refused in a fraction of a second.
+_USER_ERRORS = (
+    ("aotgen.bench", "BenchError"),
+    ("aotgen.checkpoint.hf", "CheckpointError"),
+    ("aotgen.package.manifest", "PackageError"),
+    ("aotgen.recipe", "ProjectError"),
+    ("aotgen.recipe", "RecipeError"),
+    ("aotgen.runtime.distributed", "LaunchError"),
+    ("aotgen.runtime.engine", "GenerationError"),
+)
 
-    return (
-        CliError,
-        BenchError,
-        ProjectError,
-        RecipeError,
-        CheckpointError,
-        PackageError,
-        GenerationError,
-        LaunchError,
-        FileNotFoundError,
-        FileExistsError,
-        ValueError,
+
+def _is_user_error(e: Exception) -> bool:
+    if isinstance(e, (CliError, FileNotFoundError, FileExistsError, ValueError)):
+        return True
+    return any(
+        (module := sys.modules.get(name)) is not None and isinstance(e, getattr(module, cls))
+        for name, cls in _USER_ERRORS
     )
 
 
@@ -71,7 +72,9 @@ def user_errors_exit(fn: Callable[P, R]) -> Callable[P, R]:
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(*args, **kwargs)
-        except _user_errors() as e:
+        except Exception as e:
+            if not _is_user_error(e):
+                raise
             fail(e)
 
     return wrapper

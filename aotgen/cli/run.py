@@ -113,10 +113,6 @@ def run(
     A tensor-parallel package starts its ranks through torch.distributed.run (or runs
     under `torchrun --nproc-per-node N -m aotgen run ...`); only rank 0 prints.
     """
-    from aotgen.runtime.engine import GenerationConfig
-    from aotgen.runtime.sampling import SamplingParams
-    from aotgen.runtime.tree_draft import TreeParams
-
     given = [x for x in (prompt, prompt_file, chat) if x is not None]
     if len(given) != 1:
         raise CliError("give exactly one of --prompt, --prompt-file, --chat")
@@ -128,6 +124,11 @@ def run(
     at_least("--max-new-tokens", max_new_tokens)
     if seed is not None and not 0 <= seed <= SEED_MAX:
         raise CliError(f"--seed must be an integer in 0..{SEED_MAX}, got {seed}")
+    # After the checks above: a mistyped option is refused without the seconds torch takes.
+    from aotgen.runtime.engine import GenerationConfig
+    from aotgen.runtime.sampling import SamplingParams
+    from aotgen.runtime.tree_draft import TreeParams
+
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     text = read_prompt_file(prompt_file) if prompt_file is not None else prompt
     launch = _Launch(nnodes, node_rank, master_addr, master_port)

@@ -75,9 +75,9 @@ __attribute__((always_inline)) inline vf exp_nonpositive(vf x) {
 // Horizontal sums of kLanes vectors at once: lane i of the result is the sum of a[i]'s lanes.
 // The first two levels shuffle inside 128-bit blocks only (vshufps), leaving in block b of a
 // vector the partial sums of four sources over block b's lanes; the blocks are then added
-// across (`halve`): one cross-block shuffle pair per two vectors left, where a cross-block
-// level first cost one per two sources. On Zen 1 a 256-bit cross-block shuffle is several
-// operations and an in-block one two.
+// across (`halve`): one cross-block shuffle pair per two vectors left (one for 8 sums on
+// AVX2, three for 16 on AVX-512), where crossing blocks at the first level takes one per two
+// sources. On Zen 1 a 256-bit cross-block shuffle is several operations, an in-block one two.
 template <bool second>  // first level: lanes (0, 2), (1, 3); second: (0, 1), (2, 3)
 __attribute__((always_inline)) inline vf in_block(vf x, vf y) {
   vi lo, hi;
