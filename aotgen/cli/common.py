@@ -49,7 +49,7 @@ _USER_ERRORS = (
 
 
 def _is_user_error(e: Exception) -> bool:
-    if isinstance(e, (CliError, FileNotFoundError, FileExistsError, ValueError)):
+    if isinstance(e, (ValueError, FileNotFoundError, FileExistsError)):  # CliError included
         return True
     return any(
         (module := sys.modules.get(name)) is not None and isinstance(e, getattr(module, cls))

@@ -103,20 +103,21 @@ __attribute__((always_inline)) inline vf halve(vf x, vf y) {
   return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
 }
 
+// W / 4 vectors of 4-lane blocks -> one: W / 8 cross-block pairs per level.
 template <int W>
-__attribute__((always_inline)) inline vf across_blocks(vf* a, int count) {
+__attribute__((always_inline)) inline vf across_blocks(vf* a) {
   if constexpr (W == 4) {
     return a[0];
   } else {
-    for (int i = 0; i < count / 2; i++) a[i] = halve<W>(a[2 * i], a[2 * i + 1]);
-    return across_blocks<W / 2>(a, count / 2);
+    for (int i = 0; i < W / 8; i++) a[i] = halve<W>(a[2 * i], a[2 * i + 1]);
+    return across_blocks<W / 2>(a);
   }
 }
 
 __attribute__((always_inline)) inline vf sums(vf* a) {
   for (int i = 0; i < kLanes / 2; i++) a[i] = in_block<false>(a[2 * i], a[2 * i + 1]);
   for (int i = 0; i < kLanes / 4; i++) a[i] = in_block<true>(a[2 * i], a[2 * i + 1]);
-  return across_blocks<kLanes>(a, kLanes / 4);
+  return across_blocks<kLanes>(a);
 }
 
 __attribute__((always_inline)) inline float dot(const float* a, const float* b, int64_t D) {
