@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -45,9 +46,12 @@ def tiny_model(tiny_checkpoint):
 
 
 @pytest.fixture(scope="session")
-def project(tmp_path_factory) -> Project:
+def project(tmp_path_factory, pytestconfig) -> Project:
+    """The session's project; its compile cache is the one the background builder warms."""
     root = tmp_path_factory.mktemp("project")
-    return Project(artifacts_dir=root / "artifacts", cache_dir=root / "cache")
+    builds = pytestconfig.stash.get(BUILDS, None)
+    cache = builds.project_cache if builds is not None else root / "cache"
+    return Project(artifacts_dir=root / "artifacts", cache_dir=cache)
 
 
 @pytest.fixture(scope="session")
@@ -101,6 +105,9 @@ REAL_PACKAGE_USERS = {
     "smollm2-135m-q4_1": {"smollm2_q4_1_package"},
     "gemma3-270m": {"gemma_package"},
 }
+# Compile-cache warmers (tests/real_builds.py WARMERS) -> the fixtures whose builds they compile
+# ahead, into the session project's cache, while the tests before them run.
+WARM_USERS = {"families": {"family_engines"}}
 # Recipe -> the bundled GGUF (`aotgen import-gguf` short name) its checkpoint comes from.
 REAL_PACKAGE_GGUF = {"gemma3-270m": "gemma3-270m"}
 
@@ -121,8 +128,6 @@ def gguf_installed(name: str) -> bool:
 
 def have_onnx() -> bool:
     """Whether the aotgen[onnx] extra is installed (formats: [aoti, onnx] recipes build)."""
-    import importlib.util
-
     return all(importlib.util.find_spec(m) for m in ("onnx", "onnxscript", "onnxruntime"))
 
 
@@ -136,13 +141,19 @@ class BackgroundBuilds:
         import subprocess
         import tempfile
 
+        import torch
+
         self.names = names
         self.waits: list[str] = []
         self.out = Path(tempfile.mkdtemp(prefix="aotgen-real-builds-"))
+        self.project_cache = self.out / "project-cache"
         self.log = self.out / "build.log"
+        # The warmers compile at the tests' thread count: it is part of a compile's key.
+        threads = f"--threads={torch.get_num_threads()}"
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, str(Path(__file__).parent / "real_builds.py"), str(self.out)]
+                [sys.executable, str(Path(__file__).parent / "real_builds.py"), threads]
+                + [str(self.out)]
                 + names,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -195,16 +206,24 @@ def pytest_collection_modifyitems(config, items) -> None:
         for item in items
     }
     users = [item for item in items if needed[item]]
-    if not users:
-        return
     items[:] = [item for item in items if not needed[item]] + users
     if config.option.collectonly:
         return
+    warm = [w for w, users in WARM_USERS.items() if any(users & set(i.fixturenames) for i in items)]
+    warm = [w for w in warm if importlib.util.find_spec("transformers")]  # writes the checkpoints
     names = [name for name in REAL_PACKAGE_USERS if any(name in needed[i] for i in users)]
     names = [name for name in names if gguf_installed(bundled_gguf(name))]  # others skip
     names = [name for name in names if have_onnx() or not name.endswith("-onnx")]
-    if names:
-        config.stash[BUILDS] = BackgroundBuilds(names)
+    if warm or names:
+        config.stash[BUILDS] = BackgroundBuilds(warm + names)
+
+
+def wait_for_warm_cache(request, warmer: str) -> None:
+    """Wait until the background builder has compiled `warmer`'s builds, if it was asked to:
+    the test's own builds then take their graphs from the cache instead of compiling them too."""
+    builds = request.config.stash.get(BUILDS, None)
+    if builds is not None and warmer in builds.names:
+        builds.wait(warmer)
 
 
 def pytest_terminal_summary(terminalreporter, config) -> None:

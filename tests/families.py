@@ -129,3 +129,37 @@ def reference_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int
         out.append(int(reference_logits(model, ids)[-1].argmax()))
         ids.append(out[-1])
     return out
+
+
+# ---- the packages test_families.py builds ---------------------------------------------------
+# The background builder (tests/real_builds.py) compiles the same recipes into the session's
+# compile cache while the first tests run, so test_families.py's builds find their graphs there.
+RECIPE = {"max_seq_len": 96, "prefill_chunk": 16, "verify_k": 4}
+PARITY = ["llama", "qwen2-tied", "qwen3", "gemma3", "gptneox-parallel", "gptneox-sequential"]
+# Speculative packages: target + a separate, smaller draft checkpoint of the same family.
+SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}
+INT8 = {"quantize": {"linear": "int8"}}
+# (family, extra recipe keys) of every package, in the order the tests first ask for them.
+PACKAGES: list[tuple[str, dict[str, Any]]] = [
+    *((family, {}) for family in PARITY),
+    *((family, INT8) for family in ("qwen2-tied", "gptneox-parallel")),
+]
+
+
+def family_checkpoints(root: Path) -> dict[str, Path]:
+    """Every checkpoint the packages are built from (the same files on every call)."""
+    names = [*PARITY, *SPEC_PAIRS.values()]
+    return {n: make_family_checkpoint(root / n, n, seed=i) for i, n in enumerate(names)}
+
+
+def family_recipe(
+    family: str, checkpoints: dict[str, Path], formats: list[str], extra: dict[str, Any]
+) -> tuple[str, dict[str, Any]]:
+    """(package name, recipe data) of one package; the speculative pairs' plain package
+    carries its draft."""
+    key = f"{family}-{'-'.join(sorted(extra))}" if extra else family
+    if family in SPEC_PAIRS and not extra:
+        draft = {"checkpoint": str(checkpoints[SPEC_PAIRS[family]])}
+        extra = {"speculative": {"draft": draft, "k": 4}}
+    data = {"checkpoint": str(checkpoints[family]), **RECIPE, "formats": formats, **extra}
+    return f"fam-{key}", data

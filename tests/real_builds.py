@@ -1,8 +1,11 @@
-"""Build the real-model packages for the slow tests: `python tests/real_builds.py OUT NAME...`.
+"""Build the real-model packages for the slow tests, and compile ahead the tiny builds some
+test modules make: `python tests/real_builds.py --threads=N OUT NAME...`.
 
 Run by conftest.py in a process of its own at the start of a session, so the packages compile
 on the second core while the other tests run. Writes OUT/NAME.done (holding the package's
 path) as each recipe finishes; a failure ends the process with its traceback in the log.
+A NAME in WARMERS builds that module's recipes into the session project's compile cache
+(OUT/project-cache) at the tests' N threads, so the tests' own builds of them are cache hits.
 """
 
 from __future__ import annotations
@@ -11,22 +14,47 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from conftest import build_real_recipe, bundled_gguf  # noqa: E402
 
 from aotgen.checkpoint.gguf import import_gguf, resolve_gguf  # noqa: E402
+from aotgen.package.build import build  # noqa: E402
+from aotgen.recipe import Project, parse_recipe  # noqa: E402
 
 
-def main(out: Path, names: list[str]) -> None:
+def warm_families(out: Path, threads: int) -> Path:
+    """test_families.py's packages (tests/families.py), AOTInductor only: ONNX has no cache."""
+    from families import PACKAGES, family_checkpoints, family_recipe
+
+    checkpoints = family_checkpoints(out / "families")
+    project = Project(
+        artifacts_dir=out / "families-built", cache_dir=out / "project-cache", threads=threads
+    )
+    for family, extra in PACKAGES:
+        name, data = family_recipe(family, checkpoints, ["aoti"], extra)
+        build(parse_recipe(data, name, Path(".")), project)
+    torch.set_num_threads(1)  # the real packages keep building on one thread
+    return project.artifacts_dir
+
+
+WARMERS = {"families": warm_families}
+
+
+def main(out: Path, names: list[str], threads: int) -> None:
     checkpoints: dict[str, Path] = {}
     start = time.monotonic()
     for name in names:
         t0 = time.monotonic()
-        gguf = bundled_gguf(name)
-        if gguf not in checkpoints:
-            checkpoints[gguf] = import_gguf(resolve_gguf(gguf), out / "checkpoints" / gguf)
-        path = build_real_recipe(name, checkpoints[gguf], out / name)
+        if name in WARMERS:
+            path = WARMERS[name](out, threads)
+        else:
+            gguf = bundled_gguf(name)
+            if gguf not in checkpoints:
+                checkpoints[gguf] = import_gguf(resolve_gguf(gguf), out / "checkpoints" / gguf)
+            path = build_real_recipe(name, checkpoints[gguf], out / name)
         (out / f"{name}.tmp").write_text(str(path))
         (out / f"{name}.tmp").rename(out / f"{name}.done")  # whole, or not there yet
         now = time.monotonic()
@@ -34,4 +62,5 @@ def main(out: Path, names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:])
+    threads = int(sys.argv[1].removeprefix("--threads="))
+    main(Path(sys.argv[2]), sys.argv[3:], threads)

@@ -10,13 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import have_onnx
-from families import load_reference as _load_reference
+from conftest import have_onnx, wait_for_warm_cache
 from families import (
-    make_family_checkpoint,
+    INT8,
+    PARITY,
+    RECIPE,
+    SPEC_PAIRS,
+    family_checkpoints,
+    family_recipe,
     reference_greedy,
     reference_logits,
 )
+from families import load_reference as _load_reference
 from test_cpp_runtime import cpp_generate
 
 from aotgen.model.llama import ModelConfig, load_model
@@ -28,17 +33,8 @@ from aotgen.runtime.engine import Engine, GenerationConfig
 pytest.importorskip("transformers")
 
 # ONNX graphs too where the aotgen[onnx] extra is installed (test_onnx_graphs_match_...).
-HAVE_ONNX = have_onnx()
-# max_seq_len 96: room for a 40-token history and 32 greedy tokens after the prompt.
-RECIPE = {
-    "max_seq_len": 96,
-    "prefill_chunk": 16,
-    "verify_k": 4,
-    **({"formats": ["aoti", "onnx"]} if HAVE_ONNX else {}),
-}
-# Speculative packages: target + a separate, smaller draft checkpoint of the same family.
-SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}
-PARITY = ["llama", "qwen2-tied", "qwen3", "gemma3", "gptneox-parallel", "gptneox-sequential"]
+FORMATS = ["aoti", "onnx"] if have_onnx() else ["aoti"]
+HAVE_ONNX = "onnx" in FORMATS
 # Longer than Gemma's window (8) and than one prefill chunk (16 tokens).
 PROMPT = "Speculative decoding drafts tokens and verifies them in one pass. The quick brown fox"
 N_GREEDY = 32
@@ -53,9 +49,7 @@ INT8_TOL = 5e-2
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("families")
-    names = [*PARITY, *SPEC_PAIRS.values()]
-    return {n: make_family_checkpoint(root / n, n, seed=i) for i, n in enumerate(names)}
+    return family_checkpoints(tmp_path_factory.mktemp("families"))
 
 
 _packages: dict[str, Path] = {}
@@ -68,22 +62,17 @@ def load_reference(path: Path) -> torch.nn.Module:
     return _references[str(path)]
 
 
-def _package(name: str, checkpoints: dict[str, Path], project, **extra) -> Path:
+def _package(family: str, checkpoints: dict[str, Path], project, **extra) -> Path:
     """One build per (family, options), shared by this module's tests."""
-    key = f"{name}-{'-'.join(sorted(extra))}" if extra else name
-    if key not in _packages:
-        family = name
-        if family in SPEC_PAIRS and not extra:
-            draft = {"checkpoint": str(checkpoints[SPEC_PAIRS[family]])}
-            extra = {"speculative": {"draft": draft, "k": 4}}
-        data = {"checkpoint": str(checkpoints[family]), **RECIPE, **extra}
-        recipe = parse_recipe(data, f"fam-{key}", Path("."))
-        _packages[key] = build(recipe, project).path
-    return _packages[key]
+    name, data = family_recipe(family, checkpoints, FORMATS, extra)
+    if name not in _packages:
+        _packages[name] = build(parse_recipe(data, name, Path(".")), project).path
+    return _packages[name]
 
 
 @pytest.fixture(scope="module")
-def engines(checkpoints, project):
+def family_engines(request, checkpoints, project):
+    wait_for_warm_cache(request, "families")  # the background's compiles of these builds
     cache: dict[str, Engine] = {}
 
     def get(name: str, **extra) -> Engine:
@@ -104,10 +93,10 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     [("prefill", 0, 14), ("prefill", 7, 16), ("decode", 21, 1), ("verify", 17, 5)],
 )
 @pytest.mark.parametrize("family", PARITY)
-def test_graph_logits_match_transformers(engines, checkpoints, family, graph, start, length):
+def test_graph_logits_match_transformers(family_engines, checkpoints, family, graph, start, length):
     """Each compiled graph, after the prefix went through the package's own prefill,
     gives transformers' logits for its rows (positions past Gemma's window included)."""
-    runner = engines(family).target
+    runner = family_engines(family).target
     g = torch.Generator().manual_seed(start + length)
     history = torch.randint(0, runner.vocab_size, (start + length,), generator=g).tolist()
     want = reference_logits(load_reference(checkpoints[family]), history)[start:]
@@ -124,9 +113,9 @@ def test_graph_logits_match_transformers(engines, checkpoints, family, graph, st
 
 
 @pytest.mark.parametrize("family", PARITY)
-def test_greedy_matches_transformers(engines, checkpoints, family):
+def test_greedy_matches_transformers(family_engines, checkpoints, family):
     """32 greedy tokens from the package equal transformers' greedy continuation."""
-    engine = engines(family)
+    engine = family_engines(family)
     ids = engine.tokenizer.encode(PROMPT)
     assert len(ids) > 16  # crosses the window and a prefill chunk
     got = engine.generate(ids, GenerationConfig(max_new_tokens=N_GREEDY, ignore_eos=True))
@@ -135,11 +124,11 @@ def test_greedy_matches_transformers(engines, checkpoints, family):
 
 @pytest.mark.skipif(not HAVE_ONNX, reason="needs the aotgen[onnx] extra")
 @pytest.mark.parametrize("family", PARITY)
-def test_onnx_graphs_match_aoti_and_transformers(engines, checkpoints, project, family):
+def test_onnx_graphs_match_aoti_and_transformers(family_engines, checkpoints, project, family):
     """Each ONNX graph through ONNX Runtime gives the AOTInductor graph's logits and
     transformers' (same fp32 math in another order: within FP32_TOL of both), and greedy
     generation through ONNX Runtime gives the AOTInductor package's tokens."""
-    aoti = engines(family)
+    aoti = family_engines(family)
     ort = Engine.load(_package(family, checkpoints, project), backend="onnxruntime")
     gen = torch.Generator().manual_seed(0)
     history = torch.randint(0, aoti.target.vocab_size, (20,), generator=gen).tolist()
@@ -164,10 +153,10 @@ def test_onnx_graphs_match_aoti_and_transformers(engines, checkpoints, project, 
 
 @pytest.mark.slow  # two more builds, ~100 s each on 2 cores
 @pytest.mark.parametrize("family", ["qwen2-tied", "gptneox-parallel"])
-def test_int8_fused_build_stays_close(engines, checkpoints, family):
+def test_int8_fused_build_stays_close(family_engines, checkpoints, family):
     """int8 weights + fused linears on the biased families: logits within int8's error of
     transformers, and the same argmax at nearly every position of a teacher-forced text."""
-    engine = engines(family, quantize={"linear": "int8"})
+    engine = family_engines(family, **INT8)
     ids = engine.tokenizer.encode(PROMPT + " Paris is the capital of France.")
     for c in engine.target.caches:
         c.zero_()
@@ -178,9 +167,9 @@ def test_int8_fused_build_stays_close(engines, checkpoints, family):
     assert agree >= 0.9, agree
 
 
-def test_biased_q_k_v_are_fused(checkpoints, project, engines):
+def test_biased_q_k_v_are_fused(checkpoints, project, family_engines):
     """fuse_linears concatenates biases: Qwen2's q/k/v run as one linear."""
-    engines("qwen2-tied")
+    family_engines("qwen2-tied")
     import json
 
     path = _package("qwen2-tied", checkpoints, project)
@@ -195,10 +184,10 @@ def test_biased_q_k_v_are_fused(checkpoints, project, engines):
 
 
 @pytest.mark.parametrize("family", list(SPEC_PAIRS))
-def test_separate_draft_speculative_greedy_equals_plain(engines, family):
+def test_separate_draft_speculative_greedy_equals_plain(family_engines, family):
     """A smaller checkpoint of the same family and tokenizer as the draft, in one package
     with its target: speculative greedy output equals plain greedy for several k."""
-    engine = engines(family)
+    engine = family_engines(family)
     assert engine.draft is not None
     draft_cfg, target_cfg = engine.draft.config, engine.target.config
     assert draft_cfg["architecture"] == target_cfg["architecture"]
@@ -214,13 +203,13 @@ def test_separate_draft_speculative_greedy_equals_plain(engines, family):
 
 @pytest.mark.skipif(not HAVE_ONNX, reason="needs the aotgen[onnx] extra")
 @pytest.mark.parametrize("family", list(SPEC_PAIRS))
-def test_separate_draft_through_onnx_runtime(engines, checkpoints, project, family):
+def test_separate_draft_through_onnx_runtime(family_engines, checkpoints, project, family):
     """The separate draft's own ONNX prefill and decode graphs, on its own cache: draft
     speculation through ONNX Runtime gives the AOTInductor package's plain greedy tokens."""
     ort = Engine.load(_package(family, checkpoints, project), backend="onnxruntime")
     assert set(ort.draft.graphs) == {"prefill", "decode"} and not ort.draft.shares_cache
     ids = ort.tokenizer.encode(PROMPT)
-    plain = engines(family).generate(
+    plain = family_engines(family).generate(
         ids, GenerationConfig(max_new_tokens=N_GREEDY, ignore_eos=True)
     )
     cfg = GenerationConfig(max_new_tokens=N_GREEDY, ignore_eos=True, speculative="draft", k=3)
@@ -389,9 +378,9 @@ def test_int4_and_gptq_passes_on_biased_families(checkpoints, family, quantize):
 
 @pytest.mark.cpp
 @pytest.mark.parametrize("family", PARITY)
-def test_cpp_runtime_runs_every_family(run_bin, engines, family):  # noqa: F811
+def test_cpp_runtime_runs_every_family(run_bin, family_engines, family):  # noqa: F811
     """The C++ runtime needs no model code either: the same package, the same greedy ids."""
-    engine = engines(family)
+    engine = family_engines(family)
     ids = engine.tokenizer.encode(PROMPT)
     want = engine.generate(ids, GenerationConfig(max_new_tokens=N_GREEDY, ignore_eos=True))
     got = cpp_generate(run_bin, engine.root, ids, "--max-new-tokens", str(N_GREEDY), "--ignore-eos")

@@ -212,11 +212,14 @@ class Autotune:
         if not self._file or not self._new:
             return
         busy = not self.quiet
+        # Another build sharing the cache may have saved tiles since this one loaded them.
+        if self._file.exists():
+            self._known = {**self._known, **json.loads(self._file.read_text())}
         for key in self._new:
             entry = {**asdict(self.tiles[key]), "source": _source_key(key[0]), "busy": busy}
             self._known[repr(key)] = entry
         self._file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._file.with_suffix(".tmp")
+        tmp = self._file.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self._known, indent=0))
         tmp.replace(self._file)
         self._new.clear()
