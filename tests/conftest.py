@@ -182,7 +182,8 @@ class BackgroundBuilds:
 
     def report(self) -> list[str]:
         """How long each build took and what the tests waited: CI's critical path."""
-        built = [ln for ln in self.log.read_text().splitlines() if ln.startswith("built ")]
+        lines = self.log.read_text().splitlines()
+        built = [ln for ln in lines if ln.startswith(("built ", "compiled "))]
         return built + self.waits
 
     def close(self) -> None:
@@ -218,12 +219,13 @@ def pytest_collection_modifyitems(config, items) -> None:
         config.stash[BUILDS] = BackgroundBuilds(warm + names)
 
 
-def wait_for_warm_cache(request, warmer: str) -> None:
-    """Wait until the background builder has compiled `warmer`'s builds, if it was asked to:
-    the test's own builds then take their graphs from the cache instead of compiling them too."""
+def stop_warming(request, warmer: str) -> None:
+    """The tests that `warmer` compiles ahead start now: the background builder stops warming
+    and goes on to the real packages, and the tests compile what it had not (waiting for it
+    would leave a core idle)."""
     builds = request.config.stash.get(BUILDS, None)
     if builds is not None and warmer in builds.names:
-        builds.wait(warmer)
+        (builds.out / f"{warmer}.stop").touch()
 
 
 def pytest_terminal_summary(terminalreporter, config) -> None:

@@ -4,8 +4,9 @@ test modules make: `python tests/real_builds.py --threads=N OUT NAME...`.
 Run by conftest.py in a process of its own at the start of a session, so the packages compile
 on the second core while the other tests run. Writes OUT/NAME.done (holding the package's
 path) as each recipe finishes; a failure ends the process with its traceback in the log.
-A NAME in WARMERS builds that module's recipes into the session project's compile cache
-(OUT/project-cache) at the tests' N threads, so the tests' own builds of them are cache hits.
+A NAME in WARMERS compiles a test module's recipes into the session project's compile cache
+(OUT/project-cache) at the tests' N threads, so that the tests' own builds of them are cache
+hits; it stops when OUT/NAME.stop appears (the tests started) and leaves them the rest.
 """
 
 from __future__ import annotations
@@ -33,9 +34,13 @@ def warm_families(out: Path, threads: int) -> Path:
     project = Project(
         artifacts_dir=out / "families-built", cache_dir=out / "project-cache", threads=threads
     )
-    for family, extra in PACKAGES:
+    done = 0
+    while done < len(PACKAGES) and not (out / "families.stop").exists():  # stop_warming
+        family, extra = PACKAGES[done]
         name, data = family_recipe(family, checkpoints, ["aoti"], extra)
         build(parse_recipe(data, name, Path(".")), project)
+        done += 1
+    print(f"compiled {done} of {len(PACKAGES)} family packages ahead", flush=True)
     torch.set_num_threads(1)  # the real packages keep building on one thread
     return project.artifacts_dir
 

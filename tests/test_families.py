@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import have_onnx, wait_for_warm_cache
+from conftest import have_onnx, stop_warming
 from families import (
     INT8,
     PARITY,
@@ -72,7 +72,7 @@ def _package(family: str, checkpoints: dict[str, Path], project, **extra) -> Pat
 
 @pytest.fixture(scope="module")
 def family_engines(request, checkpoints, project):
-    wait_for_warm_cache(request, "families")  # the background's compiles of these builds
+    stop_warming(request, "families")  # the builds take what the background compiled
     cache: dict[str, Engine] = {}
 
     def get(name: str, **extra) -> Engine:
