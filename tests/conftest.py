@@ -141,19 +141,14 @@ class BackgroundBuilds:
         import subprocess
         import tempfile
 
-        import torch
-
         self.names = names
         self.waits: list[str] = []
         self.out = Path(tempfile.mkdtemp(prefix="aotgen-real-builds-"))
         self.project_cache = self.out / "project-cache"
         self.log = self.out / "build.log"
-        # The warmers compile at the tests' thread count: it is part of a compile's key.
-        threads = f"--threads={torch.get_num_threads()}"
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, str(Path(__file__).parent / "real_builds.py"), threads]
-                + [str(self.out)]
+                [sys.executable, str(Path(__file__).parent / "real_builds.py"), str(self.out)]
                 + names,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -196,6 +191,23 @@ class BackgroundBuilds:
 
 
 BUILDS = pytest.StashKey[BackgroundBuilds]()
+THREADS = pytest.StashKey[int]()
+
+
+def pytest_configure(config) -> None:
+    import torch
+
+    config.stash[THREADS] = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def _session_threads(request) -> None:
+    """Every test starts at the session's torch thread count (some set their own): one while
+    the background builder compiles on the other core, else torch's default. A compile's key
+    holds it: the tests' builds must keep it to find the warmers' compiles."""
+    import torch
+
+    torch.set_num_threads(request.config.stash[THREADS])
 
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: only the tests that will run
@@ -216,6 +228,9 @@ def pytest_collection_modifyitems(config, items) -> None:
     names = [name for name in names if gguf_installed(bundled_gguf(name))]  # others skip
     names = [name for name in names if have_onnx() or not name.endswith("-onnx")]
     if warm or names:
+        # The tests' thread count while the builder holds the other core: two would spin at
+        # OpenMP barriers. The builder's is one too, so the warmers' compiles key as the tests'.
+        config.stash[THREADS] = 1
         config.stash[BUILDS] = BackgroundBuilds(warm + names)
 
 

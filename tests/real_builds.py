@@ -1,12 +1,13 @@
 """Build the real-model packages for the slow tests, and compile ahead the tiny builds some
-test modules make: `python tests/real_builds.py --threads=N OUT NAME...`.
+test modules make: `python tests/real_builds.py OUT NAME...`.
 
 Run by conftest.py in a process of its own at the start of a session, so the packages compile
 on the second core while the other tests run. Writes OUT/NAME.done (holding the package's
 path) as each recipe finishes; a failure ends the process with its traceback in the log.
 A NAME in WARMERS compiles a test module's recipes into the session project's compile cache
-(OUT/project-cache) at the tests' N threads, so that the tests' own builds of them are cache
-hits; it stops when OUT/NAME.stop appears (the tests started) and leaves them the rest.
+(OUT/project-cache), so that the tests' own builds of them are cache hits (both run one torch
+thread: conftest.py); it stops when OUT/NAME.stop appears (the tests started) and leaves them
+the rest.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -26,14 +25,12 @@ from aotgen.package.build import build  # noqa: E402
 from aotgen.recipe import Project, parse_recipe  # noqa: E402
 
 
-def warm_families(out: Path, threads: int) -> Path:
+def warm_families(out: Path) -> Path:
     """test_families.py's packages (tests/families.py), AOTInductor only: ONNX has no cache."""
     from families import PACKAGES, family_checkpoints, family_recipe
 
     checkpoints = family_checkpoints(out / "families")
-    project = Project(
-        artifacts_dir=out / "families-built", cache_dir=out / "project-cache", threads=threads
-    )
+    project = Project(artifacts_dir=out / "families-built", cache_dir=out / "project-cache")
     done = 0
     while done < len(PACKAGES) and not (out / "families.stop").exists():  # stop_warming
         family, extra = PACKAGES[done]
@@ -41,20 +38,19 @@ def warm_families(out: Path, threads: int) -> Path:
         build(parse_recipe(data, name, Path(".")), project)
         done += 1
     print(f"compiled {done} of {len(PACKAGES)} family packages ahead", flush=True)
-    torch.set_num_threads(1)  # the real packages keep building on one thread
     return project.artifacts_dir
 
 
 WARMERS = {"families": warm_families}
 
 
-def main(out: Path, names: list[str], threads: int) -> None:
+def main(out: Path, names: list[str]) -> None:
     checkpoints: dict[str, Path] = {}
     start = time.monotonic()
     for name in names:
         t0 = time.monotonic()
         if name in WARMERS:
-            path = WARMERS[name](out, threads)
+            path = WARMERS[name](out)
         else:
             gguf = bundled_gguf(name)
             if gguf not in checkpoints:
@@ -67,5 +63,4 @@ def main(out: Path, names: list[str], threads: int) -> None:
 
 
 if __name__ == "__main__":
-    threads = int(sys.argv[1].removeprefix("--threads="))
-    main(Path(sys.argv[2]), sys.argv[3:], threads)
+    main(Path(sys.argv[1]), sys.argv[2:])

@@ -174,26 +174,43 @@ class Autotune:
         self.others = OthersMeter()
         self.retune_busy = retune_busy
         self.reused_busy = 0  # tiles taken from the cache that were measured under load
-        self._new: set[tuple[str, int, int, int]] = set()
+        # measured here -> whether it replaces a cached tile (a changed kernel, a re-measure)
+        self._new: dict[tuple[str, int, int, int], bool] = {}
         self._file = cache_dir / f"tiles-{_machine_key()}.json" if cache_dir else None
-        self._known: dict[str, dict] = {}
+        self._known: dict[str, dict] = self._saved()
+
+    def _saved(self) -> dict[str, dict]:
+        """The cache file's tiles: builds sharing the cache add to it as they go."""
         if self._file and self._file.exists():
-            self._known = json.loads(self._file.read_text())
+            return json.loads(self._file.read_text())
+        return {}
+
+    def _cached(self, key: tuple[str, int, int, int]) -> Tile | None:
+        """The known tile, unless measured with another version of its kernel or to be
+        measured again."""
+        known = dict(self._known.get(repr(key), {}))
+        source, busy = known.pop("source", None), known.pop("busy", False)
+        if not known or source != _source_key(key[0]) or (busy and self.retune_busy):
+            return None
+        self.reused_busy += busy
+        return Tile(**known)
 
     def choose(self, kind: str, n: int, k: int, rows: int) -> tuple[int, int]:
         """The fastest tile; `BLOCK_DOT` for a block kind whose own kernel was faster, and
         `ROW_MAJOR` for bfloat16 at several rows where F.linear was."""
         key = (kind, n, k, rows)
         if key not in self.tiles:
-            known = dict(self._known.get(repr(key), {}))
-            source, busy = known.pop("source", None), known.pop("busy", False)
-            if known and source == _source_key(kind) and not (busy and self.retune_busy):
-                self.tiles[key] = Tile(**known)
-                self.reused_busy += busy
-            else:  # not measured yet, with another version of its kernel, or to re-measure
+            tile = self._cached(key)
+            if tile is None and repr(key) not in self._known:
+                # A concurrent build may have measured it since: one tile per shape keeps
+                # their graphs (and the compile cache's entries) the same.
+                self._known = {**self._known, **self._saved()}
+                tile = self._cached(key)
+            if tile is None:
                 with self.others.measuring():
-                    self.tiles[key] = self._measure(*key)
-                self._new.add(key)
+                    tile = self._measure(*key)
+                self._new[key] = repr(key) in self._known
+            self.tiles[key] = tile
         tile = self.tiles[key]
         if tile.block_dot_us is not None and tile.block_dot_us < tile.us:
             return BLOCK_DOT
@@ -212,12 +229,13 @@ class Autotune:
         if not self._file or not self._new:
             return
         busy = not self.quiet
-        # Another build sharing the cache may have saved tiles since this one loaded them.
-        if self._file.exists():
-            self._known = {**self._known, **json.loads(self._file.read_text())}
-        for key in self._new:
-            entry = {**asdict(self.tiles[key]), "source": _source_key(key[0]), "busy": busy}
-            self._known[repr(key)] = entry
+        # A tile another build saved while this one measured the same shape stays (the
+        # first saved wins), unless this one measured it to replace the cached tile.
+        self._known = {**self._known, **self._saved()}
+        for key, replaces in self._new.items():
+            if replaces or repr(key) not in self._known:
+                entry = {**asdict(self.tiles[key]), "source": _source_key(key[0]), "busy": busy}
+                self._known[repr(key)] = entry
         self._file.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._file.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self._known, indent=0))
