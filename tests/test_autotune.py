@@ -102,3 +102,23 @@ def test_a_kernel_change_re_measures_its_kinds_only(tmp_path, monkeypatch):
     for key in (KEY, block_key):
         again.choose(*key)
     assert measured == [KEY]
+
+
+def test_concurrent_builds_keep_the_first_tile_saved(tmp_path, monkeypatch):
+    """Builds sharing a cache: of two that measured a shape at the same time, the tile saved
+    first stays; a build that meets the shape after that save takes it without measuring,
+    though it loaded the cache before. Their graphs, and compile-cache keys, then agree."""
+    monkeypatch.setattr(OthersMeter, "cores", lambda self: 0.0)
+    found = iter([(4, 2), (8, 1)])  # what each measurement finds, in turn; no third
+
+    def measure(self, kind, n, k, rows):
+        return autotune.Tile(kind, n, k, rows, *next(found), us=1.0, blas_us=2.0)
+
+    monkeypatch.setattr(Autotune, "_measure", measure)
+    first, second, late = Autotune(tmp_path), Autotune(tmp_path), Autotune(tmp_path)
+    assert first.choose(*KEY) == (4, 2)
+    assert second.choose(*KEY) == (8, 1)
+    second.save()
+    first.save()
+    assert Autotune(tmp_path).choose(*KEY) == (8, 1)
+    assert late.choose(*KEY) == (8, 1)
