@@ -10,20 +10,24 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import TINY_RECIPE
 
 from aotgen.runtime.engine import Engine, GenerationConfig
 
 
 def _project(tmp_path: Path, checkpoint: Path, cache: Path) -> Path:
-    """A project dir (aotgen.toml + recipes/tiny.yaml) building into tmp_path/artifacts."""
+    """A project dir (aotgen.toml + recipes/tiny.yaml) building into tmp_path/artifacts, at
+    the session's thread count (a compile's key holds it) to find the session's compiles."""
     root = tmp_path / "project"
     (root / "recipes").mkdir(parents=True)
     (root / "aotgen.toml").write_text(
         f'artifacts_dir = "{tmp_path / "artifacts"}"\ncache_dir = "{cache}"\n'
+        f"threads = {torch.get_num_threads()}\n"
     )
     recipe = {"checkpoint": str(checkpoint), **TINY_RECIPE}
     (root / "recipes" / "tiny.yaml").write_text(json.dumps(recipe))  # JSON is YAML
@@ -91,10 +95,12 @@ def test_terminated_build_leaves_nothing(tiny_checkpoint, cache_copy, tmp_path):
     assert _partials(artifacts) == [] and not (artifacts / "tiny").exists()
 
 
-def _damage_one_so(cache: Path, how: str) -> None:
-    """Damage one compiled graph in the cache: the build must notice and compile that graph
-    again (the others still come from the cache)."""
-    so = sorted((cache / "graphs").rglob("*.so"))[0]
+def _damage_one_so(cache: Path, how: str, package: Path) -> None:
+    """Damage one of `package`'s compiled graphs in the cache: the build must notice and
+    compile that graph again (the others still come from the cache)."""
+    with zipfile.ZipFile(package / "rank0" / "model.pt2") as pt2:
+        used = {Path(name).name for name in pt2.namelist() if name.endswith(".so")}
+    so = sorted(so for so in (cache / "graphs").rglob("*.so") if so.name in used)[0]
     data = bytearray(so.read_bytes())
     if how == "truncated":
         data = data[: len(data) // 2]
@@ -107,7 +113,7 @@ def _damage_one_so(cache: Path, how: str) -> None:
 def test_damaged_cache_entry_is_recompiled(
     tiny_checkpoint, tiny_package, cache_copy, tmp_path, how
 ):
-    _damage_one_so(cache_copy, how)
+    _damage_one_so(cache_copy, how, tiny_package)
     root = _project(tmp_path, tiny_checkpoint, cache_copy)
     proc = _build(root)
     out, err = proc.communicate(timeout=900)
