@@ -153,8 +153,8 @@ class BackgroundBuilds:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=REPO,
-                # One thread: beside the tests' own two, a second OpenMP thread spends its time
-                # spinning at barriers (a build's perplexity run took 18 min instead of 3).
+                # One thread, as the tests while it runs (THREADS): a second OpenMP thread on a
+                # shared core spins at barriers (a build's perplexity run took 18 min, not 3).
                 env={**os.environ, "OMP_NUM_THREADS": "1"},
             )
 
@@ -222,7 +222,8 @@ def pytest_collection_modifyitems(config, items) -> None:
     items[:] = [item for item in items if not needed[item]] + users
     if config.option.collectonly:
         return
-    warm = [w for w, users in WARM_USERS.items() if any(users & set(i.fixturenames) for i in items)]
+    requested = {fixture for item in items for fixture in item.fixturenames}
+    warm = [w for w, fixtures in WARM_USERS.items() if fixtures & requested]
     warm = [w for w in warm if importlib.util.find_spec("transformers")]  # writes the checkpoints
     names = [name for name in REAL_PACKAGE_USERS if any(name in needed[i] for i in users)]
     names = [name for name in names if gguf_installed(bundled_gguf(name))]  # others skip
