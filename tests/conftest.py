@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -201,12 +202,15 @@ def pytest_configure(config) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _session_threads(request) -> None:
-    """Every test starts at the session's torch thread count (some set their own): one while
-    the background builder compiles on the other core, else torch's default. A compile's key
-    holds it: the tests' builds must keep it to find the warmers' compiles."""
+def _session_threads(request) -> Iterator[None]:
+    """Every test, and the session fixtures set up between tests, run at the session's torch
+    thread count (some tests set their own): one while the background builder compiles on the
+    other core, else torch's default. A compile's key holds it: builds must keep it to find
+    the session's compiles."""
     import torch
 
+    torch.set_num_threads(request.config.stash[THREADS])
+    yield
     torch.set_num_threads(request.config.stash[THREADS])
 
 
@@ -231,7 +235,10 @@ def pytest_collection_modifyitems(config, items) -> None:
     if warm or names:
         # The tests' thread count while the builder holds the other core: two would spin at
         # OpenMP barriers. The builder's is one too, so the warmers' compiles key as the tests'.
+        import torch
+
         config.stash[THREADS] = 1
+        torch.set_num_threads(1)
         config.stash[BUILDS] = BackgroundBuilds(warm + names)
 
 
