@@ -67,7 +67,6 @@ def test_tiles_measured_under_load_are_flagged(tmp_path, monkeypatch, others_cor
     monkeypatch.setattr(OthersMeter, "cores", lambda self: others_cores)
     tune = Autotune(tmp_path)
     tile = tune.choose(*KEY)
-    tune.save()
     busy = others_cores > 0
     assert (tune.busy_note() is not None) == busy
     measured = []
@@ -89,7 +88,6 @@ def test_a_kernel_change_re_measures_its_kinds_only(tmp_path, monkeypatch):
     block_key = ("gguf-Q8_0", 48, 64, 3)
     for key in (KEY, block_key):
         tune.choose(*key)
-    tune.save()
     real = autotune._source_key
     monkeypatch.setattr(
         autotune, "_source_key", lambda kind: "changed" if kind == "float32" else real(kind)
@@ -105,20 +103,20 @@ def test_a_kernel_change_re_measures_its_kinds_only(tmp_path, monkeypatch):
 
 
 def test_concurrent_builds_keep_the_first_tile_saved(tmp_path, monkeypatch):
-    """Builds sharing a cache: of two that measured a shape at the same time, the tile saved
-    first stays; a build that meets the shape after that save takes it without measuring,
-    though it loaded the cache before. Their graphs, and compile-cache keys, then agree."""
+    """Builds sharing a cache: of two that measure a shape at the same time, both use the tile
+    saved first, and a build that meets the shape later takes it without measuring, though it
+    loaded the cache before. Their graphs, and compile-cache keys, then agree."""
     monkeypatch.setattr(OthersMeter, "cores", lambda self: 0.0)
     found = iter([(4, 2), (8, 1)])  # what each measurement finds, in turn; no third
 
     def measure(self, kind, n, k, rows):
-        return autotune.Tile(kind, n, k, rows, *next(found), us=1.0, blas_us=2.0)
+        tile = autotune.Tile(kind, n, k, rows, *next(found), us=1.0, blas_us=2.0)
+        if self is first:  # while it measures, the other build measures the shape and saves
+            assert second.choose(*KEY) == (8, 1)
+        return tile
 
     monkeypatch.setattr(Autotune, "_measure", measure)
     first, second, late = Autotune(tmp_path), Autotune(tmp_path), Autotune(tmp_path)
-    assert first.choose(*KEY) == (4, 2)
-    assert second.choose(*KEY) == (8, 1)
-    second.save()
-    first.save()
-    assert Autotune(tmp_path).choose(*KEY) == (8, 1)
+    assert first.choose(*KEY) == (8, 1)
     assert late.choose(*KEY) == (8, 1)
+    assert Autotune(tmp_path).choose(*KEY) == (8, 1)

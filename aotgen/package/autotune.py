@@ -31,6 +31,7 @@ timed against the CPU's own bfloat16 matmul (`F.linear`, oneDNN), which `choose`
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import itertools
 import json
@@ -167,15 +168,13 @@ def candidates(rows: int, max_acc: Callable[[int], int] | None = None) -> list[t
 
 class Autotune:
     """`choose(kind, n, k, rows)` -> (tile rows, tile panels); every measurement is kept in
-    `tiles` for the build report and the manifest, and `save()` adds the new ones to the cache."""
+    `tiles` for the build report and the manifest, and each new one is added to the cache."""
 
     def __init__(self, cache_dir: Path | None, retune_busy: bool = False):
         self.tiles: dict[tuple[str, int, int, int], Tile] = {}
         self.others = OthersMeter()
         self.retune_busy = retune_busy
         self.reused_busy = 0  # tiles taken from the cache that were measured under load
-        # measured here -> whether it replaces a cached tile (a changed kernel, a re-measure)
-        self._new: dict[tuple[str, int, int, int], bool] = {}
         self._file = cache_dir / f"tiles-{_machine_key()}.json" if cache_dir else None
         self._known: dict[str, dict] = self._saved()
 
@@ -201,15 +200,9 @@ class Autotune:
         key = (kind, n, k, rows)
         if key not in self.tiles:
             tile = self._cached(key)
-            if tile is None and repr(key) not in self._known:
-                # A concurrent build may have measured it since: one tile per shape keeps
-                # their graphs (and the compile cache's entries) the same.
+            if tile is None:  # a build sharing the cache may have measured it since
                 self._known = {**self._known, **self._saved()}
-                tile = self._cached(key)
-            if tile is None:
-                with self.others.measuring():
-                    tile = self._measure(*key)
-                self._new[key] = repr(key) in self._known
+                tile = self._cached(key) or self._measure_and_save(key)
             self.tiles[key] = tile
         tile = self.tiles[key]
         if tile.block_dot_us is not None and tile.block_dot_us < tile.us:
@@ -224,23 +217,28 @@ class Autotune:
         cores = self.others.cores()
         return cores is None or cores <= BUSY_CORES
 
-    def save(self) -> None:
-        """Cache the tiles measured since loading, flagged `busy` if the machine was not."""
-        if not self._file or not self._new:
-            return
-        busy = not self.quiet
-        # A tile another build saved while this one measured the same shape stays (the
-        # first saved wins), unless this one measured it to replace the cached tile.
-        self._known = {**self._known, **self._saved()}
-        for key, replaces in self._new.items():
-            if replaces or repr(key) not in self._known:
-                entry = {**asdict(self.tiles[key]), "source": _source_key(key[0]), "busy": busy}
-                self._known[repr(key)] = entry
+    def _measure_and_save(self, key: tuple[str, int, int, int]) -> Tile:
+        """Measure the shape's tile and save it at once, unless a build sharing the cache saved
+        a usable one for it meanwhile (checked under the cache file's lock): then that one is
+        used, so that their graphs, and compile-cache keys, agree."""
+        this = OthersMeter()
+        with self.others.measuring(), this.measuring():
+            tile = self._measure(*key)
+        if self._file is None:
+            return tile
         self._file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self._known, indent=0))
-        tmp.replace(self._file)
-        self._new.clear()
+        with open(self._file.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self._known = {**self._known, **self._saved()}
+            if (saved := self._cached(key)) is not None:
+                return saved
+            busy = (this.cores() or 0.0) > BUSY_CORES
+            entry = {**asdict(tile), "source": _source_key(key[0]), "busy": busy}
+            self._known[repr(key)] = entry
+            tmp = self._file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self._known, indent=0))
+            tmp.replace(self._file)
+        return tile
 
     def busy_note(self) -> str | None:
         """Why this build's tiles may not be the fastest, if they were measured under load."""

@@ -147,7 +147,6 @@ def compile_model(
         compiled.graphs.append(report)
     if packers:
         compiled.tiles = tuner.summary()
-        tuner.save()
         compiled.tiles_note = tuner.busy_note()
         compiled.packed = len(packers[0].packed_names)
         compiled.int4_on_q4_1 = len(packers[0].int4_names)
