@@ -13,6 +13,7 @@ import torch
 from conftest import have_onnx, stop_warming
 from families import (
     INT8,
+    INT8_FAMILIES,
     PARITY,
     RECIPE,
     SPEC_PAIRS,
@@ -73,13 +74,13 @@ def _package(family: str, checkpoints: dict[str, Path], project, **extra) -> Pat
 @pytest.fixture(scope="module")
 def family_engines(request, checkpoints, project):
     stop_warming(request, "families")  # the builds take what the background compiled
-    cache: dict[str, Engine] = {}
+    cache: dict[Path, Engine] = {}
 
-    def get(name: str, **extra) -> Engine:
-        key = f"{name}{sorted(extra)}"
-        if key not in cache:
-            cache[key] = Engine.load(_package(name, checkpoints, project, **extra))
-        return cache[key]
+    def get(family: str, **extra) -> Engine:
+        path = _package(family, checkpoints, project, **extra)
+        if path not in cache:
+            cache[path] = Engine.load(path)
+        return cache[path]
 
     return get
 
@@ -152,7 +153,7 @@ def test_onnx_graphs_match_aoti_and_transformers(family_engines, checkpoints, pr
 
 
 @pytest.mark.slow  # two more builds, ~100 s each on 2 cores
-@pytest.mark.parametrize("family", ["qwen2-tied", "gptneox-parallel"])
+@pytest.mark.parametrize("family", INT8_FAMILIES)
 def test_int8_fused_build_stays_close(family_engines, checkpoints, family):
     """int8 weights + fused linears on the biased families: logits within int8's error of
     transformers, and the same argmax at nearly every position of a teacher-forced text."""

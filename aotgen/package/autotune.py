@@ -184,6 +184,9 @@ class Autotune:
             return json.loads(self._file.read_text())
         return {}
 
+    def _reload(self) -> None:
+        self._known = {**self._known, **self._saved()}
+
     def _cached(self, key: tuple[str, int, int, int]) -> Tile | None:
         """The known tile, unless measured with another version of its kernel or to be
         measured again."""
@@ -201,7 +204,7 @@ class Autotune:
         if key not in self.tiles:
             tile = self._cached(key)
             if tile is None:  # a build sharing the cache may have measured it since
-                self._known = {**self._known, **self._saved()}
+                self._reload()
                 tile = self._cached(key) or self._measure_and_save(key)
             self.tiles[key] = tile
         tile = self.tiles[key]
@@ -229,7 +232,7 @@ class Autotune:
         self._file.parent.mkdir(parents=True, exist_ok=True)
         with open(self._file.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            self._known = {**self._known, **self._saved()}
+            self._reload()
             if (saved := self._cached(key)) is not None:
                 return saved
             busy = (this.cores() or 0.0) > BUSY_CORES
