@@ -98,8 +98,12 @@ class PackageRunner:
         self.device = self.engine.target.device.type
         self.weight_bytes = weight_bytes(self.engine)
         self.prompt = prompt_ids(self.engine.tokenizer.vocab_size, prompt_len)
+        # Every run prefills the whole prompt: the same prompt again would find it cached.
         self.cfg = GenerationConfig(
-            max_new_tokens=gen_tokens, ignore_eos=True, sampling=SamplingParams()
+            max_new_tokens=gen_tokens,
+            ignore_eos=True,
+            sampling=SamplingParams(),
+            reuse_prefix=False,
         )
 
     def run(self) -> tuple[float, float]:
@@ -369,13 +373,15 @@ def speculative_configs(
     """The benched modes: plain, n-gram, the draft ones, and with a tree graph in the package
     each speculative mode again as a tree ("<mode> tree", `tree` or the default TreeParams)."""
     modes = ["ngram"] + (["draft", "draft+ngram"] if engine.draft is not None else [])
-    configs = {"plain": GenerationConfig(max_new_tokens=max_new_tokens)}
+    # The modes take turns on each prompt: each prefills it all, as it would alone.
+    plain = GenerationConfig(max_new_tokens=max_new_tokens, reuse_prefix=False)
+    configs = {"plain": plain}
     for mode in modes:
-        configs[mode] = GenerationConfig(max_new_tokens=max_new_tokens, speculative=mode, k=k)
+        configs[mode] = replace(plain, speculative=mode, k=k)
     if getattr(engine.target, "tree_len", 0):
         for mode in modes:
-            configs[f"{mode} tree"] = GenerationConfig(
-                max_new_tokens=max_new_tokens, speculative=mode, k=k, tree=tree or TreeParams()
+            configs[f"{mode} tree"] = replace(
+                plain, speculative=mode, k=k, tree=tree or TreeParams()
             )
     return configs
 

@@ -44,7 +44,7 @@ def _one_level(
 ) -> tuple[float, list[GenerationResult]]:
     """Serve `level` requests at once; (aggregate decode tok/s, their results)."""
     vocab = engine.target.vocab_size
-    config = GenerationConfig(max_new_tokens=gen_tokens, ignore_eos=True)
+    config = GenerationConfig(max_new_tokens=gen_tokens, ignore_eos=True, reuse_prefix=False)
     results: list[GenerationResult] = []
     ids = prompt_ids(vocab, prompt_len * level + seed)[seed:]
     for i in range(level):  # distinct prompts: no request's cache rows match another's

@@ -167,12 +167,14 @@ def _finish(result: GenerationResult) -> str:
     return "length" if result.finish_reason == "length" else "stop"
 
 
-def _usage(result: GenerationResult) -> dict[str, int]:
+def _usage(result: GenerationResult) -> dict[str, Any]:
     n = len(result.token_ids)
     return {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": n,
         "total_tokens": result.prompt_tokens + n,
+        # OpenAI's field: prompt tokens found in the KV cache (runtime/cached_tokens.py).
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
     }
 
 

@@ -9,6 +9,7 @@ import torch
 from aotgen.checkpoint.hf import open_checkpoint
 from aotgen.model.llama import ModelConfig, Transformer, load_model, new_kv_cache
 from aotgen.recipe import kv_cache_len
+from aotgen.runtime.cached_tokens import CachedTokens
 
 
 class EagerModel:
@@ -50,6 +51,10 @@ class EagerRunner(EagerModel):
     def __init__(self, checkpoint: Path, cache_len: int):
         super().__init__(checkpoint, cache_len)
         self.vocab_size = self.config.vocab_size
+        self.cached = CachedTokens(1)  # never written: every prompt runs from position 0
+
+    def prefill_reusing(self, tokens: list[int], slot: int = 0, reuse: bool = True) -> None:
+        self.forward(tokens, 0, slot=slot)
 
     def forward(
         self, tokens: list[int], start_pos: int, all_logits: bool = False, slot: int = 0

@@ -48,7 +48,7 @@ class BatchEngine:
         self.target = engine.target
         self.tokenizer = engine.tokenizer
         self.slots = len(self.target.slot_caches)
-        self.scheduler = Scheduler(self.slots, max_queue)
+        self.scheduler = Scheduler(self.target.cached, max_queue)
         self.prefill_step = max(1, prefill_step)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -214,6 +214,7 @@ class BatchEngine:
             decode_s=seq.finished - first,
             spec=seq.spec,
             error=seq.error,
+            cached_tokens=seq.cached_tokens,
         )
 
     # ---- model steps ---------------------------------------------------------------------

@@ -27,6 +27,7 @@ def greedy_tokens(runner: ModelRunner, token: int, pos: int) -> Iterator[int]:
     both devices), without the logits leaving the device."""
     device = runner.device
     decode, caches = runner.graphs["decode"], runner.slot_caches[0]  # the engine's row
+    runner.cached.forget(0, pos)  # the tokens decoded here are not recorded
     tok = torch.tensor([[token]], device=device)  # [1, 1]: the next step's input
     position = torch.tensor([pos], device=device)
     picked = torch.empty(2, dtype=torch.long, pin_memory=True)  # tokens i and i + 1

@@ -282,8 +282,7 @@ def _rank_runners(root: Path, manifest: dict[str, Any], rank: int) -> dict[str, 
     for role in ROLES:  # the target first: a draft may share its KV cache
         if role in manifest["models"]:
             entry = {**manifest["models"][role], "weights": shard["weights"][role]}
-            target_caches = runners["target"].caches if runners else None
-            runners[role] = ModelRunner(root, pt2, entry, target_caches)
+            runners[role] = ModelRunner(root, pt2, entry, runners.get("target"))
     return runners
 
 

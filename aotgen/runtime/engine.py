@@ -22,6 +22,7 @@ from torch import Tensor
 
 from aotgen.package.manifest import PackageError, verify_package
 from aotgen.package.weights import is_padding
+from aotgen.runtime.cached_tokens import CachedTokens
 from aotgen.runtime.cuda_graph import ReplayedGraph
 from aotgen.runtime.device_greedy import greedy_tokens
 from aotgen.runtime.onnx_backend import BACKENDS, onnx_graphs
@@ -180,7 +181,7 @@ class ModelRunner:
         root: Path,
         pt2: Path,
         entry: dict[str, Any],
-        target_caches: list[Tensor] | None = None,
+        target: ModelRunner | None = None,
         device: str = "cpu",
         backend: str = "aoti",
         slots: int = 1,
@@ -192,7 +193,7 @@ class ModelRunner:
         if backend == "onnxruntime":
             # ORT reads the ONNX graphs' own weights file; no AOTInductor code is loaded.
             self.weights: dict[str, Tensor] = {}
-            self.graphs = onnx_graphs(root, entry, "target" if target_caches is None else "draft")
+            self.graphs = onnx_graphs(root, entry, "target" if target is None else "draft")
         else:
             self.weights, self.graphs = self._aoti_graphs(root, pt2, entry, cuda_graphs)
         kv = entry["kv_cache"]
@@ -200,12 +201,16 @@ class ModelRunner:
         dtype = getattr(torch, kv["dtype"])
         self.shares_cache = kv.get("shared_with") == "target"
         if self.shares_cache:
-            self.caches = _target_cache_layers(kv, dtype, target_caches)
+            self.caches = _target_cache_layers(kv, dtype, target.caches if target else None)
+            # What each row holds (runtime/cached_tokens.py): the draft writes its own keys
+            # into the target's layers, so it only makes the target's record forget them.
+            self.cached = target.cached
         else:
             shape = [slots, *kv["shape"][1:]]
             self.caches = [
                 zeros_on_demand(shape, dtype, self.device) for _ in range(2 * kv["layers"])
             ]
+            self.cached = CachedTokens(slots)
         # Slots: one sequence's cache rows each (the batch engine's); a row is a `[1, ...]`
         # view that the single-sequence graphs run on in place.
         self.slot_caches = (
@@ -269,7 +274,9 @@ class ModelRunner:
             chunk += chunk[-1:] * (width - n)
             chunk_ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
             positions = torch.arange(pos, pos + width, device=self.device)
+            self.cached.forget(slot, pos)
             logits = graph(chunk_ids, positions, caches, attend=pos + width)[0][:n].cpu()
+            self._wrote(slot, pos, chunk)
             outs.append(logits if all_logits else logits[-1:])
             pos += n
         return torch.cat(outs) if all_logits else outs[-1][0]
@@ -298,6 +305,7 @@ class ModelRunner:
         ids = tree.tokens + tree.tokens[-1:] * (width - n)
         positions = [start + d for d in tree.depths] + [start] * (width - n)
         dev = self.device
+        self.cached.forget(0, start)  # node i sits at start + i: not a sequence
         logits = self.graphs["tree"](
             torch.tensor([ids], device=dev),
             torch.tensor(positions, device=dev),
@@ -311,7 +319,9 @@ class ModelRunner:
         """The per-token hot path: one decode call, logits `[V]`."""
         tokens = torch.tensor([[token]], device=self.device)
         positions = torch.tensor([pos], device=self.device)
+        self.cached.forget(slot, pos)
         logits = self.graphs["decode"](tokens, positions, self.slot_caches[slot], attend=pos + 1)
+        self._wrote(slot, pos, [token])
         return logits[0, 0].cpu()
 
     def decode_many(self, tokens: list[int], positions: list[int], slots: list[int]) -> Tensor:
@@ -328,9 +338,28 @@ class ModelRunner:
         """One batched-graph call: `tokens`, `positions` `[B, T]` in cache rows `slots [B]`;
         logits `[B, T, V]`."""
         dev = self.device
-        return self.graphs[graph](
+        rows = list(zip(slots.tolist(), positions[:, 0].tolist(), tokens.tolist(), strict=True))
+        for slot, start, _ in rows:
+            self.cached.forget(slot, start)
+        logits = self.graphs[graph](
             tokens.to(dev), positions.to(dev), self.caches, None, slots.to(dev)
         ).cpu()
+        for slot, start, row in rows:
+            self._wrote(slot, start, row)
+        return logits
+
+    def _wrote(self, slot: int, start: int, tokens: list[int]) -> None:
+        """Record a call's tokens in the cache row; a draft on the target's cache only
+        forgets (its keys are not the target's)."""
+        if not self.shares_cache:
+            self.cached.wrote(slot, start, tokens)
+
+    def prefill_reusing(self, tokens: list[int], slot: int = 0, reuse: bool = True) -> None:
+        """Make cache row `slot` hold `tokens` from position 0, running only those past the
+        prefix it already holds (all of them without `reuse`): a draft's prompt."""
+        start = self.cached.prefix(slot, tokens) if reuse else 0
+        if start < len(tokens):
+            self.forward(tokens[start:], start, slot=slot)
 
 
 @dataclass
@@ -345,6 +374,9 @@ class GenerationConfig:
     ngram_min: int | None = None  # shortest suffix match; default: see NGRAM_MIN
     ngram_max: int = 4
     tree: TreeParams | None = None  # tree speculation (runtime/tree_draft.py); None: a chain
+    # Run only the prompt past the prefix the KV cache already holds (runtime/cached_tokens.py);
+    # off: every prompt runs from position 0, as benchmarks of prefill need.
+    reuse_prefix: bool = True
 
     @property
     def uses_draft(self) -> bool:
@@ -370,10 +402,13 @@ class GenerationResult:
     decode_s: float
     spec: SpecStats | None = None
     error: str | None = None  # finish_reason "error": what failed
+    cached_tokens: int = 0  # prompt tokens found in the KV cache, not run again
 
     @property
     def prefill_tok_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+        """Prompt tokens run, over the time to the first token."""
+        run = self.prompt_tokens - self.cached_tokens
+        return run / self.prefill_s if self.prefill_s else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -457,9 +492,7 @@ class Engine:
         device = manifest["target"]["device"]
         target = ModelRunner(root, pt2, models["target"], None, device, backend, slots, cuda_graphs)
         draft = (
-            ModelRunner(
-                root, pt2, models["draft"], target.caches, device, backend, slots, cuda_graphs
-            )
+            ModelRunner(root, pt2, models["draft"], target, device, backend, slots, cuda_graphs)
             if "draft" in models
             else None
         )
@@ -558,7 +591,8 @@ class Engine:
         spec = SpecStats() if config.speculative else None
         t0 = time.perf_counter()
         t_first = None
-        steps = self._token_steps(prompt_ids, config, spec)
+        cached = self.reusable(prompt_ids, config)
+        steps = self._token_steps(prompt_ids, cached, config, spec)
         for new_tokens in steps:
             if t_first is None:
                 t_first = time.perf_counter()
@@ -574,16 +608,22 @@ class Engine:
             prefill_s=(t_first or t_end) - t0,
             decode_s=t_end - (t_first or t_end),
             spec=spec,
+            cached_tokens=cached,
         )
 
+    def reusable(self, prompt: list[int], config: GenerationConfig) -> int:
+        """Leading prompt tokens the target's cache holds from an earlier request."""
+        return self.target.cached.reusable(0, prompt) if config.reuse_prefix else 0
+
     def _token_steps(
-        self, prompt: list[int], config: GenerationConfig, spec: SpecStats | None
+        self, prompt: list[int], cached: int, config: GenerationConfig, spec: SpecStats | None
     ) -> Iterator[list[int]]:
-        """Yield newly accepted tokens, one list per model step."""
+        """Yield newly accepted tokens, one list per model step; the prompt runs from
+        position `cached` on."""
         params = config.sampling
         gen = make_generator(params.seed)
         target = self.target
-        logits = target.forward(prompt, 0)
+        logits = target.forward(prompt[cached:], cached)
         tok = select_next(logits, params, gen)
         yield [tok]
         pos = len(prompt)  # position of `tok`, not yet in the cache
@@ -640,5 +680,5 @@ class Engine:
         lookup = LookupProposer(config.lookup_min, config.ngram_max)
         if not config.uses_draft:
             return lookup
-        draft = DraftProposer(self.draft, prompt, config.sampling, gen, slot)
+        draft = DraftProposer(self.draft, prompt, config.sampling, gen, slot, config.reuse_prefix)
         return DraftOrLookupProposer(lookup, draft) if config.uses_lookup else draft

@@ -57,6 +57,7 @@ class DraftProposer:
         params: SamplingParams,
         generator: torch.Generator,
         slot: int = 0,
+        reuse_prefix: bool = True,
     ) -> None:
         self.draft, self.params, self.generator, self.slot = draft, params, generator, slot
         # A draft that shares the target's cache finds every accepted position already
@@ -64,7 +65,7 @@ class DraftProposer:
         # catches up: each round starts with a one-token decode of `tok` (history[-1]). Its
         # own entries (tok and the proposals) are overwritten by the verify that follows.
         if not draft.shares_cache:
-            draft.forward(prompt, 0, slot=slot)
+            draft.prefill_reusing(prompt, slot, reuse_prefix)
         self.pos = len(prompt)
 
     def propose(self, history: list[int], k: int) -> Proposal:

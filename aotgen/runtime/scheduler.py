@@ -2,14 +2,18 @@
 
 Requests queue FIFO (bounded: a full queue refuses, it does not grow without limit; requests a
 free slot will take do not count), take a free slot between steps, and give it back the step
-they finish or are cancelled. Prefill is first come, first served, one request at a time, so a
-long prompt is chunked across steps while the running requests keep decoding.
+they finish or are cancelled. A request takes the free slot whose cache row holds the longest
+prefix of its prompt (runtime/cached_tokens.py) and runs only the rest; without one, the slot
+freed longest ago, so recent conversations stay in the cache longest. Prefill is first come,
+first served, one request at a time, so a long prompt is chunked across steps while the
+running requests keep decoding.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from aotgen.runtime.cached_tokens import CachedTokens
 from aotgen.runtime.sequence import Sequence
 
 
@@ -18,8 +22,9 @@ class QueueFull(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, slots: int, max_queue: int):
-        self.free: deque[int] = deque(range(slots))
+    def __init__(self, cached: CachedTokens, max_queue: int):
+        self.cached = cached
+        self.free: deque[int] = deque(range(len(cached.rows)))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.max_queue = max_queue
@@ -43,7 +48,12 @@ class Scheduler:
         """Give free slots to waiting requests, oldest first."""
         while self.waiting and self.free:
             seq = self.waiting.popleft()
-            seq.slot = self.free.popleft()
+            if seq.config.reuse_prefix:
+                seq.slot = self.cached.best_slot(list(self.free), seq.prompt)
+                seq.pos = seq.cached_tokens = self.cached.reusable(seq.slot, seq.prompt)
+            else:
+                seq.slot = self.free[0]
+            self.free.remove(seq.slot)
             self.running.append(seq)
 
     def next_prefill(self) -> Sequence | None:

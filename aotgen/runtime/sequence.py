@@ -123,6 +123,7 @@ class Sequence:
     on_done: Callable[[Sequence], None] | None = None
     slot: int = -1
     pos: int = 0
+    cached_tokens: int = 0  # prompt tokens its slot already held (runtime/cached_tokens.py)
     pending: int | None = None
     generator: torch.Generator = field(init=False)
     proposer: Proposer | None = None  # speculative requests: made at their first decode

@@ -84,11 +84,12 @@ class TreeDraftProposer:
         params: SamplingParams,
         generator: torch.Generator,
         tree: TreeParams,
+        reuse_prefix: bool = True,
     ) -> None:
         self.draft, self.params, self.generator, self.tree_params = draft, params, generator, tree
         self.calibration = Calibration()
         if not draft.shares_cache:
-            draft.forward(prompt, 0)
+            draft.prefill_reusing(prompt, 0, reuse_prefix)
         self.pos = len(prompt)
 
     def _pick(self, logits: Tensor) -> tuple[int, Tensor | None]:
@@ -316,7 +317,9 @@ def tree_proposer(
     lookup = TreeLookupProposer(config.lookup_min, config.ngram_max, config.tree)
     if not config.uses_draft:
         return lookup
-    draft = TreeDraftProposer(engine.draft, prompt, config.sampling, gen, config.tree)
+    draft = TreeDraftProposer(
+        engine.draft, prompt, config.sampling, gen, config.tree, config.reuse_prefix
+    )
     return TreeDraftOrLookup(lookup, draft) if config.uses_lookup else draft
 
 
@@ -344,6 +347,7 @@ def tree_steps(
         path, nxt = verify_tree(tree, logits, config.sampling, gen)
         proposer.verified(path)
         moved = commit_path(target.caches, pos, path)
+        target.cached.wrote(0, pos, [tree.tokens[i] for i in path])  # the path, as a chain
         accepted = [tree.tokens[i] for i in path[1:]] + [nxt]
         spec.update(tree.depth, len(path) - 1, lookup=tree.looked_up)
         spec.tree_nodes += len(tree) - 1

@@ -1,0 +1,156 @@
+"""Prefix reuse: a request runs only the part of its prompt that its KV-cache row does not
+already hold. Every reusing run is compared with the same request run from position 0 on a
+second engine of the same package (logits, and greedy ids)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aotgen.runtime.batch_engine import BatchEngine
+from aotgen.runtime.cached_tokens import CachedTokens
+from aotgen.runtime.engine import Engine, GenerationConfig
+from aotgen.runtime.sampling import SamplingParams
+
+GREEDY = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+COLD = GenerationConfig(max_new_tokens=12, ignore_eos=True, reuse_prefix=False)
+
+
+def _ids(seed: int, n: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, vocab, (n,), generator=g).tolist()
+
+
+def test_the_record_forgets_overwritten_positions_and_gaps():
+    cached = CachedTokens(2)
+    cached.forget(0, 0)
+    cached.wrote(0, 0, [1, 2, 3, 4])
+    assert cached.prefix(0, [1, 2, 3, 9]) == 3
+    assert cached.reusable(0, [1, 2, 3, 4]) == 3  # the last prompt token always runs
+    cached.forget(0, 2)  # a draft's keys or a tree at 2..: forgotten, not recorded
+    assert cached.rows[0] == [1, 2]
+    cached.forget(0, 5)
+    cached.wrote(0, 5, [7])  # positions 2..4 unknown: nothing past them is claimed
+    assert cached.rows[0] == [1, 2]
+    cached.forget(1, 0)
+    cached.wrote(1, 0, [1, 2, 3])
+    assert cached.best_slot([0, 1], [1, 2, 3, 8]) == 1
+    assert cached.best_slot([0, 1], [6]) == 0  # no match: the first free slot
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_batch_package) -> tuple[Engine, Engine]:
+    """(reusing, cold): two engines of the tiny package with a draft on the target's cache."""
+    return Engine.load(tiny_batch_package), Engine.load(tiny_batch_package)
+
+
+def test_reused_prefix_gives_the_logits_of_a_full_prefill(engines):
+    """The runner level: a prompt run from where a longer earlier one diverges scores as the
+    whole prompt does on an empty cache."""
+    engine, cold = engines
+    vocab = engine.target.vocab_size
+    first, second = _ids(1, 40, vocab), _ids(2, 30, vocab)
+    engine.target.forward(first, 0)
+    prompt = first[:25] + second
+    start = engine.target.cached.reusable(0, prompt)
+    assert start == 25
+    got = engine.target.forward(prompt[start:], start, all_logits=True)
+    want = cold.target.forward(prompt, 0, all_logits=True)[start:]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        GREEDY,
+        GenerationConfig(max_new_tokens=12, ignore_eos=True, speculative="draft"),
+        GenerationConfig(max_new_tokens=12, ignore_eos=True, speculative="ngram"),
+        GenerationConfig(
+            max_new_tokens=12, ignore_eos=True, sampling=SamplingParams(temperature=0.8, seed=3)
+        ),
+    ],
+    ids=["greedy", "draft", "ngram", "sampled"],
+)
+def test_a_conversation_reuses_each_turn_and_matches_cold_runs(engines, config):
+    """Three turns, each prompt the last one + its answer + a new message: every turn after
+    the first runs only what is new, and outputs what the same prompt does from scratch.
+    With a draft on the target's cache (its own keys overwritten by each verify) and with
+    lookup proposals (rejected ones left in the cache past the accepted tokens)."""
+    engine, cold = engines
+    vocab = engine.target.vocab_size
+    cold_config = GenerationConfig(**{**config.__dict__, "reuse_prefix": False})
+    prompt = _ids(10, 20, vocab)
+    engine.target.forward(_ids(11, 8, vocab), 0)  # an unrelated earlier request
+    held = 0  # prompt tokens the cache must hold: the last turn's prompt and answer
+    for turn in range(3):
+        result = engine.generate(prompt, config)
+        want = cold.generate(prompt, cold_config)
+        assert result.token_ids == want.token_ids
+        assert want.cached_tokens == 0
+        if turn == 0:
+            assert result.cached_tokens == 0
+        else:  # at least the last prompt, and the last answer but for its final token
+            assert result.cached_tokens >= held
+        held = len(prompt) + len(result.token_ids) - 1
+        prompt = prompt + result.token_ids + _ids(20 + turn, 6, vocab)
+
+
+def test_the_same_prompt_again_runs_one_token(engines):
+    engine, cold = engines
+    prompt = _ids(30, 24, engine.target.vocab_size)
+    engine.generate(prompt, GREEDY)
+    again = engine.generate(prompt, GREEDY)
+    assert again.cached_tokens == len(prompt) - 1
+    assert again.token_ids == cold.generate(prompt, COLD).token_ids
+
+
+def test_reuse_off_runs_the_whole_prompt(engines):
+    engine, _ = engines
+    prompt = _ids(31, 24, engine.target.vocab_size)
+    engine.generate(prompt, GREEDY)
+    assert engine.generate(prompt, COLD).cached_tokens == 0
+
+
+def test_a_draft_with_its_own_cache_reuses_its_rows(tiny_checkpoint, project, tmp_path):
+    """A draft from another checkpoint keeps its own cache: its record too lets the next turn
+    run only what is new, and the output equals a cold run."""
+    from conftest import TINY_RECIPE
+    from tiny import make_tiny_checkpoint
+
+    from aotgen.package.build import build
+    from aotgen.recipe import parse_recipe
+
+    draft = make_tiny_checkpoint(tmp_path / "draft", seed=7, layers=1)
+    data = {"checkpoint": str(tiny_checkpoint), **TINY_RECIPE}
+    data["speculative"] = {"draft": {"checkpoint": str(draft)}}
+    package = build(parse_recipe(data, "tiny-own-draft", tmp_path), project).path
+    engine, cold = Engine.load(package), Engine.load(package)
+    assert not engine.draft.shares_cache
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True, speculative="draft")
+    prompt = _ids(40, 20, engine.target.vocab_size)
+    first = engine.generate(prompt, config)
+    prompt += first.token_ids + _ids(41, 5, engine.target.vocab_size)
+    assert engine.draft.cached.prefix(0, prompt) >= len(prompt) - 5 - 1
+    result = engine.generate(prompt, config)
+    want = cold.generate(prompt, GenerationConfig(**{**config.__dict__, "reuse_prefix": False}))
+    assert result.cached_tokens > 0
+    assert result.token_ids == want.token_ids
+
+
+def test_batch_engine_gives_a_request_the_slot_holding_its_conversation(tiny_batch_package):
+    """Two conversations in a 4-slot engine: each next turn takes the slot of its first turn
+    and runs only what is new; outputs equal cold single-request runs."""
+    batch = BatchEngine.load(tiny_batch_package)
+    cold = Engine.load(tiny_batch_package)
+    vocab = batch.target.vocab_size
+    prompts = [_ids(50, 18, vocab), _ids(51, 22, vocab)]
+    firsts = batch.generate_many(prompts, GREEDY)
+    assert [r.cached_tokens for r in firsts] == [0, 0]
+    turns = [
+        p + r.token_ids + _ids(52 + i, 4, vocab)
+        for i, (p, r) in enumerate(zip(prompts, firsts, strict=True))
+    ]
+    seconds = batch.generate_many(turns[::-1], GREEDY)[::-1]
+    for prompt, first, second in zip(prompts, firsts, seconds, strict=True):
+        assert second.cached_tokens >= len(prompt) + len(first.token_ids) - 1
+    assert [r.token_ids for r in seconds] == [cold.generate(t, COLD).token_ids for t in turns]
