@@ -53,9 +53,6 @@ class EagerRunner(EagerModel):
         self.vocab_size = self.config.vocab_size
         self.cached = CachedTokens(1)  # never written: every prompt runs from position 0
 
-    def prefill_reusing(self, tokens: list[int], slot: int = 0, reuse: bool = True) -> None:
-        self.forward(tokens, 0, slot=slot)
-
     def forward(
         self, tokens: list[int], start_pos: int, all_logits: bool = False, slot: int = 0
     ) -> torch.Tensor:
@@ -96,3 +93,23 @@ def eager_engine(
         draft_runner.caches = target_runner.caches[: len(draft_runner.caches)]
         draft_runner.shares_cache = True
     return Engine(Tokenizer.from_dir(target), target_runner, draft_runner, max_seq_len, verify_k)
+
+
+def conversation(package: Path, lines: list[str], config) -> list[tuple[list[int], object, object]]:
+    """Each user line as the next turn of one chat on a fresh engine of `package`: per turn
+    the prompt ids, the result (prefix reuse on) and a cold run's result (reuse off, on a
+    second engine)."""
+    from dataclasses import replace
+
+    from aotgen.runtime.engine import Engine
+
+    engine, cold = Engine.load(package), Engine.load(package)
+    messages: list[dict[str, str]] = []
+    turns = []
+    for line in lines:
+        messages.append({"role": "user", "content": line})
+        ids = engine.tokenizer.encode_chat(messages)
+        result = engine.generate(ids, config)
+        turns.append((ids, result, cold.generate(ids, replace(config, reuse_prefix=False))))
+        messages.append({"role": "assistant", "content": result.text})
+    return turns

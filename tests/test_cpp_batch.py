@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,29 @@ def test_batch_matches_python(request, batch_bin, tmp_path, package_fixture):
         for mode in ("draft", "draft+ngram"):  # every step proposes: lookup, else the draft
             spec = [g["spec"] for g, c in drafting if c.speculative == mode]
             assert sum(s["steps"] for s in spec) > sum(s["lookup_steps"] for s in spec), mode
+
+
+def test_a_follow_up_takes_the_slot_holding_its_prefix(batch_bin, tiny_batch_package, tmp_path):
+    """Four requests fill the slots; the one that ends first frees its slot for a follow-up
+    that extends its prompt, which runs only the new tokens; a repeat of another prompt runs
+    one. Slots, cached counts and ids equal the Python batch engine's; ids a cold run's."""
+    cold = Engine.load(tiny_batch_package)
+    prompts = _prompts(4, cold.target.vocab_size, seed=8)
+    prompts += [prompts[1] + [7, 8, 9], list(prompts[3])]
+    lengths = [30, 4, 30, 8, 30, 10]  # request 1 ends first, then 3 (4 still runs)
+    configs = [GenerationConfig(n, ignore_eos=True) for n in lengths]
+    want = BatchEngine.load(tiny_batch_package, prefill_step=PREFILL_STEP).generate_many(
+        prompts, configs
+    )
+    requests = [request_json(p, c) for p, c in zip(prompts, configs, strict=True)]
+    proc = run_batch(
+        batch_bin, tiny_batch_package, requests, tmp_path, "--prefill-step", str(PREFILL_STEP)
+    )
+    got, _ = cpp_results(proc)
+    assert [g["cached_tokens"] for g in got] == [w.cached_tokens for w in want]
+    assert [w.cached_tokens for w in want] == [0, 0, 0, 0, len(prompts[1]), len(prompts[3]) - 1]
+    for p, c, g, w in zip(prompts, configs, got, want, strict=True):
+        assert g["ids"] == w.token_ids == cold.generate(p, replace(c, reuse_prefix=False)).token_ids
 
 
 def test_cancel_frees_the_slot(batch_bin, tiny_batch_package, tmp_path):

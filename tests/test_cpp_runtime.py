@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from cpp_build import REPO_ROOT
+from reference import conversation
 
 from aotgen.package.manifest import PackageError
 from aotgen.runtime.engine import Engine, GenerationConfig
@@ -278,6 +279,30 @@ def test_draft_model_speculation(run_bin, draft_package, mode, flags):
     assert drafted > 0
     # draft+ngram: lookup proposed in some steps (and the draft in the rest).
     assert (lookup_steps > 0) == (mode == "draft+ngram")
+
+
+def test_interactive_conversation_reuses_the_cache_like_python(run_bin, tiny_package):
+    """`--interactive`: each stdin line is a turn of one chat; each turn's prompt, cached count
+    and ids equal the Python engine's on the same chat, and its ids a cold run's."""
+    lines = ["The quick brown fox", "and then?", "1 2 3 4 5 6 7 8"]
+    proc = subprocess.run(
+        [str(run_bin), str(tiny_package), "--interactive", "--json", "--max-new-tokens", "12"]
+        + ["--ignore-eos"],
+        input="\n".join(lines) + "\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    got = [json.loads(line) for line in proc.stdout.splitlines()]
+    want = conversation(tiny_package, lines, GenerationConfig(max_new_tokens=12, ignore_eos=True))
+    assert len(got) == len(want)
+    for out, (ids, result, cold) in zip(got, want, strict=True):
+        assert out["prompt_ids"] == ids
+        assert out["cached_tokens"] == result.cached_tokens
+        assert out["ids"] == result.token_ids == cold.token_ids
+    assert 0 < got[1]["cached_tokens"] <= got[2]["cached_tokens"]
 
 
 # ---- bad input: one clear message, exit status 1, no crash -------------------------------

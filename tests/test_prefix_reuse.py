@@ -4,8 +4,13 @@ second engine of the same package (logits, and greedy ids)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
+from reference import conversation
 
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.cached_tokens import CachedTokens
@@ -154,3 +159,30 @@ def test_batch_engine_gives_a_request_the_slot_holding_its_conversation(tiny_bat
     for prompt, first, second in zip(prompts, firsts, seconds, strict=True):
         assert second.cached_tokens >= len(prompt) + len(first.token_ids) - 1
     assert [r.token_ids for r in seconds] == [cold.generate(t, COLD).token_ids for t in turns]
+
+
+CHAT = ["The quick brown fox", "and then?", "1 2 3 4 5 6 7 8"]
+
+
+def test_run_interactive_is_one_conversation(tiny_package, tmp_path):
+    """`aotgen run --interactive`: each stdin line a turn; each turn's prompt, cached count and
+    ids equal the Python engine's on the same chat, and its ids a cold run's."""
+    args = ["run", str(tiny_package), "--interactive", "--json", "--max-new-tokens", "12"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "aotgen", *args, "--ignore-eos"],
+        input="\n".join(CHAT) + "\n",
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = [json.loads(line) for line in proc.stdout.splitlines()]
+    want = conversation(tiny_package, CHAT, GREEDY)
+    assert len(got) == len(want)
+    for out, (ids, result, cold) in zip(got, want, strict=True):
+        assert out["prompt_ids"] == ids
+        assert out["cached_tokens"] == result.cached_tokens
+        assert out["ids"] == result.token_ids == cold.token_ids
+    assert 0 < got[1]["cached_tokens"] <= got[2]["cached_tokens"]

@@ -90,6 +90,13 @@ def bench(
             "--llama-cpp GGUF, llama.cpp's llama-batched-bench beside it)"
         ),
     ] = None,
+    turns: Annotated[
+        int | None,
+        typer.Option(
+            help="a chat of N turns: time to each turn's first token with the conversation "
+            "found in the KV cache (prefix reuse) vs the prompt run whole"
+        ),
+    ] = None,
     as_json: Annotated[
         bool,
         typer.Option("--json", help="print the results as one JSON object on stdout"),
@@ -122,6 +129,14 @@ def bench(
         raise CliError("--llama-lookup compares n-gram speculation: add --speculative")
     if llama_lookup and not llama_lookup.is_file():
         raise CliError(f"--llama-lookup {llama_lookup}: no such GGUF file")
+    if turns is not None:
+        at_least("--turns", turns)
+        report["turns"] = [
+            _bench_chat(p, turns, gen_tokens, runs, threads, as_json) for p in packages
+        ]
+        if as_json:
+            print_json(report)
+        return
     if concurrency is not None:
         levels = _levels(concurrency)
         report["concurrency"] = _bench_concurrency(
@@ -260,6 +275,35 @@ def _bench_concurrency(
         wide_console().print(table)
         Console().print(_cpu_line(threads))
     return [dataclasses.asdict(r) for r in rows]
+
+
+def _bench_chat(
+    package: Path, turns: int, gen_tokens: int, runs: int, threads: int | None, as_json: bool
+) -> dict[str, Any]:
+    from aotgen.bench_chat import bench_chat
+
+    rows = bench_chat(package, turns, gen_tokens, runs, threads)
+    if not as_json:
+        table = Table(
+            title=f"{package.name}: a chat of {turns} turns, up to {gen_tokens} new tokens each, "
+            f"time to first token, median of {runs} conversations"
+        )
+        for col in ("turn", "prompt tokens", "cached", "whole ms", "reused ms", "speed-up"):
+            table.add_column(col, justify="right", no_wrap=True)
+        table.add_column("same text")
+        for r in rows:
+            table.add_row(
+                str(r.turn),
+                str(r.prompt_tokens),
+                str(r.cached_tokens),
+                f"{r.ttft_whole_ms:.1f}",
+                f"{r.ttft_reused_ms:.1f}",
+                f"{r.ttft_whole_ms / r.ttft_reused_ms:.2f}×",
+                "yes" if r.same_text else "no (near-tie)",
+            )
+        wide_console().print(table)
+        Console().print(_cpu_line(threads))
+    return {"package": package.name, "rows": [dataclasses.asdict(r) for r in rows]}
 
 
 def _isa() -> str:

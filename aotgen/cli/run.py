@@ -39,7 +39,16 @@ def run(
     chat: Annotated[
         str | None, typer.Option(help="user message, wrapped in the chat template")
     ] = None,
-    system: Annotated[str | None, typer.Option(help="system message for --chat")] = None,
+    system: Annotated[
+        str | None, typer.Option(help="system message for --chat or --interactive")
+    ] = None,
+    interactive: Annotated[
+        bool,
+        typer.Option(
+            help="a conversation: each line on stdin is the next user message; each turn runs "
+            "only what the KV cache does not hold yet"
+        ),
+    ] = False,
     max_new_tokens: Annotated[
         int, typer.Option(help="stop after this many new tokens (>= 1)")
     ] = 256,
@@ -114,10 +123,17 @@ def run(
     under `torchrun --nproc-per-node N -m aotgen run ...`); only rank 0 prints.
     """
     given = [x for x in (prompt, prompt_file, chat) if x is not None]
-    if len(given) != 1:
-        raise CliError("give exactly one of --prompt, --prompt-file, --chat")
-    if system is not None and chat is None:
-        raise CliError("--system goes with --chat (a system message for the chat template)")
+    if len(given) != (0 if interactive else 1):
+        raise CliError(
+            "--interactive reads the user's messages from stdin: drop --prompt, --prompt-file, "
+            "--chat"
+            if interactive
+            else "give exactly one of --prompt, --prompt-file, --chat (or --interactive)"
+        )
+    if system is not None and chat is None and not interactive:
+        raise CliError(
+            "--system goes with --chat or --interactive (a system message for the chat template)"
+        )
     _check_speculation_options(lookup, k, ngram_min, ngram_max, draft_parallel, p_split)
     if best_first and not draft_parallel:
         raise CliError("--best-first shapes a token tree: add --draft-parallel N")
@@ -131,15 +147,6 @@ def run(
 
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     text = read_prompt_file(prompt_file) if prompt_file is not None else prompt
-    launch = _Launch(nnodes, node_rank, master_addr, master_port)
-    engine = _start_engine(package, backend, resolve_threads(threads), launch)
-    if engine is None:  # launched as ranks, or a rank other than 0 (it served rank 0's calls)
-        return
-    ids = (
-        engine.chat_ids(chat, system=system)
-        if chat is not None
-        else engine.tokenizer.prompt_ids(text)
-    )
     mode = speculative_mode(speculative, lookup)
     cfg = GenerationConfig(
         max_new_tokens=max_new_tokens,
@@ -153,13 +160,45 @@ def run(
         ngram_max=ngram_max,
         tree=TreeParams(draft_parallel, p_split, best_first) if draft_parallel else None,
     )
+    launch = _Launch(nnodes, node_rank, master_addr, master_port)
+    engine = _start_engine(package, backend, resolve_threads(threads), launch)
+    if engine is None:  # launched as ranks, or a rank other than 0 (it served rank 0's calls)
+        return
+    if interactive:
+        _converse(engine, cfg, system, as_json)
+        return
+    ids = (
+        engine.chat_ids(chat, system=system)
+        if chat is not None
+        else engine.tokenizer.prompt_ids(text)
+    )
+    _answer(engine, ids, cfg, as_json)
+
+
+def _answer(engine: Engine, ids: list[int], cfg: Any, as_json: bool) -> Any:
+    """Generate from `ids`: the text streamed, then the stats (or one JSON object)."""
     stream = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = engine.generate(ids, cfg, on_text=stream)
     if as_json:
-        print_json(_run_json(engine.load_s, ids, result, mode))
-        return
-    sys.stdout.write("\n")
-    _print_stats(engine.load_s, result, mode, tree=cfg.tree is not None)
+        print_json(_run_json(engine.load_s, ids, result, cfg.speculative))
+    else:
+        sys.stdout.write("\n")
+        _print_stats(engine.load_s, result, cfg.speculative, tree=cfg.tree is not None)
+    return result
+
+
+def _converse(engine: Engine, cfg: Any, system: str | None, as_json: bool) -> None:
+    """`--interactive`: each line on stdin is the next user message of one conversation. The
+    whole conversation is the next prompt, encoded through the chat template as a client
+    would send it; the engine runs only what its KV cache does not hold yet."""
+    messages: list[dict[str, str]] = []
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        ids = engine.tokenizer.encode_chat(messages, system=system)
+        result = _answer(engine, ids, cfg, as_json)
+        messages.append({"role": "assistant", "content": result.text})
 
 
 def _check_speculation_options(
@@ -227,8 +266,9 @@ def _start_engine(
 
 def _print_stats(load_s: float, result: Any, mode: str | None, tree: bool) -> None:
     """Speed, then speculation's counts, dimmed on stderr after the streamed text."""
+    cached = f" ({result.cached_tokens} in the cache)" if result.cached_tokens else ""
     console.print(
-        f"[dim]load {load_s:.2f} s · prompt {result.prompt_tokens} tok, prefill "
+        f"[dim]load {load_s:.2f} s · prompt {result.prompt_tokens} tok{cached}, prefill "
         f"{result.prefill_tok_s:.1f} tok/s · {len(result.token_ids)} tok, decode "
         f"{result.decode_tok_s:.1f} tok/s · finish: {result.finish_reason}[/]",
         highlight=False,
@@ -280,6 +320,7 @@ def _run_json(load_s: float, prompt_ids: list[int], result: Any, mode: str | Non
         "finish_reason": result.finish_reason,
         "load_s": load_s,
         "prompt_tokens": result.prompt_tokens,
+        "cached_tokens": result.cached_tokens,
         "prefill_s": result.prefill_s,
         "decode_s": result.decode_s,
         "prefill_tok_s": result.prefill_tok_s,

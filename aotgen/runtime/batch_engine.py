@@ -1,7 +1,8 @@
 """Many requests on one package at once: continuous batching over the batched graphs.
 
 Each request holds a slot, one row of the target's KV cache (`[slots, kv_heads, cache_len,
-head_dim]` per layer; model/layers.py). A step runs, in order:
+head_dim]` per layer; model/layers.py): the free slot holding the longest prefix of its
+prompt, which it does not run again (runtime/scheduler.py). A step runs, in order:
 
 - one prefill chunk of the oldest request still prefilling, at most `prefill_step` tokens
   while others decode (the whole prefill graph when none does), through the single-sequence

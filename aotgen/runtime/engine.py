@@ -354,13 +354,6 @@ class ModelRunner:
         if not self.shares_cache:
             self.cached.wrote(slot, start, tokens)
 
-    def prefill_reusing(self, tokens: list[int], slot: int = 0, reuse: bool = True) -> None:
-        """Make cache row `slot` hold `tokens` from position 0, running only those past the
-        prefix it already holds (all of them without `reuse`): a draft's prompt."""
-        start = self.cached.prefix(slot, tokens) if reuse else 0
-        if start < len(tokens):
-            self.forward(tokens[start:], start, slot=slot)
-
 
 @dataclass
 class GenerationConfig:
@@ -520,7 +513,9 @@ class Engine:
         config: GenerationConfig | None = None,
         on_text: Callable[[str], None] | None = None,
     ) -> GenerationResult:
-        """Generate from token ids, streaming text through `on_text` as it is decoded.
+        """Generate from token ids, streaming text through `on_text` as it is decoded. A
+        prompt that starts with tokens the KV cache holds from an earlier request (the next
+        turn of a chat, sent whole) runs only the rest (`config.reuse_prefix`).
 
         Safe to call from several threads: the engine has one KV cache, so calls run one
         after the other (each waits for the one before), never interleaved."""

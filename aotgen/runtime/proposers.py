@@ -30,6 +30,15 @@ class Proposer(Protocol):
         ...
 
 
+def prefill_draft(draft: ModelRunner, prompt: list[int], slot: int, reuse: bool) -> None:
+    """Put the prompt in a draft's own cache row, running only what the row does not hold
+    yet (all of it without `reuse`). Through `draft.forward`, which a tensor-parallel
+    rank 0 announces to the other ranks."""
+    start = draft.cached.prefix(slot, prompt) if reuse else 0
+    if start < len(prompt):
+        draft.forward(prompt[start:], start, slot=slot)
+
+
 class LookupProposer:
     """n-gram lookup in the prompt + output (`NgramProposer`): no model, deterministic. One
     per request: its index grows with the request's text."""
@@ -65,7 +74,7 @@ class DraftProposer:
         # catches up: each round starts with a one-token decode of `tok` (history[-1]). Its
         # own entries (tok and the proposals) are overwritten by the verify that follows.
         if not draft.shares_cache:
-            draft.prefill_reusing(prompt, slot, reuse_prefix)
+            prefill_draft(draft, prompt, slot, reuse_prefix)
         self.pos = len(prompt)
 
     def propose(self, history: list[int], k: int) -> Proposal:

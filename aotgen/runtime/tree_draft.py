@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from aotgen.runtime.ngram import NgramProposer
+from aotgen.runtime.proposers import prefill_draft
 from aotgen.runtime.sampling import SamplingParams, logits_to_probs, sample
 from aotgen.runtime.tree import Tree, commit_path, verify_tree
 from aotgen.runtime.tree_shape import (
@@ -89,7 +90,7 @@ class TreeDraftProposer:
         self.draft, self.params, self.generator, self.tree_params = draft, params, generator, tree
         self.calibration = Calibration()
         if not draft.shares_cache:
-            draft.prefill_reusing(prompt, 0, reuse_prefix)
+            prefill_draft(draft, prompt, 0, reuse_prefix)
         self.pos = len(prompt)
 
     def _pick(self, logits: Tensor) -> tuple[int, Tensor | None]:

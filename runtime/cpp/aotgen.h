@@ -29,6 +29,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "tokenizer.h"
@@ -72,6 +73,9 @@ struct TreeParams {
   bool best_first = false;
 };
 
+// A chat message: (role, content).
+using ChatMessage = std::pair<std::string, std::string>;
+
 struct GenerationConfig {
   int64_t max_new_tokens = 256;
   SamplingParams sampling;
@@ -85,6 +89,9 @@ struct GenerationConfig {
   std::optional<int64_t> ngram_min;
   int64_t ngram_max = 4;
   std::optional<TreeParams> tree;  // tree speculation; none: a chain
+  // Run only the prompt past the prefix the KV cache already holds from an earlier request
+  // (the next turn of a chat, a shared system prompt); false: every prompt runs whole.
+  bool reuse_prefix = true;
 };
 
 struct SpecStats {
@@ -111,8 +118,12 @@ struct GenerationResult {
   double decode_s = 0;        // first token to the end
   std::optional<SpecStats> spec;
   std::string error;  // finish_reason "error": what failed
+  int64_t cached_tokens = 0;  // prompt tokens found in the KV cache, not run again
 
-  double prefill_tok_s() const { return prefill_s > 0 ? double(prompt_tokens) / prefill_s : 0; }
+  // Prompt tokens run, over the time to the first token.
+  double prefill_tok_s() const {
+    return prefill_s > 0 ? double(prompt_tokens - cached_tokens) / prefill_s : 0;
+  }
   // Tokens after the first one, over the time spent producing them.
   double decode_tok_s() const {
     const auto n = static_cast<double>(token_ids.size()) - 1;
@@ -151,6 +162,10 @@ class Engine {
   // other templates need a jinja renderer: std::runtime_error.
   std::vector<int64_t> chat_ids(const std::string& user,
                                 const std::optional<std::string>& system = {}) const;
+  // Prompt ids for a conversation: (role, content) messages, e.g. system, user, assistant,
+  // user, then the assistant's turn. Sent again with each new message, its earlier turns are
+  // found in the KV cache (GenerationConfig::reuse_prefix).
+  std::vector<int64_t> chat_ids(const std::vector<ChatMessage>& messages) const;
 
   // A plain-text prompt's ids, led by bos when the checkpoint says so (`add_bos_token` in
   // tokenizer_config.json, e.g. Gemma), as the Python runtime's Tokenizer.prompt_ids.

@@ -58,6 +58,7 @@ struct Request {
     r.decode_s = seconds(first, finished);
     r.spec = spec;
     r.error = error;
+    r.cached_tokens = cached_tokens;
     return r;
   }
 
@@ -74,6 +75,7 @@ struct Request {
   std::optional<SpecStats> spec;
   int64_t slot = -1;
   int64_t pos = 0;
+  int64_t cached_tokens = 0;  // prompt tokens its slot already held
   int64_t pending = 0;
   bool cancelled = false;
   std::string error;
@@ -104,13 +106,19 @@ struct BatchEngine::Impl {
   }
 
   // ---- the scheduler (scheduler.py), under `mutex` -----------------------------------------
-  // Gives free slots to waiting requests, oldest first.
+  // Gives free slots to waiting requests, oldest first: each the slot whose cache row holds
+  // the longest prefix of its prompt, which it then skips (without one, the slot freed
+  // longest ago).
   void admit() {
     while (!waiting.empty() && !free.empty()) {
       RequestPtr r = waiting.front();
       waiting.pop_front();
       r->slot = free.front();
-      free.pop_front();
+      if (r->config.reuse_prefix) {
+        r->slot = target.cached().best_slot(free, r->prompt);
+        r->pos = r->cached_tokens = target.cached().reusable(r->slot, r->prompt);
+      }
+      free.erase(std::find(free.begin(), free.end(), r->slot));
       running.push_back(r);
     }
   }

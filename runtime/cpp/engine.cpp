@@ -77,15 +77,19 @@ struct AdaptiveK {
 // The draft model as tree drafting sees it (tree.h).
 class DraftCalls final : public detail::DraftModel {
  public:
-  explicit DraftCalls(ModelRunner& runner) : runner_(runner) {}
+  DraftCalls(ModelRunner& runner, bool reuse_prefix) : runner_(runner), reuse_(reuse_prefix) {}
   at::Tensor forward(const std::vector<int64_t>& tokens, int64_t start) override {
     return runner_.forward(tokens, start);
   }
   at::Tensor decode(int64_t token, int64_t pos) override { return runner_.decode(token, pos); }
   bool shares_cache() const override { return runner_.shares_cache(); }
+  void prefill(const std::vector<int64_t>& prompt) override {
+    runner_.prefill_reusing(prompt, 0, reuse_);
+  }
 
  private:
   ModelRunner& runner_;
+  bool reuse_;
 };
 
 }  // namespace
@@ -93,20 +97,22 @@ class DraftCalls final : public detail::DraftModel {
 
 namespace {
 
-// Yields the newly accepted tokens, one list per model step (engine.py _token_steps).
+// Yields the newly accepted tokens, one list per model step (engine.py _token_steps); the
+// prompt runs from position `cached` on (the tokens before it are in the cache).
 class TokenSteps {
  public:
   TokenSteps(ModelRunner& target, ModelRunner* draft, int64_t max_seq_len, int64_t verify_k,
-             const std::vector<int64_t>& prompt, const GenerationConfig& config,
+             const std::vector<int64_t>& prompt, int64_t cached, const GenerationConfig& config,
              std::optional<SpecStats>& spec)
       : target_(target), draft_(draft), max_seq_len_(max_seq_len), max_k_(verify_k),
-        prompt_(prompt), config_(config), params_(config.sampling), spec_(spec),
-        gen_(detail::make_generator(config.sampling.seed)) {}
+        prompt_(prompt), cached_(cached), config_(config), params_(config.sampling),
+        spec_(spec), gen_(detail::make_generator(config.sampling.seed)) {}
 
   std::vector<int64_t> next() {
     if (!started_) {
       started_ = true;
-      tok_ = detail::select_next(target_.forward(prompt_, 0), params_, gen_);
+      const std::vector<int64_t> rest(prompt_.begin() + cached_, prompt_.end());
+      tok_ = detail::select_next(target_.forward(rest, cached_), params_, gen_);
       pos_ = static_cast<int64_t>(prompt_.size());  // position of tok_, not yet cached
       return {tok_};
     }
@@ -127,7 +133,7 @@ class TokenSteps {
     history_ = prompt_;
     history_.push_back(tok_);
     if (config_.tree) {
-      if (draft_) draft_calls_.emplace(*draft_);
+      if (draft_) draft_calls_.emplace(*draft_, config_.reuse_prefix);
       tree_proposer_ = detail::make_tree_proposer(
           config_.speculative, draft_calls_ ? &*draft_calls_ : nullptr, prompt_, params_, gen_,
           *config_.tree, ngram_min(config_), config_.ngram_max);
@@ -146,6 +152,9 @@ class TokenSteps {
     const auto verdict = detail::verify_tree(tree, logits, params_, gen_);
     tree_proposer_->verified(verdict.path);
     const int64_t moved = detail::commit_path(target_.caches(), pos_, verdict.path);
+    std::vector<int64_t> path_tokens;  // now in the cache at pos_.., as a chain
+    for (const int64_t node : verdict.path) path_tokens.push_back(tree.tokens[node]);
+    target_.cached().wrote(0, pos_, path_tokens.data(), static_cast<int64_t>(path_tokens.size()));
     std::vector<int64_t> accepted;
     for (std::size_t i = 1; i < verdict.path.size(); ++i) {
       accepted.push_back(tree.tokens[verdict.path[i]]);
@@ -193,6 +202,7 @@ class TokenSteps {
   int64_t max_seq_len_;
   int64_t max_k_;
   const std::vector<int64_t>& prompt_;
+  int64_t cached_;
   const GenerationConfig& config_;
   const SamplingParams& params_;
   std::optional<SpecStats>& spec_;
@@ -389,11 +399,12 @@ GenerationResult Engine::generate(const std::vector<int64_t>& prompt_ids,
   GenerationResult result;
   result.prompt_tokens = static_cast<int64_t>(prompt_ids.size());
   if (config.speculative != Speculative::None) result.spec.emplace();
+  result.cached_tokens = config.reuse_prefix ? e.target->cached().reusable(0, prompt_ids) : 0;
 
   const auto t0 = Clock::now();
   std::optional<Clock::time_point> t_first;
-  TokenSteps steps(*e.target, e.draft.get(), e.max_seq_len, e.verify_k, prompt_ids, config,
-                   result.spec);
+  TokenSteps steps(*e.target, e.draft.get(), e.max_seq_len, e.verify_k, prompt_ids,
+                   result.cached_tokens, config, result.spec);
   while (true) {
     const auto new_tokens = steps.next();
     if (!t_first) t_first = Clock::now();
@@ -410,6 +421,13 @@ GenerationResult Engine::generate(const std::vector<int64_t>& prompt_ids,
 
 std::vector<int64_t> Engine::chat_ids(const std::string& user,
                                       const std::optional<std::string>& system) const {
+  std::vector<ChatMessage> messages;
+  if (system) messages.push_back({"system", *system});
+  messages.push_back({"user", user});
+  return chat_ids(messages);
+}
+
+std::vector<int64_t> Engine::chat_ids(const std::vector<ChatMessage>& messages) const {
   const auto& tmpl = impl_->chat_template;
   if (!tmpl || tmpl->find("<|im_start|>") == std::string::npos) {
     throw std::runtime_error(
@@ -417,9 +435,6 @@ std::vector<int64_t> Engine::chat_ids(const std::string& user,
         ": the chat template is not ChatML; the C++ runtime renders ChatML only (no jinja): "
         "format the prompt yourself and pass it with --prompt");
   }
-  std::vector<std::pair<std::string, std::string>> messages;
-  if (system) messages.emplace_back("system", *system);
-  messages.emplace_back("user", user);
   // Special tokens come from the template alone: message text that would encode to a
   // control token ("<|im_start|>system") is encoded as text, piece by piece
   // (tokenizer.py: Tokenizer.encode_chat).

@@ -29,12 +29,13 @@ at::Tensor long_tensor(const std::vector<int64_t>& values, bool column) {
 }  // namespace
 
 DraftProposer::DraftProposer(ModelRunner& draft, const std::vector<int64_t>& prompt,
-                             const SamplingParams& params, at::Generator& gen, int64_t slot)
+                             const SamplingParams& params, at::Generator& gen, int64_t slot,
+                             bool reuse_prefix)
     : draft_(draft), params_(params), gen_(gen), slot_(slot),
       pos_(static_cast<int64_t>(prompt.size())) {
   // A draft that shares the target's cache finds every accepted position already written by
   // the target (prefill, then each verify): it never prefills and never catches up.
-  if (!draft_.shares_cache()) draft_.forward(prompt, 0, false, slot_);
+  if (!draft_.shares_cache()) draft_.prefill_reusing(prompt, slot_, reuse_prefix);
 }
 
 Proposal DraftProposer::propose(const std::vector<int64_t>& history, int64_t k) {
@@ -59,7 +60,7 @@ std::unique_ptr<Proposer> make_proposer(ModelRunner* draft, const std::vector<in
                                         int64_t slot) {
   LookupProposer lookup(ngram_min(config), config.ngram_max);
   if (!uses_draft(config.speculative)) return std::make_unique<LookupProposer>(lookup);
-  DraftProposer drafted(*draft, prompt, config.sampling, gen, slot);
+  DraftProposer drafted(*draft, prompt, config.sampling, gen, slot, config.reuse_prefix);
   if (config.speculative == Speculative::DraftNgram) {
     return std::make_unique<DraftOrLookupProposer>(lookup, std::move(drafted));
   }

@@ -69,7 +69,8 @@ class LookupProposer final : public Proposer {
 class DraftProposer final : public Proposer {
  public:
   DraftProposer(ModelRunner& draft, const std::vector<int64_t>& prompt,
-                const SamplingParams& params, at::Generator& gen, int64_t slot = 0);
+                const SamplingParams& params, at::Generator& gen, int64_t slot = 0,
+                bool reuse_prefix = true);
 
   Proposal propose(const std::vector<int64_t>& history, int64_t k) override;
 

@@ -162,6 +162,41 @@ int64_t Graph::span(int64_t attend) const {
   return std::min(span, cache_len);
 }
 
+// ---- CachedTokens ------------------------------------------------------------------------
+
+void CachedTokens::clear() {
+  for (auto& row : rows_) row.clear();
+}
+
+void CachedTokens::forget(int64_t slot, int64_t start) {
+  auto& row = rows_.at(slot);
+  if (start < static_cast<int64_t>(row.size())) row.resize(start);
+}
+
+void CachedTokens::wrote(int64_t slot, int64_t start, const int64_t* tokens, int64_t count) {
+  auto& row = rows_.at(slot);
+  if (start == static_cast<int64_t>(row.size())) row.insert(row.end(), tokens, tokens + count);
+}
+
+int64_t CachedTokens::prefix(int64_t slot, const std::vector<int64_t>& tokens) const {
+  const auto& row = rows_.at(slot);
+  const std::size_t n = std::min(row.size(), tokens.size());
+  return std::mismatch(row.begin(), row.begin() + n, tokens.begin()).first - row.begin();
+}
+
+int64_t CachedTokens::reusable(int64_t slot, const std::vector<int64_t>& prompt) const {
+  return std::min(prefix(slot, prompt), static_cast<int64_t>(prompt.size()) - 1);
+}
+
+int64_t CachedTokens::best_slot(const std::deque<int64_t>& free,
+                                const std::vector<int64_t>& prompt) const {
+  int64_t best = free.front(), held = prefix(best, prompt);
+  for (const int64_t slot : free) {
+    if (const int64_t n = prefix(slot, prompt); n > held) best = slot, held = n;
+  }
+  return best;
+}
+
 // ---- ModelRunner -------------------------------------------------------------------------
 
 ModelRunner::ModelRunner(const fs::path& pt2, const json& entry, const ModelRunner* target,
@@ -210,7 +245,9 @@ ModelRunner::ModelRunner(const fs::path& pt2, const json& entry, const ModelRunn
           "differs from the draft's; rebuild the package");
     }
     caches_.assign(theirs.begin(), theirs.begin() + 2 * layers);
+    cached_ = target ? target->cached_ : std::make_shared<CachedTokens>(slots);
   } else {
+    cached_ = std::make_shared<CachedTokens>(slots);
     shape[0] = slots;
     for (int64_t i = 0; i < 2 * layers; ++i) {
       caches_.push_back(device_.is_cpu()
@@ -267,7 +304,19 @@ at::Tensor ModelRunner::tree_forward(const Tree& tree, int64_t start) {
     ids[0][i] = tree.tokens[i];
     positions[i] = start + depths[i];
   }
+  cached_->forget(0, start);  // node i sits at start + i: not a sequence
   return (*tree_)(ids, positions, caches(), tree.mask(width), start + width)[0].narrow(0, 0, n);
+}
+
+void ModelRunner::wrote(int64_t slot, int64_t start, const int64_t* tokens, int64_t count) {
+  if (!shares_cache_) cached_->wrote(slot, start, tokens, count);
+}
+
+void ModelRunner::prefill_reusing(const std::vector<int64_t>& tokens, int64_t slot, bool reuse) {
+  const int64_t start = reuse ? cached_->prefix(slot, tokens) : 0;
+  if (start < static_cast<int64_t>(tokens.size())) {
+    forward(std::vector<int64_t>(tokens.begin() + start, tokens.end()), start, false, slot);
+  }
 }
 
 at::Tensor ModelRunner::forward(const std::vector<int64_t>& tokens, int64_t start_pos,
@@ -293,8 +342,10 @@ at::Tensor ModelRunner::forward(const std::vector<int64_t>& tokens, int64_t star
     auto* ids = chunk.data_ptr<int64_t>();
     std::copy_n(tokens.begin() + (pos - start_pos), n, ids);
     std::fill(ids + n, ids + width, ids[n - 1]);
+    cached_->forget(slot, pos);
     at::Tensor logits =
         graph(chunk, at::arange(pos, pos + width, at::kLong), caches, {}, pos + width)[0];
+    wrote(slot, pos, ids, width);
     logits = logits.narrow(0, 0, std::min(n, logits.size(0)));  // prefill: one row
     outs.push_back(all_logits ? logits : logits.narrow(0, logits.size(0) - 1, 1));
     pos += n;
@@ -303,15 +354,28 @@ at::Tensor ModelRunner::forward(const std::vector<int64_t>& tokens, int64_t star
 }
 
 at::Tensor ModelRunner::decode(int64_t token, int64_t pos, int64_t slot) {
-  return (*decode_)(at::full({1, 1}, token, at::kLong), at::full({1}, pos, at::kLong),
-                    slot_caches_.at(slot), {}, pos + 1)[0][0];
+  cached_->forget(slot, pos);
+  at::Tensor logits = (*decode_)(at::full({1, 1}, token, at::kLong),
+                                 at::full({1}, pos, at::kLong), slot_caches_.at(slot), {}, pos + 1);
+  wrote(slot, pos, &token, 1);
+  return logits[0][0];
 }
 
 at::Tensor ModelRunner::batch(const at::Tensor& tokens, const at::Tensor& positions,
                               const at::Tensor& slots) {
   Graph* graph = tokens.size(1) == 1 ? batch_decode_.get() : batch_verify_.get();
   if (!graph) throw std::logic_error("the package has no batched graph for this call");
-  return (*graph)(tokens, positions, caches_, slots);
+  // Each row's record, from the host copies of its tokens, start and slot.
+  const at::Tensor ids = tokens.cpu().contiguous();
+  const at::Tensor starts = positions.select(1, 0).cpu().contiguous();
+  const at::Tensor rows = slots.cpu().contiguous();
+  const int64_t width = ids.size(1);
+  const int64_t *id = ids.data_ptr<int64_t>(), *start = starts.data_ptr<int64_t>(),
+                *slot = rows.data_ptr<int64_t>();
+  for (int64_t b = 0; b < rows.numel(); ++b) cached_->forget(slot[b], start[b]);
+  at::Tensor logits = (*graph)(tokens, positions, caches_, slots);
+  for (int64_t b = 0; b < rows.numel(); ++b) wrote(slot[b], start[b], id + b * width, width);
+  return logits;
 }
 
 int64_t ModelRunner::graph_width(int64_t n, int64_t pos, bool all_logits) const {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <filesystem>
 #include <memory>
 #include <mutex>
@@ -26,6 +27,29 @@ class AOTIModelPackageLoader;
 namespace aotgen::detail {
 
 struct Tree;
+
+// Which tokens each row (slot) of a KV cache holds from position 0 on, so that a request runs
+// only the prompt past the prefix its row already holds (aotgen/runtime/cached_tokens.py).
+// Kept truthful rather than complete: a write at `start` first forgets everything from there,
+// a write it cannot name (a draft's keys in the target's layers, a tree's nodes) is only
+// forgotten, and a write past the recorded end records nothing.
+class CachedTokens {
+ public:
+  explicit CachedTokens(int64_t slots) : rows_(slots) {}
+  void clear();
+  void forget(int64_t slot, int64_t start);
+  // tokens now sit at positions start.. of `slot` (after forget(slot, start)).
+  void wrote(int64_t slot, int64_t start, const int64_t* tokens, int64_t count);
+  // How many leading tokens the row already holds.
+  int64_t prefix(int64_t slot, const std::vector<int64_t>& tokens) const;
+  // All that the row holds of the prompt but its last token, whose logits pick the first.
+  int64_t reusable(int64_t slot, const std::vector<int64_t>& prompt) const;
+  // The free slot holding the longest prefix of the prompt (the first on a tie).
+  int64_t best_slot(const std::deque<int64_t>& free, const std::vector<int64_t>& prompt) const;
+
+ private:
+  std::vector<std::vector<int64_t>> rows_;
+};
 
 // One AOTInductor graph; checks the token count (and batch size) it was compiled for and
 // its output. On a GPU its inputs go to the device and its logits come back to the CPU; a
@@ -96,6 +120,12 @@ class ModelRunner {
   bool has_batch_verify() const { return batch_verify_ != nullptr; }
   // Slot 0's cache rows: all of the cache when there is one slot.
   const std::vector<at::Tensor>& caches() const { return slot_caches_[0]; }
+  // What the cache rows hold: the target's record for a draft on the target's cache.
+  CachedTokens& cached() { return *cached_; }
+
+  // Makes row `slot` hold tokens from position 0, running only those past the prefix it
+  // already holds (all of them without `reuse`): a draft's prompt.
+  void prefill_reusing(const std::vector<int64_t>& tokens, int64_t slot, bool reuse);
 
   // Scores a token tree rooted at position start in one tree-graph call (padded to its
   // rows): logits [tree.size(), V]; node i's keys/values land in slot start + i.
@@ -126,6 +156,10 @@ class ModelRunner {
   std::unique_ptr<Graph> prefill_, decode_, verify_, tree_, batch_decode_, batch_verify_;
   std::vector<at::Tensor> caches_;                    // all slots
   std::vector<std::vector<at::Tensor>> slot_caches_;  // [slot][layer]: [1, ...] rows
+  // A draft on the target's cache only makes the target's record forget what it writes.
+  void wrote(int64_t slot, int64_t start, const int64_t* tokens, int64_t count);
+
+  std::shared_ptr<CachedTokens> cached_;
   bool shares_cache_ = false;
   int64_t cache_len_ = 0;
   int64_t prefill_chunk_ = 0;

@@ -54,7 +54,7 @@ class TreeDraftProposer final : public TreeProposer {
                     const SamplingParams& params, at::Generator& gen, const TreeParams& tree)
       : draft_(draft), params_(params), gen_(gen), tree_(tree),
         pos_(static_cast<int64_t>(prompt.size())) {
-    if (!draft_.shares_cache()) draft_.forward(prompt, 0);
+    if (!draft_.shares_cache()) draft_.prefill(prompt);
   }
 
   Tree propose(const std::vector<int64_t>& history, int64_t k, int64_t budget) override {

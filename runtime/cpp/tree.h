@@ -53,6 +53,8 @@ class DraftModel {
   virtual at::Tensor forward(const std::vector<int64_t>& tokens, int64_t start) = 0;  // [V]
   virtual at::Tensor decode(int64_t token, int64_t pos) = 0;                          // [V]
   virtual bool shares_cache() const = 0;
+  // Puts the prompt in the draft's own cache (what it already holds of it is kept).
+  virtual void prefill(const std::vector<int64_t>& prompt) = 0;
 };
 
 class TreeProposer {

@@ -232,6 +232,7 @@ int run(Args args) {
           const json out = {{"request", n},           {"prompt_ids", lines[n].prompt_ids},
                             {"ids", r.token_ids},     {"text", r.text},
                             {"finish_reason", r.finish_reason}, {"step", steps},
+                            {"cached_tokens", r.cached_tokens},
                             {"spec", spec_json(r.spec)}, {"error", r.error}};
           std::cout << out.dump(-1, ' ', false, json::error_handler_t::replace) << std::endl;
         });

@@ -1,7 +1,7 @@
 // aotgen-run: generate text from an aotgen package with the C++ runtime (aotgen.h).
 //
-//   aotgen-run PACKAGE (--chat TEXT | --prompt TEXT | --prompt-file PATH | --prompt-ids JSON)
-//              [options]
+//   aotgen-run PACKAGE (--chat TEXT | --prompt TEXT | --prompt-file PATH | --prompt-ids JSON
+//                       | --interactive) [options]
 //
 // Streams the text to stdout, then prints load / first-token / decode timings on stderr.
 // With --json (or --ids), prints one JSON object on stdout instead: prompt_ids, ids
@@ -35,11 +35,13 @@ constexpr const char* kUsage = R"(usage: aotgen-run PACKAGE PROMPT [options]
 
 prompt (exactly one):
   --chat TEXT            user message, as a ChatML chat (no system message unless --system)
+  --interactive          a conversation: each line on stdin is the next user message; each
+                         turn runs only what the KV cache does not hold yet
   --prompt TEXT          raw prompt text
   --prompt-file PATH     raw prompt text from a file
   --prompt-ids JSON      prompt token ids, e.g. "[1, 2, 3]"
 options:
-  --system TEXT          system message for --chat
+  --system TEXT          system message for --chat or --interactive
   --max-new-tokens N     stop after N new tokens, N >= 1 (default 256)
   --temperature T        0 = greedy (default 0)
   --top-k K              0 = off (default 0)
@@ -162,6 +164,7 @@ struct Args {
   aotgen::GenerationConfig config;
   aotgen::LoadOptions load;
   bool print_ids = false;
+  bool interactive = false;
 };
 
 const char* mode_name(aotgen::Speculative mode) {
@@ -192,6 +195,8 @@ Args parse_args(int argc, char** argv) {
       args.prompt_file = value();
     } else if (arg == "--prompt-ids") {
       args.prompt_ids = value();
+    } else if (arg == "--interactive") {
+      args.interactive = true;
     } else if (arg == "--system") {
       args.system = value();
     } else if (arg == "--max-new-tokens") {
@@ -252,11 +257,15 @@ Args parse_args(int argc, char** argv) {
                     : lookup ? Speculative::Ngram
                              : Speculative::None;
   const int prompts = args.chat.has_value() + args.prompt.has_value() +
-                      args.prompt_file.has_value() + args.prompt_ids.has_value();
+                      args.prompt_file.has_value() + args.prompt_ids.has_value() +
+                      args.interactive;
   if (prompts != 1) {
-    throw UsageError("give exactly one of --chat, --prompt, --prompt-file, --prompt-ids");
+    throw UsageError(
+        "give exactly one of --chat, --prompt, --prompt-file, --prompt-ids, --interactive");
   }
-  if (args.system && !args.chat) throw UsageError("--system goes with --chat");
+  if (args.system && !args.chat && !args.interactive) {
+    throw UsageError("--system goes with --chat or --interactive");
+  }
   return args;
 }
 
@@ -293,15 +302,10 @@ std::vector<int64_t> prompt_ids(const Args& args, const aotgen::Engine& engine) 
   }
 }
 
-int run(Args args) {
-  const auto t_start = Clock::now();
-  check_values(args);
-  if (args.prompt_file) {  // read before loading, so a bad file fails fast
-    args.prompt = read_prompt_file(*args.prompt_file);
-    args.prompt_file.reset();
-  }
-  auto engine = aotgen::Engine::load(args.package, args.load);
-  const auto ids = prompt_ids(args, engine);
+// Generates from ids: the text streamed (or one JSON object), then the stats on stderr.
+// `since` is when the command started or the turn's message arrived.
+aotgen::GenerationResult answer(aotgen::Engine& engine, const std::vector<int64_t>& ids,
+                                const Args& args, Clock::time_point since) {
   const auto t_generate = Clock::now();
   aotgen::TextCallback stream;
   if (!args.print_ids) {
@@ -312,13 +316,14 @@ int run(Args args) {
   }
   const auto result = engine.generate(ids, args.config, stream);
   const double to_first_token =
-      std::chrono::duration<double>(t_generate - t_start).count() + result.prefill_s;
+      std::chrono::duration<double>(t_generate - since).count() + result.prefill_s;
 
   if (args.print_ids) {
     json out = {{"prompt_ids", ids},
                 {"ids", result.token_ids},
                 {"text", result.text},
                 {"finish_reason", result.finish_reason},
+                {"cached_tokens", result.cached_tokens},
                 {"load_s", engine.load_s()},
                 {"load_to_first_token_s", to_first_token},
                 {"prefill_s", result.prefill_s},
@@ -337,11 +342,11 @@ int run(Args args) {
     std::cout << std::endl;
   }
   std::fprintf(stderr,
-               "load %.2f s · prompt %lld tok, first token %.3f s · load-to-first-token %.2f s"
-               " · %zu tok, decode %.1f tok/s · finish: %s\n",
-               engine.load_s(), static_cast<long long>(result.prompt_tokens), result.prefill_s,
-               to_first_token, result.token_ids.size(), result.decode_tok_s(),
-               result.finish_reason.c_str());
+               "load %.2f s · prompt %lld tok (%lld in the cache), first token %.3f s · "
+               "load-to-first-token %.2f s · %zu tok, decode %.1f tok/s · finish: %s\n",
+               engine.load_s(), static_cast<long long>(result.prompt_tokens),
+               static_cast<long long>(result.cached_tokens), result.prefill_s, to_first_token,
+               result.token_ids.size(), result.decode_tok_s(), result.finish_reason.c_str());
   if (const auto& s = result.spec) {
     std::fprintf(stderr,
                  "speculative (%s): drafted %lld, accepted %lld, acceptance %.2f, mean accepted "
@@ -350,6 +355,32 @@ int run(Args args) {
                  static_cast<long long>(s->accepted), s->acceptance_rate(),
                  s->mean_accepted_length(), static_cast<long long>(s->lookup_steps),
                  static_cast<long long>(s->steps));
+  }
+  return result;
+}
+
+int run(Args args) {
+  const auto t_start = Clock::now();
+  check_values(args);
+  if (args.prompt_file) {  // read before loading, so a bad file fails fast
+    args.prompt = read_prompt_file(*args.prompt_file);
+    args.prompt_file.reset();
+  }
+  auto engine = aotgen::Engine::load(args.package, args.load);
+  if (!args.interactive) {
+    answer(engine, prompt_ids(args, engine), args, t_start);
+    return 0;
+  }
+  // The whole conversation is each turn's prompt, as a chat client sends it; the engine runs
+  // only what its KV cache does not hold yet.
+  std::vector<aotgen::ChatMessage> messages;
+  if (args.system) messages.emplace_back("system", *args.system);
+  for (std::string line; std::getline(std::cin, line);) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const auto t_turn = Clock::now();
+    messages.emplace_back("user", line);
+    const auto result = answer(engine, engine.chat_ids(messages), args, t_turn);
+    messages.emplace_back("assistant", result.text);
   }
   return 0;
 }
