@@ -120,6 +120,24 @@ def test_sixteen_concurrent_requests_equal_each_alone(tiny_server, alone):
         assert answer["usage"]["prompt_tokens"] == 3 + 2 * i
 
 
+def test_a_chat_turn_finds_the_conversation_in_the_cache(tiny_server, alone):
+    """The next turn of a chat, sent whole, finds the last prompt and answer in the cache
+    (OpenAI's usage.prompt_tokens_details.cached_tokens) and answers as a cold run does."""
+    url = f"{tiny_server.url}/v1/chat/completions"
+    messages = [{"role": "user", "content": "A prefix reuse check: the quick brown fox"}]
+    body = {"max_tokens": 8, "temperature": 0}
+    first = httpx.post(url, json={"messages": messages, **body}).json()
+    answer = first["choices"][0]["message"]["content"]
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "more"}]
+    second = httpx.post(url, json={"messages": messages, **body}).json()
+    ids = alone.tokenizer.encode_chat(messages)
+    want = alone.generate(ids, GenerationConfig(max_new_tokens=8, reuse_prefix=False))
+    assert second["choices"][0]["message"]["content"] == want.text
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert first["usage"]["prompt_tokens"] <= cached < second["usage"]["prompt_tokens"] == len(ids)
+
+
 def test_seeded_sampling_reproduces_the_request_alone(tiny_server, alone):
     body = {"prompt": _ids(3, 9), "max_tokens": 20, "temperature": 0.9, "seed": 1234}
     got = httpx.post(f"{tiny_server.url}/v1/completions", json=body).json()
