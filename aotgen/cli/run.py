@@ -25,7 +25,7 @@ from aotgen.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from aotgen.runtime.engine import Engine
+    from aotgen.runtime.engine import Engine, GenerationConfig, GenerationResult
 
 
 @app.command()
@@ -175,7 +175,9 @@ def run(
     _answer(engine, ids, cfg, as_json)
 
 
-def _answer(engine: Engine, ids: list[int], cfg: Any, as_json: bool) -> Any:
+def _answer(
+    engine: Engine, ids: list[int], cfg: GenerationConfig, as_json: bool
+) -> GenerationResult:
     """Generate from `ids`: the text streamed, then the stats (or one JSON object)."""
     stream = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = engine.generate(ids, cfg, on_text=stream)
@@ -187,7 +189,7 @@ def _answer(engine: Engine, ids: list[int], cfg: Any, as_json: bool) -> Any:
     return result
 
 
-def _converse(engine: Engine, cfg: Any, system: str | None, as_json: bool) -> None:
+def _converse(engine: Engine, cfg: GenerationConfig, system: str | None, as_json: bool) -> None:
     """`--interactive`: each line on stdin is the next user message of one conversation. The
     whole conversation is the next prompt, encoded through the chat template as a client
     would send it; the engine runs only what its KV cache does not hold yet."""

@@ -21,7 +21,8 @@ class CachedTokens:
         self.rows: list[list[int]] = [[] for _ in range(slots)]
 
     def clear(self) -> None:
-        """Forget every row: the caches were written by something that does not record."""
+        """Forget every row: nothing found before is reused (a benchmark's new conversation;
+        caches written by something that does not record)."""
         for row in self.rows:
             row.clear()
 
