@@ -6,17 +6,31 @@ it: the earlier answers come back as text and are encoded again, so the reused p
 what re-encoding leaves equal to the ids the engine holds. Two engines of the package take
 each turn, one reusing, one running every prompt from position 0, in alternating order;
 their answers are compared (greedy: equal unless float rounding breaks a near-tie).
+
+With a GGUF of the same weights, llama.cpp's `llama-server` (its prompt cache on, one slot, a
+fresh server per conversation) takes the same prompts, generating as many tokens as aotgen's
+answer so that its slot holds what aotgen's cache holds; its time is the server's own
+prompt-processing time (`timings.prompt_ms`).
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import statistics
+import subprocess
+import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from aotgen.bench import PROMPTS_FILE
+import torch
+
+from aotgen.bench import PROMPTS_FILE, BenchError
+from aotgen.bench_serving import llama_binary
 from aotgen.runtime.engine import Engine, GenerationConfig, GenerationResult
+
+Turn = tuple[list[int], GenerationResult, GenerationResult]  # prompt, reused, whole
 
 
 @dataclass
@@ -27,12 +41,14 @@ class TurnRow:
     ttft_whole_ms: float  # median over conversations
     ttft_reused_ms: float
     same_text: bool  # in every conversation
+    llama_cpp_ms: float = float("nan")  # llama-server's prompt time, its cache on
+    llama_cpp_cached: int = -1  # prompt tokens llama-server did not process again
 
 
 def _conversation(
     reusing: Engine, whole: Engine, questions: list[str], turns: int, gen_tokens: int, flip: bool
-) -> list[tuple[GenerationResult, GenerationResult]]:
-    """One chat from an empty cache: per turn (reused, whole)."""
+) -> list[Turn]:
+    """One chat from an empty cache: per turn (prompt, reused, whole)."""
     reusing.target.cached.clear()
     config = GenerationConfig(max_new_tokens=gen_tokens)
     cold = GenerationConfig(max_new_tokens=gen_tokens, reuse_prefix=False)
@@ -45,15 +61,21 @@ def _conversation(
             reused, run_whole = reusing.generate(ids, config), whole.generate(ids, cold)
         else:
             run_whole, reused = whole.generate(ids, cold), reusing.generate(ids, config)
-        out.append((reused, run_whole))
+        out.append((ids, reused, run_whole))
         messages.append({"role": "assistant", "content": reused.text})
     return out
 
 
 def bench_chat(
-    package: Path, turns: int, gen_tokens: int, runs: int, threads: int | None
+    package: Path,
+    turns: int,
+    gen_tokens: int,
+    runs: int,
+    threads: int | None,
+    llama_cpp: Path | None = None,
 ) -> list[TurnRow]:
-    """`runs` conversations of `turns` turns over the shipped chat prompts."""
+    """`runs` conversations of `turns` turns over the shipped chat prompts, and with
+    `llama_cpp` (a GGUF) llama-server on the same prompts."""
     reusing = Engine.load(package, threads=threads)
     whole = Engine.load(package, threads=threads)
     questions = json.loads(PROMPTS_FILE.read_text())["chat"]
@@ -64,7 +86,7 @@ def bench_chat(
     ]
     rows = []
     for turn in range(turns):
-        pairs = [chat[turn] for chat in chats]
+        pairs = [chat[turn][1:] for chat in chats]
         reused = [r for r, _ in pairs]
         rows.append(
             TurnRow(
@@ -76,4 +98,53 @@ def bench_chat(
                 all(r.token_ids == w.token_ids for r, w in pairs),
             )
         )
+    if llama_cpp is not None:
+        threads = threads or torch.get_num_threads()  # what the engines run at
+        timings = [_llama_server_chat(llama_cpp, chats[0], threads) for _ in range(runs)]
+        for turn, row in enumerate(rows):
+            row.llama_cpp_ms = statistics.median(t[turn][0] for t in timings)
+            row.llama_cpp_cached = min(t[turn][1] for t in timings)
     return rows
+
+
+def _llama_server_chat(gguf: Path, chat: list[Turn], threads: int) -> list[tuple[float, int]]:
+    """Per turn (prompt ms, prompt tokens not processed again) from a fresh llama-server."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [llama_binary("llama-server"), "-m", gguf, "-t", threads, "-tb", threads]
+    cmd += ["-c", 4096, "-np", 1, "--host", "127.0.0.1", "--port", port]
+    server = subprocess.Popen(
+        [str(c) for c in cmd], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for(url, server)
+        out = []
+        for ids, reused, _ in chat:
+            body = {"prompt": ids, "n_predict": len(reused.token_ids) + 1, "temperature": 0}
+            body |= {"cache_prompt": True}
+            request = urllib.request.Request(
+                f"{url}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(request, timeout=300) as response:
+                timings = json.loads(response.read())["timings"]
+            out.append((timings["prompt_ms"], len(ids) - timings["prompt_n"]))
+        return out
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def _wait_for(url: str, server: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise BenchError(f"llama-server exited with status {server.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.3)
+    raise BenchError("llama-server did not answer /health within 120 s")

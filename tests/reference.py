@@ -95,21 +95,34 @@ def eager_engine(
     return Engine(Tokenizer.from_dir(target), target_runner, draft_runner, max_seq_len, verify_k)
 
 
-def conversation(package: Path, lines: list[str], config) -> list[tuple[list[int], object, object]]:
-    """Each user line as the next turn of one chat on a fresh engine of `package`: per turn
-    the prompt ids, the result (prefix reuse on) and a cold run's result (reuse off, on a
-    second engine)."""
+def check_conversation(printed: list[dict], package: Path, lines: list[str], config) -> None:
+    """The turns `run --interactive --json` printed (either runtime), each user line the next
+    turn of one chat, against the Python engine on the same chat: each turn's prompt ids and
+    cached count equal its, and its ids those of a cold run (reuse off, a second engine)."""
     from dataclasses import replace
 
     from aotgen.runtime.engine import Engine
 
     engine, cold = Engine.load(package), Engine.load(package)
     messages: list[dict[str, str]] = []
-    turns = []
-    for line in lines:
+    assert len(printed) == len(lines)
+    for line, out in zip(lines, printed, strict=True):
         messages.append({"role": "user", "content": line})
         ids = engine.tokenizer.encode_chat(messages)
         result = engine.generate(ids, config)
-        turns.append((ids, result, cold.generate(ids, replace(config, reuse_prefix=False))))
+        assert out["prompt_ids"] == ids
+        assert out["cached_tokens"] == result.cached_tokens
+        cold_ids = cold.generate(ids, replace(config, reuse_prefix=False)).token_ids
+        assert out["ids"] == result.token_ids == cold_ids
         messages.append({"role": "assistant", "content": result.text})
-    return turns
+    assert 0 < printed[1]["cached_tokens"] <= printed[2]["cached_tokens"]
+
+
+def reset_caches(*runners) -> None:
+    """Zero the runners' KV caches and forget what their rows held: a test that calls graphs
+    directly writes the cache behind the runner's record (runtime/cached_tokens.py), which a
+    later generate would otherwise trust."""
+    for runner in runners:
+        for c in runner.caches:
+            c.zero_()
+        runner.cached.clear()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import TINY_RECIPE
 from families import make_family_checkpoint
-from reference import EagerModel
+from reference import EagerModel, reset_caches
 
 from aotgen.checkpoint.hf import open_checkpoint
 from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
@@ -83,9 +83,7 @@ def test_batched_graphs_match_eager(batch_engine, tiny_checkpoint, graph, t):
     target = batch_engine.target
     eager = EagerModel(tiny_checkpoint, target.cache_len)
     eager.caches = new_kv_cache(eager.config, target.cache_len, batch=4)
-    for c in target.caches:
-        c.zero_()
-    target.cached.clear()  # the rows no longer hold what the engine recorded
+    reset_caches(target)
     prompts = _prompts(3, eager.config.vocab_size, seed=2)
     slots = [2, 0, 3]
     for p, s in zip(prompts, slots, strict=True):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from cpp_build import REPO_ROOT
-from reference import conversation
+from reference import check_conversation
 
 from aotgen.package.manifest import PackageError
 from aotgen.runtime.engine import Engine, GenerationConfig
@@ -295,14 +295,8 @@ def test_interactive_conversation_reuses_the_cache_like_python(run_bin, tiny_pac
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    got = [json.loads(line) for line in proc.stdout.splitlines()]
-    want = conversation(tiny_package, lines, GenerationConfig(max_new_tokens=12, ignore_eos=True))
-    assert len(got) == len(want)
-    for out, (ids, result, cold) in zip(got, want, strict=True):
-        assert out["prompt_ids"] == ids
-        assert out["cached_tokens"] == result.cached_tokens
-        assert out["ids"] == result.token_ids == cold.token_ids
-    assert 0 < got[1]["cached_tokens"] <= got[2]["cached_tokens"]
+    printed = [json.loads(line) for line in proc.stdout.splitlines()]
+    check_conversation(printed, tiny_package, lines, GenerationConfig(12, ignore_eos=True))
 
 
 # ---- bad input: one clear message, exit status 1, no crash -------------------------------

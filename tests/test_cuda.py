@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from conftest import TINY_RECIPE
 from families import make_family_checkpoint
+from reference import reset_caches
 from tiny import make_tiny_checkpoint
 
 from aotgen.checkpoint.hf import open_checkpoint
@@ -256,7 +257,8 @@ def test_cuda_package_matches_eager(name, quantize, loose, hidden, gpu_checkpoin
     g = torch.Generator().manual_seed(0)
     for graph, start, length in [("prefill", 0, 11), ("decode", 7, 1), ("verify", 9, 5)]:
         history = torch.randint(0, cfg.vocab_size, (start + length,), generator=g).cuda()
-        for c in (*runner.caches, *caches["eager"], *caches["fp32"]):
+        reset_caches(runner)
+        for c in (*caches["eager"], *caches["fp32"]):
             c.zero_()
         with torch.no_grad():
             if start:

@@ -23,6 +23,7 @@ from families import (
     reference_logits,
 )
 from families import load_reference as _load_reference
+from reference import reset_caches
 from test_cpp_runtime import cpp_generate
 
 from aotgen.model.llama import ModelConfig, load_model
@@ -101,8 +102,7 @@ def test_graph_logits_match_transformers(family_engines, checkpoints, family, gr
     g = torch.Generator().manual_seed(start + length)
     history = torch.randint(0, runner.vocab_size, (start + length,), generator=g).tolist()
     want = reference_logits(load_reference(checkpoints[family]), history)[start:]
-    for c in runner.caches:
-        c.zero_()
+    reset_caches(runner)
     if start:
         runner.forward(history[:start], 0)
     tokens = torch.tensor([history[start:]])
@@ -139,8 +139,7 @@ def test_onnx_graphs_match_aoti_and_transformers(family_engines, checkpoints, pr
         for name, engine in (("aoti", aoti), ("ort", ort)):
             runner = engine.target
             if start == 0:
-                for c in runner.caches:
-                    c.zero_()
+                reset_caches(runner)
             tokens = torch.tensor([history[start : start + length]])
             positions = torch.arange(start, start + length)
             got[name] = runner.graphs[graph](tokens, positions, runner.caches)[0]
@@ -159,8 +158,7 @@ def test_int8_fused_build_stays_close(family_engines, checkpoints, family):
     transformers, and the same argmax at nearly every position of a teacher-forced text."""
     engine = family_engines(family, **INT8)
     ids = engine.tokenizer.encode(PROMPT + " Paris is the capital of France.")
-    for c in engine.target.caches:
-        c.zero_()
+    reset_caches(engine.target)
     got = engine.target.forward(ids, 0, all_logits=True)
     want = reference_logits(load_reference(checkpoints[family]), ids)
     assert _rel_err(got, want) < INT8_TOL

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_RECIPE
-from reference import EagerModel
+from reference import EagerModel, reset_caches
 from test_gguf_families import _checkpoint, _write_gguf
 
 from aotgen.checkpoint.gguf import KEPT_TYPES, import_gguf
@@ -60,7 +60,8 @@ def _graph_error(engine: Engine, eager: EagerModel, graph: str, length: int, sta
     runner = engine.target
     g = torch.Generator().manual_seed(length + start)
     history = torch.randint(0, runner.vocab_size, (start + length,), generator=g).tolist()
-    for c in (*runner.caches, *eager.caches):
+    reset_caches(runner)
+    for c in eager.caches:
         c.zero_()
     if start:
         runner.forward(history[:start], 0)

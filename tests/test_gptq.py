@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_RECIPE
+from reference import reset_caches
 from safetensors import safe_open
 
 from aotgen.checkpoint.hf import open_checkpoint
@@ -213,8 +214,7 @@ def test_compiled_gptq_matches_its_eager_graphs(gptq_build, tiny_checkpoint, tin
         t = min(spec.max_tokens, 11)
         tokens = torch.randint(0, cfg.vocab_size, (1, t), generator=g)
         pos = torch.arange(t)
-        for c in runner.caches:
-            c.zero_()
+        reset_caches(runner)
         with torch.no_grad():
             got = runner.graphs[spec.name](tokens, pos, runner.caches)
             ref_q = eager(tokens, pos, cache_q)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_RECIPE
+from reference import reset_caches
 
 from aotgen.package.build import build
 from aotgen.package.manifest import PackageError
@@ -71,8 +72,7 @@ def test_graph_logits_and_caches_equal_aoti(engines, role, graph, start, length)
         target = engine.target
         runner = target if role == "target" else engine.draft
         history = _history(start + length, target.vocab_size, start)
-        for c in target.caches:
-            c.zero_()
+        reset_caches(target, runner)
         if start:
             target.forward(history[:start], 0)
         tokens = torch.tensor([history[start:]])
@@ -219,8 +219,7 @@ def test_smollm2_graph_logits_equal_aoti(smollm2_engines):
     got = {}
     for backend, engine in smollm2_engines.items():
         runner = engine.target
-        for c in runner.caches:
-            c.zero_()
+        reset_caches(runner)
         rows = []
         for graph, start, end in [
             ("prefill", 0, n - 6),

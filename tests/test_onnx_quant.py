@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_RECIPE
+from reference import reset_caches
 
 from aotgen.package.build import build
 from aotgen.passes.quantize_numerics import (
@@ -66,8 +67,7 @@ def test_graph_logits_equal_aoti(engines):
     got = {}
     for backend, engine in engines.items():
         runner = engine.target
-        for c in runner.caches:
-            c.zero_()
+        reset_caches(runner)
         rows = []
         for graph, start, end in [("prefill", 0, 14), ("verify", 14, 19), ("decode", 19, 20)]:
             tokens = torch.tensor([history[start:end]])

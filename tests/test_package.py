@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_RECIPE
-from reference import EagerModel
+from reference import EagerModel, reset_caches
 
 from aotgen.checkpoint.hf import CheckpointError
 from aotgen.package import build as build_mod
@@ -60,7 +60,8 @@ def _graph_and_eager(runner, eager, graph: str, length: int, start: int):
     both prefilled the same random history into zeroed caches."""
     g = torch.Generator().manual_seed(length + start)
     history = torch.randint(0, runner.vocab_size, (start + length,), generator=g).tolist()
-    for c in (*runner.caches, *eager.caches):
+    reset_caches(runner)
+    for c in eager.caches:
         c.zero_()
     if start:  # fill the cache identically through the prefill path
         runner.forward(history[:start], 0)
@@ -105,7 +106,8 @@ def test_few_tokens_run_padded_through_verify(engine, eager, monkeypatch, length
     runner = engine.target
     assert 1 < length < runner.verify_len
     history = torch.randint(0, runner.vocab_size, (9 + length + 1,)).tolist()
-    for c in (*runner.caches, *eager.caches):
+    reset_caches(runner)
+    for c in eager.caches:
         c.zero_()
     runner.forward(history[:9], 0)
     eager.forward(history[:9], 0)
@@ -130,7 +132,8 @@ def test_every_rows_logits_come_from_verify_and_decode(engine, eager, monkeypatc
     end = runner.cache_len
     start = end - 3 * runner.verify_len - 2  # 3 verify chunks, then 2 tokens at the end
     history = torch.randint(0, runner.vocab_size, (end,), generator=torch.Generator()).tolist()
-    for c in (*runner.caches, *eager.caches):
+    reset_caches(runner)
+    for c in eager.caches:
         c.zero_()
     runner.forward(history[:start], 0)
     eager.forward(history[:start], 0)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from reference import conversation
+from reference import check_conversation
 
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.cached_tokens import CachedTokens
@@ -178,11 +178,18 @@ def test_run_interactive_is_one_conversation(tiny_package, tmp_path):
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = [json.loads(line) for line in proc.stdout.splitlines()]
-    want = conversation(tiny_package, CHAT, GREEDY)
-    assert len(got) == len(want)
-    for out, (ids, result, cold) in zip(got, want, strict=True):
-        assert out["prompt_ids"] == ids
-        assert out["cached_tokens"] == result.cached_tokens
-        assert out["ids"] == result.token_ids == cold.token_ids
-    assert 0 < got[1]["cached_tokens"] <= got[2]["cached_tokens"]
+    printed = [json.loads(line) for line in proc.stdout.splitlines()]
+    check_conversation(printed, tiny_package, CHAT, GREEDY)
+
+
+def test_bench_turns_reports_reuse_and_equal_answers(tiny_package):
+    """`aotgen bench --turns`: from the second turn on, the chat so far is found in the cache,
+    and the reusing engine answers as the one that runs every prompt whole."""
+    from aotgen.bench_chat import bench_chat
+
+    rows = bench_chat(tiny_package, turns=3, gen_tokens=8, runs=1, threads=None)
+    assert [r.turn for r in rows] == [1, 2, 3]
+    assert rows[0].cached_tokens == 0
+    assert 0 < rows[1].cached_tokens < rows[1].prompt_tokens
+    assert rows[1].prompt_tokens < rows[2].prompt_tokens
+    assert all(r.same_text for r in rows)

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_RECIPE
+from reference import reset_caches
 from safetensors import safe_open
 
 from aotgen.checkpoint.hf import open_checkpoint
@@ -404,7 +405,8 @@ def test_compiled_matches_eager_quantized_and_fp32(quantized, tiny_model_for):
         eager[s.name] = (ep if s.dynamic else linears_as_reductions(ep)).module()
     for name, start, length in [("prefill", 0, 11), ("decode", 7, 1), ("verify", 9, 5)]:
         history = torch.randint(0, cfg.vocab_size, (start + length,), generator=g)
-        for c in (*runner.caches, *caches["eager"], *caches["fp32"]):
+        reset_caches(runner)
+        for c in (*caches["eager"], *caches["fp32"]):
             c.zero_()
         with torch.no_grad():
             if start:  # the same cache state everywhere, each filled by its own prefill

@@ -66,7 +66,8 @@ def bench(
         typer.Option(
             help="GGUF file to run through llama.cpp in the same run, as a baseline "
             "(repeatable; needs the optional llama-cpp-python: pip install 'aotgen[llamacpp]'; "
-            "with --concurrency, llama.cpp's llama-batched-bench from $LLAMA_CPP_BIN or PATH)"
+            "with --concurrency, llama.cpp's llama-batched-bench from $LLAMA_CPP_BIN or PATH; "
+            "with --turns, its llama-server)"
         ),
     ] = None,
     llama_lookup: Annotated[
@@ -131,8 +132,11 @@ def bench(
         raise CliError(f"--llama-lookup {llama_lookup}: no such GGUF file")
     if turns is not None:
         at_least("--turns", turns)
+        if llama_cpp and len(llama_cpp) > 1:
+            raise CliError("--turns compares one GGUF: give --llama-cpp once")
+        gguf = llama_cpp[0] if llama_cpp else None
         report["turns"] = [
-            _bench_chat(p, turns, gen_tokens, runs, threads, as_json) for p in packages
+            _bench_chat(p, turns, gen_tokens, runs, threads, gguf, as_json) for p in packages
         ]
         if as_json:
             print_json(report)
@@ -278,20 +282,29 @@ def _bench_concurrency(
 
 
 def _bench_chat(
-    package: Path, turns: int, gen_tokens: int, runs: int, threads: int | None, as_json: bool
+    package: Path,
+    turns: int,
+    gen_tokens: int,
+    runs: int,
+    threads: int | None,
+    gguf: Path | None,
+    as_json: bool,
 ) -> dict[str, Any]:
     from aotgen.bench_chat import bench_chat
 
-    rows = bench_chat(package, turns, gen_tokens, runs, threads)
+    rows = bench_chat(package, turns, gen_tokens, runs, threads, gguf)
     if not as_json:
         table = Table(
             title=f"{package.name}: a chat of {turns} turns, up to {gen_tokens} new tokens each, "
             f"time to first token, median of {runs} conversations"
         )
-        for col in ("turn", "prompt tokens", "cached", "whole ms", "reused ms", "speed-up"):
+        cols = ["turn", "prompt tokens", "cached", "whole ms", "reused ms", "speed-up"]
+        cols += ["llama.cpp ms", "llama.cpp cached"] if gguf else []
+        for col in cols:
             table.add_column(col, justify="right", no_wrap=True)
         table.add_column("same text")
         for r in rows:
+            llama = [f"{r.llama_cpp_ms:.1f}", str(r.llama_cpp_cached)] if gguf else []
             table.add_row(
                 str(r.turn),
                 str(r.prompt_tokens),
@@ -299,6 +312,7 @@ def _bench_chat(
                 f"{r.ttft_whole_ms:.1f}",
                 f"{r.ttft_reused_ms:.1f}",
                 f"{r.ttft_whole_ms / r.ttft_reused_ms:.2f}×",
+                *llama,
                 "yes" if r.same_text else "no (near-tie)",
             )
         wide_console().print(table)
