@@ -187,9 +187,10 @@ def test_bench_turns_reports_reuse_and_equal_answers(tiny_package):
     and the reusing engine answers as the one that runs every prompt whole."""
     from aotgen.bench_chat import bench_chat
 
-    rows = bench_chat(tiny_package, turns=3, gen_tokens=8, runs=1, threads=None)
-    assert [r.turn for r in rows] == [1, 2, 3]
+    # Two turns: the tiny tokenizer spends many tokens on the shipped prompts (160 in all).
+    rows = bench_chat(tiny_package, turns=2, gen_tokens=8, runs=1, threads=None)
+    assert [r.turn for r in rows] == [1, 2]
     assert rows[0].cached_tokens == 0
-    assert 0 < rows[1].cached_tokens < rows[1].prompt_tokens
-    assert rows[1].prompt_tokens < rows[2].prompt_tokens
+    # At least the first prompt (a random model's answer may encode back to other ids).
+    assert rows[0].prompt_tokens <= rows[1].cached_tokens < rows[1].prompt_tokens
     assert all(r.same_text for r in rows)

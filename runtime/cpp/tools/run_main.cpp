@@ -375,11 +375,14 @@ int run(Args args) {
   // only what its KV cache does not hold yet.
   std::vector<aotgen::ChatMessage> messages;
   if (args.system) messages.emplace_back("system", *args.system);
+  // The first turn's wait includes the load; a later turn's starts when its message arrives.
+  bool first = true;
   for (std::string line; std::getline(std::cin, line);) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const auto t_turn = Clock::now();
+    const auto since = first ? t_start : Clock::now();
+    first = false;
     messages.emplace_back("user", line);
-    const auto result = answer(engine, engine.chat_ids(messages), args, t_turn);
+    const auto result = answer(engine, engine.chat_ids(messages), args, since);
     messages.emplace_back("assistant", result.text);
   }
   return 0;
