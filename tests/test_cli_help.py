@@ -21,9 +21,10 @@ from aotgen.runtime.engine import Engine, GenerationConfig
 PROMPT = "The quick brown fox"
 
 
-def aotgen(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def aotgen(*args: str, cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(
         [sys.executable, "-m", "aotgen", *args],
+        input=stdin,
         cwd=cwd,
         capture_output=True,
         text=True,

@@ -5,12 +5,11 @@ second engine of the same package (logits, and greedy ids)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from reference import check_conversation
+from test_cli_help import aotgen
 
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.cached_tokens import CachedTokens
@@ -168,16 +167,7 @@ def test_run_interactive_is_one_conversation(tiny_package, tmp_path):
     """`aotgen run --interactive`: each stdin line a turn; each turn's prompt, cached count and
     ids equal the Python engine's on the same chat, and its ids a cold run's."""
     args = ["run", str(tiny_package), "--interactive", "--json", "--max-new-tokens", "12"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "aotgen", *args, "--ignore-eos"],
-        input="\n".join(CHAT) + "\n",
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = aotgen(*args, "--ignore-eos", cwd=tmp_path, stdin="\n".join(CHAT) + "\n")
     printed = [json.loads(line) for line in proc.stdout.splitlines()]
     check_conversation(printed, tiny_package, CHAT, GREEDY)
 
