@@ -122,8 +122,8 @@ def _llama_server_chat(gguf: Path, chat: list[Turn], threads: int) -> list[tuple
         _wait_for(url, server)
         out = []
         for ids, reused, _ in chat:
-            body = {"prompt": ids, "n_predict": len(reused.token_ids) + 1, "temperature": 0}
-            body |= {"cache_prompt": True}
+            n_predict = len(reused.token_ids) + 1
+            body = {"prompt": ids, "n_predict": n_predict, "temperature": 0, "cache_prompt": True}
             request = urllib.request.Request(
                 f"{url}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
             )

@@ -348,8 +348,9 @@ def tree_steps(
         path, nxt = verify_tree(tree, logits, config.sampling, gen)
         proposer.verified(path)
         moved = commit_path(target.caches, pos, path)
-        target.cached.wrote(0, pos, [tree.tokens[i] for i in path])  # the path, as a chain
-        accepted = [tree.tokens[i] for i in path[1:]] + [nxt]
+        path_tokens = [tree.tokens[i] for i in path]  # now at pos.., as a chain
+        target.cached.wrote(0, pos, path_tokens)
+        accepted = path_tokens[1:] + [nxt]
         spec.update(tree.depth, len(path) - 1, lookup=tree.looked_up)
         spec.tree_nodes += len(tree) - 1
         spec.branch_steps += moved > 0

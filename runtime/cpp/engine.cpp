@@ -152,13 +152,10 @@ class TokenSteps {
     const auto verdict = detail::verify_tree(tree, logits, params_, gen_);
     tree_proposer_->verified(verdict.path);
     const int64_t moved = detail::commit_path(target_.caches(), pos_, verdict.path);
-    std::vector<int64_t> path_tokens;  // now in the cache at pos_.., as a chain
-    for (const int64_t node : verdict.path) path_tokens.push_back(tree.tokens[node]);
-    target_.cached().wrote(0, pos_, path_tokens.data(), static_cast<int64_t>(path_tokens.size()));
-    std::vector<int64_t> accepted;
-    for (std::size_t i = 1; i < verdict.path.size(); ++i) {
-      accepted.push_back(tree.tokens[verdict.path[i]]);
-    }
+    std::vector<int64_t> path;  // the root and the accepted nodes, now at pos_.. as a chain
+    for (const int64_t node : verdict.path) path.push_back(tree.tokens[node]);
+    target_.cached().wrote(0, pos_, path.data(), static_cast<int64_t>(path.size()));
+    std::vector<int64_t> accepted(path.begin() + 1, path.end());
     accepted.push_back(verdict.next);
     spec_->drafted += tree.depth();
     spec_->accepted += static_cast<int64_t>(verdict.path.size()) - 1;
