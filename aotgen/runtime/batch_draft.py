@@ -5,7 +5,8 @@ For drafts on the target's KV cache (`share_kv`): the target's verify has writte
 accepted position of each request's row, so a round starts with a one-token decode of the
 request's last token, as `DraftProposer` does alone. Tokens are chosen as it chooses them
 (argmax, or sampled with the request's own generator, keeping each distribution for the
-lossless acceptance rule), so a request drafts what it drafts alone up to float rounding.
+lossless acceptance rule; under its grammar, among what the grammar takes), so a request
+drafts what it drafts alone up to float rounding.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from aotgen.runtime.engine import ModelRunner
-from aotgen.runtime.sampling import logits_to_probs, sample
+from aotgen.runtime.proposers import draft_token
 from aotgen.runtime.sequence import Sequence
 from aotgen.runtime.speculative import Proposal
 
@@ -23,23 +24,25 @@ def can_draft_in_batch(draft: ModelRunner | None) -> bool:
 
 
 def draft_batch(draft: ModelRunner, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-    """`ks[i]` draft tokens for `seqs[i]`, all requests stepping together."""
+    """`ks[i]` draft tokens for `seqs[i]` (fewer where its grammar completes), all requests
+    stepping together."""
     tokens: list[list[int]] = [[] for _ in seqs]
     rows: list[list[torch.Tensor]] = [[] for _ in seqs]
     last = [s.history[-1] for s in seqs]
     pos = [len(s.history) - 1 for s in seqs]
-    for step in range(max(ks)):
-        active = [i for i in range(len(seqs)) if step < ks[i]]
+    todo = list(ks)
+    while active := [i for i in range(len(seqs)) if todo[i] > 0]:
         logits_rows = draft.decode_many(
             [last[i] for i in active], [pos[i] for i in active], [seqs[i].slot for i in active]
         )
         for i, logits in zip(active, logits_rows, strict=True):
-            params, generator = seqs[i].config.sampling, seqs[i].generator
-            if params.greedy:
-                nxt = int(logits.argmax())
-            else:
-                rows[i].append(logits_to_probs(logits[None], params)[0])
-                nxt = int(sample(rows[i][-1][None], generator))
+            seq = seqs[i]
+            nxt, q = draft_token(logits, seq.config.sampling, seq.generator, seq.constraint)
             tokens[i].append(nxt)
+            rows[i] += [] if q is None else [q]
             last[i], pos[i] = nxt, pos[i] + 1
+            todo[i] = 0 if seq.constraint is not None and seq.constraint.stopped else todo[i] - 1
+    for seq, drafted in zip(seqs, tokens, strict=True):
+        if seq.constraint is not None:
+            seq.constraint.rollback(len(drafted))
     return [Proposal(t, torch.stack(r) if r else None) for t, r in zip(tokens, rows, strict=True)]

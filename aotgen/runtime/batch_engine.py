@@ -32,11 +32,11 @@ from torch import Tensor
 
 from aotgen.runtime.batch_draft import can_draft_in_batch, draft_batch
 from aotgen.runtime.engine import Engine, GenerationConfig, GenerationError, GenerationResult
+from aotgen.runtime.grammar import fit, select, verify_within
 from aotgen.runtime.proposers import LookupProposer
-from aotgen.runtime.sampling import select_next
 from aotgen.runtime.scheduler import Scheduler
 from aotgen.runtime.sequence import Sequence, TokenSink
-from aotgen.runtime.speculative import Proposal, SpecStats, verify
+from aotgen.runtime.speculative import Proposal, SpecStats
 
 OnDone = Callable[[GenerationResult], None]
 
@@ -88,6 +88,7 @@ class BatchEngine:
             self.tokenizer, config.max_new_tokens, config.stop, config.ignore_eos, on_text
         )
         seq = Sequence(next(self._ids), list(prompt_ids), sink, config, on_done)
+        seq.constraint = self.engine.constraint(config)
         if config.speculative:
             seq.spec = SpecStats()
         with self._lock:
@@ -226,11 +227,16 @@ class BatchEngine:
         logits = self.target.forward(chunk, seq.pos, slot=seq.slot)
         seq.pos += len(chunk)
         if not seq.prefilling:
-            seq.accept([select_next(logits, seq.config.sampling, seq.generator)])
+            seq.accept([select(logits, seq.config.sampling, seq.generator, seq.constraint)])
 
     def _decode(self, seqs: list[Sequence]) -> None:
         """Every request past its prompt moves on by one decode or one verify."""
         proposals = self._proposals([s for s in seqs if s.config.speculative])
+        # Under a grammar: cut where it refuses, and each verify row's allowed set.
+        allowed = {}
+        for seq in seqs:
+            if seq.id in proposals:
+                proposals[seq.id], allowed[seq.id] = fit(proposals[seq.id], seq.constraint)
         verifying = [s for s in seqs if s.id in proposals and proposals[s.id].tokens]
         plain = [s for s in seqs if s not in verifying]
         if plain:
@@ -244,12 +250,14 @@ class BatchEngine:
                 seq.pos += 1
                 if seq.spec is not None:  # it found nothing to propose
                     seq.spec.update(0, 0)
-                self._accepted(seq, [select_next(row, seq.config.sampling, seq.generator)])
+                tok = select(row, seq.config.sampling, seq.generator, seq.constraint)
+                self._accepted(seq, [tok])
         if verifying:
             props = [proposals[s.id] for s in verifying]
             all_logits = self._verify_logits(verifying, props)
             for seq, p, logits in zip(verifying, props, all_logits, strict=True):
-                accepted = verify(p, logits, seq.config.sampling, seq.generator)
+                params, gen = seq.config.sampling, seq.generator
+                accepted = verify_within(p, logits, allowed[seq.id], params, gen, seq.constraint)
                 seq.spec.update(len(p.tokens), len(accepted) - 1, lookup=p.looked_up)
                 seq.pos += len(accepted)
                 self._accepted(seq, accepted)
@@ -274,7 +282,9 @@ class BatchEngine:
             k = min(seq.config.k or engine.verify_k, engine.verify_k)
             k = min(k, engine.max_seq_len + engine.verify_k - seq.pos)
             if seq.proposer is None and not (together and seq.config.uses_draft):
-                seq.proposer = engine.proposer(seq.prompt, seq.config, seq.generator, seq.slot)
+                seq.proposer = engine.proposer(
+                    seq.prompt, seq.config, seq.generator, seq.slot, seq.constraint
+                )
             if together and seq.config.uses_draft:
                 if seq.config.uses_lookup and seq.proposer is None:
                     seq.proposer = LookupProposer(seq.config.lookup_min, seq.config.ngram_max)

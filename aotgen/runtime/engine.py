@@ -25,6 +25,15 @@ from aotgen.package.weights import is_padding
 from aotgen.runtime.cached_tokens import CachedTokens
 from aotgen.runtime.cuda_graph import ReplayedGraph
 from aotgen.runtime.device_greedy import greedy_tokens
+from aotgen.runtime.grammar import (
+    Grammar,
+    GrammarError,
+    GrammarTokens,
+    TokenConstraint,
+    fit,
+    select,
+    verify_within,
+)
 from aotgen.runtime.onnx_backend import BACKENDS, onnx_graphs
 from aotgen.runtime.proposers import (
     DraftOrLookupProposer,
@@ -32,9 +41,9 @@ from aotgen.runtime.proposers import (
     LookupProposer,
     Proposer,
 )
-from aotgen.runtime.sampling import SamplingParams, make_generator, select_next
+from aotgen.runtime.sampling import SamplingParams, make_generator
 from aotgen.runtime.sequence import TokenSink
-from aotgen.runtime.speculative import AdaptiveK, SpecStats, verify
+from aotgen.runtime.speculative import AdaptiveK, SpecStats
 from aotgen.runtime.tokenizer import Tokenizer
 from aotgen.runtime.tree import Tree
 from aotgen.runtime.tree_draft import TreeParams, tree_steps
@@ -367,6 +376,7 @@ class GenerationConfig:
     ngram_min: int | None = None  # shortest suffix match; default: see NGRAM_MIN
     ngram_max: int = 4
     tree: TreeParams | None = None  # tree speculation (runtime/tree_draft.py); None: a chain
+    grammar: Grammar | None = None  # structured output (runtime/grammar.py)
     # Run only the prompt past the prefix the KV cache already holds (runtime/cached_tokens.py);
     # off: every prompt runs from position 0, as benchmarks of prefill need.
     reuse_prefix: bool = True
@@ -448,6 +458,7 @@ class Engine:
         self.max_seq_len, self.verify_k = max_seq_len, verify_k
         self.root, self.manifest, self.load_s = root, manifest or {}, load_s
         self.backend = backend  # "aoti" or "onnxruntime": which graphs run
+        self.grammar_tokens = GrammarTokens(tokenizer, target.vocab_size)
         # One KV cache, so one request at a time: concurrent generate() calls queue here.
         self._lock = threading.Lock()
 
@@ -521,8 +532,9 @@ class Engine:
         after the other (each waits for the one before), never interleaved."""
         config = config or GenerationConfig()
         self.check_request(prompt_ids, config)
+        constraint = self.constraint(config)
         with self._lock:
-            return self._generate(prompt_ids, config, on_text)
+            return self._generate(prompt_ids, config, on_text, constraint)
 
     def check_request(self, prompt_ids: list[int], config: GenerationConfig) -> None:
         if not prompt_ids:
@@ -557,11 +569,28 @@ class Engine:
             )
         if config.tree is not None:
             self._check_tree(config)
+        if config.grammar is not None and config.ignore_eos:
+            raise GenerationError(
+                "a grammar ends generation with eos where its text is complete: drop ignore_eos"
+            )
+        if config.grammar is not None and config.tree is not None:
+            raise GenerationError(
+                "a grammar constrains chain drafting only: drop tree drafting (--draft-parallel)"
+            )
         if config.uses_lookup and not 1 <= config.lookup_min <= config.ngram_max:
             raise GenerationError(
                 f"need 1 <= ngram_min <= ngram_max, got {config.lookup_min} and "
                 f"{config.ngram_max} (--ngram-min / --ngram-max)"
             )
+
+    def constraint(self, config: GenerationConfig) -> TokenConstraint | None:
+        """A request's grammar state, at its start (None without a grammar)."""
+        if config.grammar is None:
+            return None
+        try:
+            return self.grammar_tokens.constraint(config.grammar)
+        except GrammarError as e:
+            raise GenerationError(str(e)) from None
 
     def _check_tree(self, config: GenerationConfig) -> None:
         if config.speculative is None:
@@ -579,6 +608,7 @@ class Engine:
         prompt_ids: list[int],
         config: GenerationConfig,
         on_text: Callable[[str], None] | None,
+        constraint: TokenConstraint | None = None,
     ) -> GenerationResult:
         sink = TokenSink(
             self.tokenizer, config.max_new_tokens, config.stop, config.ignore_eos, on_text
@@ -587,7 +617,7 @@ class Engine:
         t0 = time.perf_counter()
         t_first = None
         cached = self.reusable(prompt_ids, config)
-        steps = self._token_steps(prompt_ids, cached, config, spec)
+        steps = self._token_steps(prompt_ids, cached, config, spec, constraint)
         for new_tokens in steps:
             if t_first is None:
                 t_first = time.perf_counter()
@@ -611,7 +641,12 @@ class Engine:
         return self.target.cached.reusable(0, prompt) if config.reuse_prefix else 0
 
     def _token_steps(
-        self, prompt: list[int], cached: int, config: GenerationConfig, spec: SpecStats | None
+        self,
+        prompt: list[int],
+        cached: int,
+        config: GenerationConfig,
+        spec: SpecStats | None,
+        constraint: TokenConstraint | None,
     ) -> Iterator[list[int]]:
         """Yield newly accepted tokens, one list per model step; the prompt runs from
         position `cached` on."""
@@ -619,18 +654,19 @@ class Engine:
         gen = make_generator(params.seed)
         target = self.target
         logits = target.forward(prompt[cached:], cached)
-        tok = select_next(logits, params, gen)
+        tok = select(logits, params, gen, constraint)
         yield [tok]
         pos = len(prompt)  # position of `tok`, not yet in the cache
         if config.speculative is None:
-            if params.greedy and target.device.type == "cuda":  # the logits stay on the GPU
+            on_gpu = params.greedy and constraint is None and target.device.type == "cuda"
+            if on_gpu:  # the logits stay on the GPU
                 yield from ([t] for t in greedy_tokens(target, tok, pos))
                 return
             while True:
-                tok = select_next(target.decode(tok, pos), params, gen)
+                tok = select(target.decode(tok, pos), params, gen, constraint)
                 pos += 1
                 yield [tok]
-        yield from self._speculative_steps(prompt, tok, pos, config, spec, gen)
+        yield from self._speculative_steps(prompt, tok, pos, config, spec, gen, constraint)
 
     def _speculative_steps(
         self,
@@ -640,6 +676,7 @@ class Engine:
         config: GenerationConfig,
         spec: SpecStats,
         gen: torch.Generator,
+        constraint: TokenConstraint | None,
     ) -> Iterator[list[int]]:
         """Propose -> verify -> accept, one verify step per yield."""
         if config.tree is not None:
@@ -649,14 +686,14 @@ class Engine:
         k = min(config.k or max_k, max_k)
         adaptive = AdaptiveK(k=k, k_min=1, k_max=max_k) if config.adaptive_k else None
         history = list(prompt) + [tok]
-        proposer = self.proposer(prompt, config, gen)
+        proposer = self.proposer(prompt, config, gen, constraint=constraint)
         while True:
             k = adaptive.k if adaptive else k
             k = min(k, self.max_seq_len + max_k - pos)
-            proposal = proposer.propose(history, k)
+            proposal, allowed = fit(proposer.propose(history, k), constraint)
             # Score tok + proposal: row i predicts the token after history[:pos+i+1].
             logits = self.target.forward([tok] + proposal.tokens, pos, all_logits=True)
-            accepted = verify(proposal, logits, config.sampling, gen)
+            accepted = verify_within(proposal, logits, allowed, config.sampling, gen, constraint)
             n, n_acc = len(proposal.tokens), len(accepted) - 1
             spec.update(n, n_acc, lookup=proposal.looked_up)
             if adaptive:
@@ -668,12 +705,19 @@ class Engine:
             yield accepted
 
     def proposer(
-        self, prompt: list[int], config: GenerationConfig, gen: torch.Generator, slot: int = 0
+        self,
+        prompt: list[int],
+        config: GenerationConfig,
+        gen: torch.Generator,
+        slot: int = 0,
+        constraint: TokenConstraint | None = None,
     ) -> Proposer:
         """The proposer of config.speculative: "ngram", "draft" or "draft+ngram"; a draft
-        runs in the cache row `slot`."""
+        runs in the cache row `slot` and drafts within the request's grammar."""
         lookup = LookupProposer(config.lookup_min, config.ngram_max)
         if not config.uses_draft:
             return lookup
-        draft = DraftProposer(self.draft, prompt, config.sampling, gen, slot, config.reuse_prefix)
+        draft = DraftProposer(
+            self.draft, prompt, config.sampling, gen, slot, config.reuse_prefix, constraint
+        )
         return DraftOrLookupProposer(lookup, draft) if config.uses_lookup else draft

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+from torch import Tensor
 
 from aotgen.runtime.ngram import NgramProposer
 from aotgen.runtime.sampling import SamplingParams, logits_to_probs, sample
@@ -18,6 +19,7 @@ from aotgen.runtime.speculative import Proposal
 
 if TYPE_CHECKING:
     from aotgen.runtime.engine import ModelRunner
+    from aotgen.runtime.grammar import TokenConstraint
 
 
 class Proposer(Protocol):
@@ -39,6 +41,27 @@ def prefill_draft(draft: ModelRunner, prompt: list[int], slot: int, reuse: bool)
         draft.forward(prompt[start:], start, slot=slot)
 
 
+def draft_token(
+    logits: Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    constraint: TokenConstraint | None = None,
+) -> tuple[int, Tensor | None]:
+    """One draft token: the argmax, or a draw whose distribution is kept for speculative
+    sampling. Under a grammar, among the tokens it takes next; it then takes the token
+    (the drafter rolls it back once the proposal is made)."""
+    if constraint is not None:
+        logits = constraint.restrict(logits)
+    if params.greedy:
+        tok, q = int(logits.argmax()), None
+    else:
+        q = logits_to_probs(logits[None], params)[0]
+        tok = int(sample(q[None], generator))
+    if constraint is not None:
+        constraint.advance([tok])
+    return tok, q
+
+
 class LookupProposer:
     """n-gram lookup in the prompt + output (`NgramProposer`): no model, deterministic. One
     per request: its index grows with the request's text."""
@@ -56,8 +79,8 @@ class LookupProposer:
 
 class DraftProposer:
     """k tokens from the draft model, greedy or sampled; sampling keeps each token's
-    distribution for speculative sampling. `self.pos` is the first position missing from
-    the draft's cache."""
+    distribution for speculative sampling; under a grammar, drafts only what it takes.
+    `self.pos` is the first position missing from the draft's cache."""
 
     def __init__(
         self,
@@ -67,8 +90,10 @@ class DraftProposer:
         generator: torch.Generator,
         slot: int = 0,
         reuse_prefix: bool = True,
+        constraint: TokenConstraint | None = None,
     ) -> None:
         self.draft, self.params, self.generator, self.slot = draft, params, generator, slot
+        self.constraint = constraint
         # A draft that shares the target's cache finds every accepted position already
         # written by the target (prefill, then each verify), so it never prefills and never
         # catches up: each round starts with a one-token decode of `tok` (history[-1]). Its
@@ -85,17 +110,18 @@ class DraftProposer:
         logits = self.draft.forward(pending, self.pos, slot=self.slot)
         self.pos += len(pending)
         tokens: list[int] = []
-        rows: list[torch.Tensor] = []
+        rows: list[Tensor] = []
+        grammar = self.constraint
         for i in range(k):
-            if self.params.greedy:
-                nxt = int(logits.argmax())
-            else:
-                rows.append(logits_to_probs(logits[None], self.params)[0])
-                nxt = int(sample(rows[-1][None], self.generator))
+            nxt, q = draft_token(logits, self.params, self.generator, grammar)
             tokens.append(nxt)
-            if i + 1 < k:
-                logits = self.draft.decode(nxt, self.pos, self.slot)
-                self.pos += 1
+            rows += [] if q is None else [q]
+            if i + 1 == k or (grammar is not None and grammar.stopped):
+                break
+            logits = self.draft.decode(nxt, self.pos, self.slot)
+            self.pos += 1
+        if grammar is not None:
+            grammar.rollback(len(tokens))
         return Proposal(tokens, torch.stack(rows) if rows else None)
 
     def accepted(self, pos: int) -> None:

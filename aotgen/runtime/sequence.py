@@ -21,6 +21,7 @@ from aotgen.runtime.tokenizer import StreamDecoder, Tokenizer
 
 if TYPE_CHECKING:  # engine.py imports this module
     from aotgen.runtime.engine import GenerationConfig
+    from aotgen.runtime.grammar import TokenConstraint
 
 
 class StopText:
@@ -127,6 +128,7 @@ class Sequence:
     pending: int | None = None
     generator: torch.Generator = field(init=False)
     proposer: Proposer | None = None  # speculative requests: made at their first decode
+    constraint: TokenConstraint | None = None  # its grammar's state (runtime/grammar.py)
     history: list[int] = field(init=False)
     spec: SpecStats | None = None
     cancelled: bool = False

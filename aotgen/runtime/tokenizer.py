@@ -150,6 +150,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """tokenizer.json's text (the grammar matcher builds its token table from it)."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 

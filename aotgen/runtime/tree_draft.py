@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from aotgen.runtime.ngram import NgramProposer
-from aotgen.runtime.proposers import prefill_draft
-from aotgen.runtime.sampling import SamplingParams, logits_to_probs, sample
+from aotgen.runtime.proposers import draft_token, prefill_draft
+from aotgen.runtime.sampling import SamplingParams, sample
 from aotgen.runtime.tree import Tree, commit_path, verify_tree
 from aotgen.runtime.tree_shape import (
     MAX_SIBLINGS,
@@ -94,10 +94,7 @@ class TreeDraftProposer:
         self.pos = len(prompt)
 
     def _pick(self, logits: Tensor) -> tuple[int, Tensor | None]:
-        if self.params.greedy:
-            return int(logits.argmax()), None
-        q = logits_to_probs(logits[None], self.params)[0]
-        return int(sample(q[None], self.generator)), q
+        return draft_token(logits, self.params, self.generator)
 
     def _alternatives(self, logits: Tensor, q: Tensor | None, token: int) -> list:
         """Branch starts beside `token`: a greedy draft's next candidates above p_split, or

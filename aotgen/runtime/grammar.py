@@ -1,0 +1,216 @@
+"""Structured output: every sampled token keeps the text inside a grammar.
+
+A request may carry a `Grammar` (a JSON schema, a regular expression, a Lark or llama.cpp
+GBNF grammar, or a list of choices). Before each token is chosen, the tokens the grammar
+cannot take next get probability zero; the chosen token then advances the grammar's state.
+The matching is llguidance's (the engine behind llama.cpp's, vLLM's and SGLang's guided
+decoding): it computes the allowed set over the whole vocabulary in about 0.1 ms
+(docs/serving.md).
+
+Speculative decoding keeps its guarantees: a proposal is cut where the grammar refuses a
+token (or just after one that completes it), and each verify row is restricted to what the
+grammar allows after the proposal tokens before it, so the accepted tokens are those the
+constrained target would have chosen alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from aotgen.runtime.sampling import SamplingParams, select_next
+from aotgen.runtime.speculative import Proposal, verify
+
+if TYPE_CHECKING:
+    import llguidance
+
+    from aotgen.runtime.tokenizer import Tokenizer
+
+# Grammar kinds and llguidance's name for each ("grammar": Lark, or GBNF converted to Lark).
+KINDS = {"json_schema": "json_schema", "regex": "regex", "grammar": "grammar", "choice": "choice"}
+INSTALL_HINT = "structured output needs llguidance: pip install 'aotgen[structured]'"
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot constrain generation (bad syntax, unsupported feature)."""
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What the generated text must match. `source` is the schema's JSON text, the regular
+    expression, the grammar text, or the choices as a JSON list of strings."""
+
+    kind: str
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise GrammarError(f"grammar kind {self.kind!r}: expected one of {', '.join(KINDS)}")
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | str) -> Grammar:
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+    @classmethod
+    def json_object(cls) -> Grammar:
+        """Any JSON object (OpenAI's `response_format: {"type": "json_object"}`)."""
+        return cls.json_schema({"type": "object"})
+
+    @classmethod
+    def choice(cls, options: list[str]) -> Grammar:
+        return cls("choice", json.dumps(options))
+
+    def compile(self) -> str:
+        """llguidance's grammar text; GrammarError (one line) if it is not a valid grammar."""
+        llg = _llguidance()
+        try:
+            grammar = llg.grammar_from(KINDS[self.kind], self.source)
+        except (ValueError, TypeError, json.JSONDecodeError) as e:
+            raise GrammarError(f"invalid {self.kind}: {_one_line(e)}") from None
+        error = llg.LLMatcher.validate_grammar(grammar)
+        if error:
+            raise GrammarError(f"invalid {self.kind}: {_one_line(error)}")
+        return grammar
+
+
+def _one_line(error: object) -> str:
+    return " ".join(str(error).split())
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError:
+        raise GrammarError(INSTALL_HINT) from None
+    return llguidance
+
+
+class GrammarTokens:
+    """The vocabulary as llguidance sees it (built once per engine: 0.2 s for a 49k
+    vocabulary), and a matcher per request."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._table: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+
+    def table(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._table is None:
+                llg = _llguidance()
+                self._table = llg.LLTokenizer(
+                    self.tokenizer.to_json(),
+                    n_vocab=self.vocab_size,
+                    eos_token=sorted(self.tokenizer.eos_ids),
+                )
+            return self._table
+
+    def constraint(self, grammar: Grammar) -> TokenConstraint:
+        compiled = grammar.compile()
+        matcher = _llguidance().LLMatcher(self.table(), compiled, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"invalid {grammar.kind}: {_one_line(matcher.get_error())}")
+        return TokenConstraint(matcher, self.vocab_size)
+
+
+class TokenConstraint:
+    """One request's position in its grammar."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
+        self.matcher, self.vocab_size = matcher, vocab_size
+
+    @property
+    def stopped(self) -> bool:
+        """The grammar is complete and takes nothing more (eos has been taken)."""
+        return self.matcher.is_stopped()
+
+    def allowed(self) -> Tensor:
+        """bool [V]: the tokens the grammar takes next."""
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+        return torch.from_numpy(mask)
+
+    def restrict(self, logits: Tensor) -> Tensor:
+        """`logits` ([V] or [1, V]) with every token the grammar refuses at -inf."""
+        return logits.masked_fill(~self.allowed().reshape(logits.shape), -math.inf)
+
+    def advance(self, tokens: list[int]) -> None:
+        """Take a step's tokens, chosen under this constraint; those after the one that
+        completes the grammar (eos) are past the request's end."""
+        for tok in tokens:
+            if self.stopped:
+                return
+            if not self.matcher.consume_token(tok):
+                raise GrammarError(f"the grammar refused token {tok}: {self.matcher.get_error()}")
+
+    def rollback(self, count: int) -> None:
+        if count and not self.matcher.rollback(count):
+            raise GrammarError(f"grammar rollback failed: {self.matcher.get_error()}")
+
+    def along(self, tokens: list[int]) -> tuple[int, Tensor]:
+        """How many leading `tokens` the grammar takes from here (up to the first it refuses,
+        or through the one that completes it), and the allowed set before each of those and
+        after the last: bool [n + 1, V]. The state is left as it was."""
+        masks = [self.allowed()]
+        taken = 0
+        for tok in tokens:
+            if self.stopped or not masks[-1][tok] or not self.matcher.consume_token(tok):
+                break
+            taken += 1
+            if self.stopped:
+                break
+            masks.append(self.allowed())
+        self.rollback(taken)
+        if len(masks) == taken:  # stopped after the last one: nothing follows it
+            masks.append(torch.ones(self.vocab_size, dtype=torch.bool))
+        return taken, torch.stack(masks)
+
+
+def select(
+    logits: Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    constraint: TokenConstraint | None,
+) -> int:
+    """`select_next` among the tokens the grammar takes; the grammar takes the chosen one."""
+    if constraint is None:
+        return select_next(logits, params, generator)
+    tok = select_next(constraint.restrict(logits), params, generator)
+    constraint.advance([tok])
+    return tok
+
+
+def fit(proposal: Proposal, constraint: TokenConstraint | None) -> tuple[Proposal, Tensor | None]:
+    """The proposal cut to what the grammar takes, and each verify row's allowed set
+    (`[n + 1, V]`; None without a grammar)."""
+    if constraint is None:
+        return proposal, None
+    n, allowed = constraint.along(proposal.tokens)
+    if n < len(proposal.tokens):
+        probs = None if proposal.probs is None else proposal.probs[:n]
+        proposal = Proposal(proposal.tokens[:n], probs, proposal.looked_up and n > 0)
+    return proposal, allowed
+
+
+def verify_within(
+    proposal: Proposal,
+    logits: Tensor,
+    allowed: Tensor | None,
+    params: SamplingParams,
+    generator: torch.Generator,
+    constraint: TokenConstraint | None,
+) -> list[int]:
+    """`verify` with each row restricted to what the grammar allows after the proposal
+    tokens before it (`fit`); the grammar takes the accepted tokens."""
+    if constraint is None or allowed is None:
+        return verify(proposal, logits, params, generator)
+    accepted = verify(proposal, logits.masked_fill(~allowed, -math.inf), params, generator)
+    constraint.advance(accepted)
+    return accepted
