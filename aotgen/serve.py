@@ -2,10 +2,12 @@
 
 FastAPI + uvicorn (`pip install 'aotgen[serve]'`). Endpoints: `POST /v1/chat/completions`,
 `POST /v1/completions` (streamed as server-sent events ending in `data: [DONE]`, or whole),
-`GET /v1/models`, `GET /health`. The engine steps in its own thread; each request is handed
-its text through an asyncio queue. A client that goes away has its request cancelled, so its
-slot frees at the next step. Errors are OpenAI-shaped: `{"error": {"message", "type",
-"param", "code"}}` with a 4xx/5xx status; a full queue is 429 with `Retry-After`.
+`GET /v1/models`, `GET /health`. Structured output: OpenAI's `response_format` (`json_object`,
+`json_schema`) or vLLM's `structured_outputs` (`json`, `regex`, `grammar`, `choice`). The
+engine steps in its own thread; each request is handed its text through an asyncio queue. A
+client that goes away has its request cancelled, so its slot frees at the next step. Errors
+are OpenAI-shaped: `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status; a
+full queue is 429 with `Retry-After`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.engine import GenerationConfig, GenerationError, GenerationResult
+from aotgen.runtime.grammar import Grammar
 from aotgen.runtime.sampling import SEED_MAX, SamplingParams
 from aotgen.runtime.scheduler import QueueFull
 
@@ -42,6 +45,25 @@ def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(body, status_code=e.status, headers=headers)
 
 
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict", "description"}
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (sent as `extra_body`): exactly one of a JSON schema, a
+    regex, a Lark or GBNF grammar, or a list of choices."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+
+
 class _Sampling(BaseModel):
     """The fields both endpoints share. Unknown fields are ignored, as OpenAI clients send
     many; fields we cannot honour are refused when set to anything but their default."""
@@ -56,6 +78,40 @@ class _Sampling(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def grammar(self) -> Grammar | None:
+        """The grammar the answer must match (runtime/grammar.py), or None."""
+        fmt, so = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.type != "text" and so is not None:
+            raise ApiError(400, "give response_format or structured_outputs, not both")
+        if fmt is not None and fmt.type == "json_object":
+            return Grammar.json_object()
+        if fmt is not None and fmt.type == "json_schema":
+            schema = (fmt.json_schema or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ApiError(
+                    400,
+                    "response_format.json_schema.schema: give the JSON schema as an object",
+                    "response_format",
+                )
+            return Grammar.json_schema(schema)
+        if so is None:
+            return None
+        given = {k: v for k, v in so.model_dump(by_alias=True).items() if v is not None}
+        if len(given) != 1:
+            raise ApiError(
+                400,
+                "structured_outputs: give exactly one of json, regex, grammar, choice",
+                "structured_outputs",
+            )
+        ((kind, value),) = given.items()
+        if kind == "json":
+            return Grammar.json_schema(value)
+        if kind == "choice":
+            return Grammar.choice(value)
+        return Grammar(kind, value)
 
 
 class CompletionRequest(_Sampling):
@@ -102,6 +158,7 @@ class Server:
             sampling=sampling,
             stop=stop,
             speculative=self.speculative,
+            grammar=req.grammar(),
         )
 
     def submit(self, prompt: list[int], config: GenerationConfig) -> tuple[int, asyncio.Queue]:

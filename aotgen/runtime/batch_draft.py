@@ -31,6 +31,7 @@ def draft_batch(draft: ModelRunner, seqs: list[Sequence], ks: list[int]) -> list
     last = [s.history[-1] for s in seqs]
     pos = [len(s.history) - 1 for s in seqs]
     todo = list(ks)
+    start = [s.constraint.taken if s.constraint is not None else 0 for s in seqs]
     while active := [i for i in range(len(seqs)) if todo[i] > 0]:
         logits_rows = draft.decode_many(
             [last[i] for i in active], [pos[i] for i in active], [seqs[i].slot for i in active]
@@ -41,8 +42,9 @@ def draft_batch(draft: ModelRunner, seqs: list[Sequence], ks: list[int]) -> list
             tokens[i].append(nxt)
             rows[i] += [] if q is None else [q]
             last[i], pos[i] = nxt, pos[i] + 1
-            todo[i] = 0 if seq.constraint is not None and seq.constraint.stopped else todo[i] - 1
-    for seq, drafted in zip(seqs, tokens, strict=True):
+            ends = seq.constraint is not None and nxt in seq.constraint.eos
+            todo[i] = 0 if ends else todo[i] - 1
+    for seq, taken in zip(seqs, start, strict=True):
         if seq.constraint is not None:
-            seq.constraint.rollback(len(drafted))
+            seq.constraint.rollback(seq.constraint.taken - taken)
     return [Proposal(t, torch.stack(r) if r else None) for t, r in zip(tokens, rows, strict=True)]

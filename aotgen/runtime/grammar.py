@@ -8,7 +8,7 @@ decoding): it computes the allowed set over the whole vocabulary in about 0.1 ms
 (docs/serving.md).
 
 Speculative decoding keeps its guarantees: a proposal is cut where the grammar refuses a
-token (or just after one that completes it), and each verify row is restricted to what the
+token (or just after eos), and each verify row is restricted to what the
 grammar allows after the proposal tokens before it, so the accepted tokens are those the
 constrained target would have chosen alone.
 """
@@ -117,19 +117,16 @@ class GrammarTokens:
         matcher = _llguidance().LLMatcher(self.table(), compiled, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"invalid {grammar.kind}: {_one_line(matcher.get_error())}")
-        return TokenConstraint(matcher, self.vocab_size)
+        return TokenConstraint(matcher, self.vocab_size, self.tokenizer.eos_ids)
 
 
 class TokenConstraint:
-    """One request's position in its grammar."""
+    """One request's position in its grammar. Eos ends the request: where the grammar allows
+    it, it is chosen like any token but never taken (nothing follows it)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
-        self.matcher, self.vocab_size = matcher, vocab_size
-
-    @property
-    def stopped(self) -> bool:
-        """The grammar is complete and takes nothing more (eos has been taken)."""
-        return self.matcher.is_stopped()
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos: set[int]):
+        self.matcher, self.vocab_size, self.eos = matcher, vocab_size, eos
+        self.taken = 0  # tokens taken so far: drafters roll back to where they started
 
     def allowed(self) -> Tensor:
         """bool [V]: the tokens the grammar takes next."""
@@ -142,35 +139,36 @@ class TokenConstraint:
         return logits.masked_fill(~self.allowed().reshape(logits.shape), -math.inf)
 
     def advance(self, tokens: list[int]) -> None:
-        """Take a step's tokens, chosen under this constraint; those after the one that
-        completes the grammar (eos) are past the request's end."""
+        """Take a step's tokens, chosen under this constraint, up to eos."""
         for tok in tokens:
-            if self.stopped:
+            if tok in self.eos:
                 return
             if not self.matcher.consume_token(tok):
                 raise GrammarError(f"the grammar refused token {tok}: {self.matcher.get_error()}")
+            self.taken += 1
 
     def rollback(self, count: int) -> None:
         if count and not self.matcher.rollback(count):
             raise GrammarError(f"grammar rollback failed: {self.matcher.get_error()}")
+        self.taken -= count
 
     def along(self, tokens: list[int]) -> tuple[int, Tensor]:
         """How many leading `tokens` the grammar takes from here (up to the first it refuses,
-        or through the one that completes it), and the allowed set before each of those and
-        after the last: bool [n + 1, V]. The state is left as it was."""
+        or through eos), and the allowed set before each of those and after the last:
+        bool [n + 1, V] (after eos: anything, as nothing follows it). The state is left as
+        it was."""
         masks = [self.allowed()]
-        taken = 0
+        start = self.taken
         for tok in tokens:
-            if self.stopped or not masks[-1][tok] or not self.matcher.consume_token(tok):
+            if not masks[-1][tok]:
                 break
-            taken += 1
-            if self.stopped:
+            if tok in self.eos:
+                masks.append(torch.ones(self.vocab_size, dtype=torch.bool))
                 break
+            self.advance([tok])
             masks.append(self.allowed())
-        self.rollback(taken)
-        if len(masks) == taken:  # stopped after the last one: nothing follows it
-            masks.append(torch.ones(self.vocab_size, dtype=torch.bool))
-        return taken, torch.stack(masks)
+        self.rollback(self.taken - start)
+        return len(masks) - 1, torch.stack(masks)
 
 
 def select(

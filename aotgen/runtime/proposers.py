@@ -49,7 +49,7 @@ def draft_token(
 ) -> tuple[int, Tensor | None]:
     """One draft token: the argmax, or a draw whose distribution is kept for speculative
     sampling. Under a grammar, among the tokens it takes next; it then takes the token
-    (the drafter rolls it back once the proposal is made)."""
+    (the drafter rolls back to where it started once the proposal is made)."""
     if constraint is not None:
         logits = constraint.restrict(logits)
     if params.greedy:
@@ -112,16 +112,17 @@ class DraftProposer:
         tokens: list[int] = []
         rows: list[Tensor] = []
         grammar = self.constraint
+        start = grammar.taken if grammar is not None else 0
         for i in range(k):
             nxt, q = draft_token(logits, self.params, self.generator, grammar)
             tokens.append(nxt)
             rows += [] if q is None else [q]
-            if i + 1 == k or (grammar is not None and grammar.stopped):
+            if i + 1 == k or (grammar is not None and nxt in grammar.eos):
                 break
             logits = self.draft.decode(nxt, self.pos, self.slot)
             self.pos += 1
         if grammar is not None:
-            grammar.rollback(len(tokens))
+            grammar.rollback(grammar.taken - start)
         return Proposal(tokens, torch.stack(rows) if rows else None)
 
     def accepted(self, pos: int) -> None:
