@@ -146,6 +146,47 @@ def test_seeded_sampling_reproduces_the_request_alone(tiny_server, alone):
     assert got["choices"][0]["text"] == want.text
 
 
+def test_structured_outputs_answer_as_the_request_alone(tiny_server, alone):
+    """vLLM's `structured_outputs` (choice, regex) and OpenAI's `response_format`: the answer
+    is what `Engine` gives the same grammar alone, and it matches the grammar."""
+    grammar = pytest.importorskip("aotgen.runtime.grammar")
+    pytest.importorskip("llguidance")
+    cases = [
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, grammar.Grammar.choice(["yes", "no"])),
+        ({"structured_outputs": {"regex": "[a-z]{2,9}"}}, grammar.Grammar("regex", "[a-z]{2,9}")),
+        ({"response_format": {"type": "json_object"}}, grammar.Grammar.json_object()),
+    ]
+    for extra, want_grammar in cases:
+        body = {"prompt": _ids(4, 7), "max_tokens": 30, "temperature": 0, **extra}
+        got = httpx.post(f"{tiny_server.url}/v1/completions", json=body).json()
+        config = GenerationConfig(max_new_tokens=30, grammar=want_grammar)
+        want = alone.generate(_ids(4, 7), config)
+        assert got["choices"][0]["text"] == want.text, extra
+    assert want.text.startswith("{")  # json_object: an object, whether or not it completed
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "[a-"}}, None),
+        ({"structured_outputs": {"yaml": "a"}}, "structured_outputs.yaml"),
+    ],
+)
+def test_bad_structured_outputs_are_400s(tiny_server, body, param):
+    pytest.importorskip("llguidance")
+    r = httpx.post(f"{tiny_server.url}/v1/completions", json={"prompt": "hi", **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and "\n" not in error["message"]
+    assert error["param"] == param
+
+
 @pytest.mark.parametrize(
     "path,body,param",
     [
@@ -244,6 +285,40 @@ def test_openai_client_chat_equals_aotgen_run(smollm2_server, smollm2_serve_pack
     assert reply.usage.completion_tokens > 0
     stream = client.chat.completions.create(
         model=smollm2_serve_package.name, messages=messages, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+
+
+def test_openai_client_json_schema_equals_aotgen_run(smollm2_server, smollm2_serve_package):
+    """`response_format: json_schema` through the official client: JSON with the schema's
+    keys, equal to `aotgen run --json-schema` (streamed too)."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("llguidance")
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
+    question = "Which city is the capital of France? Answer as JSON."
+    run = subprocess.run(
+        [*AOTGEN, "run", str(smollm2_serve_package), "--chat", question, "--json"]
+        + ["--json-schema", json.dumps(schema), "--max-new-tokens", "60"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    want = json.loads(run.stdout)["text"]
+    assert set(json.loads(want)) == {"city", "country"}
+    client = openai.OpenAI(base_url=f"{smollm2_server.url}/v1", api_key="unused")
+    fmt = {"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}}
+    kwargs = {"model": smollm2_serve_package.name, "temperature": 0, "max_tokens": 60}
+    messages = [{"role": "user", "content": question}]
+    reply = client.chat.completions.create(messages=messages, response_format=fmt, **kwargs)
+    assert reply.choices[0].message.content == want
+    stream = client.chat.completions.create(
+        messages=messages, response_format=fmt, stream=True, **kwargs
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
 
