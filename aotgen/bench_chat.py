@@ -21,8 +21,11 @@ import statistics
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -109,6 +112,19 @@ def bench_chat(
 
 def _llama_server_chat(gguf: Path, chat: list[Turn], threads: int) -> list[tuple[float, int]]:
     """Per turn (prompt ms, prompt tokens not processed again) from a fresh llama-server."""
+    with llama_server(gguf, threads) as url:
+        out = []
+        for ids, reused, _ in chat:
+            n_predict = len(reused.token_ids) + 1
+            body = {"prompt": ids, "n_predict": n_predict, "temperature": 0, "cache_prompt": True}
+            timings = llama_completion(url, body)["timings"]
+            out.append((timings["prompt_ms"], len(ids) - timings["prompt_n"]))
+        return out
+
+
+@contextmanager
+def llama_server(gguf: Path, threads: int) -> Iterator[str]:
+    """A llama-server on `gguf` (one slot) for the block; yields its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -120,20 +136,19 @@ def _llama_server_chat(gguf: Path, chat: list[Turn], threads: int) -> list[tuple
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_for(url, server)
-        out = []
-        for ids, reused, _ in chat:
-            n_predict = len(reused.token_ids) + 1
-            body = {"prompt": ids, "n_predict": n_predict, "temperature": 0, "cache_prompt": True}
-            request = urllib.request.Request(
-                f"{url}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
-            )
-            with urllib.request.urlopen(request, timeout=300) as response:
-                timings = json.loads(response.read())["timings"]
-            out.append((timings["prompt_ms"], len(ids) - timings["prompt_n"]))
-        return out
+        yield url
     finally:
         server.terminate()
         server.wait(30)
+
+
+def llama_completion(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """llama-server's `/completion` answer to `body`."""
+    request = urllib.request.Request(
+        f"{url}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())
 
 
 def _wait_for(url: str, server: subprocess.Popen) -> None:
