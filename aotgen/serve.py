@@ -13,6 +13,7 @@ full queue is 429 with `Retry-After`.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import uuid
@@ -28,8 +29,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.engine import GenerationConfig, GenerationError, GenerationResult
 from aotgen.runtime.grammar import Grammar
+from aotgen.runtime.logprobs import MAX_TOP
 from aotgen.runtime.sampling import SEED_MAX, SamplingParams
 from aotgen.runtime.scheduler import QueueFull
+from aotgen.runtime.tokenizer import Tokenizer
 
 
 class ApiError(Exception):
@@ -81,6 +84,10 @@ class _Sampling(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 
+    def logprob_count(self) -> int | None:
+        """None: no logprobs; N: each token's and its N likeliest alternatives'."""
+        return None
+
     def grammar(self) -> Grammar | None:
         """The grammar the answer must match (runtime/grammar.py), or None."""
         fmt, so = self.response_format, self.structured_outputs
@@ -116,6 +123,10 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP)
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -135,6 +146,13 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP)
+
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class Server:
@@ -159,6 +177,7 @@ class Server:
             stop=stop,
             speculative=self.speculative,
             grammar=req.grammar(),
+            logprobs=req.logprob_count(),
         )
 
     def submit(self, prompt: list[int], config: GenerationConfig) -> tuple[int, asyncio.Queue]:
@@ -207,7 +226,7 @@ class Server:
                 if value.finish_reason == "error":
                     yield _sse({"error": {"message": value.error, "type": "server_error"}})
                 else:
-                    yield _sse(chunk("", _finish(value)))
+                    yield _sse(chunk("", _finish(value), value))
                     if usage:
                         yield _sse({**chunk(None, None), "choices": [], "usage": _usage(value)})
                 yield "data: [DONE]\n\n"
@@ -222,6 +241,37 @@ def _sse(obj: dict[str, Any]) -> str:
 
 def _finish(result: GenerationResult) -> str:
     return "length" if result.finish_reason == "length" else "stop"
+
+
+def _completion_logprobs(tok: Tokenizer, result: GenerationResult | None) -> dict | None:
+    """The legacy completions' `logprobs`: token strings, their logprobs, the top
+    alternatives as {token: logprob}, and each token's offset in the text."""
+    if result is None or result.logprobs is None:
+        return None
+    text = [tok.token_bytes(lp.token).decode("utf-8", "replace") for lp in result.logprobs]
+    return {
+        "tokens": text,
+        "token_logprobs": [lp.logprob for lp in result.logprobs],
+        "top_logprobs": [
+            {tok.token_bytes(i).decode("utf-8", "replace"): v for i, v in lp.top}
+            for lp in result.logprobs
+        ],
+        "text_offset": list(itertools.accumulate(map(len, text), initial=0))[:-1],
+    }
+
+
+def _chat_logprobs(tok: Tokenizer, result: GenerationResult) -> dict:
+    """Chat's `logprobs.content`: per token its text, logprob, UTF-8 bytes and alternatives."""
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        raw = tok.token_bytes(token)
+        return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+
+    content = [
+        {**entry(lp.token, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+        for lp in result.logprobs or []
+    ]
+    return {"content": content}
 
 
 def _usage(result: GenerationResult) -> dict[str, Any]:
@@ -284,8 +334,11 @@ def create_app(engine: BatchEngine, name: str, speculative: str | None = None) -
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion"}
         head |= {"created": int(time.time()), "model": name}
 
-        def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        def chunk(
+            text: str | None, finish: str | None, result: GenerationResult | None = None
+        ) -> dict[str, Any]:
+            logprobs = _completion_logprobs(tok, result)
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             return {**head, "choices": [choice]}
 
         return await _respond(server, request, req, prompt, config, chunk, chat=False)
@@ -303,9 +356,14 @@ def create_app(engine: BatchEngine, name: str, speculative: str | None = None) -
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk"}
         head |= {"created": int(time.time()), "model": name}
 
-        def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
+        def chunk(
+            text: str | None, finish: str | None, result: GenerationResult | None = None
+        ) -> dict[str, Any]:
             delta = {"content": text} if text else {}
-            return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            if result is not None and result.logprobs is not None:
+                choice["logprobs"] = _chat_logprobs(engine.tokenizer, result)
+            return {**head, "choices": [choice]}
 
         return await _respond(server, request, req, prompt, config, chunk, chat=True)
 
@@ -333,7 +391,7 @@ async def _respond(
     result = await server.collect(request, rid, queue)
     if result.finish_reason == "error":
         raise ApiError(500, f"generation failed: {result.error}")
-    body = chunk(None, _finish(result))
+    body = chunk(None, _finish(result), result)
     choice = body["choices"][0]
     if chat:
         body["object"] = "chat.completion"

@@ -78,6 +78,13 @@ def run(
         Path | None,
         typer.Option(help="structured output: the answer matches this Lark or llama.cpp GBNF file"),
     ] = None,
+    logprobs: Annotated[
+        int | None,
+        typer.Option(
+            help="with --json: each token's log-probability and its N likeliest alternatives "
+            "(0..20)"
+        ),
+    ] = None,
     lookup: Annotated[
         str | None,
         typer.Option(
@@ -153,6 +160,8 @@ def run(
     if best_first and not draft_parallel:
         raise CliError("--best-first shapes a token tree: add --draft-parallel N")
     at_least("--max-new-tokens", max_new_tokens)
+    if logprobs is not None and not (as_json and 0 <= logprobs <= 20):
+        raise CliError("--logprobs N (0..20) goes with --json, which prints them")
     if seed is not None and not 0 <= seed <= SEED_MAX:
         raise CliError(f"--seed must be an integer in 0..{SEED_MAX}, got {seed}")
     # After the checks above: a mistyped option is refused without the seconds torch takes.
@@ -176,6 +185,7 @@ def run(
         ngram_max=ngram_max,
         tree=TreeParams(draft_parallel, p_split, best_first) if draft_parallel else None,
         grammar=constraint,
+        logprobs=logprobs,
     )
     launch = _Launch(nnodes, node_rank, master_addr, master_port)
     engine = _start_engine(package, backend, resolve_threads(threads), launch)
@@ -378,6 +388,9 @@ def _run_json(load_s: float, prompt_ids: list[int], result: Any, mode: str | Non
         "prefill_tok_s": result.prefill_tok_s,
         "decode_tok_s": result.decode_tok_s,
         "spec": spec,
+        "logprobs": None
+        if result.logprobs is None
+        else [{"id": lp.token, "logprob": lp.logprob, "top": lp.top} for lp in result.logprobs],
     }
 
 

@@ -217,6 +217,7 @@ class BatchEngine:
             spec=seq.spec,
             error=seq.error,
             cached_tokens=seq.cached_tokens,
+            logprobs=seq.logprobs,
         )
 
     # ---- model steps ---------------------------------------------------------------------
@@ -227,7 +228,8 @@ class BatchEngine:
         logits = self.target.forward(chunk, seq.pos, slot=seq.slot)
         seq.pos += len(chunk)
         if not seq.prefilling:
-            seq.accept([select(logits, seq.config.sampling, seq.generator, seq.constraint)])
+            tok = select(logits, seq.config.sampling, seq.generator, seq.constraint)
+            seq.accept([tok], logits[None])
 
     def _decode(self, seqs: list[Sequence]) -> None:
         """Every request past its prompt moves on by one decode or one verify."""
@@ -251,7 +253,7 @@ class BatchEngine:
                 if seq.spec is not None:  # it found nothing to propose
                     seq.spec.update(0, 0)
                 tok = select(row, seq.config.sampling, seq.generator, seq.constraint)
-                self._accepted(seq, [tok])
+                self._accepted(seq, [tok], row[None])
         if verifying:
             props = [proposals[s.id] for s in verifying]
             all_logits = self._verify_logits(verifying, props)
@@ -260,14 +262,15 @@ class BatchEngine:
                 accepted = verify_within(p, logits, allowed[seq.id], params, gen, seq.constraint)
                 seq.spec.update(len(p.tokens), len(accepted) - 1, lookup=p.looked_up)
                 seq.pos += len(accepted)
-                self._accepted(seq, accepted)
+                self._accepted(seq, accepted, logits[: len(accepted)])
 
     @staticmethod
-    def _accepted(seq: Sequence, tokens: list[int]) -> None:
-        """A step's tokens, once `seq.pos` counts the positions its cache now holds."""
+    def _accepted(seq: Sequence, tokens: list[int], rows: Tensor) -> None:
+        """A step's tokens (and the logits rows that chose them), once `seq.pos` counts the
+        positions its cache now holds."""
         if seq.proposer is not None:
             seq.proposer.accepted(seq.pos)
-        seq.accept(tokens)
+        seq.accept(tokens, rows)
 
     def _proposals(self, seqs: list[Sequence]) -> dict[int, Proposal]:
         """Each speculating request's proposal (empty: nothing to propose). Requests whose

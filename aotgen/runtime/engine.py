@@ -34,6 +34,7 @@ from aotgen.runtime.grammar import (
     select,
     verify_within,
 )
+from aotgen.runtime.logprobs import MAX_TOP, TokenLogprob, token_logprobs
 from aotgen.runtime.onnx_backend import BACKENDS, onnx_graphs
 from aotgen.runtime.proposers import (
     DraftOrLookupProposer,
@@ -377,6 +378,7 @@ class GenerationConfig:
     ngram_max: int = 4
     tree: TreeParams | None = None  # tree speculation (runtime/tree_draft.py); None: a chain
     grammar: Grammar | None = None  # structured output (runtime/grammar.py)
+    logprobs: int | None = None  # None: off; N: each token's logprob and the N likeliest
     # Run only the prompt past the prefix the KV cache already holds (runtime/cached_tokens.py);
     # off: every prompt runs from position 0, as benchmarks of prefill need.
     reuse_prefix: bool = True
@@ -406,6 +408,7 @@ class GenerationResult:
     spec: SpecStats | None = None
     error: str | None = None  # finish_reason "error": what failed
     cached_tokens: int = 0  # prompt tokens found in the KV cache, not run again
+    logprobs: list[TokenLogprob] | None = None  # per token, with config.logprobs
 
     @property
     def prefill_tok_s(self) -> float:
@@ -569,6 +572,13 @@ class Engine:
             )
         if config.tree is not None:
             self._check_tree(config)
+        if config.logprobs is not None and not (
+            isinstance(config.logprobs, int) and 0 <= config.logprobs <= MAX_TOP
+        ):
+            raise GenerationError(
+                f"logprobs must be a whole number in 0..{MAX_TOP} (the most likely tokens to "
+                f"list beside each chosen one), got {config.logprobs!r}"
+            )
         if config.grammar is not None and config.ignore_eos:
             raise GenerationError(
                 "a grammar ends generation with eos where its text is complete: drop ignore_eos"
@@ -617,11 +627,16 @@ class Engine:
         t0 = time.perf_counter()
         t_first = None
         cached = self.reusable(prompt_ids, config)
+        logprobs = None if config.logprobs is None else []
         steps = self._token_steps(prompt_ids, cached, config, spec, constraint)
-        for new_tokens in steps:
+        for new_tokens, rows in steps:
             if t_first is None:
                 t_first = time.perf_counter()
-            if sink.add(new_tokens):
+            before = len(sink.ids)
+            done = sink.add(new_tokens)
+            if logprobs is not None:
+                logprobs += token_logprobs(rows, sink.ids[before:], config.logprobs)
+            if done:
                 break
         steps.close()
         t_end = time.perf_counter()
@@ -634,6 +649,7 @@ class Engine:
             decode_s=t_end - (t_first or t_end),
             spec=spec,
             cached_tokens=cached,
+            logprobs=logprobs,
         )
 
     def reusable(self, prompt: list[int], config: GenerationConfig) -> int:
@@ -647,25 +663,26 @@ class Engine:
         config: GenerationConfig,
         spec: SpecStats | None,
         constraint: TokenConstraint | None,
-    ) -> Iterator[list[int]]:
-        """Yield newly accepted tokens, one list per model step; the prompt runs from
-        position `cached` on."""
+    ) -> Iterator[tuple[list[int], Tensor | None]]:
+        """Yield newly accepted tokens, one list per model step, with the logits rows that
+        chose them; the prompt runs from position `cached` on."""
         params = config.sampling
         gen = make_generator(params.seed)
         target = self.target
         logits = target.forward(prompt[cached:], cached)
         tok = select(logits, params, gen, constraint)
-        yield [tok]
+        yield [tok], logits[None]
         pos = len(prompt)  # position of `tok`, not yet in the cache
         if config.speculative is None:
-            on_gpu = params.greedy and constraint is None and target.device.type == "cuda"
-            if on_gpu:  # the logits stay on the GPU
-                yield from ([t] for t in greedy_tokens(target, tok, pos))
+            plain = constraint is None and config.logprobs is None
+            if params.greedy and plain and target.device.type == "cuda":  # logits stay there
+                yield from (([t], None) for t in greedy_tokens(target, tok, pos))
                 return
             while True:
-                tok = select(target.decode(tok, pos), params, gen, constraint)
+                logits = target.decode(tok, pos)
+                tok = select(logits, params, gen, constraint)
                 pos += 1
-                yield [tok]
+                yield [tok], logits[None]
         yield from self._speculative_steps(prompt, tok, pos, config, spec, gen, constraint)
 
     def _speculative_steps(
@@ -677,7 +694,7 @@ class Engine:
         spec: SpecStats,
         gen: torch.Generator,
         constraint: TokenConstraint | None,
-    ) -> Iterator[list[int]]:
+    ) -> Iterator[tuple[list[int], Tensor]]:
         """Propose -> verify -> accept, one verify step per yield."""
         if config.tree is not None:
             yield from tree_steps(self, prompt, tok, pos, config, spec, gen)
@@ -702,7 +719,7 @@ class Engine:
             proposer.accepted(pos)
             history.extend(accepted)
             tok = accepted[-1]
-            yield accepted
+            yield accepted, logits[: len(accepted)]
 
     def proposer(
         self,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from aotgen.runtime.logprobs import TokenLogprob, token_logprobs
 from aotgen.runtime.proposers import Proposer
 from aotgen.runtime.sampling import make_generator
 from aotgen.runtime.speculative import SpecStats
@@ -129,6 +130,7 @@ class Sequence:
     generator: torch.Generator = field(init=False)
     proposer: Proposer | None = None  # speculative requests: made at their first decode
     constraint: TokenConstraint | None = None  # its grammar's state (runtime/grammar.py)
+    logprobs: list[TokenLogprob] | None = field(init=False)  # with config.logprobs
     history: list[int] = field(init=False)
     spec: SpecStats | None = None
     cancelled: bool = False
@@ -140,6 +142,7 @@ class Sequence:
     def __post_init__(self) -> None:
         self.generator = make_generator(self.config.sampling.seed)
         self.history = list(self.prompt)
+        self.logprobs = None if self.config.logprobs is None else []
 
     @property
     def prefilling(self) -> bool:
@@ -149,10 +152,14 @@ class Sequence:
     def done(self) -> bool:
         return self.sink.done
 
-    def accept(self, tokens: list[int]) -> None:
-        """One step's tokens: the last becomes the next step's input."""
+    def accept(self, tokens: list[int], rows: torch.Tensor) -> None:
+        """One step's tokens, and the logits rows that chose them: the last token becomes
+        the next step's input."""
         if self.first_token is None:
             self.first_token = time.perf_counter()
         self.pending = tokens[-1]
         self.history.extend(tokens)
+        before = len(self.sink.ids)
         self.sink.add(tokens)
+        if self.logprobs is not None:
+            self.logprobs += token_logprobs(rows, self.sink.ids[before:], self.config.logprobs)

@@ -171,6 +171,25 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a piece of a character for some tokens, where
+        `decode` gives U+FFFD): byte-level BPE pieces through GPT-2's byte alphabet,
+        SentencePiece pieces with `▁` as a space and `<0xNN>` byte-fallback tokens."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._special_ids:
+            return piece.encode()
+        if self._byte_level:
+            return bytes(_GPT2_BYTES.get(c, 0) for c in piece)
+        if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        return (json.loads(self.to_json()).get("decoder") or {}).get("type") == "ByteLevel"
+
     def apply_chat_template(
         self, messages: list[Message], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
@@ -262,6 +281,17 @@ class Tokenizer:
 # Placeholders for message content while a chat template renders (private-use characters).
 _MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
 _MARKS = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
+
+
+def _gpt2_bytes() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, printable character -> byte (its `bytes_to_unicode`)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = printable + [256 + n for n in range(256 - len(printable))]
+    rest = [b for b in range(256) if b not in printable]
+    return {chr(c): b for c, b in zip(chars, printable + rest, strict=True)}
+
+
+_GPT2_BYTES = _gpt2_bytes()
 
 
 class StreamDecoder:

@@ -329,8 +329,9 @@ def tree_steps(
     config: GenerationConfig,
     spec: SpecStats,
     gen: torch.Generator,
-) -> Iterator[list[int]]:
-    """Propose a tree -> score it in one tree-graph call -> keep one path, per yield."""
+) -> Iterator[tuple[list[int], Tensor]]:
+    """Propose a tree -> score it in one tree-graph call -> keep one path, per yield (with
+    the logits rows that chose the accepted tokens)."""
     target = engine.target
     budget = target.tree_len
     k = min(config.k or engine.verify_k, budget - 1)
@@ -355,4 +356,4 @@ def tree_steps(
         proposer.accepted(pos)
         history.extend(accepted)
         tok = nxt
-        yield accepted
+        yield accepted, logits[path]  # the row of each path node chose the token after it
