@@ -13,6 +13,7 @@ full queue is 429 with `Retry-After`.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import itertools
 import json
 import time
@@ -248,16 +249,26 @@ def _completion_logprobs(tok: Tokenizer, result: GenerationResult | None) -> dic
     alternatives as {token: logprob}, and each token's offset in the text."""
     if result is None or result.logprobs is None:
         return None
-    text = [tok.token_bytes(lp.token).decode("utf-8", "replace") for lp in result.logprobs]
+    raw = [tok.token_bytes(lp.token) for lp in result.logprobs]
+    # Characters before each token; one that starts inside a character is at that character.
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offsets = list(itertools.accumulate((len(utf8.decode(r)) for r in raw[:-1]), initial=0))
     return {
-        "tokens": text,
+        "tokens": [_token_text(r) for r in raw],
         "token_logprobs": [lp.logprob for lp in result.logprobs],
         "top_logprobs": [
-            {tok.token_bytes(i).decode("utf-8", "replace"): v for i, v in lp.top}
-            for lp in result.logprobs
+            {_token_text(tok.token_bytes(i)): v for i, v in lp.top} for lp in result.logprobs
         ],
-        "text_offset": list(itertools.accumulate(map(len, text), initial=0))[:-1],
+        "text_offset": offsets,
     }
+
+
+def _token_text(raw: bytes) -> str:
+    """A token's text; a piece of a character as OpenAI writes it: `bytes:\\xe2\\x80`."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 def _chat_logprobs(tok: Tokenizer, result: GenerationResult) -> dict:
@@ -265,7 +276,7 @@ def _chat_logprobs(tok: Tokenizer, result: GenerationResult) -> dict:
 
     def entry(token: int, logprob: float) -> dict[str, Any]:
         raw = tok.token_bytes(token)
-        return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+        return {"token": _token_text(raw), "logprob": logprob, "bytes": list(raw)}
 
     content = [
         {**entry(lp.token, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}

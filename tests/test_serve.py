@@ -165,6 +165,55 @@ def test_structured_outputs_answer_as_the_request_alone(tiny_server, alone):
     assert want.text.startswith("{")  # json_object: an object, whether or not it completed
 
 
+def test_completion_logprobs_equal_the_request_alone(tiny_server, alone):
+    """Legacy completions' `logprobs`: per token its text, logprob, top alternatives and text
+    offset, equal to `Engine`'s for the same request (streamed: in the last chunk)."""
+    body = {"prompt": _ids(5, 8), "max_tokens": 9, "temperature": 0, "logprobs": 3}
+    got = httpx.post(f"{tiny_server.url}/v1/completions", json=body).json()["choices"][0]
+    want = alone.generate(_ids(5, 8), GenerationConfig(max_new_tokens=9, logprobs=3))
+    lp = got["logprobs"]
+    assert got["text"] == want.text
+    assert lp["token_logprobs"] == pytest.approx([t.logprob for t in want.logprobs], abs=1e-5)
+    for top, token in zip(lp["top_logprobs"], want.logprobs, strict=True):
+        assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(token.top[0][1], abs=1e-5)
+    assert len(lp["tokens"]) == len(lp["text_offset"]) == len(want.token_ids)
+    with httpx.stream(
+        "POST", f"{tiny_server.url}/v1/completions", json={**body, "stream": True}
+    ) as r:
+        events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    streamed = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
+    assert len(streamed) == 1  # the prompt now runs from the cache: equal up to rounding
+    assert streamed[0]["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=1e-5)
+
+
+def test_chat_logprobs_through_the_openai_client(tiny_server, alone, tiny_batch_package):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="unused")
+    messages = [{"role": "user", "content": "the cat sat"}]
+    reply = client.chat.completions.create(
+        model=tiny_batch_package.name,
+        messages=messages,
+        temperature=0,
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = reply.choices[0].logprobs.content
+    ids = alone.tokenizer.encode_chat(messages)
+    want = alone.generate(ids, GenerationConfig(max_new_tokens=8, logprobs=2))
+    assert [c.logprob for c in content] == pytest.approx(
+        [t.logprob for t in want.logprobs], abs=1e-5
+    )
+    text = b"".join(bytes(c.bytes) for c in content).decode("utf-8", "replace")
+    assert text == reply.choices[0].message.content == want.text
+    assert all(len(c.top_logprobs) == 2 for c in content)
+    r = httpx.post(
+        f"{tiny_server.url}/v1/chat/completions",
+        json={"messages": messages, "max_tokens": 2, "top_logprobs": 2},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
 @pytest.mark.parametrize(
     "body,param",
     [
@@ -321,6 +370,17 @@ def test_openai_client_json_schema_equals_aotgen_run(smollm2_server, smollm2_ser
         messages=messages, response_format=fmt, stream=True, **kwargs
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+
+
+def test_completion_logprobs_place_each_token_in_the_text(smollm2_server):
+    body = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
+    got = httpx.post(f"{smollm2_server.url}/v1/completions", json={**body, "logprobs": 1})
+    choice = got.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert "".join(lp["tokens"]) == choice["text"]
+    for token, offset in zip(lp["tokens"], lp["text_offset"], strict=True):
+        assert choice["text"][offset : offset + len(token)] == token
+    assert all(v <= 0 for v in lp["token_logprobs"])
 
 
 def test_client_leaving_mid_stream_frees_its_slot(smollm2_server):

@@ -359,7 +359,7 @@ def speculative_mode(speculative: bool, lookup: str | None) -> str | None:
 
 
 def _run_json(load_s: float, prompt_ids: list[int], result: Any, mode: str | None) -> dict:
-    """`run --json`: the same fields as the C++ `aotgen-run --json`, plus the rates."""
+    """`run --json`: the same fields as the C++ `aotgen-run --json`, plus the rates and logprobs."""
     s = result.spec
     spec = None
     if s is not None:
