@@ -74,7 +74,7 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: completions' echo scoring only
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
@@ -87,6 +87,10 @@ class _Sampling(BaseModel):
 
     def logprob_count(self) -> int | None:
         """None: no logprobs; N: each token's and its N likeliest alternatives'."""
+        return None
+
+    def prompt_logprob_count(self) -> int | None:
+        """The same for the prompt's tokens."""
         return None
 
     def grammar(self) -> Grammar | None:
@@ -125,9 +129,13 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP)
+    echo: bool = False  # the prompt before the answer, with its logprobs when asked
 
     def logprob_count(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprob_count(self) -> int | None:
+        return self.logprobs if self.echo else None
 
 
 class ChatMessage(BaseModel):
@@ -166,6 +174,12 @@ class Server:
     def config(self, req: _Sampling, prompt: list[int], max_tokens: int | None) -> GenerationConfig:
         if req.n != 1:
             raise ApiError(400, f"n={req.n}: only n=1 is supported", "n")
+        if max_tokens == 0 and req.prompt_logprob_count() is None:
+            raise ApiError(
+                400,
+                "max_tokens 0 only scores a prompt: give echo and logprobs (completions)",
+                "max_tokens",
+            )
         room = self.engine.engine.max_seq_len - len(prompt)
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         try:
@@ -179,6 +193,7 @@ class Server:
             speculative=self.speculative,
             grammar=req.grammar(),
             logprobs=req.logprob_count(),
+            prompt_logprobs=req.prompt_logprob_count(),
         )
 
     def submit(self, prompt: list[int], config: GenerationConfig) -> tuple[int, asyncio.Queue]:
@@ -244,20 +259,26 @@ def _finish(result: GenerationResult) -> str:
     return "length" if result.finish_reason == "length" else "stop"
 
 
-def _completion_logprobs(tok: Tokenizer, result: GenerationResult | None) -> dict | None:
+def _completion_logprobs(
+    tok: Tokenizer, result: GenerationResult | None, prompt: list[int]
+) -> dict | None:
     """The legacy completions' `logprobs`: token strings, their logprobs, the top
-    alternatives as {token: logprob}, and each token's offset in the text."""
+    alternatives as {token: logprob}, and each token's offset in the text; with echo, the
+    prompt's tokens first (the first has none)."""
     if result is None or result.logprobs is None:
         return None
-    raw = [tok.token_bytes(lp.token) for lp in result.logprobs]
+    scored = [*(result.prompt_logprobs or []), *result.logprobs]
+    ids = [*(prompt if result.prompt_logprobs else []), *result.token_ids]
+    raw = [tok.token_bytes(t) for t in ids]
     # Characters before each token; one that starts inside a character is at that character.
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
     offsets = list(itertools.accumulate((len(utf8.decode(r)) for r in raw[:-1]), initial=0))
     return {
         "tokens": [_token_text(r) for r in raw],
-        "token_logprobs": [lp.logprob for lp in result.logprobs],
+        "token_logprobs": [None if lp is None else lp.logprob for lp in scored],
         "top_logprobs": [
-            {_token_text(tok.token_bytes(i)): v for i, v in lp.top} for lp in result.logprobs
+            None if lp is None else {_token_text(tok.token_bytes(i)): v for i, v in lp.top}
+            for lp in scored
         ],
         "text_offset": offsets,
     }
@@ -341,18 +362,19 @@ def create_app(engine: BatchEngine, name: str, speculative: str | None = None) -
     async def completions(req: CompletionRequest, request: Request) -> Any:
         tok = engine.tokenizer
         prompt = req.prompt if isinstance(req.prompt, list) else tok.prompt_ids(req.prompt)
-        config = server.config(req, prompt, req.max_tokens if req.max_tokens else 16)
+        config = server.config(req, prompt, 16 if req.max_tokens is None else req.max_tokens)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion"}
         head |= {"created": int(time.time()), "model": name}
 
         def chunk(
             text: str | None, finish: str | None, result: GenerationResult | None = None
         ) -> dict[str, Any]:
-            logprobs = _completion_logprobs(tok, result)
+            logprobs = _completion_logprobs(tok, result, prompt)
             choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             return {**head, "choices": [choice]}
 
-        return await _respond(server, request, req, prompt, config, chunk, chat=False)
+        echo = tok.decode(prompt) if req.echo else ""
+        return await _respond(server, request, req, prompt, config, chunk, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Any:
@@ -389,11 +411,14 @@ async def _respond(
     config: GenerationConfig,
     chunk: Any,
     chat: bool,
+    echo: str = "",
 ) -> Any:
+    """Submit the request; stream its chunks or answer whole. `echo`: text before the answer
+    (completions' echo of the prompt)."""
     rid, queue = server.submit(prompt, config)
     if req.stream:
         usage = bool((req.stream_options or {}).get("include_usage"))
-        opening = None
+        opening = chunk(echo, None) if echo else None
         if chat:  # the first chat chunk names the role, as OpenAI's do
             opening = chunk(None, None)
             opening["choices"][0]["delta"] = {"role": "assistant", "content": ""}
@@ -409,7 +434,7 @@ async def _respond(
         choice.pop("delta")
         choice["message"] = {"role": "assistant", "content": result.text}
     else:
-        choice["text"] = result.text
+        choice["text"] = echo + result.text
     return {**body, "usage": _usage(result)}
 
 

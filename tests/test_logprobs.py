@@ -114,10 +114,55 @@ def test_logprobs_end_with_the_answer_and_zero_lists_none(engine):
     assert free.logprobs is None
 
 
+def _check_prompt(scored, prompt: list[int], eager: EagerModel, top: int) -> None:
+    """Prompt token i's logprob (i >= 1) and alternatives equal the eager model's row i - 1."""
+    assert scored[0] is None and len(scored) == len(prompt)
+    eager.reset()
+    want = eager.forward(prompt, 0).float().log_softmax(-1)
+    for i in range(1, len(prompt)):
+        assert scored[i].token == prompt[i]
+        assert scored[i].logprob == pytest.approx(float(want[i - 1, prompt[i]]), abs=1e-4)
+        assert [t for t, _ in scored[i].top] == want[i - 1].topk(top).indices.tolist()
+
+
+@pytest.mark.parametrize("max_new_tokens", [0, 6])
+def test_prompt_logprobs_equal_the_eager_models(engine, eager, max_new_tokens):
+    """Every prompt token scored (the whole prompt runs again, though the cache holds it);
+    max_new_tokens 0 scores without generating."""
+    prompt = _prompt(3) * 3  # 45 tokens: several verify-graph chunks
+    engine.generate(prompt, GenerationConfig(max_new_tokens=2))  # now in the cache
+    config = GenerationConfig(max_new_tokens=max_new_tokens, prompt_logprobs=3, logprobs=1)
+    result = engine.generate(prompt, config)
+    assert result.cached_tokens == 0 and len(result.token_ids) == max_new_tokens
+    assert result.finish_reason == "length"
+    _check_prompt(result.prompt_logprobs, prompt, eager, 3)
+    if max_new_tokens:
+        _check(result, prompt, eager, top=1)
+
+
+def test_the_batch_engine_scores_prompts_in_chunks(tiny_batch_package, engine, eager):
+    """Prompts prefilled in chunks of 7 beside decoding requests: each prompt's logprobs are
+    the eager model's, as alone."""
+    batch = BatchEngine(Engine.load(tiny_batch_package, threads=1, slots=0), prefill_step=7)
+    prompts = [_prompt(i) * 2 for i in range(4)]
+    configs = [
+        GenerationConfig(max_new_tokens=[0, 5, 9, 3][i], prompt_logprobs=i % 3 if i else 2)
+        for i in range(4)
+    ]
+    results = batch.generate_many(prompts, configs)
+    for prompt, config, got in zip(prompts, configs, results, strict=True):
+        _check_prompt(got.prompt_logprobs, prompt, eager, config.prompt_logprobs)
+        assert got.token_ids == engine.generate(prompt, config).token_ids
+
+
 @pytest.mark.parametrize("bad", [-1, 21, 2.5, "3"])
 def test_bad_logprobs_are_refused(engine, bad):
     with pytest.raises(GenerationError, match="logprobs must be"):
         engine.generate([5, 6], GenerationConfig(max_new_tokens=4, logprobs=bad))
+    with pytest.raises(GenerationError, match="prompt_logprobs must be"):
+        engine.generate([5, 6], GenerationConfig(max_new_tokens=4, prompt_logprobs=bad))
+    with pytest.raises(GenerationError, match="max_new_tokens must be a whole number >= 1"):
+        engine.generate([5, 6], GenerationConfig(max_new_tokens=0, logprobs=2))
 
 
 def test_the_batch_engine_reports_what_requests_alone_do(tiny_batch_package, engine):

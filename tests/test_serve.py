@@ -186,6 +186,31 @@ def test_completion_logprobs_equal_the_request_alone(tiny_server, alone):
     assert streamed[0]["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=1e-5)
 
 
+def test_echo_scores_the_prompt_as_lm_eval_asks(tiny_server, alone):
+    """lm-eval-harness's loglikelihood request (`echo`, `logprobs: 1`, `max_tokens: 0`): the
+    prompt's text and each token's logprob (the first none), equal to `Engine`'s."""
+    prompt = _ids(6, 20)
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+    got = httpx.post(f"{tiny_server.url}/v1/completions", json=body).json()["choices"][0]
+    want = alone.generate(prompt, GenerationConfig(max_new_tokens=0, prompt_logprobs=1))
+    assert got["text"] == alone.tokenizer.decode(prompt)
+    lp = got["logprobs"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(
+        [t.logprob for t in want.prompt_logprobs[1:]], abs=1e-5
+    )
+    assert len(lp["tokens"]) == len(prompt)
+    more = httpx.post(f"{tiny_server.url}/v1/completions", json={**body, "max_tokens": 3})
+    choice = more.json()["choices"][0]
+    answer = alone.generate(prompt, GenerationConfig(max_new_tokens=3))
+    assert choice["text"] == alone.tokenizer.decode(prompt) + answer.text
+    assert len(choice["logprobs"]["tokens"]) == len(prompt) + 3
+    refused = httpx.post(
+        f"{tiny_server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 0}
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
 def test_chat_logprobs_through_the_openai_client(tiny_server, alone, tiny_batch_package):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="unused")

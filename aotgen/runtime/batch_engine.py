@@ -33,6 +33,7 @@ from torch import Tensor
 from aotgen.runtime.batch_draft import can_draft_in_batch, draft_batch
 from aotgen.runtime.engine import Engine, GenerationConfig, GenerationError, GenerationResult
 from aotgen.runtime.grammar import fit, select, verify_within
+from aotgen.runtime.logprobs import token_logprobs
 from aotgen.runtime.proposers import LookupProposer
 from aotgen.runtime.scheduler import Scheduler
 from aotgen.runtime.sequence import Sequence, TokenSink
@@ -218,6 +219,7 @@ class BatchEngine:
             error=seq.error,
             cached_tokens=seq.cached_tokens,
             logprobs=seq.logprobs,
+            prompt_logprobs=seq.prompt_logprobs,
         )
 
     # ---- model steps ---------------------------------------------------------------------
@@ -225,9 +227,17 @@ class BatchEngine:
         """The next chunk of `seq`'s prompt; after the last, its first token."""
         limit = self.prefill_step if others_decoding else self.target.prefill_chunk
         chunk = seq.prompt[seq.pos : seq.pos + limit]
-        logits = self.target.forward(chunk, seq.pos, slot=seq.slot)
+        if seq.prompt_logprobs is None:
+            logits = self.target.forward(chunk, seq.pos, slot=seq.slot)
+        else:  # every row, for the prompt tokens after each position
+            rows = self.target.forward(chunk, seq.pos, all_logits=True, slot=seq.slot)
+            following = seq.prompt[seq.pos + 1 : seq.pos + len(chunk) + 1]
+            seq.prompt_logprobs += token_logprobs(rows, following, seq.config.prompt_logprobs)
+            logits = rows[-1]
         seq.pos += len(chunk)
-        if not seq.prefilling:
+        if not seq.prefilling and seq.config.max_new_tokens == 0:  # a prompt scored only
+            seq.sink.close("length")
+        elif not seq.prefilling:
             tok = select(logits, seq.config.sampling, seq.generator, seq.constraint)
             seq.accept([tok], logits[None])
 

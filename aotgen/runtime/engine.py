@@ -379,9 +379,17 @@ class GenerationConfig:
     tree: TreeParams | None = None  # tree speculation (runtime/tree_draft.py); None: a chain
     grammar: Grammar | None = None  # structured output (runtime/grammar.py)
     logprobs: int | None = None  # None: off; N: each token's logprob and the N likeliest
+    # The same for the prompt's tokens (all but the first); max_new_tokens may then be 0.
+    prompt_logprobs: int | None = None
     # Run only the prompt past the prefix the KV cache already holds (runtime/cached_tokens.py);
     # off: every prompt runs from position 0, as benchmarks of prefill need.
     reuse_prefix: bool = True
+
+    @property
+    def reuses_prefix(self) -> bool:
+        """Whether the prompt may start from what the cache holds: not when every prompt
+        position's logits are wanted."""
+        return self.reuse_prefix and self.prompt_logprobs is None
 
     @property
     def uses_draft(self) -> bool:
@@ -409,6 +417,7 @@ class GenerationResult:
     error: str | None = None  # finish_reason "error": what failed
     cached_tokens: int = 0  # prompt tokens found in the KV cache, not run again
     logprobs: list[TokenLogprob] | None = None  # per token, with config.logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # the first token's is None
 
     @property
     def prefill_tok_s(self) -> float:
@@ -542,11 +551,12 @@ class Engine:
     def check_request(self, prompt_ids: list[int], config: GenerationConfig) -> None:
         if not prompt_ids:
             raise GenerationError("empty prompt: give at least one token")
+        least = 0 if config.prompt_logprobs is not None else 1  # 0: score the prompt only
         if isinstance(config.max_new_tokens, bool) or not (
-            isinstance(config.max_new_tokens, int) and config.max_new_tokens >= 1
+            isinstance(config.max_new_tokens, int) and config.max_new_tokens >= least
         ):
             raise GenerationError(
-                f"max_new_tokens must be a whole number >= 1, got {config.max_new_tokens!r}"
+                f"max_new_tokens must be a whole number >= {least}, got {config.max_new_tokens!r}"
             )
         # k above the package's verify_k is capped to it, as documented; below 1 is an error.
         if config.k is not None and not (isinstance(config.k, int) and config.k >= 1):
@@ -572,13 +582,15 @@ class Engine:
             )
         if config.tree is not None:
             self._check_tree(config)
-        if config.logprobs is not None and not (
-            isinstance(config.logprobs, int) and 0 <= config.logprobs <= MAX_TOP
-        ):
-            raise GenerationError(
-                f"logprobs must be a whole number in 0..{MAX_TOP} (the most likely tokens to "
-                f"list beside each chosen one), got {config.logprobs!r}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(config, name)
+            if value is not None and not (
+                isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOP
+            ):
+                raise GenerationError(
+                    f"{name} must be a whole number in 0..{MAX_TOP} (the most likely tokens to "
+                    f"list beside each one), got {value!r}"
+                )
         if config.grammar is not None and config.ignore_eos:
             raise GenerationError(
                 "a grammar ends generation with eos where its text is complete: drop ignore_eos"
@@ -627,9 +639,10 @@ class Engine:
         t0 = time.perf_counter()
         t_first = None
         cached = self.reusable(prompt_ids, config)
+        logits, prompt_logprobs = self._prompt(prompt_ids, cached, config)
         logprobs = None if config.logprobs is None else []
-        steps = self._token_steps(prompt_ids, cached, config, spec, constraint)
-        for new_tokens, rows in steps:
+        steps = self._token_steps(prompt_ids, logits, config, spec, constraint)
+        for new_tokens, rows in steps if config.max_new_tokens else ():
             if t_first is None:
                 t_first = time.perf_counter()
             before = len(sink.ids)
@@ -639,6 +652,7 @@ class Engine:
             if done:
                 break
         steps.close()
+        sink.close("length")  # a prompt scored only (max_new_tokens 0)
         t_end = time.perf_counter()
         return GenerationResult(
             text=sink.text,
@@ -650,26 +664,36 @@ class Engine:
             spec=spec,
             cached_tokens=cached,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def reusable(self, prompt: list[int], config: GenerationConfig) -> int:
         """Leading prompt tokens the target's cache holds from an earlier request."""
-        return self.target.cached.reusable(0, prompt) if config.reuse_prefix else 0
+        return self.target.cached.reusable(0, prompt) if config.reuses_prefix else 0
+
+    def _prompt(
+        self, prompt: list[int], cached: int, config: GenerationConfig
+    ) -> tuple[Tensor, list[TokenLogprob | None] | None]:
+        """Run the prompt from position `cached`: the last position's logits, and with
+        `prompt_logprobs` each prompt token's (every row: the verify graph's chunks)."""
+        if config.prompt_logprobs is None:
+            return self.target.forward(prompt[cached:], cached), None
+        rows = self.target.forward(prompt, 0, all_logits=True)
+        return rows[-1], [None, *token_logprobs(rows, prompt[1:], config.prompt_logprobs)]
 
     def _token_steps(
         self,
         prompt: list[int],
-        cached: int,
+        logits: Tensor,
         config: GenerationConfig,
         spec: SpecStats | None,
         constraint: TokenConstraint | None,
     ) -> Iterator[tuple[list[int], Tensor | None]]:
         """Yield newly accepted tokens, one list per model step, with the logits rows that
-        chose them; the prompt runs from position `cached` on."""
+        chose them; `logits`: the prompt's last position's."""
         params = config.sampling
         gen = make_generator(params.seed)
         target = self.target
-        logits = target.forward(prompt[cached:], cached)
         tok = select(logits, params, gen, constraint)
         yield [tok], logits[None]
         pos = len(prompt)  # position of `tok`, not yet in the cache

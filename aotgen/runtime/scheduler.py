@@ -48,7 +48,7 @@ class Scheduler:
         """Give free slots to waiting requests, oldest first."""
         while self.waiting and self.free:
             seq = self.waiting.popleft()
-            if seq.config.reuse_prefix:
+            if seq.config.reuses_prefix:
                 seq.slot = self.cached.best_slot(list(self.free), seq.prompt)
                 seq.pos = seq.cached_tokens = self.cached.reusable(seq.slot, seq.prompt)
             else:

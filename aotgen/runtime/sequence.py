@@ -131,6 +131,7 @@ class Sequence:
     proposer: Proposer | None = None  # speculative requests: made at their first decode
     constraint: TokenConstraint | None = None  # its grammar's state (runtime/grammar.py)
     logprobs: list[TokenLogprob] | None = field(init=False)  # with config.logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = field(init=False)  # the first: None
     history: list[int] = field(init=False)
     spec: SpecStats | None = None
     cancelled: bool = False
@@ -143,6 +144,7 @@ class Sequence:
         self.generator = make_generator(self.config.sampling.seed)
         self.history = list(self.prompt)
         self.logprobs = None if self.config.logprobs is None else []
+        self.prompt_logprobs = None if self.config.prompt_logprobs is None else [None]
 
     @property
     def prefilling(self) -> bool:
