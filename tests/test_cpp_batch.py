@@ -66,6 +66,8 @@ def request_json(ids: list[int], config: GenerationConfig) -> dict:
         r["lookup"] = "ngram"
     if config.uses_draft:
         r["speculative"] = True
+    if config.logprobs is not None:
+        r["logprobs"] = config.logprobs
     return r
 
 
@@ -92,7 +94,9 @@ def _configs(n: int, draft: bool = False) -> list[GenerationConfig]:
         if draft and (i % 4 == 3 or i % 4 == 2 and i >= 4):
             speculative = "draft" if params.greedy else "draft+ngram"
         tokens = 12 + 5 * (i % 4)
-        configs.append(GenerationConfig(tokens, params, ignore_eos=True, speculative=speculative))
+        config = GenerationConfig(tokens, params, ignore_eos=True, speculative=speculative)
+        config.logprobs = [None, 2, 0][i % 3]
+        configs.append(config)
     return configs
 
 
@@ -124,6 +128,16 @@ def test_batch_matches_python(request, batch_bin, tmp_path, package_fixture):
         keys = ("drafted", "accepted", "steps", "lookup_steps")
         spec = w.spec and {k: getattr(w.spec, k) for k in keys}
         assert (g["spec"] and {k: g["spec"][k] for k in keys}) == spec, i
+        if w.logprobs is None:
+            assert g["logprobs"] is None
+            continue
+        assert [x["id"] for x in g["logprobs"]] == g["ids"]
+        assert [x["logprob"] for x in g["logprobs"]] == pytest.approx(
+            [lp.logprob for lp in w.logprobs], abs=1e-4
+        )
+        assert [[t for t, _ in x["top"]] for x in g["logprobs"]] == [
+            [t for t, _ in lp.top] for lp in w.logprobs
+        ]
     # Batching does not change what a request gets alone (the single-sequence engine).
     for p, c, g in zip(prompts, configs, got, strict=True):
         assert g["ids"] == alone.generate(p, c).token_ids

@@ -281,6 +281,47 @@ def test_draft_model_speculation(run_bin, draft_package, mode, flags):
     assert (lookup_steps > 0) == (mode == "draft+ngram")
 
 
+@pytest.mark.parametrize(
+    "flags", [[], ["--lookup", "ngram"], ["--temperature", "0.8", "--seed", "3"]]
+)
+def test_logprobs_equal_pythons(run_bin, tiny_package, py_engine, flags):
+    """`--json --logprobs 3`: each token's logprob and alternatives equal Python's (plain,
+    n-gram verify rows, sampled)."""
+    ids = py_engine.tokenizer.encode(PROMPTS[1])
+    got = cpp_generate(
+        run_bin,
+        tiny_package,
+        ids,
+        "--max-new-tokens",
+        "20",
+        "--ignore-eos",
+        "--logprobs",
+        "3",
+        *flags,
+    )
+    params = SamplingParams(temperature=0.8, seed=3) if "--seed" in flags else SamplingParams()
+    ref = py_engine.generate(
+        ids,
+        GenerationConfig(
+            max_new_tokens=20,
+            ignore_eos=True,
+            sampling=params,
+            logprobs=3,
+            speculative="ngram" if "--lookup" in flags else None,
+        ),
+    )
+    assert got["ids"] == ref.token_ids
+    assert [x["id"] for x in got["logprobs"]] == ref.token_ids
+    assert [x["logprob"] for x in got["logprobs"]] == pytest.approx(
+        [lp.logprob for lp in ref.logprobs], abs=1e-5
+    )
+    for x, lp in zip(got["logprobs"], ref.logprobs, strict=True):
+        assert [t for t, _ in x["top"]] == [t for t, _ in lp.top]
+    assert cpp_generate(run_bin, tiny_package, ids, "--max-new-tokens", "2")["logprobs"] is None
+    proc = run(run_bin, tiny_package, "--prompt", "hi", "--logprobs", "2", check=False)
+    assert proc.returncode == 1 and "--logprobs N (0..20) goes with --json" in proc.stderr
+
+
 def test_interactive_conversation_reuses_the_cache_like_python(run_bin, tiny_package):
     """`--interactive`: each stdin line is a turn of one chat; each turn's prompt, cached count
     and ids equal the Python engine's on the same chat, and its ids a cold run's."""

@@ -510,8 +510,9 @@ def test_bench_samples_every_mode_with_seeds(tree_package, tmp_path, monkeypatch
     ids=["ngram", "draft", "draft+ngram", "draft+ngram-best-first"],
 )
 def test_cpp_tree_speculation_gives_pythons_ids(run_bin, tree_package, mode, flags, best_first):
-    """aotgen-run --draft-parallel: the same ids and counts as the Python runtime, greedy and
-    sampled (same drafting order, same random draws), and greedy equals plain."""
+    """aotgen-run --draft-parallel: the same ids, counts and logprobs (the accepted path's
+    rows) as the Python runtime, greedy and sampled (same drafting order, same random draws),
+    and greedy equals plain."""
     from test_cpp_runtime import cpp_generate, sampling_args
 
     from aotgen.runtime.engine import Engine, GenerationConfig
@@ -534,12 +535,24 @@ def test_cpp_tree_speculation_gives_pythons_ids(run_bin, tree_package, mode, fla
                 speculative=mode,
                 k=4,
                 tree=tree,
+                logprobs=1,
             )
             ref = engine.generate(ids, cfg)
             got = cpp_generate(
-                run_bin, tree_package, ids, *common, *sampling_args(params), *flags, *tree_flags
+                run_bin,
+                tree_package,
+                ids,
+                *common,
+                *sampling_args(params),
+                *flags,
+                *tree_flags,
+                "--logprobs",
+                "1",
             )
             assert got["ids"] == ref.token_ids, (prompt, params)
+            assert [x["logprob"] for x in got["logprobs"]] == pytest.approx(
+                [lp.logprob for lp in ref.logprobs], abs=1e-5
+            )
             for key in ("drafted", "accepted", "lookup_steps", "tree_nodes", "branch_steps"):
                 assert got["spec"][key] == getattr(ref.spec, key), key
             if params.greedy:

@@ -92,6 +92,18 @@ struct GenerationConfig {
   // Run only the prompt past the prefix the KV cache already holds from an earlier request
   // (the next turn of a chat, a shared system prompt); false: every prompt runs whole.
   bool reuse_prefix = true;
+  // Each generated token's log-probability and its N likeliest alternatives' (0..20);
+  // none: off (aotgen/runtime/logprobs.py).
+  std::optional<int64_t> logprobs;
+};
+
+// A generated token, its log-probability under the model's own distribution (the log-softmax
+// of the logits row that chose it, before temperature, top-k and top-p) and the likeliest
+// tokens in its position with theirs, most likely first.
+struct TokenLogprob {
+  int64_t token = 0;
+  double logprob = 0;
+  std::vector<std::pair<int64_t, double>> top;
 };
 
 struct SpecStats {
@@ -119,6 +131,7 @@ struct GenerationResult {
   std::optional<SpecStats> spec;
   std::string error;  // finish_reason "error": what failed
   int64_t cached_tokens = 0;  // prompt tokens found in the KV cache, not run again
+  std::optional<std::vector<TokenLogprob>> logprobs;  // per token, with config.logprobs
 
   // Prompt tokens run, over the time to the first token.
   double prefill_tok_s() const {

@@ -34,17 +34,21 @@ struct Request {
         on_done(std::move(on_done)), gen(detail::make_generator(config.sampling.seed)),
         history(prompt) {
     if (config.speculative != Speculative::None) spec.emplace();
+    if (config.logprobs) logprobs.emplace();
   }
 
   bool prefilling() const { return pos < static_cast<int64_t>(prompt.size()); }
   bool done() const { return sink.done(); }
 
-  // One step's tokens: the last becomes the next step's input.
-  void accept(const std::vector<int64_t>& tokens) {
+  // One step's tokens, and the logits rows that chose them: the last token becomes the next
+  // step's input.
+  void accept(const std::vector<int64_t>& tokens, const at::Tensor& rows) {
     if (!first_token) first_token = Clock::now();
     pending = tokens.back();
     history.insert(history.end(), tokens.begin(), tokens.end());
+    const std::size_t before = sink.ids().size();
     sink.add(tokens);
+    if (logprobs) detail::append_logprobs(rows, sink.ids(), before, *config.logprobs, *logprobs);
   }
 
   GenerationResult result() const {
@@ -59,6 +63,7 @@ struct Request {
     r.spec = spec;
     r.error = error;
     r.cached_tokens = cached_tokens;
+    r.logprobs = logprobs;
     return r;
   }
 
@@ -73,6 +78,7 @@ struct Request {
   std::unique_ptr<detail::Proposer> proposer;
   std::vector<int64_t> history;  // prompt + accepted tokens
   std::optional<SpecStats> spec;
+  std::optional<std::vector<TokenLogprob>> logprobs;
   int64_t slot = -1;
   int64_t pos = 0;
   int64_t cached_tokens = 0;  // prompt tokens its slot already held
@@ -144,7 +150,9 @@ struct BatchEngine::Impl {
     const std::vector<int64_t> chunk(begin, begin + n);
     const at::Tensor logits = target.forward(chunk, r.pos, false, r.slot);
     r.pos += n;
-    if (!r.prefilling()) r.accept({detail::select_next(logits, r.config.sampling, r.gen)});
+    if (!r.prefilling()) {
+      r.accept({detail::select_next(logits, r.config.sampling, r.gen)}, logits.unsqueeze(0));
+    }
   }
 
   // Every request past its prompt moves on by one decode or one verify.
@@ -166,8 +174,8 @@ struct BatchEngine::Impl {
         Request& r = *plain[i];
         r.pos += 1;
         if (r.spec) r.spec->steps += 1;  // it found nothing to propose
-        accepted(r, {detail::select_next(logits[static_cast<int64_t>(i)], r.config.sampling,
-                                         r.gen)});
+        const at::Tensor row = logits[static_cast<int64_t>(i)];
+        accepted(r, {detail::select_next(row, r.config.sampling, r.gen)}, row.unsqueeze(0));
       }
     }
     if (!verifying.empty()) {
@@ -180,15 +188,16 @@ struct BatchEngine::Impl {
         r.spec->drafted += static_cast<int64_t>(props[i].tokens.size());
         r.spec->accepted += static_cast<int64_t>(tokens.size()) - 1;
         r.pos += static_cast<int64_t>(tokens.size());
-        accepted(r, tokens);
+        accepted(r, tokens, all_logits[i].slice(0, 0, static_cast<int64_t>(tokens.size())));
       }
     }
   }
 
-  // A step's tokens, once r.pos counts the positions its cache now holds.
-  static void accepted(Request& r, const std::vector<int64_t>& tokens) {
+  // A step's tokens (and the logits rows that chose them), once r.pos counts the positions
+  // its cache now holds.
+  static void accepted(Request& r, const std::vector<int64_t>& tokens, const at::Tensor& rows) {
     if (r.proposer) r.proposer->accepted(r.pos);
-    r.accept(tokens);
+    r.accept(tokens, rows);
   }
 
   // Each request's proposal (empty: none, or not speculating). Requests whose draft runs on

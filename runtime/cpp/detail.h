@@ -79,6 +79,10 @@ std::vector<int64_t> verify_proposal(const std::vector<int64_t>& draft,
 // max(0, p_target - p_draft) per row (unnormalised), or p_target where that is all zero.
 at::Tensor residual_probs(const at::Tensor& target_probs, const at::Tensor& draft_probs);
 
+// Logprobs of `count` tokens ids[begin..] chosen by logits rows[0..count) (logprobs.py).
+void append_logprobs(const at::Tensor& rows, const std::vector<int64_t>& ids, std::size_t begin,
+                     int64_t top, std::vector<TokenLogprob>& out);
+
 // A deterministic proposer (n-gram) as a draft distribution: one-hot rows [K, V].
 at::Tensor one_hot(const std::vector<int64_t>& tokens, int64_t vocab);
 

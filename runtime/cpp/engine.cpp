@@ -112,12 +112,14 @@ class TokenSteps {
     if (!started_) {
       started_ = true;
       const std::vector<int64_t> rest(prompt_.begin() + cached_, prompt_.end());
-      tok_ = detail::select_next(target_.forward(rest, cached_), params_, gen_);
+      rows_ = target_.forward(rest, cached_).unsqueeze(0);
+      tok_ = detail::select_next(rows_, params_, gen_);
       pos_ = static_cast<int64_t>(prompt_.size());  // position of tok_, not yet cached
       return {tok_};
     }
     if (config_.speculative == Speculative::None) {
-      tok_ = detail::select_next(target_.decode(tok_, pos_), params_, gen_);
+      rows_ = target_.decode(tok_, pos_).unsqueeze(0);
+      tok_ = detail::select_next(rows_, params_, gen_);
       ++pos_;
       return {tok_};
     }
@@ -167,6 +169,10 @@ class TokenSteps {
     tree_proposer_->accepted(pos_);
     history_.insert(history_.end(), accepted.begin(), accepted.end());
     tok_ = accepted.back();
+    // The row of each path node chose the token after it.
+    std::vector<at::Tensor> path_rows;
+    for (const int64_t node : verdict.path) path_rows.push_back(logits[node]);
+    rows_ = at::stack(path_rows);
     return accepted;
   }
 
@@ -191,6 +197,7 @@ class TokenSteps {
     proposer_->accepted(pos_);
     history_.insert(history_.end(), accepted.begin(), accepted.end());
     tok_ = accepted.back();
+    rows_ = logits.slice(0, 0, n_acc + 1);
     return accepted;
   }
 
@@ -214,6 +221,10 @@ class TokenSteps {
   std::unique_ptr<Proposer> proposer_;
   std::optional<DraftCalls> draft_calls_;
   std::unique_ptr<detail::TreeProposer> tree_proposer_;
+  at::Tensor rows_;  // the logits rows that chose the last step's tokens
+
+ public:
+  const at::Tensor& rows() const { return rows_; }
 };
 
 // The target cache's rows (engine.py _cache_slots): `slots`, or for 0 the package's
@@ -359,6 +370,10 @@ void detail::check_request(const detail::EngineState& e, const std::vector<int64
                           " has no draft model; build with a `speculative: draft:` recipe or "
                           "use n-gram lookup (--lookup ngram)");
   }
+  if (config.logprobs && (*config.logprobs < 0 || *config.logprobs > 20)) {
+    throw GenerationError("logprobs must be a whole number in 0..20 (the most likely tokens to "
+                          "list beside each one), got " + std::to_string(*config.logprobs));
+  }
   if (config.k && *config.k < 1) {
     throw GenerationError("k (the draft length) must be >= 1, got " + std::to_string(*config.k));
   }
@@ -396,6 +411,7 @@ GenerationResult Engine::generate(const std::vector<int64_t>& prompt_ids,
   GenerationResult result;
   result.prompt_tokens = static_cast<int64_t>(prompt_ids.size());
   if (config.speculative != Speculative::None) result.spec.emplace();
+  if (config.logprobs) result.logprobs.emplace();
   result.cached_tokens = config.reuse_prefix ? e.target->cached().reusable(0, prompt_ids) : 0;
 
   const auto t0 = Clock::now();
@@ -405,7 +421,12 @@ GenerationResult Engine::generate(const std::vector<int64_t>& prompt_ids,
   while (true) {
     const auto new_tokens = steps.next();
     if (!t_first) t_first = Clock::now();
-    if (sink.add(new_tokens)) break;
+    const std::size_t before = sink.ids().size();
+    const bool done = sink.add(new_tokens);
+    if (result.logprobs) {
+      detail::append_logprobs(steps.rows(), sink.ids(), before, *config.logprobs, *result.logprobs);
+    }
+    if (done) break;
   }
   const auto t_end = Clock::now();
   result.token_ids = sink.ids();

@@ -120,6 +120,24 @@ int64_t select_next(const at::Tensor& logits, const SamplingParams& params,
   return sample(logits_to_probs(logits.reshape({1, -1}), params), generator).item<int64_t>();
 }
 
+void append_logprobs(const at::Tensor& rows, const std::vector<int64_t>& ids, std::size_t begin,
+                     int64_t top, std::vector<TokenLogprob>& out) {
+  const auto count = static_cast<int64_t>(ids.size() - begin);
+  if (count == 0) return;
+  const at::Tensor logp = rows.slice(0, 0, count).to(at::kFloat).log_softmax(-1).contiguous();
+  at::Tensor values, indices;
+  if (top > 0) std::tie(values, indices) = logp.topk(top, -1);
+  for (int64_t i = 0; i < count; ++i) {
+    TokenLogprob lp;
+    lp.token = ids[begin + static_cast<std::size_t>(i)];
+    lp.logprob = logp[i][lp.token].item<double>();
+    for (int64_t j = 0; j < top; ++j) {
+      lp.top.emplace_back(indices[i][j].item<int64_t>(), values[i][j].item<double>());
+    }
+    out.push_back(std::move(lp));
+  }
+}
+
 std::vector<int64_t> verify_greedy(const std::vector<int64_t>& draft,
                                    const at::Tensor& target_logits) {
   const auto k = static_cast<int64_t>(draft.size());

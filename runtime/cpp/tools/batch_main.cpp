@@ -23,6 +23,7 @@
 #include <nlohmann/json.hpp>
 
 #include "aotgen.h"
+#include "logprobs_json.h"
 
 namespace {
 
@@ -34,7 +35,7 @@ REQUESTS: a file (- for stdin), one request per line: a plain text prompt, or a 
   {"prompt": TEXT | "chat": TEXT | "prompt_ids": [IDS], "system": TEXT,
    "max_new_tokens": N, "temperature": T, "top_k": K, "top_p": P, "seed": S,
    "stop": [TEXT], "ignore_eos": BOOL, "lookup": "ngram" | null, "speculative": BOOL,
-   "k": K, "ngram_min": N, "ngram_max": N, "cancel_after": STEPS}
+   "k": K, "ngram_min": N, "ngram_max": N, "logprobs": N, "cancel_after": STEPS}
   (speculative: draft with the package's draft model, with lookup only where lookup finds
   no match; cancel_after: cancel the request after that many engine steps).
 options (defaults for every request):
@@ -146,7 +147,7 @@ Line parse_line(const std::string& text, const Args& args, const aotgen::Engine&
   static const std::vector<std::string> known = {
       "prompt", "chat", "prompt_ids", "system", "max_new_tokens", "temperature", "top_k",
       "top_p", "seed", "stop", "ignore_eos", "lookup", "speculative", "k", "ngram_min",
-      "ngram_max", "cancel_after"};
+      "ngram_max", "logprobs", "cancel_after"};
   for (const auto& [key, _] : r.items()) {
     if (std::find(known.begin(), known.end(), key) == known.end()) {
       throw std::invalid_argument("unknown field '" + key + "'");
@@ -185,6 +186,7 @@ Line parse_line(const std::string& text, const Args& args, const aotgen::Engine&
   if (r.contains("k")) c.k = r["k"].get<int64_t>();
   if (r.contains("ngram_min")) c.ngram_min = r["ngram_min"].get<int64_t>();
   c.ngram_max = r.value("ngram_max", c.ngram_max);
+  if (r.contains("logprobs")) c.logprobs = r["logprobs"].get<int64_t>();
   if (r.contains("cancel_after")) line.cancel_after = r["cancel_after"].get<int64_t>();
   return line;
 }
@@ -233,7 +235,8 @@ int run(Args args) {
                             {"ids", r.token_ids},     {"text", r.text},
                             {"finish_reason", r.finish_reason}, {"step", steps},
                             {"cached_tokens", r.cached_tokens},
-                            {"spec", spec_json(r.spec)}, {"error", r.error}};
+                            {"spec", spec_json(r.spec)}, {"error", r.error},
+                            {"logprobs", logprobs_json(r.logprobs)}};
           std::cout << out.dump(-1, ' ', false, json::error_handler_t::replace) << std::endl;
         });
     line_of[id] = i;

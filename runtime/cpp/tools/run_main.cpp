@@ -5,9 +5,10 @@
 //
 // Streams the text to stdout, then prints load / first-token / decode timings on stderr.
 // With --json (or --ids), prints one JSON object on stdout instead: prompt_ids, ids
-// (generated), text, finish_reason, spec (or null) and timings. Errors: one message on stderr,
-// exit status 1 (2 for a command line that cannot be parsed at all). Option values are checked
-// as the Python CLI (`aotgen run`) checks them, with the same messages.
+// (generated), text, finish_reason, spec (or null), logprobs (with --logprobs N, or null) and
+// timings. Errors: one message on stderr, exit status 1 (2 for a command line that cannot be
+// parsed at all). Option values are checked as the Python CLI (`aotgen run`) checks them, with
+// the same messages.
 #include <charconv>
 #include <chrono>
 #include <cstdint>
@@ -25,6 +26,7 @@
 #include <nlohmann/json.hpp>
 
 #include "aotgen.h"
+#include "logprobs_json.h"
 
 namespace {
 
@@ -65,6 +67,8 @@ options:
   --no-verify            skip the sha256 check of the package files
   --no-cuda-graphs       call a CUDA package's graphs directly instead of replaying them
   --json, --ids          print a JSON object (ids, text, stats) instead of streaming text
+  --logprobs N           with --json: each token's log-probability and its N likeliest
+                         alternatives (0..20)
 )";
 
 struct UsageError : std::invalid_argument {
@@ -241,6 +245,8 @@ Args parse_args(int argc, char** argv) {
       args.load.cuda_graphs = false;
     } else if (arg == "--ids" || arg == "--json") {
       args.print_ids = true;
+    } else if (arg == "--logprobs") {
+      cfg.logprobs = parse_number<int64_t>(arg, value());
     } else if (arg.starts_with("-") || !args.package.empty()) {
       throw UsageError("unexpected argument: " + std::string(arg));
     } else {
@@ -273,6 +279,9 @@ Args parse_args(int argc, char** argv) {
 void check_values(Args& args) {
   auto& cfg = args.config;
   at_least("--max-new-tokens", cfg.max_new_tokens);
+  if (cfg.logprobs && (!args.print_ids || *cfg.logprobs < 0 || *cfg.logprobs > 20)) {
+    throw BadValue("--logprobs N (0..20) goes with --json, which prints them");
+  }
   if (cfg.k) at_least("--k", *cfg.k);
   if (cfg.ngram_min) at_least("--ngram-min", *cfg.ngram_min);
   at_least("--ngram-max", cfg.ngram_max);
@@ -337,6 +346,7 @@ aotgen::GenerationResult answer(aotgen::Engine& engine, const std::vector<int64_
                      {"tree_nodes", result.spec->tree_nodes},
                      {"branch_steps", result.spec->branch_steps}};
     }
+    out["logprobs"] = logprobs_json(result.logprobs);
     std::cout << out.dump(-1, ' ', false, json::error_handler_t::replace) << std::endl;
   } else {
     std::cout << std::endl;
