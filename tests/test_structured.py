@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import reset_caches
+from reference import eager_engine, reset_caches
 
 pytest.importorskip("llguidance")
 regex = pytest.importorskip("regex")  # a dependency of transformers
@@ -22,6 +22,7 @@ from aotgen.runtime.batch_engine import BatchEngine  # noqa: E402
 from aotgen.runtime.engine import Engine, GenerationConfig, GenerationError  # noqa: E402
 from aotgen.runtime.grammar import Grammar, GrammarError  # noqa: E402
 from aotgen.runtime.sampling import SamplingParams, logits_to_probs  # noqa: E402
+from aotgen.runtime.tree_draft import TreeParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = r"[a-z ]{3,24}\."  # always completes within 25 characters
@@ -98,6 +99,32 @@ def test_speculative_greedy_under_a_grammar_equals_plain(engine, mode):
         assert spec.spec.steps > 0
 
 
+@pytest.fixture(scope="module")
+def tree_engine(tiny_checkpoint) -> Engine:
+    """The eager model with a 12-node tree graph and itself as the draft."""
+    return eager_engine(tiny_checkpoint, tiny_checkpoint, 160, 6, tree_nodes=12)
+
+
+TREES = [TreeParams(4, 0.02, False), TreeParams(4, 0.02, True)]
+
+
+@pytest.mark.parametrize("mode", ["ngram", "draft"])
+@pytest.mark.parametrize("tree", TREES, ids=["p-split", "best-first"])
+def test_tree_speculation_under_a_grammar_equals_plain(tree_engine, mode, tree):
+    """Trees are drafted free; each node's row is restricted after its path: greedy ids are
+    plain constrained decoding's."""
+    nodes = 0
+    for i in range(3):
+        prompt = _prompt(tree_engine, i)
+        grammar = Grammar("regex", WORDS)
+        plain = tree_engine.generate(prompt, _config(grammar))
+        spec = tree_engine.generate(prompt, _config(grammar, speculative=mode, tree=tree))
+        assert spec.token_ids == plain.token_ids, i
+        assert regex.fullmatch(WORDS, spec.text)
+        nodes += spec.spec.tree_nodes
+    assert nodes > 0
+
+
 def test_choice_answers_one_of_the_choices(engine):
     options = ["yes", "no", "maybe later"]
     for i in range(3):
@@ -133,11 +160,15 @@ def _exact_answer_probs(engine: Engine, prompt: list[int], params: SamplingParam
     return probs
 
 
-@pytest.mark.parametrize("mode", [None, "ngram", "draft"])
-def test_sampling_under_a_grammar_has_the_exact_distribution(engine, mode):
-    """400 seeded answers under AB4, alone and speculating: each answer's frequency against its
-    exact probability (Pearson's chi-square over the 16 answers: the statistic's mean is 15,
-    its standard deviation 5.5; the bound is ~6 standard deviations above)."""
+@pytest.mark.parametrize("mode", [None, "ngram", "draft", "tree"])
+def test_sampling_under_a_grammar_has_the_exact_distribution(engine, tree_engine, mode):
+    """400 seeded answers under AB4, alone and speculating (a chain; a tree of the eager
+    model, drafted free): each answer's frequency against its exact probability (Pearson's
+    chi-square over the 16 answers: the statistic's mean is 15, its standard deviation 5.5;
+    the bound is ~6 standard deviations above)."""
+    extra = {}
+    if mode == "tree":
+        engine, mode, extra = tree_engine, "draft", {"tree": TREES[0]}
     params = SamplingParams(temperature=1.5)
     prompt = _prompt(engine, 0)
     exact = _exact_answer_probs(engine, prompt, params)
@@ -147,7 +178,7 @@ def test_sampling_under_a_grammar_has_the_exact_distribution(engine, mode):
     for seed in range(n):
         sampling = SamplingParams(temperature=1.5, seed=seed)
         text = engine.generate(
-            prompt, _config(Grammar("regex", AB4), sampling=sampling, speculative=mode)
+            prompt, _config(Grammar("regex", AB4), sampling=sampling, speculative=mode, **extra)
         ).text
         counts[text] = counts.get(text, 0) + 1
     assert set(counts) <= set(exact)

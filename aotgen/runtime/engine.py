@@ -595,10 +595,6 @@ class Engine:
             raise GenerationError(
                 "a grammar ends generation with eos where its text is complete: drop ignore_eos"
             )
-        if config.grammar is not None and config.tree is not None:
-            raise GenerationError(
-                "a grammar constrains chain drafting only: drop tree drafting (--draft-parallel)"
-            )
         if config.uses_lookup and not 1 <= config.lookup_min <= config.ngram_max:
             raise GenerationError(
                 f"need 1 <= ngram_min <= ngram_max, got {config.lookup_min} and "
@@ -721,7 +717,7 @@ class Engine:
     ) -> Iterator[tuple[list[int], Tensor]]:
         """Propose -> verify -> accept, one verify step per yield."""
         if config.tree is not None:
-            yield from tree_steps(self, prompt, tok, pos, config, spec, gen)
+            yield from tree_steps(self, prompt, tok, pos, config, spec, gen, constraint)
             return
         max_k = self.verify_k
         k = min(config.k or max_k, max_k)

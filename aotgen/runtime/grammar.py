@@ -152,6 +152,28 @@ class TokenConstraint:
             raise GrammarError(f"grammar rollback failed: {self.matcher.get_error()}")
         self.taken -= count
 
+    def over_tree(self, tokens: list[int], parents: list[int]) -> Tensor:
+        """The allowed set after each node of a token tree (node 0, the root, is the current
+        token), bool [n, V]: walked depth first, taking each node's token and rolling it back.
+        Below a node the grammar refuses, or eos, anything (those rows are never used: such a
+        node is never accepted, and nothing follows eos). The state is left as it was."""
+        masks = torch.ones(len(tokens), self.vocab_size, dtype=torch.bool)
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(parents[1:], 1):
+            children.setdefault(parent, []).append(node)
+
+        def walk(node: int) -> None:
+            masks[node] = self.allowed()
+            for child in children.get(node, []):
+                tok = tokens[child]
+                if masks[node][tok] and tok not in self.eos:
+                    self.advance([tok])
+                    walk(child)
+                    self.rollback(1)
+
+        walk(0)
+        return masks
+
     def along(self, tokens: list[int]) -> tuple[int, Tensor]:
         """How many leading `tokens` the grammar takes from here (up to the first it refuses,
         or through eos), and the allowed set before each of those and after the last:

@@ -21,6 +21,7 @@ leaves beside it. Leaves cost no draft step; their tokens are fixed by the draft
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -44,6 +45,7 @@ from aotgen.runtime.tree_shape import (
 
 if TYPE_CHECKING:
     from aotgen.runtime.engine import Engine, GenerationConfig, ModelRunner
+    from aotgen.runtime.grammar import TokenConstraint
     from aotgen.runtime.speculative import SpecStats
 
 
@@ -329,9 +331,13 @@ def tree_steps(
     config: GenerationConfig,
     spec: SpecStats,
     gen: torch.Generator,
+    constraint: TokenConstraint | None = None,
 ) -> Iterator[tuple[list[int], Tensor]]:
     """Propose a tree -> score it in one tree-graph call -> keep one path, per yield (with
-    the logits rows that chose the accepted tokens)."""
+    the logits rows that chose the accepted tokens). Under a grammar the tree is drafted
+    free and each node's row restricted to what the grammar allows after its path: a node
+    it refuses is never accepted, greedy or sampled (its target probability is 0), which
+    keeps verification exact without pruning the tree."""
     target = engine.target
     budget = target.tree_len
     k = min(config.k or engine.verify_k, budget - 1)
@@ -343,12 +349,18 @@ def tree_steps(
             logits = target.decode(tok, pos)[None]
         else:
             logits = target.tree_forward(tree, pos)
-        path, nxt = verify_tree(tree, logits, config.sampling, gen)
+        scored = logits
+        if constraint is not None:
+            allowed = constraint.over_tree(tree.tokens, tree.parents)
+            scored = logits.masked_fill(~allowed, -math.inf)
+        path, nxt = verify_tree(tree, scored, config.sampling, gen)
         proposer.verified(path)
         moved = commit_path(target.caches, pos, path)
         path_tokens = [tree.tokens[i] for i in path]  # now at pos.., as a chain
         target.cached.wrote(0, pos, path_tokens)
         accepted = path_tokens[1:] + [nxt]
+        if constraint is not None:
+            constraint.advance(accepted)
         spec.update(tree.depth, len(path) - 1, lookup=tree.looked_up)
         spec.tree_nodes += len(tree) - 1
         spec.branch_steps += moved > 0
