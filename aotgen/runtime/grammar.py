@@ -5,11 +5,11 @@ GBNF grammar, or a list of choices). Before each token is chosen, the tokens the
 cannot take next get probability zero; the chosen token then advances the grammar's state.
 The matching is llguidance's (the engine behind llama.cpp's, vLLM's and SGLang's guided
 decoding): it computes the allowed set over the whole vocabulary in about 0.1 ms
-(docs/serving.md).
+(docs/structured-output.md).
 
-Speculative decoding keeps its guarantees: a proposal is cut where the grammar refuses a
-token (or just after eos), and each verify row is restricted to what the
-grammar allows after the proposal tokens before it, so the accepted tokens are those the
+Speculative decoding keeps its guarantees: a chain proposal is cut where the grammar refuses
+a token (or just after eos), and each verify row (each tree node's row) is restricted to what
+the grammar allows after the tokens before it, so the accepted tokens are those the
 constrained target would have chosen alone.
 """
 

@@ -1,0 +1,201 @@
+"""The OpenAI API as `aotgen serve` speaks it: the request bodies it takes (checked by
+pydantic; fields it cannot honour refused), and the pieces of its answers (finish reasons,
+usage, logprobs in the chat and legacy completion shapes)."""
+
+from __future__ import annotations
+
+import codecs
+import itertools
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from aotgen.runtime.engine import GenerationResult
+from aotgen.runtime.grammar import Grammar
+from aotgen.runtime.logprobs import MAX_TOP
+from aotgen.runtime.sampling import SEED_MAX
+from aotgen.runtime.tokenizer import Tokenizer
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = ""):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict", "description"}
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (sent as `extra_body`): exactly one of a JSON schema, a
+    regex, a Lark or GBNF grammar, or a list of choices."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+
+
+class RequestFields(BaseModel):
+    """The fields both endpoints share. Unknown fields are ignored, as OpenAI clients send
+    many; fields we cannot honour are refused when set to anything but their default."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: completions' echo scoring only
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def logprob_count(self) -> int | None:
+        """None: no logprobs; N: each token's and its N likeliest alternatives'."""
+        return None
+
+    def prompt_logprob_count(self) -> int | None:
+        """The same for the prompt's tokens."""
+        return None
+
+    def grammar(self) -> Grammar | None:
+        """The grammar the answer must match (runtime/grammar.py), or None."""
+        fmt, so = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.type != "text" and so is not None:
+            raise ApiError(400, "give response_format or structured_outputs, not both")
+        if fmt is not None and fmt.type == "json_object":
+            return Grammar.json_object()
+        if fmt is not None and fmt.type == "json_schema":
+            schema = (fmt.json_schema or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ApiError(
+                    400,
+                    "response_format.json_schema.schema: give the JSON schema as an object",
+                    "response_format",
+                )
+            return Grammar.json_schema(schema)
+        if so is None:
+            return None
+        given = {k: v for k, v in so.model_dump(by_alias=True).items() if v is not None}
+        if len(given) != 1:
+            raise ApiError(
+                400,
+                "structured_outputs: give exactly one of json, regex, grammar, choice",
+                "structured_outputs",
+            )
+        ((kind, value),) = given.items()
+        if kind == "json":
+            return Grammar.json_schema(value)
+        if kind == "choice":
+            return Grammar.choice(value)
+        return Grammar(kind, value)
+
+
+class CompletionRequest(RequestFields):
+    prompt: str | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP)
+    echo: bool = False  # the prompt before the answer, with its logprobs when asked
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprob_count(self) -> int | None:
+        return self.logprobs if self.echo else None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = [p.get("text") for p in self.content if p.get("type") == "text"]
+        if len(parts) != len(self.content) or not all(isinstance(p, str) for p in parts):
+            raise ApiError(400, "only text content parts are supported", "messages")
+        return "".join(parts)
+
+
+class ChatRequest(RequestFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP)
+
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def finish_reason(result: GenerationResult) -> str:
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+def completion_logprobs(
+    tok: Tokenizer, result: GenerationResult | None, prompt: list[int]
+) -> dict | None:
+    """The legacy completions' `logprobs`: token strings, their logprobs, the top
+    alternatives as {token: logprob}, and each token's offset in the text; with echo, the
+    prompt's tokens first (the first has none)."""
+    if result is None or result.logprobs is None:
+        return None
+    scored = [*(result.prompt_logprobs or []), *result.logprobs]
+    ids = [*(prompt if result.prompt_logprobs else []), *result.token_ids]
+    raw = [tok.token_bytes(t) for t in ids]
+    # Characters before each token; one that starts inside a character is at that character.
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offsets = list(itertools.accumulate((len(utf8.decode(r)) for r in raw[:-1]), initial=0))
+    return {
+        "tokens": [token_text(r) for r in raw],
+        "token_logprobs": [None if lp is None else lp.logprob for lp in scored],
+        "top_logprobs": [
+            None if lp is None else {token_text(tok.token_bytes(i)): v for i, v in lp.top}
+            for lp in scored
+        ],
+        "text_offset": offsets,
+    }
+
+
+def token_text(raw: bytes) -> str:
+    """A token's text; a piece of a character as OpenAI writes it: `bytes:\\xe2\\x80`."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def chat_logprobs(tok: Tokenizer, result: GenerationResult) -> dict:
+    """Chat's `logprobs.content`: per token its text, logprob, UTF-8 bytes and alternatives."""
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        raw = tok.token_bytes(token)
+        return {"token": token_text(raw), "logprob": logprob, "bytes": list(raw)}
+
+    content = [
+        {**entry(lp.token, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+        for lp in result.logprobs or []
+    ]
+    return {"content": content}
+
+
+def usage_of(result: GenerationResult) -> dict[str, Any]:
+    n = len(result.token_ids)
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": n,
+        "total_tokens": result.prompt_tokens + n,
+        # OpenAI's field: prompt tokens found in the KV cache (runtime/cached_tokens.py).
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+    }
