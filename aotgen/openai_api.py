@@ -59,6 +59,30 @@ class RequestFields(BaseModel):
     stream_options: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    top_k: int = Field(default=0, ge=-1)  # vLLM's extension; 0 or -1: off
+    # Declared so that a value other than the default is refused, not silently ignored.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+
+    def refuse_unsupported(self) -> None:
+        """A sampling field aotgen does not implement, set to anything but its default."""
+        unsupported = {  # field -> the values that mean "off"
+            "frequency_penalty": (0.0,),
+            "presence_penalty": (0.0,),
+            "repetition_penalty": (1.0,),
+            "min_p": (0.0,),
+            "logit_bias": (None, {}),
+            "best_of": (None, 1),
+        }
+        for name, off in unsupported.items():
+            if getattr(self, name) not in off:
+                raise ApiError(
+                    400, f"{name} is not supported: leave it out (or at {off[-1]!r})", name
+                )
 
     def logprob_count(self) -> int | None:
         """None: no logprobs; N: each token's and its N likeliest alternatives'."""

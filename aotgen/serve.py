@@ -58,6 +58,7 @@ class Server:
     ) -> GenerationConfig:
         if req.n != 1:
             raise ApiError(400, f"n={req.n}: only n=1 is supported", "n")
+        req.refuse_unsupported()
         if max_tokens == 0 and req.prompt_logprob_count() is None:
             raise ApiError(
                 400,
@@ -67,7 +68,9 @@ class Server:
         room = self.engine.engine.max_seq_len - len(prompt)
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         try:
-            sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+            sampling = SamplingParams(
+                temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p, seed=req.seed
+            )
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         return GenerationConfig(

@@ -144,6 +144,12 @@ def test_seeded_sampling_reproduces_the_request_alone(tiny_server, alone):
     sampling = SamplingParams(temperature=0.9, seed=1234)
     want = alone.generate(_ids(3, 9), GenerationConfig(max_new_tokens=20, sampling=sampling))
     assert got["choices"][0]["text"] == want.text
+    # vLLM's top_k, and OpenAI's penalties at their "off" values, are taken.
+    body |= {"top_k": 5, "frequency_penalty": 0, "best_of": 1}
+    got = httpx.post(f"{tiny_server.url}/v1/completions", json=body).json()
+    sampling = SamplingParams(temperature=0.9, top_k=5, seed=1234)
+    want = alone.generate(_ids(3, 9), GenerationConfig(max_new_tokens=20, sampling=sampling))
+    assert got["choices"][0]["text"] == want.text
 
 
 def test_structured_outputs_answer_as_the_request_alone(tiny_server, alone):
@@ -269,6 +275,9 @@ def test_bad_structured_outputs_are_400s(tiny_server, body, param):
         ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 100_000}, None),
         ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+        ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "top_k": -2}, "top_k"),
         ("/v1/completions", {"max_tokens": 3}, "prompt"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, None),

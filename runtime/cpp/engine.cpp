@@ -127,6 +127,9 @@ class TokenSteps {
     return config_.tree ? tree_round() : speculative_round();
   }
 
+  // The logits rows that chose the tokens next() returned last.
+  const at::Tensor& rows() const { return rows_; }
+
  private:
   void start_speculative() {
     spec_started_ = true;
@@ -222,9 +225,6 @@ class TokenSteps {
   std::optional<DraftCalls> draft_calls_;
   std::unique_ptr<detail::TreeProposer> tree_proposer_;
   at::Tensor rows_;  // the logits rows that chose the last step's tokens
-
- public:
-  const at::Tensor& rows() const { return rows_; }
 };
 
 // The target cache's rows (engine.py _cache_slots): `slots`, or for 0 the package's
