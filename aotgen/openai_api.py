@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from aotgen.runtime.engine import GenerationResult
 from aotgen.runtime.grammar import Grammar
 from aotgen.runtime.logprobs import MAX_TOP
+from aotgen.runtime.rules import Penalties
 from aotgen.runtime.sampling import SEED_MAX
 from aotgen.runtime.tokenizer import Tokenizer
 
@@ -60,24 +61,28 @@ class RequestFields(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     top_k: int = Field(default=0, ge=-1)  # vLLM's extension; 0 or -1: off
-    # Declared so that a value other than the default is refused, not silently ignored.
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)  # vLLM's extension
+    logit_bias: dict[int, float] | None = None  # token id -> bias, -100..100
+    # Declared so that a value other than "off" is refused, not silently ignored.
     min_p: float = 0.0
-    logit_bias: dict[str, float] | None = None
     best_of: int | None = None
 
+    def penalties(self) -> Penalties:
+        try:
+            return Penalties(
+                repetition=self.repetition_penalty,
+                presence=self.presence_penalty,
+                frequency=self.frequency_penalty,
+                logit_bias=tuple(sorted((self.logit_bias or {}).items())),
+            )
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
     def refuse_unsupported(self) -> None:
-        """A sampling field aotgen does not implement, set to anything but its default."""
-        unsupported = {  # field -> the values that mean "off"
-            "frequency_penalty": (0.0,),
-            "presence_penalty": (0.0,),
-            "repetition_penalty": (1.0,),
-            "min_p": (0.0,),
-            "logit_bias": (None, {}),
-            "best_of": (None, 1),
-        }
+        """A sampling field aotgen does not implement, set to anything but "off"."""
+        unsupported = {"min_p": (0.0,), "best_of": (None, 1)}  # field -> values meaning off
         for name, off in unsupported.items():
             if getattr(self, name) not in off:
                 raise ApiError(

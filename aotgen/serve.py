@@ -79,6 +79,7 @@ class Server:
             stop=stop,
             speculative=self.speculative,
             grammar=req.grammar(),
+            penalties=req.penalties(),
             logprobs=req.logprob_count(),
             prompt_logprobs=req.prompt_logprob_count(),
         )

@@ -21,6 +21,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from aotgen.runtime.engine import Engine, GenerationConfig  # noqa: E402
+from aotgen.runtime.rules import Penalties  # noqa: E402
 from aotgen.runtime.sampling import SamplingParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,12 +145,14 @@ def test_seeded_sampling_reproduces_the_request_alone(tiny_server, alone):
     sampling = SamplingParams(temperature=0.9, seed=1234)
     want = alone.generate(_ids(3, 9), GenerationConfig(max_new_tokens=20, sampling=sampling))
     assert got["choices"][0]["text"] == want.text
-    # vLLM's top_k, and OpenAI's penalties at their "off" values, are taken.
-    body |= {"top_k": 5, "frequency_penalty": 0, "best_of": 1}
+    # vLLM's top_k and repetition_penalty, OpenAI's penalties and logit bias.
+    body |= {"top_k": 5, "frequency_penalty": 0.5, "presence_penalty": -0.2, "best_of": 1}
+    body |= {"repetition_penalty": 1.3, "logit_bias": {"7": 2.5}}
     got = httpx.post(f"{tiny_server.url}/v1/completions", json=body).json()
     sampling = SamplingParams(temperature=0.9, top_k=5, seed=1234)
-    want = alone.generate(_ids(3, 9), GenerationConfig(max_new_tokens=20, sampling=sampling))
-    assert got["choices"][0]["text"] == want.text
+    penalties = Penalties(repetition=1.3, presence=-0.2, frequency=0.5, logit_bias=((7, 2.5),))
+    config = GenerationConfig(max_new_tokens=20, sampling=sampling, penalties=penalties)
+    assert got["choices"][0]["text"] == alone.generate(_ids(3, 9), config).text
 
 
 def test_structured_outputs_answer_as_the_request_alone(tiny_server, alone):
@@ -275,8 +278,10 @@ def test_bad_structured_outputs_are_400s(tiny_server, body, param):
         ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 100_000}, None),
         ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
-        ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
-        ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty"),
+        ("/v1/completions", {"prompt": "hi", "min_p": 0.1}, "min_p"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, None),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999": 1}}, None),
         ("/v1/completions", {"prompt": "hi", "top_k": -2}, "top_k"),
         ("/v1/completions", {"max_tokens": 3}, "prompt"),
         ("/v1/chat/completions", {"messages": []}, "messages"),

@@ -5,6 +5,7 @@ distribution over answers); the batch engine against requests alone; `run` and `
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -21,6 +22,7 @@ regex = pytest.importorskip("regex")  # a dependency of transformers
 from aotgen.runtime.batch_engine import BatchEngine  # noqa: E402
 from aotgen.runtime.engine import Engine, GenerationConfig, GenerationError  # noqa: E402
 from aotgen.runtime.grammar import Grammar, GrammarError  # noqa: E402
+from aotgen.runtime.rules import Penalties  # noqa: E402
 from aotgen.runtime.sampling import SamplingParams, logits_to_probs  # noqa: E402
 from aotgen.runtime.tree_draft import TreeParams  # noqa: E402
 
@@ -136,15 +138,34 @@ def test_choice_answers_one_of_the_choices(engine):
 AB4 = "[ab]{4}"  # 16 answers
 
 
-def _exact_answer_probs(engine: Engine, prompt: list[int], params: SamplingParams) -> dict:
+def penalized(logits: torch.Tensor, prompt: list[int], path: list[int], pen) -> torch.Tensor:
+    """The penalties as their definitions read, token by token: logit bias; the repetition
+    penalty on tokens of prompt and answer (positive logits divided, negative multiplied);
+    minus frequency x count and presence for tokens of the answer."""
+    out = logits.float().clone()
+    if pen is None:
+        return out
+    for t, bias in pen.logit_bias:
+        out[t] += bias
+    for t in set(prompt) | set(path):
+        out[t] = out[t] / pen.repetition if out[t] > 0 else out[t] * pen.repetition
+    for t in set(path):
+        out[t] -= pen.frequency * path.count(t) + pen.presence
+    return out
+
+
+def _exact_answer_probs(
+    engine: Engine, prompt: list[int], params: SamplingParams, pen: Penalties | None = None
+) -> dict:
     """P(answer) of sampling under AB4: every token path through the grammar, walked with the
-    target's logits after each prefix (restricted, then temperature as in sampling)."""
-    constraint = engine.constraint(_config(Grammar("regex", AB4)))
+    target's logits after each prefix (penalized, restricted, then temperature as in
+    sampling)."""
+    constraint = engine.grammar_tokens.constraint(Grammar("regex", AB4))
     tok = engine.tokenizer
     probs: dict[str, float] = {}
 
     def walk(path: list[int], p: float) -> None:
-        logits = engine.target.forward(prompt + path, 0)
+        logits = penalized(engine.target.forward(prompt + path, 0), prompt, path, pen)
         q = logits_to_probs(constraint.restrict(logits)[None], params)[0]
         for t in torch.nonzero(q > 0).flatten().tolist():
             if t in tok.eos_ids:
@@ -160,18 +181,29 @@ def _exact_answer_probs(engine: Engine, prompt: list[int], params: SamplingParam
     return probs
 
 
-@pytest.mark.parametrize("mode", [None, "ngram", "draft", "tree"])
-def test_sampling_under_a_grammar_has_the_exact_distribution(engine, tree_engine, mode):
+PENALTIES = Penalties(repetition=1.6, presence=0.5, frequency=0.4)  # + a bias on "b"
+
+
+@pytest.mark.parametrize(
+    "mode, pen",
+    [(None, None), ("ngram", None), ("draft", None), ("tree", None)]
+    + [(None, PENALTIES), ("draft", PENALTIES), ("tree", PENALTIES)],
+    ids=["plain", "ngram", "draft", "tree", "plain-penalties", "draft-penalties", "tree-penalties"],
+)
+def test_sampling_under_a_grammar_has_the_exact_distribution(engine, tree_engine, mode, pen):
     """400 seeded answers under AB4, alone and speculating (a chain; a tree of the eager
-    model, drafted free): each answer's frequency against its exact probability (Pearson's
-    chi-square over the 16 answers: the statistic's mean is 15, its standard deviation 5.5;
-    the bound is ~6 standard deviations above)."""
-    extra = {}
+    model, drafted free), without and with penalties (runtime/rules.py): each answer's
+    frequency against its exact probability (Pearson's chi-square over the 16 answers, those
+    expected fewer than 5 times pooled: the bound is 6 standard deviations above its mean,
+    the degrees of freedom)."""
+    if pen is not None:
+        pen = dataclasses.replace(pen, logit_bias=((engine.tokenizer.encode("b")[0], 1.0),))
+    extra = {"penalties": pen}
     if mode == "tree":
-        engine, mode, extra = tree_engine, "draft", {"tree": TREES[0]}
+        engine, mode, extra = tree_engine, "draft", {**extra, "tree": TREES[0]}
     params = SamplingParams(temperature=1.5)
     prompt = _prompt(engine, 0)
-    exact = _exact_answer_probs(engine, prompt, params)
+    exact = _exact_answer_probs(engine, prompt, params, pen)
     assert len(exact) == 16 and math.isclose(sum(exact.values()), 1.0, rel_tol=1e-4)
     n = 400
     counts: dict[str, int] = {}
@@ -182,8 +214,17 @@ def test_sampling_under_a_grammar_has_the_exact_distribution(engine, tree_engine
         ).text
         counts[text] = counts.get(text, 0) + 1
     assert set(counts) <= set(exact)
-    chi2 = sum((counts.get(a, 0) - n * p) ** 2 / (n * p) for a, p in exact.items())
-    assert chi2 < 50, (chi2, counts, exact)
+    # Answers expected fewer than 5 times are pooled (a chi-square term needs that many).
+    rare = [a for a, p in exact.items() if n * p < 5]
+    observed = [counts.get(a, 0) for a in exact if a not in rare] + [
+        sum(counts.get(a, 0) for a in rare)
+    ]
+    expected = [n * p for a, p in exact.items() if a not in rare] + [
+        n * sum(exact[a] for a in rare)
+    ]
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, expected, strict=True) if e > 0)
+    df = sum(e > 0 for e in expected) - 1
+    assert chi2 < df + 6 * math.sqrt(2 * df), (chi2, df, counts, exact)
 
 
 # ---- the batch engine ------------------------------------------------------------------------

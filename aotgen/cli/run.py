@@ -63,6 +63,15 @@ def run(
         typer.Option(help=f"sampling seed, 0..{SEED_MAX} (default: random)"),
     ] = None,
     stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
+    repetition_penalty: Annotated[
+        float, typer.Option(help="> 1 discourages tokens of the prompt and answer; 1 = off")
+    ] = 1.0,
+    presence_penalty: Annotated[
+        float, typer.Option(help="-2..2, subtracted from tokens the answer holds; 0 = off")
+    ] = 0.0,
+    frequency_penalty: Annotated[
+        float, typer.Option(help="-2..2, subtracted per occurrence in the answer; 0 = off")
+    ] = 0.0,
     ignore_eos: Annotated[bool, typer.Option(help="keep going past end-of-sequence")] = False,
     json_schema: Annotated[
         str | None,
@@ -166,10 +175,12 @@ def run(
         raise CliError(f"--seed must be an integer in 0..{SEED_MAX}, got {seed}")
     # After the checks above: a mistyped option is refused without the seconds torch takes.
     from aotgen.runtime.engine import GenerationConfig
+    from aotgen.runtime.rules import Penalties
     from aotgen.runtime.sampling import SamplingParams
     from aotgen.runtime.tree_draft import TreeParams
 
     constraint = structured_output(json_schema, regex, grammar)
+    penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty)
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     text = read_prompt_file(prompt_file) if prompt_file is not None else prompt
     mode = speculative_mode(speculative, lookup)
@@ -185,6 +196,7 @@ def run(
         ngram_max=ngram_max,
         tree=TreeParams(draft_parallel, p_split, best_first) if draft_parallel else None,
         grammar=constraint,
+        penalties=penalties,
         logprobs=logprobs,
     )
     launch = _Launch(nnodes, node_rank, master_addr, master_port)

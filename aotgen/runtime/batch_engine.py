@@ -32,9 +32,9 @@ from torch import Tensor
 
 from aotgen.runtime.batch_draft import can_draft_in_batch, draft_batch
 from aotgen.runtime.engine import Engine, GenerationConfig, GenerationError, GenerationResult
-from aotgen.runtime.grammar import fit, select, verify_within
 from aotgen.runtime.logprobs import token_logprobs
 from aotgen.runtime.proposers import LookupProposer
+from aotgen.runtime.rules import fit, select, verify_within
 from aotgen.runtime.scheduler import Scheduler
 from aotgen.runtime.sequence import Sequence, TokenSink
 from aotgen.runtime.speculative import Proposal, SpecStats
@@ -89,7 +89,7 @@ class BatchEngine:
             self.tokenizer, config.max_new_tokens, config.stop, config.ignore_eos, on_text
         )
         seq = Sequence(next(self._ids), list(prompt_ids), sink, config, on_done)
-        seq.constraint = self.engine.constraint(config)
+        seq.rules = self.engine.rules(config, prompt_ids)
         if config.speculative:
             seq.spec = SpecStats()
         with self._lock:
@@ -238,17 +238,17 @@ class BatchEngine:
         if not seq.prefilling and seq.config.max_new_tokens == 0:  # a prompt scored only
             seq.sink.close("length")
         elif not seq.prefilling:
-            tok = select(logits, seq.config.sampling, seq.generator, seq.constraint)
+            tok = select(logits, seq.config.sampling, seq.generator, seq.rules)
             seq.accept([tok], logits[None])
 
     def _decode(self, seqs: list[Sequence]) -> None:
         """Every request past its prompt moves on by one decode or one verify."""
         proposals = self._proposals([s for s in seqs if s.config.speculative])
-        # Under a grammar: cut where it refuses, and each verify row's allowed set.
-        allowed = {}
+        # Under rules: cut where the grammar refuses, and the rules of each verify row.
+        row_rules = {}
         for seq in seqs:
             if seq.id in proposals:
-                proposals[seq.id], allowed[seq.id] = fit(proposals[seq.id], seq.constraint)
+                proposals[seq.id], row_rules[seq.id] = fit(proposals[seq.id], seq.rules)
         verifying = [s for s in seqs if s.id in proposals and proposals[s.id].tokens]
         plain = [s for s in seqs if s not in verifying]
         if plain:
@@ -262,14 +262,14 @@ class BatchEngine:
                 seq.pos += 1
                 if seq.spec is not None:  # it found nothing to propose
                     seq.spec.update(0, 0)
-                tok = select(row, seq.config.sampling, seq.generator, seq.constraint)
+                tok = select(row, seq.config.sampling, seq.generator, seq.rules)
                 self._accepted(seq, [tok], row[None])
         if verifying:
             props = [proposals[s.id] for s in verifying]
             all_logits = self._verify_logits(verifying, props)
             for seq, p, logits in zip(verifying, props, all_logits, strict=True):
                 params, gen = seq.config.sampling, seq.generator
-                accepted = verify_within(p, logits, allowed[seq.id], params, gen, seq.constraint)
+                accepted = verify_within(p, logits, row_rules[seq.id], params, gen, seq.rules)
                 seq.spec.update(len(p.tokens), len(accepted) - 1, lookup=p.looked_up)
                 seq.pos += len(accepted)
                 self._accepted(seq, accepted, logits[: len(accepted)])
@@ -296,7 +296,7 @@ class BatchEngine:
             k = min(k, engine.max_seq_len + engine.verify_k - seq.pos)
             if seq.proposer is None and not (together and seq.config.uses_draft):
                 seq.proposer = engine.proposer(
-                    seq.prompt, seq.config, seq.generator, seq.slot, seq.constraint
+                    seq.prompt, seq.config, seq.generator, seq.slot, seq.rules
                 )
             if together and seq.config.uses_draft:
                 if seq.config.uses_lookup and seq.proposer is None:

@@ -25,15 +25,7 @@ from aotgen.package.weights import is_padding
 from aotgen.runtime.cached_tokens import CachedTokens
 from aotgen.runtime.cuda_graph import ReplayedGraph
 from aotgen.runtime.device_greedy import greedy_tokens
-from aotgen.runtime.grammar import (
-    Grammar,
-    GrammarError,
-    GrammarTokens,
-    TokenConstraint,
-    fit,
-    select,
-    verify_within,
-)
+from aotgen.runtime.grammar import Grammar, GrammarError, GrammarTokens
 from aotgen.runtime.logprobs import MAX_TOP, TokenLogprob, token_logprobs
 from aotgen.runtime.onnx_backend import BACKENDS, onnx_graphs
 from aotgen.runtime.proposers import (
@@ -42,6 +34,7 @@ from aotgen.runtime.proposers import (
     LookupProposer,
     Proposer,
 )
+from aotgen.runtime.rules import Penalties, TokenRules, fit, select, verify_within
 from aotgen.runtime.sampling import SamplingParams, make_generator
 from aotgen.runtime.sequence import TokenSink
 from aotgen.runtime.speculative import AdaptiveK, SpecStats
@@ -378,6 +371,7 @@ class GenerationConfig:
     ngram_max: int = 4
     tree: TreeParams | None = None  # tree speculation (runtime/tree_draft.py); None: a chain
     grammar: Grammar | None = None  # structured output (runtime/grammar.py)
+    penalties: Penalties | None = None  # repetition, presence, frequency, logit bias (rules.py)
     logprobs: int | None = None  # None: off; N: each token's logprob and the N likeliest
     # The same for the prompt's tokens (all but the first); max_new_tokens may then be 0.
     prompt_logprobs: int | None = None
@@ -544,9 +538,9 @@ class Engine:
         after the other (each waits for the one before), never interleaved."""
         config = config or GenerationConfig()
         self.check_request(prompt_ids, config)
-        constraint = self.constraint(config)
+        rules = self.rules(config, prompt_ids)
         with self._lock:
-            return self._generate(prompt_ids, config, on_text, constraint)
+            return self._generate(prompt_ids, config, on_text, rules)
 
     def check_request(self, prompt_ids: list[int], config: GenerationConfig) -> None:
         if not prompt_ids:
@@ -591,6 +585,9 @@ class Engine:
                     f"{name} must be a whole number in 0..{MAX_TOP} (the most likely tokens to "
                     f"list beside each one), got {value!r}"
                 )
+        for token, _ in config.penalties.logit_bias if config.penalties else ():
+            if not 0 <= token < vocab:
+                raise GenerationError(f"logit_bias token {token} is outside 0..{vocab - 1}")
         if config.grammar is not None and config.ignore_eos:
             raise GenerationError(
                 "a grammar ends generation with eos where its text is complete: drop ignore_eos"
@@ -601,14 +598,20 @@ class Engine:
                 f"{config.ngram_max} (--ngram-min / --ngram-max)"
             )
 
-    def constraint(self, config: GenerationConfig) -> TokenConstraint | None:
-        """A request's grammar state, at its start (None without a grammar)."""
-        if config.grammar is None:
+    def rules(self, config: GenerationConfig, prompt: list[int]) -> TokenRules | None:
+        """A request's penalties and grammar, at its start (None without either)."""
+        penalties = config.penalties if config.penalties and config.penalties.active else None
+        if config.grammar is None and penalties is None:
             return None
         try:
-            return self.grammar_tokens.constraint(config.grammar)
+            grammar = (
+                None if config.grammar is None else self.grammar_tokens.constraint(config.grammar)
+            )
         except GrammarError as e:
             raise GenerationError(str(e)) from None
+        return TokenRules(
+            penalties, prompt, self.target.vocab_size, self.tokenizer.eos_ids, grammar
+        )
 
     def _check_tree(self, config: GenerationConfig) -> None:
         if config.speculative is None:
@@ -626,7 +629,7 @@ class Engine:
         prompt_ids: list[int],
         config: GenerationConfig,
         on_text: Callable[[str], None] | None,
-        constraint: TokenConstraint | None = None,
+        rules: TokenRules | None = None,
     ) -> GenerationResult:
         sink = TokenSink(
             self.tokenizer, config.max_new_tokens, config.stop, config.ignore_eos, on_text
@@ -637,7 +640,7 @@ class Engine:
         cached = self.reusable(prompt_ids, config)
         logits, prompt_logprobs = self._prompt(prompt_ids, cached, config)
         logprobs = None if config.logprobs is None else []
-        steps = self._token_steps(prompt_ids, logits, config, spec, constraint)
+        steps = self._token_steps(prompt_ids, logits, config, spec, rules)
         for new_tokens, rows in steps if config.max_new_tokens else ():
             if t_first is None:
                 t_first = time.perf_counter()
@@ -683,27 +686,27 @@ class Engine:
         logits: Tensor,
         config: GenerationConfig,
         spec: SpecStats | None,
-        constraint: TokenConstraint | None,
+        rules: TokenRules | None,
     ) -> Iterator[tuple[list[int], Tensor | None]]:
         """Yield newly accepted tokens, one list per model step, with the logits rows that
         chose them; `logits`: the prompt's last position's."""
         params = config.sampling
         gen = make_generator(params.seed)
         target = self.target
-        tok = select(logits, params, gen, constraint)
+        tok = select(logits, params, gen, rules)
         yield [tok], logits[None]
         pos = len(prompt)  # position of `tok`, not yet in the cache
         if config.speculative is None:
-            plain = constraint is None and config.logprobs is None
+            plain = rules is None and config.logprobs is None  # nothing wants the host logits
             if params.greedy and plain and target.device.type == "cuda":  # logits stay there
                 yield from (([t], None) for t in greedy_tokens(target, tok, pos))
                 return
             while True:
                 logits = target.decode(tok, pos)
-                tok = select(logits, params, gen, constraint)
+                tok = select(logits, params, gen, rules)
                 pos += 1
                 yield [tok], logits[None]
-        yield from self._speculative_steps(prompt, tok, pos, config, spec, gen, constraint)
+        yield from self._speculative_steps(prompt, tok, pos, config, spec, gen, rules)
 
     def _speculative_steps(
         self,
@@ -713,24 +716,24 @@ class Engine:
         config: GenerationConfig,
         spec: SpecStats,
         gen: torch.Generator,
-        constraint: TokenConstraint | None,
+        rules: TokenRules | None,
     ) -> Iterator[tuple[list[int], Tensor]]:
         """Propose -> verify -> accept, one verify step per yield."""
         if config.tree is not None:
-            yield from tree_steps(self, prompt, tok, pos, config, spec, gen, constraint)
+            yield from tree_steps(self, prompt, tok, pos, config, spec, gen, rules)
             return
         max_k = self.verify_k
         k = min(config.k or max_k, max_k)
         adaptive = AdaptiveK(k=k, k_min=1, k_max=max_k) if config.adaptive_k else None
         history = list(prompt) + [tok]
-        proposer = self.proposer(prompt, config, gen, constraint=constraint)
+        proposer = self.proposer(prompt, config, gen, rules=rules)
         while True:
             k = adaptive.k if adaptive else k
             k = min(k, self.max_seq_len + max_k - pos)
-            proposal, allowed = fit(proposer.propose(history, k), constraint)
+            proposal, row_rules = fit(proposer.propose(history, k), rules)
             # Score tok + proposal: row i predicts the token after history[:pos+i+1].
             logits = self.target.forward([tok] + proposal.tokens, pos, all_logits=True)
-            accepted = verify_within(proposal, logits, allowed, config.sampling, gen, constraint)
+            accepted = verify_within(proposal, logits, row_rules, config.sampling, gen, rules)
             n, n_acc = len(proposal.tokens), len(accepted) - 1
             spec.update(n, n_acc, lookup=proposal.looked_up)
             if adaptive:
@@ -747,7 +750,7 @@ class Engine:
         config: GenerationConfig,
         gen: torch.Generator,
         slot: int = 0,
-        constraint: TokenConstraint | None = None,
+        rules: TokenRules | None = None,
     ) -> Proposer:
         """The proposer of config.speculative: "ngram", "draft" or "draft+ngram"; a draft
         runs in the cache row `slot` and drafts within the request's grammar."""
@@ -755,6 +758,6 @@ class Engine:
         if not config.uses_draft:
             return lookup
         draft = DraftProposer(
-            self.draft, prompt, config.sampling, gen, slot, config.reuse_prefix, constraint
+            self.draft, prompt, config.sampling, gen, slot, config.reuse_prefix, rules
         )
         return DraftOrLookupProposer(lookup, draft) if config.uses_lookup else draft

@@ -25,9 +25,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from aotgen.runtime.sampling import SamplingParams, select_next
-from aotgen.runtime.speculative import Proposal, verify
-
 if TYPE_CHECKING:
     import llguidance
 
@@ -191,46 +188,3 @@ class TokenConstraint:
             masks.append(self.allowed())
         self.rollback(self.taken - start)
         return len(masks) - 1, torch.stack(masks)
-
-
-def select(
-    logits: Tensor,
-    params: SamplingParams,
-    generator: torch.Generator,
-    constraint: TokenConstraint | None,
-) -> int:
-    """`select_next` among the tokens the grammar takes; the grammar takes the chosen one."""
-    if constraint is None:
-        return select_next(logits, params, generator)
-    tok = select_next(constraint.restrict(logits), params, generator)
-    constraint.advance([tok])
-    return tok
-
-
-def fit(proposal: Proposal, constraint: TokenConstraint | None) -> tuple[Proposal, Tensor | None]:
-    """The proposal cut to what the grammar takes, and each verify row's allowed set
-    (`[n + 1, V]`; None without a grammar)."""
-    if constraint is None:
-        return proposal, None
-    n, allowed = constraint.along(proposal.tokens)
-    if n < len(proposal.tokens):
-        probs = None if proposal.probs is None else proposal.probs[:n]
-        proposal = Proposal(proposal.tokens[:n], probs, proposal.looked_up and n > 0)
-    return proposal, allowed
-
-
-def verify_within(
-    proposal: Proposal,
-    logits: Tensor,
-    allowed: Tensor | None,
-    params: SamplingParams,
-    generator: torch.Generator,
-    constraint: TokenConstraint | None,
-) -> list[int]:
-    """`verify` with each row restricted to what the grammar allows after the proposal
-    tokens before it (`fit`); the grammar takes the accepted tokens."""
-    if constraint is None or allowed is None:
-        return verify(proposal, logits, params, generator)
-    accepted = verify(proposal, logits.masked_fill(~allowed, -math.inf), params, generator)
-    constraint.advance(accepted)
-    return accepted

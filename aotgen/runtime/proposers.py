@@ -19,7 +19,7 @@ from aotgen.runtime.speculative import Proposal
 
 if TYPE_CHECKING:
     from aotgen.runtime.engine import ModelRunner
-    from aotgen.runtime.grammar import TokenConstraint
+    from aotgen.runtime.rules import TokenRules
 
 
 class Proposer(Protocol):
@@ -45,20 +45,21 @@ def draft_token(
     logits: Tensor,
     params: SamplingParams,
     generator: torch.Generator,
-    constraint: TokenConstraint | None = None,
+    rules: TokenRules | None = None,
 ) -> tuple[int, Tensor | None]:
     """One draft token: the argmax, or a draw whose distribution is kept for speculative
-    sampling. Under a grammar, among the tokens it takes next; it then takes the token
-    (the drafter rolls back to where it started once the proposal is made)."""
-    if constraint is not None:
-        logits = constraint.restrict(logits)
+    sampling. Under the request's rules (penalties, grammar: runtime/rules.py), which then
+    take the token (the drafter rolls back to where it started once the proposal is
+    made)."""
+    if rules is not None:
+        logits = rules.restrict(logits)
     if params.greedy:
         tok, q = int(logits.argmax()), None
     else:
         q = logits_to_probs(logits[None], params)[0]
         tok = int(sample(q[None], generator))
-    if constraint is not None:
-        constraint.advance([tok])
+    if rules is not None:
+        rules.advance([tok])
     return tok, q
 
 
@@ -79,7 +80,7 @@ class LookupProposer:
 
 class DraftProposer:
     """k tokens from the draft model, greedy or sampled; sampling keeps each token's
-    distribution for speculative sampling; under a grammar, drafts only what it takes.
+    distribution for speculative sampling; under the request's rules (runtime/rules.py).
     `self.pos` is the first position missing from the draft's cache."""
 
     def __init__(
@@ -90,10 +91,10 @@ class DraftProposer:
         generator: torch.Generator,
         slot: int = 0,
         reuse_prefix: bool = True,
-        constraint: TokenConstraint | None = None,
+        rules: TokenRules | None = None,
     ) -> None:
         self.draft, self.params, self.generator, self.slot = draft, params, generator, slot
-        self.constraint = constraint
+        self.rules = rules
         # A draft that shares the target's cache finds every accepted position already
         # written by the target (prefill, then each verify), so it never prefills and never
         # catches up: each round starts with a one-token decode of `tok` (history[-1]). Its
@@ -111,18 +112,18 @@ class DraftProposer:
         self.pos += len(pending)
         tokens: list[int] = []
         rows: list[Tensor] = []
-        grammar = self.constraint
-        start = grammar.taken if grammar is not None else 0
+        rules = self.rules
+        start = rules.taken if rules is not None else 0
         for i in range(k):
-            nxt, q = draft_token(logits, self.params, self.generator, grammar)
+            nxt, q = draft_token(logits, self.params, self.generator, rules)
             tokens.append(nxt)
             rows += [] if q is None else [q]
-            if i + 1 == k or (grammar is not None and nxt in grammar.eos):
+            if i + 1 == k or (rules is not None and nxt in rules.eos):
                 break
             logits = self.draft.decode(nxt, self.pos, self.slot)
             self.pos += 1
-        if grammar is not None:
-            grammar.rollback(grammar.taken - start)
+        if rules is not None:
+            rules.rollback(rules.taken - start)
         return Proposal(tokens, torch.stack(rows) if rows else None)
 
     def accepted(self, pos: int) -> None:

@@ -22,7 +22,7 @@ from aotgen.runtime.tokenizer import StreamDecoder, Tokenizer
 
 if TYPE_CHECKING:  # engine.py imports this module
     from aotgen.runtime.engine import GenerationConfig
-    from aotgen.runtime.grammar import TokenConstraint
+    from aotgen.runtime.rules import TokenRules
 
 
 class StopText:
@@ -129,7 +129,7 @@ class Sequence:
     pending: int | None = None
     generator: torch.Generator = field(init=False)
     proposer: Proposer | None = None  # speculative requests: made at their first decode
-    constraint: TokenConstraint | None = None  # its grammar's state (runtime/grammar.py)
+    rules: TokenRules | None = None  # its penalties and grammar (runtime/rules.py)
     logprobs: list[TokenLogprob] | None = field(init=False)  # with config.logprobs
     prompt_logprobs: list[TokenLogprob | None] | None = field(init=False)  # the first: None
     history: list[int] = field(init=False)

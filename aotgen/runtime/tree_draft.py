@@ -21,7 +21,6 @@ leaves beside it. Leaves cost no draft step; their tokens are fixed by the draft
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,7 +44,7 @@ from aotgen.runtime.tree_shape import (
 
 if TYPE_CHECKING:
     from aotgen.runtime.engine import Engine, GenerationConfig, ModelRunner
-    from aotgen.runtime.grammar import TokenConstraint
+    from aotgen.runtime.rules import TokenRules
     from aotgen.runtime.speculative import SpecStats
 
 
@@ -331,13 +330,13 @@ def tree_steps(
     config: GenerationConfig,
     spec: SpecStats,
     gen: torch.Generator,
-    constraint: TokenConstraint | None = None,
+    rules: TokenRules | None = None,
 ) -> Iterator[tuple[list[int], Tensor]]:
     """Propose a tree -> score it in one tree-graph call -> keep one path, per yield (with
-    the logits rows that chose the accepted tokens). Under a grammar the tree is drafted
-    free and each node's row restricted to what the grammar allows after its path: a node
-    it refuses is never accepted, greedy or sampled (its target probability is 0), which
-    keeps verification exact without pruning the tree."""
+    the logits rows that chose the accepted tokens). Under the request's rules (runtime/
+    rules.py) the tree is drafted free and each node's row takes the rules as they stand
+    after its path: a node the grammar refuses is never accepted, greedy or sampled (its
+    target probability is 0), which keeps verification exact without pruning the tree."""
     target = engine.target
     budget = target.tree_len
     k = min(config.k or engine.verify_k, budget - 1)
@@ -350,17 +349,16 @@ def tree_steps(
         else:
             logits = target.tree_forward(tree, pos)
         scored = logits
-        if constraint is not None:
-            allowed = constraint.over_tree(tree.tokens, tree.parents)
-            scored = logits.masked_fill(~allowed, -math.inf)
+        if rules is not None:
+            scored = rules.over_tree(tree.tokens, tree.parents)(logits)
         path, nxt = verify_tree(tree, scored, config.sampling, gen)
         proposer.verified(path)
         moved = commit_path(target.caches, pos, path)
         path_tokens = [tree.tokens[i] for i in path]  # now at pos.., as a chain
         target.cached.wrote(0, pos, path_tokens)
         accepted = path_tokens[1:] + [nxt]
-        if constraint is not None:
-            constraint.advance(accepted)
+        if rules is not None:
+            rules.advance(accepted)
         spec.update(tree.depth, len(path) - 1, lookup=tree.looked_up)
         spec.tree_nodes += len(tree) - 1
         spec.branch_steps += moved > 0

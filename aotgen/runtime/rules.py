@@ -1,0 +1,180 @@
+"""What a request does to the logits before each token is chosen: logit bias, penalties on
+tokens already in the text, and its grammar (runtime/grammar.py).
+
+Order, per row: logit bias; the repetition penalty on every token of the prompt and the
+answer so far (a positive logit divided by it, a negative one multiplied: HF's and vLLM's
+rule); the frequency and presence penalties on the answer's tokens (OpenAI's: minus
+frequency x count, minus presence if present); then the grammar's refusals at -inf. Sampling
+(temperature, top-k, top-p) follows. Logprobs are read from the raw rows (runtime/logprobs.py).
+
+The state (the answer's token counts, the grammar's position) advances with each accepted
+token. Speculative decoding applies the rules to each verify row as they stand after the
+proposal tokens before it, and to each tree node's row after its path, so the accepted
+tokens are those the request would get decoding alone; drafters apply them while drafting
+and roll back to where they started.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from aotgen.runtime.grammar import TokenConstraint
+from aotgen.runtime.sampling import SamplingParams, select_next
+from aotgen.runtime.speculative import Proposal, verify
+
+RowRules = Callable[[Tensor], Tensor]  # [n, V] logits -> the rows with the rules applied
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """OpenAI's and vLLM's penalties on repeated tokens, and OpenAI's logit bias."""
+
+    repetition: float = 1.0  # > 1 discourages tokens of the prompt and the answer
+    presence: float = 0.0  # subtracted from tokens the answer holds, -2..2
+    frequency: float = 0.0  # subtracted per occurrence in the answer, -2..2
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit, -100..100)
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.repetition) and self.repetition > 0):
+            raise ValueError(f"repetition penalty must be > 0 (1 is off), got {self.repetition}")
+        for name in ("presence", "frequency"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2 <= value <= 2):
+                raise ValueError(f"{name} penalty must be in -2..2 (0 is off), got {value}")
+        for token, bias in self.logit_bias:
+            if not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise ValueError(f"logit bias of token {token} must be in -100..100, got {bias}")
+
+    @property
+    def active(self) -> bool:
+        return self.repetition != 1 or bool(self.presence or self.frequency or self.logit_bias)
+
+
+class TokenRules:
+    """One request's rules and their state: the answer's token counts, its grammar's
+    position. `taken` counts the answer's tokens so far (eos is never taken)."""
+
+    def __init__(
+        self,
+        penalties: Penalties | None,
+        prompt: list[int],
+        vocab_size: int,
+        eos: set[int],
+        grammar: TokenConstraint | None,
+    ):
+        self.penalties = penalties if penalties is not None and penalties.active else None
+        self.grammar, self.eos = grammar, eos
+        self.counts = torch.zeros(vocab_size)
+        self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool)
+        self.in_prompt[prompt] = True
+        self.bias = torch.zeros(vocab_size)
+        for token, bias in self.penalties.logit_bias if self.penalties else ():
+            self.bias[token] += bias
+        self.tokens: list[int] = []
+
+    @property
+    def taken(self) -> int:
+        return len(self.tokens)
+
+    def restrict(self, logits: Tensor) -> Tensor:
+        """One row (`[V]` or `[1, V]`) with the rules as they stand now."""
+        out = self._penalize(logits, self.counts)
+        return self.grammar.restrict(out) if self.grammar is not None else out
+
+    def advance(self, tokens: list[int]) -> None:
+        """Take a step's tokens, chosen under these rules, up to eos."""
+        for tok in tokens:
+            if tok in self.eos:
+                return
+            if self.grammar is not None:
+                self.grammar.advance([tok])
+            self.counts[tok] += 1
+            self.tokens.append(tok)
+
+    def rollback(self, count: int) -> None:
+        if self.grammar is not None:
+            self.grammar.rollback(count)
+        for _ in range(count):
+            self.counts[self.tokens.pop()] -= 1
+
+    def along(self, tokens: list[int]) -> tuple[int, RowRules]:
+        """How many leading `tokens` the rules take from here (the grammar may refuse one),
+        and the rules of the verify rows: row i as they stand after tokens[:i]."""
+        n, masks = self.grammar.along(tokens) if self.grammar is not None else (len(tokens), None)
+        steps = torch.zeros(n + 1, len(self.counts))
+        for i, tok in enumerate(tokens[:n]):
+            steps[i + 1 :, tok] += 1
+        return n, lambda rows: self._rows(rows, steps, masks)
+
+    def over_tree(self, tokens: list[int], parents: list[int]) -> RowRules:
+        """The rules of each tree node's row, as they stand after the node's path (node 0,
+        the root, is the current token: the rules as they stand now)."""
+        steps = torch.zeros(len(tokens), len(self.counts))
+        for node, parent in enumerate(parents[1:], 1):
+            steps[node] = steps[parent]
+            steps[node, tokens[node]] += 1
+        masks = None
+        if self.grammar is not None:
+            masks = self.grammar.over_tree(tokens, parents)
+        return lambda rows: self._rows(rows, steps, masks)
+
+    def _rows(self, rows: Tensor, steps: Tensor, masks: Tensor | None) -> Tensor:
+        out = self._penalize(rows, self.counts + steps)
+        return out if masks is None else out.masked_fill(~masks, -math.inf)
+
+    def _penalize(self, logits: Tensor, counts: Tensor) -> Tensor:
+        """Bias and penalties, with the answer's token `counts` (broadcast over rows)."""
+        p = self.penalties
+        if p is None:
+            return logits
+        out = logits.float() + self.bias
+        if p.repetition != 1:
+            seen = self.in_prompt | (counts > 0)
+            out = torch.where(
+                seen, torch.where(out > 0, out / p.repetition, out * p.repetition), out
+            )
+        return out - p.frequency * counts - p.presence * (counts > 0).float()
+
+
+def select(
+    logits: Tensor, params: SamplingParams, generator: torch.Generator, rules: TokenRules | None
+) -> int:
+    """`select_next` under the request's rules, which then take the chosen token."""
+    if rules is None:
+        return select_next(logits, params, generator)
+    tok = select_next(rules.restrict(logits), params, generator)
+    rules.advance([tok])
+    return tok
+
+
+def fit(proposal: Proposal, rules: TokenRules | None) -> tuple[Proposal, RowRules | None]:
+    """The proposal cut to what the rules take, and the rules of its verify rows."""
+    if rules is None:
+        return proposal, None
+    n, rows = rules.along(proposal.tokens)
+    if n < len(proposal.tokens):
+        probs = None if proposal.probs is None else proposal.probs[:n]
+        proposal = Proposal(proposal.tokens[:n], probs, proposal.looked_up and n > 0)
+    return proposal, rows
+
+
+def verify_within(
+    proposal: Proposal,
+    logits: Tensor,
+    rows: RowRules | None,
+    params: SamplingParams,
+    generator: torch.Generator,
+    rules: TokenRules | None,
+) -> list[int]:
+    """`verify` with each row under the rules as they stand after the proposal tokens before
+    it (`fit`); the rules then take the accepted tokens."""
+    if rules is None or rows is None:
+        return verify(proposal, logits, params, generator)
+    accepted = verify(proposal, rows(logits), params, generator)
+    rules.advance(accepted)
+    return accepted
