@@ -22,6 +22,9 @@ from aotgen.runtime.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 STRONG = Penalties(repetition=1.5, presence=0.6, frequency=0.5)
+# Three favoured tokens taken in turns as each one's count lowers it: the rows of a proposal
+# must count the proposal's own tokens.
+CYCLE = Penalties(frequency=1.0, logit_bias=((40, 30.0), (41, 29.5), (42, 29.0)))
 N = 24
 
 
@@ -49,7 +52,12 @@ def test_greedy_with_penalties_equals_the_reference(engine, mode):
     changed = 0
     for i in range(3):
         free = engine.generate(_prompt(i), GenerationConfig(max_new_tokens=N, ignore_eos=True))
-        for pen in (STRONG, Penalties(repetition=0.8, frequency=-0.3), Penalties(presence=1.2)):
+        for pen in (
+            STRONG,
+            Penalties(repetition=0.8, frequency=-0.3),
+            Penalties(presence=1.2),
+            CYCLE,
+        ):
             config = GenerationConfig(
                 max_new_tokens=N,
                 ignore_eos=True,
