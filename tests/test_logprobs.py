@@ -5,13 +5,12 @@ token (greedy, sampling, a grammar, n-gram, draft or tree speculation, the batch
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from reference import EagerModel, eager_engine
+from test_cli_help import aotgen
 
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.engine import Engine, GenerationConfig, GenerationError
@@ -188,29 +187,8 @@ def test_the_batch_engine_reports_what_requests_alone_do(tiny_batch_package, eng
 
 
 def test_run_json_prints_logprobs(tiny_batch_package, engine):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "aotgen",
-            "run",
-            str(tiny_batch_package),
-            "--prompt",
-            "the cat",
-            "--max-new-tokens",
-            "5",
-            "--ignore-eos",
-            "--json",
-            "--logprobs",
-            "2",
-            "--threads",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr
+    flags = "--max-new-tokens 5 --ignore-eos --json --logprobs 2 --threads 1".split()
+    proc = aotgen("run", str(tiny_batch_package), "--prompt", "the cat", *flags, cwd=REPO)
     printed = json.loads(proc.stdout)
     want = engine.generate(
         engine.tokenizer.prompt_ids("the cat"),

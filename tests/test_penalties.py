@@ -7,12 +7,11 @@ in tests/test_structured.py.)"""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from reference import eager_engine, reset_caches
+from test_cli_help import aotgen
 from test_structured import TREES, penalized
 
 from aotgen.runtime.batch_engine import BatchEngine
@@ -138,33 +137,9 @@ def test_a_bias_outside_the_vocabulary_is_refused(engine):
 
 
 def test_run_takes_the_penalties(tiny_batch_package, engine):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "aotgen",
-            "run",
-            str(tiny_batch_package),
-            "--prompt",
-            "the cat",
-            "--max-new-tokens",
-            "12",
-            "--ignore-eos",
-            "--json",
-            "--threads",
-            "1",
-            "--repetition-penalty",
-            "1.5",
-            "--presence-penalty",
-            "0.6",
-            "--frequency-penalty",
-            "0.5",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr
+    flags = "--max-new-tokens 12 --ignore-eos --json --threads 1".split()
+    flags += "--repetition-penalty 1.5 --presence-penalty 0.6 --frequency-penalty 0.5".split()
+    proc = aotgen("run", str(tiny_batch_package), "--prompt", "the cat", *flags, cwd=REPO)
     ids = engine.tokenizer.prompt_ids("the cat")
     want = engine.generate(
         ids, GenerationConfig(max_new_tokens=12, ignore_eos=True, penalties=STRONG)
