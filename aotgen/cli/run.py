@@ -262,7 +262,7 @@ def structured_output(
         grammar = Grammar("grammar", _read_text(grammar_file))
     else:
         return None
-    grammar.compile()
+    grammar.check()
     return grammar
 
 

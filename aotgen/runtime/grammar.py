@@ -64,17 +64,19 @@ class Grammar:
     def choice(cls, options: list[str]) -> Grammar:
         return cls("choice", json.dumps(options))
 
-    def compile(self) -> str:
-        """llguidance's grammar text; GrammarError (one line) if it is not a valid grammar."""
-        llg = _llguidance()
+    def text(self) -> str:
+        """llguidance's grammar text (not yet checked: the matcher compiles it)."""
         try:
-            grammar = llg.grammar_from(KINDS[self.kind], self.source)
+            return _llguidance().grammar_from(KINDS[self.kind], self.source)
         except (ValueError, TypeError, json.JSONDecodeError) as e:
             raise GrammarError(f"invalid {self.kind}: {_one_line(e)}") from None
-        error = llg.LLMatcher.validate_grammar(grammar)
+
+    def check(self) -> None:
+        """GrammarError (one line) if this is not a valid grammar: for a command line to fail
+        before a package loads (a request's matcher compiles it once, and says the same)."""
+        error = _llguidance().LLMatcher.validate_grammar(self.text())
         if error:
             raise GrammarError(f"invalid {self.kind}: {_one_line(error)}")
-        return grammar
 
 
 def _one_line(error: object) -> str:
@@ -110,8 +112,7 @@ class GrammarTokens:
             return self._table
 
     def constraint(self, grammar: Grammar) -> TokenConstraint:
-        compiled = grammar.compile()
-        matcher = _llguidance().LLMatcher(self.table(), compiled, log_level=0)
+        matcher = _llguidance().LLMatcher(self.table(), grammar.text(), log_level=0)
         if matcher.is_error():
             raise GrammarError(f"invalid {grammar.kind}: {_one_line(matcher.get_error())}")
         return TokenConstraint(matcher, self.vocab_size, self.tokenizer.eos_ids)
@@ -123,7 +124,6 @@ class TokenConstraint:
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos: set[int]):
         self.matcher, self.vocab_size, self.eos = matcher, vocab_size, eos
-        self.taken = 0  # tokens taken so far: drafters roll back to where they started
 
     def allowed(self) -> Tensor:
         """bool [V]: the tokens the grammar takes next."""
@@ -142,12 +142,10 @@ class TokenConstraint:
                 return
             if not self.matcher.consume_token(tok):
                 raise GrammarError(f"the grammar refused token {tok}: {self.matcher.get_error()}")
-            self.taken += 1
 
     def rollback(self, count: int) -> None:
         if count and not self.matcher.rollback(count):
             raise GrammarError(f"grammar rollback failed: {self.matcher.get_error()}")
-        self.taken -= count
 
     def over_tree(self, tokens: list[int], parents: list[int]) -> Tensor:
         """The allowed set after each node of a token tree (node 0, the root, is the current
@@ -177,7 +175,7 @@ class TokenConstraint:
         bool [n + 1, V] (after eos: anything, as nothing follows it). The state is left as
         it was."""
         masks = [self.allowed()]
-        start = self.taken
+        taken = 0
         for tok in tokens:
             if not masks[-1][tok]:
                 break
@@ -185,6 +183,7 @@ class TokenConstraint:
                 masks.append(torch.ones(self.vocab_size, dtype=torch.bool))
                 break
             self.advance([tok])
+            taken += 1
             masks.append(self.allowed())
-        self.rollback(self.taken - start)
+        self.rollback(taken)
         return len(masks) - 1, torch.stack(masks)

@@ -106,25 +106,29 @@ class TokenRules:
         """How many leading `tokens` the rules take from here (the grammar may refuse one),
         and the rules of the verify rows: row i as they stand after tokens[:i]."""
         n, masks = self.grammar.along(tokens) if self.grammar is not None else (len(tokens), None)
-        steps = torch.zeros(n + 1, len(self.counts))
-        for i, tok in enumerate(tokens[:n]):
-            steps[i + 1 :, tok] += 1
+        steps = None
+        if self.penalties is not None:  # the counts each row adds to the answer's
+            steps = torch.zeros(n + 1, len(self.counts))
+            for i, tok in enumerate(tokens[:n]):
+                steps[i + 1 :, tok] += 1
         return n, lambda rows: self._rows(rows, steps, masks)
 
     def over_tree(self, tokens: list[int], parents: list[int]) -> RowRules:
         """The rules of each tree node's row, as they stand after the node's path (node 0,
         the root, is the current token: the rules as they stand now)."""
-        steps = torch.zeros(len(tokens), len(self.counts))
-        for node, parent in enumerate(parents[1:], 1):
-            steps[node] = steps[parent]
-            steps[node, tokens[node]] += 1
+        steps = None
+        if self.penalties is not None:  # the counts each node's path adds to the answer's
+            steps = torch.zeros(len(tokens), len(self.counts))
+            for node, parent in enumerate(parents[1:], 1):
+                steps[node] = steps[parent]
+                steps[node, tokens[node]] += 1
         masks = None
         if self.grammar is not None:
             masks = self.grammar.over_tree(tokens, parents)
         return lambda rows: self._rows(rows, steps, masks)
 
-    def _rows(self, rows: Tensor, steps: Tensor, masks: Tensor | None) -> Tensor:
-        out = self._penalize(rows, self.counts + steps)
+    def _rows(self, rows: Tensor, steps: Tensor | None, masks: Tensor | None) -> Tensor:
+        out = rows if steps is None else self._penalize(rows, self.counts + steps)
         return out if masks is None else out.masked_fill(~masks, -math.inf)
 
     def _penalize(self, logits: Tensor, counts: Tensor) -> Tensor:

@@ -19,6 +19,7 @@ import jinja2.ext
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 
 Message = dict[str, Any]
 
@@ -186,9 +187,9 @@ class Tokenizer:
             return bytes([int(piece[3:5], 16)])
         return piece.replace("\u2581", " ").encode()
 
-    @functools.cached_property
+    @property
     def _byte_level(self) -> bool:
-        return (json.loads(self.to_json()).get("decoder") or {}).get("type") == "ByteLevel"
+        return isinstance(self._tok.decoder, decoders.ByteLevel)
 
     def apply_chat_template(
         self, messages: list[Message], add_generation_prompt: bool = True, **kwargs: Any
