@@ -173,6 +173,29 @@ def test_a_follow_up_takes_the_slot_holding_its_prefix(batch_bin, tiny_batch_pac
         assert g["ids"] == w.token_ids == cold.generate(p, replace(c, reuse_prefix=False)).token_ids
 
 
+def test_requests_running_at_once_share_their_system_prompt(
+    batch_bin, tiny_batch_package, tmp_path
+):
+    """Three requests with one 30-token system prompt, one of them drafting: the later two
+    copy it from the first's row while it runs. Cached counts and ids equal the Python batch
+    engine's; ids a cold run's."""
+    cold = Engine.load(tiny_batch_package)
+    system = list(range(40, 70))
+    prompts = [system + p[:6] for p in _prompts(3, cold.target.vocab_size, seed=10)]
+    configs = [GenerationConfig(12, ignore_eos=True, speculative=s) for s in (None, "draft", None)]
+    want = BatchEngine.load(tiny_batch_package, prefill_step=PREFILL_STEP).generate_many(
+        prompts, configs
+    )
+    requests = [request_json(p, c) for p, c in zip(prompts, configs, strict=True)]
+    proc = run_batch(
+        batch_bin, tiny_batch_package, requests, tmp_path, "--prefill-step", str(PREFILL_STEP)
+    )
+    got, _ = cpp_results(proc)
+    assert [g["cached_tokens"] for g in got] == [w.cached_tokens for w in want] == [0, 30, 30]
+    for p, c, g, w in zip(prompts, configs, got, want, strict=True):
+        assert g["ids"] == w.token_ids == cold.generate(p, replace(c, reuse_prefix=False)).token_ids
+
+
 def test_cancel_frees_the_slot(batch_bin, tiny_batch_package, tmp_path):
     """Four long requests fill the slots; cancelling one after 3 steps lets the waiting
     short one in, which finishes long before the others, with its own ids. A request

@@ -115,20 +115,26 @@ def test_reuse_off_runs_the_whole_prompt(engines):
     assert engine.generate(prompt, COLD).cached_tokens == 0
 
 
-def test_a_draft_with_its_own_cache_reuses_its_rows(tiny_checkpoint, project, tmp_path):
-    """A draft from another checkpoint keeps its own cache: its record too lets the next turn
-    run only what is new, and the output equals a cold run."""
+@pytest.fixture(scope="module")
+def own_draft_package(tiny_checkpoint, project, tmp_path_factory):
+    """The tiny target with a draft from another checkpoint, which keeps its own cache."""
     from conftest import TINY_RECIPE
     from tiny import make_tiny_checkpoint
 
     from aotgen.package.build import build
     from aotgen.recipe import parse_recipe
 
-    draft = make_tiny_checkpoint(tmp_path / "draft", seed=7, layers=1)
+    tmp = tmp_path_factory.mktemp("own-draft")
+    draft = make_tiny_checkpoint(tmp / "draft", seed=7, layers=1)
     data = {"checkpoint": str(tiny_checkpoint), **TINY_RECIPE}
     data["speculative"] = {"draft": {"checkpoint": str(draft)}}
-    package = build(parse_recipe(data, "tiny-own-draft", tmp_path), project).path
-    engine, cold = Engine.load(package), Engine.load(package)
+    return build(parse_recipe(data, "tiny-own-draft", tmp), project).path
+
+
+def test_a_draft_with_its_own_cache_reuses_its_rows(own_draft_package):
+    """A draft from another checkpoint keeps its own cache: its record too lets the next turn
+    run only what is new, and the output equals a cold run."""
+    engine, cold = Engine.load(own_draft_package), Engine.load(own_draft_package)
     assert not engine.draft.shares_cache
     config = GenerationConfig(max_new_tokens=12, ignore_eos=True, speculative="draft")
     prompt = _ids(40, 20, engine.target.vocab_size)
@@ -139,6 +145,58 @@ def test_a_draft_with_its_own_cache_reuses_its_rows(tiny_checkpoint, project, tm
     want = cold.generate(prompt, GenerationConfig(**{**config.__dict__, "reuse_prefix": False}))
     assert result.cached_tokens > 0
     assert result.token_ids == want.token_ids
+
+
+SYSTEM = 30  # tokens of the system prompt the requests below share
+
+
+@pytest.mark.parametrize("speculative", [None, "draft"])
+def test_requests_running_at_once_share_their_system_prompt(tiny_batch_package, speculative):
+    """Three requests with one system prompt, submitted together: the first runs it, each
+    later one copies it from the row of a request still running; ids equal cold runs (the
+    draft reads the target's cache, so it reads the copied rows too)."""
+    batch, cold = BatchEngine.load(tiny_batch_package), Engine.load(tiny_batch_package)
+    vocab = batch.target.vocab_size
+    system = _ids(60, SYSTEM, vocab)
+    prompts = [system + _ids(61 + i, 4 + i, vocab) for i in range(3)]
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True, speculative=speculative)
+    results = batch.generate_many(prompts, config)
+    assert [r.cached_tokens for r in results] == [0, SYSTEM, SYSTEM]
+    cold_config = GenerationConfig(**{**config.__dict__, "reuse_prefix": False})
+    assert [r.token_ids for r in results] == [
+        cold.generate(p, cold_config).token_ids for p in prompts
+    ]
+
+
+def test_a_draft_with_its_own_cache_shares_rows_too(own_draft_package, monkeypatch):
+    """With its own cache, the draft copies the shared prefix into the new request's row as
+    the target does: every row whose record claims the system prompt holds the keys and
+    values a cold draft computes for it."""
+    batch, cold = BatchEngine.load(own_draft_package), Engine.load(own_draft_package)
+    vocab = batch.target.vocab_size
+    system = _ids(70, SYSTEM, vocab)
+    prompts = [system + _ids(71 + i, 5, vocab) for i in range(2)]
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True, speculative="draft")
+    draft = batch.engine.draft
+    runs, forward = [], draft.forward
+    monkeypatch.setattr(
+        draft,
+        "forward",
+        lambda tokens, start, **kw: runs.append(start) or forward(tokens, start, **kw),
+    )
+    results = batch.generate_many(prompts, config)
+    assert [r.cached_tokens for r in results] == [0, SYSTEM]
+    assert runs.count(0) == 1  # the second request's draft prompt starts past the system
+    cold_config = GenerationConfig(**{**config.__dict__, "reuse_prefix": False})
+    assert [r.token_ids for r in results] == [
+        cold.generate(p, cold_config).token_ids for p in prompts
+    ]
+    holding = [s for s in range(batch.slots) if draft.cached.prefix(s, system) == SYSTEM]
+    assert len(holding) == 2
+    cold.draft.forward(system, 0)
+    for mine, theirs in zip(draft.caches, cold.draft.caches, strict=True):
+        for slot in holding:
+            torch.testing.assert_close(mine[slot, :, :SYSTEM], theirs[0, :, :SYSTEM])
 
 
 def test_batch_engine_gives_a_request_the_slot_holding_its_conversation(tiny_batch_package):

@@ -6,7 +6,9 @@ prompt, which it does not run again (runtime/scheduler.py). A step runs, in orde
 
 - one prefill chunk of the oldest request still prefilling, at most `prefill_step` tokens
   while others decode (the whole prefill graph when none does), through the single-sequence
-  graphs on the slot's row;
+  graphs on the slot's row; before its first, the longest prefix of its prompt that any row
+  holds is copied into its row (`ModelRunner.share_prefix`), so requests running at once
+  with one system prompt run it once;
 - one decode for every request past its prompt: the `batch_decode` graph for two or more
   (each weight read once for all of them), the single-sequence `decode` graph for one;
 - with speculation, the requests with a proposal (n-gram lookup, or the draft model run in
@@ -225,6 +227,11 @@ class BatchEngine:
     # ---- model steps ---------------------------------------------------------------------
     def _prefill(self, seq: Sequence, others_decoding: bool) -> None:
         """The next chunk of `seq`'s prompt; after the last, its first token."""
+        if seq.pos == seq.cached_tokens and seq.config.reuses_prefix:  # its first chunk
+            # Rows written since it took its slot (a request ahead of it, still running,
+            # with the same system prompt) may hold more of its prompt than its own row.
+            held = self.target.share_prefix(seq.slot, seq.prompt)
+            seq.pos = seq.cached_tokens = min(held, len(seq.prompt) - 1)
         limit = self.prefill_step if others_decoding else self.target.prefill_chunk
         chunk = seq.prompt[seq.pos : seq.pos + limit]
         if seq.prompt_logprobs is None:

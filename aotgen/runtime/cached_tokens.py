@@ -53,3 +53,8 @@ class CachedTokens:
     def best_slot(self, free: list[int], prompt: list[int]) -> int:
         """The free slot holding the longest prefix of `prompt` (the first on a tie)."""
         return max(free, key=lambda s: self.prefix(s, prompt))
+
+    def holder(self, tokens: list[int]) -> tuple[int, int]:
+        """The row holding the longest prefix of `tokens`, free or running, and its length."""
+        slot = self.best_slot(list(range(len(self.rows))), tokens)
+        return slot, self.prefix(slot, tokens)

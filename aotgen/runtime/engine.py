@@ -284,6 +284,21 @@ class ModelRunner:
             pos += n
         return torch.cat(outs) if all_logits else outs[-1][0]
 
+    def share_prefix(self, slot: int, tokens: list[int]) -> int:
+        """How many leading `tokens` row `slot` holds, after copying into it what another row
+        holds of them beyond its own: a system prompt shared by requests running at once
+        runs once (vLLM and SGLang share such pages; a row's prefix is copied here, which
+        reads a few kB per position where running it reads every weight)."""
+        own = self.cached.prefix(slot, tokens)
+        donor, held = self.cached.holder(tokens)
+        if held <= own:
+            return own
+        for cache in self.caches:  # [slots, kv_heads, cache_len, head_dim]
+            cache[slot, :, own:held].copy_(cache[donor, :, own:held])
+        self.cached.forget(slot, own)
+        self.cached.wrote(slot, own, tokens[own:held])
+        return held
+
     def _graph_width(self, n: int, pos: int, all_logits: bool = False) -> int:
         """How many positions to run for `n` tokens at `pos`: 1 (decode), n (prefill), or the
         verify graph's width, padded, for 1 < n < verify_len. The prefill graph's BLAS calls

@@ -33,10 +33,10 @@ class Proposer(Protocol):
 
 
 def prefill_draft(draft: ModelRunner, prompt: list[int], slot: int, reuse: bool) -> None:
-    """Put the prompt in a draft's own cache row, running only what the row does not hold
-    yet (all of it without `reuse`). Through `draft.forward`, which a tensor-parallel
-    rank 0 announces to the other ranks."""
-    start = draft.cached.prefix(slot, prompt) if reuse else 0
+    """Put the prompt in a draft's own cache row, running only what no row holds yet (copied
+    from the row holding it), all of it without `reuse`. Through `draft.forward`, which a
+    tensor-parallel rank 0 announces to the other ranks."""
+    start = draft.share_prefix(slot, prompt) if reuse else 0
     if start < len(prompt):
         draft.forward(prompt[start:], start, slot=slot)
 

@@ -144,6 +144,12 @@ struct BatchEngine::Impl {
   // ---- model steps (outside the lock) -----------------------------------------------------
   // The next chunk of r's prompt; after the last, its first token.
   void prefill(Request& r, bool others_decoding) {
+    if (r.pos == r.cached_tokens && r.config.reuse_prefix) {  // its first chunk
+      // Rows written since it took its slot (a request ahead of it, still running, with the
+      // same system prompt) may hold more of its prompt than its own row.
+      const int64_t held = target.share_prefix(r.slot, r.prompt);
+      r.pos = r.cached_tokens = std::min<int64_t>(held, r.prompt.size() - 1);
+    }
     const int64_t limit = others_decoding ? prefill_step : target.prefill_chunk();
     const auto begin = r.prompt.begin() + r.pos;
     const auto n = std::min<int64_t>(limit, r.prompt.end() - begin);

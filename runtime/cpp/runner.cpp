@@ -197,6 +197,14 @@ int64_t CachedTokens::best_slot(const std::deque<int64_t>& free,
   return best;
 }
 
+std::pair<int64_t, int64_t> CachedTokens::holder(const std::vector<int64_t>& tokens) const {
+  int64_t best = 0, held = prefix(0, tokens);
+  for (int64_t slot = 1; slot < static_cast<int64_t>(rows_.size()); ++slot) {
+    if (const int64_t n = prefix(slot, tokens); n > held) best = slot, held = n;
+  }
+  return {best, held};
+}
+
 // ---- ModelRunner -------------------------------------------------------------------------
 
 ModelRunner::ModelRunner(const fs::path& pt2, const json& entry, const ModelRunner* target,
@@ -312,8 +320,20 @@ void ModelRunner::wrote(int64_t slot, int64_t start, const int64_t* tokens, int6
   if (!shares_cache_) cached_->wrote(slot, start, tokens, count);
 }
 
+int64_t ModelRunner::share_prefix(int64_t slot, const std::vector<int64_t>& tokens) {
+  const int64_t own = cached_->prefix(slot, tokens);
+  const auto [donor, held] = cached_->holder(tokens);
+  if (held <= own) return own;
+  for (auto& cache : caches_) {  // [slots, kv_heads, cache_len, head_dim]
+    cache.select(0, slot).slice(1, own, held).copy_(cache.select(0, donor).slice(1, own, held));
+  }
+  cached_->forget(slot, own);
+  cached_->wrote(slot, own, tokens.data() + own, held - own);
+  return held;
+}
+
 void ModelRunner::prefill_reusing(const std::vector<int64_t>& tokens, int64_t slot, bool reuse) {
-  const int64_t start = reuse ? cached_->prefix(slot, tokens) : 0;
+  const int64_t start = reuse ? share_prefix(slot, tokens) : 0;
   if (start < static_cast<int64_t>(tokens.size())) {
     forward(std::vector<int64_t>(tokens.begin() + start, tokens.end()), start, false, slot);
   }

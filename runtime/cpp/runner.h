@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -46,6 +47,8 @@ class CachedTokens {
   int64_t reusable(int64_t slot, const std::vector<int64_t>& prompt) const;
   // The free slot holding the longest prefix of the prompt (the first on a tie).
   int64_t best_slot(const std::deque<int64_t>& free, const std::vector<int64_t>& prompt) const;
+  // The row holding the longest prefix of tokens, free or running, and that prefix's length.
+  std::pair<int64_t, int64_t> holder(const std::vector<int64_t>& tokens) const;
 
  private:
   std::vector<std::vector<int64_t>> rows_;
@@ -123,8 +126,13 @@ class ModelRunner {
   // What the cache rows hold: the target's record for a draft on the target's cache.
   CachedTokens& cached() { return *cached_; }
 
-  // Makes row `slot` hold tokens from position 0, running only those past the prefix it
-  // already holds (all of them without `reuse`): a draft's prompt.
+  // How many leading tokens row `slot` holds, after copying into it what another row holds
+  // of them beyond its own (ModelRunner.share_prefix in engine.py): a prefix shared by
+  // requests running at once runs once.
+  int64_t share_prefix(int64_t slot, const std::vector<int64_t>& tokens);
+
+  // Makes row `slot` hold tokens from position 0, running only those past the prefix some
+  // row already holds (copied; all of them without `reuse`): a draft's prompt.
   void prefill_reusing(const std::vector<int64_t>& tokens, int64_t slot, bool reuse);
 
   // Scores a token tree rooted at position start in one tree-graph call (padded to its
