@@ -53,6 +53,7 @@ class RequestFields(BaseModel):
     max_tokens: int | None = Field(default=None, ge=0)  # 0: completions' echo scoring only
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # vLLM's extension; 0: off
     seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
     stop: str | list[str] | None = None
     n: int = 1
@@ -66,7 +67,6 @@ class RequestFields(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0)  # vLLM's extension
     logit_bias: dict[int, float] | None = None  # token id -> bias, -100..100
     # Declared so that a value other than "off" is refused, not silently ignored.
-    min_p: float = 0.0
     best_of: int | None = None
 
     def penalties(self) -> Penalties:
@@ -82,7 +82,7 @@ class RequestFields(BaseModel):
 
     def refuse_unsupported(self) -> None:
         """A sampling field aotgen does not implement, set to anything but "off"."""
-        unsupported = {"min_p": (0.0,), "best_of": (None, 1)}  # field -> values meaning off
+        unsupported = {"best_of": (None, 1)}  # field -> values meaning off
         for name, off in unsupported.items():
             if getattr(self, name) not in off:
                 raise ApiError(

@@ -66,6 +66,9 @@ class Recipe:
     compile: CompileOptions = field(default_factory=CompileOptions)
     # Held-out perplexity, eager vs package, in the build report (always on when quantized).
     perplexity: bool = False
+    # A `score` graph: the prefill graph returning every row's logits, so that prompt
+    # logprobs (lm-eval's loglikelihood requests) and perplexity run at prefill speed.
+    score_graph: bool = False
     # Graph formats written: AOTInductor always; "onnx" adds ONNX graphs (export/onnx.py).
     formats: tuple[str, ...] = ("aoti",)
 
@@ -168,8 +171,9 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
     for key in ("dtype", "device"):
         if key in data and not isinstance(data[key], str):
             raise RecipeError(f"{where}: {key} must be a string, got {data[key]!r}")
-    if not isinstance(data.get("perplexity", False), bool):
-        raise RecipeError(f"{where}: perplexity must be true or false, got {data['perplexity']!r}")
+    for key in ("perplexity", "score_graph"):
+        if not isinstance(data.get(key, False), bool):
+            raise RecipeError(f"{where}: {key} must be true or false, got {data[key]!r}")
     for key in ("max_seq_len", "prefill_chunk", "verify_k"):
         value = data.get(key, 1)
         if not _is_int(value) or value < 1:

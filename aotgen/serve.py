@@ -69,7 +69,11 @@ class Server:
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         try:
             sampling = SamplingParams(
-                temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p, seed=req.seed
+                temperature=req.temperature,
+                top_k=max(req.top_k, 0),
+                top_p=req.top_p,
+                seed=req.seed,
+                min_p=req.min_p,
             )
         except ValueError as e:
             raise ApiError(400, str(e)) from None

@@ -64,6 +64,10 @@ class EagerRunner(EagerModel):
         assert slot == 0, "the eager runner holds one sequence"
         return super().forward([token], pos)[-1]
 
+    def share_prefix(self, slot: int, tokens: list[int]) -> int:
+        """One row, never recorded: nothing to share."""
+        return self.cached.prefix(slot, tokens)
+
     @torch.no_grad()
     def tree_forward(self, tree, start: int) -> torch.Tensor:
         """The tree graph's contract, eagerly: unpadded, node i at slot start + i."""

@@ -19,6 +19,7 @@ from cpp_build import cmake_cache_value, require_cpp_build
 
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.engine import Engine, GenerationConfig
+from aotgen.runtime.rules import Penalties
 from aotgen.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.cpp
@@ -59,7 +60,7 @@ def request_json(ids: list[int], config: GenerationConfig) -> dict:
     s = config.sampling
     r = {"prompt_ids": ids, "max_new_tokens": config.max_new_tokens}
     r |= {"ignore_eos": config.ignore_eos, "stop": list(config.stop)}
-    r |= {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
+    r |= {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p}
     if s.seed is not None:
         r["seed"] = s.seed
     if config.uses_lookup:
@@ -68,6 +69,9 @@ def request_json(ids: list[int], config: GenerationConfig) -> dict:
         r["speculative"] = True
     if config.logprobs is not None:
         r["logprobs"] = config.logprobs
+    if (pen := config.penalties) is not None:
+        r |= {"repetition_penalty": pen.repetition, "presence_penalty": pen.presence}
+        r |= {"frequency_penalty": pen.frequency, "logit_bias": dict(pen.logit_bias)}
     return r
 
 
@@ -79,13 +83,24 @@ def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     return [(p[:5] * 8)[: len(p) + 8] if i % 3 == 0 else p for i, p in enumerate(prompts)]
 
 
+# Two requests in five with penalties: repetition, presence and frequency; a cycle of biased
+# tokens, so that verify rows must count the proposal's own tokens (test_penalties.py).
+PENALTIES = [
+    None,
+    Penalties(repetition=1.4, presence=0.5, frequency=0.4),
+    None,
+    Penalties(frequency=1.0, logit_bias=((40, 30.0), (41, 29.5), (42, 29.0))),
+    None,
+]
+
+
 def _configs(n: int, draft: bool = False) -> list[GenerationConfig]:
     """Greedy and seeded sampling (temperature, top-k, top-p), each plain and with n-gram
     speculation, of different lengths. With `draft`, some plain ones draft with the draft
     model instead: greedy ones with "draft", sampled ones with "draft+ngram"."""
     sampled = [
         SamplingParams(temperature=0.9, seed=7),
-        SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=11),
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=11),
     ]
     configs = []
     for i in range(n):
@@ -96,6 +111,7 @@ def _configs(n: int, draft: bool = False) -> list[GenerationConfig]:
         tokens = 12 + 5 * (i % 4)
         config = GenerationConfig(tokens, params, ignore_eos=True, speculative=speculative)
         config.logprobs = [None, 2, 0][i % 3]
+        config.penalties = PENALTIES[i % 5]
         configs.append(config)
     return configs
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from reference import check_conversation
 
 from aotgen.package.manifest import PackageError
 from aotgen.runtime.engine import Engine, GenerationConfig
+from aotgen.runtime.rules import Penalties
 from aotgen.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.cpp
@@ -61,7 +63,7 @@ def cpp_generate(binary: Path, package: Path, ids: list[int], *args: str) -> dic
 
 def sampling_args(params: SamplingParams) -> list[str]:
     args = ["--temperature", repr(params.temperature), "--top-k", str(params.top_k)]
-    args += ["--top-p", repr(params.top_p)]
+    args += ["--top-p", repr(params.top_p), "--min-p", repr(params.min_p)]
     return args + (["--seed", str(params.seed)] if params.seed is not None else [])
 
 
@@ -221,6 +223,7 @@ def test_seeded_sampling_is_reproducible(run_bin, tiny_package, py_engine):
         SamplingParams(temperature=1.0, top_k=20, seed=11),
         SamplingParams(temperature=1.2, top_p=0.9, seed=3),
         SamplingParams(temperature=1.0, top_k=50, top_p=0.8, seed=0),
+        SamplingParams(temperature=1.5, top_p=0.95, min_p=0.1, seed=2),
     ],
 )
 @pytest.mark.parametrize("speculative", [None, "ngram"])
@@ -279,6 +282,42 @@ def test_draft_model_speculation(run_bin, draft_package, mode, flags):
     assert drafted > 0
     # draft+ngram: lookup proposed in some steps (and the draft in the rest).
     assert (lookup_steps > 0) == (mode == "draft+ngram")
+
+
+# Repetition, presence and frequency penalties, as `aotgen-run` flags and as Python's.
+PENALTIES = Penalties(repetition=1.4, presence=0.5, frequency=0.4)
+PENALTY_FLAGS = ["--repetition-penalty", "1.4", "--presence-penalty", "0.5"]
+PENALTY_FLAGS += ["--frequency-penalty", "0.4"]
+
+
+@pytest.mark.parametrize(
+    "mode, flags",
+    [
+        (None, []),
+        ("ngram", ["--lookup", "ngram"]),
+        ("draft+ngram", ["--speculative", "--lookup", "ngram"]),
+    ],
+)
+def test_penalties_equal_pythons(run_bin, draft_package, mode, flags):
+    """Penalties: greedy and sampled ids and counts equal Python's, plain, n-gram and drafted
+    (the draft drafts under them and rolls back; each verify row takes them as they stand
+    after the proposal tokens before it), on a draft with the target's cache and its own."""
+    engine = Engine.load(draft_package)
+    changed = 0
+    for prompt in PROMPTS[:2]:
+        ids = engine.tokenizer.encode(prompt)
+        common = ["--max-new-tokens", str(N_TOKENS), "--ignore-eos", *PENALTY_FLAGS]
+        for params in (SamplingParams(), SamplingParams(temperature=0.9, top_k=40, seed=7)):
+            cfg = GenerationConfig(
+                N_TOKENS, params, ignore_eos=True, speculative=mode, penalties=PENALTIES
+            )
+            ref = engine.generate(ids, cfg)
+            got = cpp_generate(run_bin, draft_package, ids, *common, *sampling_args(params), *flags)
+            assert got["ids"] == ref.token_ids, (prompt, params)
+            if mode is not None:
+                assert got["spec"]["accepted"] == ref.spec.accepted
+            changed += ref.token_ids != engine.generate(ids, replace(cfg, penalties=None)).token_ids
+    assert changed
 
 
 @pytest.mark.parametrize(
@@ -445,6 +484,10 @@ def test_overlong_prompt_and_bad_requests(run_bin, tiny_package):
         check=False,
     )
     assert_fails(proc, "top_p must be in (0, 1]")
+    proc = run(run_bin, tiny_package, "--prompt", "hi", "--min-p", "2", check=False)
+    assert_fails(proc, "min_p must be in [0, 1]")
+    proc = run(run_bin, tiny_package, "--prompt", "hi", "--presence-penalty", "3", check=False)
+    assert_fails(proc, "presence penalty must be in -2..2")
     proc = run(run_bin, tiny_package, "--prompt", "hi", "--max-new-tokens", "x", check=False)
     assert_fails(proc, "--max-new-tokens: not a valid number", status=2)
     proc = run(run_bin, tiny_package, check=False)

@@ -139,6 +139,38 @@ def test_prompt_logprobs_equal_the_eager_models(engine, eager, max_new_tokens):
         _check(result, prompt, eager, top=1)
 
 
+@pytest.fixture(scope="module")
+def score_engine(tiny_checkpoint, project, tmp_path_factory) -> Engine:
+    """The tiny recipe with a score graph (prefill chunk 16, every row's logits)."""
+    from conftest import TINY_RECIPE
+
+    from aotgen.package.build import build
+    from aotgen.recipe import parse_recipe
+
+    data = {"checkpoint": str(tiny_checkpoint), **TINY_RECIPE, "score_graph": True}
+    recipe = parse_recipe(data, "tiny-score", tmp_path_factory.mktemp("score"))
+    return Engine.load(build(recipe, project).path, threads=1)
+
+
+@pytest.mark.parametrize(("length", "score_calls"), [(3, []), (45, [16, 16, 13])])
+def test_the_score_graph_scores_prompts_as_the_eager_model(
+    score_engine, eager, monkeypatch, length, score_calls
+):
+    """With a score graph, every row's logits come from it in prefill-sized chunks (a tail
+    shorter than the verify graph goes through that): the eager model's logprobs."""
+    graphs = score_engine.target.graphs
+    calls, graph = [], graphs["score"]
+    monkeypatch.setitem(
+        graphs,
+        "score",
+        lambda tokens, *a, **kw: calls.append(tokens.shape[1]) or graph(tokens, *a, **kw),
+    )
+    prompt = (_prompt(3) * 3)[:length]
+    result = score_engine.generate(prompt, GenerationConfig(max_new_tokens=0, prompt_logprobs=3))
+    _check_prompt(result.prompt_logprobs, prompt, eager, 3)
+    assert calls == score_calls
+
+
 def test_the_batch_engine_scores_prompts_in_chunks(tiny_batch_package, engine, eager):
     """Prompts prefilled in chunks of 7 beside decoding requests: each prompt's logprobs are
     the eager model's, as alone."""

@@ -168,6 +168,25 @@ def test_requests_running_at_once_share_their_system_prompt(tiny_batch_package, 
     ]
 
 
+def test_requests_found_whole_in_the_cache_start_in_one_step(tiny_batch_package):
+    """Four requests with one 24-token prompt: the first runs it in two prefill chunks (16,
+    then 8); the next step the other three copy all but its last token, which they run
+    together in that step's decode: all three first tokens in one step. Ids equal cold."""
+    batch, cold = BatchEngine.load(tiny_batch_package), Engine.load(tiny_batch_package)
+    prompt = _ids(80, 24, batch.target.vocab_size)
+    results = []
+    for _ in range(4):
+        batch.submit(prompt, GREEDY, on_done=results.append)
+    seqs = list(batch.scheduler.waiting)
+    first_step, step = {}, 0
+    while batch.step():
+        step += 1
+        first_step |= {s.id: step for s in seqs if s.first_token and s.id not in first_step}
+    assert [first_step[s.id] for s in seqs] == [2, 3, 3, 3]
+    assert sorted(r.cached_tokens for r in results) == [0, 23, 23, 23]
+    assert [r.token_ids for r in results] == [cold.generate(prompt, COLD).token_ids] * 4
+
+
 def test_a_draft_with_its_own_cache_shares_rows_too(own_draft_package, monkeypatch):
     """With its own cache, the draft copies the shared prefix into the new request's row as
     the target does: every row whose record claims the system prompt holds the keys and
@@ -242,3 +261,23 @@ def test_bench_turns_reports_reuse_and_equal_answers(tiny_package):
     # At least the first prompt (a random model's answer may encode back to other ids).
     assert rows[0].prompt_tokens <= rows[1].cached_tokens < rows[1].prompt_tokens
     assert all(r.same_text for r in rows)
+
+
+def test_bench_shared_prompt_finds_the_prompt_in_the_cache(tiny_batch_package, tmp_path):
+    """`aotgen bench --concurrency --shared-prompt`: in the shared runs every request but the
+    first finds all of the prompt but its last token, in the others none; the same answers."""
+    from aotgen.bench_serving import _one_level
+
+    batch = BatchEngine.load(tiny_batch_package)
+    shared = _one_level(batch, 3, 20, 6, 0, shared=True).results
+    alone = _one_level(batch, 3, 20, 6, 0, shared=False).results[:1]
+    assert sorted(r.cached_tokens for r in shared) == [0, 19, 19]
+    assert [r.token_ids for r in shared] == [alone[0].token_ids] * 3
+    args = ["--concurrency", "1,3", "--shared-prompt", "--prompt-len", "20", "--gen-tokens", "4"]
+    proc = aotgen("bench", str(tiny_batch_package), *args, "--runs", "1", "--json", cwd=tmp_path)
+    rows = json.loads(proc.stdout)["concurrency"]
+    name = tiny_batch_package.name
+    assert [(r["name"], r["concurrency"]) for r in rows] == [
+        (f"{name} {mode}", level) for level in (1, 3) for mode in ("shared", "per request")
+    ]
+    assert all(r["aggregate_tok_s"] > 0 and r["all_first_ms"] > 0 for r in rows)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -47,6 +49,36 @@ def test_matches_reference(temperature: float, top_k: int, top_p: float) -> None
     torch.testing.assert_close(probs, expected, atol=1e-6, rtol=1e-5)
     assert ((probs > 0) == (expected > 0)).all()  # identical support, not just close values
     torch.testing.assert_close(probs.sum(-1), torch.ones(16))
+
+
+@pytest.mark.parametrize("min_p", [0.02, 0.2, 0.9])
+@pytest.mark.parametrize(("top_k", "top_p"), [(0, 1.0), (20, 1.0), (0, 0.8), (40, 0.9)])
+def test_min_p_matches_transformers(min_p: float, top_k: int, top_p: float) -> None:
+    """Temperature, top-k, top-p, min-p: the distribution of HF's warpers in HF's order."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    logits = torch.randn(8, 500, generator=make_generator(3)) * 3
+    warpers = [TemperatureLogitsWarper(0.8)]
+    warpers += [TopKLogitsWarper(top_k)] if top_k else []
+    warpers += [TopPLogitsWarper(top_p)] if top_p < 1 else []
+    warpers += [MinPLogitsWarper(min_p)]
+    scores = logits.clone()
+    for warper in warpers:
+        scores = warper(None, scores)
+    params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p, min_p=min_p)
+    probs = logits_to_probs(logits, params)
+    expected = torch.softmax(scores, -1)
+    torch.testing.assert_close(probs, expected, atol=1e-6, rtol=1e-5)
+    assert ((probs > 0) == (expected > 0)).all()
+    kept = (probs > 0).sum(-1)
+    without = (logits_to_probs(logits, replace(params, min_p=0)) > 0).sum(-1)
+    assert (kept <= without).all()
+    assert (kept < without).any() or min_p < 0.1  # min-p drops tokens
 
 
 @pytest.mark.parametrize("top_k", [0, 300, 3000])
@@ -159,6 +191,8 @@ def test_sample_follows_probs() -> None:
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_p": -0.2}, "top_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.5}, "min_p"),
     ],
 )
 def test_invalid_params(kwargs: dict, message: str) -> None:

@@ -145,11 +145,11 @@ def test_seeded_sampling_reproduces_the_request_alone(tiny_server, alone):
     sampling = SamplingParams(temperature=0.9, seed=1234)
     want = alone.generate(_ids(3, 9), GenerationConfig(max_new_tokens=20, sampling=sampling))
     assert got["choices"][0]["text"] == want.text
-    # vLLM's top_k and repetition_penalty, OpenAI's penalties and logit bias.
+    # vLLM's top_k, min_p and repetition_penalty, OpenAI's penalties and logit bias.
     body |= {"top_k": 5, "frequency_penalty": 0.5, "presence_penalty": -0.2, "best_of": 1}
-    body |= {"repetition_penalty": 1.3, "logit_bias": {"7": 2.5}}
+    body |= {"repetition_penalty": 1.3, "logit_bias": {"7": 2.5}, "min_p": 0.3}
     got = httpx.post(f"{tiny_server.url}/v1/completions", json=body).json()
-    sampling = SamplingParams(temperature=0.9, top_k=5, seed=1234)
+    sampling = SamplingParams(temperature=0.9, top_k=5, seed=1234, min_p=0.3)
     penalties = Penalties(repetition=1.3, presence=-0.2, frequency=0.5, logit_bias=((7, 2.5),))
     config = GenerationConfig(max_new_tokens=20, sampling=sampling, penalties=penalties)
     assert got["choices"][0]["text"] == alone.generate(_ids(3, 9), config).text
@@ -279,7 +279,8 @@ def test_bad_structured_outputs_are_400s(tiny_server, body, param):
         ("/v1/completions", {"prompt": "hi", "max_tokens": 100_000}, None),
         ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
         ("/v1/completions", {"prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty"),
-        ("/v1/completions", {"prompt": "hi", "min_p": 0.1}, "min_p"),
+        ("/v1/completions", {"prompt": "hi", "min_p": 1.5}, "min_p"),
+        ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, None),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999": 1}}, None),
         ("/v1/completions", {"prompt": "hi", "top_k": -2}, "top_k"),

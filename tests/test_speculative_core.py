@@ -193,8 +193,14 @@ def test_distribution_matches_target(k: int) -> None:
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_distribution_with_top_k_top_p(k: int) -> None:
-    params = SamplingParams(temperature=0.8, top_k=5, top_p=0.9)
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.8, top_k=5, top_p=0.9),
+        SamplingParams(temperature=0.8, top_p=0.95, min_p=0.2),
+    ],
+)
+def test_distribution_with_top_k_top_p_min_p(k: int, params: SamplingParams) -> None:
     p_table, q_table = random_tables(k, seed=20 + k, params=params)
     assert ((p_table > 0) != (q_table > 0)).any()  # supports differ: residual path exercised
     tokens = first_two_tokens(rejection_sample, p_table, q_table, k, n=100_000, seed=30 + k)

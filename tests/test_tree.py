@@ -499,21 +499,25 @@ def test_bench_samples_every_mode_with_seeds(tree_package, tmp_path, monkeypatch
 
 @pytest.mark.cpp
 @pytest.mark.parametrize(
-    "mode, flags, best_first",
+    "mode, flags, best_first, penalized",
     [
-        ("ngram", ["--lookup", "ngram"], False),
-        ("draft", ["--speculative"], False),
-        ("draft+ngram", ["--speculative", "--lookup", "ngram"], False),
+        ("ngram", ["--lookup", "ngram"], False, False),
+        ("draft", ["--speculative"], False, False),
+        ("draft+ngram", ["--speculative", "--lookup", "ngram"], False, False),
         # Both best-first proposers: lookup where it matches, the draft elsewhere.
-        ("draft+ngram", ["--speculative", "--lookup", "ngram"], True),
+        ("draft+ngram", ["--speculative", "--lookup", "ngram"], True, False),
+        # Each node's row under the penalties as they stand after its path.
+        ("draft", ["--speculative"], False, True),
     ],
-    ids=["ngram", "draft", "draft+ngram", "draft+ngram-best-first"],
+    ids=["ngram", "draft", "draft+ngram", "draft+ngram-best-first", "draft-penalties"],
 )
-def test_cpp_tree_speculation_gives_pythons_ids(run_bin, tree_package, mode, flags, best_first):
+def test_cpp_tree_speculation_gives_pythons_ids(
+    run_bin, tree_package, mode, flags, best_first, penalized
+):
     """aotgen-run --draft-parallel: the same ids, counts and logprobs (the accepted path's
     rows) as the Python runtime, greedy and sampled (same drafting order, same random draws),
     and greedy equals plain."""
-    from test_cpp_runtime import cpp_generate, sampling_args
+    from test_cpp_runtime import PENALTIES, PENALTY_FLAGS, cpp_generate, sampling_args
 
     from aotgen.runtime.engine import Engine, GenerationConfig
     from aotgen.runtime.sampling import SamplingParams
@@ -536,6 +540,7 @@ def test_cpp_tree_speculation_gives_pythons_ids(run_bin, tree_package, mode, fla
                 k=4,
                 tree=tree,
                 logprobs=1,
+                penalties=PENALTIES if penalized else None,
             )
             ref = engine.generate(ids, cfg)
             got = cpp_generate(
@@ -546,6 +551,7 @@ def test_cpp_tree_speculation_gives_pythons_ids(run_bin, tree_package, mode, fla
                 *sampling_args(params),
                 *flags,
                 *tree_flags,
+                *(PENALTY_FLAGS if penalized else []),
                 "--logprobs",
                 "1",
             )
@@ -555,7 +561,10 @@ def test_cpp_tree_speculation_gives_pythons_ids(run_bin, tree_package, mode, fla
             )
             for key in ("drafted", "accepted", "lookup_steps", "tree_nodes", "branch_steps"):
                 assert got["spec"][key] == getattr(ref.spec, key), key
-            if params.greedy:
+            if params.greedy and penalized:
+                plain = GenerationConfig(N_TOKENS, ignore_eos=True, penalties=cfg.penalties)
+                assert got["ids"] == engine.generate(ids, plain).token_ids
+            elif params.greedy:
                 assert got["ids"] == _plain(engine, prompt)
             nodes += got["spec"]["tree_nodes"]
             branches += got["spec"]["branch_steps"]

@@ -91,6 +91,13 @@ def bench(
             "--llama-cpp GGUF, llama.cpp's llama-batched-bench beside it)"
         ),
     ] = None,
+    shared_prompt: Annotated[
+        bool,
+        typer.Option(
+            help="with --concurrency: every request sends one prompt (a shared system prompt), "
+            "found in the cache vs run per request (llama-batched-bench: -pps)"
+        ),
+    ] = False,
     turns: Annotated[
         int | None,
         typer.Option(
@@ -130,6 +137,8 @@ def bench(
         raise CliError("--llama-lookup compares n-gram speculation: add --speculative")
     if llama_lookup and not llama_lookup.is_file():
         raise CliError(f"--llama-lookup {llama_lookup}: no such GGUF file")
+    if shared_prompt and concurrency is None:
+        raise CliError("--shared-prompt shapes the --concurrency benchmark: add --concurrency")
     if turns is not None:
         at_least("--turns", turns)
         if llama_cpp and len(llama_cpp) > 1:
@@ -143,8 +152,9 @@ def bench(
         return
     if concurrency is not None:
         levels = _levels(concurrency)
+        sizes = (prompt_len, gen_tokens, runs)
         report["concurrency"] = _bench_concurrency(
-            packages, levels, prompt_len, gen_tokens, runs, threads, llama_cpp, as_json
+            packages, levels, sizes, threads, llama_cpp, as_json, shared_prompt
         )
         if as_json:
             print_json(report)
@@ -245,31 +255,32 @@ def _levels(concurrency: str) -> list[int]:
 def _bench_concurrency(
     packages: list[Path],
     levels: list[int],
-    prompt_len: int,
-    gen_tokens: int,
-    runs: int,
+    sizes: tuple[int, int, int],
     threads: int | None,
     llama_cpp: list[Path] | None,
     as_json: bool,
+    shared: bool,
 ) -> list[dict[str, Any]]:
+    """`sizes`: prompt tokens, new tokens, runs."""
     import torch
 
     from aotgen.bench_serving import bench_concurrency, llama_batched_bench
 
-    rows = [r for p in packages for r in bench_concurrency(p, levels, prompt_len, gen_tokens, runs)]
+    prompt_len, gen_tokens, runs = sizes
+    rows = [r for p in packages for r in bench_concurrency(p, levels, *sizes, shared=shared)]
     for gguf in llama_cpp or []:
         threads_used = threads or torch.get_num_threads()
-        rows += llama_batched_bench(gguf, levels, prompt_len, gen_tokens, threads_used)
+        rows += llama_batched_bench(gguf, levels, prompt_len, gen_tokens, threads_used, shared)
     if not as_json:
         table = Table(
-            title=f"many requests at once: prompt {prompt_len}, {gen_tokens} new tokens each, "
-            f"median of {runs}"
+            title=f"many requests at once: {'one shared ' if shared else ''}prompt {prompt_len}, "
+            f"{gen_tokens} new tokens each, median of {runs}"
         )
-        for col in ("runtime", "requests", "aggregate decode tok/s", "TTFT p50 ms", "TTFT p99 ms"):
+        columns = ("runtime", "requests", "aggregate decode tok/s", "TTFT p50 ms", "TTFT p99 ms")
+        for col in (*columns, "per-request tok/s", "all first tokens ms"):
             table.add_column(col, justify="left" if col == "runtime" else "right", no_wrap=True)
-        table.add_column("per-request tok/s", justify="right", no_wrap=True)
         for r in rows:
-            cells = (r.ttft_p50_ms, r.ttft_p99_ms, r.request_tok_s)
+            cells = (r.ttft_p50_ms, r.ttft_p99_ms, r.request_tok_s, r.all_first_ms)
             table.add_row(
                 r.name,
                 str(r.concurrency),

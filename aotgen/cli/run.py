@@ -58,6 +58,12 @@ def run(
     top_p: Annotated[
         float, typer.Option(help="sample from the smallest set with this much probability; 1 = off")
     ] = 1.0,
+    min_p: Annotated[
+        float,
+        typer.Option(
+            help="drop tokens below this fraction of the top token's probability; 0 = off"
+        ),
+    ] = 0.0,
     seed: Annotated[
         int | None,
         typer.Option(help=f"sampling seed, 0..{SEED_MAX} (default: random)"),
@@ -181,7 +187,9 @@ def run(
 
     constraint = structured_output(json_schema, regex, grammar)
     penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty)
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    sampling = SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p
+    )
     text = read_prompt_file(prompt_file) if prompt_file is not None else prompt
     mode = speculative_mode(speculative, lookup)
     cfg = GenerationConfig(

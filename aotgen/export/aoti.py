@@ -2,7 +2,8 @@
 
 Every graph keeps one signature, `(tokens [1, T], input_pos [T], *kv_caches) -> logits`,
 and differs only in T: `prefill` (dynamic, 2..prefill_chunk; logits of its last row only),
-`decode` (1) and `verify` (verify_k + 1). The optional `tree` graph (tree_nodes rows) also
+`decode` (1) and `verify` (verify_k + 1). The optional `score` graph is the prefill graph with
+every row's logits; the optional `tree` graph (tree_nodes rows) also
 takes a `[T, T]` bool tree mask after the caches; on a GPU the fixed-width graphs also take
 `key_pos [K]`, the cache positions they attend (`arange(K)`, K dynamic); the optional batched graphs
 `batch_decode` (T = 1) and `batch_verify` (verify_k + 1) take `tokens [B, T]`,
@@ -59,13 +60,15 @@ class GraphSpec:
 
 
 def graph_specs(
-    prefill_chunk: int, verify_k: int, tree_nodes: int = 0, max_batch: int = 0
+    prefill_chunk: int, verify_k: int, tree_nodes: int = 0, max_batch: int = 0, score: bool = False
 ) -> list[GraphSpec]:
     specs = [
         GraphSpec("prefill", 2, prefill_chunk),
         GraphSpec("decode", 1, 1),
         GraphSpec("verify", verify_k + 1, verify_k + 1),
     ]
+    if score:
+        specs.append(GraphSpec("score", 2, prefill_chunk))
     if tree_nodes:
         specs.append(GraphSpec("tree", tree_nodes, tree_nodes))
     if max_batch:

@@ -116,7 +116,13 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
     cfg = ModelConfig.from_hf(ckpt.config)
     weights = ckpt.load_weights()
     dtype = getattr(torch, recipe.dtype)
-    graphs = graph_specs(recipe.prefill_chunk, recipe.verify_k, recipe.tree_nodes, recipe.max_batch)
+    graphs = graph_specs(
+        recipe.prefill_chunk,
+        recipe.verify_k,
+        recipe.tree_nodes,
+        recipe.max_batch,
+        recipe.score_graph,
+    )
     indexes: dict[Path, BlockIndex] = {}  # `gguf: keep`: one row index per checkpoint
     models = [
         ModelBuild(
@@ -133,7 +139,7 @@ def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
         # The draft never verifies. On the target's cache it never prefills, and it drafts
         # for a batch of sequences at once (runtime/batch_draft.py); on its own cache each
         # sequence catches up on its own accepted tokens, so it drafts one at a time.
-        skip = ["verify", "tree", "batch_verify"]
+        skip = ["verify", "tree", "batch_verify", "score"]
         skip += ["prefill"] if recipe.speculative.get("share_kv") else ["batch_decode"]
         draft_graphs = [g for g in graphs if g.name not in skip]
         dcfg, dweights = _draft_weights(draft, ckpt, cfg, weights)

@@ -8,7 +8,8 @@ prompt, which it does not run again (runtime/scheduler.py). A step runs, in orde
   while others decode (the whole prefill graph when none does), through the single-sequence
   graphs on the slot's row; before its first, the longest prefix of its prompt that any row
   holds is copied into its row (`ModelRunner.share_prefix`), so requests running at once
-  with one system prompt run it once;
+  with one system prompt run it once, and one left with only its last prompt token runs it
+  in the decode below;
 - one decode for every request past its prompt: the `batch_decode` graph for two or more
   (each weight read once for all of them), the single-sequence `decode` graph for one;
 - with speculation, the requests with a proposal (n-gram lookup, or the draft model run in
@@ -174,9 +175,10 @@ class BatchEngine:
                 seq.sink.close("cancelled")
                 self._release(seq)
             self.scheduler.admit()
-            prefill = self.scheduler.next_prefill()
-            decoding = self.scheduler.decoding()
+            prefilling = self.scheduler.prefilling()
         self._report(cancelled)
+        prefill = self._share_prefixes(prefilling)
+        decoding = self.scheduler.decoding()
         if prefill is None and not decoding:
             return False
         try:
@@ -225,13 +227,22 @@ class BatchEngine:
         )
 
     # ---- model steps ---------------------------------------------------------------------
+    def _share_prefixes(self, prefilling: list[Sequence]) -> Sequence | None:
+        """Before a request's prompt starts, copy into its row the longest prefix of it that
+        any row holds: rows written since it took its slot (a request ahead of it, still
+        running, with the same system prompt) may hold more than its own. Oldest first, up to
+        the first with more than its last token to run: its chunk runs this step. Those left
+        with their last token join the step's decode."""
+        for seq in prefilling:
+            if seq.pos == seq.cached_tokens and seq.config.reuses_prefix:  # not started
+                held = self.target.share_prefix(seq.slot, seq.prompt)
+                seq.pos = seq.cached_tokens = min(held, len(seq.prompt) - 1)
+            if not seq.last_prompt_token:
+                return seq
+        return None
+
     def _prefill(self, seq: Sequence, others_decoding: bool) -> None:
         """The next chunk of `seq`'s prompt; after the last, its first token."""
-        if seq.pos == seq.cached_tokens and seq.config.reuses_prefix:  # its first chunk
-            # Rows written since it took its slot (a request ahead of it, still running,
-            # with the same system prompt) may hold more of its prompt than its own row.
-            held = self.target.share_prefix(seq.slot, seq.prompt)
-            seq.pos = seq.cached_tokens = min(held, len(seq.prompt) - 1)
         limit = self.prefill_step if others_decoding else self.target.prefill_chunk
         chunk = seq.prompt[seq.pos : seq.pos + limit]
         if seq.prompt_logprobs is None:
@@ -250,7 +261,8 @@ class BatchEngine:
 
     def _decode(self, seqs: list[Sequence]) -> None:
         """Every request past its prompt moves on by one decode or one verify."""
-        proposals = self._proposals([s for s in seqs if s.config.speculative])
+        # A request's first token (its prompt's last token runs here) comes unproposed.
+        proposals = self._proposals([s for s in seqs if s.config.speculative and not s.prefilling])
         # Under rules: cut where the grammar refuses, and the rules of each verify row.
         row_rules = {}
         for seq in seqs:
@@ -262,13 +274,13 @@ class BatchEngine:
             for seq, row in zip(
                 plain,
                 self.target.decode_many(
-                    [s.pending for s in plain], [s.pos for s in plain], [s.slot for s in plain]
+                    [s.decode_input for s in plain], [s.pos for s in plain], [s.slot for s in plain]
                 ),
                 strict=True,
             ):
-                seq.pos += 1
-                if seq.spec is not None:  # it found nothing to propose
+                if seq.spec is not None and not seq.prefilling:  # it found nothing to propose
                     seq.spec.update(0, 0)
+                seq.pos += 1
                 tok = select(row, seq.config.sampling, seq.generator, seq.rules)
                 self._accepted(seq, [tok], row[None])
         if verifying:

@@ -225,6 +225,7 @@ class ModelRunner:
         self.prefill_chunk = self.graphs["prefill"].max_tokens if "prefill" in self.graphs else 1
         self.verify_len = self.graphs["verify"].max_tokens if "verify" in self.graphs else 0
         self.tree_len = self.graphs["tree"].max_tokens if "tree" in self.graphs else 0
+        self.score_chunk = self.graphs["score"].max_tokens if "score" in self.graphs else 0
 
     def _aoti_graphs(
         self, root: Path, pt2: Path, entry: dict[str, Any], cuda_graphs: bool
@@ -257,13 +258,16 @@ class ModelRunner:
         """Run `tokens` at positions start_pos.. through the fitting graph(s), in the cache of
         `slot`. Returns logits `[T, V]` for every position if `all_logits`, else for the last.
         The prefill graph returns its last row only, so every row's logits come from the
-        verify graph, `verify_len` tokens a call (decode where it does not fit).
+        score graph where the package has one (`score_graph: true`), else from the verify
+        graph, `verify_len` tokens a call (decode where it does not fit).
         """
         caches = self.slot_caches[slot]
         end = start_pos + len(tokens)
         if end > self.cache_len:
             raise GenerationError(f"position {end} is past the KV cache ({self.cache_len})")
-        step = max(self.verify_len, 1) if all_logits else self.prefill_chunk
+        step = self.prefill_chunk
+        if all_logits:
+            step = self.score_chunk or max(self.verify_len, 1)
         outs = []
         pos = start_pos
         while pos < end:
@@ -271,8 +275,9 @@ class ModelRunner:
             width = self._graph_width(n, pos, all_logits)
             n = min(n, width)
             chunk = tokens[pos - start_pos : pos - start_pos + n]
+            many = "score" if all_logits else "prefill"
             graph = self.graphs[
-                "decode" if width == 1 else "verify" if width == self.verify_len else "prefill"
+                "decode" if width == 1 else "verify" if width == self.verify_len else many
             ]
             chunk += chunk[-1:] * (width - n)
             chunk_ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
@@ -306,11 +311,12 @@ class ModelRunner:
         5-token verify graph), and a partial speculative block or a short prompt tail lands
         there. The padded positions' cache entries are never read: every graph writes its
         positions before attending, and attends only up to its last one. With `all_logits`
-        the prefill graph (last row only) is no choice: 1 where the verify graph does not fit.
+        the prefill graph (last row only) is no choice: the score graph, or 1 where the verify
+        graph does not fit.
         """
         if 1 < n < self.verify_len and pos + self.verify_len <= self.cache_len:
             return self.verify_len
-        if all_logits and n != self.verify_len:
+        if all_logits and n != self.verify_len and not (self.score_chunk and n > 1):
             return 1
         return n
 

@@ -24,12 +24,14 @@ TOP_P_HEAD = 256
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick the next token. Order of application (as in HF): temperature, top-k, top-p."""
+    """How to pick the next token. Order of application (as in HF): temperature, top-k, top-p,
+    min-p."""
 
     temperature: float = 0.0  # 0 -> greedy (argmax)
     top_k: int = 0  # 0 -> off
     top_p: float = 1.0  # 1 -> off
     seed: int | None = None
+    min_p: float = 0.0  # 0 -> off; else drop tokens below min_p x the top token's probability
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -38,6 +40,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -55,11 +59,13 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
-    """[..., V] logits -> [..., V] float32 probabilities after temperature, top-k and top-p.
+    """[..., V] logits -> [..., V] float32 probabilities after temperature, top-k, top-p and
+    min-p.
 
-    top-k keeps every token tied with the k-th largest logit and top-p keeps the smallest set
-    of most likely tokens whose mass reaches top_p (always at least the top token), both as in
-    HF's logits warpers. Greedy params give the one-hot of the argmax. The input is not modified.
+    top-k keeps every token tied with the k-th largest logit, top-p keeps the smallest set
+    of most likely tokens whose mass reaches top_p (always at least the top token), and min-p
+    the tokens at least min_p times as likely as the top one, all as in HF's logits warpers.
+    Greedy params give the one-hot of the argmax. The input is not modified.
     """
     logits = logits.float()
     if params.greedy:
@@ -73,6 +79,10 @@ def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
         probs = _top_p(probs, params.top_p, head=params.top_k or TOP_P_HEAD)
+    if params.min_p > 0.0:
+        floor = params.min_p * probs.amax(-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
 

@@ -6,7 +6,9 @@ they finish or are cancelled. A request takes the free slot whose cache row hold
 prefix of its prompt (runtime/cached_tokens.py) and runs only the rest; without one, the slot
 freed longest ago, so recent conversations stay in the cache longest. Prefill is first come,
 first served, one request at a time, so a long prompt is chunked across steps while the
-running requests keep decoding.
+running requests keep decoding; a request left with only its prompt's last token (the rest
+found in the cache) runs it in the step's decode instead, so many requests that share a
+prompt all get their first token in one step.
 """
 
 from __future__ import annotations
@@ -56,12 +58,13 @@ class Scheduler:
             self.free.remove(seq.slot)
             self.running.append(seq)
 
-    def next_prefill(self) -> Sequence | None:
-        """The oldest running request whose prompt is not all in its cache yet."""
-        return next((s for s in self.running if s.prefilling), None)
+    def prefilling(self) -> list[Sequence]:
+        """Running requests whose prompt is not all in their cache yet, oldest first."""
+        return [s for s in self.running if s.prefilling]
 
     def decoding(self) -> list[Sequence]:
-        return [s for s in self.running if not s.prefilling and not s.done]
+        """Requests past their prompt, and those left with its last token only."""
+        return [s for s in self.running if (not s.prefilling or s.last_prompt_token) and not s.done]
 
     def release(self, seq: Sequence) -> None:
         """A finished or cancelled request leaves: its slot is free for the next step."""

@@ -151,6 +151,17 @@ class Sequence:
         return self.pos < len(self.prompt)
 
     @property
+    def last_prompt_token(self) -> bool:
+        """Only the prompt's last token is left to run: it runs in the step's decode, beside
+        the requests decoding, and chooses the first new token."""
+        return self.pos == len(self.prompt) - 1 and self.config.max_new_tokens > 0
+
+    @property
+    def decode_input(self) -> int:
+        """The token a decode step runs at `pos`."""
+        return self.prompt[-1] if self.prefilling else self.pending
+
+    @property
     def done(self) -> bool:
         return self.sink.done
 

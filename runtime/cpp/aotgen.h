@@ -48,12 +48,14 @@ class GenerationError : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
-// How to pick the next token; applied in this order (as in HF): temperature, top-k, top-p.
+// How to pick the next token; applied in this order (as in HF): temperature, top-k, top-p,
+// min-p.
 struct SamplingParams {
   double temperature = 0.0;  // < 1e-5 -> greedy (argmax)
   int64_t top_k = 0;         // 0 -> off
   double top_p = 1.0;        // 1 -> off
   std::optional<uint64_t> seed;  // none -> seeded from std::random_device
+  double min_p = 0.0;  // 0 -> off; else drop tokens below min_p x the top token's probability
 
   bool greedy() const { return temperature < 1e-5; }
   // Throws std::invalid_argument for values sampling.py rejects too.
@@ -76,9 +78,27 @@ struct TreeParams {
 // A chat message: (role, content).
 using ChatMessage = std::pair<std::string, std::string>;
 
+// Penalties on repeated tokens (OpenAI's presence and frequency, HF's and vLLM's repetition)
+// and OpenAI's logit bias, applied before sampling in this order (aotgen/runtime/rules.py):
+// bias; repetition over the prompt and the answer (a positive logit divided by it, a
+// negative one multiplied); minus frequency x count and presence over the answer.
+struct Penalties {
+  double repetition = 1.0;  // > 1 discourages tokens of the prompt and the answer; 1 -> off
+  double presence = 0.0;    // -2..2
+  double frequency = 0.0;   // -2..2
+  std::vector<std::pair<int64_t, double>> logit_bias;  // (token, added to its logit, -100..100)
+
+  bool active() const {
+    return repetition != 1.0 || presence != 0.0 || frequency != 0.0 || !logit_bias.empty();
+  }
+  // Throws std::invalid_argument for values rules.py rejects too.
+  void validate() const;
+};
+
 struct GenerationConfig {
   int64_t max_new_tokens = 256;
   SamplingParams sampling;
+  Penalties penalties;
   std::vector<std::string> stop;  // stop strings (not part of the returned text)
   bool ignore_eos = false;
   Speculative speculative = Speculative::None;

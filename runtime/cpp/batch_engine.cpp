@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <deque>
+#include <iterator>
 #include <mutex>
 #include <set>
 
@@ -12,6 +13,7 @@
 
 #include "detail.h"
 #include "proposers.h"
+#include "rules.h"
 #include "runner.h"
 #include "sink.h"
 
@@ -38,6 +40,13 @@ struct Request {
   }
 
   bool prefilling() const { return pos < static_cast<int64_t>(prompt.size()); }
+  // Only the prompt's last token is left to run: it runs in the step's decode, beside the
+  // requests decoding, and chooses the first new token.
+  bool last_prompt_token() const {
+    return pos == static_cast<int64_t>(prompt.size()) - 1 && config.max_new_tokens > 0;
+  }
+  // The token a decode step runs at `pos`.
+  int64_t decode_input() const { return prefilling() ? prompt.back() : pending; }
   bool done() const { return sink.done(); }
 
   // One step's tokens, and the logits rows that chose them: the last token becomes the next
@@ -79,6 +88,7 @@ struct Request {
   std::vector<int64_t> history;  // prompt + accepted tokens
   std::optional<SpecStats> spec;
   std::optional<std::vector<TokenLogprob>> logprobs;
+  std::optional<detail::TokenRules> rules;  // its penalties, none without
   int64_t slot = -1;
   int64_t pos = 0;
   int64_t cached_tokens = 0;  // prompt tokens its slot already held
@@ -142,14 +152,24 @@ struct BatchEngine::Impl {
   }
 
   // ---- model steps (outside the lock) -----------------------------------------------------
+  // Before a request's prompt starts, copies into its row the longest prefix of it that any
+  // row holds: rows written since it took its slot (a request ahead of it, still running, with
+  // the same system prompt) may hold more than its own. Oldest first, up to the first with more
+  // than its last token to run, returned: its chunk runs this step. Those left with their last
+  // token join the step's decode.
+  RequestPtr share_prefixes(const std::vector<RequestPtr>& prefilling) {
+    for (const auto& r : prefilling) {
+      if (r->pos == r->cached_tokens && r->config.reuse_prefix) {  // not started
+        const int64_t held = target.share_prefix(r->slot, r->prompt);
+        r->pos = r->cached_tokens = std::min<int64_t>(held, r->prompt.size() - 1);
+      }
+      if (!r->last_prompt_token()) return r;
+    }
+    return nullptr;
+  }
+
   // The next chunk of r's prompt; after the last, its first token.
   void prefill(Request& r, bool others_decoding) {
-    if (r.pos == r.cached_tokens && r.config.reuse_prefix) {  // its first chunk
-      // Rows written since it took its slot (a request ahead of it, still running, with the
-      // same system prompt) may hold more of its prompt than its own row.
-      const int64_t held = target.share_prefix(r.slot, r.prompt);
-      r.pos = r.cached_tokens = std::min<int64_t>(held, r.prompt.size() - 1);
-    }
     const int64_t limit = others_decoding ? prefill_step : target.prefill_chunk();
     const auto begin = r.prompt.begin() + r.pos;
     const auto n = std::min<int64_t>(limit, r.prompt.end() - begin);
@@ -157,7 +177,7 @@ struct BatchEngine::Impl {
     const at::Tensor logits = target.forward(chunk, r.pos, false, r.slot);
     r.pos += n;
     if (!r.prefilling()) {
-      r.accept({detail::select_next(logits, r.config.sampling, r.gen)}, logits.unsqueeze(0));
+      r.accept({detail::select(logits, r.config.sampling, r.gen, r.rules)}, logits.unsqueeze(0));
     }
   }
 
@@ -178,17 +198,21 @@ struct BatchEngine::Impl {
       const at::Tensor logits = decode_logits(plain);
       for (std::size_t i = 0; i < plain.size(); ++i) {
         Request& r = *plain[i];
+        if (r.spec && !r.prefilling()) r.spec->steps += 1;  // it found nothing to propose
         r.pos += 1;
-        if (r.spec) r.spec->steps += 1;  // it found nothing to propose
         const at::Tensor row = logits[static_cast<int64_t>(i)];
-        accepted(r, {detail::select_next(row, r.config.sampling, r.gen)}, row.unsqueeze(0));
+        accepted(r, {detail::select(row, r.config.sampling, r.gen, r.rules)}, row.unsqueeze(0));
       }
     }
     if (!verifying.empty()) {
       const auto all_logits = verify_logits(verifying, props);
       for (std::size_t i = 0; i < verifying.size(); ++i) {
         Request& r = *verifying[i];
-        const auto tokens = detail::verify(props[i], all_logits[i], r.config.sampling, r.gen);
+        // Under penalties row j takes them as they stand after the proposal's first j tokens.
+        const at::Tensor scored =
+            r.rules ? r.rules->along(all_logits[i], props[i].tokens) : all_logits[i];
+        const auto tokens = detail::verify(props[i], scored, r.config.sampling, r.gen);
+        if (r.rules) r.rules->advance(tokens);
         r.spec->steps += 1;
         r.spec->lookup_steps += props[i].looked_up;
         r.spec->drafted += static_cast<int64_t>(props[i].tokens.size());
@@ -218,12 +242,13 @@ struct BatchEngine::Impl {
     for (std::size_t i = 0; i < seqs.size(); ++i) {
       Request& r = *seqs[i];
       const GenerationConfig& c = r.config;
-      if (c.speculative == Speculative::None) continue;
+      // A request's first token (its prompt's last token runs here) comes unproposed.
+      if (c.speculative == Speculative::None || r.prefilling()) continue;
       int64_t k = std::min(c.k.value_or(e.verify_k), e.verify_k);
       k = std::min(k, e.max_seq_len + e.verify_k - r.pos);
       if (!together || !detail::uses_draft(c.speculative)) {
         if (!r.proposer) {
-          r.proposer = detail::make_proposer(e.draft.get(), r.prompt, c, r.gen, r.slot);
+          r.proposer = detail::make_proposer(e.draft.get(), r.prompt, c, r.gen, r.slot, &r.rules);
         }
         out[i] = r.proposer->propose(r.history, k);
         continue;
@@ -235,7 +260,7 @@ struct BatchEngine::Impl {
       if (out[i].tokens.empty() && k > 0) {
         drafting.push_back(i);
         const auto last = static_cast<int64_t>(r.history.size()) - 1;
-        requests.push_back({r.history.back(), last, r.slot, k, c.sampling, r.gen});
+        requests.push_back({r.history.back(), last, r.slot, k, c.sampling, r.gen, r.rules});
       }
     }
     if (!drafting.empty()) {
@@ -249,12 +274,12 @@ struct BatchEngine::Impl {
   at::Tensor decode_logits(const std::vector<RequestPtr>& seqs) {
     if (seqs.size() == 1 || !target.has_batch_decode()) {
       std::vector<at::Tensor> rows;
-      for (const auto& r : seqs) rows.push_back(target.decode(r->pending, r->pos, r->slot));
+      for (const auto& r : seqs) rows.push_back(target.decode(r->decode_input(), r->pos, r->slot));
       return at::stack(rows);
     }
     std::vector<std::vector<int64_t>> tokens, positions, slots(1);
     for (const auto& r : seqs) {
-      tokens.push_back({r->pending});
+      tokens.push_back({r->decode_input()});
       positions.push_back({r->pos});
       slots[0].push_back(r->slot);
     }
@@ -343,8 +368,10 @@ int64_t BatchEngine::submit(const std::vector<int64_t>& prompt_ids, const Genera
                     std::to_string(b.max_queue) + "); retry later");
   }
   const int64_t id = b.next_id++;
-  b.waiting.push_back(
-      std::make_shared<Request>(id, prompt_ids, config, std::move(sink), std::move(on_done)));
+  auto request =
+      std::make_shared<Request>(id, prompt_ids, config, std::move(sink), std::move(on_done));
+  request->rules = detail::make_rules(config, prompt_ids, b.target.vocab_size(), b.e.eos_ids);
+  b.waiting.push_back(std::move(request));
   return id;
 }
 
@@ -372,13 +399,14 @@ bool BatchEngine::step() {
       finish(r);
     }
     b.admit();
-    for (const auto& r : b.running) {
-      if (r->prefilling()) {
-        if (!prefill) prefill = r;
-      } else if (!r->done()) {
-        decoding.push_back(r);
-      }
-    }
+  }
+  // The running list changes in this thread only, under the lock: read here without it.
+  std::vector<RequestPtr> prefilling;
+  std::copy_if(b.running.begin(), b.running.end(), std::back_inserter(prefilling),
+               [](const RequestPtr& r) { return r->prefilling(); });
+  prefill = b.share_prefixes(prefilling);
+  for (const auto& r : b.running) {
+    if ((!r->prefilling() || r->last_prompt_token()) && !r->done()) decoding.push_back(r);
   }
   const bool work = prefill || !decoding.empty();
   if (work) {

@@ -14,6 +14,7 @@
 
 #include "detail.h"
 #include "proposers.h"
+#include "rules.h"
 #include "runner.h"
 #include "sink.h"
 #include "tree.h"
@@ -103,23 +104,24 @@ class TokenSteps {
  public:
   TokenSteps(ModelRunner& target, ModelRunner* draft, int64_t max_seq_len, int64_t verify_k,
              const std::vector<int64_t>& prompt, int64_t cached, const GenerationConfig& config,
-             std::optional<SpecStats>& spec)
+             std::optional<SpecStats>& spec, std::optional<detail::TokenRules> rules)
       : target_(target), draft_(draft), max_seq_len_(max_seq_len), max_k_(verify_k),
         prompt_(prompt), cached_(cached), config_(config), params_(config.sampling),
-        spec_(spec), gen_(detail::make_generator(config.sampling.seed)) {}
+        spec_(spec), gen_(detail::make_generator(config.sampling.seed)),
+        rules_(std::move(rules)) {}
 
   std::vector<int64_t> next() {
     if (!started_) {
       started_ = true;
       const std::vector<int64_t> rest(prompt_.begin() + cached_, prompt_.end());
       rows_ = target_.forward(rest, cached_).unsqueeze(0);
-      tok_ = detail::select_next(rows_, params_, gen_);
+      tok_ = detail::select(rows_, params_, gen_, rules_);
       pos_ = static_cast<int64_t>(prompt_.size());  // position of tok_, not yet cached
       return {tok_};
     }
     if (config_.speculative == Speculative::None) {
       rows_ = target_.decode(tok_, pos_).unsqueeze(0);
-      tok_ = detail::select_next(rows_, params_, gen_);
+      tok_ = detail::select(rows_, params_, gen_, rules_);
       ++pos_;
       return {tok_};
     }
@@ -143,7 +145,7 @@ class TokenSteps {
           config_.speculative, draft_calls_ ? &*draft_calls_ : nullptr, prompt_, params_, gen_,
           *config_.tree, ngram_min(config_), config_.ngram_max);
     } else {
-      proposer_ = detail::make_proposer(draft_, prompt_, config_, gen_);
+      proposer_ = detail::make_proposer(draft_, prompt_, config_, gen_, 0, &rules_);
     }
   }
 
@@ -154,7 +156,9 @@ class TokenSteps {
     const detail::Tree tree = tree_proposer_->propose(history_, k, budget);
     const at::Tensor logits = tree.size() == 1 ? target_.decode(tok_, pos_).unsqueeze(0)
                                                : target_.tree_forward(tree, pos_);
-    const auto verdict = detail::verify_tree(tree, logits, params_, gen_);
+    // Under penalties each node's row takes them as they stand after its path.
+    const at::Tensor scored = rules_ ? rules_->over_tree(logits, tree.tokens, tree.parents) : logits;
+    const auto verdict = detail::verify_tree(tree, scored, params_, gen_);
     tree_proposer_->verified(verdict.path);
     const int64_t moved = detail::commit_path(target_.caches(), pos_, verdict.path);
     std::vector<int64_t> path;  // the root and the accepted nodes, now at pos_.. as a chain
@@ -162,6 +166,7 @@ class TokenSteps {
     target_.cached().wrote(0, pos_, path.data(), static_cast<int64_t>(path.size()));
     std::vector<int64_t> accepted(path.begin() + 1, path.end());
     accepted.push_back(verdict.next);
+    if (rules_) rules_->advance(accepted);
     spec_->drafted += tree.depth();
     spec_->accepted += static_cast<int64_t>(verdict.path.size()) - 1;
     spec_->steps += 1;
@@ -189,7 +194,10 @@ class TokenSteps {
     std::vector<int64_t> block{tok_};
     block.insert(block.end(), proposal.tokens.begin(), proposal.tokens.end());
     const at::Tensor logits = target_.forward(block, pos_, /*all_logits=*/true);
-    const std::vector<int64_t> accepted = detail::verify(proposal, logits, params_, gen_);
+    // Under penalties row i takes them as they stand after the proposal's first i tokens.
+    const at::Tensor scored = rules_ ? rules_->along(logits, proposal.tokens) : logits;
+    const std::vector<int64_t> accepted = detail::verify(proposal, scored, params_, gen_);
+    if (rules_) rules_->advance(accepted);
     const auto n_acc = static_cast<int64_t>(accepted.size()) - 1;
     spec_->drafted += n;
     spec_->accepted += n_acc;
@@ -225,6 +233,7 @@ class TokenSteps {
   std::optional<DraftCalls> draft_calls_;
   std::unique_ptr<detail::TreeProposer> tree_proposer_;
   at::Tensor rows_;  // the logits rows that chose the last step's tokens
+  std::optional<detail::TokenRules> rules_;  // the request's penalties, none without
 };
 
 // The target cache's rows (engine.py _cache_slots): `slots`, or for 0 the package's
@@ -343,12 +352,19 @@ Engine Engine::load(const fs::path& package_dir, const LoadOptions& options, int
 void detail::check_request(const detail::EngineState& e, const std::vector<int64_t>& prompt_ids,
                            const GenerationConfig& config) {
   config.sampling.validate();
+  config.penalties.validate();
   if (prompt_ids.empty()) throw GenerationError("empty prompt: give at least one token");
   if (config.max_new_tokens < 1) {
     throw GenerationError("max_new_tokens must be >= 1, got " +
                           std::to_string(config.max_new_tokens));
   }
   const auto vocab = e.target->vocab_size();
+  for (const auto& [token, _] : config.penalties.logit_bias) {
+    if (token < 0 || token >= vocab) {
+      throw GenerationError("logit_bias token " + std::to_string(token) + " is outside 0.." +
+                            std::to_string(vocab - 1));
+    }
+  }
   for (const auto id : prompt_ids) {
     if (id < 0 || id >= vocab) {
       throw GenerationError("prompt token id " + std::to_string(id) + " is outside the model's "
@@ -417,7 +433,8 @@ GenerationResult Engine::generate(const std::vector<int64_t>& prompt_ids,
   const auto t0 = Clock::now();
   std::optional<Clock::time_point> t_first;
   TokenSteps steps(*e.target, e.draft.get(), e.max_seq_len, e.verify_k, prompt_ids,
-                   result.cached_tokens, config, result.spec);
+                   result.cached_tokens, config, result.spec,
+                   detail::make_rules(config, prompt_ids, e.target->vocab_size(), e.eos_ids));
   while (true) {
     const auto new_tokens = steps.next();
     if (!t_first) t_first = Clock::now();

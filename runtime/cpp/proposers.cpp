@@ -10,12 +10,25 @@ namespace aotgen::detail {
 namespace {
 
 // The draft's next token from its logits [V]: the argmax, or sampled with the request's
-// generator, its distribution kept in `rows` for the lossless acceptance rule.
-int64_t draft_token(const at::Tensor& logits, const SamplingParams& params, at::Generator& gen,
-                    std::vector<at::Tensor>& rows) {
-  if (params.greedy()) return logits.argmax().item<int64_t>();
-  rows.push_back(logits_to_probs(logits.unsqueeze(0), params)[0]);
-  return sample(rows.back().unsqueeze(0), gen).item<int64_t>();
+// generator, its distribution kept in `rows` for the lossless acceptance rule. Under the
+// request's rules, which then take the token (the drafter rolls back once it has drafted).
+int64_t draft_token(const at::Tensor& input, const SamplingParams& params, at::Generator& gen,
+                    std::vector<at::Tensor>& rows, std::optional<TokenRules>& rules) {
+  const at::Tensor logits = rules ? rules->restrict(input) : input;
+  int64_t tok = 0;
+  if (params.greedy()) {
+    tok = logits.argmax().item<int64_t>();
+  } else {
+    rows.push_back(logits_to_probs(logits.unsqueeze(0), params)[0]);
+    tok = sample(rows.back().unsqueeze(0), gen).item<int64_t>();
+  }
+  if (rules) rules->advance({tok});
+  return tok;
+}
+
+// Under rules, a draft stops at eos (nothing after it is verified).
+bool ends(const std::optional<TokenRules>& rules, int64_t token) {
+  return rules && rules->is_eos(token);
 }
 
 // [n] or [n, 1] int64 from values.
@@ -30,9 +43,9 @@ at::Tensor long_tensor(const std::vector<int64_t>& values, bool column) {
 
 DraftProposer::DraftProposer(ModelRunner& draft, const std::vector<int64_t>& prompt,
                              const SamplingParams& params, at::Generator& gen, int64_t slot,
-                             bool reuse_prefix)
+                             bool reuse_prefix, std::optional<TokenRules>* rules)
     : draft_(draft), params_(params), gen_(gen), slot_(slot),
-      pos_(static_cast<int64_t>(prompt.size())) {
+      pos_(static_cast<int64_t>(prompt.size())), rules_(rules) {
   // A draft that shares the target's cache finds every accepted position already written by
   // the target (prefill, then each verify): it never prefills and never catches up.
   if (!draft_.shares_cache()) draft_.prefill_reusing(prompt, slot_, reuse_prefix);
@@ -47,20 +60,25 @@ Proposal DraftProposer::propose(const std::vector<int64_t>& history, int64_t k) 
   pos_ += static_cast<int64_t>(pending.size());
   Proposal proposal;
   std::vector<at::Tensor> rows;
+  std::optional<TokenRules> none;
+  std::optional<TokenRules>& rules = rules_ ? *rules_ : none;
+  const int64_t start = rules ? rules->taken() : 0;
   for (int64_t i = 0; i < k; ++i) {
-    proposal.tokens.push_back(draft_token(logits, params_, gen_, rows));
-    if (i + 1 < k) logits = draft_.decode(proposal.tokens.back(), pos_++, slot_);
+    proposal.tokens.push_back(draft_token(logits, params_, gen_, rows, rules));
+    if (i + 1 == k || ends(rules, proposal.tokens.back())) break;
+    logits = draft_.decode(proposal.tokens.back(), pos_++, slot_);
   }
+  if (rules) rules->rollback(rules->taken() - start);
   if (!rows.empty()) proposal.probs = at::stack(rows);
   return proposal;
 }
 
 std::unique_ptr<Proposer> make_proposer(ModelRunner* draft, const std::vector<int64_t>& prompt,
                                         const GenerationConfig& config, at::Generator& gen,
-                                        int64_t slot) {
+                                        int64_t slot, std::optional<TokenRules>* rules) {
   LookupProposer lookup(ngram_min(config), config.ngram_max);
   if (!uses_draft(config.speculative)) return std::make_unique<LookupProposer>(lookup);
-  DraftProposer drafted(*draft, prompt, config.sampling, gen, slot, config.reuse_prefix);
+  DraftProposer drafted(*draft, prompt, config.sampling, gen, slot, config.reuse_prefix, rules);
   if (config.speculative == Speculative::DraftNgram) {
     return std::make_unique<DraftOrLookupProposer>(lookup, std::move(drafted));
   }
@@ -75,18 +93,18 @@ std::vector<Proposal> draft_batch(ModelRunner& draft, const std::vector<DraftReq
   const std::size_t n = requests.size();
   std::vector<Proposal> out(n);
   std::vector<std::vector<at::Tensor>> rows(n);
-  std::vector<int64_t> last(n), pos(n);
-  int64_t steps = 0;
+  std::vector<int64_t> last(n), pos(n), todo(n), start(n);
   for (std::size_t i = 0; i < n; ++i) {
     last[i] = requests[i].last;
     pos[i] = requests[i].pos;
-    steps = std::max(steps, requests[i].k);
+    todo[i] = requests[i].k;
+    start[i] = requests[i].rules ? requests[i].rules->taken() : 0;
   }
-  for (int64_t step = 0; step < steps; ++step) {
+  while (std::any_of(todo.begin(), todo.end(), [](int64_t t) { return t > 0; })) {
     std::vector<std::size_t> active;
     std::vector<int64_t> tokens, positions, slots;
     for (std::size_t i = 0; i < n; ++i) {
-      if (step >= requests[i].k) continue;
+      if (todo[i] <= 0) continue;
       active.push_back(i);
       tokens.push_back(last[i]);
       positions.push_back(pos[i]);
@@ -102,13 +120,16 @@ std::vector<Proposal> draft_batch(ModelRunner& draft, const std::vector<DraftReq
     for (std::size_t j = 0; j < active.size(); ++j) {
       const std::size_t i = active[j];
       const DraftRequest& r = requests[i];
-      const int64_t next = draft_token(logits[static_cast<int64_t>(j)], r.params, r.gen, rows[i]);
+      const int64_t next =
+          draft_token(logits[static_cast<int64_t>(j)], r.params, r.gen, rows[i], r.rules);
       out[i].tokens.push_back(next);
       last[i] = next;
       pos[i] += 1;
+      todo[i] = ends(r.rules, next) ? 0 : todo[i] - 1;
     }
   }
   for (std::size_t i = 0; i < n; ++i) {
+    if (requests[i].rules) requests[i].rules->rollback(requests[i].rules->taken() - start[i]);
     if (!rows[i].empty()) out[i].probs = at::stack(rows[i]);
   }
   return out;

@@ -13,6 +13,7 @@
 
 #include "aotgen.h"
 #include "detail.h"
+#include "rules.h"
 
 namespace aotgen::detail {
 
@@ -68,9 +69,10 @@ class LookupProposer final : public Proposer {
 // missing from the draft's cache.
 class DraftProposer final : public Proposer {
  public:
+  // Drafts under the request's `rules` (penalties) when it has them, rolled back after.
   DraftProposer(ModelRunner& draft, const std::vector<int64_t>& prompt,
                 const SamplingParams& params, at::Generator& gen, int64_t slot = 0,
-                bool reuse_prefix = true);
+                bool reuse_prefix = true, std::optional<TokenRules>* rules = nullptr);
 
   Proposal propose(const std::vector<int64_t>& history, int64_t k) override;
 
@@ -85,6 +87,7 @@ class DraftProposer final : public Proposer {
   at::Generator& gen_;
   int64_t slot_;
   int64_t pos_;
+  std::optional<TokenRules>* rules_;
 };
 
 // DraftNgram: a long enough match in the prompt + output costs nothing to propose; the draft
@@ -110,7 +113,8 @@ class DraftOrLookupProposer final : public Proposer {
 // runs in the cache row `slot`. `config` and `gen` must outlive it.
 std::unique_ptr<Proposer> make_proposer(ModelRunner* draft, const std::vector<int64_t>& prompt,
                                         const GenerationConfig& config, at::Generator& gen,
-                                        int64_t slot = 0);
+                                        int64_t slot = 0,
+                                        std::optional<TokenRules>* rules = nullptr);
 
 // The accepted prefix of the proposal plus one token from the target (speculative.py verify).
 inline std::vector<int64_t> verify(const Proposal& proposal, const at::Tensor& target_logits,
@@ -129,6 +133,7 @@ struct DraftRequest {
   int64_t last, pos, slot, k;
   const SamplingParams& params;
   at::Generator& gen;
+  std::optional<TokenRules>& rules;
 };
 
 // Each request's proposal, all stepping together: one batch_decode call of the draft per draft

@@ -3,6 +3,7 @@
 // from a seeded generator) are the same as in Python.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/TensorOperators.h>
+#include <ATen/ops/amax.h>
 #include <ATen/ops/rand.h>
 #include <ATen/ops/rsub.h>
 #include <ATen/ops/searchsorted.h>
@@ -48,6 +49,10 @@ void SamplingParams::validate() const {
   if (!(top_p > 0.0 && top_p <= 1.0)) {
     throw std::invalid_argument("top_p must be in (0, 1] (1 disables it), got " +
                                 shortest(top_p));
+  }
+  if (!(min_p >= 0.0 && min_p <= 1.0)) {
+    throw std::invalid_argument("min_p must be in [0, 1] (0 disables it), got " +
+                                shortest(min_p));
   }
 }
 
@@ -99,6 +104,11 @@ at::Tensor logits_to_probs(const at::Tensor& input, const SamplingParams& params
   at::Tensor probs = at::softmax(logits, -1);
   if (params.top_p < 1.0) {
     probs = top_p_filter(probs, params.top_p, params.top_k ? params.top_k : kTopPHead);
+  }
+  if (params.min_p > 0.0) {
+    const at::Tensor floor = params.min_p * probs.amax(-1, /*keepdim=*/true);
+    probs = probs.masked_fill(probs < floor, 0.0);
+    probs = probs / probs.sum(-1, /*keepdim=*/true);
   }
   return probs;
 }

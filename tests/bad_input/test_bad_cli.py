@@ -222,6 +222,7 @@ ROWS = [
     run("seed-negative", ("--seed", "-1"), f"--seed must be an integer in {SEED_RANGE}"),
     run("temperature-negative", ("--temperature", "-1"), "temperature must be a finite number"),
     run("top-p-over-one", ("--top-p", "2"), "top_p must be in (0, 1]"),
+    run("min-p-negative", ("--min-p", "-0.5"), "min_p must be in [0, 1]"),
     run(
         "prompt-over-context",
         ("--prompt", "The quick brown fox", "--max-new-tokens", "159"),

@@ -33,7 +33,9 @@ constexpr const char* kUsage = R"(usage: aotgen-batch PACKAGE REQUESTS [options]
 
 REQUESTS: a file (- for stdin), one request per line: a plain text prompt, or a JSON object
   {"prompt": TEXT | "chat": TEXT | "prompt_ids": [IDS], "system": TEXT,
-   "max_new_tokens": N, "temperature": T, "top_k": K, "top_p": P, "seed": S,
+   "max_new_tokens": N, "temperature": T, "top_k": K, "top_p": P, "min_p": P, "seed": S,
+   "repetition_penalty": R, "presence_penalty": P, "frequency_penalty": F,
+   "logit_bias": {"ID": BIAS},
    "stop": [TEXT], "ignore_eos": BOOL, "lookup": "ngram" | null, "speculative": BOOL,
    "k": K, "ngram_min": N, "ngram_max": N, "logprobs": N, "cancel_after": STEPS}
   (speculative: draft with the package's draft model, with lookup only where lookup finds
@@ -41,8 +43,8 @@ REQUESTS: a file (- for stdin), one request per line: a plain text prompt, or a 
 options (defaults for every request):
   --chat                 plain text lines are chat messages (ChatML), not raw prompts
   --max-new-tokens N     (default 256)
-  --temperature T, --top-k K, --top-p P, --seed S, --ignore-eos, --lookup ngram,
-  --speculative
+  --temperature T, --top-k K, --top-p P, --min-p P, --seed S, --ignore-eos,
+  --lookup ngram, --speculative
   --slots N              KV-cache slots (default: the package's max_batch)
   --prefill-step N       prompt tokens per step while others decode (default 64)
   --threads N            intra-op threads
@@ -100,6 +102,8 @@ Args parse_args(int argc, char** argv) {
       cfg.sampling.top_k = parse_number<int64_t>(arg, value());
     } else if (arg == "--top-p") {
       cfg.sampling.top_p = parse_number<double>(arg, value());
+    } else if (arg == "--min-p") {
+      cfg.sampling.min_p = parse_number<double>(arg, value());
     } else if (arg == "--seed") {
       cfg.sampling.seed = parse_number<uint64_t>(arg, value());
     } else if (arg == "--ignore-eos") {
@@ -146,7 +150,8 @@ Line parse_line(const std::string& text, const Args& args, const aotgen::Engine&
   const json r = json::parse(text);  // json::exception: reported with the line number
   static const std::vector<std::string> known = {
       "prompt", "chat", "prompt_ids", "system", "max_new_tokens", "temperature", "top_k",
-      "top_p", "seed", "stop", "ignore_eos", "lookup", "speculative", "k", "ngram_min",
+      "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty",
+      "logit_bias", "stop", "ignore_eos", "lookup", "speculative", "k", "ngram_min",
       "ngram_max", "logprobs", "cancel_after"};
   for (const auto& [key, _] : r.items()) {
     if (std::find(known.begin(), known.end(), key) == known.end()) {
@@ -169,6 +174,19 @@ Line parse_line(const std::string& text, const Args& args, const aotgen::Engine&
   c.sampling.temperature = r.value("temperature", c.sampling.temperature);
   c.sampling.top_k = r.value("top_k", c.sampling.top_k);
   c.sampling.top_p = r.value("top_p", c.sampling.top_p);
+  c.sampling.min_p = r.value("min_p", c.sampling.min_p);
+  c.penalties.repetition = r.value("repetition_penalty", c.penalties.repetition);
+  c.penalties.presence = r.value("presence_penalty", c.penalties.presence);
+  c.penalties.frequency = r.value("frequency_penalty", c.penalties.frequency);
+  const json logit_bias = r.value("logit_bias", json::object());
+  for (const auto& [key, bias] : logit_bias.items()) {
+    int64_t token = -1;
+    const auto [end, ec] = std::from_chars(key.data(), key.data() + key.size(), token);
+    if (ec != std::errc() || end != key.data() + key.size()) {
+      throw std::invalid_argument("logit_bias keys are token ids, got '" + key + "'");
+    }
+    c.penalties.logit_bias.emplace_back(token, bias.get<double>());
+  }
   if (r.contains("seed")) c.sampling.seed = r["seed"].get<uint64_t>();
   if (r.contains("stop")) {
     c.stop = r["stop"].is_string() ? std::vector{r["stop"].get<std::string>()}

@@ -48,6 +48,9 @@ options:
   --temperature T        0 = greedy (default 0)
   --top-k K              0 = off (default 0)
   --top-p P              1 = off (default 1)
+  --min-p P              drop tokens below P x the top one's probability; 0 = off (default 0)
+  --repetition-penalty R, --presence-penalty P, --frequency-penalty F
+                         penalties on repeated tokens, as `aotgen run`'s (off: 1, 0, 0)
   --seed S               sampling seed, 0..18446744073709551615 (default: random)
   --stop TEXT            stop string (repeatable)
   --ignore-eos           keep going past end-of-sequence tokens
@@ -211,6 +214,14 @@ Args parse_args(int argc, char** argv) {
       cfg.sampling.top_k = parse_number<int64_t>(arg, value());
     } else if (arg == "--top-p") {
       cfg.sampling.top_p = parse_number<double>(arg, value());
+    } else if (arg == "--min-p") {
+      cfg.sampling.min_p = parse_number<double>(arg, value());
+    } else if (arg == "--repetition-penalty") {
+      cfg.penalties.repetition = parse_number<double>(arg, value());
+    } else if (arg == "--presence-penalty") {
+      cfg.penalties.presence = parse_number<double>(arg, value());
+    } else if (arg == "--frequency-penalty") {
+      cfg.penalties.frequency = parse_number<double>(arg, value());
     } else if (arg == "--seed") {
       cfg.sampling.seed = parse_seed(value());
     } else if (arg == "--stop") {

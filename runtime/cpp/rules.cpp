@@ -1,0 +1,110 @@
+// aotgen/runtime/rules.py's penalties, op for op, so that a request gets Python's tokens.
+#include "rules.h"
+
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "detail.h"
+
+namespace aotgen {
+
+void Penalties::validate() const {
+  if (!(std::isfinite(repetition) && repetition > 0)) {
+    throw std::invalid_argument("repetition penalty must be > 0 (1 is off), got " +
+                                std::to_string(repetition));
+  }
+  for (const auto& [name, value] : {std::pair{"presence", presence}, {"frequency", frequency}}) {
+    if (!(std::isfinite(value) && value >= -2 && value <= 2)) {
+      throw std::invalid_argument(std::string(name) + " penalty must be in -2..2 (0 is off), got " +
+                                  std::to_string(value));
+    }
+  }
+  for (const auto& [token, bias] : logit_bias) {
+    if (!(std::isfinite(bias) && bias >= -100 && bias <= 100)) {
+      throw std::invalid_argument("logit bias of token " + std::to_string(token) +
+                                  " must be in -100..100, got " + std::to_string(bias));
+    }
+  }
+}
+
+namespace detail {
+
+TokenRules::TokenRules(const Penalties& penalties, const std::vector<int64_t>& prompt,
+                       int64_t vocab, std::set<int64_t> eos)
+    : penalties_(penalties), eos_(std::move(eos)), counts_(at::zeros({vocab})),
+      in_prompt_(at::zeros({vocab}, at::kBool)), bias_(at::zeros({vocab})) {
+  bool* seen = in_prompt_.data_ptr<bool>();
+  for (const int64_t tok : prompt) seen[tok] = true;
+  float* bias = bias_.data_ptr<float>();
+  for (const auto& [token, value] : penalties_.logit_bias) bias[token] += static_cast<float>(value);
+}
+
+at::Tensor TokenRules::restrict(const at::Tensor& logits) const {
+  return penalize(logits, counts_);
+}
+
+void TokenRules::advance(const std::vector<int64_t>& tokens) {
+  for (const int64_t tok : tokens) {
+    if (is_eos(tok)) return;
+    counts_[tok] += 1;
+    tokens_.push_back(tok);
+  }
+}
+
+void TokenRules::rollback(int64_t count) {
+  for (int64_t i = 0; i < count; ++i) {
+    counts_[tokens_.back()] -= 1;
+    tokens_.pop_back();
+  }
+}
+
+at::Tensor TokenRules::along(const at::Tensor& rows, const std::vector<int64_t>& tokens) const {
+  const auto n = static_cast<int64_t>(tokens.size());
+  at::Tensor steps = at::zeros({n + 1, counts_.size(0)});  // the counts each row adds
+  for (int64_t i = 0; i < n; ++i) steps.slice(0, i + 1).select(1, tokens[i]) += 1;
+  return penalize(rows, counts_ + steps);
+}
+
+at::Tensor TokenRules::over_tree(const at::Tensor& rows, const std::vector<int64_t>& tokens,
+                                 const std::vector<int64_t>& parents) const {
+  const auto n = static_cast<int64_t>(tokens.size());
+  at::Tensor steps = at::zeros({n, counts_.size(0)});  // the counts each node's path adds
+  for (int64_t node = 1; node < n; ++node) {
+    steps[node].copy_(steps[parents[node]]);
+    steps[node][tokens[node]] += 1;
+  }
+  return penalize(rows, counts_ + steps);
+}
+
+at::Tensor TokenRules::penalize(const at::Tensor& logits, const at::Tensor& counts) const {
+  at::Tensor out = logits.to(at::kFloat) + bias_;
+  if (penalties_.repetition != 1.0) {
+    const at::Tensor seen = in_prompt_ | (counts > 0);
+    const double rep = penalties_.repetition;
+    out = at::where(seen, at::where(out > 0, out / rep, out * rep), out);
+  }
+  return out - counts * penalties_.frequency - (counts > 0).to(at::kFloat) * penalties_.presence;
+}
+
+std::optional<TokenRules> make_rules(const GenerationConfig& config,
+                                     const std::vector<int64_t>& prompt, int64_t vocab,
+                                     const std::vector<int64_t>& eos_ids) {
+  if (!config.penalties.active()) return std::nullopt;
+  return TokenRules(config.penalties, prompt, vocab, {eos_ids.begin(), eos_ids.end()});
+}
+
+int64_t select(const at::Tensor& logits, const SamplingParams& params, at::Generator& gen,
+               std::optional<TokenRules>& rules) {
+  if (!rules) return select_next(logits, params, gen);
+  const int64_t tok = select_next(rules->restrict(logits), params, gen);
+  rules->advance({tok});
+  return tok;
+}
+
+}  // namespace detail
+}  // namespace aotgen

@@ -1,0 +1,60 @@
+// A request's penalties and their state (aotgen/runtime/rules.py without the grammar, which
+// the C++ runtime does not take): what it does to the logits before each token is chosen.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <set>
+#include <vector>
+
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
+
+#include "aotgen.h"
+
+namespace aotgen::detail {
+
+// One request's penalties and the answer's token counts, which advance with each accepted
+// token (eos is never taken). Speculative decoding applies them to each verify row as they
+// stand after the proposal tokens before it (along), and to each tree node's row after its
+// path (over_tree); drafters apply them while drafting and roll back.
+class TokenRules {
+ public:
+  TokenRules(const Penalties& penalties, const std::vector<int64_t>& prompt, int64_t vocab,
+             std::set<int64_t> eos);
+
+  // One row ([V] or [1, V]) with the penalties as they stand now.
+  at::Tensor restrict(const at::Tensor& logits) const;
+  // Take a step's tokens, chosen under these rules, up to eos.
+  void advance(const std::vector<int64_t>& tokens);
+  void rollback(int64_t count);
+  int64_t taken() const { return static_cast<int64_t>(tokens_.size()); }
+  bool is_eos(int64_t token) const { return eos_.count(token) > 0; }
+  // Verify rows [n + 1, V] for a proposal of n tokens: row i as they stand after tokens[:i].
+  at::Tensor along(const at::Tensor& rows, const std::vector<int64_t>& tokens) const;
+  // Tree rows: node i's as they stand after its path (node 0, the root: as they stand now).
+  at::Tensor over_tree(const at::Tensor& rows, const std::vector<int64_t>& tokens,
+                       const std::vector<int64_t>& parents) const;
+
+ private:
+  // Bias and penalties with the answer's token `counts` (broadcast over rows).
+  at::Tensor penalize(const at::Tensor& logits, const at::Tensor& counts) const;
+
+  Penalties penalties_;
+  std::set<int64_t> eos_;
+  at::Tensor counts_;     // [V] float32: the answer's tokens
+  at::Tensor in_prompt_;  // [V] bool
+  at::Tensor bias_;       // [V] float32
+  std::vector<int64_t> tokens_;
+};
+
+// The rules of a request, none without penalties (Engine::rules in engine.py).
+std::optional<TokenRules> make_rules(const GenerationConfig& config,
+                                     const std::vector<int64_t>& prompt, int64_t vocab,
+                                     const std::vector<int64_t>& eos_ids);
+
+// select_next under the request's rules, which then take the chosen token.
+int64_t select(const at::Tensor& logits, const SamplingParams& params, at::Generator& gen,
+               std::optional<TokenRules>& rules);
+
+}  // namespace aotgen::detail
