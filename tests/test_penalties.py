@@ -136,12 +136,12 @@ def test_a_bias_outside_the_vocabulary_is_refused(engine):
         engine.generate([5, 6], config)
 
 
-def test_run_takes_the_penalties(tiny_batch_package, engine):
+def test_run_takes_the_penalties_and_min_p(tiny_batch_package, engine):
     flags = "--max-new-tokens 12 --ignore-eos --json --threads 1".split()
     flags += "--repetition-penalty 1.5 --presence-penalty 0.6 --frequency-penalty 0.5".split()
+    flags += "--temperature 1.2 --min-p 0.2 --seed 5".split()
     proc = aotgen("run", str(tiny_batch_package), "--prompt", "the cat", *flags, cwd=REPO)
     ids = engine.tokenizer.prompt_ids("the cat")
-    want = engine.generate(
-        ids, GenerationConfig(max_new_tokens=12, ignore_eos=True, penalties=STRONG)
-    )
-    assert json.loads(proc.stdout)["ids"] == want.token_ids
+    sampling = SamplingParams(temperature=1.2, min_p=0.2, seed=5)
+    config = GenerationConfig(12, sampling, ignore_eos=True, penalties=STRONG)
+    assert json.loads(proc.stdout)["ids"] == engine.generate(ids, config).token_ids
