@@ -61,7 +61,7 @@ def _one_level(
     engine.target.cached.clear()  # nothing from an earlier run is found
     submitted = time.perf_counter()
     for i in range(level):  # distinct prompts match no other request's cache row
-        prompt = ids[:prompt_len] if shared else ids[i * prompt_len : (i + 1) * prompt_len]
+        prompt = ids[i * prompt_len : (i + 1) * prompt_len] if not shared else ids[:prompt_len]
         engine.submit(prompt, config, on_done=results.append)
     seqs = list(engine.scheduler.waiting)
     start = start_tokens = None
@@ -97,9 +97,8 @@ def bench_concurrency(
     for cache in (c for r in runners if r is not None and not r.shares_cache for c in r.caches):
         cache.zero_()
     _one_level(engine, min(levels), prompt_len, min(gen_tokens, 8), 0, shared)  # warm-up
-    modes = {f"{package.name} shared": True, f"{package.name} per request": False}
-    if not shared:
-        modes = {package.name: False}
+    name = package.name
+    modes = {f"{name} shared": True, f"{name} per request": False} if shared else {name: False}
     rows = []
     for level in levels:
         measured: dict[str, list[LevelRun]] = {name: [] for name in modes}

@@ -142,6 +142,7 @@ ROWS = [
         "compile.max_autotune: must be true or false",
     ),
     recipe("speculative-k-bool", "speculative: {k: true}\n", "k must be an integer in 1..16"),
+    recipe("score-graph-text", "score_graph: 'yes'\n", "score_graph must be true or false"),
     recipe("prefill-chunk-text", "prefill_chunk: '16'\n", "prefill_chunk must be a positive"),
     recipe("unknown-key", "max_seq_length: 64\n", "unknown key(s) max_seq_length"),
     recipe("invalid-yaml", "max_seq_len: [\n", "is not valid YAML"),
