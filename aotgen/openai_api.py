@@ -56,7 +56,7 @@ class RequestFields(BaseModel):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # vLLM's extension; 0: off
     seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1)  # choices, each a request of its own (seeds seed + i)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
@@ -219,12 +219,14 @@ def chat_logprobs(tok: Tokenizer, result: GenerationResult) -> dict:
     return {"content": content}
 
 
-def usage_of(result: GenerationResult) -> dict[str, Any]:
-    n = len(result.token_ids)
+def usage_of(results: list[GenerationResult]) -> dict[str, Any]:
+    """A request's usage over its choices: the prompt once, every choice's tokens."""
+    first, n = results[0], sum(len(r.token_ids) for r in results)
     return {
-        "prompt_tokens": result.prompt_tokens,
+        "prompt_tokens": first.prompt_tokens,
         "completion_tokens": n,
-        "total_tokens": result.prompt_tokens + n,
-        # OpenAI's field: prompt tokens found in the KV cache (runtime/cached_tokens.py).
-        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+        "total_tokens": first.prompt_tokens + n,
+        # OpenAI's field: prompt tokens found in the KV cache (runtime/cached_tokens.py), by
+        # the first choice (the others find the prompt it ran).
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
     }

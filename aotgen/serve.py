@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,7 +37,7 @@ from aotgen.openai_api import (
 )
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.engine import GenerationConfig, GenerationError, GenerationResult
-from aotgen.runtime.sampling import SamplingParams
+from aotgen.runtime.sampling import SEED_MAX, SamplingParams
 from aotgen.runtime.scheduler import QueueFull
 
 
@@ -56,8 +57,8 @@ class Server:
     def config(
         self, req: RequestFields, prompt: list[int], max_tokens: int | None
     ) -> GenerationConfig:
-        if req.n != 1:
-            raise ApiError(400, f"n={req.n}: only n=1 is supported", "n")
+        if req.n > self.engine.slots:
+            raise ApiError(400, f"n={req.n}: at most {self.engine.slots} (the slots)", "n")
         req.refuse_unsupported()
         if max_tokens == 0 and req.prompt_logprob_count() is None:
             raise ApiError(
@@ -88,59 +89,90 @@ class Server:
             prompt_logprobs=req.prompt_logprob_count(),
         )
 
-    def submit(self, prompt: list[int], config: GenerationConfig) -> tuple[int, asyncio.Queue]:
-        """Queue the request; its text pieces and its result arrive on the returned queue."""
+    def submit(
+        self, prompt: list[int], config: GenerationConfig, n: int
+    ) -> tuple[list[int], asyncio.Queue]:
+        """Queue the request's `n` choices, one engine request each (choice i seeded with
+        seed + i, as vLLM does); (choice, text piece or result) arrive on the returned queue.
+        The later choices find the prompt in the first one's cache row (prefix sharing)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
-        def put(item: tuple[str, Any]) -> None:
+        def put(item: tuple[int, str, Any]) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
+        rids: list[int] = []
+        base = config.sampling.seed
         try:
-            rid = self.engine.submit(
-                prompt, config, lambda t: put(("text", t)), lambda r: put(("done", r))
-            )
-        except GenerationError as e:
+            for i in range(n):
+                seed = None if base is None else (base + i) % (SEED_MAX + 1)
+                sampling = replace(config.sampling, seed=seed)
+                rids.append(
+                    self.engine.submit(
+                        prompt,
+                        replace(config, sampling=sampling),
+                        lambda t, i=i: put((i, "text", t)),
+                        lambda r, i=i: put((i, "done", r)),
+                    )
+                )
+        except (GenerationError, QueueFull) as e:
+            for rid in rids:
+                self.engine.cancel(rid)
+            if isinstance(e, QueueFull):
+                raise ApiError(429, str(e), kind="rate_limit_error") from None
             raise ApiError(400, str(e)) from None
-        except QueueFull as e:
-            raise ApiError(429, str(e), kind="rate_limit_error") from None
-        return rid, queue
+        return rids, queue
 
-    async def collect(self, request: Request, rid: int, queue: asyncio.Queue) -> GenerationResult:
-        """Wait for the whole result, cancelling the request if the client goes away."""
-        while True:
+    async def collect(
+        self, request: Request, rids: list[int], queue: asyncio.Queue
+    ) -> list[GenerationResult]:
+        """Wait for every choice's result, cancelling them if the client goes away."""
+        results: dict[int, GenerationResult] = {}
+        while len(results) < len(rids):
             try:
-                kind, value = await asyncio.wait_for(queue.get(), timeout=0.5)
+                index, kind, value = await asyncio.wait_for(queue.get(), timeout=0.5)
             except TimeoutError:
                 if await request.is_disconnected():
-                    self.engine.cancel(rid)
+                    for rid in rids:
+                        self.engine.cancel(rid)
                     raise ApiError(400, "the client disconnected") from None
                 continue
             if kind == "done":
-                return value
+                results[index] = value
+        return [results[i] for i in range(len(rids))]
 
     async def stream(
-        self, rid: int, queue: asyncio.Queue, chunk: Any, usage: bool, opening: dict | None
+        self,
+        rids: list[int],
+        queue: asyncio.Queue,
+        chunk: Any,
+        usage: bool,
+        openings: list[dict],
     ) -> AsyncIterator[str]:
-        """SSE events; on disconnect Starlette cancels this generator and the request goes."""
+        """SSE events, each choice's under its index; on disconnect Starlette cancels this
+        generator and the requests go."""
+        results: dict[int, GenerationResult] = {}
         try:
-            if opening is not None:
+            for opening in openings:
                 yield _sse(opening)
-            while True:
-                kind, value = await queue.get()
+            while len(results) < len(rids):
+                index, kind, value = await queue.get()
                 if kind == "text":
-                    yield _sse(chunk(value, None))
+                    yield _sse(chunk(index, value, None))
                     continue
+                results[index] = value
                 if value.finish_reason == "error":
                     yield _sse({"error": {"message": value.error, "type": "server_error"}})
-                else:
-                    yield _sse(chunk("", finish_reason(value), value))
-                    if usage:
-                        yield _sse({**chunk(None, None), "choices": [], "usage": usage_of(value)})
-                yield "data: [DONE]\n\n"
-                return
+                    break
+                yield _sse(chunk(index, "", finish_reason(value), value))
+            else:
+                if usage:
+                    done = [results[i] for i in range(len(rids))]
+                    yield _sse({**chunk(0, None, None), "choices": [], "usage": usage_of(done)})
+            yield "data: [DONE]\n\n"
         finally:
-            self.engine.cancel(rid)  # a no-op once the request is done
+            for rid in rids:
+                self.engine.cancel(rid)  # a no-op once the request is done
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -197,11 +229,11 @@ def create_app(engine: BatchEngine, name: str, speculative: str | None = None) -
         head |= {"created": int(time.time()), "model": name}
 
         def chunk(
-            text: str | None, finish: str | None, result: GenerationResult | None = None
+            index: int, text: str | None, finish: str | None, result: GenerationResult | None = None
         ) -> dict[str, Any]:
             logprobs = completion_logprobs(tok, result, prompt)
-            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-            return {**head, "choices": [choice]}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs}
+            return {**head, "choices": [choice | {"finish_reason": finish}]}
 
         echo = tok.decode(prompt) if req.echo else ""
         return await _respond(server, request, req, prompt, config, chunk, chat=False, echo=echo)
@@ -220,10 +252,10 @@ def create_app(engine: BatchEngine, name: str, speculative: str | None = None) -
         head |= {"created": int(time.time()), "model": name}
 
         def chunk(
-            text: str | None, finish: str | None, result: GenerationResult | None = None
+            index: int, text: str | None, finish: str | None, result: GenerationResult | None = None
         ) -> dict[str, Any]:
             delta = {"content": text} if text else {}
-            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "finish_reason": finish}
             if result is not None and result.logprobs is not None:
                 choice["logprobs"] = chat_logprobs(engine.tokenizer, result)
             return {**head, "choices": [choice]}
@@ -243,29 +275,32 @@ async def _respond(
     chat: bool,
     echo: str = "",
 ) -> Any:
-    """Submit the request; stream its chunks or answer whole. `echo`: text before the answer
-    (completions' echo of the prompt)."""
-    rid, queue = server.submit(prompt, config)
+    """Submit the request's choices; stream their chunks or answer whole. `echo`: text before
+    each answer (completions' echo of the prompt)."""
+    rids, queue = server.submit(prompt, config, req.n)
     if req.stream:
         usage = bool((req.stream_options or {}).get("include_usage"))
-        opening = chunk(echo, None) if echo else None
-        if chat:  # the first chat chunk names the role, as OpenAI's do
-            opening = chunk(None, None)
-            opening["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-        events = server.stream(rid, queue, chunk, usage, opening)
+        openings = [chunk(i, echo, None) for i in range(req.n)] if echo else []
+        if chat:  # each choice's first chat chunk names the role, as OpenAI's do
+            openings = [chunk(i, None, None) for i in range(req.n)]
+            for opening in openings:
+                opening["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        events = server.stream(rids, queue, chunk, usage, openings)
         return StreamingResponse(events, media_type="text/event-stream")
-    result = await server.collect(request, rid, queue)
-    if result.finish_reason == "error":
-        raise ApiError(500, f"generation failed: {result.error}")
-    body = chunk(None, finish_reason(result), result)
-    choice = body["choices"][0]
-    if chat:
-        body["object"] = "chat.completion"
-        choice.pop("delta")
-        choice["message"] = {"role": "assistant", "content": result.text}
-    else:
-        choice["text"] = echo + result.text
-    return {**body, "usage": usage_of(result)}
+    results = await server.collect(request, rids, queue)
+    if failed := [r for r in results if r.finish_reason == "error"]:
+        raise ApiError(500, f"generation failed: {failed[0].error}")
+    choices = []
+    for i, result in enumerate(results):
+        choice = chunk(i, None, finish_reason(result), result)["choices"][0]
+        if chat:
+            choice.pop("delta")
+            choice["message"] = {"role": "assistant", "content": result.text}
+        else:
+            choice["text"] = echo + result.text
+        choices.append(choice)
+    body = chunk(0, None, None) | {"choices": choices, "usage": usage_of(results)}
+    return body | ({"object": "chat.completion"} if chat else {})
 
 
 def serve(

@@ -166,6 +166,16 @@ def test_batch_matches_python(request, batch_bin, tmp_path, package_fixture):
             assert sum(s["steps"] for s in spec) > sum(s["lookup_steps"] for s in spec), mode
 
 
+def _both_runtimes(
+    binary: Path, package: Path, prompts: list[list[int]], configs: list, tmp_path: Path
+) -> tuple[list[dict], list]:
+    """The requests served by aotgen-batch and by the Python batch engine, in order."""
+    want = BatchEngine.load(package, prefill_step=PREFILL_STEP).generate_many(prompts, configs)
+    requests = [request_json(p, c) for p, c in zip(prompts, configs, strict=True)]
+    proc = run_batch(binary, package, requests, tmp_path, "--prefill-step", str(PREFILL_STEP))
+    return cpp_results(proc)[0], want
+
+
 def test_a_follow_up_takes_the_slot_holding_its_prefix(batch_bin, tiny_batch_package, tmp_path):
     """Four requests fill the slots; the one that ends first frees its slot for a follow-up
     that extends its prompt, which runs only the new tokens; a repeat of another prompt runs
@@ -175,14 +185,7 @@ def test_a_follow_up_takes_the_slot_holding_its_prefix(batch_bin, tiny_batch_pac
     prompts += [prompts[1] + [7, 8, 9], list(prompts[3])]
     lengths = [30, 4, 30, 8, 30, 10]  # request 1 ends first, then 3 (4 still runs)
     configs = [GenerationConfig(n, ignore_eos=True) for n in lengths]
-    want = BatchEngine.load(tiny_batch_package, prefill_step=PREFILL_STEP).generate_many(
-        prompts, configs
-    )
-    requests = [request_json(p, c) for p, c in zip(prompts, configs, strict=True)]
-    proc = run_batch(
-        batch_bin, tiny_batch_package, requests, tmp_path, "--prefill-step", str(PREFILL_STEP)
-    )
-    got, _ = cpp_results(proc)
+    got, want = _both_runtimes(batch_bin, tiny_batch_package, prompts, configs, tmp_path)
     assert [g["cached_tokens"] for g in got] == [w.cached_tokens for w in want]
     assert [w.cached_tokens for w in want] == [0, 0, 0, 0, len(prompts[1]), len(prompts[3]) - 1]
     for p, c, g, w in zip(prompts, configs, got, want, strict=True):
@@ -199,14 +202,7 @@ def test_requests_running_at_once_share_their_system_prompt(
     system = list(range(40, 70))
     prompts = [system + p[:6] for p in _prompts(3, cold.target.vocab_size, seed=10)]
     configs = [GenerationConfig(12, ignore_eos=True, speculative=s) for s in (None, "draft", None)]
-    want = BatchEngine.load(tiny_batch_package, prefill_step=PREFILL_STEP).generate_many(
-        prompts, configs
-    )
-    requests = [request_json(p, c) for p, c in zip(prompts, configs, strict=True)]
-    proc = run_batch(
-        batch_bin, tiny_batch_package, requests, tmp_path, "--prefill-step", str(PREFILL_STEP)
-    )
-    got, _ = cpp_results(proc)
+    got, want = _both_runtimes(batch_bin, tiny_batch_package, prompts, configs, tmp_path)
     assert [g["cached_tokens"] for g in got] == [w.cached_tokens for w in want] == [0, 30, 30]
     for p, c, g, w in zip(prompts, configs, got, want, strict=True):
         assert g["ids"] == w.token_ids == cold.generate(p, replace(c, reuse_prefix=False)).token_ids

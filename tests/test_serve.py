@@ -121,6 +121,39 @@ def test_sixteen_concurrent_requests_equal_each_alone(tiny_server, alone):
         assert answer["usage"]["prompt_tokens"] == 3 + 2 * i
 
 
+def test_n_choices_each_equal_a_request_alone(tiny_server, alone):
+    """`n`: choice i is the request alone seeded with seed + i (vLLM's rule), whole and
+    streamed (each choice's chunks under its index); usage counts the prompt once."""
+    prompt = _ids(9, 7)
+    body = {"prompt": prompt, "max_tokens": 10, "temperature": 0.9, "seed": 77, "n": 3}
+    got = httpx.post(f"{tiny_server.url}/v1/completions", json=body, timeout=60).json()
+    want = [
+        alone.generate(prompt, GenerationConfig(10, SamplingParams(temperature=0.9, seed=77 + i)))
+        for i in range(3)
+    ]
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in got["choices"]] == [w.text for w in want]
+    assert len({c["text"] for c in got["choices"]}) > 1  # the seeds differ
+    assert got["usage"]["prompt_tokens"] == len(prompt)
+    assert got["usage"]["completion_tokens"] == sum(len(w.token_ids) for w in want)
+    chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "n": 2}
+    chat |= {"temperature": 0.8, "seed": 5, "stream": True}
+    with httpx.stream("POST", f"{tiny_server.url}/v1/chat/completions", json=chat) as r:
+        events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    texts, roles, finishes = ["", ""], [0, 0], [0, 0]
+    for event in events:
+        for choice in event["choices"]:
+            i = choice["index"]
+            texts[i] += choice["delta"].get("content", "")
+            roles[i] += choice["delta"].get("role") == "assistant"
+            finishes[i] += choice["finish_reason"] is not None
+    ids = alone.tokenizer.encode_chat([{"role": "user", "content": "hello"}])
+    for i in range(2):
+        sampling = SamplingParams(temperature=0.8, seed=5 + i)
+        assert texts[i] == alone.generate(ids, GenerationConfig(8, sampling)).text
+    assert roles == finishes == [1, 1]
+
+
 def test_a_chat_turn_finds_the_conversation_in_the_cache(tiny_server, alone):
     """The next turn of a chat, sent whole, finds the last prompt and answer in the cache
     (OpenAI's usage.prompt_tokens_details.cached_tokens) and answers as a cold run does."""
@@ -134,7 +167,8 @@ def test_a_chat_turn_finds_the_conversation_in_the_cache(tiny_server, alone):
     ids = alone.tokenizer.encode_chat(messages)
     want = alone.generate(ids, GenerationConfig(max_new_tokens=8, reuse_prefix=False))
     assert second["choices"][0]["message"]["content"] == want.text
-    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # The first turn finds at most the chat template's opening tokens (other tests' chats).
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] < 8
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert first["usage"]["prompt_tokens"] <= cached < second["usage"]["prompt_tokens"] == len(ids)
 
@@ -277,7 +311,8 @@ def test_bad_structured_outputs_are_400s(tiny_server, body, param):
         ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
         ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 100_000}, None),
-        ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+        ("/v1/completions", {"prompt": "hi", "n": 5}, "n"),
+        ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
         ("/v1/completions", {"prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty"),
         ("/v1/completions", {"prompt": "hi", "min_p": 1.5}, "min_p"),
         ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
