@@ -102,7 +102,9 @@ def eager_engine(
 def check_conversation(printed: list[dict], package: Path, lines: list[str], config) -> None:
     """The turns `run --interactive --json` printed (either runtime), each user line the next
     turn of one chat, against the Python engine on the same chat: each turn's prompt ids and
-    cached count equal its, and its ids those of a cold run (reuse off, a second engine)."""
+    cached count equal its, and its ids those of a cold run (reuse off, a second engine). A
+    chat past the context loses its oldest turns (a message and its answer) until the next
+    prompt and `max_new_tokens` fit."""
     from dataclasses import replace
 
     from aotgen.runtime.engine import Engine
@@ -113,6 +115,9 @@ def check_conversation(printed: list[dict], package: Path, lines: list[str], con
     for line, out in zip(lines, printed, strict=True):
         messages.append({"role": "user", "content": line})
         ids = engine.tokenizer.encode_chat(messages)
+        while len(ids) + config.max_new_tokens > engine.max_seq_len:
+            del messages[:2]
+            ids = engine.tokenizer.encode_chat(messages)
         result = engine.generate(ids, config)
         assert out["prompt_ids"] == ids
         assert out["cached_tokens"] == result.cached_tokens

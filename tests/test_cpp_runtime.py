@@ -361,10 +361,14 @@ def test_logprobs_equal_pythons(run_bin, tiny_package, py_engine, flags):
     assert proc.returncode == 1 and "--logprobs N (0..20) goes with --json" in proc.stderr
 
 
-def test_interactive_conversation_reuses_the_cache_like_python(run_bin, tiny_package):
+@pytest.mark.parametrize("long", [False, True], ids=["short", "past-the-context"])
+def test_interactive_conversation_reuses_the_cache_like_python(run_bin, tiny_package, long):
     """`--interactive`: each stdin line is a turn of one chat; each turn's prompt, cached count
-    and ids equal the Python engine's on the same chat, and its ids a cold run's."""
-    lines = ["The quick brown fox", "and then?", "1 2 3 4 5 6 7 8"]
+    and ids equal the Python engine's on the same chat, and its ids a cold run's. A chat past
+    the context drops its oldest turns as Python's does."""
+    from test_prefix_reuse import LONG_CHAT
+
+    lines = LONG_CHAT if long else ["The quick brown fox", "and then?", "1 2 3 4 5 6 7 8"]
     proc = subprocess.run(
         [str(run_bin), str(tiny_package), "--interactive", "--json", "--max-new-tokens", "12"]
         + ["--ignore-eos"],

@@ -249,6 +249,22 @@ def test_run_interactive_is_one_conversation(tiny_package, tmp_path):
     check_conversation(printed, tiny_package, CHAT, GREEDY)
 
 
+# Long enough that the chat outgrows the tiny package's context (160 positions).
+LONG_CHAT = [f"turn {i}: " + "the quick brown fox jumps over the lazy dog " * 3 for i in range(6)]
+
+
+def test_run_interactive_drops_the_oldest_turns_past_the_context(tiny_package, tmp_path):
+    """A chat longer than the context goes on: each turn that would not fit drops the oldest
+    turns, as the Python engine's reference does; ids equal cold runs."""
+    args = ["run", str(tiny_package), "--interactive", "--json", "--max-new-tokens", "12"]
+    proc = aotgen(*args, "--ignore-eos", cwd=tmp_path, stdin="\n".join(LONG_CHAT) + "\n")
+    printed = [json.loads(line) for line in proc.stdout.splitlines()]
+    check_conversation(printed, tiny_package, LONG_CHAT, GREEDY)
+    assert all(len(p["prompt_ids"]) + 12 <= 160 for p in printed)
+    first, last = printed[0]["prompt_ids"], printed[-1]["prompt_ids"]
+    assert last[: len(first)] != first  # the first turn was dropped
+
+
 def test_bench_turns_reports_reuse_and_equal_answers(tiny_package):
     """`aotgen bench --turns`: from the second turn on, the chat so far is found in the cache,
     and the reusing engine answers as the one that runs every prompt whole."""

@@ -239,13 +239,18 @@ def _answer(
 def _converse(engine: Engine, cfg: GenerationConfig, system: str | None, as_json: bool) -> None:
     """`--interactive`: each line on stdin is the next user message of one conversation. The
     whole conversation is the next prompt, encoded through the chat template as a client
-    would send it; the engine runs only what its KV cache does not hold yet."""
+    would send it; the engine runs only what its KV cache does not hold yet. A conversation
+    that outgrows the context (with `max_new_tokens` of room) loses its oldest turns, so the
+    chat goes on (that prompt then runs whole: its start changed)."""
     messages: list[dict[str, str]] = []
     for line in sys.stdin:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
         ids = engine.tokenizer.encode_chat(messages, system=system)
+        while len(ids) + cfg.max_new_tokens > engine.max_seq_len and len(messages) > 1:
+            del messages[:2]  # the oldest turn: a message and its answer
+            ids = engine.tokenizer.encode_chat(messages, system=system)
         result = _answer(engine, ids, cfg, as_json)
         messages.append({"role": "assistant", "content": result.text})
 

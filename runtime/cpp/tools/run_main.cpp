@@ -393,9 +393,11 @@ int run(Args args) {
     return 0;
   }
   // The whole conversation is each turn's prompt, as a chat client sends it; the engine runs
-  // only what its KV cache does not hold yet.
+  // only what its KV cache does not hold yet. A conversation that outgrows the context (with
+  // max_new_tokens of room) loses its oldest turns (aotgen/cli/run.py _converse).
   std::vector<aotgen::ChatMessage> messages;
   if (args.system) messages.emplace_back("system", *args.system);
+  const std::ptrdiff_t oldest = args.system ? 1 : 0;  // the first message a turn may drop
   // The first turn's wait includes the load; a later turn's starts when its message arrives.
   bool first = true;
   for (std::string line; std::getline(std::cin, line);) {
@@ -403,7 +405,13 @@ int run(Args args) {
     const auto since = first ? t_start : Clock::now();
     first = false;
     messages.emplace_back("user", line);
-    const auto result = answer(engine, engine.chat_ids(messages), args, since);
+    auto ids = engine.chat_ids(messages);
+    while (static_cast<int64_t>(ids.size()) + args.config.max_new_tokens > engine.max_seq_len() &&
+           static_cast<std::ptrdiff_t>(messages.size()) > oldest + 1) {
+      messages.erase(messages.begin() + oldest, messages.begin() + oldest + 2);
+      ids = engine.chat_ids(messages);
+    }
+    const auto result = answer(engine, ids, args, since);
     messages.emplace_back("assistant", result.text);
   }
   return 0;
