@@ -90,12 +90,7 @@ def bench_concurrency(
             f"--concurrency {max(levels)} exceeds the package's {engine.slots} slots: rebuild "
             "with a larger max_batch, or lower the level"
         )
-    # A slot's first request writes fresh pages of the lazily allocated cache (SmolLM2, 512
-    # positions: ~190 ms more on a 2-core AMD EPYC): touch them all first, so that every level
-    # measures a running server's steady state (llama.cpp zeroes its cache at load).
-    runners = [engine.target, engine.engine.draft]
-    for cache in (c for r in runners if r is not None and not r.shares_cache for c in r.caches):
-        cache.zero_()
+    engine.warm_cache()  # as `aotgen serve` does: every level measures a running server
     _one_level(engine, min(levels), prompt_len, min(gen_tokens, 8), 0, shared)  # warm-up
     name = package.name
     modes = {f"{name} shared": True, f"{name} per request": False} if shared else {name: False}

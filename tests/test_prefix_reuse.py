@@ -240,6 +240,20 @@ def test_batch_engine_gives_a_request_the_slot_holding_its_conversation(tiny_bat
 CHAT = ["The quick brown fox", "and then?", "1 2 3 4 5 6 7 8"]
 
 
+def test_a_warmed_cache_holds_nothing_to_reuse(tiny_batch_package):
+    """`warm_cache` (what `serve` does before serving) writes every row, so it forgets what
+    they held: a request after it finds nothing, and equals a cold run."""
+    batch, cold = BatchEngine.load(tiny_batch_package), Engine.load(tiny_batch_package)
+    prompt = _ids(90, 20, batch.target.vocab_size)
+    batch.generate_many([prompt], GREEDY)
+    batch.warm_cache()
+    assert all(not row for row in batch.target.cached.rows)
+    assert all(not c.any() for c in batch.target.caches)
+    again = batch.generate_many([prompt], GREEDY)[0]
+    assert again.cached_tokens == 0
+    assert again.token_ids == cold.generate(prompt, COLD).token_ids
+
+
 def test_run_interactive_is_one_conversation(tiny_package, tmp_path):
     """`aotgen run --interactive`: each stdin line a turn; each turn's prompt, cached count and
     ids equal the Python engine's on the same chat, and its ids a cold run's."""

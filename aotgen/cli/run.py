@@ -469,6 +469,7 @@ def serve(
         raise CliError(f"{package} has no draft model: drop --speculative, or use --lookup ngram")
     mode = speculative_mode(speculative, lookup)
     name = package.resolve().name
+    engine.warm_cache()
     Console(stderr=True).print(
         f"serving {name} on http://{host}:{port}/v1 ({engine.slots} slots"
         f"{f', speculative: {mode}' if mode else ''})"

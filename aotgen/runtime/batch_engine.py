@@ -75,6 +75,17 @@ class BatchEngine:
         engine = Engine.load(path, threads=threads, slots=slots)
         return cls(engine, max_queue, prefill_step)
 
+    def warm_cache(self) -> None:
+        """Write every slot's cache rows once (and forget what they held): the rows are
+        allocated lazily, and a slot's first request otherwise pays for its fresh pages
+        (SmolLM2 fp32, 512 positions: ~190 ms on a 2-core AMD EPYC). A server does it before
+        serving, as llama.cpp zeroes its cache at load. Call it before `start()`."""
+        for runner in (self.target, self.engine.draft):
+            if runner is not None and not runner.shares_cache:
+                for cache in runner.caches:
+                    cache.zero_()
+                runner.cached.clear()
+
     # ---- requests (any thread) -----------------------------------------------------------
     def submit(
         self,
