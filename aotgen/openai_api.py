@@ -131,7 +131,9 @@ class RequestFields(BaseModel):
 
 
 class CompletionRequest(RequestFields):
-    prompt: str | list[int]
+    # One prompt (text or ids), or a batch of them (lm-eval-harness sends a list): every
+    # prompt's `n` choices are numbered prompt x n + choice, as OpenAI numbers them.
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP)
     echo: bool = False  # the prompt before the answer, with its logprobs when asked
 
@@ -219,14 +221,17 @@ def chat_logprobs(tok: Tokenizer, result: GenerationResult) -> dict:
     return {"content": content}
 
 
-def usage_of(results: list[GenerationResult]) -> dict[str, Any]:
-    """A request's usage over its choices: the prompt once, every choice's tokens."""
-    first, n = results[0], sum(len(r.token_ids) for r in results)
+def usage_of(results: list[GenerationResult], n: int = 1) -> dict[str, Any]:
+    """A request's usage over its choices (`n` a prompt): each prompt once, every choice's
+    tokens."""
+    firsts = results[::n]
+    prompt = sum(r.prompt_tokens for r in firsts)
+    completion = sum(len(r.token_ids) for r in results)
     return {
-        "prompt_tokens": first.prompt_tokens,
-        "completion_tokens": n,
-        "total_tokens": first.prompt_tokens + n,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
         # OpenAI's field: prompt tokens found in the KV cache (runtime/cached_tokens.py), by
-        # the first choice (the others find the prompt it ran).
-        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+        # each prompt's first choice (the others find the prompt it ran).
+        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)},
     }

@@ -90,11 +90,12 @@ class Server:
         )
 
     def submit(
-        self, prompt: list[int], config: GenerationConfig, n: int
+        self, prompts: list[list[int]], config: GenerationConfig, n: int
     ) -> tuple[list[int], asyncio.Queue]:
-        """Queue the request's `n` choices, one engine request each (choice i seeded with
-        seed + i, as vLLM does); (choice, text piece or result) arrive on the returned queue.
-        The later choices find the prompt in the first one's cache row (prefix sharing)."""
+        """Queue each prompt's `n` choices, one engine request each (choice j seeded with
+        seed + j, as vLLM does), numbered prompt x n + j; (choice, text piece or result)
+        arrive on the returned queue. A prompt's later choices find it in the first one's
+        cache row (prefix sharing)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -104,12 +105,12 @@ class Server:
         rids: list[int] = []
         base = config.sampling.seed
         try:
-            for i in range(n):
-                seed = None if base is None else (base + i) % (SEED_MAX + 1)
+            for i in range(len(prompts) * n):
+                seed = None if base is None else (base + i % n) % (SEED_MAX + 1)
                 sampling = replace(config.sampling, seed=seed)
                 rids.append(
                     self.engine.submit(
-                        prompt,
+                        prompts[i // n],
                         replace(config, sampling=sampling),
                         lambda t, i=i: put((i, "text", t)),
                         lambda r, i=i: put((i, "done", r)),
@@ -148,6 +149,7 @@ class Server:
         chunk: Any,
         usage: bool,
         openings: list[dict],
+        n: int,
     ) -> AsyncIterator[str]:
         """SSE events, each choice's under its index; on disconnect Starlette cancels this
         generator and the requests go."""
@@ -168,11 +170,23 @@ class Server:
             else:
                 if usage:
                     done = [results[i] for i in range(len(rids))]
-                    yield _sse({**chunk(0, None, None), "choices": [], "usage": usage_of(done)})
+                    body = chunk(0, None, None) | {"choices": [], "usage": usage_of(done, n)}
+                    yield _sse(body)
             yield "data: [DONE]\n\n"
         finally:
             for rid in rids:
                 self.engine.cancel(rid)  # a no-op once the request is done
+
+
+def _prompts(prompt: str | list, tok: Any) -> list[list[int]]:
+    """A completions request's prompts as ids: one text or id list, or a batch of them."""
+    if isinstance(prompt, str):
+        return [tok.prompt_ids(prompt)]
+    if not prompt:
+        raise ApiError(400, "prompt is empty: give text, token ids or a list of them", "prompt")
+    if all(isinstance(x, int) for x in prompt):
+        return [prompt]
+    return [tok.prompt_ids(x) if isinstance(x, str) else x for x in prompt]
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -223,20 +237,21 @@ def create_app(engine: BatchEngine, name: str, speculative: str | None = None) -
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
         tok = engine.tokenizer
-        prompt = req.prompt if isinstance(req.prompt, list) else tok.prompt_ids(req.prompt)
-        config = server.config(req, prompt, 16 if req.max_tokens is None else req.max_tokens)
+        prompts = _prompts(req.prompt, tok)
+        longest = max(prompts, key=len)
+        config = server.config(req, longest, 16 if req.max_tokens is None else req.max_tokens)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion"}
         head |= {"created": int(time.time()), "model": name}
 
         def chunk(
             index: int, text: str | None, finish: str | None, result: GenerationResult | None = None
         ) -> dict[str, Any]:
-            logprobs = completion_logprobs(tok, result, prompt)
+            logprobs = completion_logprobs(tok, result, prompts[index // req.n])
             choice = {"index": index, "text": text or "", "logprobs": logprobs}
             return {**head, "choices": [choice | {"finish_reason": finish}]}
 
-        echo = tok.decode(prompt) if req.echo else ""
-        return await _respond(server, request, req, prompt, config, chunk, chat=False, echo=echo)
+        echoes = [tok.decode(p) if req.echo else "" for p in prompts]
+        return await _respond(server, request, req, prompts, config, chunk, echoes)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Any:
@@ -260,7 +275,7 @@ def create_app(engine: BatchEngine, name: str, speculative: str | None = None) -
                 choice["logprobs"] = chat_logprobs(engine.tokenizer, result)
             return {**head, "choices": [choice]}
 
-        return await _respond(server, request, req, prompt, config, chunk, chat=True)
+        return await _respond(server, request, req, [prompt], config, chunk)
 
     return app
 
@@ -269,23 +284,24 @@ async def _respond(
     server: Server,
     request: Request,
     req: RequestFields,
-    prompt: list[int],
+    prompts: list[list[int]],
     config: GenerationConfig,
     chunk: Any,
-    chat: bool,
-    echo: str = "",
+    echoes: list[str] | None = None,
 ) -> Any:
-    """Submit the request's choices; stream their chunks or answer whole. `echo`: text before
-    each answer (completions' echo of the prompt)."""
-    rids, queue = server.submit(prompt, config, req.n)
+    """Submit the request's choices; stream their chunks or answer whole. `echoes`: each
+    prompt's text before its answers (completions' echo); none: a chat."""
+    n, chat = req.n, echoes is None
+    echo = [""] * len(prompts) if chat else echoes
+    rids, queue = server.submit(prompts, config, n)
     if req.stream:
         usage = bool((req.stream_options or {}).get("include_usage"))
-        openings = [chunk(i, echo, None) for i in range(req.n)] if echo else []
+        openings = [chunk(i, echo[i // n], None) for i in range(len(rids)) if echo[i // n]]
         if chat:  # each choice's first chat chunk names the role, as OpenAI's do
-            openings = [chunk(i, None, None) for i in range(req.n)]
+            openings = [chunk(i, None, None) for i in range(len(rids))]
             for opening in openings:
                 opening["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-        events = server.stream(rids, queue, chunk, usage, openings)
+        events = server.stream(rids, queue, chunk, usage, openings, n)
         return StreamingResponse(events, media_type="text/event-stream")
     results = await server.collect(request, rids, queue)
     if failed := [r for r in results if r.finish_reason == "error"]:
@@ -297,9 +313,9 @@ async def _respond(
             choice.pop("delta")
             choice["message"] = {"role": "assistant", "content": result.text}
         else:
-            choice["text"] = echo + result.text
+            choice["text"] = echo[i // n] + result.text
         choices.append(choice)
-    body = chunk(0, None, None) | {"choices": choices, "usage": usage_of(results)}
+    body = chunk(0, None, None) | {"choices": choices, "usage": usage_of(results, n)}
     return body | ({"object": "chat.completion"} if chat else {})
 
 

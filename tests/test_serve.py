@@ -254,6 +254,32 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(tiny_server, alone):
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
 
 
+def test_a_batch_of_prompts_as_lm_eval_sends_it(tiny_server, alone):
+    """lm-eval-harness's `local-completions` sends its prompts as a list (token lists, or texts
+    with `tokenized_requests=False`): one choice per prompt (with `n`, prompt x n + choice),
+    each what the prompt alone gets."""
+    prompts = [_ids(7, 12), _ids(8, 17), _ids(9, 9)]
+    body = {"prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+    got = httpx.post(f"{tiny_server.url}/v1/completions", json=body).json()
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2]
+    for prompt, choice in zip(prompts, got["choices"], strict=True):
+        want = alone.generate(prompt, GenerationConfig(max_new_tokens=0, prompt_logprobs=1))
+        assert choice["text"] == alone.tokenizer.decode(prompt)
+        assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(
+            [t.logprob for t in want.prompt_logprobs[1:]], abs=1e-5
+        )
+    assert got["usage"]["prompt_tokens"] == sum(len(p) for p in prompts)
+    texts = ["the cat", "a dog ran"]
+    body = {"prompt": texts, "max_tokens": 5, "temperature": 0.9, "seed": 3, "n": 2}
+    got = httpx.post(f"{tiny_server.url}/v1/completions", json=body).json()["choices"]
+    for i, choice in enumerate(got):
+        sampling = SamplingParams(temperature=0.9, seed=3 + i % 2)
+        ids = alone.tokenizer.prompt_ids(texts[i // 2])
+        assert choice["text"] == alone.generate(ids, GenerationConfig(5, sampling)).text, i
+    empty = httpx.post(f"{tiny_server.url}/v1/completions", json={"prompt": []})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "prompt"
+
+
 def test_chat_logprobs_through_the_openai_client(tiny_server, alone, tiny_batch_package):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="unused")
