@@ -152,9 +152,16 @@ def bench(
         return
     if concurrency is not None:
         levels = _levels(concurrency)
-        sizes = (prompt_len, gen_tokens, runs)
         report["concurrency"] = _bench_concurrency(
-            packages, levels, sizes, threads, llama_cpp, as_json, shared_prompt
+            packages,
+            levels,
+            prompt_len,
+            gen_tokens,
+            runs,
+            threads,
+            llama_cpp,
+            as_json,
+            shared_prompt,
         )
         if as_json:
             print_json(report)
@@ -255,18 +262,19 @@ def _levels(concurrency: str) -> list[int]:
 def _bench_concurrency(
     packages: list[Path],
     levels: list[int],
-    sizes: tuple[int, int, int],
+    prompt_len: int,
+    gen_tokens: int,
+    runs: int,
     threads: int | None,
     llama_cpp: list[Path] | None,
     as_json: bool,
     shared: bool,
 ) -> list[dict[str, Any]]:
-    """`sizes`: prompt tokens, new tokens, runs."""
     import torch
 
     from aotgen.bench_serving import bench_concurrency, llama_batched_bench
 
-    prompt_len, gen_tokens, runs = sizes
+    sizes = (prompt_len, gen_tokens, runs)
     rows = [r for p in packages for r in bench_concurrency(p, levels, *sizes, shared=shared)]
     for gguf in llama_cpp or []:
         threads_used = threads or torch.get_num_threads()

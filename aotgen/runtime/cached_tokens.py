@@ -56,5 +56,6 @@ class CachedTokens:
 
     def holder(self, tokens: list[int]) -> tuple[int, int]:
         """The row holding the longest prefix of `tokens`, free or running, and its length."""
-        slot = self.best_slot(list(range(len(self.rows))), tokens)
-        return slot, self.prefix(slot, tokens)
+        held = [self.prefix(slot, tokens) for slot in range(len(self.rows))]
+        slot = max(range(len(held)), key=held.__getitem__)  # the first on a tie
+        return slot, held[slot]
