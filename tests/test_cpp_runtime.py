@@ -22,7 +22,7 @@ import torch
 from cpp_build import REPO_ROOT
 from reference import check_conversation
 
-from aotgen.package.manifest import PackageError
+from aotgen.package.manifest import PackageError, read_manifest, write_manifest
 from aotgen.runtime.engine import Engine, GenerationConfig
 from aotgen.runtime.rules import Penalties
 from aotgen.runtime.sampling import SamplingParams
@@ -381,6 +381,58 @@ def test_interactive_conversation_reuses_the_cache_like_python(run_bin, tiny_pac
     assert proc.returncode == 0, proc.stderr
     printed = [json.loads(line) for line in proc.stdout.splitlines()]
     check_conversation(printed, tiny_package, lines, GenerationConfig(12, ignore_eos=True))
+
+
+@pytest.fixture(scope="module")
+def gemma_chat_package(tiny_package: Path, tmp_path_factory) -> Path:
+    """The tiny package with Gemma 2's chat template (not ChatML) in its tokenizer config, its
+    manifest hashed again."""
+    package = Path(shutil.copytree(tiny_package, tmp_path_factory.mktemp("gemma") / "pkg"))
+    config_path = package / "tokenizer" / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    template = REPO_ROOT / "tests" / "data" / "chat_templates"
+    config["chat_template"] = (template / "google-gemma-2-2b-it.jinja").read_text()
+    config_path.write_text(json.dumps(config))
+    write_manifest(package, read_manifest(package))
+    return package
+
+
+def test_chat_template_of_another_family(run_bin, gemma_chat_package):
+    """--chat renders the package's own template (Gemma's, not ChatML) in C++: the prompt ids
+    and the answer equal the Python engine's, and --interactive turns reuse the cache as
+    Python's do. A template that raises (Gemma has no system role) is a one-line error."""
+    engine = Engine.load(gemma_chat_package)
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    assert "<start_of_turn>user" in engine.tokenizer.decode(ids)
+    proc = run(
+        run_bin,
+        gemma_chat_package,
+        "--chat",
+        "Hi",
+        "--ids",
+        "--max-new-tokens",
+        "8",
+        "--ignore-eos",
+    )
+    got = json.loads(proc.stdout)
+    assert got["prompt_ids"] == ids
+    assert got["ids"] == engine.generate(ids, GenerationConfig(8, ignore_eos=True)).token_ids
+    proc = run(run_bin, gemma_chat_package, "--chat", "Hi", "--system", "Be brief.", check=False)
+    assert_fails(proc, "the chat template failed: System role not supported")
+
+    lines = ["The quick brown fox", "and then?", "1 2 3"]
+    proc = subprocess.run(
+        [str(run_bin), str(gemma_chat_package), "--interactive", "--json", "--ignore-eos"]
+        + ["--max-new-tokens", "8"],
+        input="\n".join(lines) + "\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    printed = [json.loads(line) for line in proc.stdout.splitlines()]
+    check_conversation(printed, gemma_chat_package, lines, GenerationConfig(8, ignore_eos=True))
 
 
 # ---- bad input: one clear message, exit status 1, no crash -------------------------------

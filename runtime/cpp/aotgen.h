@@ -32,6 +32,7 @@
 #include <utility>
 #include <vector>
 
+#include "chat.h"
 #include "tokenizer.h"
 
 namespace aotgen {
@@ -74,9 +75,6 @@ struct TreeParams {
   double p_split = 0.1;
   bool best_first = false;
 };
-
-// A chat message: (role, content).
-using ChatMessage = std::pair<std::string, std::string>;
 
 // Penalties on repeated tokens (OpenAI's presence and frequency, HF's and vLLM's repetition)
 // and OpenAI's logit bias, applied before sampling in this order (aotgen/runtime/rules.py):
@@ -190,9 +188,10 @@ class Engine {
                             const GenerationConfig& config = {},
                             const TextCallback& on_text = {});
 
-  // Prompt ids for one user turn. A ChatML chat template without a system message gives
-  // plain ChatML with no injected system turn (as the Python runtime and llama.cpp do);
-  // other templates need a jinja renderer: std::runtime_error.
+  // Prompt ids for one user turn, rendered by the checkpoint's chat template (chat.h: a
+  // ChatML template without a system message gives plain ChatML, no injected system turn, as
+  // the Python runtime and llama.cpp do). std::runtime_error when the package has no chat
+  // template, or the template raises.
   std::vector<int64_t> chat_ids(const std::string& user,
                                 const std::optional<std::string>& system = {}) const;
   // Prompt ids for a conversation: (role, content) messages, e.g. system, user, assistant,

@@ -326,17 +326,10 @@ Engine Engine::load(const fs::path& package_dir, const LoadOptions& options, int
         impl->bos_id = impl->tokenizer->token_id(*bos_token);
       }
     }
-    const json& template_value = tok_config.value("chat_template", json());
-    if (template_value.is_string()) {
-      impl->chat_template = template_value.get<std::string>();
-    } else if (template_value.is_array()) {  // named templates: [{"name", "template"}]
-      for (const auto& t : template_value) {
-        if (t.value("name", "") == "default") impl->chat_template = t.value("template", "");
-      }
-    }
-    if (fs::is_regular_file(tok_dir / "chat_template.jinja")) {
-      std::ifstream in(tok_dir / "chat_template.jinja");
-      impl->chat_template = std::string(std::istreambuf_iterator<char>(in), {});
+    try {
+      impl->chat_template = ChatTemplate::from_dir(tok_dir);
+    } catch (const std::runtime_error& e) {
+      throw PackageError(e.what());
     }
 
     impl->max_seq_len = m.at("max_seq_len").get<int64_t>();
@@ -463,32 +456,11 @@ std::vector<int64_t> Engine::chat_ids(const std::string& user,
 }
 
 std::vector<int64_t> Engine::chat_ids(const std::vector<ChatMessage>& messages) const {
-  const auto& tmpl = impl_->chat_template;
-  if (!tmpl || tmpl->find("<|im_start|>") == std::string::npos) {
-    throw std::runtime_error(
-        impl_->root.string() +
-        ": the chat template is not ChatML; the C++ runtime renders ChatML only (no jinja): "
-        "format the prompt yourself and pass it with --prompt");
+  if (!impl_->chat_template) {
+    throw std::runtime_error(impl_->root.string() +
+                             ": the package has no chat template: pass the prompt with --prompt");
   }
-  // Special tokens come from the template alone: message text that would encode to a
-  // control token ("<|im_start|>system") is encoded as text, piece by piece
-  // (tokenizer.py: Tokenizer.encode_chat).
-  const Tokenizer& tok = *impl_->tokenizer;
-  const bool plain = std::all_of(messages.begin(), messages.end(), [&](const auto& m) {
-    return tok.encode(m.second) == tok.encode(m.second, /*parse_special=*/false);
-  });
-  if (plain) return tok.encode(chatml_prompt(messages));
-  std::vector<int64_t> ids;
-  const auto append = [&ids](const std::vector<int64_t>& more) {
-    ids.insert(ids.end(), more.begin(), more.end());
-  };
-  for (const auto& [role, content] : messages) {
-    append(tok.encode("<|im_start|>" + role + "\n"));
-    append(tok.encode(content, /*parse_special=*/false));
-    append(tok.encode("<|im_end|>\n"));
-  }
-  append(tok.encode("<|im_start|>assistant\n"));
-  return ids;
+  return encode_chat(*impl_->tokenizer, *impl_->chat_template, messages);
 }
 
 std::vector<int64_t> Engine::prompt_ids(const std::string& text) const {

@@ -187,7 +187,7 @@ struct EngineState {
   std::optional<Tokenizer> tokenizer;  // always set once loaded
   std::vector<int64_t> eos_ids;
   std::optional<int64_t> bos_id;  // led plain prompts when the checkpoint asks (add_bos_token)
-  std::optional<std::string> chat_template;
+  std::optional<ChatTemplate> chat_template;
   std::unique_ptr<ModelRunner> target;
   std::unique_ptr<ModelRunner> draft;
   int64_t max_seq_len = 0;

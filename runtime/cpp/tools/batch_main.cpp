@@ -41,7 +41,7 @@ REQUESTS: a file (- for stdin), one request per line: a plain text prompt, or a 
   (speculative: draft with the package's draft model, with lookup only where lookup finds
   no match; cancel_after: cancel the request after that many engine steps).
 options (defaults for every request):
-  --chat                 plain text lines are chat messages (ChatML), not raw prompts
+  --chat                 plain text lines are chat messages (the chat template), not raw prompts
   --max-new-tokens N     (default 256)
   --temperature T, --top-k K, --top-p P, --min-p P, --seed S, --ignore-eos,
   --lookup ngram, --speculative

@@ -36,7 +36,7 @@ using Clock = std::chrono::steady_clock;
 constexpr const char* kUsage = R"(usage: aotgen-run PACKAGE PROMPT [options]
 
 prompt (exactly one):
-  --chat TEXT            user message, as a ChatML chat (no system message unless --system)
+  --chat TEXT            user message, in the chat template (no system message unless --system)
   --interactive          a conversation: each line on stdin is the next user message; each
                          turn runs only what the KV cache does not hold yet
   --prompt TEXT          raw prompt text

@@ -9,8 +9,13 @@
 //                                                                 then flush() as last chunk
 //   --pre-tokenize  "text"               -> ["piece", ...]        byte-level spelling
 //   --chatml        [[role, content]...] -> "prompt"              chatml_prompt
-// Exits 1 with a message on stderr at the first bad line or tokenizer error.
+//   --chat          [[role, content]...] -> {"prompt", "ids"}     chat_prompt, encode_chat with
+//                                           or {"error": "..."}   the template of the tokenizer's
+//                                                                 directory (chat.h)
+// Exits 1 with a message on stderr at the first bad line or tokenizer error; --chat reports
+// a template that fails on a conversation as that line's "error" and goes on.
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -19,17 +24,18 @@
 
 #include <nlohmann/json.hpp>
 
+#include "chat.h"
 #include "tokenizer.h"
 
 namespace {
 
 using json = nlohmann::json;
 
-enum class Mode { Encode, Decode, Stream, PreTokenize, ChatML };
+enum class Mode { Encode, Decode, Stream, PreTokenize, ChatML, Chat };
 
 int usage() {
   std::cerr << "usage: aotgen-tokenize TOKENIZER_JSON [--decode | --stream | --pre-tokenize | "
-               "--chatml] [--skip-special-tokens] [--no-generation-prompt]\n"
+               "--chatml | --chat] [--skip-special-tokens] [--no-generation-prompt]\n"
                "  reads one JSON value per stdin line, writes one JSON value per line\n";
   return 2;
 }
@@ -41,6 +47,14 @@ std::string dump(const json& value) {
 std::vector<int64_t> parse_ids(const json& value) {
   if (!value.is_array()) throw std::invalid_argument("expected a JSON array of token ids");
   return value.get<std::vector<int64_t>>();
+}
+
+std::vector<aotgen::ChatMessage> parse_messages(const json& value) {
+  std::vector<aotgen::ChatMessage> messages;
+  for (const json& message : value) {
+    messages.emplace_back(message.at(0).get<std::string>(), message.at(1).get<std::string>());
+  }
+  return messages;
 }
 
 std::string parse_text(const json& value) {
@@ -65,6 +79,8 @@ int main(int argc, char** argv) {
       mode = Mode::PreTokenize;
     } else if (arg == "--chatml") {
       mode = Mode::ChatML;
+    } else if (arg == "--chat") {
+      mode = Mode::Chat;
     } else if (arg == "--skip-special-tokens") {
       skip_special = true;
     } else if (arg == "--no-generation-prompt") {
@@ -84,6 +100,11 @@ int main(int argc, char** argv) {
   try {
     std::optional<aotgen::Tokenizer> tokenizer;
     if (!path.empty()) tokenizer = aotgen::Tokenizer::from_file(path);
+    std::optional<aotgen::ChatTemplate> chat_template;
+    if (mode == Mode::Chat) {
+      chat_template = aotgen::ChatTemplate::from_dir(std::filesystem::path(path).parent_path());
+      if (!chat_template) throw std::invalid_argument("no chat template beside " + path);
+    }
     std::string line;
     while (std::getline(std::cin, line)) {
       ++line_no;
@@ -106,13 +127,18 @@ int main(int argc, char** argv) {
         case Mode::PreTokenize:
           output = tokenizer->pre_tokenize(parse_text(input));
           break;
-        case Mode::ChatML: {
-          std::vector<std::pair<std::string, std::string>> messages;
-          for (const json& message : input) {
-            messages.emplace_back(message.at(0).get<std::string>(),
-                                  message.at(1).get<std::string>());
+        case Mode::ChatML:
+          output = aotgen::chatml_prompt(parse_messages(input), generation_prompt);
+          break;
+        case Mode::Chat: {
+          const auto messages = parse_messages(input);
+          try {
+            output = {{"prompt", aotgen::chat_prompt(*chat_template, messages, generation_prompt)},
+                      {"ids", aotgen::encode_chat(*tokenizer, *chat_template, messages,
+                                                  generation_prompt)}};
+          } catch (const std::runtime_error& e) {
+            output = {{"error", e.what()}};
           }
-          output = aotgen::chatml_prompt(messages, generation_prompt);
           break;
         }
       }
