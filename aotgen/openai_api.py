@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import codecs
 import itertools
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -16,6 +17,7 @@ from aotgen.runtime.logprobs import MAX_TOP
 from aotgen.runtime.rules import Penalties
 from aotgen.runtime.sampling import SEED_MAX
 from aotgen.runtime.tokenizer import Tokenizer
+from aotgen.tool_calls import ToolFormat
 
 
 class ApiError(Exception):
@@ -146,16 +148,58 @@ class CompletionRequest(RequestFields):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant"]
-    content: str | list[dict[str, Any]]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+    name: str | None = None
 
-    def text(self) -> str:
-        if isinstance(self.content, str):
+    def text(self) -> str | None:
+        if self.content is None or isinstance(self.content, str):
             return self.content
         parts = [p.get("text") for p in self.content if p.get("type") == "text"]
         if len(parts) != len(self.content) or not all(isinstance(p, str) for p in parts):
             raise ApiError(400, "only text content parts are supported", "messages")
         return "".join(parts)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' shape): only the keys it
+        has (Llama 3's template tests `'tool_calls' in message`), no content as "" (Qwen3's
+        template searches it), each call's arguments an object rather than OpenAI's JSON
+        text, as vLLM passes them."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text() or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [_call_for_template(c) for c in self.tool_calls]
+        message |= {k: v for k in ("tool_call_id", "name") if (v := getattr(self, k))}
+        return message
+
+
+def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ApiError(400, "messages: a tool call needs function.name", "messages")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except json.JSONDecodeError:
+            raise ApiError(
+                400, "messages: a tool call's function.arguments is not JSON", "messages"
+            ) from None
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+class ToolFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: ToolFunction
 
 
 class ChatRequest(RequestFields):
@@ -163,11 +207,50 @@ class ChatRequest(RequestFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP)
+    tools: list[Tool] | None = None
+    # "none", "auto" (the default with tools), "required", or one function by name.
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     def logprob_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def tool_calls(self, fmt: ToolFormat | None) -> tuple[ToolFormat | None, Grammar | None]:
+        """The format to read calls back in (None: no calls expected) and the grammar that
+        forces one (tool_choice "required" or a named function)."""
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        if choice != "none" and not self.tools:
+            raise ApiError(400, "tool_choice needs tools", "tool_choice")
+        if self.tools and fmt is None:
+            raise ApiError(
+                400, "this model's chat template does not take tools: leave tools out", "tools"
+            )
+        if choice == "none":
+            return None, None
+        assert fmt is not None
+        if choice == "auto":
+            return fmt, None
+        tools = self.tool_dicts()
+        parallel = self.parallel_tool_calls
+        if isinstance(choice, dict):
+            wanted = (choice.get("function") or {}).get("name")
+            tools = [t for t in tools if t["function"]["name"] == wanted]
+            if choice.get("type") != "function" or not tools:
+                raise ApiError(
+                    400,
+                    'tool_choice: give {"type": "function", "function": {"name": '
+                    "NAME}} with NAME one of tools",
+                    "tool_choice",
+                )
+            parallel = False
+        if self.grammar() is not None:
+            raise ApiError(400, "a forced tool call takes no response_format", "tool_choice")
+        return fmt, fmt.grammar(tools, parallel)
 
 
 def finish_reason(result: GenerationResult) -> str:

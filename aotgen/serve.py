@@ -16,7 +16,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
@@ -39,6 +39,7 @@ from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.engine import GenerationConfig, GenerationError, GenerationResult
 from aotgen.runtime.sampling import SEED_MAX, SamplingParams
 from aotgen.runtime.scheduler import QueueFull
+from aotgen.tool_calls import ToolCallStream, tool_format
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -160,7 +161,8 @@ class Server:
             while len(results) < len(rids):
                 index, kind, value = await queue.get()
                 if kind == "text":
-                    yield _sse(chunk(index, value, None))
+                    if (piece := chunk(index, value, None)) is not None:
+                        yield _sse(piece)
                     continue
                 results[index] = value
                 if value.finish_reason == "error":
@@ -257,25 +259,49 @@ def create_app(engine: BatchEngine, name: str, speculative: str | None = None) -
     async def chat(req: ChatRequest, request: Request) -> Any:
         if not req.messages:
             raise ApiError(400, "messages is empty: give at least one message", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        tok = engine.tokenizer
+        fmt, forced = req.tool_calls(tool_format(tok.chat_template))
+        messages = [m.for_template() for m in req.messages]
         try:
-            prompt = engine.tokenizer.encode_chat(messages)
-        except ValueError as e:
+            prompt = tok.encode_chat(messages, tools=req.tool_dicts() or None)
+        except ValueError as e:  # jinja2's TemplateError is one
             raise ApiError(400, f"messages: {e}", "messages") from None
         config = server.config(req, prompt, req.max_completion_tokens or req.max_tokens)
+        if forced is not None:
+            config = replace(config, grammar=forced)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk"}
         head |= {"created": int(time.time()), "model": name}
+        # Streamed answers hold back text that may be a tool call; whole ones are read at once.
+        streams = [ToolCallStream(fmt) if fmt and req.stream else None for _ in range(req.n)]
 
         def chunk(
             index: int, text: str | None, finish: str | None, result: GenerationResult | None = None
-        ) -> dict[str, Any]:
-            delta = {"content": text} if text else {}
+        ) -> dict[str, Any] | None:
+            delta: dict[str, Any] = {}
+            if (stream := streams[index]) is not None and finish is not None:
+                text, calls = stream.finish()
+                if calls:
+                    delta["tool_calls"] = [c.as_openai(i) for i, c in enumerate(calls)]
+                    finish = "tool_calls"
+            elif stream is not None and text:
+                text = stream.feed(text)
+                if not text:
+                    return None  # held back: it may be a tool call
+            if text:
+                delta = {"content": text} | delta
             choice = {"index": index, "delta": delta, "finish_reason": finish}
             if result is not None and result.logprobs is not None:
-                choice["logprobs"] = chat_logprobs(engine.tokenizer, result)
+                choice["logprobs"] = chat_logprobs(tok, result)
             return {**head, "choices": [choice]}
 
-        return await _respond(server, request, req, [prompt], config, chunk)
+        def reply(result: GenerationResult) -> tuple[dict[str, Any], str]:
+            content, calls = fmt.parse(result.text) if fmt else (result.text, [])
+            message = {"role": "assistant", "content": content}
+            if not calls:
+                return message, finish_reason(result)
+            return message | {"tool_calls": [c.as_openai() for c in calls]}, "tool_calls"
+
+        return await _respond(server, request, req, [prompt], config, chunk, reply=reply)
 
     return app
 
@@ -288,16 +314,18 @@ async def _respond(
     config: GenerationConfig,
     chunk: Any,
     echoes: list[str] | None = None,
+    reply: Callable[[GenerationResult], tuple[dict[str, Any], str]] | None = None,
 ) -> Any:
     """Submit the request's choices; stream their chunks or answer whole. `echoes`: each
-    prompt's text before its answers (completions' echo); none: a chat."""
-    n, chat = req.n, echoes is None
-    echo = [""] * len(prompts) if chat else echoes
+    prompt's text before its answers (completions' echo); `reply`: a chat's message and
+    finish reason from a result."""
+    n = req.n
+    echo = [""] * len(prompts) if echoes is None else echoes
     rids, queue = server.submit(prompts, config, n)
     if req.stream:
         usage = bool((req.stream_options or {}).get("include_usage"))
         openings = [chunk(i, echo[i // n], None) for i in range(len(rids)) if echo[i // n]]
-        if chat:  # each choice's first chat chunk names the role, as OpenAI's do
+        if reply is not None:  # each choice's first chat chunk names the role, as OpenAI's do
             openings = [chunk(i, None, None) for i in range(len(rids))]
             for opening in openings:
                 opening["choices"][0]["delta"] = {"role": "assistant", "content": ""}
@@ -309,14 +337,14 @@ async def _respond(
     choices = []
     for i, result in enumerate(results):
         choice = chunk(i, None, finish_reason(result), result)["choices"][0]
-        if chat:
+        if reply is not None:
             choice.pop("delta")
-            choice["message"] = {"role": "assistant", "content": result.text}
+            choice["message"], choice["finish_reason"] = reply(result)
         else:
             choice["text"] = echo[i // n] + result.text
         choices.append(choice)
-    body = chunk(0, None, None) | {"choices": choices, "usage": usage_of(results, n)}
-    return body | ({"object": "chat.completion"} if chat else {})
+    body = {**chunk(0, None, None), "choices": choices, "usage": usage_of(results, n)}
+    return body | ({"object": "chat.completion"} if reply is not None else {})
 
 
 def serve(

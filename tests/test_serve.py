@@ -348,6 +348,15 @@ def test_bad_structured_outputs_are_400s(tiny_server, body, param):
         ("/v1/completions", {"max_tokens": 3}, "prompt"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, None),
+        # The tiny package's ChatML template takes no tools (tests/test_tool_calls.py: one that does).
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+            },
+            "tools",
+        ),
     ],
 )
 def test_bad_requests_get_openai_shaped_errors(tiny_server, path, body, param):

@@ -216,23 +216,30 @@ class Tokenizer:
         messages: list[Message],
         system: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Prompt text for a chat; `system=None` means no system turn at all.
+        """Prompt text for a chat; `system=None` means no system turn at all. `tools`
+        (OpenAI's function definitions) go to the template, which describes them to the model.
 
         Why not just apply_chat_template: SmolLM2's template (like Qwen2.5's) injects a default
         system prompt ("You are a helpful AI assistant named SmolLM, ...") whenever the first
         message is not a system message. llama.cpp, our reference, formats ChatML models itself
-        and adds nothing. So for ChatML templates without a system message we render plain
-        ChatML; in every other case the checkpoint's template is used as is.
+        and adds nothing. So for ChatML templates, a chat of plain text turns without a system
+        message renders as plain ChatML; in every other case the checkpoint's template is used
+        as is.
         """
         if system is not None:
             if messages and messages[0].get("role") == "system":
                 raise ValueError("pass the system prompt either as `system` or as a message")
             messages = [{"role": "system", "content": system}, *messages]
         has_system = bool(messages) and messages[0].get("role") == "system"
-        if self.is_chatml and not has_system:
+        plain = all(
+            m.keys() == {"role", "content"} and isinstance(m["content"], str) for m in messages
+        )
+        if self.is_chatml and not has_system and not tools and plain:
             return render_chatml(messages, add_generation_prompt)
-        return self.apply_chat_template(messages, add_generation_prompt)
+        extra = {"tools": tools} if tools else {}
+        return self.apply_chat_template(messages, add_generation_prompt, **extra)
 
     @functools.cached_property
     def _special_ids(self) -> set[int]:
@@ -251,6 +258,7 @@ class Tokenizer:
         messages: list[Message],
         system: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Ids of a chat prompt in which message content is only ever text.
 
@@ -259,23 +267,28 @@ class Tokenizer:
         special-token text is encoded with the rest of the prompt in one piece (the ids
         llama.cpp gives); otherwise the prompt is rendered with placeholders and each
         message's content is encoded on its own, as text. The C++ runtime does the same
-        (`Engine::chat_ids`).
+        (`encode_chat` in runtime/cpp/chat.cpp).
         """
         if system is not None:
             messages = [{"role": "system", "content": system}, *messages]
-        contents = [str(m.get("content", "")) for m in messages]
-        if not any(i in self._special_ids for c in contents for i in self.encode(c)):
-            return self.encode(
-                self.chat_prompt(messages, add_generation_prompt=add_generation_prompt)
-            )
-        marked = [{**m, "content": f"{_MARK_OPEN}{i}{_MARK_CLOSE}"} for i, m in enumerate(messages)]
-        rendered = self.chat_prompt(marked, add_generation_prompt=add_generation_prompt)
+        texts = {
+            i: m["content"] for i, m in enumerate(messages) if isinstance(m.get("content"), str)
+        }
+        prompt = functools.partial(
+            self.chat_prompt, add_generation_prompt=add_generation_prompt, tools=tools
+        )
+        if not any(i in self._special_ids for c in texts.values() for i in self.encode(c)):
+            return self.encode(prompt(messages))
+        marked = [
+            {**m, "content": f"{_MARK_OPEN}{i}{_MARK_CLOSE}"} if i in texts else m
+            for i, m in enumerate(messages)
+        ]
         ids: list[int] = []
-        for i, piece in enumerate(_MARKS.split(rendered)):
+        for i, piece in enumerate(_MARKS.split(prompt(marked))):
             if i % 2 == 0:  # template text: its special tokens are real
                 ids += self.encode(piece) if piece else []
             else:  # a message's content
-                ids += self._text_tok.encode(contents[int(piece)], add_special_tokens=False).ids
+                ids += self._text_tok.encode(texts[int(piece)], add_special_tokens=False).ids
         return ids
 
 

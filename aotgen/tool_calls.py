@@ -1,0 +1,186 @@
+"""Tool calls in the shape a model family writes them, as its chat template teaches it.
+
+A chat template that takes `tools` also tells the model how to call one; `tool_format` reads
+which convention from the template (vLLM's `--tool-call-parser`, chosen per model there):
+
+- `hermes` (Qwen2.5, Qwen3, Hermes, SmolLM3): `<tool_call>\\n{"name": ..., "arguments": {...}}
+  \\n</tool_call>`, one block per call, after any text.
+- `llama3_json` (Llama 3.1-3.3): the whole answer is `{"name": ..., "parameters": {...}}`,
+  calls separated by `; `, optionally led by `<|python_tag|>`.
+
+Each format reads calls back from the answer's text (`parse`), says where a call may begin
+(`start`: text before it streams as content), and gives the grammar that makes the model
+write calls of the given tools (`grammar`: OpenAI's `tool_choice` "required" or a named
+function), so that a forced call is always well formed and its arguments match the schema.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aotgen.runtime.grammar import Grammar
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def as_openai(self, index: int | None = None) -> dict[str, Any]:
+        call = {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+        return call if index is None else {"index": index, **call}
+
+
+def _call_schema(tools: list[dict[str, Any]], arguments_key: str) -> dict[str, Any]:
+    """A JSON object calling one of `tools`: its name and arguments matching its parameters."""
+    options = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": tool["function"]["name"]},
+                arguments_key: tool["function"].get("parameters") or {"type": "object"},
+            },
+            "required": ["name", arguments_key],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    # JSON as the templates show it ({"name": ..., "arguments": {...}}): no free whitespace,
+    # which a weak model may emit without end.
+    layout = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+    return schema | {"x-guidance": layout}
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text)
+
+
+def _decode_call(text: str, arguments_key: str) -> ToolCall | None:
+    """A call from a JSON object's text, or None if it is not one."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = obj.get(arguments_key, obj.get("arguments", obj.get("parameters", {})))
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(obj["name"], text)
+
+
+class HermesFormat:
+    name = "hermes"
+    open, close = "<tool_call>", "</tool_call>"
+    _blocks = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+    def start(self, text: str) -> int | None:
+        at = text.find(self.open)
+        return None if at < 0 else at
+
+    def pending(self, text: str) -> int:
+        """Characters at the end that may begin a call (held back until they cannot)."""
+        for size in range(min(len(self.open) - 1, len(text)), 0, -1):
+            if text.endswith(self.open[:size]):
+                return size
+        return 0
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        at = self.start(text)
+        if at is None:
+            return text, []
+        calls = [_decode_call(m.group(1), "arguments") for m in self._blocks.finditer(text, at)]
+        if not calls or None in calls:  # not calls after all: the answer is text
+            return text, []
+        return text[:at] or None, [c for c in calls if c is not None]
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> Grammar:
+        schema = json.dumps(_call_schema(tools, "arguments"))
+        more = ' ("\\n" call)*' if parallel else ""
+        return Grammar(
+            "grammar",
+            f"start: call{more}\n"
+            f"call: {_lark_string(self.open + chr(10))} body {_lark_string(chr(10) + self.close)}\n"
+            f"body: %json {schema}\n",
+        )
+
+
+class Llama3JsonFormat:
+    name = "llama3_json"
+    python_tag = "<|python_tag|>"
+
+    def start(self, text: str) -> int | None:
+        """A call is the whole answer: it starts at the answer's first character or never."""
+        stripped = text.lstrip()
+        if not stripped:
+            return None
+        if stripped.startswith("{") or stripped.startswith(self.python_tag):
+            return 0
+        return None
+
+    def pending(self, text: str) -> int:
+        """All of it while the answer's start may still become a call."""
+        stripped = text.lstrip()
+        return len(text) if self.python_tag.startswith(stripped) else 0
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        if self.start(text) is None:
+            return text, []
+        body = text.strip().removeprefix(self.python_tag).strip()
+        calls = [_decode_call(part, "parameters") for part in body.split("; ")]
+        if None in calls:
+            return text, []
+        return None, [c for c in calls if c is not None]
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> Grammar:
+        schema = json.dumps(_call_schema(tools, "parameters"))
+        more = ' ("; " call)*' if parallel else ""
+        return Grammar("grammar", f"start: call{more}\ncall: %json {schema}\n")
+
+
+ToolFormat = HermesFormat | Llama3JsonFormat
+
+
+def tool_format(chat_template: str | None) -> ToolFormat | None:
+    """How the model of this chat template calls tools, or None if the template takes none."""
+    if not chat_template or "tools" not in chat_template:
+        return None
+    if HermesFormat.open in chat_template:
+        return HermesFormat()
+    if '"parameters"' in chat_template or Llama3JsonFormat.python_tag in chat_template:
+        return Llama3JsonFormat()
+    return None
+
+
+class ToolCallStream:
+    """A streamed answer's text, split into content that may go out now and the rest, held
+    back because it is, or may become, a tool call (read whole at the end)."""
+
+    def __init__(self, fmt: ToolFormat):
+        self.fmt, self.text, self.sent = fmt, "", 0
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        at = self.fmt.start(self.text)
+        if at is None:
+            at = len(self.text) - self.fmt.pending(self.text)
+        out, self.sent = self.text[self.sent : max(at, self.sent)], max(at, self.sent)
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The content not sent yet, and the calls."""
+        content, calls = self.fmt.parse(self.text)
+        if not calls:
+            rest, self.sent = self.text[self.sent :], len(self.text)
+            return rest, []
+        sent_content = (content or "")[self.sent :]
+        self.sent = len(self.text)
+        return sent_content, calls

@@ -1,0 +1,389 @@
+"""Tool calls (aotgen/tool_calls.py, serve's `tools` / `tool_choice`): each family's format read
+back from text as vLLM's parsers read it, streamed in pieces as read whole; chat templates
+rendered with tools as transformers renders them; a forced call always well formed, with
+arguments matching the tool's schema; `aotgen serve` answering the official `openai` client
+with `tool_calls`, whole and streamed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from aotgen.package.manifest import read_manifest, write_manifest
+from aotgen.runtime.engine import Engine, GenerationConfig
+from aotgen.runtime.sampling import SamplingParams
+from aotgen.runtime.tokenizer import Tokenizer
+from aotgen.tool_calls import HermesFormat, Llama3JsonFormat, ToolCall, ToolCallStream, tool_format
+
+TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Rome"]},
+                "unit": {"type": "string", "enum": ["c", "f"]},
+            },
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer", "minimum": 0, "maximum": 99},
+                "b": {"type": "integer", "minimum": -9, "maximum": 9},
+            },
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, ADD]
+
+
+def matches_schema(call: ToolCall) -> bool:
+    """The call names one of TOOLS and its arguments satisfy that tool's parameters (the
+    schemas above: required keys, no others, enums and integers)."""
+    tool = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}.get(call.name)
+    if tool is None:
+        return False
+    args = json.loads(call.arguments)
+    if not set(tool["required"]) <= set(args) <= set(tool["properties"]):
+        return False
+    for key, value in args.items():
+        spec = tool["properties"][key]
+        if "enum" in spec and value not in spec["enum"]:
+            return False
+        if spec["type"] == "integer" and not (
+            isinstance(value, int) and spec["minimum"] <= value <= spec["maximum"]
+        ):
+            return False
+    return True
+
+
+# ---- reading calls back (vLLM's hermes and llama3_json parsers' cases) ---------------------
+
+HERMES_CASES = [
+    ("Hello there.", "Hello there.", []),
+    (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        None,
+        [ToolCall("get_weather", '{"city": "Paris"}')],
+    ),
+    (
+        'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+        '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "c"}}',
+        "Let me check.\n",
+        [
+            ToolCall("add", '{"a": 1, "b": 2}'),
+            ToolCall("get_weather", '{"city": "Rome", "unit": "c"}'),
+        ],
+    ),
+    # Not JSON inside the tags: the answer stays text.
+    ("<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", []),
+]
+
+LLAMA3_CASES = [
+    ("The answer is 4.", "The answer is 4.", []),
+    (
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        None,
+        [ToolCall("get_weather", '{"city": "Paris"}')],
+    ),
+    (
+        '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}; '
+        '{"name": "add", "arguments": {"a": 3, "b": 4}}',
+        None,
+        [ToolCall("add", '{"a": 1, "b": 2}'), ToolCall("add", '{"a": 3, "b": 4}')],
+    ),
+    ('{"not": "a call"}', '{"not": "a call"}', []),
+]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text", "content", "calls"),
+    [(HermesFormat(), *c) for c in HERMES_CASES] + [(Llama3JsonFormat(), *c) for c in LLAMA3_CASES],
+)
+def test_parse(fmt, text, content, calls):
+    assert fmt.parse(text) == (content, calls)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text"),
+    [(HermesFormat(), c[0]) for c in HERMES_CASES]
+    + [(Llama3JsonFormat(), c[0]) for c in LLAMA3_CASES],
+)
+def test_streamed_in_pieces_reads_as_whole(fmt, text):
+    """Fed in pieces of every size, the content sent along the way plus what the end gives
+    equals the whole text's content, and the calls are the same; nothing of a call leaks out
+    as content before the end."""
+    content, calls = fmt.parse(text)
+    for size in (1, 2, 3, 7, len(text)):
+        stream = ToolCallStream(fmt)
+        sent = "".join(stream.feed(text[i : i + size]) for i in range(0, len(text), size))
+        rest, got = stream.finish()
+        assert got == calls
+        assert sent + rest == (content or "" if calls else text)
+        if calls:
+            assert "<tool_call>" not in sent and "{" not in sent
+
+
+def test_tool_format_of_real_templates():
+    formats = {p.stem: tool_format(p.read_text()) for p in TEMPLATES.glob("*.jinja")}
+    names = {stem: (f.name if f else None) for stem, f in formats.items()}
+    assert names["Qwen-Qwen2.5-7B-Instruct"] == names["Qwen-Qwen3-0.6B"] == "hermes"
+    assert names["tools-hermes-compact"] == "hermes"
+    assert names["meta-llama-Llama-3.1-8B-Instruct"] == "llama3_json"
+    assert names["meta-llama-Llama-3.2-3B-Instruct"] == "llama3_json"
+    assert (
+        names["google-gemma-2-2b-it"] is None and names["microsoft-Phi-3.5-mini-instruct"] is None
+    )
+    assert tool_format(None) is None
+
+
+# ---- prompts with tools: the template's own rendering, as transformers does it -------------
+
+HISTORY = [
+    {"role": "system", "content": "You answer with tools."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",  # null in OpenAI's request: "" to templates (ChatMessage.for_template)
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+]
+
+
+@pytest.mark.parametrize(
+    "template",
+    ["Qwen-Qwen2.5-7B-Instruct", "Qwen-Qwen3-0.6B", "meta-llama-Llama-3.2-3B-Instruct"],
+)
+@pytest.mark.parametrize("history", [False, True], ids=["question", "after-a-call"])
+def test_prompt_with_tools_equals_transformers(tiny_checkpoint, tmp_path, template, history):
+    transformers = pytest.importorskip("transformers")
+    source = (TEMPLATES / f"{template}.jinja").read_text()
+    directory = tmp_path / "tok"
+    shutil.copytree(tiny_checkpoint, directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": source}))
+    messages = HISTORY if history else HISTORY[:2]
+    ours = Tokenizer.from_dir(directory).chat_prompt(messages, tools=TOOLS)
+    reference = transformers.AutoTokenizer.from_pretrained(directory).apply_chat_template(
+        messages, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    assert ours == reference
+    assert "get_weather" in ours and "add" in ours
+
+
+# ---- a forced call: well formed whatever the model, arguments matching the schema ----------
+
+
+@pytest.mark.parametrize("fmt", [HermesFormat(), Llama3JsonFormat()], ids=lambda f: f.name)
+def test_forced_calls_parse_and_match_the_schema(tiny_package, fmt):
+    """A random model under the grammar of tool_choice "required" (greedy and 6 seeds) and of
+    one named function: every answer ends (bounded arguments, no free whitespace) and reads
+    back as one call of the tools with arguments that satisfy their schemas. With parallel
+    calls allowed, every call it completes does."""
+    engine = Engine.load(tiny_package)
+    prompt = engine.tokenizer.encode("What is the weather in Paris?")
+    configs = [SamplingParams()] + [SamplingParams(temperature=1.0, seed=s) for s in range(6)]
+    for sampling in configs:
+        one = GenerationConfig(100, sampling=sampling, grammar=fmt.grammar(TOOLS, False))
+        result = engine.generate(prompt, one)
+        content, calls = fmt.parse(result.text)
+        assert result.finish_reason == "eos" and content is None, result.text
+        assert len(calls) == 1 and matches_schema(calls[0]), result.text
+
+        many = GenerationConfig(130, sampling=sampling, grammar=fmt.grammar(TOOLS, True))
+        result = engine.generate(prompt, many)
+        text = result.text
+        if result.finish_reason == "length":  # up to the last call it completed
+            hermes = isinstance(fmt, HermesFormat)
+            text = (
+                text[: text.rfind(fmt.close) + len(fmt.close)]
+                if hermes
+                else text[: text.rfind("; ")]
+            )
+        content, calls = fmt.parse(text)
+        assert content is None and calls and all(matches_schema(c) for c in calls), result.text
+    named = GenerationConfig(120, grammar=fmt.grammar([ADD], parallel=False))
+    result = engine.generate(prompt, named)
+    assert [c.name for c in fmt.parse(result.text)[1]] == ["add"], result.text
+
+
+# ---- aotgen serve: the openai client's tools ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tools_server(tiny_batch_package, tmp_path_factory):
+    """`aotgen serve` on the tiny batch package with a Hermes-style template that takes tools
+    (tests/data/chat_templates/tools-hermes-compact.jinja), its manifest hashed again."""
+    pytest.importorskip("fastapi")
+    from test_serve import Server
+
+    package = Path(shutil.copytree(tiny_batch_package, tmp_path_factory.mktemp("tools") / "pkg"))
+    config_path = package / "tokenizer" / "tokenizer_config.json"
+    template = (TEMPLATES / "tools-hermes-compact.jinja").read_text()
+    config_path.write_text(
+        json.dumps(json.loads(config_path.read_text()) | {"chat_template": template})
+    )
+    write_manifest(package, read_manifest(package))
+    server = Server(package)
+    server.package = package
+    yield server
+    server.close()
+
+
+QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def _client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+
+
+def _as_calls(tool_calls) -> list[ToolCall]:
+    return [ToolCall(c.function.name, c.function.arguments) for c in tool_calls]
+
+
+def test_required_and_named_calls_whole_and_streamed(tools_server):
+    """tool_choice "required": the answer is a call (finish_reason "tool_calls", an id, no
+    content) whose arguments match the schemas; streamed, the same call arrives; a named
+    function is the one called. (One call each: parallel calls from a random model go on
+    until max_tokens.)"""
+    client = _client(tools_server)
+    ask = {"model": "m", "messages": QUESTION, "tools": TOOLS, "max_tokens": 95, "temperature": 0}
+    ask["parallel_tool_calls"] = False
+    whole = client.chat.completions.create(**ask, tool_choice="required")
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = _as_calls(choice.message.tool_calls)
+    assert len(calls) == 1 and matches_schema(calls[0])
+    assert all(c.id.startswith("call_") and c.type == "function" for c in choice.message.tool_calls)
+
+    content, streamed, finish = "", [], None
+    for event in client.chat.completions.create(**ask, tool_choice="required", stream=True):
+        for c in event.choices:
+            content += c.delta.content or ""
+            streamed += _as_calls(c.delta.tool_calls or [])
+            finish = c.finish_reason or finish
+    assert (content, streamed, finish) == ("", calls, "tool_calls")
+
+    named = {"type": "function", "function": {"name": "add"}}
+    answer = client.chat.completions.create(**ask, tool_choice=named).choices[0]
+    assert [c.name for c in _as_calls(answer.message.tool_calls)] == ["add"]
+    assert matches_schema(_as_calls(answer.message.tool_calls)[0])
+
+
+def test_auto_answers_text_as_the_engine_does(tools_server):
+    """tool_choice "auto" with a model that answers in text: the text, unchanged, whole and
+    streamed, no calls; the prompt is the template's with the tools."""
+    client = _client(tools_server)
+    engine = Engine.load(tools_server.package)
+    prompt = engine.tokenizer.encode_chat(QUESTION, tools=TOOLS)
+    expected = engine.generate(prompt, GenerationConfig(12)).text
+    ask = {"model": "m", "messages": QUESTION, "tools": TOOLS, "max_tokens": 12, "temperature": 0}
+    whole = client.chat.completions.create(**ask)
+    assert whole.usage.prompt_tokens == len(prompt)
+    assert whole.choices[0].message.content == expected and not whole.choices[0].message.tool_calls
+    streamed = "".join(
+        c.delta.content or ""
+        for e in client.chat.completions.create(**ask, stream=True)
+        for c in e.choices
+    )
+    assert streamed == expected
+
+
+def test_a_conversation_with_calls_and_results(tools_server):
+    """An assistant turn with tool_calls (arguments as OpenAI's JSON text) and the tool's
+    answer render through the template as the Python tokenizer renders them."""
+    history = [
+        *QUESTION,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+    ]
+    client = _client(tools_server)
+    answer = client.chat.completions.create(
+        model="m", messages=history, tools=TOOLS, max_tokens=4, temperature=0
+    )
+    engine = Engine.load(tools_server.package)
+    rendered = [
+        history[0],
+        {
+            **history[1],
+            "content": "",
+            "tool_calls": [
+                {
+                    **history[1]["tool_calls"][0],
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
+        history[2],
+    ]
+    prompt = engine.tokenizer.encode_chat(rendered, tools=TOOLS)
+    assert (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+        in engine.tokenizer.decode(prompt)
+    )
+    assert answer.usage.prompt_tokens == len(prompt)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"tools": None, "tool_choice": "required"}, "tool_choice needs tools"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "NAME one of tools"),
+        (
+            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            "no response_format",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"function": {"name": "f", "arguments": "{"}}],
+                    }
+                ]
+            },
+            "is not JSON",
+        ),
+    ],
+)
+def test_bad_tool_requests(tools_server, change, message):
+    httpx = pytest.importorskip("httpx")
+    body = {"messages": QUESTION, "tools": TOOLS, "max_tokens": 4} | change
+    body = {k: v for k, v in body.items() if v is not None}
+    r = httpx.post(f"{tools_server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
