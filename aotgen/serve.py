@@ -3,7 +3,8 @@
 FastAPI + uvicorn (`pip install 'aotgen[serve]'`). Endpoints: `POST /v1/chat/completions`,
 `POST /v1/completions` (streamed as server-sent events ending in `data: [DONE]`, or whole),
 `GET /v1/models`, `GET /health`. Structured output: OpenAI's `response_format` (`json_object`,
-`json_schema`) or vLLM's `structured_outputs` (`json`, `regex`, `grammar`, `choice`). The
+`json_schema`) or vLLM's `structured_outputs` (`json`, `regex`, `grammar`, `choice`). Tool
+calls: `tools`, `tool_choice`, in the format the chat template teaches (aotgen/tool_calls.py). The
 engine steps in its own thread; each request is handed its text through an asyncio queue. A
 client that goes away has its request cancelled, so its slot frees at the next step. Errors
 are OpenAI-shaped: `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status; a
