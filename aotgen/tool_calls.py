@@ -60,10 +60,6 @@ def _call_schema(tools: list[dict[str, Any]], arguments_key: str) -> dict[str, A
     return schema | {"x-guidance": layout}
 
 
-def _lark_string(text: str) -> str:
-    return json.dumps(text)
-
-
 def _decode_call(text: str, arguments_key: str) -> ToolCall | None:
     """A call from a JSON object's text, or None if it is not one."""
     try:
@@ -104,13 +100,10 @@ class HermesFormat:
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> Grammar:
         schema = json.dumps(_call_schema(tools, "arguments"))
-        more = ' ("\\n" call)*' if parallel else ""
-        return Grammar(
-            "grammar",
-            f"start: call{more}\n"
-            f"call: {_lark_string(self.open + chr(10))} body {_lark_string(chr(10) + self.close)}\n"
-            f"body: %json {schema}\n",
-        )
+        opening, closing = json.dumps(self.open + "\n"), json.dumps("\n" + self.close)
+        more = ' ("\\n" call)*' if parallel else ""  # blocks one per line, as Qwen writes them
+        lark = f"start: call{more}\ncall: {opening} body {closing}\nbody: %json {schema}\n"
+        return Grammar("grammar", lark)
 
 
 class Llama3JsonFormat:
@@ -119,12 +112,7 @@ class Llama3JsonFormat:
 
     def start(self, text: str) -> int | None:
         """A call is the whole answer: it starts at the answer's first character or never."""
-        stripped = text.lstrip()
-        if not stripped:
-            return None
-        if stripped.startswith("{") or stripped.startswith(self.python_tag):
-            return 0
-        return None
+        return 0 if text.lstrip().startswith(("{", self.python_tag)) else None
 
     def pending(self, text: str) -> int:
         """All of it while the answer's start may still become a call."""
