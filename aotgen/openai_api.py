@@ -11,13 +11,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from aotgen.reasoning import ReasoningStream, split_reasoning
 from aotgen.runtime.engine import GenerationResult
 from aotgen.runtime.grammar import Grammar
 from aotgen.runtime.logprobs import MAX_TOP
 from aotgen.runtime.rules import Penalties
 from aotgen.runtime.sampling import SEED_MAX
 from aotgen.runtime.tokenizer import Tokenizer
-from aotgen.tool_calls import ToolFormat
+from aotgen.tool_calls import ToolCall, ToolCallStream, ToolFormat
 
 
 class ApiError(Exception):
@@ -153,6 +154,7 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool's answer: to which call
     name: str | None = None
+    reasoning_content: str | None = None  # an earlier answer's reasoning, sent back
 
     def text(self) -> str | None:
         if self.content is None or isinstance(self.content, str):
@@ -170,7 +172,8 @@ class ChatMessage(BaseModel):
         message: dict[str, Any] = {"role": self.role, "content": self.text() or ""}
         if self.tool_calls:
             message["tool_calls"] = [_call_for_template(c) for c in self.tool_calls]
-        message |= {k: v for k in ("tool_call_id", "name") if (v := getattr(self, k))}
+        keys = ("tool_call_id", "name", "reasoning_content")
+        message |= {k: v for k in keys if (v := getattr(self, k)) is not None}
         return message
 
 
@@ -211,11 +214,22 @@ class ChatRequest(RequestFields):
     # "none", "auto" (the default with tools), "required", or one function by name.
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: e.g. {"enable_thinking": false}
 
     def logprob_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        reserved = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+        if taken := sorted(reserved & set(self.chat_template_kwargs or {})):
+            raise ApiError(
+                400,
+                f"chat_template_kwargs: {', '.join(taken)} are set by the request itself",
+                "chat_template_kwargs",
+            )
+        return self.chat_template_kwargs
 
     def tool_dicts(self) -> list[dict[str, Any]]:
         return [t.model_dump(exclude_none=True) for t in self.tools or []]
@@ -251,6 +265,47 @@ class ChatRequest(RequestFields):
         if self.grammar() is not None:
             raise ApiError(400, "a forced tool call takes no response_format", "tool_choice")
         return fmt, fmt.grammar(tools, parallel)
+
+
+class AnswerStream:
+    """A streamed chat answer as deltas: reasoning apart (`thinking` None: the template has no
+    reasoning; else whether the answer starts inside it), text that may be a tool call held
+    back, the calls read whole at the end."""
+
+    def __init__(self, thinking: bool | None, fmt: ToolFormat | None):
+        self.reasoning = None if thinking is None else ReasoningStream(thinking)
+        self.calls = None if fmt is None else ToolCallStream(fmt)
+
+    def feed(self, piece: str) -> dict[str, Any]:
+        reasoning, content = self.reasoning.feed(piece) if self.reasoning else ("", piece)
+        if self.calls is not None and content:
+            content = self.calls.feed(content)
+        return _delta(reasoning, content)
+
+    def finish(self) -> tuple[dict[str, Any], list[ToolCall]]:
+        reasoning, content = self.reasoning.finish() if self.reasoning else ("", "")
+        calls: list[ToolCall] = []
+        if self.calls is not None:
+            content = self.calls.feed(content) if content else ""
+            rest, calls = self.calls.finish()
+            content += rest
+        return _delta(reasoning, content), calls
+
+
+def _delta(reasoning: str, content: str) -> dict[str, Any]:
+    return {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+
+
+def chat_message(
+    text: str, thinking: bool | None, fmt: ToolFormat | None
+) -> tuple[dict[str, Any], list[ToolCall]]:
+    """A whole chat answer as OpenAI's message (reasoning apart) and the tool calls in it."""
+    reasoning, content = (None, text) if thinking is None else split_reasoning(text, thinking)
+    content, calls = fmt.parse(content) if fmt else (content, [])
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    return message, calls
 
 
 def finish_reason(result: GenerationResult) -> str:

@@ -27,20 +27,23 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from aotgen.openai_api import (
+    AnswerStream,
     ApiError,
     ChatRequest,
     CompletionRequest,
     RequestFields,
     chat_logprobs,
+    chat_message,
     completion_logprobs,
     finish_reason,
     usage_of,
 )
+from aotgen.reasoning import starts_thinking, takes_reasoning
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.engine import GenerationConfig, GenerationError, GenerationResult
 from aotgen.runtime.sampling import SEED_MAX, SamplingParams
 from aotgen.runtime.scheduler import QueueFull
-from aotgen.tool_calls import ToolCallStream, tool_format
+from aotgen.tool_calls import tool_format
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -264,40 +267,48 @@ def create_app(engine: BatchEngine, name: str, speculative: str | None = None) -
         fmt, forced = req.tool_calls(tool_format(tok.chat_template))
         messages = [m.for_template() for m in req.messages]
         try:
-            prompt = tok.encode_chat(messages, tools=req.tool_dicts() or None)
+            prompt = tok.encode_chat(
+                messages, tools=req.tool_dicts() or None, template_kwargs=req.template_kwargs()
+            )
         except ValueError as e:  # jinja2's TemplateError is one
             raise ApiError(400, f"messages: {e}", "messages") from None
         config = server.config(req, prompt, req.max_completion_tokens or req.max_tokens)
         if forced is not None:
             config = replace(config, grammar=forced)
+        # None: the template has no reasoning; else whether the prompt opened it.
+        thinking = (
+            starts_thinking(tok.decode(prompt[-8:])) if takes_reasoning(tok.chat_template) else None
+        )
+        if thinking and config.grammar is not None:
+            raise ApiError(
+                400,
+                "the prompt opens the model's reasoning, which a grammar would constrain: "
+                'set chat_template_kwargs {"enable_thinking": false}',
+            )
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk"}
         head |= {"created": int(time.time()), "model": name}
-        # Streamed answers hold back text that may be a tool call; whole ones are read at once.
-        streams = [ToolCallStream(fmt) if fmt and req.stream else None for _ in range(req.n)]
+        answers = [AnswerStream(thinking, fmt) for _ in range(req.n)]
 
         def chunk(
             index: int, text: str | None, finish: str | None, result: GenerationResult | None = None
         ) -> dict[str, Any] | None:
             delta: dict[str, Any] = {}
-            if (stream := streams[index]) is not None and finish is not None:
-                text, calls = stream.finish()
+            if finish is not None and req.stream:
+                delta, calls = answers[index].finish()
                 if calls:
                     delta["tool_calls"] = [c.as_openai(i) for i, c in enumerate(calls)]
                     finish = "tool_calls"
-            elif stream is not None and text:
-                text = stream.feed(text)
-                if not text:
-                    return None  # held back: it may be a tool call
-            if text:
-                delta = {"content": text} | delta
+            elif text:
+                delta = answers[index].feed(text)
+                if not delta:
+                    return None  # held back: a tag or a tool call may be forming
             choice = {"index": index, "delta": delta, "finish_reason": finish}
             if result is not None and result.logprobs is not None:
                 choice["logprobs"] = chat_logprobs(tok, result)
             return {**head, "choices": [choice]}
 
         def reply(result: GenerationResult) -> tuple[dict[str, Any], str]:
-            content, calls = fmt.parse(result.text) if fmt else (result.text, [])
-            message = {"role": "assistant", "content": content}
+            message, calls = chat_message(result.text, thinking, fmt)
             if not calls:
                 return message, finish_reason(result)
             return message | {"tool_calls": [c.as_openai() for c in calls]}, "tool_calls"

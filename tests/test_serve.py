@@ -348,7 +348,7 @@ def test_bad_structured_outputs_are_400s(tiny_server, body, param):
         ("/v1/completions", {"max_tokens": 3}, "prompt"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, None),
-        # The tiny package's template takes no tools (tests/test_tool_calls.py: one that does).
+        # The tiny package's template takes no tools (tests/test_chat_answers.py: one that does).
         (
             "/v1/chat/completions",
             {

@@ -217,9 +217,12 @@ class Tokenizer:
         system: str | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """Prompt text for a chat; `system=None` means no system turn at all. `tools`
-        (OpenAI's function definitions) go to the template, which describes them to the model.
+        (OpenAI's function definitions) go to the template, which describes them to the model;
+        so do `template_kwargs` (vLLM's `chat_template_kwargs`, e.g. Qwen3's
+        `enable_thinking`).
 
         Why not just apply_chat_template: SmolLM2's template (like Qwen2.5's) injects a default
         system prompt ("You are a helpful AI assistant named SmolLM, ...") whenever the first
@@ -236,9 +239,9 @@ class Tokenizer:
         plain = all(
             m.keys() == {"role", "content"} and isinstance(m["content"], str) for m in messages
         )
-        if self.is_chatml and not has_system and not tools and plain:
+        extra = (template_kwargs or {}) | ({"tools": tools} if tools else {})
+        if self.is_chatml and not has_system and not extra and plain:
             return render_chatml(messages, add_generation_prompt)
-        extra = {"tools": tools} if tools else {}
         return self.apply_chat_template(messages, add_generation_prompt, **extra)
 
     @functools.cached_property
@@ -259,6 +262,7 @@ class Tokenizer:
         system: str | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Ids of a chat prompt in which message content is only ever text.
 
@@ -275,7 +279,10 @@ class Tokenizer:
             i: m["content"] for i, m in enumerate(messages) if isinstance(m.get("content"), str)
         }
         prompt = functools.partial(
-            self.chat_prompt, add_generation_prompt=add_generation_prompt, tools=tools
+            self.chat_prompt,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            template_kwargs=template_kwargs,
         )
         if not any(i in self._special_ids for c in texts.values() for i in self.encode(c)):
             return self.encode(prompt(messages))

@@ -1,8 +1,10 @@
-"""Tool calls (aotgen/tool_calls.py, serve's `tools` / `tool_choice`): each family's format read
-back from text as vLLM's parsers read it, streamed in pieces as read whole; chat templates
-rendered with tools as transformers renders them; a forced call always well formed, with
-arguments matching the tool's schema; `aotgen serve` answering the official `openai` client
-with `tool_calls`, whole and streamed."""
+"""The parts of a chat answer `aotgen serve` sends apart. Tool calls (aotgen/tool_calls.py,
+`tools` / `tool_choice`): each family's format read back from text as vLLM's parsers read it,
+streamed in pieces as read whole; chat templates rendered with tools as transformers renders
+them; a forced call always well formed, with arguments matching the tool's schema. Reasoning
+(aotgen/reasoning.py, `reasoning_content`): split as Qwen3's template splits its history,
+streamed as whole. `aotgen serve` answering the official `openai` client with both, whole and
+streamed."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from aotgen.package.manifest import read_manifest, write_manifest
+from aotgen.reasoning import ReasoningStream, split_reasoning, starts_thinking
 from aotgen.runtime.engine import Engine, GenerationConfig
 from aotgen.runtime.sampling import SamplingParams
 from aotgen.runtime.tokenizer import Tokenizer
@@ -145,13 +148,80 @@ def test_tool_format_of_real_templates():
     formats = {p.stem: tool_format(p.read_text()) for p in TEMPLATES.glob("*.jinja")}
     names = {stem: (f.name if f else None) for stem, f in formats.items()}
     assert names["Qwen-Qwen2.5-7B-Instruct"] == names["Qwen-Qwen3-0.6B"] == "hermes"
-    assert names["tools-hermes-compact"] == "hermes"
+    assert names["compact-tools-thinking"] == "hermes"
     assert names["meta-llama-Llama-3.1-8B-Instruct"] == "llama3_json"
     assert names["meta-llama-Llama-3.2-3B-Instruct"] == "llama3_json"
     assert (
         names["google-gemma-2-2b-it"] is None and names["microsoft-Phi-3.5-mini-instruct"] is None
     )
     assert tool_format(None) is None
+
+
+# ---- reasoning ---------------------------------------------------------------------------
+
+REASONING_CASES = [
+    # (answer, whether the prompt opened the reasoning, reasoning, content)
+    ("<think>\nLet me add.\n</think>\n\nIt is 4.", False, "Let me add.", "It is 4."),
+    ("Let me add.\n</think>\n\nIt is 4.", True, "Let me add.", "It is 4."),
+    ("It is 4.", False, None, "It is 4."),
+    ("\n\nStill thinking, cut short", True, "Still thinking, cut short", ""),
+    ("<think>\n\n</think>\n\nIt is 4.", False, "", "It is 4."),
+    ("<thinking> is a tag", False, None, "<thinking> is a tag"),
+    ("a </thin b </think>c", True, "a </thin b ", "c"),
+]
+
+
+@pytest.mark.parametrize(("text", "thinking", "reasoning", "content"), REASONING_CASES)
+def test_split_reasoning(tiny_checkpoint, tmp_path, text, thinking, reasoning, content):
+    """The split of each case; where the answer closes its reasoning, the one Qwen3's own
+    template makes of it when it renders the answer back in the history."""
+    assert split_reasoning(text, thinking) == (reasoning, content)
+    if "</think>" in text:
+        source = (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text()
+        tok = Tokenizer.from_dir(_with_template(tiny_checkpoint, tmp_path / "qwen3", source))
+        turn = [HISTORY[1], {"role": "assistant", "content": text}]
+        rendered = tok.apply_chat_template(turn, add_generation_prompt=False)
+        expected = f"<|im_start|>assistant\n<think>\n{reasoning}\n</think>\n\n{content}<|im_end|>\n"
+        assert rendered.endswith(expected), rendered
+
+
+@pytest.mark.parametrize(("text", "thinking", "reasoning", "content"), REASONING_CASES)
+def test_reasoning_streamed_in_pieces_reads_as_whole(text, thinking, reasoning, content):
+    for size in (1, 2, 3, 5, len(text)):
+        stream = ReasoningStream(thinking)
+        pieces = [stream.feed(text[i : i + size]) for i in range(0, len(text), size)]
+        pieces.append(stream.finish())
+        assert "".join(r for r, _ in pieces) == (reasoning or "")
+        assert "".join(c for _, c in pieces) == content
+
+
+def test_thinking_switch_of_qwen3_equals_transformers(tiny_checkpoint, tmp_path):
+    """chat_template_kwargs reach the template: Qwen3's enable_thinking false closes an empty
+    reasoning in the prompt, as transformers renders it; DeepSeek-R1's prompt opens one."""
+    transformers = pytest.importorskip("transformers")
+    for i, (name, kwargs, opened) in enumerate(
+        [
+            ("Qwen-Qwen3-0.6B", {"enable_thinking": False}, False),
+            ("Qwen-Qwen3-0.6B", {}, False),
+            ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", {"enable_thinking": True}, True),
+        ]
+    ):
+        source = (TEMPLATES / f"{name}.jinja").read_text()
+        directory = _with_template(tiny_checkpoint, tmp_path / str(i), source)
+        ours = Tokenizer.from_dir(directory).chat_prompt(HISTORY[:2], template_kwargs=kwargs)
+        reference = transformers.AutoTokenizer.from_pretrained(directory).apply_chat_template(
+            HISTORY[:2], tokenize=False, add_generation_prompt=True, **kwargs
+        )
+        assert ours == reference
+        assert starts_thinking(ours) == opened
+        assert ours.endswith("<think>\n\n</think>\n\n") == (kwargs == {"enable_thinking": False})
+
+
+def _with_template(checkpoint: Path, directory: Path, source: str) -> Path:
+    shutil.copytree(checkpoint, directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": source}))
+    return directory
 
 
 # ---- prompts with tools: the template's own rendering, as transformers does it -------------
@@ -182,10 +252,7 @@ HISTORY = [
 def test_prompt_with_tools_equals_transformers(tiny_checkpoint, tmp_path, template, history):
     transformers = pytest.importorskip("transformers")
     source = (TEMPLATES / f"{template}.jinja").read_text()
-    directory = tmp_path / "tok"
-    shutil.copytree(tiny_checkpoint, directory)
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    (directory / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": source}))
+    directory = _with_template(tiny_checkpoint, tmp_path / "tok", source)
     messages = HISTORY if history else HISTORY[:2]
     ours = Tokenizer.from_dir(directory).chat_prompt(messages, tools=TOOLS)
     reference = transformers.AutoTokenizer.from_pretrained(directory).apply_chat_template(
@@ -237,13 +304,13 @@ def test_forced_calls_parse_and_match_the_schema(tiny_package, fmt):
 @pytest.fixture(scope="module")
 def tools_server(tiny_batch_package, tmp_path_factory):
     """`aotgen serve` on the tiny batch package with a Hermes-style template that takes tools
-    (tests/data/chat_templates/tools-hermes-compact.jinja), its manifest hashed again."""
+    (tests/data/chat_templates/compact-tools-thinking.jinja), its manifest hashed again."""
     pytest.importorskip("fastapi")
     from test_serve import Server
 
     package = Path(shutil.copytree(tiny_batch_package, tmp_path_factory.mktemp("tools") / "pkg"))
     config_path = package / "tokenizer" / "tokenizer_config.json"
-    template = (TEMPLATES / "tools-hermes-compact.jinja").read_text()
+    template = (TEMPLATES / "compact-tools-thinking.jinja").read_text()
     config_path.write_text(
         json.dumps(json.loads(config_path.read_text()) | {"chat_template": template})
     )
@@ -387,3 +454,44 @@ def test_bad_tool_requests(tools_server, change, message):
     body = {k: v for k, v in body.items() if v is not None}
     r = httpx.post(f"{tools_server.url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
+def test_reasoning_apart_whole_and_streamed(tools_server):
+    """With the template's thinking on (chat_template_kwargs), the prompt opens the reasoning:
+    a random model never closes it, so its whole answer is reasoning_content, whole and
+    streamed; with it off the answer is content, as the engine's text."""
+    client = _client(tools_server)
+    engine = Engine.load(tools_server.package)
+    for thinking in (True, False):
+        kwargs = {"enable_thinking": thinking}
+        prompt = engine.tokenizer.encode_chat(QUESTION, template_kwargs=kwargs)
+        assert engine.tokenizer.decode(prompt).endswith("<think>\n") == thinking
+        text = engine.generate(prompt, GenerationConfig(12)).text
+        ask = {"model": "m", "messages": QUESTION, "max_tokens": 12, "temperature": 0}
+        ask["extra_body"] = {"chat_template_kwargs": kwargs}
+        message = client.chat.completions.create(**ask).choices[0].message
+        reasoning, content = "", ""
+        for event in client.chat.completions.create(**ask, stream=True):
+            for c in event.choices:
+                reasoning += getattr(c.delta, "reasoning_content", None) or ""
+                content += c.delta.content or ""
+        if thinking:
+            assert message.reasoning_content == reasoning == text.strip("\n") and text.strip()
+            assert message.content == content == ""
+        else:
+            assert getattr(message, "reasoning_content", None) is None and reasoning == ""
+            assert message.content == content == text
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"chat_template_kwargs": {"enable_thinking": True}, "tool_choice": "required"},
+            "enable_thinking",
+        ),
+        ({"chat_template_kwargs": {"tools": []}}, "set by the request itself"),
+    ],
+)
+def test_bad_reasoning_requests(tools_server, change, message):
+    test_bad_tool_requests(tools_server, change, message)
