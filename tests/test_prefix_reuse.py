@@ -168,6 +168,27 @@ def test_requests_running_at_once_share_their_system_prompt(tiny_batch_package, 
     ]
 
 
+def test_a_failed_prefix_copy_ends_its_request_only(tiny_batch_package, monkeypatch):
+    """A prefix copy that fails ends that request with the error; the engine goes on and the
+    requests beside it answer as cold runs do."""
+    batch, cold = BatchEngine.load(tiny_batch_package), Engine.load(tiny_batch_package)
+    vocab = batch.target.vocab_size
+    prompts = [_ids(70 + i, 6 + i, vocab) for i in range(3)]
+    share = batch.target.share_prefix
+
+    def failing(slot, prompt):
+        if prompt == prompts[1]:
+            raise RuntimeError("copy failed")
+        return share(slot, prompt)
+
+    monkeypatch.setattr(batch.target, "share_prefix", failing)
+    results = batch.generate_many(prompts, GREEDY)
+    assert [r.finish_reason for r in results] == ["length", "error", "length"]
+    assert results[1].error == "RuntimeError: copy failed" and not results[1].token_ids
+    for i in (0, 2):
+        assert results[i].token_ids == cold.generate(prompts[i], COLD).token_ids
+
+
 def test_requests_found_whole_in_the_cache_start_in_one_step(tiny_batch_package):
     """Four requests with one 24-token prompt: the first runs it in two prefill chunks (16,
     then 8); the next step the other three copy all but its last token, which they run

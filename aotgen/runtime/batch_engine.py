@@ -190,23 +190,19 @@ class BatchEngine:
         self._report(cancelled)
         prefill = self._share_prefixes(prefilling)
         decoding = self.scheduler.decoding()
-        if prefill is None and not decoding:
-            return False
         try:
             if prefill is not None:
                 self._prefill(prefill, others_decoding=bool(decoding))
             if decoding:
                 self._decode(decoding)
         except Exception as e:  # a failed step ends the requests in it, not the engine
-            for seq in [s for s in (prefill, *decoding) if s is not None]:
-                seq.error = f"{type(e).__name__}: {e}"
-                seq.sink.close("error")
+            _fail([s for s in (prefill, *decoding) if s is not None], e)
         with self._lock:
             done = [s for s in self.scheduler.running if s.done]
             for seq in done:
                 self._release(seq)
         self._report(done)
-        return True
+        return prefill is not None or bool(decoding) or bool(done)
 
     def _release(self, seq: Sequence) -> None:
         """A finished request leaves its slot (under the lock)."""
@@ -246,7 +242,11 @@ class BatchEngine:
         with their last token join the step's decode."""
         for seq in prefilling:
             if seq.pos == seq.cached_tokens and seq.config.reuses_prefix:  # not started
-                held = self.target.share_prefix(seq.slot, seq.prompt)
+                try:
+                    held = self.target.share_prefix(seq.slot, seq.prompt)
+                except Exception as e:  # a failed copy ends its request, not the engine
+                    _fail([seq], e)
+                    continue
                 seq.pos = seq.cached_tokens = min(held, len(seq.prompt) - 1)
             if not seq.last_prompt_token:
                 return seq
@@ -359,3 +359,9 @@ class BatchEngine:
         slots = torch.tensor([s.slot for s in seqs])
         logits = target.batch("batch_verify", tokens, positions, slots)
         return [logits[i, : len(r)] for i, r in enumerate(rows)]
+
+
+def _fail(seqs: list[Sequence], error: Exception) -> None:
+    for seq in seqs:
+        seq.error = f"{type(error).__name__}: {error}"
+        seq.sink.close("error")

@@ -100,6 +100,13 @@ struct Request {
   Clock::time_point finished;
 };
 
+// A request whose step (or prefix copy) failed ends with the error; the engine goes on.
+void fail(Request& r, const std::exception& e) {
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+  r.error = c10_error ? c10_error->what_without_backtrace() : e.what();
+  r.sink.close("error");
+}
+
 using RequestPtr = std::shared_ptr<Request>;
 
 // [B, T] int64 from rows of equal length.
@@ -160,7 +167,13 @@ struct BatchEngine::Impl {
   RequestPtr share_prefixes(const std::vector<RequestPtr>& prefilling) {
     for (const auto& r : prefilling) {
       if (r->pos == r->cached_tokens && r->config.reuse_prefix) {  // not started
-        const int64_t held = target.share_prefix(r->slot, r->prompt);
+        int64_t held = 0;
+        try {
+          held = target.share_prefix(r->slot, r->prompt);
+        } catch (const std::exception& e) {  // a failed copy ends its request, not the engine
+          fail(*r, e);
+          continue;
+        }
         r->pos = r->cached_tokens = std::min<int64_t>(held, r->prompt.size() - 1);
       }
       if (!r->last_prompt_token()) return r;
@@ -414,14 +427,11 @@ bool BatchEngine::step() {
       if (prefill) b.prefill(*prefill, !decoding.empty());
       if (!decoding.empty()) b.decode(decoding);
     } catch (const std::exception& e) {  // a failed step ends the requests in it, not the engine
-      const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-      const std::string what = c10_error ? c10_error->what_without_backtrace() : e.what();
       if (prefill) decoding.push_back(prefill);
-      for (const auto& r : decoding) {
-        r->error = what;
-        r->sink.close("error");
-      }
+      for (const auto& r : decoding) fail(*r, e);
     }
+  }
+  {
     const std::lock_guard<std::mutex> lock(b.mutex);
     for (const auto& r : std::vector<RequestPtr>(b.running)) {
       if (r->done()) finish(r);
@@ -430,7 +440,7 @@ bool BatchEngine::step() {
   for (const auto& r : finished) {  // outside the lock: a callback may submit
     if (r->on_done) r->on_done(r->id, r->result());
   }
-  return work;
+  return work || !finished.empty();
 }
 
 std::vector<GenerationResult> BatchEngine::generate_many(
