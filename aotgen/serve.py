@@ -296,7 +296,9 @@ def create_app(engine: BatchEngine, name: str, speculative: str | None = None) -
             if finish is not None and req.stream:
                 delta, calls = answers[index].finish()
                 if calls:
-                    delta["tool_calls"] = [c.as_openai(i) for i, c in enumerate(calls)]
+                    delta["tool_calls"] = [
+                        c.as_openai(fmt.call_id(), i) for i, c in enumerate(calls)
+                    ]
                     finish = "tool_calls"
             elif text:
                 delta = answers[index].feed(text)
@@ -311,7 +313,9 @@ def create_app(engine: BatchEngine, name: str, speculative: str | None = None) -
             message, calls = chat_message(result.text, thinking, fmt)
             if not calls:
                 return message, finish_reason(result)
-            return message | {"tool_calls": [c.as_openai() for c in calls]}, "tool_calls"
+            return message | {
+                "tool_calls": [c.as_openai(fmt.call_id()) for c in calls]
+            }, "tool_calls"
 
         return await _respond(server, request, req, [prompt], config, chunk, reply=reply)
 

@@ -7,6 +7,8 @@ which convention from the template (vLLM's `--tool-call-parser`, chosen per mode
   \\n</tool_call>`, one block per call, after any text.
 - `llama3_json` (Llama 3.1-3.3): the whole answer is `{"name": ..., "parameters": {...}}`,
   calls separated by `; `, optionally led by `<|python_tag|>`.
+- `mistral` (Mistral 7B v0.3, Nemo): `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`
+  after any text; call ids of 9 letters and digits, which its template checks.
 
 Each format reads calls back from the answer's text (`parse`), says where a call may begin
 (`start`: text before it streams as content), and gives the grammar that makes the model
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -30,9 +34,9 @@ class ToolCall:
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
-    def as_openai(self, index: int | None = None) -> dict[str, Any]:
+    def as_openai(self, call_id: str, index: int | None = None) -> dict[str, Any]:
         call = {
-            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "id": call_id,
             "type": "function",
             "function": {"name": self.name, "arguments": self.arguments},
         }
@@ -53,17 +57,33 @@ def _call_schema(tools: list[dict[str, Any]], arguments_key: str) -> dict[str, A
         }
         for tool in tools
     ]
-    schema = options[0] if len(options) == 1 else {"anyOf": options}
-    # JSON as the templates show it ({"name": ..., "arguments": {...}}): no free whitespace,
-    # which a weak model may emit without end.
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def _json(schema: dict[str, Any]) -> str:
+    """The grammar rule for JSON matching `schema`, laid out as the templates show it
+    ({"name": ..., "arguments": {...}}): no free whitespace, which a weak model may emit
+    without end."""
     layout = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
-    return schema | {"x-guidance": layout}
+    return f"%json {json.dumps(schema | {'x-guidance': layout})}"
 
 
-def _decode_call(text: str, arguments_key: str) -> ToolCall | None:
-    """A call from a JSON object's text, or None if it is not one."""
+def _openai_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Characters at the end of `text` that may begin `marker`."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:size]):
+            return size
+    return 0
+
+
+def _decode_call(text: str | dict[str, Any], arguments_key: str) -> ToolCall | None:
+    """A call from a JSON object (or its text), or None if it is not one."""
     try:
-        obj = json.loads(text)
+        obj = json.loads(text) if isinstance(text, str) else text
     except json.JSONDecodeError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -84,10 +104,9 @@ class HermesFormat:
 
     def pending(self, text: str) -> int:
         """Characters at the end that may begin a call (held back until they cannot)."""
-        for size in range(min(len(self.open) - 1, len(text)), 0, -1):
-            if text.endswith(self.open[:size]):
-                return size
-        return 0
+        return _partial_suffix(text, self.open)
+
+    call_id = staticmethod(_openai_id)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         at = self.start(text)
@@ -99,11 +118,12 @@ class HermesFormat:
         return text[:at] or None, [c for c in calls if c is not None]
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> Grammar:
-        schema = json.dumps(_call_schema(tools, "arguments"))
+        body = _json(_call_schema(tools, "arguments"))
         opening, closing = json.dumps(self.open + "\n"), json.dumps("\n" + self.close)
         more = ' ("\\n" call)*' if parallel else ""  # blocks one per line, as Qwen writes them
-        lark = f"start: call{more}\ncall: {opening} body {closing}\nbody: %json {schema}\n"
-        return Grammar("grammar", lark)
+        return Grammar(
+            "grammar", f"start: call{more}\ncall: {opening} body {closing}\nbody: {body}\n"
+        )
 
 
 class Llama3JsonFormat:
@@ -128,19 +148,62 @@ class Llama3JsonFormat:
             return text, []
         return None, [c for c in calls if c is not None]
 
+    call_id = staticmethod(_openai_id)
+
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> Grammar:
-        schema = json.dumps(_call_schema(tools, "parameters"))
         more = ' ("; " call)*' if parallel else ""
-        return Grammar("grammar", f"start: call{more}\ncall: %json {schema}\n")
+        return Grammar(
+            "grammar", f"start: call{more}\ncall: {_json(_call_schema(tools, 'parameters'))}\n"
+        )
 
 
-ToolFormat = HermesFormat | Llama3JsonFormat
+class MistralFormat:
+    name = "mistral"
+    open = "[TOOL_CALLS]"
+
+    def start(self, text: str) -> int | None:
+        at = text.find(self.open)
+        return None if at < 0 else at
+
+    def pending(self, text: str) -> int:
+        return _partial_suffix(text, self.open)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        at = self.start(text)
+        if at is None:
+            return text, []
+        try:
+            items = json.loads(text[at + len(self.open) :])
+        except json.JSONDecodeError:
+            return text, []
+        calls = (
+            [_decode_call(item, "arguments") for item in items] if isinstance(items, list) else []
+        )
+        if not calls or None in calls:
+            return text, []
+        return text[:at] or None, [c for c in calls if c is not None]
+
+    @staticmethod
+    def call_id() -> str:
+        """Nine letters and digits: Mistral's template refuses other ids in the history."""
+        alphabet = string.ascii_letters + string.digits
+        return "".join(secrets.choice(alphabet) for _ in range(9))
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> Grammar:
+        array = {"type": "array", "items": _call_schema(tools, "arguments"), "minItems": 1}
+        array |= {} if parallel else {"maxItems": 1}
+        return Grammar("grammar", f"start: {json.dumps(self.open)} body\nbody: {_json(array)}\n")
+
+
+ToolFormat = HermesFormat | Llama3JsonFormat | MistralFormat
 
 
 def tool_format(chat_template: str | None) -> ToolFormat | None:
     """How the model of this chat template calls tools, or None if the template takes none."""
     if not chat_template or "tools" not in chat_template:
         return None
+    if MistralFormat.open in chat_template:
+        return MistralFormat()
     if HermesFormat.open in chat_template:
         return HermesFormat()
     if '"parameters"' in chat_template or Llama3JsonFormat.python_tag in chat_template:

@@ -19,7 +19,14 @@ from aotgen.reasoning import ReasoningStream, split_reasoning, starts_thinking
 from aotgen.runtime.engine import Engine, GenerationConfig
 from aotgen.runtime.sampling import SamplingParams
 from aotgen.runtime.tokenizer import Tokenizer
-from aotgen.tool_calls import HermesFormat, Llama3JsonFormat, ToolCall, ToolCallStream, tool_format
+from aotgen.tool_calls import (
+    HermesFormat,
+    Llama3JsonFormat,
+    MistralFormat,
+    ToolCall,
+    ToolCallStream,
+    tool_format,
+)
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 
@@ -116,19 +123,35 @@ LLAMA3_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("fmt", "text", "content", "calls"),
-    [(HermesFormat(), *c) for c in HERMES_CASES] + [(Llama3JsonFormat(), *c) for c in LLAMA3_CASES],
+MISTRAL_CASES = [
+    ("Hello there.", "Hello there.", []),
+    (
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        None,
+        [ToolCall("get_weather", '{"city": "Paris"}')],
+    ),
+    (
+        'Sure. [TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}, '
+        '{"name": "add", "arguments": {"a": 3, "b": 4}}]',
+        "Sure. ",
+        [ToolCall("add", '{"a": 1, "b": 2}'), ToolCall("add", '{"a": 3, "b": 4}')],
+    ),
+    ("[TOOL_CALLS] oops", "[TOOL_CALLS] oops", []),
+]
+FORMAT_CASES = (
+    [(HermesFormat(), *c) for c in HERMES_CASES]
+    + [(Llama3JsonFormat(), *c) for c in LLAMA3_CASES]
+    + [(MistralFormat(), *c) for c in MISTRAL_CASES]
 )
+FORMATS = [HermesFormat(), Llama3JsonFormat(), MistralFormat()]
+
+
+@pytest.mark.parametrize(("fmt", "text", "content", "calls"), FORMAT_CASES)
 def test_parse(fmt, text, content, calls):
     assert fmt.parse(text) == (content, calls)
 
 
-@pytest.mark.parametrize(
-    ("fmt", "text"),
-    [(HermesFormat(), c[0]) for c in HERMES_CASES]
-    + [(Llama3JsonFormat(), c[0]) for c in LLAMA3_CASES],
-)
+@pytest.mark.parametrize(("fmt", "text"), [(f, text) for f, text, _, _ in FORMAT_CASES])
 def test_streamed_in_pieces_reads_as_whole(fmt, text):
     """Fed in pieces of every size, the content sent along the way plus what the end gives
     equals the whole text's content, and the calls are the same; nothing of a call leaks out
@@ -141,7 +164,7 @@ def test_streamed_in_pieces_reads_as_whole(fmt, text):
         assert got == calls
         assert sent + rest == (content or "" if calls else text)
         if calls:
-            assert "<tool_call>" not in sent and "{" not in sent
+            assert "<tool_call>" not in sent and "{" not in sent and "[TOOL" not in sent
 
 
 def test_tool_format_of_real_templates():
@@ -234,19 +257,24 @@ HISTORY = [
         "content": "",  # null in OpenAI's request: "" to templates (ChatMessage.for_template)
         "tool_calls": [
             {
-                "id": "call_1",
+                "id": "abcDEF123",  # Mistral's template takes nine letters and digits
                 "type": "function",
                 "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
             }
         ],
     },
-    {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    {"role": "tool", "tool_call_id": "abcDEF123", "content": '{"temperature": 21}'},
 ]
 
 
 @pytest.mark.parametrize(
     "template",
-    ["Qwen-Qwen2.5-7B-Instruct", "Qwen-Qwen3-0.6B", "meta-llama-Llama-3.2-3B-Instruct"],
+    [
+        "Qwen-Qwen2.5-7B-Instruct",
+        "Qwen-Qwen3-0.6B",
+        "meta-llama-Llama-3.2-3B-Instruct",
+        "mistralai-Mistral-Nemo-Instruct-2407",
+    ],
 )
 @pytest.mark.parametrize("history", [False, True], ids=["question", "after-a-call"])
 def test_prompt_with_tools_equals_transformers(tiny_checkpoint, tmp_path, template, history):
@@ -265,7 +293,16 @@ def test_prompt_with_tools_equals_transformers(tiny_checkpoint, tmp_path, templa
 # ---- a forced call: well formed whatever the model, arguments matching the schema ----------
 
 
-@pytest.mark.parametrize("fmt", [HermesFormat(), Llama3JsonFormat()], ids=lambda f: f.name)
+def _completed(fmt, text: str) -> str:
+    """An answer cut short, up to the last call it completed."""
+    if isinstance(fmt, HermesFormat):
+        return text[: text.rfind(fmt.close) + len(fmt.close)]
+    if isinstance(fmt, MistralFormat):
+        return text[: text.rfind("}, {") + 1] + "]"
+    return text[: text.rfind("; ")]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_forced_calls_parse_and_match_the_schema(tiny_package, fmt):
     """A random model under the grammar of tool_choice "required" (greedy and 6 seeds) and of
     one named function: every answer ends (bounded arguments, no free whitespace) and reads
@@ -283,14 +320,7 @@ def test_forced_calls_parse_and_match_the_schema(tiny_package, fmt):
 
         many = GenerationConfig(130, sampling=sampling, grammar=fmt.grammar(TOOLS, True))
         result = engine.generate(prompt, many)
-        text = result.text
-        if result.finish_reason == "length":  # up to the last call it completed
-            hermes = isinstance(fmt, HermesFormat)
-            text = (
-                text[: text.rfind(fmt.close) + len(fmt.close)]
-                if hermes
-                else text[: text.rfind("; ")]
-            )
+        text = result.text if result.finish_reason == "eos" else _completed(fmt, result.text)
         content, calls = fmt.parse(text)
         assert content is None and calls and all(matches_schema(c) for c in calls), result.text
     named = GenerationConfig(120, grammar=fmt.grammar([ADD], parallel=False))
@@ -391,7 +421,7 @@ def test_a_conversation_with_calls_and_results(tools_server):
             "content": None,
             "tool_calls": [
                 {
-                    "id": "call_1",
+                    "id": "abcDEF123",  # Mistral's template takes nine letters and digits
                     "type": "function",
                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
                 }
