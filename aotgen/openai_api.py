@@ -231,6 +231,20 @@ class ChatRequest(RequestFields):
             )
         return self.chat_template_kwargs
 
+    def prompt_ids(self, tok: Tokenizer, add_generation_prompt: bool = True) -> list[int]:
+        """The chat rendered by the package's template (with the tools), as ids."""
+        if not self.messages:
+            raise ApiError(400, "messages is empty: give at least one message", "messages")
+        try:
+            return tok.encode_chat(
+                [m.for_template() for m in self.messages],
+                add_generation_prompt=add_generation_prompt,
+                tools=self.tool_dicts() or None,
+                template_kwargs=self.template_kwargs(),
+            )
+        except ValueError as e:  # jinja2's TemplateError is one
+            raise ApiError(400, f"messages: {e}", "messages") from None
+
     def tool_dicts(self) -> list[dict[str, Any]]:
         return [t.model_dump(exclude_none=True) for t in self.tools or []]
 
@@ -265,6 +279,38 @@ class ChatRequest(RequestFields):
         if self.grammar() is not None:
             raise ApiError(400, "a forced tool call takes no response_format", "tool_choice")
         return fmt, fmt.grammar(tools, parallel)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's `/tokenize`: a prompt (as `/v1/completions` reads it) or a chat (as
+    `/v1/chat/completions` renders it)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True  # a prompt: led by bos where the checkpoint asks
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def ids(self, tok: Tokenizer) -> list[int]:
+        if (self.prompt is None) == (self.messages is None):
+            raise ApiError(400, "give prompt or messages")
+        if self.prompt is not None:
+            return (
+                tok.prompt_ids(self.prompt) if self.add_special_tokens else tok.encode(self.prompt)
+            )
+        chat = ChatRequest(
+            messages=self.messages, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs
+        )
+        return chat.prompt_ids(tok, self.add_generation_prompt)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
 
 
 class AnswerStream:

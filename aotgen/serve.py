@@ -2,13 +2,14 @@
 
 FastAPI + uvicorn (`pip install 'aotgen[serve]'`). Endpoints: `POST /v1/chat/completions`,
 `POST /v1/completions` (streamed as server-sent events ending in `data: [DONE]`, or whole),
-`GET /v1/models`, `GET /health`. Structured output: OpenAI's `response_format` (`json_object`,
-`json_schema`) or vLLM's `structured_outputs` (`json`, `regex`, `grammar`, `choice`). Tool
-calls: `tools`, `tool_choice`, in the format the chat template teaches (aotgen/tool_calls.py). The
-engine steps in its own thread; each request is handed its text through an asyncio queue. A
-client that goes away has its request cancelled, so its slot frees at the next step. Errors
-are OpenAI-shaped: `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status; a
-full queue is 429 with `Retry-After`.
+`GET /v1/models`, `GET /health`, vLLM's `POST /tokenize` and `POST /detokenize`. Structured
+output: OpenAI's `response_format` (`json_object`, `json_schema`) or vLLM's
+`structured_outputs` (`json`, `regex`, `grammar`, `choice`). Tool calls: `tools`,
+`tool_choice`, in the format the chat template teaches (aotgen/tool_calls.py); reasoning apart
+(aotgen/reasoning.py). The engine steps in its own thread; each request is handed its text
+through an asyncio queue. A client that goes away has its request cancelled, so its slot frees
+at the next step. Errors are OpenAI-shaped: `{"error": {"message", "type", "param", "code"}}`
+with a 4xx/5xx status; a full queue is 429 with `Retry-After`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from aotgen.openai_api import (
     ApiError,
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
     RequestFields,
+    TokenizeRequest,
     chat_logprobs,
     chat_message,
     completion_logprobs,
@@ -240,6 +243,18 @@ def create_app(engine: BatchEngine, name: str, speculative: str | None = None) -
         card = {"id": name, "object": "model", "created": server.created, "owned_by": "aotgen"}
         return {"object": "list", "data": [card]}
 
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        ids = req.ids(engine.tokenizer)
+        return {"count": len(ids), "max_model_len": engine.engine.max_seq_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        vocab = engine.target.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise ApiError(400, f"tokens must be in 0..{vocab - 1}", "tokens")
+        return {"prompt": engine.tokenizer.decode(req.tokens)}
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
         tok = engine.tokenizer
@@ -261,17 +276,9 @@ def create_app(engine: BatchEngine, name: str, speculative: str | None = None) -
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Any:
-        if not req.messages:
-            raise ApiError(400, "messages is empty: give at least one message", "messages")
         tok = engine.tokenizer
         fmt, forced = req.tool_calls(tool_format(tok.chat_template))
-        messages = [m.for_template() for m in req.messages]
-        try:
-            prompt = tok.encode_chat(
-                messages, tools=req.tool_dicts() or None, template_kwargs=req.template_kwargs()
-            )
-        except ValueError as e:  # jinja2's TemplateError is one
-            raise ApiError(400, f"messages: {e}", "messages") from None
+        prompt = req.prompt_ids(tok)
         config = server.config(req, prompt, req.max_completion_tokens or req.max_tokens)
         if forced is not None:
             config = replace(config, grammar=forced)

@@ -330,6 +330,34 @@ def test_bad_structured_outputs_are_400s(tiny_server, body, param):
     assert error["param"] == param
 
 
+def test_tokenize_and_detokenize_as_the_endpoints_count(tiny_server, alone):
+    """/tokenize gives the ids the completion and chat endpoints run (their usage counts
+    them) and the engine's tokenizer gives; /detokenize gives the text back."""
+    url = tiny_server.url
+    text = "The quick brown fox"
+    got = httpx.post(f"{url}/tokenize", json={"prompt": text}).json()
+    assert got["tokens"] == alone.tokenizer.prompt_ids(text) and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == alone.max_seq_len
+    done = httpx.post(f"{url}/v1/completions", json={"prompt": text, "max_tokens": 1}).json()
+    assert done["usage"]["prompt_tokens"] == got["count"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+    chat = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == alone.tokenizer.encode_chat(messages)
+    answer = httpx.post(
+        f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 1}
+    ).json()
+    assert answer["usage"]["prompt_tokens"] == chat["count"]
+    back = httpx.post(f"{url}/detokenize", json={"tokens": chat["tokens"]}).json()
+    assert back["prompt"] == alone.tokenizer.decode(chat["tokens"])
+    for path, body in [
+        ("/tokenize", {"prompt": text, "messages": messages}),
+        ("/tokenize", {}),
+        ("/detokenize", {"tokens": [alone.target.vocab_size]}),
+    ]:
+        r = httpx.post(f"{url}{path}", json=body)
+        assert r.status_code == 400 and r.json()["error"]["message"], (path, r.text)
+
+
 @pytest.mark.parametrize(
     "path,body,param",
     [
