@@ -2,14 +2,14 @@
 
 FastAPI + uvicorn (`pip install 'aotgen[serve]'`). Endpoints: `POST /v1/chat/completions`,
 `POST /v1/completions` (streamed as server-sent events ending in `data: [DONE]`, or whole),
-`GET /v1/models`, `GET /health`, vLLM's `POST /tokenize` and `POST /detokenize`. Structured
-output: OpenAI's `response_format` (`json_object`, `json_schema`) or vLLM's
-`structured_outputs` (`json`, `regex`, `grammar`, `choice`). Tool calls: `tools`,
-`tool_choice`, in the format the chat template teaches (aotgen/tool_calls.py); reasoning apart
-(aotgen/reasoning.py). The engine steps in its own thread; each request is handed its text
-through an asyncio queue. A client that goes away has its request cancelled, so its slot frees
-at the next step. Errors are OpenAI-shaped: `{"error": {"message", "type", "param", "code"}}`
-with a 4xx/5xx status; a full queue is 429 with `Retry-After`.
+`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus), vLLM's `POST /tokenize` and
+`POST /detokenize`. Structured output: OpenAI's `response_format` (`json_object`,
+`json_schema`) or vLLM's `structured_outputs` (`json`, `regex`, `grammar`, `choice`). Tool
+calls: `tools`, `tool_choice`, in the format the chat template teaches (aotgen/tool_calls.py);
+reasoning apart (aotgen/reasoning.py). The engine steps in its own thread; each request is
+handed its text through an asyncio queue. A client that goes away has its request cancelled,
+so its slot frees at the next step. Errors are OpenAI-shaped: `{"error": {"message", "type",
+"param", "code"}}` with a 4xx/5xx status; a full queue is 429 with `Retry-After`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from aotgen.metrics import ServeMetrics
 from aotgen.openai_api import (
     AnswerStream,
     ApiError,
@@ -61,6 +62,7 @@ class Server:
     def __init__(self, engine: BatchEngine, name: str, speculative: str | None):
         self.engine, self.name, self.speculative = engine, name, speculative
         self.created = int(time.time())
+        self.metrics = ServeMetrics(engine)
 
     def config(
         self, req: RequestFields, prompt: list[int], max_tokens: int | None
@@ -110,6 +112,10 @@ class Server:
         def put(item: tuple[int, str, Any]) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
+        def done(index: int, result: GenerationResult) -> None:
+            self.metrics.observe(result)
+            put((index, "done", result))
+
         rids: list[int] = []
         base = config.sampling.seed
         try:
@@ -121,7 +127,7 @@ class Server:
                         prompts[i // n],
                         replace(config, sampling=sampling),
                         lambda t, i=i: put((i, "text", t)),
-                        lambda r, i=i: put((i, "done", r)),
+                        lambda r, i=i: done(i, r),
                     )
                 )
         except (GenerationError, QueueFull) as e:
@@ -237,6 +243,10 @@ def create_app(engine: BatchEngine, name: str, speculative: str | None = None) -
             "waiting": len(s.waiting),
             "finished": dict(engine.finished),  # finish reason -> requests
         }
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=server.metrics.content_type)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

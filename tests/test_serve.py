@@ -330,6 +330,46 @@ def test_bad_structured_outputs_are_400s(tiny_server, body, param):
     assert error["param"] == param
 
 
+def _metrics(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics").text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
+            if "le" not in sample.labels:
+                samples[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return samples
+
+
+def test_metrics_count_what_the_answers_say(tiny_server):
+    """/metrics (Prometheus text): over a few requests, the token counters grow by the sums
+    of the answers' usage, requests are counted by finish reason, each histogram by one per
+    request, and the gauges read the scheduler (idle: nothing running or waiting)."""
+    before = _metrics(tiny_server.url)
+    usages = []
+    for i, max_tokens in enumerate([3, 5, 1]):
+        body = {"prompt": _ids(i, 6 + i), "max_tokens": max_tokens, "temperature": 0}
+        usages.append(httpx.post(f"{tiny_server.url}/v1/completions", json=body).json()["usage"])
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stop": ["zzz"]}
+    usages.append(httpx.post(f"{tiny_server.url}/v1/chat/completions", json=chat).json()["usage"])
+    after = _metrics(tiny_server.url)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert grew("aotgen:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+    assert grew("aotgen:generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    assert grew("aotgen:prompt_tokens_cached_total") == cached
+    assert grew("aotgen:request_success_total{finished_reason=length}") == 4
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert grew(f"aotgen:{histogram}_count") == 4 and grew(f"aotgen:{histogram}_sum") > 0
+    assert grew("aotgen:time_per_output_token_seconds_count") == 3  # answers of 2+ tokens
+    assert after["aotgen:num_requests_running"] == after["aotgen:num_requests_waiting"] == 0
+
+
 def test_tokenize_and_detokenize_as_the_endpoints_count(tiny_server, alone):
     """/tokenize gives the ids the completion and chat endpoints run (their usage counts
     them) and the engine's tokenizer gives; /detokenize gives the text back."""
