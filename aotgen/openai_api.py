@@ -69,8 +69,12 @@ class RequestFields(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)  # vLLM's extension
     logit_bias: dict[int, float] | None = None  # token id -> bias, -100..100
-    # Declared so that a value other than "off" is refused, not silently ignored.
+    ignore_eos: bool = False  # vLLM's extension (its benchmarks send it): run to max_tokens
+    # Declared so that a value other than "off" is refused, not silently ignored (vLLM's
+    # extensions aotgen does not implement, but best_of which OpenAI had).
     best_of: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
 
     def penalties(self) -> Penalties:
         try:
@@ -85,7 +89,8 @@ class RequestFields(BaseModel):
 
     def refuse_unsupported(self) -> None:
         """A sampling field aotgen does not implement, set to anything but "off"."""
-        unsupported = {"best_of": (None, 1)}  # field -> values meaning off
+        # field -> values meaning off
+        unsupported = {"best_of": (None, 1), "min_tokens": (0,), "stop_token_ids": (None, [])}
         for name, off in unsupported.items():
             if getattr(self, name) not in off:
                 raise ApiError(

@@ -92,6 +92,7 @@ class Server:
             max_new_tokens=max_tokens if max_tokens is not None else max(room, 1),
             sampling=sampling,
             stop=stop,
+            ignore_eos=req.ignore_eos,
             speculative=self.speculative,
             grammar=req.grammar(),
             penalties=req.penalties(),

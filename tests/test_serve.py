@@ -330,6 +330,23 @@ def test_bad_structured_outputs_are_400s(tiny_server, body, param):
     assert error["param"] == param
 
 
+def test_ignore_eos_runs_to_max_tokens(tiny_server, alone):
+    """vLLM's `ignore_eos`: eos (pushed up by a logit bias) ends a request at once without it,
+    and is generated like any token with it, up to max_tokens, as the engine does alone."""
+    eos = min(alone.tokenizer.eos_ids)
+    body = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "logit_bias": {str(eos): 100}}
+    url = f"{tiny_server.url}/v1/completions"
+    stopped = httpx.post(url, json=body).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == 0
+    ran = httpx.post(url, json=body | {"ignore_eos": True}).json()
+    assert ran["choices"][0]["finish_reason"] == "length"
+    config = GenerationConfig(6, ignore_eos=True, penalties=Penalties(logit_bias=((eos, 100.0),)))
+    expected = alone.generate([5, 6, 7], config)
+    assert ran["usage"]["completion_tokens"] == len(expected.token_ids) == 6
+    assert ran["choices"][0]["text"] == expected.text
+
+
 def _metrics(url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -410,6 +427,8 @@ def test_tokenize_and_detokenize_as_the_endpoints_count(tiny_server, alone):
         ("/v1/completions", {"prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty"),
         ("/v1/completions", {"prompt": "hi", "min_p": 1.5}, "min_p"),
         ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
+        ("/v1/completions", {"prompt": "hi", "min_tokens": 2}, "min_tokens"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [5]}, "stop_token_ids"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, None),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999": 1}}, None),
         ("/v1/completions", {"prompt": "hi", "top_k": -2}, "top_k"),
