@@ -15,6 +15,7 @@ so its slot frees at the next step. Errors are OpenAI-shaped: `{"error": {"messa
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -209,7 +210,9 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def create_app(engine: BatchEngine, name: str, speculative: str | None = None) -> FastAPI:
+def create_app(
+    engine: BatchEngine, name: str, speculative: str | None = None, api_key: str | None = None
+) -> FastAPI:
     server = Server(engine, name, speculative)
 
     @asynccontextmanager
@@ -233,6 +236,24 @@ def create_app(engine: BatchEngine, name: str, speculative: str | None = None) -
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         return _error(exc)
+
+    if api_key:
+
+        @app.middleware("http")
+        async def authorize(request: Request, call_next: Any) -> Any:
+            """With an API key, every endpoint but /health and /metrics wants it as a bearer
+            token, as OpenAI's and vLLM's do."""
+            open_path = request.url.path in ("/health", "/metrics")
+            given = request.headers.get("authorization", "")
+            if open_path or hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return await call_next(request)
+            return _error(
+                ApiError(
+                    401,
+                    "missing or wrong API key: send Authorization: Bearer KEY",
+                    kind="authentication_error",
+                )
+            )
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -382,8 +403,14 @@ async def _respond(
 
 
 def serve(
-    engine: BatchEngine, name: str, host: str, port: int, speculative: str | None = None
+    engine: BatchEngine,
+    name: str,
+    host: str,
+    port: int,
+    speculative: str | None = None,
+    api_key: str | None = None,
 ) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(engine, name, speculative), host=host, port=port, log_level="warning")
+    app = create_app(engine, name, speculative, api_key)
+    uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -461,6 +461,36 @@ def test_bad_requests_get_openai_shaped_errors(tiny_server, path, body, param):
     assert ok.status_code == 200
 
 
+def test_an_api_key_guards_every_endpoint_but_health_and_metrics(tiny_batch_package):
+    """`--api-key` (or AOTGEN_API_KEY): without the bearer token, or with another, a 401 in
+    OpenAI's shape; with it (the openai client's api_key), answers; /health and /metrics
+    stay open for probes and scrapers."""
+    openai = pytest.importorskip("openai")
+    server = Server(tiny_batch_package, "--api-key", "sekrit")
+    try:
+        body = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "sekrit"}):
+            r = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        for path in ("/tokenize", "/v1/models"):
+            assert (
+                httpx.request(
+                    "GET" if "models" in path else "POST",
+                    f"{server.url}{path}",
+                    json={"prompt": "hi"},
+                ).status_code
+                == 401
+            )
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        assert httpx.get(f"{server.url}/metrics").status_code == 200
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sekrit")
+        assert client.completions.create(model="m", **body).usage.completion_tokens == 2
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="x").models.list()
+    finally:
+        server.close()
+
+
 def test_full_queue_answers_429_with_retry_after(tiny_batch_package):
     server = Server(tiny_batch_package, "--max-queue", "1")
     # A request of 150 tokens takes ~40 ms on the tiny model: a burst of 32 from one shared

@@ -444,6 +444,13 @@ def serve(
     threads: Annotated[
         int | None, typer.Option(help="intra-op threads, >= 1 (default: aotgen.toml's)")
     ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="AOTGEN_API_KEY",
+            help="require 'Authorization: Bearer KEY' on every endpoint but /health, /metrics",
+        ),
+    ] = None,
 ) -> None:
     """Serve a package over an OpenAI-compatible HTTP API, many requests at once."""
     from aotgen.runtime import distributed
@@ -474,4 +481,4 @@ def serve(
         f"serving {name} on http://{host}:{port}/v1 ({engine.slots} slots"
         f"{f', speculative: {mode}' if mode else ''})"
     )
-    serve_http(engine, name, host, port, speculative=mode)
+    serve_http(engine, name, host, port, speculative=mode, api_key=api_key)
