@@ -318,12 +318,8 @@ def create_app(
         thinking = (
             starts_thinking(tok.decode(prompt[-8:])) if takes_reasoning(tok.chat_template) else None
         )
-        if thinking and config.grammar is not None:
-            raise ApiError(
-                400,
-                "the prompt opens the model's reasoning, which a grammar would constrain: "
-                'set chat_template_kwargs {"enable_thinking": false}',
-            )
+        if thinking is not None and config.grammar is not None:  # the answer's, not the thinking's
+            config = replace(config, grammar=config.grammar.after_reasoning(opened=thinking))
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk"}
         head |= {"created": int(time.time()), "model": name}
         answers = [AnswerStream(thinking, fmt) for _ in range(req.n)]

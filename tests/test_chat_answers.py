@@ -9,6 +9,7 @@ streamed."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -238,6 +239,32 @@ def test_thinking_switch_of_qwen3_equals_transformers(tiny_checkpoint, tmp_path)
         assert ours == reference
         assert starts_thinking(ours) == opened
         assert ours.endswith("<think>\n\n</think>\n\n") == (kwargs == {"enable_thinking": False})
+
+
+@pytest.mark.parametrize(
+    ("opened", "text", "taken"),
+    [
+        (True, 'I think </b> 3.</think>\n\n{"a": 3}', True),
+        (True, '{"a": 3}', False),  # the prompt opened the reasoning: it must close
+        (False, '<think>\nhm</think>\n{"a": 3}', True),
+        (False, '{"a": 3}', True),  # the model need not think
+        (False, 'hm</think>{"a": 3}', False),
+        (True, 'hm</think>{"a": "x"}', False),  # the answer still obeys the schema
+    ],
+)
+def test_a_grammar_after_reasoning(tiny_checkpoint, opened, text, taken):
+    """A grammar under a reasoning template constrains the answer only: the reasoning before
+    `</think>` is free (required when the prompt opened it, optional otherwise)."""
+    llguidance = pytest.importorskip("llguidance")
+    from aotgen.runtime.grammar import Grammar
+
+    tok = Tokenizer.from_dir(tiny_checkpoint)
+    table = llguidance.LLTokenizer(tok.to_json(), n_vocab=tok.vocab_size, eos_token=[0])
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    grammar = Grammar.json_schema(schema).after_reasoning(opened)
+    matcher = llguidance.LLMatcher(table, grammar.text(), log_level=0)
+    ids = tok.encode(text)
+    assert (all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()) == taken
 
 
 def _with_template(checkpoint: Path, directory: Path, source: str) -> Path:
@@ -516,12 +543,30 @@ def test_reasoning_apart_whole_and_streamed(tools_server):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (
-            {"chat_template_kwargs": {"enable_thinking": True}, "tool_choice": "required"},
-            "enable_thinking",
-        ),
         ({"chat_template_kwargs": {"tools": []}}, "set by the request itself"),
     ],
 )
 def test_bad_reasoning_requests(tools_server, change, message):
     test_bad_tool_requests(tools_server, change, message)
+
+
+def test_structured_answer_after_reasoning(tools_server):
+    """A regex on a reasoning template constrains the answer, not the reasoning: with thinking
+    off the content matches it; with the prompt opening the reasoning, a random model (which
+    never closes it) reasons to max_tokens, as the engine does under the same grammar."""
+    from aotgen.runtime.grammar import Grammar
+
+    client = _client(tools_server)
+    engine = Engine.load(tools_server.package)
+    regex = "[a-z]{1,8}"
+    ask = {"model": "m", "messages": QUESTION, "max_tokens": 20, "temperature": 0}
+    ask["extra_body"] = {"structured_outputs": {"regex": regex}}
+    answer = client.chat.completions.create(**ask).choices[0]
+    assert re.fullmatch(regex, answer.message.content), answer.message
+    ask["extra_body"]["chat_template_kwargs"] = {"enable_thinking": True}
+    answer = client.chat.completions.create(**ask).choices[0]
+    prompt = engine.tokenizer.encode_chat(QUESTION, template_kwargs={"enable_thinking": True})
+    grammar = Grammar("regex", regex).after_reasoning(opened=True)
+    text = engine.generate(prompt, GenerationConfig(20, grammar=grammar)).text
+    assert "</think>" not in text and answer.finish_reason == "length"
+    assert answer.message.reasoning_content == text.strip("\n") and answer.message.content == ""

@@ -30,8 +30,19 @@ if TYPE_CHECKING:
 
     from aotgen.runtime.tokenizer import Tokenizer
 
-# Grammar kinds and llguidance's name for each ("grammar": Lark, or GBNF converted to Lark).
-KINDS = {"json_schema": "json_schema", "regex": "regex", "grammar": "grammar", "choice": "choice"}
+# Grammar kinds and llguidance's name for each ("grammar": Lark, or GBNF converted to Lark;
+# "llguidance": llguidance's own grammar JSON, as `Grammar.after_reasoning` composes it).
+KINDS = {
+    "json_schema": "json_schema",
+    "regex": "regex",
+    "grammar": "grammar",
+    "choice": "choice",
+    "llguidance": "llguidance",
+}
+# Reasoning before the answer (aotgen/reasoning.py): any text up to the first </think> (a
+# lazy lexeme ends at the first match), then newlines.
+_REASONING = "think[lazy]: /(?s:.*)<\\/think>/\nsep: /\\n*/\n"
+
 INSTALL_HINT = "structured output needs llguidance: pip install 'aotgen[structured]'"
 
 
@@ -64,8 +75,20 @@ class Grammar:
     def choice(cls, options: list[str]) -> Grammar:
         return cls("choice", json.dumps(options))
 
+    def after_reasoning(self, opened: bool) -> Grammar:
+        """This grammar for the answer after the model's reasoning, which stays free: up to
+        its `</think>` when the prompt opened it (`opened`), else an optional
+        `<think> ... </think>` the model may open itself (Qwen3's)."""
+        answer = json.loads(self.text())["grammars"]
+        head = "start: think sep @answer\n" if opened else 'start: ("<think>" think sep)? @answer\n'
+        main = {"name": "main", "lark_grammar": head + _REASONING}
+        grammars = [main, {**answer[0], "name": "answer"}, *answer[1:]]
+        return Grammar("llguidance", json.dumps({"grammars": grammars}))
+
     def text(self) -> str:
         """llguidance's grammar text (not yet checked: the matcher compiles it)."""
+        if self.kind == "llguidance":
+            return self.source
         try:
             return _llguidance().grammar_from(KINDS[self.kind], self.source)
         except (ValueError, TypeError, json.JSONDecodeError) as e:
