@@ -11,14 +11,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from aotgen.reasoning import ReasoningStream, split_reasoning
 from aotgen.runtime.engine import GenerationResult
 from aotgen.runtime.grammar import Grammar
 from aotgen.runtime.logprobs import MAX_TOP
 from aotgen.runtime.rules import Penalties
 from aotgen.runtime.sampling import SEED_MAX
 from aotgen.runtime.tokenizer import Tokenizer
-from aotgen.tool_calls import ToolCall, ToolCallStream, ToolFormat
+from aotgen.tool_calls import ToolFormat
 
 
 class ApiError(Exception):
@@ -316,47 +315,6 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     tokens: list[int]
-
-
-class AnswerStream:
-    """A streamed chat answer as deltas: reasoning apart (`thinking` None: the template has no
-    reasoning; else whether the answer starts inside it), text that may be a tool call held
-    back, the calls read whole at the end."""
-
-    def __init__(self, thinking: bool | None, fmt: ToolFormat | None):
-        self.reasoning = None if thinking is None else ReasoningStream(thinking)
-        self.calls = None if fmt is None else ToolCallStream(fmt)
-
-    def feed(self, piece: str) -> dict[str, Any]:
-        reasoning, content = self.reasoning.feed(piece) if self.reasoning else ("", piece)
-        if self.calls is not None and content:
-            content = self.calls.feed(content)
-        return _delta(reasoning, content)
-
-    def finish(self) -> tuple[dict[str, Any], list[ToolCall]]:
-        reasoning, content = self.reasoning.finish() if self.reasoning else ("", "")
-        calls: list[ToolCall] = []
-        if self.calls is not None:
-            content = self.calls.feed(content) if content else ""
-            rest, calls = self.calls.finish()
-            content += rest
-        return _delta(reasoning, content), calls
-
-
-def _delta(reasoning: str, content: str) -> dict[str, Any]:
-    return {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
-
-
-def chat_message(
-    text: str, thinking: bool | None, fmt: ToolFormat | None
-) -> tuple[dict[str, Any], list[ToolCall]]:
-    """A whole chat answer as OpenAI's message (reasoning apart) and the tool calls in it."""
-    reasoning, content = (None, text) if thinking is None else split_reasoning(text, thinking)
-    content, calls = fmt.parse(content) if fmt else (content, [])
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    if reasoning is not None:
-        message["reasoning_content"] = reasoning
-    return message, calls
 
 
 def finish_reason(result: GenerationResult) -> str:

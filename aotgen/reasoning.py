@@ -5,8 +5,9 @@ DeepSeek's API, vLLM's reasoning parsers and llama-server use.
 Whether an answer starts inside its reasoning is read from the prompt: DeepSeek-R1's template
 ends the prompt with `<think>\\n` (the answer then holds only the closing tag), Qwen3's lets
 the model open the tag itself, or closes an empty one when thinking is off
-(`chat_template_kwargs: {"enable_thinking": false}`). Newlines around the reasoning and
-before the answer are dropped, as Qwen3's template drops them from the history it renders.
+(`chat_template_kwargs: {"enable_thinking": false}`: the answer is all content). Newlines
+around the reasoning and before the answer are dropped, as Qwen3's template drops them from
+the history it renders.
 """
 
 from __future__ import annotations
@@ -14,9 +15,14 @@ from __future__ import annotations
 OPEN, CLOSE = "<think>", "</think>"
 
 
-def starts_thinking(prompt_text: str) -> bool:
-    """True when the prompt opened the reasoning itself (DeepSeek-R1's generation prompt)."""
-    return prompt_text.rstrip().endswith(OPEN)
+def opens_reasoning(prompt_text: str) -> bool | None:
+    """True: the prompt opened the reasoning (DeepSeek-R1's generation prompt), the answer
+    starts inside it; None: the prompt closed an empty one (Qwen3 with thinking off), none
+    comes; False: the model may open one itself."""
+    tail = prompt_text.rstrip()
+    if tail.endswith(OPEN):
+        return True
+    return None if tail.endswith(CLOSE) else False
 
 
 def takes_reasoning(chat_template: str | None) -> bool:

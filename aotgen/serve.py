@@ -28,22 +28,19 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from aotgen.chat_answer import ChatAnswers, thinking_of
 from aotgen.metrics import ServeMetrics
 from aotgen.openai_api import (
-    AnswerStream,
     ApiError,
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
     RequestFields,
     TokenizeRequest,
-    chat_logprobs,
-    chat_message,
     completion_logprobs,
     finish_reason,
     usage_of,
 )
-from aotgen.reasoning import starts_thinking, takes_reasoning
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.engine import GenerationConfig, GenerationError, GenerationResult
 from aotgen.runtime.sampling import SEED_MAX, SamplingParams
@@ -314,45 +311,13 @@ def create_app(
         config = server.config(req, prompt, req.max_completion_tokens or req.max_tokens)
         if forced is not None:
             config = replace(config, grammar=forced)
-        # None: the template has no reasoning; else whether the prompt opened it.
-        thinking = (
-            starts_thinking(tok.decode(prompt[-8:])) if takes_reasoning(tok.chat_template) else None
-        )
+        thinking = thinking_of(tok, prompt)
         if thinking is not None and config.grammar is not None:  # the answer's, not the thinking's
             config = replace(config, grammar=config.grammar.after_reasoning(opened=thinking))
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk"}
-        head |= {"created": int(time.time()), "model": name}
-        answers = [AnswerStream(thinking, fmt) for _ in range(req.n)]
-
-        def chunk(
-            index: int, text: str | None, finish: str | None, result: GenerationResult | None = None
-        ) -> dict[str, Any] | None:
-            delta: dict[str, Any] = {}
-            if finish is not None and req.stream:
-                delta, calls = answers[index].finish()
-                if calls:
-                    delta["tool_calls"] = [
-                        c.as_openai(fmt.call_id(), i) for i, c in enumerate(calls)
-                    ]
-                    finish = "tool_calls"
-            elif text:
-                delta = answers[index].feed(text)
-                if not delta:
-                    return None  # held back: a tag or a tool call may be forming
-            choice = {"index": index, "delta": delta, "finish_reason": finish}
-            if result is not None and result.logprobs is not None:
-                choice["logprobs"] = chat_logprobs(tok, result)
-            return {**head, "choices": [choice]}
-
-        def reply(result: GenerationResult) -> tuple[dict[str, Any], str]:
-            message, calls = chat_message(result.text, thinking, fmt)
-            if not calls:
-                return message, finish_reason(result)
-            return message | {
-                "tool_calls": [c.as_openai(fmt.call_id()) for c in calls]
-            }, "tool_calls"
-
-        return await _respond(server, request, req, [prompt], config, chunk, reply=reply)
+        answers = ChatAnswers(tok, name, req.n, thinking, fmt)
+        return await _respond(
+            server, request, req, [prompt], config, answers.chunk, choice=answers.choice
+        )
 
     return app
 
@@ -365,18 +330,17 @@ async def _respond(
     config: GenerationConfig,
     chunk: Any,
     echoes: list[str] | None = None,
-    reply: Callable[[GenerationResult], tuple[dict[str, Any], str]] | None = None,
+    choice: Callable[[int, GenerationResult], dict[str, Any]] | None = None,
 ) -> Any:
     """Submit the request's choices; stream their chunks or answer whole. `echoes`: each
-    prompt's text before its answers (completions' echo); `reply`: a chat's message and
-    finish reason from a result."""
-    n = req.n
+    prompt's text before its answers (completions' echo); `choice`: a chat's whole choice."""
+    n, chat = req.n, choice is not None
     echo = [""] * len(prompts) if echoes is None else echoes
     rids, queue = server.submit(prompts, config, n)
     if req.stream:
         usage = bool((req.stream_options or {}).get("include_usage"))
         openings = [chunk(i, echo[i // n], None) for i in range(len(rids)) if echo[i // n]]
-        if reply is not None:  # each choice's first chat chunk names the role, as OpenAI's do
+        if chat:  # each choice's first chat chunk names the role, as OpenAI's do
             openings = [chunk(i, None, None) for i in range(len(rids))]
             for opening in openings:
                 opening["choices"][0]["delta"] = {"role": "assistant", "content": ""}
@@ -387,15 +351,13 @@ async def _respond(
         raise ApiError(500, f"generation failed: {failed[0].error}")
     choices = []
     for i, result in enumerate(results):
-        choice = chunk(i, None, finish_reason(result), result)["choices"][0]
-        if reply is not None:
-            choice.pop("delta")
-            choice["message"], choice["finish_reason"] = reply(result)
-        else:
-            choice["text"] = echo[i // n] + result.text
-        choices.append(choice)
+        if choice is not None:
+            choices.append(choice(i, result))
+            continue
+        text_choice = chunk(i, None, finish_reason(result), result)["choices"][0]
+        choices.append(text_choice | {"text": echo[i // n] + result.text})
     body = {**chunk(0, None, None), "choices": choices, "usage": usage_of(results, n)}
-    return body | ({"object": "chat.completion"} if reply is not None else {})
+    return body | ({"object": "chat.completion"} if chat else {})
 
 
 def serve(

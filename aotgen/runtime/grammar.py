@@ -79,7 +79,9 @@ class Grammar:
         """This grammar for the answer after the model's reasoning, which stays free: up to
         its `</think>` when the prompt opened it (`opened`), else an optional
         `<think> ... </think>` the model may open itself (Qwen3's)."""
-        answer = json.loads(self.text())["grammars"]
+        text = self.text()  # llguidance's JSON, or Lark text (choices, grammars)
+        lark = not text.lstrip().startswith("{")
+        answer = [{"lark_grammar": text}] if lark else json.loads(text)["grammars"]
         head = "start: think sep @answer\n" if opened else 'start: ("<think>" think sep)? @answer\n'
         main = {"name": "main", "lark_grammar": head + _REASONING}
         grammars = [main, {**answer[0], "name": "answer"}, *answer[1:]]

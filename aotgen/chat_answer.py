@@ -1,0 +1,116 @@
+"""A chat answer in OpenAI's shape, whole or streamed: its reasoning apart
+(aotgen/reasoning.py), its tool calls read back in the model's format (aotgen/tool_calls.py),
+logprobs (openai_api.py)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from aotgen.openai_api import chat_logprobs, finish_reason
+from aotgen.reasoning import ReasoningStream, opens_reasoning, split_reasoning, takes_reasoning
+from aotgen.runtime.engine import GenerationResult
+from aotgen.runtime.tokenizer import Tokenizer
+from aotgen.tool_calls import ToolCall, ToolCallStream, ToolFormat
+
+
+def thinking_of(tok: Tokenizer, prompt: list[int]) -> bool | None:
+    """Whether the answer starts inside its reasoning (True), may open one (False), or has
+    none (None: the template has no reasoning, or the prompt closed it)."""
+    if not takes_reasoning(tok.chat_template):
+        return None
+    return opens_reasoning(tok.decode(prompt[-32:]))  # enough for the tags, spelled by bytes
+
+
+class AnswerStream:
+    """A streamed chat answer as deltas: reasoning apart (`thinking` None: the template has no
+    reasoning; else whether the answer starts inside it), text that may be a tool call held
+    back, the calls read whole at the end."""
+
+    def __init__(self, thinking: bool | None, fmt: ToolFormat | None):
+        self.reasoning = None if thinking is None else ReasoningStream(thinking)
+        self.calls = None if fmt is None else ToolCallStream(fmt)
+
+    def feed(self, piece: str) -> dict[str, Any]:
+        reasoning, content = self.reasoning.feed(piece) if self.reasoning else ("", piece)
+        if self.calls is not None and content:
+            content = self.calls.feed(content)
+        return _delta(reasoning, content)
+
+    def finish(self) -> tuple[dict[str, Any], list[ToolCall]]:
+        reasoning, content = self.reasoning.finish() if self.reasoning else ("", "")
+        calls: list[ToolCall] = []
+        if self.calls is not None:
+            content = self.calls.feed(content) if content else ""
+            rest, calls = self.calls.finish()
+            content += rest
+        return _delta(reasoning, content), calls
+
+
+def _delta(reasoning: str, content: str) -> dict[str, Any]:
+    return {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+
+
+def chat_message(
+    text: str, thinking: bool | None, fmt: ToolFormat | None
+) -> tuple[dict[str, Any], list[ToolCall]]:
+    """A whole chat answer as OpenAI's message (reasoning apart) and the tool calls in it."""
+    reasoning, content = (None, text) if thinking is None else split_reasoning(text, thinking)
+    content, calls = fmt.parse(content) if fmt else (content, [])
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    return message, calls
+
+
+class ChatAnswers:
+    """The chunks (streamed) or choices (whole) of one chat request's `n` answers."""
+
+    def __init__(
+        self, tok: Tokenizer, model: str, n: int, thinking: bool | None, fmt: ToolFormat | None
+    ):
+        self.tok, self.thinking, self.fmt = tok, thinking, fmt
+        self.head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk"}
+        self.head |= {"created": int(time.time()), "model": model}
+        self.streams = [AnswerStream(thinking, fmt) for _ in range(n)]
+
+    def _calls(self, calls: list[ToolCall], indexed: bool) -> list[dict[str, Any]]:
+        assert self.fmt is not None
+        return [
+            c.as_openai(self.fmt.call_id(), i if indexed else None) for i, c in enumerate(calls)
+        ]
+
+    def chunk(
+        self,
+        index: int,
+        text: str | None,
+        finish: str | None,
+        result: GenerationResult | None = None,
+    ) -> dict[str, Any] | None:
+        """A streamed chunk: a text piece, or the end (`finish`); None while held back."""
+        delta: dict[str, Any] = {}
+        if finish is not None and result is not None:
+            delta, calls = self.streams[index].finish()
+            if calls:
+                delta["tool_calls"] = self._calls(calls, indexed=True)
+                finish = "tool_calls"
+        elif text:
+            delta = self.streams[index].feed(text)
+            if not delta:
+                return None  # held back: a tag or a tool call may be forming
+        choice = {"index": index, "delta": delta, "finish_reason": finish}
+        if result is not None and result.logprobs is not None:
+            choice["logprobs"] = chat_logprobs(self.tok, result)
+        return {**self.head, "choices": [choice]}
+
+    def choice(self, index: int, result: GenerationResult) -> dict[str, Any]:
+        """A whole answer's choice."""
+        message, calls = chat_message(result.text, self.thinking, self.fmt)
+        choice = {"index": index, "message": message, "logprobs": None}
+        choice["finish_reason"] = "tool_calls" if calls else finish_reason(result)
+        if calls:
+            message["tool_calls"] = self._calls(calls, indexed=False)
+        if result.logprobs is not None:
+            choice["logprobs"] = chat_logprobs(self.tok, result)
+        return choice
