@@ -219,6 +219,9 @@ class ChatRequest(RequestFields):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: e.g. {"enable_thinking": false}
+    # vLLM's: the prompt ends inside the final assistant message, which the answer continues.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def logprob_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -235,16 +238,23 @@ class ChatRequest(RequestFields):
             )
         return self.chat_template_kwargs
 
-    def prompt_ids(self, tok: Tokenizer, add_generation_prompt: bool = True) -> list[int]:
+    def prompt_ids(self, tok: Tokenizer) -> list[int]:
         """The chat rendered by the package's template (with the tools), as ids."""
         if not self.messages:
             raise ApiError(400, "messages is empty: give at least one message", "messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ApiError(
+                400,
+                "continue_final_message: set add_generation_prompt to false as well",
+                "continue_final_message",
+            )
         try:
             return tok.encode_chat(
                 [m.for_template() for m in self.messages],
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=self.add_generation_prompt,
                 tools=self.tool_dicts() or None,
                 template_kwargs=self.template_kwargs(),
+                continue_final=self.continue_final_message,
             )
         except ValueError as e:  # jinja2's TemplateError is one
             raise ApiError(400, f"messages: {e}", "messages") from None
@@ -295,6 +305,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True  # a prompt: led by bos where the checkpoint asks
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -305,10 +316,9 @@ class TokenizeRequest(BaseModel):
             return (
                 tok.prompt_ids(self.prompt) if self.add_special_tokens else tok.encode(self.prompt)
             )
-        chat = ChatRequest(
-            messages=self.messages, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs
-        )
-        return chat.prompt_ids(tok, self.add_generation_prompt)
+        fields = ("messages", "tools", "chat_template_kwargs", "add_generation_prompt")
+        fields += ("continue_final_message",)
+        return ChatRequest(**{k: getattr(self, k) for k in fields}).prompt_ids(tok)
 
 
 class DetokenizeRequest(BaseModel):

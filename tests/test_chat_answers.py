@@ -320,6 +320,54 @@ def test_prompt_with_tools_equals_transformers(tiny_checkpoint, tmp_path, templa
     assert "get_weather" in ours and "add" in ours
 
 
+# ---- an answer that continues the final assistant message --------------------------------
+
+PREFILLED = [
+    {"role": "user", "content": "Give me JSON."},
+    {"role": "assistant", "content": 'Sure: {"a": '},
+]
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        None,  # the tiny checkpoint's own ChatML
+        "Qwen-Qwen2.5-7B-Instruct",
+        "meta-llama-Llama-3.2-3B-Instruct",
+        "google-gemma-2-2b-it",
+    ],
+)
+@pytest.mark.parametrize("final", ['Sure: {"a": ', " padded ", "<|im_start|>x"])
+def test_continue_final_message_equals_transformers(tiny_checkpoint, tmp_path, template, final):
+    """The prompt ends inside the final assistant message, as transformers'
+    `continue_final_message` cuts it (trimmed content too); content with control-token text
+    still encodes as text, the prompt's ids ending with the content's own."""
+    transformers = pytest.importorskip("transformers")
+    directory = tiny_checkpoint
+    if template is not None:
+        source = (TEMPLATES / f"{template}.jinja").read_text()
+        directory = _with_template(tiny_checkpoint, tmp_path / "tok", source)
+    messages = [PREFILLED[0], {"role": "assistant", "content": final}]
+    if template and "gemma" not in template:  # the template renders it (not plain ChatML)
+        messages.insert(0, {"role": "system", "content": "Be brief."})
+    tok = Tokenizer.from_dir(directory)
+    ours = tok.chat_prompt(messages, add_generation_prompt=False, continue_final=True)
+    reference = transformers.AutoTokenizer.from_pretrained(directory).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert ours == reference
+    ids = tok.encode_chat(messages, add_generation_prompt=False, continue_final=True)
+    if "<|im_start|>" in final:
+        assert tok.decode(ids).endswith(final)
+        assert ids.count(tok.token_to_id("<|im_start|>")) == reference.count("<|im_start|>") - 1
+    else:
+        assert ids == tok.encode(ours)
+    with pytest.raises(ValueError, match="not both"):
+        tok.chat_prompt(messages, continue_final=True)
+    with pytest.raises(ValueError, match="final assistant message"):
+        tok.chat_prompt(messages[:1], add_generation_prompt=False, continue_final=True)
+
+
 # ---- a forced call: well formed whatever the model, arguments matching the schema ----------
 
 
@@ -576,3 +624,23 @@ def test_structured_answer_after_reasoning(tools_server):
     text = engine.generate(prompt, GenerationConfig(20, grammar=grammar)).text
     assert "</think>" not in text and answer.finish_reason == "length"
     assert answer.message.reasoning_content == text.strip("\n") and answer.message.content == ""
+
+
+def test_a_chat_answer_continues_the_final_message(tools_server):
+    """continue_final_message (with add_generation_prompt false): the prompt the engine runs
+    ends inside the prefilled assistant message, and the answer continues it as the engine's
+    own generation from those ids; with a generation prompt too, a 400."""
+    engine = Engine.load(tools_server.package)
+    ids = engine.tokenizer.encode_chat(PREFILLED, add_generation_prompt=False, continue_final=True)
+    expected = engine.generate(ids, GenerationConfig(8)).text
+    body = {"messages": PREFILLED, "max_tokens": 8, "temperature": 0}
+    body |= {"continue_final_message": True, "add_generation_prompt": False}
+    httpx = pytest.importorskip("httpx")
+    url = f"{tools_server.url}/v1/chat/completions"
+    answer = httpx.post(url, json=body).json()
+    assert answer["usage"]["prompt_tokens"] == len(ids)
+    assert answer["choices"][0]["message"]["content"] == expected
+    tokenized = httpx.post(f"{tools_server.url}/tokenize", json=body).json()
+    assert tokenized["tokens"] == ids
+    r = httpx.post(url, json=body | {"add_generation_prompt": True})
+    assert r.status_code == 400 and "add_generation_prompt" in r.json()["error"]["message"]

@@ -218,11 +218,13 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final: bool = False,
     ) -> str:
         """Prompt text for a chat; `system=None` means no system turn at all. `tools`
         (OpenAI's function definitions) go to the template, which describes them to the model;
         so do `template_kwargs` (vLLM's `chat_template_kwargs`, e.g. Qwen3's
-        `enable_thinking`).
+        `enable_thinking`). `continue_final`: the prompt ends inside the final assistant
+        message, which the answer continues (transformers' `continue_final_message`).
 
         Why not just apply_chat_template: SmolLM2's template (like Qwen2.5's) injects a default
         system prompt ("You are a helpful AI assistant named SmolLM, ...") whenever the first
@@ -239,10 +241,16 @@ class Tokenizer:
         plain = all(
             m.keys() == {"role", "content"} and isinstance(m["content"], str) for m in messages
         )
+        if continue_final and add_generation_prompt:
+            raise ValueError("continue the final message or add a generation prompt, not both")
+        if continue_final:
+            messages = _tag_final_message(messages)
         extra = (template_kwargs or {}) | ({"tools": tools} if tools else {})
         if self.is_chatml and not has_system and not extra and plain:
-            return render_chatml(messages, add_generation_prompt)
-        return self.apply_chat_template(messages, add_generation_prompt, **extra)
+            text = render_chatml(messages, add_generation_prompt)
+        else:
+            text = self.apply_chat_template(messages, add_generation_prompt, **extra)
+        return _up_to_final_message(text) if continue_final else text
 
     @functools.cached_property
     def _special_ids(self) -> set[int]:
@@ -263,6 +271,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final: bool = False,
     ) -> list[int]:
         """Ids of a chat prompt in which message content is only ever text.
 
@@ -283,6 +292,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             tools=tools,
             template_kwargs=template_kwargs,
+            continue_final=continue_final,
         )
         if not any(i in self._special_ids for c in texts.values() for i in self.encode(c)):
             return self.encode(prompt(messages))
@@ -297,6 +307,26 @@ class Tokenizer:
             else:  # a message's content
                 ids += self._text_tok.encode(texts[int(piece)], add_special_tokens=False).ids
         return ids
+
+
+# transformers' mark of the final message's end for `continue_final_message` (its own text).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final_message(messages: list[Message]) -> list[Message]:
+    final = messages[-1] if messages else {}
+    if final.get("role") != "assistant" or not isinstance(final.get("content"), str):
+        raise ValueError("continuing the final message needs a final assistant message with text")
+    return [*messages[:-1], {**final, "content": final["content"] + _CONTINUE_TAG}]
+
+
+def _up_to_final_message(rendered: str) -> str:
+    """The rendered chat cut where the final message's content ends (transformers' rule: at
+    the tag, and without the spaces before it if the template trimmed the content)."""
+    at = rendered.rfind(_CONTINUE_TAG.strip())
+    if at < 0:
+        raise ValueError("the chat template does not show the final message's content as given")
+    return rendered[:at] if rendered.startswith(_CONTINUE_TAG, at) else rendered[:at].rstrip()
 
 
 # Placeholders for message content while a chat template renders (private-use characters).
