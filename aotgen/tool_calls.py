@@ -72,14 +72,6 @@ def _openai_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Characters at the end of `text` that may begin `marker`."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:size]):
-            return size
-    return 0
-
-
 def _decode_call(text: str | dict[str, Any], arguments_key: str) -> ToolCall | None:
     """A call from a JSON object (or its text), or None if it is not one."""
     try:
@@ -93,19 +85,27 @@ def _decode_call(text: str | dict[str, Any], arguments_key: str) -> ToolCall | N
     return ToolCall(obj["name"], text)
 
 
-class HermesFormat:
-    name = "hermes"
-    open, close = "<tool_call>", "</tool_call>"
-    _blocks = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+class _AfterText:
+    """A format whose calls follow any text, from an opening marker on."""
+
+    open: str
 
     def start(self, text: str) -> int | None:
         at = text.find(self.open)
         return None if at < 0 else at
 
     def pending(self, text: str) -> int:
-        """Characters at the end that may begin a call (held back until they cannot)."""
-        return _partial_suffix(text, self.open)
+        """Characters at the end that may begin the marker (held back until they cannot)."""
+        for size in range(min(len(self.open) - 1, len(text)), 0, -1):
+            if text.endswith(self.open[:size]):
+                return size
+        return 0
 
+
+class HermesFormat(_AfterText):
+    name = "hermes"
+    open, close = "<tool_call>", "</tool_call>"
+    _blocks = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
     call_id = staticmethod(_openai_id)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -157,16 +157,9 @@ class Llama3JsonFormat:
         )
 
 
-class MistralFormat:
+class MistralFormat(_AfterText):
     name = "mistral"
     open = "[TOOL_CALLS]"
-
-    def start(self, text: str) -> int | None:
-        at = text.find(self.open)
-        return None if at < 0 else at
-
-    def pending(self, text: str) -> int:
-        return _partial_suffix(text, self.open)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         at = self.start(text)

@@ -369,9 +369,15 @@ def test_interactive_conversation_reuses_the_cache_like_python(run_bin, tiny_pac
     from test_prefix_reuse import LONG_CHAT
 
     lines = LONG_CHAT if long else ["The quick brown fox", "and then?", "1 2 3 4 5 6 7 8"]
+    printed = run_interactive(run_bin, tiny_package, lines, 12)
+    check_conversation(printed, tiny_package, lines, GenerationConfig(12, ignore_eos=True))
+
+
+def run_interactive(run_bin: Path, package: Path, lines: list[str], tokens: int) -> list[dict]:
+    """`aotgen-run --interactive --json`, a chat turn per line: the turns it printed."""
     proc = subprocess.run(
-        [str(run_bin), str(tiny_package), "--interactive", "--json", "--max-new-tokens", "12"]
-        + ["--ignore-eos"],
+        [str(run_bin), str(package), "--interactive", "--json", "--ignore-eos"]
+        + ["--max-new-tokens", str(tokens)],
         input="\n".join(lines) + "\n",
         capture_output=True,
         text=True,
@@ -379,8 +385,7 @@ def test_interactive_conversation_reuses_the_cache_like_python(run_bin, tiny_pac
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    printed = [json.loads(line) for line in proc.stdout.splitlines()]
-    check_conversation(printed, tiny_package, lines, GenerationConfig(12, ignore_eos=True))
+    return [json.loads(line) for line in proc.stdout.splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -421,17 +426,7 @@ def test_chat_template_of_another_family(run_bin, gemma_chat_package):
     assert_fails(proc, "the chat template failed: System role not supported")
 
     lines = ["The quick brown fox", "and then?", "1 2 3"]
-    proc = subprocess.run(
-        [str(run_bin), str(gemma_chat_package), "--interactive", "--json", "--ignore-eos"]
-        + ["--max-new-tokens", "8"],
-        input="\n".join(lines) + "\n",
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    printed = [json.loads(line) for line in proc.stdout.splitlines()]
+    printed = run_interactive(run_bin, gemma_chat_package, lines, 8)
     check_conversation(printed, gemma_chat_package, lines, GenerationConfig(8, ignore_eos=True))
 
 
