@@ -482,7 +482,7 @@ def test_chatml_prompt(tokenize_bin: Path, variants: dict[str, Path]):
 # llama.cpp's models/templates): Llama 3.1 / 3.2 (today's date through strftime_now), Qwen2.5
 # (a default system turn), Qwen3 (reasoning turns), SmolLM3, Gemma 2 (no system role: raises)
 # and Gemma 4, Mistral Nemo (alternation checks) and Small 3.2, Phi-3.5, a DeepSeek-R1 distill,
-# Granite 3.3.
+# Granite 3.3; and two of the tests' own (indented block tags; a compact tools/thinking one).
 CHAT_TEMPLATES = sorted((Path(__file__).parent / "data" / "chat_templates").glob("*.jinja"))
 
 CONVERSATIONS = [
