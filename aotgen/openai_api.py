@@ -69,11 +69,11 @@ class RequestFields(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0)  # vLLM's extension
     logit_bias: dict[int, float] | None = None  # token id -> bias, -100..100
     ignore_eos: bool = False  # vLLM's extension (its benchmarks send it): run to max_tokens
+    stop_token_ids: list[int] | None = None  # vLLM's extension: end like eos
     # Declared so that a value other than "off" is refused, not silently ignored (vLLM's
-    # extensions aotgen does not implement, but best_of which OpenAI had).
+    # extension aotgen does not implement, and best_of which OpenAI had).
     best_of: int | None = None
     min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
 
     def penalties(self) -> Penalties:
         try:
@@ -89,7 +89,7 @@ class RequestFields(BaseModel):
     def refuse_unsupported(self) -> None:
         """A sampling field aotgen does not implement, set to anything but "off"."""
         # field -> values meaning off
-        unsupported = {"best_of": (None, 1), "min_tokens": (0,), "stop_token_ids": (None, [])}
+        unsupported = {"best_of": (None, 1), "min_tokens": (0,)}
         for name, off in unsupported.items():
             if getattr(self, name) not in off:
                 raise ApiError(

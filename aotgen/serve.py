@@ -91,6 +91,7 @@ class Server:
             sampling=sampling,
             stop=stop,
             ignore_eos=req.ignore_eos,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
             speculative=self.speculative,
             grammar=req.grammar(),
             penalties=req.penalties(),

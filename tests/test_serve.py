@@ -347,6 +347,23 @@ def test_ignore_eos_runs_to_max_tokens(tiny_server, alone):
     assert ran["choices"][0]["text"] == expected.text
 
 
+def test_stop_token_ids_end_the_answer_as_alone(tiny_server, alone):
+    """vLLM's `stop_token_ids`: the answer ends before the first of them, finish "stop", as the
+    engine's own answer with the same ids."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    url = f"{tiny_server.url}/v1/completions"
+    full = alone.generate([5, 6, 7], GenerationConfig(12, ignore_eos=True)).token_ids
+    stop = full[4]
+    expected = alone.generate(
+        [5, 6, 7], GenerationConfig(12, ignore_eos=True, stop_token_ids=(stop,))
+    )
+    assert expected.token_ids == full[: full.index(stop)]
+    got = httpx.post(url, json=body | {"stop_token_ids": [stop]}).json()
+    assert got["choices"][0]["finish_reason"] == "stop"
+    assert got["choices"][0]["text"] == expected.text
+    assert got["usage"]["completion_tokens"] == len(expected.token_ids)
+
+
 def _metrics(url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -428,7 +445,7 @@ def test_tokenize_and_detokenize_as_the_endpoints_count(tiny_server, alone):
         ("/v1/completions", {"prompt": "hi", "min_p": 1.5}, "min_p"),
         ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
         ("/v1/completions", {"prompt": "hi", "min_tokens": 2}, "min_tokens"),
-        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [5]}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [99999]}, None),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, None),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999": 1}}, None),
         ("/v1/completions", {"prompt": "hi", "top_k": -2}, "top_k"),

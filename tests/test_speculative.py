@@ -11,7 +11,7 @@ import torch
 from reference import eager_engine
 from tiny import make_tiny_checkpoint
 
-from aotgen.runtime.engine import GenerationConfig
+from aotgen.runtime.engine import GenerationConfig, GenerationError
 from aotgen.runtime.sampling import SamplingParams
 
 PROMPTS = [
@@ -104,6 +104,21 @@ def test_stop_string_mid_block_is_trimmed(engines):
     want = plain.text[: plain.text.find(stop)]
     spec = _greedy(engine, ids, speculative="draft", k=6, stop=(stop,))
     assert spec.finish_reason == "stop" and spec.text == want
+
+
+@pytest.mark.parametrize("speculative", [None, "draft", "ngram"])
+def test_stop_token_mid_block_ends_the_answer(engines, speculative):
+    """A stop token id (vLLM's stop_token_ids) ends the answer where plain decoding first
+    emits it, as eos does: not joining it, finish "stop", the same under speculation."""
+    engine = engines["other"]
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    plain = _greedy(engine, ids)
+    stop = plain.token_ids[5]
+    want = plain.token_ids[: plain.token_ids.index(stop)]
+    got = _greedy(engine, ids, speculative=speculative, k=6, stop_token_ids=(stop,))
+    assert got.finish_reason == "stop" and got.token_ids == want
+    with pytest.raises(GenerationError, match="stop token ids must be in"):
+        _greedy(engine, ids, stop_token_ids=(engine.target.vocab_size,))
 
 
 def _chi_square_same(a: list[int], b: list[int]) -> tuple[float, int, float]:

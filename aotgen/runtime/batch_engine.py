@@ -100,7 +100,12 @@ class BatchEngine:
         config = config or GenerationConfig()
         self._check(prompt_ids, config)
         sink = TokenSink(
-            self.tokenizer, config.max_new_tokens, config.stop, config.ignore_eos, on_text
+            self.tokenizer,
+            config.max_new_tokens,
+            config.stop,
+            config.ignore_eos,
+            on_text,
+            config.stop_token_ids,
         )
         seq = Sequence(next(self._ids), list(prompt_ids), sink, config, on_done)
         seq.rules = self.engine.rules(config, prompt_ids)

@@ -384,6 +384,7 @@ class GenerationConfig:
     max_new_tokens: int = 256
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # end the answer like eos (finish_reason "stop")
     ignore_eos: bool = False
     speculative: str | None = None  # None | "draft" | "ngram" | "draft+ngram"
     k: int | None = None  # draft length; default: the package's verify_k
@@ -579,6 +580,8 @@ class Engine:
         vocab = self.target.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise GenerationError(f"prompt token ids must be in 0..{vocab - 1}")
+        if any(not 0 <= t < vocab for t in config.stop_token_ids):
+            raise GenerationError(f"stop token ids must be in 0..{vocab - 1}")
         total = len(prompt_ids) + config.max_new_tokens
         if total > self.max_seq_len:
             raise GenerationError(
@@ -653,7 +656,12 @@ class Engine:
         rules: TokenRules | None = None,
     ) -> GenerationResult:
         sink = TokenSink(
-            self.tokenizer, config.max_new_tokens, config.stop, config.ignore_eos, on_text
+            self.tokenizer,
+            config.max_new_tokens,
+            config.stop,
+            config.ignore_eos,
+            on_text,
+            config.stop_token_ids,
         )
         spec = SpecStats() if config.speculative else None
         t0 = time.perf_counter()

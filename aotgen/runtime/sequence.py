@@ -55,7 +55,8 @@ class StopText:
 
 
 class TokenSink:
-    """Accepts generated ids until eos, a stop string or `max_new_tokens`; streams the text."""
+    """Accepts generated ids until eos, a stop string or stop token, or `max_new_tokens`;
+    streams the text. A stop token, like eos, ends the answer without joining it."""
 
     def __init__(
         self,
@@ -64,8 +65,10 @@ class TokenSink:
         stop: tuple[str, ...] = (),
         ignore_eos: bool = False,
         on_text: Callable[[str], None] | None = None,
+        stop_token_ids: tuple[int, ...] = (),
     ):
         self.eos = set() if ignore_eos else tokenizer.eos_ids
+        self.stop_ids = set(stop_token_ids)
         self.stream = StreamDecoder(tokenizer)
         self.stop = StopText(stop)
         self.max_new_tokens = max_new_tokens
@@ -84,8 +87,8 @@ class TokenSink:
     def add(self, tokens: list[int]) -> bool:
         """Take one step's accepted tokens (those past the end are dropped); True when done."""
         for tok in tokens:
-            if tok in self.eos:
-                self.finish_reason = "eos"
+            if tok in self.eos or tok in self.stop_ids:
+                self.finish_reason = "eos" if tok in self.eos else "stop"
                 break
             self.ids.append(tok)
             self._emit(self.stop.add(self.stream.put(tok)))
