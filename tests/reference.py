@@ -135,3 +135,23 @@ def reset_caches(*runners) -> None:
         for c in runner.caches:
             c.zero_()
         runner.cached.clear()
+
+
+CHAT_TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+
+
+def with_chat_template(package: Path, dest: Path, template: str) -> Path:
+    """A copy of `package` at `dest` whose tokenizer config has the chat template
+    `template` (a file of tests/data/chat_templates), its manifest hashed again."""
+    import json
+    import shutil
+
+    from aotgen.package.manifest import read_manifest, write_manifest
+
+    copy = Path(shutil.copytree(package, dest))
+    config_path = copy / "tokenizer" / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = (CHAT_TEMPLATES / template).read_text()
+    config_path.write_text(json.dumps(config))
+    write_manifest(copy, read_manifest(copy))
+    return copy

@@ -14,8 +14,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from reference import CHAT_TEMPLATES as TEMPLATES
+from reference import with_chat_template
 
-from aotgen.package.manifest import read_manifest, write_manifest
 from aotgen.reasoning import ReasoningStream, opens_reasoning, split_reasoning
 from aotgen.runtime.engine import Engine, GenerationConfig
 from aotgen.runtime.sampling import SamplingParams
@@ -28,8 +29,6 @@ from aotgen.tool_calls import (
     ToolCallStream,
     tool_format,
 )
-
-TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 
 WEATHER = {
     "type": "function",
@@ -416,13 +415,8 @@ def tools_server(tiny_batch_package, tmp_path_factory):
     pytest.importorskip("fastapi")
     from test_serve import Server
 
-    package = Path(shutil.copytree(tiny_batch_package, tmp_path_factory.mktemp("tools") / "pkg"))
-    config_path = package / "tokenizer" / "tokenizer_config.json"
-    template = (TEMPLATES / "compact-tools-thinking.jinja").read_text()
-    config_path.write_text(
-        json.dumps(json.loads(config_path.read_text()) | {"chat_template": template})
-    )
-    write_manifest(package, read_manifest(package))
+    dest = tmp_path_factory.mktemp("tools") / "pkg"
+    package = with_chat_template(tiny_batch_package, dest, "compact-tools-thinking.jinja")
     server = Server(package)
     server.package = package
     yield server

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 from cpp_build import REPO_ROOT
-from reference import check_conversation
+from reference import check_conversation, with_chat_template
 
-from aotgen.package.manifest import PackageError, read_manifest, write_manifest
+from aotgen.package.manifest import PackageError
 from aotgen.runtime.engine import Engine, GenerationConfig
 from aotgen.runtime.rules import Penalties
 from aotgen.runtime.sampling import SamplingParams
@@ -390,16 +390,9 @@ def run_interactive(run_bin: Path, package: Path, lines: list[str], tokens: int)
 
 @pytest.fixture(scope="module")
 def gemma_chat_package(tiny_package: Path, tmp_path_factory) -> Path:
-    """The tiny package with Gemma 2's chat template (not ChatML) in its tokenizer config, its
-    manifest hashed again."""
-    package = Path(shutil.copytree(tiny_package, tmp_path_factory.mktemp("gemma") / "pkg"))
-    config_path = package / "tokenizer" / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    template = REPO_ROOT / "tests" / "data" / "chat_templates"
-    config["chat_template"] = (template / "google-gemma-2-2b-it.jinja").read_text()
-    config_path.write_text(json.dumps(config))
-    write_manifest(package, read_manifest(package))
-    return package
+    """The tiny package with Gemma 2's chat template (not ChatML)."""
+    dest = tmp_path_factory.mktemp("gemma") / "pkg"
+    return with_chat_template(tiny_package, dest, "google-gemma-2-2b-it.jinja")
 
 
 def test_chat_template_of_another_family(run_bin, gemma_chat_package):

@@ -99,14 +99,7 @@ class BatchEngine:
         slots."""
         config = config or GenerationConfig()
         self._check(prompt_ids, config)
-        sink = TokenSink(
-            self.tokenizer,
-            config.max_new_tokens,
-            config.stop,
-            config.ignore_eos,
-            on_text,
-            config.stop_token_ids,
-        )
+        sink = TokenSink.for_request(self.tokenizer, config, on_text)
         seq = Sequence(next(self._ids), list(prompt_ids), sink, config, on_done)
         seq.rules = self.engine.rules(config, prompt_ids)
         if config.speculative:

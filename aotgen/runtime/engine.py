@@ -655,14 +655,7 @@ class Engine:
         on_text: Callable[[str], None] | None,
         rules: TokenRules | None = None,
     ) -> GenerationResult:
-        sink = TokenSink(
-            self.tokenizer,
-            config.max_new_tokens,
-            config.stop,
-            config.ignore_eos,
-            on_text,
-            config.stop_token_ids,
-        )
+        sink = TokenSink.for_request(self.tokenizer, config, on_text)
         spec = SpecStats() if config.speculative else None
         t0 = time.perf_counter()
         t_first = None

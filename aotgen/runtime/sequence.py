@@ -76,6 +76,20 @@ class TokenSink:
         self.ids: list[int] = []
         self.finish_reason: str | None = None  # "eos" | "stop" | "length" once done
 
+    @classmethod
+    def for_request(
+        cls, tokenizer: Tokenizer, config: GenerationConfig, on_text: Callable[[str], None] | None
+    ) -> TokenSink:
+        """The sink of a request: its length, stop strings and tokens, eos unless ignored."""
+        return cls(
+            tokenizer,
+            config.max_new_tokens,
+            config.stop,
+            config.ignore_eos,
+            on_text,
+            config.stop_token_ids,
+        )
+
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
