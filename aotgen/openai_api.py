@@ -70,10 +70,10 @@ class RequestFields(BaseModel):
     logit_bias: dict[int, float] | None = None  # token id -> bias, -100..100
     ignore_eos: bool = False  # vLLM's extension (its benchmarks send it): run to max_tokens
     stop_token_ids: list[int] | None = None  # vLLM's extension: end like eos
-    # Declared so that a value other than "off" is refused, not silently ignored (vLLM's
-    # extension aotgen does not implement, and best_of which OpenAI had).
+    min_tokens: int = Field(default=0, ge=0)  # vLLM's extension: nothing ends the answer sooner
+    # Declared so that a value other than "off" is refused, not silently ignored (best_of,
+    # which OpenAI had).
     best_of: int | None = None
-    min_tokens: int = 0
 
     def penalties(self) -> Penalties:
         try:
@@ -89,7 +89,7 @@ class RequestFields(BaseModel):
     def refuse_unsupported(self) -> None:
         """A sampling field aotgen does not implement, set to anything but "off"."""
         # field -> values meaning off
-        unsupported = {"best_of": (None, 1), "min_tokens": (0,)}
+        unsupported = {"best_of": (None, 1)}
         for name, off in unsupported.items():
             if getattr(self, name) not in off:
                 raise ApiError(

@@ -92,6 +92,7 @@ class Server:
             stop=stop,
             ignore_eos=req.ignore_eos,
             stop_token_ids=tuple(req.stop_token_ids or ()),
+            min_tokens=req.min_tokens,
             speculative=self.speculative,
             grammar=req.grammar(),
             penalties=req.penalties(),

@@ -364,6 +364,20 @@ def test_stop_token_ids_end_the_answer_as_alone(tiny_server, alone):
     assert got["usage"]["completion_tokens"] == len(expected.token_ids)
 
 
+def test_min_tokens_holds_the_end_off_as_alone(tiny_server, alone):
+    """vLLM's `min_tokens`: eos, favoured at every step, ends the answer only once it has that
+    many tokens, as in the engine's own answer."""
+    eos = min(alone.tokenizer.eos_ids)
+    bias = {"logit_bias": {str(eos): 100}}
+    body = {"prompt": [5, 6, 7], "max_tokens": 12, "temperature": 0, "min_tokens": 4} | bias
+    got = httpx.post(f"{tiny_server.url}/v1/completions", json=body).json()
+    config = GenerationConfig(12, min_tokens=4, penalties=Penalties(logit_bias=((eos, 100.0),)))
+    expected = alone.generate([5, 6, 7], config)
+    assert got["choices"][0]["finish_reason"] == "stop"
+    assert got["usage"]["completion_tokens"] == len(expected.token_ids) == 4
+    assert got["choices"][0]["text"] == expected.text
+
+
 def _metrics(url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -444,7 +458,8 @@ def test_tokenize_and_detokenize_as_the_endpoints_count(tiny_server, alone):
         ("/v1/completions", {"prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty"),
         ("/v1/completions", {"prompt": "hi", "min_p": 1.5}, "min_p"),
         ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
-        ("/v1/completions", {"prompt": "hi", "min_tokens": 2}, "min_tokens"),
+        ("/v1/completions", {"prompt": "hi", "min_tokens": -1}, "min_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, None),
         ("/v1/completions", {"prompt": "hi", "stop_token_ids": [99999]}, None),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, None),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999": 1}}, None),

@@ -386,6 +386,7 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # end the answer like eos (finish_reason "stop")
     ignore_eos: bool = False
+    min_tokens: int = 0  # no eos, stop token or stop string before this many tokens (vLLM's)
     speculative: str | None = None  # None | "draft" | "ngram" | "draft+ngram"
     k: int | None = None  # draft length; default: the package's verify_k
     adaptive_k: bool = False
@@ -582,6 +583,13 @@ class Engine:
             raise GenerationError(f"prompt token ids must be in 0..{vocab - 1}")
         if any(not 0 <= t < vocab for t in config.stop_token_ids):
             raise GenerationError(f"stop token ids must be in 0..{vocab - 1}")
+        if isinstance(config.min_tokens, bool) or not (
+            isinstance(config.min_tokens, int) and 0 <= config.min_tokens <= config.max_new_tokens
+        ):
+            raise GenerationError(
+                f"min_tokens must be a whole number in 0..max_new_tokens "
+                f"({config.max_new_tokens}), got {config.min_tokens!r}"
+            )
         total = len(prompt_ids) + config.max_new_tokens
         if total > self.max_seq_len:
             raise GenerationError(
@@ -623,9 +631,9 @@ class Engine:
             )
 
     def rules(self, config: GenerationConfig, prompt: list[int]) -> TokenRules | None:
-        """A request's penalties and grammar, at its start (None without either)."""
+        """A request's penalties, grammar and min_tokens, at its start (None without any)."""
         penalties = config.penalties if config.penalties and config.penalties.active else None
-        if config.grammar is None and penalties is None:
+        if config.grammar is None and penalties is None and not config.min_tokens:
             return None
         try:
             grammar = (
@@ -633,9 +641,10 @@ class Engine:
             )
         except GrammarError as e:
             raise GenerationError(str(e)) from None
-        return TokenRules(
-            penalties, prompt, self.target.vocab_size, self.tokenizer.eos_ids, grammar
-        )
+        eos = self.tokenizer.eos_ids
+        ends = (set() if config.ignore_eos else set(eos)) | set(config.stop_token_ids)
+        vocab = self.target.vocab_size
+        return TokenRules(penalties, prompt, vocab, eos, grammar, config.min_tokens, ends)
 
     def _check_tree(self, config: GenerationConfig) -> None:
         if config.speculative is None:

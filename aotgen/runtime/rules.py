@@ -1,10 +1,12 @@
 """What a request does to the logits before each token is chosen: logit bias, penalties on
-tokens already in the text, and its grammar (runtime/grammar.py).
+tokens already in the text, its grammar (runtime/grammar.py), and `min_tokens`.
 
 Order, per row: logit bias; the repetition penalty on every token of the prompt and the
 answer so far (a positive logit divided by it, a negative one multiplied: HF's and vLLM's
 rule); the frequency and presence penalties on the answer's tokens (OpenAI's: minus
-frequency x count, minus presence if present); then the grammar's refusals at -inf. Sampling
+frequency x count, minus presence if present); then the grammar's refusals at -inf; then,
+while the answer is shorter than `min_tokens`, the tokens that would end it (eos, stop token
+ids) at -inf, unless the grammar allows nothing else (its text is complete). Sampling
 (temperature, top-k, top-p) follows. Logprobs are read from the raw rows (runtime/logprobs.py).
 
 The state (the answer's token counts, the grammar's position) advances with each accepted
@@ -66,9 +68,13 @@ class TokenRules:
         vocab_size: int,
         eos: set[int],
         grammar: TokenConstraint | None,
+        min_tokens: int = 0,
+        ends: set[int] = frozenset(),
     ):
         self.penalties = penalties if penalties is not None and penalties.active else None
         self.grammar, self.eos = grammar, eos
+        self.min_tokens = min_tokens  # before this many answer tokens, `ends` are refused
+        self.ends = torch.tensor(sorted(ends), dtype=torch.long)
         self.counts = torch.zeros(vocab_size)
         self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool)
         self.in_prompt[prompt] = True
@@ -84,7 +90,8 @@ class TokenRules:
     def restrict(self, logits: Tensor) -> Tensor:
         """One row (`[V]` or `[1, V]`) with the rules as they stand now."""
         out = self._penalize(logits, self.counts)
-        return self.grammar.restrict(out) if self.grammar is not None else out
+        out = self.grammar.restrict(out) if self.grammar is not None else out
+        return self._hold_open(out, torch.tensor([self.taken]))
 
     def advance(self, tokens: list[int]) -> None:
         """Take a step's tokens, chosen under these rules, up to eos."""
@@ -111,7 +118,8 @@ class TokenRules:
             steps = torch.zeros(n + 1, len(self.counts))
             for i, tok in enumerate(tokens[:n]):
                 steps[i + 1 :, tok] += 1
-        return n, lambda rows: self._rows(rows, steps, masks)
+        lengths = self.taken + torch.arange(n + 1)
+        return n, lambda rows: self._rows(rows, steps, masks, lengths)
 
     def over_tree(self, tokens: list[int], parents: list[int]) -> RowRules:
         """The rules of each tree node's row, as they stand after the node's path (node 0,
@@ -125,11 +133,32 @@ class TokenRules:
         masks = None
         if self.grammar is not None:
             masks = self.grammar.over_tree(tokens, parents)
-        return lambda rows: self._rows(rows, steps, masks)
+        depths = [0] * len(parents)
+        for node, parent in enumerate(parents[1:], 1):
+            depths[node] = depths[parent] + 1
+        lengths = self.taken + torch.tensor(depths)
+        return lambda rows: self._rows(rows, steps, masks, lengths)
 
-    def _rows(self, rows: Tensor, steps: Tensor | None, masks: Tensor | None) -> Tensor:
+    def _rows(
+        self, rows: Tensor, steps: Tensor | None, masks: Tensor | None, lengths: Tensor
+    ) -> Tensor:
+        """Verify or tree rows; `lengths`: the answer's length as each row stands."""
         out = rows if steps is None else self._penalize(rows, self.counts + steps)
-        return out if masks is None else out.masked_fill(~masks, -math.inf)
+        out = out if masks is None else out.masked_fill(~masks, -math.inf)
+        return self._hold_open(out, lengths)
+
+    def _hold_open(self, rows: Tensor, lengths: Tensor) -> Tensor:
+        """`min_tokens`: the ending tokens refused in rows whose answer is still short, where
+        anything else is allowed."""
+        if not self.min_tokens or not len(self.ends) or self.taken >= self.min_tokens:
+            return rows
+        flat = rows.reshape(-1, rows.shape[-1])
+        short = lengths < self.min_tokens
+        shut = flat.masked_fill(
+            torch.zeros_like(flat, dtype=torch.bool).index_fill_(1, self.ends, True), -math.inf
+        )
+        open_rows = short & (shut.amax(dim=-1) > -math.inf)
+        return torch.where(open_rows[:, None], shut, flat).reshape(rows.shape)
 
     def _penalize(self, logits: Tensor, counts: Tensor) -> Tensor:
         """Bias and penalties, with the answer's token `counts` (broadcast over rows)."""

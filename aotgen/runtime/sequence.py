@@ -33,12 +33,13 @@ class StopText:
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""
         self.emitted = 0
+        self.armed_at = 0  # a stop string counts only if it ends past this (min_tokens)
         self.stopped = False
 
     def add(self, piece: str) -> str:
         self.text += piece
         for s in self.stops:
-            i = self.text.find(s, max(0, self.emitted - len(s)))
+            i = self.text.find(s, max(0, self.emitted - len(s), self.armed_at - len(s) + 1))
             if i >= 0:
                 self.text = self.text[:i]
                 self.stopped = True
@@ -56,7 +57,9 @@ class StopText:
 
 class TokenSink:
     """Accepts generated ids until eos, a stop string or stop token, or `max_new_tokens`;
-    streams the text. A stop token, like eos, ends the answer without joining it."""
+    streams the text. A stop token, like eos, ends the answer without joining it. Stop
+    strings count from the `min_tokens`-th token's text on, as in vLLM (the rules keep eos
+    and stop tokens out until then: runtime/rules.py)."""
 
     def __init__(
         self,
@@ -66,12 +69,14 @@ class TokenSink:
         ignore_eos: bool = False,
         on_text: Callable[[str], None] | None = None,
         stop_token_ids: tuple[int, ...] = (),
+        min_tokens: int = 0,
     ):
         self.eos = set() if ignore_eos else tokenizer.eos_ids
         self.stop_ids = set(stop_token_ids)
         self.stream = StreamDecoder(tokenizer)
         self.stop = StopText(stop)
         self.max_new_tokens = max_new_tokens
+        self.min_tokens = min_tokens
         self.on_text = on_text
         self.ids: list[int] = []
         self.finish_reason: str | None = None  # "eos" | "stop" | "length" once done
@@ -88,6 +93,7 @@ class TokenSink:
             config.ignore_eos,
             on_text,
             config.stop_token_ids,
+            config.min_tokens,
         )
 
     @property
@@ -105,7 +111,10 @@ class TokenSink:
                 self.finish_reason = "eos" if tok in self.eos else "stop"
                 break
             self.ids.append(tok)
-            self._emit(self.stop.add(self.stream.put(tok)))
+            piece = self.stream.put(tok)
+            if len(self.ids) <= self.min_tokens:
+                self.stop.armed_at = len(self.stop.text) + len(piece)
+            self._emit(self.stop.add(piece))
             if self.stop.stopped:
                 self.finish_reason = "stop"
                 break
