@@ -69,6 +69,8 @@ def request_json(ids: list[int], config: GenerationConfig) -> dict:
         r["speculative"] = True
     if config.logprobs is not None:
         r["logprobs"] = config.logprobs
+    if config.stop_token_ids or config.min_tokens:
+        r |= {"stop_token_ids": list(config.stop_token_ids), "min_tokens": config.min_tokens}
     if (pen := config.penalties) is not None:
         r |= {"repetition_penalty": pen.repetition, "presence_penalty": pen.presence}
         r |= {"frequency_penalty": pen.frequency, "logit_bias": dict(pen.logit_bias)}
@@ -133,6 +135,13 @@ def test_batch_matches_python(request, batch_bin, tmp_path, package_fixture):
     text = alone.generate(prompts[2], configs[2]).text
     ascii_at = [i for i in range(len(text) // 3, len(text) - 1) if text[i : i + 2].isascii()]
     configs[2].stop = (text[ascii_at[0] : ascii_at[0] + 2],)
+    # min_tokens: eos, favoured at every step, ends request 3 (drafting where the package has
+    # a draft) only at its 7th token; a stop token from request 1's answer is held off until
+    # its 5th.
+    eos = Penalties(logit_bias=((min(alone.tokenizer.eos_ids), 100.0),))
+    configs[3] = replace(configs[3], ignore_eos=False, penalties=eos, min_tokens=7)
+    stop_id = alone.generate(prompts[1], configs[1]).token_ids[2]
+    configs[1] = replace(configs[1], stop_token_ids=(stop_id,), min_tokens=5)
     want = py.generate_many(prompts, configs)
     requests = [request_json(p, c) for p, c in zip(prompts, configs, strict=True)]
     proc = run_batch(batch_bin, package, requests, tmp_path, "--prefill-step", str(PREFILL_STEP))
@@ -158,6 +167,8 @@ def test_batch_matches_python(request, batch_bin, tmp_path, package_fixture):
     for p, c, g in zip(prompts, configs, got, strict=True):
         assert g["ids"] == alone.generate(p, c).token_ids
     assert got[2]["finish_reason"] == "stop"
+    assert (len(got[3]["ids"]), got[3]["finish_reason"]) == (7, "eos")
+    assert stop_id not in got[1]["ids"][:5]
     assert sum(g["spec"]["accepted"] for g in got if g["spec"]) > 0  # lookup really verified
     if draft:  # the draft model really drafted, greedy and sampled
         drafting = [(g, c) for g, c in zip(got, configs, strict=True) if c.uses_draft]

@@ -320,6 +320,29 @@ def test_penalties_equal_pythons(run_bin, draft_package, mode, flags):
     assert changed
 
 
+def test_min_tokens_and_stop_token_ids_equal_pythons(run_bin, tiny_package, py_engine):
+    """`--stop-token-id` ends the answer as at eos, and `--min-tokens` holds it off: ids and
+    finish reason equal Python's, plain and n-gram (each verify row holds the end off as the
+    answer stands after the tokens before it). (aotgen-batch: test_cpp_batch.py, with eos.)"""
+    ids = py_engine.tokenizer.encode(PROMPTS[2])
+    free = py_engine.generate(ids, GenerationConfig(N_TOKENS, ignore_eos=True)).token_ids
+    stop = free[3]
+    common = ["--max-new-tokens", str(N_TOKENS), "--ignore-eos", "--stop-token-id", str(stop)]
+    for min_tokens in (0, 6):
+        for mode, mode_flags in ((None, []), ("ngram", ["--lookup", "ngram"])):
+            config = GenerationConfig(
+                N_TOKENS, ignore_eos=True, stop_token_ids=(stop,), min_tokens=min_tokens
+            )
+            ref = py_engine.generate(ids, replace(config, speculative=mode))
+            args = [*common, "--min-tokens", str(min_tokens), *mode_flags]
+            got = cpp_generate(run_bin, tiny_package, ids, *args)
+            assert (got["ids"], got["finish_reason"]) == (ref.token_ids, ref.finish_reason)
+        if min_tokens:
+            assert len(ref.token_ids) >= 6 and stop not in ref.token_ids[:6]
+        else:
+            assert (ref.token_ids, ref.finish_reason) == (free[: free.index(stop)], "stop")
+
+
 @pytest.mark.parametrize(
     "flags", [[], ["--lookup", "ngram"], ["--temperature", "0.8", "--seed", "3"]]
 )

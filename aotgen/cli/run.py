@@ -69,6 +69,13 @@ def run(
         typer.Option(help=f"sampling seed, 0..{SEED_MAX} (default: random)"),
     ] = None,
     stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
+    stop_token_id: Annotated[
+        list[int] | None,
+        typer.Option(help="end the answer at this token id, as at eos (repeatable)"),
+    ] = None,
+    min_tokens: Annotated[
+        int, typer.Option(help="no eos, stop token or stop string before this many tokens")
+    ] = 0,
     repetition_penalty: Annotated[
         float, typer.Option(help="> 1 discourages tokens of the prompt and answer; 1 = off")
     ] = 1.0,
@@ -196,6 +203,8 @@ def run(
         max_new_tokens=max_new_tokens,
         sampling=sampling,
         stop=tuple(stop or ()),
+        stop_token_ids=tuple(stop_token_id or ()),
+        min_tokens=min_tokens,
         ignore_eos=ignore_eos,
         speculative=mode,
         k=k,

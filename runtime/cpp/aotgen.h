@@ -98,7 +98,11 @@ struct GenerationConfig {
   SamplingParams sampling;
   Penalties penalties;
   std::vector<std::string> stop;  // stop strings (not part of the returned text)
+  std::vector<int64_t> stop_token_ids;  // end the answer like eos (finish_reason "stop")
   bool ignore_eos = false;
+  // No eos, stop token or stop string before this many tokens (vLLM's min_tokens); a
+  // grammar-free request, so nothing else can force the end sooner.
+  int64_t min_tokens = 0;
   Speculative speculative = Speculative::None;
   std::optional<int64_t> k;  // draft length; default (and maximum): the package's verify_k
   bool adaptive_k = false;   // HF schedule: +2 after a full accept, else -1

@@ -368,10 +368,7 @@ int64_t BatchEngine::submit(const std::vector<int64_t>& prompt_ids, const Genera
         "one request at a time (Engine)");
   }
   detail::check_request(b.e, prompt_ids, config);
-  std::set<int64_t> eos;
-  if (!config.ignore_eos) eos.insert(b.e.eos_ids.begin(), b.e.eos_ids.end());
-  detail::TokenSink sink(*b.e.tokenizer, std::move(eos), config.max_new_tokens, config.stop,
-                         std::move(on_text));
+  detail::TokenSink sink(*b.e.tokenizer, config, b.e.eos_ids, std::move(on_text));
   const std::lock_guard<std::mutex> lock(b.mutex);
   // Requests a free slot takes at the next step do not count: only those beyond the slots wait.
   const int64_t queued =

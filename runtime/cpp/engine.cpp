@@ -351,7 +351,17 @@ void detail::check_request(const detail::EngineState& e, const std::vector<int64
     throw GenerationError("max_new_tokens must be >= 1, got " +
                           std::to_string(config.max_new_tokens));
   }
+  if (config.min_tokens < 0 || config.min_tokens > config.max_new_tokens) {
+    throw GenerationError("min_tokens must be a whole number in 0..max_new_tokens (" +
+                          std::to_string(config.max_new_tokens) + "), got " +
+                          std::to_string(config.min_tokens));
+  }
   const auto vocab = e.target->vocab_size();
+  for (const auto token : config.stop_token_ids) {
+    if (token < 0 || token >= vocab) {
+      throw GenerationError("stop token ids must be in 0.." + std::to_string(vocab - 1));
+    }
+  }
   for (const auto& [token, _] : config.penalties.logit_bias) {
     if (token < 0 || token >= vocab) {
       throw GenerationError("logit_bias token " + std::to_string(token) + " is outside 0.." +
@@ -414,9 +424,7 @@ GenerationResult Engine::generate(const std::vector<int64_t>& prompt_ids,
   Impl& e = *impl_;
   detail::check_request(e, prompt_ids, config);
   const std::lock_guard<std::mutex> one_at_a_time(e.generate_mutex);
-  std::set<int64_t> eos;
-  if (!config.ignore_eos) eos.insert(e.eos_ids.begin(), e.eos_ids.end());
-  detail::TokenSink sink(*e.tokenizer, eos, config.max_new_tokens, config.stop, on_text);
+  detail::TokenSink sink(*e.tokenizer, config, e.eos_ids, on_text);
   GenerationResult result;
   result.prompt_tokens = static_cast<int64_t>(prompt_ids.size());
   if (config.speculative != Speculative::None) result.spec.emplace();

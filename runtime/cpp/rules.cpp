@@ -1,4 +1,5 @@
-// aotgen/runtime/rules.py's penalties, op for op, so that a request gets Python's tokens.
+// aotgen/runtime/rules.py's penalties and min_tokens, op for op, so that a request gets
+// Python's tokens.
 #include "rules.h"
 
 #include <ATen/TensorOperators.h>
@@ -6,6 +7,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <cmath>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -35,9 +37,12 @@ void Penalties::validate() const {
 namespace detail {
 
 TokenRules::TokenRules(const Penalties& penalties, const std::vector<int64_t>& prompt,
-                       int64_t vocab, std::set<int64_t> eos)
+                       int64_t vocab, std::set<int64_t> eos, int64_t min_tokens,
+                       const std::set<int64_t>& ends)
     : penalties_(penalties), eos_(std::move(eos)), counts_(at::zeros({vocab})),
-      in_prompt_(at::zeros({vocab}, at::kBool)), bias_(at::zeros({vocab})) {
+      in_prompt_(at::zeros({vocab}, at::kBool)), bias_(at::zeros({vocab})),
+      min_tokens_(min_tokens),
+      ends_(at::tensor(std::vector<int64_t>(ends.begin(), ends.end()), at::kLong)) {
   bool* seen = in_prompt_.data_ptr<bool>();
   for (const int64_t tok : prompt) seen[tok] = true;
   float* bias = bias_.data_ptr<float>();
@@ -45,7 +50,7 @@ TokenRules::TokenRules(const Penalties& penalties, const std::vector<int64_t>& p
 }
 
 at::Tensor TokenRules::restrict(const at::Tensor& logits) const {
-  return penalize(logits, counts_);
+  return hold_open(penalize(logits, counts_), {taken()});
 }
 
 void TokenRules::advance(const std::vector<int64_t>& tokens) {
@@ -67,18 +72,34 @@ at::Tensor TokenRules::along(const at::Tensor& rows, const std::vector<int64_t>&
   const auto n = static_cast<int64_t>(tokens.size());
   at::Tensor steps = at::zeros({n + 1, counts_.size(0)});  // the counts each row adds
   for (int64_t i = 0; i < n; ++i) steps.slice(0, i + 1).select(1, tokens[i]) += 1;
-  return penalize(rows, counts_ + steps);
+  std::vector<int64_t> lengths(n + 1);
+  for (int64_t i = 0; i <= n; ++i) lengths[i] = taken() + i;
+  return hold_open(penalize(rows, counts_ + steps), lengths);
 }
 
 at::Tensor TokenRules::over_tree(const at::Tensor& rows, const std::vector<int64_t>& tokens,
                                  const std::vector<int64_t>& parents) const {
   const auto n = static_cast<int64_t>(tokens.size());
   at::Tensor steps = at::zeros({n, counts_.size(0)});  // the counts each node's path adds
+  std::vector<int64_t> lengths(n, taken());  // the answer's length after each node's path
   for (int64_t node = 1; node < n; ++node) {
     steps[node].copy_(steps[parents[node]]);
     steps[node][tokens[node]] += 1;
+    lengths[node] = lengths[parents[node]] + 1;
   }
-  return penalize(rows, counts_ + steps);
+  return hold_open(penalize(rows, counts_ + steps), lengths);
+}
+
+at::Tensor TokenRules::hold_open(const at::Tensor& rows, const std::vector<int64_t>& lengths) const {
+  if (taken() >= min_tokens_ || ends_.numel() == 0) return rows;
+  at::Tensor flat = rows.reshape({-1, rows.size(-1)}).clone();
+  const double inf = std::numeric_limits<double>::infinity();
+  for (int64_t i = 0; i < flat.size(0); ++i) {
+    if (lengths[i] >= min_tokens_) continue;
+    at::Tensor shut = flat[i].index_fill(0, ends_, -inf);
+    if (shut.max().item<float>() > -inf) flat[i].copy_(shut);  // something else is allowed
+  }
+  return flat.reshape(rows.sizes());
 }
 
 at::Tensor TokenRules::penalize(const at::Tensor& logits, const at::Tensor& counts) const {
@@ -94,8 +115,11 @@ at::Tensor TokenRules::penalize(const at::Tensor& logits, const at::Tensor& coun
 std::optional<TokenRules> make_rules(const GenerationConfig& config,
                                      const std::vector<int64_t>& prompt, int64_t vocab,
                                      const std::vector<int64_t>& eos_ids) {
-  if (!config.penalties.active()) return std::nullopt;
-  return TokenRules(config.penalties, prompt, vocab, {eos_ids.begin(), eos_ids.end()});
+  if (!config.penalties.active() && config.min_tokens == 0) return std::nullopt;
+  std::set<int64_t> ends(config.stop_token_ids.begin(), config.stop_token_ids.end());
+  if (!config.ignore_eos) ends.insert(eos_ids.begin(), eos_ids.end());
+  return TokenRules(config.penalties, prompt, vocab, {eos_ids.begin(), eos_ids.end()},
+                    config.min_tokens, ends);
 }
 
 int64_t select(const at::Tensor& logits, const SamplingParams& params, at::Generator& gen,

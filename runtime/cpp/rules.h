@@ -1,5 +1,6 @@
-// A request's penalties and their state (aotgen/runtime/rules.py without the grammar, which
-// the C++ runtime does not take): what it does to the logits before each token is chosen.
+// A request's penalties and min_tokens and their state (aotgen/runtime/rules.py without the
+// grammar, which the C++ runtime does not take): what it does to the logits before each
+// token is chosen.
 #pragma once
 
 #include <cstdint>
@@ -15,15 +16,16 @@
 namespace aotgen::detail {
 
 // One request's penalties and the answer's token counts, which advance with each accepted
-// token (eos is never taken). Speculative decoding applies them to each verify row as they
+// token (eos is never taken). While the answer is shorter than min_tokens, the tokens that
+// would end it (`ends`: eos unless ignored, stop token ids) are refused. Speculative decoding applies them to each verify row as they
 // stand after the proposal tokens before it (along), and to each tree node's row after its
 // path (over_tree); drafters apply them while drafting and roll back.
 class TokenRules {
  public:
   TokenRules(const Penalties& penalties, const std::vector<int64_t>& prompt, int64_t vocab,
-             std::set<int64_t> eos);
+             std::set<int64_t> eos, int64_t min_tokens, const std::set<int64_t>& ends);
 
-  // One row ([V] or [1, V]) with the penalties as they stand now.
+  // One row ([V] or [1, V]) with the rules as they stand now.
   at::Tensor restrict(const at::Tensor& logits) const;
   // Take a step's tokens, chosen under these rules, up to eos.
   void advance(const std::vector<int64_t>& tokens);
@@ -39,16 +41,21 @@ class TokenRules {
  private:
   // Bias and penalties with the answer's token `counts` (broadcast over rows).
   at::Tensor penalize(const at::Tensor& logits, const at::Tensor& counts) const;
+  // min_tokens: the ending tokens at -inf in rows whose answer (`lengths`, per row) is
+  // still short.
+  at::Tensor hold_open(const at::Tensor& rows, const std::vector<int64_t>& lengths) const;
 
   Penalties penalties_;
   std::set<int64_t> eos_;
   at::Tensor counts_;     // [V] float32: the answer's tokens
   at::Tensor in_prompt_;  // [V] bool
   at::Tensor bias_;       // [V] float32
+  int64_t min_tokens_;
+  at::Tensor ends_;  // [n] int64: the tokens that end an answer
   std::vector<int64_t> tokens_;
 };
 
-// The rules of a request, none without penalties (Engine::rules in engine.py).
+// The rules of a request, none without penalties or min_tokens (Engine::rules in engine.py).
 std::optional<TokenRules> make_rules(const GenerationConfig& config,
                                      const std::vector<int64_t>& prompt, int64_t vocab,
                                      const std::vector<int64_t>& eos_ids);

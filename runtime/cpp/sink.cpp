@@ -15,7 +15,9 @@ StopText::StopText(const std::vector<std::string>& stops) {
 std::string StopText::add(std::string_view piece) {
   text_ += piece;
   for (const auto& s : stops_) {
-    const auto i = text_.find(s, emitted_ > s.size() ? emitted_ - s.size() : 0);
+    std::size_t from = emitted_ > s.size() ? emitted_ - s.size() : 0;
+    if (armed_at_ >= s.size()) from = std::max(from, armed_at_ - s.size() + 1);
+    const auto i = text_.find(s, from);
     if (i != std::string::npos) {
       text_.resize(i);
       stopped_ = true;
@@ -36,23 +38,30 @@ std::string StopText::flush() {
   return out;
 }
 
-TokenSink::TokenSink(const Tokenizer& tokenizer, std::set<int64_t> eos, int64_t max_new_tokens,
-                     const std::vector<std::string>& stop, TextCallback on_text)
-    : eos_(std::move(eos)),
+TokenSink::TokenSink(const Tokenizer& tokenizer, const GenerationConfig& config,
+                     const std::vector<int64_t>& eos_ids, TextCallback on_text)
+    : stop_ids_(config.stop_token_ids.begin(), config.stop_token_ids.end()),
       stream_(tokenizer),
-      stop_(stop),
-      max_new_tokens_(max_new_tokens),
-      on_text_(std::move(on_text)) {}
+      stop_(config.stop),
+      max_new_tokens_(config.max_new_tokens),
+      min_tokens_(config.min_tokens),
+      on_text_(std::move(on_text)) {
+  if (!config.ignore_eos) eos_.insert(eos_ids.begin(), eos_ids.end());
+}
 
 bool TokenSink::add(const std::vector<int64_t>& tokens) {
   for (const auto tok : tokens) {
     if (done()) break;
-    if (eos_.contains(tok)) {
-      finish_reason_ = "eos";
+    if (eos_.contains(tok) || stop_ids_.contains(tok)) {
+      finish_reason_ = eos_.contains(tok) ? "eos" : "stop";
       break;
     }
     ids_.push_back(tok);
-    emit(stop_.add(stream_.push(tok)));
+    const std::string piece = stream_.push(tok);
+    if (static_cast<int64_t>(ids_.size()) <= min_tokens_) {
+      stop_.arm_after(stop_.text().size() + piece.size());
+    }
+    emit(stop_.add(piece));
     if (stop_.stopped()) {
       finish_reason_ = "stop";
     } else if (static_cast<int64_t>(ids_.size()) >= max_new_tokens_) {

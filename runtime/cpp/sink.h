@@ -23,20 +23,26 @@ class StopText {
   std::string flush();
   bool stopped() const { return stopped_; }
   const std::string& text() const { return text_; }
+  // A stop string counts only if it ends past the text so far (min_tokens not reached).
+  void arm_after(std::size_t bytes) { armed_at_ = bytes; }
 
  private:
   std::vector<std::string> stops_;
   std::size_t hold_ = 0;
   std::string text_;
   std::size_t emitted_ = 0;
+  std::size_t armed_at_ = 0;
   bool stopped_ = false;
 };
 
-// Accepts generated ids until eos, a stop string or max_new_tokens; streams the text.
+// Accepts generated ids until eos, a stop string or stop token, or max_new_tokens; streams
+// the text. A stop token, like eos, ends the answer without joining it. Stop strings count
+// from the min_tokens-th token's text on (the rules keep eos and stop tokens out until then).
 class TokenSink {
  public:
-  TokenSink(const Tokenizer& tokenizer, std::set<int64_t> eos, int64_t max_new_tokens,
-            const std::vector<std::string>& stop, TextCallback on_text);
+  // A request's sink: its length, stop strings and tokens, `eos_ids` unless ignored.
+  TokenSink(const Tokenizer& tokenizer, const GenerationConfig& config,
+            const std::vector<int64_t>& eos_ids, TextCallback on_text);
 
   // One step's accepted tokens (those past the end are dropped); true when done.
   bool add(const std::vector<int64_t>& tokens);
@@ -53,9 +59,11 @@ class TokenSink {
   void flush();
 
   std::set<int64_t> eos_;
+  std::set<int64_t> stop_ids_;
   StreamDecoder stream_;
   StopText stop_;
   int64_t max_new_tokens_;
+  int64_t min_tokens_;
   TextCallback on_text_;
   std::vector<int64_t> ids_;
   std::string finish_reason_;  // "eos" | "stop" | "length" (or "cancelled" | "error") once done

@@ -36,7 +36,8 @@ REQUESTS: a file (- for stdin), one request per line: a plain text prompt, or a 
    "max_new_tokens": N, "temperature": T, "top_k": K, "top_p": P, "min_p": P, "seed": S,
    "repetition_penalty": R, "presence_penalty": P, "frequency_penalty": F,
    "logit_bias": {"ID": BIAS},
-   "stop": [TEXT], "ignore_eos": BOOL, "lookup": "ngram" | null, "speculative": BOOL,
+   "stop": [TEXT], "stop_token_ids": [IDS], "min_tokens": N, "ignore_eos": BOOL,
+   "lookup": "ngram" | null, "speculative": BOOL,
    "k": K, "ngram_min": N, "ngram_max": N, "logprobs": N, "cancel_after": STEPS}
   (speculative: draft with the package's draft model, with lookup only where lookup finds
   no match; cancel_after: cancel the request after that many engine steps).
@@ -151,7 +152,8 @@ Line parse_line(const std::string& text, const Args& args, const aotgen::Engine&
   static const std::vector<std::string> known = {
       "prompt", "chat", "prompt_ids", "system", "max_new_tokens", "temperature", "top_k",
       "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty",
-      "logit_bias", "stop", "ignore_eos", "lookup", "speculative", "k", "ngram_min",
+      "logit_bias", "stop", "stop_token_ids", "min_tokens", "ignore_eos", "lookup",
+      "speculative", "k", "ngram_min",
       "ngram_max", "logprobs", "cancel_after"};
   for (const auto& [key, _] : r.items()) {
     if (std::find(known.begin(), known.end(), key) == known.end()) {
@@ -192,6 +194,8 @@ Line parse_line(const std::string& text, const Args& args, const aotgen::Engine&
     c.stop = r["stop"].is_string() ? std::vector{r["stop"].get<std::string>()}
                                    : r["stop"].get<std::vector<std::string>>();
   }
+  c.stop_token_ids = r.value("stop_token_ids", c.stop_token_ids);
+  c.min_tokens = r.value("min_tokens", c.min_tokens);
   c.ignore_eos = r.value("ignore_eos", c.ignore_eos);
   bool lookup = args.lookup;
   if (r.contains("lookup")) {

@@ -53,6 +53,8 @@ options:
                          penalties on repeated tokens, as `aotgen run`'s (off: 1, 0, 0)
   --seed S               sampling seed, 0..18446744073709551615 (default: random)
   --stop TEXT            stop string (repeatable)
+  --stop-token-id ID     end the answer at this token, as at eos (repeatable)
+  --min-tokens N         no eos, stop token or stop string before N tokens (default 0)
   --ignore-eos           keep going past end-of-sequence tokens
   --lookup ngram         speculative decoding with prompt-lookup (n-gram) drafts
   --speculative          speculative decoding with the package's draft model (with
@@ -226,6 +228,10 @@ Args parse_args(int argc, char** argv) {
       cfg.sampling.seed = parse_seed(value());
     } else if (arg == "--stop") {
       cfg.stop.emplace_back(value());
+    } else if (arg == "--stop-token-id") {
+      cfg.stop_token_ids.push_back(parse_number<int64_t>(arg, value()));
+    } else if (arg == "--min-tokens") {
+      cfg.min_tokens = parse_number<int64_t>(arg, value());
     } else if (arg == "--ignore-eos") {
       cfg.ignore_eos = true;
     } else if (arg == "--lookup") {
