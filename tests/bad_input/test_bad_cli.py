@@ -225,6 +225,12 @@ ROWS = [
     run("top-p-over-one", ("--top-p", "2"), "top_p must be in (0, 1]"),
     run("min-p-negative", ("--min-p", "-0.5"), "min_p must be in [0, 1]"),
     run(
+        "min-tokens-over-max",
+        ("--max-new-tokens", "4", "--min-tokens", "5"),
+        "min_tokens must be a whole number in 0..max_new_tokens (4), got 5",
+    ),
+    run("stop-token-id-outside", ("--stop-token-id", "99999"), "stop token ids must be in 0.."),
+    run(
         "prompt-over-context",
         ("--prompt", "The quick brown fox", "--max-new-tokens", "159"),
         "exceeds the package context of 160 tokens",
