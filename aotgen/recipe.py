@@ -60,6 +60,8 @@ class Recipe:
     dtype: str = "float32"
     # Where the package runs: "cpu", or "cuda" (built on a machine with the GPU it targets).
     device: str = "cpu"
+    # LoRA adapters (PEFT directories) merged into the weights before the passes (passes/lora.py).
+    lora: tuple[Path, ...] = ()
     quantize: dict[str, Any] | None = None
     speculative: dict[str, Any] | None = None
     parallel: dict[str, Any] | None = None
@@ -79,6 +81,7 @@ class Recipe:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["checkpoint"] = str(self.checkpoint)
+        d["lora"] = [str(p) for p in self.lora]
         return d
 
 
@@ -178,6 +181,8 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
         value = data.get(key, 1)
         if not _is_int(value) or value < 1:
             raise RecipeError(f"{where}: {key} must be a positive integer, got {value!r}")
+    if "lora" in data:
+        data["lora"] = _parse_lora(data["lora"], base_dir, where)
     if "quantize" in data:
         data["quantize"] = _resolve_calibration(data["quantize"], base_dir)
     if "formats" in data:
@@ -212,6 +217,16 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
             "or build with dtype: float32, device: cpu and no parallel"
         )
     return recipe
+
+
+def _parse_lora(lora: Any, base_dir: Path, where: str) -> tuple[Path, ...]:
+    """`lora: DIR` or a list of them, relative to the recipe's directory."""
+    paths = [lora] if isinstance(lora, str) else lora
+    if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
+        raise RecipeError(
+            f"{where}: lora must be a PEFT adapter directory or a list of them, got {lora!r}"
+        )
+    return tuple(p if p.is_absolute() else base_dir / p for p in map(Path, paths))
 
 
 def _parse_formats(formats: Any, where: str) -> tuple[str, ...]:

@@ -158,7 +158,7 @@ def _load_models(inputs: BuildInputs, project: Project, progress: BuildProgress)
     if project.threads:
         torch.set_num_threads(project.threads)
     progress.stage("load", 1)
-    models = prepare_models(recipe, inputs.ckpt)
+    models = prepare_models(recipe, inputs.ckpt, inputs.adapters)
     tp = parse_parallel(recipe.parallel)
     world = tp.world_size if tp else 1
     tp_styles = {mb.role: resolve_plan(mb.model, tp) for mb in models} if world > 1 else {}

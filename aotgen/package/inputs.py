@@ -1,6 +1,6 @@
 """What a build reads, and its identity: the recipe with its GGUF checkpoints imported, the
-checkpoint, and a content hash of (checkpoint, recipe, aotgen, torch, ISA) that makes an
-unchanged rebuild a no-op."""
+checkpoint, its LoRA adapters, and a content hash of (checkpoint, adapters, recipe, aotgen,
+torch, ISA) that makes an unchanged rebuild a no-op."""
 
 from __future__ import annotations
 
@@ -23,16 +23,19 @@ from aotgen.package.manifest import (
     target_info,
     verify_files,
 )
+from aotgen.passes.lora import LoraAdapter, open_adapter
 from aotgen.passes.quantize_options import parse_quantize
 from aotgen.recipe import Project, Recipe, RecipeError
 
 
 @dataclass(frozen=True)
 class BuildInputs:
-    """The recipe (its checkpoints imported), its target checkpoint, and their identity."""
+    """The recipe (its checkpoints imported), its target checkpoint and LoRA adapters, and
+    their identity."""
 
     recipe: Recipe
     ckpt: Checkpoint
+    adapters: list[LoraAdapter]
     digest: str
 
 
@@ -45,10 +48,18 @@ def read_inputs(recipe: Recipe, project: Project) -> BuildInputs:
         )
     recipe = _with_imported_checkpoints(recipe, project.cache_dir)
     ckpt = open_checkpoint(recipe.checkpoint)
-    return BuildInputs(recipe, ckpt, build_hash(ckpt, recipe))
+    adapters = [open_adapter(path) for path in recipe.lora]
+    quantize = parse_quantize(recipe.quantize)
+    if adapters and quantize is not None and quantize.gguf == "keep":
+        raise RecipeError(
+            f"recipe {recipe.name!r}: `quantize: {{gguf: keep}}` runs the GGUF file's own "
+            "blocks, which a LoRA adapter cannot change; drop `lora:`, or quantize the merged "
+            "weights (e.g. `quantize: {linear: int8}`)"
+        )
+    return BuildInputs(recipe, ckpt, adapters, build_hash(ckpt, recipe, adapters))
 
 
-def build_hash(ckpt: Checkpoint, recipe: Recipe) -> str:
+def build_hash(ckpt: Checkpoint, recipe: Recipe, adapters: list[LoraAdapter]) -> str:
     """Identity of a build: same inputs and toolchain → same package."""
     h = hashlib.sha256()
     ckpts = [ckpt]
@@ -59,10 +70,12 @@ def build_hash(ckpt: Checkpoint, recipe: Recipe) -> str:
         f for c in ckpts for f in (c.path / "config.json", *c.weight_files, *c.tokenizer_files)
     ]
     files += [c.path / BLOCKS_FILE for c in ckpts if (c.path / BLOCKS_FILE).is_file()]
+    files += [f for adapter in adapters for f in adapter.files]
     for f in files:
         h.update(f"{f.name}:{sha256_chunks(f)}\n".encode())
     recipe_dict = recipe.to_dict()
     recipe_dict.pop("checkpoint")  # the content counts, not where it lies
+    recipe_dict.pop("lora")
     if "checkpoint" in draft:
         recipe_dict["speculative"]["draft"] = {**draft, "checkpoint": "(content hashed above)"}
     h.update(json.dumps(recipe_dict, sort_keys=True, default=str).encode())

@@ -21,9 +21,10 @@ from torch.export import ExportedProgram
 
 from aotgen.checkpoint.hf import Checkpoint, open_checkpoint
 from aotgen.export.aoti import GraphSpec, calibration_spec, export_graph, graph_specs
-from aotgen.model.llama import ModelConfig, Transformer, load_model, new_kv_cache
+from aotgen.model.llama import ModelConfig, Transformer, load_model, model_class, new_kv_cache
 from aotgen.passes.fuse import FuseLinearsPass
 from aotgen.passes.gguf_keep import BlockIndex, KeepGGUF
+from aotgen.passes.lora import LoraAdapter, merge_adapter
 from aotgen.passes.quantize import QuantizePass, quantize_passes
 from aotgen.passes.quantize_options import parse_quantize
 from aotgen.recipe import Recipe, RecipeError
@@ -111,10 +112,25 @@ def keep_gguf(
     return KeepGGUF(indexes[ckpt.path], integer_dot=options.activations == "int8")
 
 
-def prepare_models(recipe: Recipe, ckpt: Checkpoint) -> list[ModelBuild]:
-    """checkpoint → model(s): the target, plus the draft when the recipe speculates."""
+def merged_weights(
+    ckpt: Checkpoint, adapters: list[LoraAdapter]
+) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """The checkpoint's config and weights with its LoRA adapters merged (passes/lora.py)."""
     cfg = ModelConfig.from_hf(ckpt.config)
     weights = ckpt.load_weights()
+    cls = model_class(cfg)
+    for adapter in adapters:
+        if merge_adapter(weights, adapter, cls.EMBED, cls.HEAD, cfg.tie_word_embeddings):
+            cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
+    return cfg, weights
+
+
+def prepare_models(
+    recipe: Recipe, ckpt: Checkpoint, adapters: list[LoraAdapter] | None = None
+) -> list[ModelBuild]:
+    """checkpoint → model(s): the target, plus the draft when the recipe speculates (a draft
+    made of the target's layers has its adapters too)."""
+    cfg, weights = merged_weights(ckpt, adapters or [])
     dtype = getattr(torch, recipe.dtype)
     graphs = graph_specs(
         recipe.prefill_chunk,

@@ -145,6 +145,26 @@ ROWS = [
     recipe("score-graph-text", "score_graph: 'yes'\n", "score_graph must be true or false"),
     recipe("prefill-chunk-text", "prefill_chunk: '16'\n", "prefill_chunk must be a positive"),
     recipe("unknown-key", "max_seq_length: 64\n", "unknown key(s) max_seq_length"),
+    recipe("lora-missing", "lora: none\n", "is not a directory: point `lora:` at the directory"),
+    recipe("lora-number", "lora: 5\n", "lora must be a PEFT adapter directory or a list"),
+    recipe(
+        "lora-pickle",
+        "lora: adapter\n",
+        "holds adapter_model.bin, a pickle aotgen never loads",
+        files={
+            "adapter/adapter_config.json": '{"peft_type": "LORA"}',
+            "adapter/adapter_model.bin": b"x",
+        },
+    ),
+    recipe(
+        "lora-gguf-keep",
+        "lora: adapter\nquantize: {gguf: keep}\n",
+        "runs the GGUF file's own blocks, which a LoRA adapter cannot change",
+        files={
+            "adapter/adapter_config.json": '{"peft_type": "LORA"}',
+            "adapter/adapter_model.safetensors": b"x",
+        },
+    ),
     recipe("invalid-yaml", "max_seq_len: [\n", "is not valid YAML"),
     recipe("not-utf8", b"checkpoint: x\nname: caf\xe9\n", "recipes/r.yaml is not UTF-8 text"),
     Row("recipe-missing", ("build", "recipes/none.yaml"), "recipe file not found"),
