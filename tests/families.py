@@ -53,6 +53,39 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "GPTNeoXConfig",
         dict(num_hidden_layers=3, rotary_pct=0.5, use_parallel_residual=False),
     ),
+    # Phi-4-mini's shape: fused qkv / gate-up tensors, RoPE on half of each head (3/4 there),
+    # a tied head; a window of 8 as Phi-3-mini's 2047.
+    "phi3": (
+        "Phi3Config",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            sliding_window=8,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+        ),
+    ),
+    # Layers 1 and 3 without RoPE (NoPE), a tied head.
+    "smollm3": (
+        "SmolLM3Config",
+        dict(num_hidden_layers=4, num_key_value_heads=2, no_rope_layer_interval=2),
+    ),
+    # Granite's multipliers, away from 1 so that a missing one changes the logits.
+    "granite": (
+        "GraniteConfig",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=2.5,
+        ),
+    ),
     "gptneox-draft": (
         "GPTNeoXConfig",
         dict(
@@ -136,7 +169,18 @@ def reference_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int
 # compile cache while the first tests run, so test_families.py's builds find their graphs there.
 # max_seq_len 96: room for a 40-token history and 32 greedy tokens after the prompt.
 RECIPE = {"max_seq_len": 96, "prefill_chunk": 16, "verify_k": 4}
-PARITY = ["llama", "qwen2-tied", "qwen3", "gemma3", "gptneox-parallel", "gptneox-sequential"]
+PARITY = [
+    "llama",
+    "qwen2-tied",
+    "qwen3",
+    "gemma3",
+    "phi3",
+    "gptneox-parallel",
+    "gptneox-sequential",
+]
+# Families whose differences from the Llama layout are switches outside the compiled graphs'
+# concerns (NoPE layers, scalar multipliers): checked on the eager model, no package built.
+EAGER_PARITY = ["smollm3", "granite"]
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}
 INT8 = {"quantize": {"linear": "int8"}}
@@ -150,7 +194,7 @@ PACKAGES: list[tuple[str, dict[str, Any]]] = [
 
 def family_checkpoints(root: Path) -> dict[str, Path]:
     """Every checkpoint the packages are built from (the same files on every call)."""
-    names = [*PARITY, *SPEC_PAIRS.values()]
+    names = [*PARITY, *SPEC_PAIRS.values(), *EAGER_PARITY]
     return {n: make_family_checkpoint(root / n, n, seed=i) for i, n in enumerate(names)}
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import have_onnx, stop_warming
 from families import (
+    EAGER_PARITY,
     INT8,
     INT8_FAMILIES,
     PARITY,
@@ -23,7 +24,7 @@ from families import (
     reference_logits,
 )
 from families import load_reference as _load_reference
-from reference import reset_caches
+from reference import EagerModel, reset_caches
 from test_cpp_runtime import cpp_generate
 
 from aotgen.model.llama import ModelConfig, load_model
@@ -121,6 +122,19 @@ def test_greedy_matches_transformers(family_engines, checkpoints, family):
     assert len(ids) > 16  # crosses the window and a prefill chunk
     got = engine.generate(ids, GenerationConfig(max_new_tokens=N_GREEDY, ignore_eos=True))
     assert got.token_ids == reference_greedy(load_reference(checkpoints[family]), ids, N_GREEDY)
+
+
+@pytest.mark.parametrize("family", EAGER_PARITY)
+def test_eager_model_matches_transformers(checkpoints, family):
+    """SmolLM3 (NoPE layers) and Granite (multipliers): the model's logits over a history and
+    its 32 greedy tokens, decoded step by step on its KV cache, equal transformers'."""
+    eager = EagerModel(checkpoints[family], 96)
+    reference = load_reference(checkpoints[family])
+    history = torch.randint(0, eager.config.vocab_size, (40,), generator=torch.Generator()).tolist()
+    assert _rel_err(eager.forward(history, 0), reference_logits(reference, history)) < FP32_TOL
+    assert eager.greedy(history[:20], N_GREEDY) == reference_greedy(
+        reference, history[:20], N_GREEDY
+    )
 
 
 @pytest.mark.skipif(not HAVE_ONNX, reason="needs the aotgen[onnx] extra")
@@ -313,6 +327,15 @@ def test_transformers4_gemma3_config():
         ("Qwen3ForCausalLM", {"attention_bias": True}, "attention_bias"),
         ("Gemma3ForCausalLM", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
         ("GPTNeoXForCausalLM", {"hidden_act": "relu"}, "hidden_act"),
+        # Phi-3.5-mini / Phi-4-mini's LongRoPE (short and long factors switched by length).
+        (
+            "Phi3ForCausalLM",
+            {"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}},
+            "rope_scaling type 'longrope' is not supported",
+        ),
+        ("SmolLM3ForCausalLM", {"use_sliding_window": True}, "use_sliding_window"),
+        ("SmolLM3ForCausalLM", {"no_rope_layers": [1]}, "no_rope_layers must name every"),
+        ("GraniteForCausalLM", {"logits_scaling": 0}, "logits_scaling must be a positive"),
         ("PhiForCausalLM", {}, "unsupported architecture 'PhiForCausalLM'"),
     ],
 )

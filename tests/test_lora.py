@@ -1,5 +1,6 @@
 """LoRA adapters merged at build (passes/lora.py) against PEFT, the reference: adapters PEFT
-trains-shaped (random A and B) on the families' tiny checkpoints, PEFT's own forward of the
+trains-shaped (random A and B) on the families' tiny checkpoints (Llama, Qwen2, Gemma 3, Phi-3,
+GPT-NeoX), PEFT's own forward of the
 adapted model vs aotgen's eager model on the merged weights, for every adapter form (linears,
 embeddings, rsLoRA, rank and alpha patterns, lora_bias, modules_to_save, tied heads); a compiled
 package's logits and greedy tokens; the bad adapters."""
@@ -33,6 +34,7 @@ LINEARS = {
     "gptneox-parallel": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
 }
 LINEARS["qwen2-tied"] = LINEARS["gemma3"] = LINEARS["llama"]
+LINEARS["phi3"] = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # fused: split after
 EMBED_HEAD = {"gptneox-parallel": ["embed_in", "embed_out"]}
 FORMS = {
     "linears": lambda family: {"target_modules": LINEARS[family]},
@@ -80,12 +82,12 @@ def _merged_logits(base: Path, adapters: list[Path], ids: list[int]) -> torch.Te
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lora-bases")
-    names = ["llama", "qwen2-tied", "gemma3", "gptneox-parallel"]
+    names = ["llama", "qwen2-tied", "gemma3", "phi3", "gptneox-parallel"]
     return {n: make_family_checkpoint(root / n, n, seed=i) for i, n in enumerate(names)}
 
 
 @pytest.mark.parametrize("form", list(FORMS))
-@pytest.mark.parametrize("family", ["llama", "qwen2-tied", "gemma3", "gptneox-parallel"])
+@pytest.mark.parametrize("family", ["llama", "qwen2-tied", "gemma3", "phi3", "gptneox-parallel"])
 def test_merged_weights_compute_what_peft_computes(bases, tmp_path, family, form):
     adapter = _adapter(bases[family], tmp_path / "adapter", seed=3, **FORMS[form](family))
     want = _peft_logits(bases[family], adapter, PROMPT)

@@ -21,6 +21,9 @@ LLAMA_LAYOUT = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
+    "SmolLM3ForCausalLM",
+    "GraniteForCausalLM",
 )
 SUPPORTED_ARCHITECTURES = (*LLAMA_LAYOUT, "GPTNeoXForCausalLM")
 # hidden_act values → torch; gelu_new is the tanh approximation written out.
@@ -53,6 +56,13 @@ class ModelConfig:
     rope_local_theta: float | None = None  # the sliding layers' RoPE base (Gemma 3)
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma 3)
     final_logit_softcapping: float | None = None
+    rope_layers: tuple[bool, ...] | None = None  # per layer, whether it rotates (SmolLM3's NoPE)
+    # Granite's scalars: embeddings x, each block's output x (before the residual add),
+    # the attention scale (instead of head_dim ** -0.5), logits / .
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -145,20 +155,26 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
     if act not in ACTIVATIONS:
         raise ValueError(f"config.json: hidden_act={act!r} is not supported; {ACTIVATIONS}")
     _refuse(hf, "mlp_bias", False, "MLP biases")
-    rotary = _rotary_factor(hf)
-    if rotary != 1.0:
-        raise ValueError(f"config.json: partial_rotary_factor={rotary} is not supported on {arch}")
     out: dict[str, Any] = {"hidden_act": act, "rms_norm_eps": hf.get("rms_norm_eps", 1e-6)}
+    rotary = _rotary_factor(hf)
+    if arch == "Phi3ForCausalLM" and rotary != 1.0:  # Phi-4-mini rotates 3/4 of each head
+        out["rotary_dim"] = int(common["head_dim"] * rotary)
+        if out["rotary_dim"] % 2 or not out["rotary_dim"]:
+            raise ValueError(f"config.json: partial_rotary_factor={rotary}: an odd or empty dim")
+    elif rotary != 1.0:
+        raise ValueError(f"config.json: partial_rotary_factor={rotary} is not supported on {arch}")
     layers = common["num_hidden_layers"]
+    out.update(_smollm3(hf, layers) if arch == "SmolLM3ForCausalLM" else {})
+    out.update(_granite(hf) if arch == "GraniteForCausalLM" else {})
     if arch == "Qwen2ForCausalLM":
         out["attention_bias"] = True  # Qwen2 always has q/k/v biases
     else:
         _refuse(hf, "attention_bias", False, f"attention biases on {arch}")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        _refuse(hf, "use_sliding_window", False, "sliding-window attention on Qwen")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM"):
+        _refuse(hf, "use_sliding_window", False, f"sliding-window attention on {arch}")
     if arch == "Qwen3ForCausalLM":
         out["qk_norm"] = True
-    if arch == "MistralForCausalLM" and hf.get("sliding_window"):
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM") and hf.get("sliding_window"):
         out["sliding_window"] = hf["sliding_window"]
         out["layer_types"] = ("sliding_attention",) * layers
     elif arch == "Gemma3ForCausalLM":
@@ -180,7 +196,7 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
             final_logit_softcapping=hf.get("final_logit_softcapping"),
         )
     elif hf.get("sliding_window") is not None and not (
-        arch.startswith("Qwen") and not hf.get("use_sliding_window")
+        arch.startswith(("Qwen", "SmolLM3")) and not hf.get("use_sliding_window")
     ):
         raise ValueError(f"config.json: sliding_window is not supported on {arch}")
     if arch != "Gemma3ForCausalLM":
@@ -193,6 +209,25 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
         raise ValueError(f"config.json: layer_types with sliding_attention on {arch}")
     if out.get("layer_types") is not None and len(out["layer_types"]) != layers:
         raise ValueError("config.json: layer_types must name every one of num_hidden_layers")
+    return out
+
+
+def _smollm3(hf: dict, layers: int) -> dict[str, Any]:
+    """SmolLM3: every `no_rope_layer_interval`-th layer attends without RoPE (NoPE)."""
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        interval = hf.get("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(flags) != layers:
+        raise ValueError("config.json: no_rope_layers must name every one of num_hidden_layers")
+    return {"rope_layers": tuple(bool(f) for f in flags)}
+
+
+def _granite(hf: dict) -> dict[str, Any]:
+    scalars = ("embedding_multiplier", "residual_multiplier", "attention_multiplier")
+    for key in (*scalars, "logits_scaling"):
+        _positive(hf, key)
+    out = {key: float(hf[key]) for key in (*scalars, "logits_scaling") if key in hf}
     return out
 
 

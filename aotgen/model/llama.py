@@ -1,5 +1,6 @@
-"""The Llama-layout decoders: Llama, Mistral, Qwen2, Qwen3 and Gemma 3 (text), driven by an
-HF config through a few switches (`ModelConfig`); GPT-NeoX lives in gptneox.py.
+"""The Llama-layout decoders: Llama, Mistral, Qwen2, Qwen3, Gemma 3 (text), Phi-3, SmolLM3
+and Granite, driven by an HF config through a few switches (`ModelConfig`); GPT-NeoX lives in
+gptneox.py.
 
 One flat file in the spirit of gpt-fast. Module names follow the HF checkpoint
 (`model.layers.0.self_attn.q_proj`, ...) so weights load without a name map and
@@ -11,6 +12,12 @@ quantization/TP plans can match HF parameter names. The switches:
   layer), embeddings × √hidden, attention scaled by `query_pre_attn_scalar`.
 - `layer_types` / `sliding_window`: local layers attend to the last `sliding_window`
   positions with their own RoPE base (`rope_local_theta`); see layers.py for the cache.
+- `rotary_dim`: RoPE on the first dims of a head (Phi-4-mini); `rope_layers`: the layers
+  that rotate at all (SmolLM3 leaves every fourth without).
+- Granite's multipliers on the embeddings, each block's output and the attention scale, and
+  its logits divisor.
+- Phi-3's fused `qkv_proj` / `gate_up_proj` checkpoint tensors are split at load into the
+  layout above (`split_fused`).
 
 The forward contract and the runtime-owned KV cache are described in layers.py.
 """
@@ -35,10 +42,11 @@ __all__ = [
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rotates: bool = True):
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.scale = cfg.attention_multiplier or (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.rotates = rotates
         d, heads, kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(d, heads * self.head_dim, bias=bias)
@@ -59,7 +67,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rotates:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = cached_attention(q, k, v, write_at, mask, k_cache, v_cache, attn_len, self.scale)
         return self.o_proj(y)
 
@@ -79,10 +88,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         d, eps, gemma = cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, cfg.rope_layers is None or cfg.rope_layers[index])
+        self.residual_multiplier = cfg.residual_multiplier
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(d, eps, gemma)
         self.post_attention_layernorm = RMSNorm(d, eps, gemma)
@@ -98,6 +108,10 @@ class DecoderLayer(nn.Module):
         if self.gemma:  # norms on both sides of attention and of the MLP
             h = x + self.post_attention_layernorm(a)
             return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        m = self.residual_multiplier
+        if m != 1.0:  # Granite
+            h = x + a * m
+            return h + self.mlp(self.post_attention_layernorm(h)) * m
         h = x + a
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -106,7 +120,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
 
 
@@ -140,10 +154,16 @@ class Transformer(CausalLM):
 
     def embed(self, tokens: Tensor) -> Tensor:
         x = self.model.embed_tokens(tokens)
-        return x * self.embed_scale if self.config.gemma else x
+        if self.config.gemma:
+            return x * self.embed_scale
+        m = self.config.embedding_multiplier
+        return x * m if m != 1.0 else x
 
     def logits(self, x: Tensor) -> Tensor:
-        return softcap(self.lm_head(self.model.norm(x)), self.config.final_logit_softcapping)
+        cfg = self.config
+        logits = self.lm_head(self.model.norm(x))
+        logits = logits / cfg.logits_scaling if cfg.logits_scaling != 1.0 else logits
+        return softcap(logits, cfg.final_logit_softcapping)
 
 
 def model_class(cfg: ModelConfig) -> type[CausalLM]:
@@ -165,6 +185,28 @@ def new_kv_cache(
     ]
 
 
+def split_fused(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Phi-3's fused projections as the Llama layout's: `qkv_proj` rows are q, then k, then
+    v; `gate_up_proj` rows are gate, then up (other families: unchanged)."""
+    if cfg.architecture != "Phi3ForCausalLM":
+        return weights
+    q_rows = cfg.num_attention_heads * cfg.head_dim
+    kv_rows = cfg.num_key_value_heads * cfg.head_dim
+    out = {}
+    for name, tensor in weights.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            q, k, v = tensor.split([q_rows, kv_rows, kv_rows])
+            stem = name.removesuffix("qkv_proj.weight")
+            out |= {f"{stem}q_proj.weight": q, f"{stem}k_proj.weight": k, f"{stem}v_proj.weight": v}
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            gate, up = tensor.chunk(2)
+            stem = name.removesuffix("gate_up_proj.weight")
+            out |= {f"{stem}gate_proj.weight": gate, f"{stem}up_proj.weight": up}
+        else:
+            out[name] = tensor
+    return out
+
+
 # Non-parameters some checkpoints carry: RoPE and causal-mask buffers (old GPT-NeoX).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
 
@@ -174,7 +216,9 @@ def load_model(
 ) -> CausalLM:
     """Instantiate on the meta device and adopt the checkpoint tensors (no random init)."""
     cls = model_class(cfg)
-    weights = {k: v for k, v in weights.items() if not k.endswith(IGNORED_SUFFIXES)}
+    weights = split_fused(
+        cfg, {k: v for k, v in weights.items() if not k.endswith(IGNORED_SUFFIXES)}
+    )
     tied = cfg.tie_word_embeddings
     if tied:
         weights.pop(cls.HEAD, None)

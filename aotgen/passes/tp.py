@@ -75,6 +75,9 @@ DEFAULT_PLANS: dict[str, dict[str, str]] = {
     "Qwen2ForCausalLM": LLAMA_PLAN,
     "Qwen3ForCausalLM": LLAMA_PLAN,
     "Gemma3ForCausalLM": LLAMA_PLAN,
+    "Phi3ForCausalLM": LLAMA_PLAN,
+    "SmolLM3ForCausalLM": LLAMA_PLAN,
+    "GraniteForCausalLM": LLAMA_PLAN,
     "GPTNeoXForCausalLM": GPT_NEOX_PLAN,
 }
 # (column-parallel inputs, row-parallel output) of each block: both sharded or neither.
