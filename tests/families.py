@@ -69,6 +69,23 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             },
         ),
     ),
+    # Phi-3.5-mini / Phi-4-mini's LongRoPE, with an original context of 16 positions.
+    "phi3-longrope": (
+        "Phi3Config",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            original_max_position_embeddings=16,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.3, 2.0, 3.5],
+                "long_factor": [1.5, 4.0, 9.0, 20.0],
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    ),
     # Layers 1 and 3 without RoPE (NoPE), a tied head.
     "smollm3": (
         "SmolLM3Config",

@@ -6,6 +6,7 @@ separate-checkpoint drafts, the tensor-parallel plans, and config errors."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from families import (
     SPEC_PAIRS,
     family_checkpoints,
     family_recipe,
+    make_family_checkpoint,
     reference_greedy,
     reference_logits,
 )
@@ -27,7 +29,9 @@ from families import load_reference as _load_reference
 from reference import EagerModel, reset_caches
 from test_cpp_runtime import cpp_generate
 
-from aotgen.model.llama import ModelConfig, load_model
+from aotgen.checkpoint.hf import open_checkpoint
+from aotgen.model.config import for_context
+from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
 from aotgen.package.build import build
 from aotgen.passes.tp import parse_parallel, resolve_plan, shard_model
 from aotgen.recipe import RecipeError, parse_recipe
@@ -135,6 +139,30 @@ def test_eager_model_matches_transformers(checkpoints, family):
     assert eager.greedy(history[:20], N_GREEDY) == reference_greedy(
         reference, history[:20], N_GREEDY
     )
+
+
+def test_longrope_takes_the_factors_of_the_package_context(tmp_path):
+    """LongRoPE with an original context of 16: a package of up to 16 tokens rotates with the
+    short factors, a longer one with the long factors (and the attention gain, here 1.46),
+    as transformers does for a sequence of that length; each is wrong for the other."""
+    path = make_family_checkpoint(tmp_path / "phi3-longrope", "phi3-longrope")
+    reference = load_reference(path)
+    ckpt = open_checkpoint(path)
+    history = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = {}
+    for max_seq_len, length in ((16, 14), (96, 40)):
+        cfg = for_context(ModelConfig.from_hf(ckpt.config), max_seq_len)
+        assert cfg.long_context == (max_seq_len > 16)
+        for long in (False, True):
+            model = load_model(
+                replace(cfg, long_context=long), ckpt.load_weights(), 104, torch.float32
+            )
+            with torch.no_grad():
+                ids, positions = torch.tensor([history[:length]]), torch.arange(length)
+                logits[long] = model(ids, positions, new_kv_cache(cfg, 104))[0]
+        want = reference_logits(reference, history[:length])
+        assert _rel_err(logits[cfg.long_context], want) < FP32_TOL
+        assert _rel_err(logits[not cfg.long_context], want) > 100 * FP32_TOL
 
 
 @pytest.mark.skipif(not HAVE_ONNX, reason="needs the aotgen[onnx] extra")
@@ -327,12 +355,7 @@ def test_transformers4_gemma3_config():
         ("Qwen3ForCausalLM", {"attention_bias": True}, "attention_bias"),
         ("Gemma3ForCausalLM", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
         ("GPTNeoXForCausalLM", {"hidden_act": "relu"}, "hidden_act"),
-        # Phi-3.5-mini / Phi-4-mini's LongRoPE (short and long factors switched by length).
-        (
-            "Phi3ForCausalLM",
-            {"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}},
-            "rope_scaling type 'longrope' is not supported",
-        ),
+        ("Phi3ForCausalLM", {"rope_scaling": {"type": "su"}}, "rope_scaling type 'su'"),
         ("SmolLM3ForCausalLM", {"use_sliding_window": True}, "use_sliding_window"),
         ("SmolLM3ForCausalLM", {"no_rope_layers": [1]}, "no_rope_layers must name every"),
         ("GraniteForCausalLM", {"logits_scaling": 0}, "logits_scaling must be a positive"),

@@ -9,7 +9,7 @@ otherwise silently ignore is refused with a one-line error naming it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ LLAMA_LAYOUT = (
 SUPPORTED_ARCHITECTURES = (*LLAMA_LAYOUT, "GPTNeoXForCausalLM")
 # hidden_act values → torch; gelu_new is the tanh approximation written out.
 ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh")
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,9 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma 3)
     final_logit_softcapping: float | None = None
     rope_layers: tuple[bool, ...] | None = None  # per layer, whether it rotates (SmolLM3's NoPE)
+    # LongRoPE (Phi-3.5, Phi-4-mini): the long factors, for a package longer than the original
+    # context (`for_context`), else the short ones.
+    long_context: bool = False
     # Granite's scalars: embeddings x, each block's output x (before the residual add),
     # the attention scale (instead of head_dim ** -0.5), logits / .
     embedding_multiplier: float = 1.0
@@ -101,6 +104,12 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             architecture=arch,
         )
+        if (scaling or {}).get("rope_type") == "longrope":
+            original = scaling.get("original_max_position_embeddings")
+            original = original or hf.get("original_max_position_embeddings")
+            if not original:
+                raise ValueError("config.json: longrope needs original_max_position_embeddings")
+            common["rope_scaling"] = {**scaling, "original_max_position_embeddings": original}
         family = _gpt_neox if arch == "GPTNeoXForCausalLM" else _llama_layout
         cfg = cls(**common, **family(hf, arch, common, local))
         rope_inv_freq(cfg)  # an unknown rope_scaling type fails here, before any compile
@@ -268,6 +277,14 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, scaled: bool = T
         return inv_freq
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "longrope":
+        factors = scaling["long_factor" if cfg.long_context else "short_factor"]
+        if len(factors) != len(inv_freq):
+            raise ValueError(
+                f"config.json: longrope factors have {len(factors)} values, the rotary dims "
+                f"{len(inv_freq)} pairs"
+            )
+        return inv_freq / torch.tensor(factors, dtype=torch.float64)
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -291,4 +308,28 @@ def rope_tables(
     positions = torch.arange(length, dtype=torch.float64)
     freqs = torch.outer(positions, rope_inv_freq(cfg, theta, scaled))
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().float(), emb.sin().float()
+    gain = _longrope_gain(cfg) if scaled else 1.0
+    return (emb.cos() * gain).float(), (emb.sin() * gain).float()
+
+
+def _longrope_gain(cfg: ModelConfig) -> float:
+    """LongRoPE's attention factor on cos and sin (1 for other scalings), as transformers
+    derives it: given, else from the context's growth over the original."""
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type") != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or cfg.max_position_embeddings / original
+    return math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+
+
+def for_context(cfg: ModelConfig, max_seq_len: int) -> ModelConfig:
+    """The config of a package serving `max_seq_len` tokens: LongRoPE takes its long factors
+    when that passes the original context (llama.cpp's rule: one set for every position, so
+    the keys in the cache all rotate alike), else its short ones."""
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type") != "longrope":
+        return cfg
+    return replace(cfg, long_context=max_seq_len > scaling["original_max_position_embeddings"])

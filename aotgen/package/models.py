@@ -21,6 +21,7 @@ from torch.export import ExportedProgram
 
 from aotgen.checkpoint.hf import Checkpoint, open_checkpoint
 from aotgen.export.aoti import GraphSpec, calibration_spec, export_graph, graph_specs
+from aotgen.model.config import for_context
 from aotgen.model.llama import ModelConfig, Transformer, load_model, model_class, new_kv_cache
 from aotgen.passes.fuse import FuseLinearsPass
 from aotgen.passes.gguf_keep import BlockIndex, KeepGGUF
@@ -131,6 +132,7 @@ def prepare_models(
     """checkpoint → model(s): the target, plus the draft when the recipe speculates (a draft
     made of the target's layers has its adapters too)."""
     cfg, weights = merged_weights(ckpt, adapters or [])
+    cfg = for_context(cfg, recipe.max_seq_len)
     dtype = getattr(torch, recipe.dtype)
     graphs = graph_specs(
         recipe.prefill_chunk,
@@ -159,6 +161,7 @@ def prepare_models(
         skip += ["prefill"] if recipe.speculative.get("share_kv") else ["batch_decode"]
         draft_graphs = [g for g in graphs if g.name not in skip]
         dcfg, dweights = _draft_weights(draft, ckpt, cfg, weights)
+        dcfg = for_context(dcfg, recipe.max_seq_len)
         dckpt = open_checkpoint(draft["checkpoint"]) if "checkpoint" in draft else ckpt
         models.append(
             ModelBuild(
