@@ -233,11 +233,10 @@ def _smollm3(hf: dict, layers: int) -> dict[str, Any]:
 
 
 def _granite(hf: dict) -> dict[str, Any]:
-    scalars = ("embedding_multiplier", "residual_multiplier", "attention_multiplier")
-    for key in (*scalars, "logits_scaling"):
+    keys = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+    for key in keys:
         _positive(hf, key)
-    out = {key: float(hf[key]) for key in (*scalars, "logits_scaling") if key in hf}
-    return out
+    return {key: float(hf[key]) for key in keys if key in hf}
 
 
 def _rotary_factor(hf: dict) -> float:

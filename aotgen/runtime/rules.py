@@ -153,12 +153,9 @@ class TokenRules:
         if not self.min_tokens or not len(self.ends) or self.taken >= self.min_tokens:
             return rows
         flat = rows.reshape(-1, rows.shape[-1])
-        short = lengths < self.min_tokens
-        shut = flat.masked_fill(
-            torch.zeros_like(flat, dtype=torch.bool).index_fill_(1, self.ends, True), -math.inf
-        )
-        open_rows = short & (shut.amax(dim=-1) > -math.inf)
-        return torch.where(open_rows[:, None], shut, flat).reshape(rows.shape)
+        shut = flat.index_fill(1, self.ends, -math.inf)
+        held = (lengths < self.min_tokens) & (shut.amax(dim=-1) > -math.inf)
+        return torch.where(held[:, None], shut, flat).reshape(rows.shape)
 
     def _penalize(self, logits: Tensor, counts: Tensor) -> Tensor:
         """Bias and penalties, with the answer's token `counts` (broadcast over rows)."""
