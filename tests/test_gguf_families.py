@@ -1,12 +1,15 @@
 """GGUF import of the non-Llama families: a tiny `transformers` checkpoint is written as a GGUF
 the way llama.cpp's converter writes it (its tensor names, Gemma's norms stored as 1 + w,
-GPT-NeoX's fused qkv regrouped as [q; k; v], some weights quantized), imported back, and the
-imported checkpoint must compute what the original computes in `transformers`.
+GPT-NeoX's fused qkv regrouped as [q; k; v], Granite's and SmolLM3's q/k permuted, Phi-3's
+LongRoPE factors as tensors, some weights quantized), imported back, and the imported
+checkpoint must compute what the original computes in `transformers`, in `transformers` and in
+aotgen's model.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +18,11 @@ import numpy as np
 import pytest
 import torch
 from families import load_reference, randomize, reference_logits
+from reference import EagerModel
 from safetensors import safe_open
 from tiny import make_tokenizer
 
-from aotgen.checkpoint.gguf import import_gguf
+from aotgen.checkpoint.gguf import import_gguf, permute_qk
 from aotgen.checkpoint.hf import CheckpointError
 from aotgen.kernels import gguf_blocks
 from aotgen.runtime.tokenizer import Tokenizer
@@ -54,6 +58,38 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "GPTNeoXConfig",
         dict(num_hidden_layers=2, rotary_pct=0.5, use_parallel_residual=True),
     ),
+    # Phi-3.5-mini's kind: fused qkv and gate-up, RoPE on half of each head, LongRoPE (its
+    # factors stored as tensors), a sliding window.
+    "phi3": (
+        "Phi3Config",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            sliding_window=8,
+            original_max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.3, 2.0, 3.5],
+                "long_factor": [1.5, 4.0, 9.0, 20.0],
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    # llama.cpp's SmolLM3: NoPE on every fourth layer.
+    "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, num_key_value_heads=2)),
+    "granite": (
+        "GraniteConfig",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=2.5,
+        ),
+    ),
 }
 # HF module name → llama.cpp's (gguf-py tensor_mapping.py), per architecture.
 LAYER_NAMES = {
@@ -78,6 +114,11 @@ LAYER_NAMES = {
         "mlp.dense_h_to_4h": "ffn_up",
         "mlp.dense_4h_to_h": "ffn_down",
     },
+}
+PHI3_NAMES = {
+    **LAYER_NAMES["llama"],
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
 }
 GEMMA_NAMES = {
     **LAYER_NAMES["llama"],
@@ -107,6 +148,7 @@ def _checkpoint(out: Path, arch: str, **sizes: Any) -> Path:
         vocab_size=tok.get_vocab_size(),
         bos_token_id=tok.token_to_id("<|im_start|>"),
         eos_token_id=tok.token_to_id("<|im_end|>"),
+        pad_token_id=tok.token_to_id("<|endoftext|>"),
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -121,22 +163,45 @@ def _gguf_name(arch: str, hf: str) -> str:
         return f"{GLOBAL_NAMES[module]}.{kind}"
     parts = module.split(".")  # model.layers.I.rest or gpt_neox.layers.I.rest
     i, rest = parts[2], ".".join(parts[3:])
-    names = {"gemma3": GEMMA_NAMES, "gptneox": LAYER_NAMES["gptneox"]}.get(
+    names = {"gemma3": GEMMA_NAMES, "gptneox": LAYER_NAMES["gptneox"], "phi3": PHI3_NAMES}.get(
         arch, LAYER_NAMES["llama"]
     )
     return f"blk.{i}.{names[rest]}.{kind}"
 
 
-def _converted(arch: str, hf: str, w: np.ndarray, heads: int) -> np.ndarray:
+def _converted(arch: str, hf: str, w: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf.py stores for an HF tensor."""
     if arch == "gemma3" and hf.endswith("norm.weight"):
         return w + np.float32(1.0)
+    if arch in ("smollm3", "granite") and hf.endswith(("q_proj.weight", "k_proj.weight")):
+        return permute_qk(w, heads if "q_proj" in hf else kv_heads)
     if arch == "gptneox" and "query_key_value" in hf:
         rest = w.shape[1:]
         return np.ascontiguousarray(
             w.reshape(heads, 3, -1, *rest).swapaxes(0, 1).reshape(w.shape[0], *rest)
         )
     return w
+
+
+def _llama_variant_meta(w: gguf.GGUFWriter, arch: str, cfg: dict[str, Any], head_dim: int) -> None:
+    """What llama.cpp's converter writes of Phi-3's and Granite's own keys (conversion/phi.py,
+    granite.py); LongRoPE's factors as tensors."""
+    if arch == "granite":
+        w.add_attention_scale(cfg["attention_multiplier"])
+        w.add_embedding_scale(cfg["embedding_multiplier"])
+        w.add_residual_scale(cfg["residual_multiplier"])
+        w.add_logit_scale(cfg["logits_scaling"])
+    if arch != "phi3":
+        return
+    rope = cfg["rope_parameters"]
+    w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * head_dim))
+    w.add_sliding_window(cfg.get("sliding_window") or 0)
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    scale = cfg["max_position_embeddings"] / rope["original_max_position_embeddings"]
+    gain = math.sqrt(1 + math.log(scale) / math.log(rope["original_max_position_embeddings"]))
+    w.add_rope_scaling_attn_factors(gain if scale > 1 else 1.0)
+    w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+    w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
 
 
 def _blocks(stored: np.ndarray, qtype: str, seed: int) -> np.ndarray:
@@ -181,6 +246,7 @@ def _write_gguf(
             theta = cfg["rope_parameters"]["full_attention"]["rope_theta"]
             w.add_sliding_window(cfg["sliding_window"])
         w.add_rope_freq_base(theta)
+        _llama_variant_meta(w, arch, cfg, head_dim)
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     added = {t["id"]: t["content"] for t in tok["added_tokens"]}
     tokens = [added.get(i, t) for t, i in vocab]
@@ -193,12 +259,14 @@ def _write_gguf(
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_pad_token_id(cfg["pad_token_id"])
     written: dict[str, np.ndarray] = {}
     with safe_open(ckpt / "model.safetensors", "np") as f:
         for n, hf in enumerate(sorted(f.keys())):
             x = f.get_tensor(hf).astype(np.float32)
             written[hf] = x
-            stored = _converted(arch, hf, x, cfg["num_attention_heads"])
+            heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads")
+            stored = _converted(arch, hf, x, *heads)
             blocks = x.ndim == 2 and x.shape[1]
             fits = [t for t in qtypes if blocks and blocks % gguf_blocks.QTYPES[t].block == 0]
             if not qtypes and quantize and x.ndim == 2 and x.shape[1] % 32 == 0 and n % 2 == 0:
@@ -237,6 +305,8 @@ def test_family_gguf_imports_to_the_same_model(tmp_path: Path, arch: str) -> Non
     ref = reference_logits(load_reference(ckpt), ids)
     got = reference_logits(load_reference(out), ids)
     assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+    ours = EagerModel(out, 96).forward(ids, 0)  # aotgen's model on the imported checkpoint
+    assert ((ours - ref).norm() / ref.norm()).item() < 1e-5
     new, old = Tokenizer.from_dir(out), Tokenizer.from_dir(ckpt)
     for text in TEXTS:
         assert new.encode(text) == old.encode(text)
@@ -262,3 +332,17 @@ def test_tensor_not_matching_metadata_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"tensor 'blk\.0\.attn_k_norm\.weight'|attn_q"):
         import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
     assert not (tmp_path / "imported").exists()
+
+
+def test_phi3_blocks_are_not_kept(tmp_path: Path) -> None:
+    """`quantize: {gguf: keep}` refuses Phi-3: its fused tensors are split at load."""
+    from aotgen.checkpoint.hf import open_checkpoint
+    from aotgen.package.models import keep_gguf
+    from aotgen.recipe import RecipeError, parse_recipe
+
+    ckpt = _checkpoint(tmp_path / "hf", "phi3")
+    _write_gguf(ckpt, tmp_path / "m.gguf", "phi3")
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
+    recipe = parse_recipe({"checkpoint": str(out), "quantize": {"gguf": "keep"}}, "r", tmp_path)
+    with pytest.raises(RecipeError, match="Phi-3's fused qkv and gate-up tensors are split"):
+        keep_gguf(recipe, recipe.quantize, open_checkpoint(out), {})

@@ -23,10 +23,12 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from aotgen.checkpoint.gguf_arch import (
+    PERMUTED_QK,
     arch_spec,
     check_tensors,
     hf_name,
     meta_value,
+    model_tensors,
     read_config,
     require_meta,
 )
@@ -134,14 +136,14 @@ def read_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict[str, n
     """Dequantized fp32 weights under HF names, undoing llama.cpp's converter changes."""
     arch, spec = arch_spec(reader)
     out: dict[str, np.ndarray] = {}
-    for t in reader.tensors:
+    for t in model_tensors(reader):
         name = hf_name(spec, t.name)
         w = gguf.quants.dequantize(t.data, t.tensor_type)
         # GGUF lists dims innermost-first; PyTorch wants [out, in].
         w = np.ascontiguousarray(w.reshape(tuple(int(d) for d in reversed(t.shape))), np.float32)
-        if arch == "llama" and t.name.endswith("attn_q.weight"):
+        if arch in PERMUTED_QK and t.name.endswith("attn_q.weight"):
             w = unpermute_qk(w, config["num_attention_heads"])
-        elif arch == "llama" and t.name.endswith("attn_k.weight"):
+        elif arch in PERMUTED_QK and t.name.endswith("attn_k.weight"):
             w = unpermute_qk(w, config["num_key_value_heads"])
         elif arch == "gemma3" and t.name.endswith("norm.weight"):
             w = w - np.float32(1.0)  # llama.cpp stores Gemma's (1 + w) RMSNorm scale
@@ -163,7 +165,7 @@ def read_blocks(reader: gguf.GGUFReader) -> tuple[dict[str, np.ndarray], dict[st
     _, spec = arch_spec(reader)
     blocks: dict[str, np.ndarray] = {}
     types: dict[str, str] = {}
-    for t in reader.tensors:
+    for t in model_tensors(reader):
         if t.tensor_type.name in KEPT_TYPES:
             rows = int(np.prod([int(d) for d in t.shape[1:]]))
             name = hf_name(spec, t.name)

@@ -31,6 +31,14 @@ _GEMMA3_LAYER = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_PHI3_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_up": "mlp.gate_up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 _LLAMA_GLOBAL = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -54,6 +62,9 @@ ARCHS: dict[str, Arch] = {
     "qwen2": Arch("Qwen2ForCausalLM", "qwen2", _LLAMA_LAYER),
     "qwen3": Arch("Qwen3ForCausalLM", "qwen3", {**_LLAMA_LAYER, **_QK_NORM}),
     "gemma3": Arch("Gemma3ForCausalLM", "gemma3_text", _GEMMA3_LAYER),
+    "phi3": Arch("Phi3ForCausalLM", "phi3", _PHI3_LAYER),
+    "smollm3": Arch("SmolLM3ForCausalLM", "smollm3", _LLAMA_LAYER),
+    "granite": Arch("GraniteForCausalLM", "granite", _LLAMA_LAYER),
     "gptneox": Arch(
         "GPTNeoXForCausalLM",
         "gpt_neox",
@@ -74,6 +85,13 @@ ARCHS: dict[str, Arch] = {
     ),
 }
 SUPPORTED_ARCHS = tuple(ARCHS)
+# Architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and subclasses).
+PERMUTED_QK = ("llama", "smollm3", "granite")
+# LongRoPE's factors (Phi-3): config, not weights.
+ROPE_FACTORS = {
+    "rope_factors_long.weight": "long_factor",
+    "rope_factors_short.weight": "short_factor",
+}
 
 
 def meta_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
@@ -100,6 +118,11 @@ def arch_spec(reader: gguf.GGUFReader) -> tuple[str, Arch]:
             f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}"
         )
     return arch, ARCHS[arch]
+
+
+def model_tensors(reader: gguf.GGUFReader) -> list[Any]:
+    """The tensors that are weights (not LongRoPE's factors)."""
+    return [t for t in reader.tensors if t.name not in ROPE_FACTORS]
 
 
 def hf_name(spec: Arch, name: str) -> str:
@@ -155,6 +178,7 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
         "bos_token_id": meta_value(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta_value(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta_value(reader, "tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
     if arch == "gptneox":
@@ -175,6 +199,8 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         rope_theta=_f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=_rope_scaling(reader, arch),
     )
+    if arch in ("phi3", "smollm3", "granite"):
+        config.update(_llama_variant(reader, arch, head_dim))
     if arch == "gemma3":
         # llama.cpp's fixed Gemma 3 choices: every 6th layer global, local RoPE base 10000,
         # attention scaled by head_dim ** -0.5 (hidden / heads on the 62-layer 27B).
@@ -200,6 +226,42 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     return config
 
 
+def _llama_variant(reader: gguf.GGUFReader, arch: str, head_dim: int) -> dict[str, Any]:
+    """The config keys of the Llama variants, from what llama.cpp stores of them."""
+    if arch == "smollm3":  # llama.cpp rotates all but every fourth layer, as the HF default
+        return {"no_rope_layer_interval": 4}
+    if arch == "granite":
+        keys = {
+            "attention.scale": "attention_multiplier",
+            "embedding_scale": "embedding_multiplier",
+            "residual_scale": "residual_multiplier",
+            "logit_scale": "logits_scaling",
+        }
+        found = {hf: meta_value(reader, f"{arch}.{key}") for key, hf in keys.items()}
+        return {hf: _f32(value) for hf, value in found.items() if value is not None}
+    out: dict[str, Any] = {}  # phi3
+    rot = int(meta_value(reader, f"{arch}.rope.dimension_count", head_dim))
+    if rot != head_dim:
+        out["partial_rotary_factor"] = rot / head_dim
+    window = int(meta_value(reader, f"{arch}.attention.sliding_window", 0) or 0)
+    out["sliding_window"] = window or None  # 0: none (Phi-4)
+    factors = {
+        key: [_f32(x) for x in t.data.tolist()]
+        for t in reader.tensors
+        if (key := ROPE_FACTORS.get(t.name)) is not None
+    }
+    if factors:
+        if len(factors) != 2:
+            raise CheckpointError("GGUF has one of rope_factors_long / rope_factors_short only")
+        original = require_meta(reader, f"{arch}.rope.scaling.original_context_length")
+        out["original_max_position_embeddings"] = int(original)
+        out["rope_scaling"] = {"rope_type": "longrope", **factors}
+        gain = meta_value(reader, f"{arch}.rope.scaling.attn_factor")
+        if gain is not None:
+            out["rope_scaling"]["attention_factor"] = _f32(gain)
+    return out
+
+
 def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
     """The PyTorch shape the model expects for an HF tensor name; None if not checked."""
     d, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
@@ -220,6 +282,8 @@ def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
         "up_proj": (f, d),
         "down_proj": (d, f),
         "query_key_value": (3 * d, d),
+        "qkv_proj": (q + 2 * kv, d),
+        "gate_up_proj": (2 * f, d),
         "dense": (d, d),
         "dense_h_to_4h": (f, d),
         "dense_4h_to_h": (d, f),
@@ -236,7 +300,7 @@ def check_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
     """Every tensor named and shaped as the metadata says, every layer complete."""
     _, spec = arch_spec(reader)
     names: set[str] = set()
-    for t in reader.tensors:
+    for t in model_tensors(reader):
         hf = hf_name(spec, t.name)
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         want = _expected_shape(hf, config)
