@@ -52,10 +52,8 @@ options:
   --repetition-penalty R, --presence-penalty P, --frequency-penalty F
                          penalties on repeated tokens, as `aotgen run`'s (off: 1, 0, 0)
   --seed S               sampling seed, 0..18446744073709551615 (default: random)
-  --stop TEXT            stop string (repeatable)
-  --stop-token-id ID     end the answer at this token, as at eos (repeatable)
-  --min-tokens N         no eos, stop token or stop string before N tokens (default 0)
-  --ignore-eos           keep going past end-of-sequence tokens
+  --stop TEXT            stop string; --stop-token-id ID: stop token (both repeatable)
+  --ignore-eos           keep going past eos; --min-tokens N: no end before N tokens
   --lookup ngram         speculative decoding with prompt-lookup (n-gram) drafts
   --speculative          speculative decoding with the package's draft model (with
                          --lookup ngram: the draft proposes only when lookup finds no match)
