@@ -86,6 +86,21 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             },
         ),
     ),
+    # YaRN (Qwen2.5 / Qwen3 past 32k), factor 4 over an original context of 16.
+    "qwen3-yarn": (
+        "Qwen3Config",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            head_dim=32,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    ),
     # Layers 1 and 3 without RoPE (NoPE), a tied head.
     "smollm3": (
         "SmolLM3Config",
@@ -196,8 +211,9 @@ PARITY = [
     "gptneox-sequential",
 ]
 # Families whose differences from the Llama layout are switches outside the compiled graphs'
-# concerns (NoPE layers, scalar multipliers): checked on the eager model, no package built.
-EAGER_PARITY = ["smollm3", "granite"]
+# concerns (NoPE layers, scalar multipliers, RoPE tables): checked on the eager model, no
+# package built.
+EAGER_PARITY = ["smollm3", "granite", "qwen3-yarn"]
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}
 INT8 = {"quantize": {"linear": "int8"}}

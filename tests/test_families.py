@@ -130,8 +130,8 @@ def test_greedy_matches_transformers(family_engines, checkpoints, family):
 
 @pytest.mark.parametrize("family", EAGER_PARITY)
 def test_eager_model_matches_transformers(checkpoints, family):
-    """SmolLM3 (NoPE layers) and Granite (multipliers): the model's logits over a history and
-    its 32 greedy tokens, decoded step by step on its KV cache, equal transformers'."""
+    """SmolLM3 (NoPE layers), Granite (multipliers) and YaRN: the model's logits over a history
+    and its 32 greedy tokens, decoded step by step on its KV cache, equal transformers'."""
     eager = EagerModel(checkpoints[family], 96)
     reference = load_reference(checkpoints[family])
     history = torch.randint(0, eager.config.vocab_size, (40,), generator=torch.Generator()).tolist()
@@ -350,7 +350,8 @@ def test_transformers4_gemma3_config():
         ("LlamaForCausalLM", {"sliding_window": 4096}, "sliding_window"),
         ("LlamaForCausalLM", {"attention_bias": True}, "attention_bias"),
         ("LlamaForCausalLM", {"mlp_bias": True}, "mlp_bias"),
-        ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "yarn", "factor": 4}}, "yarn"),
+        ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "dynamic", "factor": 4}}, "dynamic"),
+        ("Qwen3ForCausalLM", {"rope_scaling": {"type": "yarn", "factor": 4}}, "needs original_max"),
         ("Qwen2ForCausalLM", {"use_sliding_window": True}, "use_sliding_window"),
         ("Qwen3ForCausalLM", {"attention_bias": True}, "attention_bias"),
         ("Gemma3ForCausalLM", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),

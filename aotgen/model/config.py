@@ -28,7 +28,7 @@ LLAMA_LAYOUT = (
 SUPPORTED_ARCHITECTURES = (*LLAMA_LAYOUT, "GPTNeoXForCausalLM")
 # hidden_act values → torch; gelu_new is the tanh approximation written out.
 ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh")
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 @dataclass(frozen=True)
@@ -104,11 +104,15 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             architecture=arch,
         )
-        if (scaling or {}).get("rope_type") == "longrope":
+        if scaling and "rope_type" not in scaling and "type" in scaling:  # 4.x's older key
+            scaling = {"rope_type": scaling["type"], **scaling}
+            common["rope_scaling"] = scaling
+        kind = (scaling or {}).get("rope_type")
+        if kind in ("longrope", "yarn"):
             original = scaling.get("original_max_position_embeddings")
             original = original or hf.get("original_max_position_embeddings")
             if not original:
-                raise ValueError("config.json: longrope needs original_max_position_embeddings")
+                raise ValueError(f"config.json: {kind} needs original_max_position_embeddings")
             common["rope_scaling"] = {**scaling, "original_max_position_embeddings": original}
         family = _gpt_neox if arch == "GPTNeoXForCausalLM" else _llama_layout
         cfg = cls(**common, **family(hf, arch, common, local))
@@ -266,7 +270,7 @@ def _gpt_neox(hf: dict, arch: str, common: dict, local: float | None) -> dict[st
 
 
 def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, scaled: bool = True) -> Tensor:
-    """Inverse RoPE frequencies, with Llama-3 style scaling when the config asks for it."""
+    """Inverse RoPE frequencies, scaled as the config asks (linear, Llama 3, LongRoPE, YaRN)."""
     dim = cfg.rotary_dim or cfg.head_dim
     base = cfg.rope_theta if theta is None else theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
@@ -284,6 +288,8 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, scaled: bool = T
                 f"{len(inv_freq)} pairs"
             )
         return inv_freq / torch.tensor(factors, dtype=torch.float64)
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, dim, base, scaling, cfg)
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -300,6 +306,36 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, scaled: bool = T
     )
 
 
+def _yarn_factor(scaling: dict, cfg: ModelConfig) -> float:
+    return (
+        scaling.get("factor")
+        or cfg.max_position_embeddings / scaling["original_max_position_embeddings"]
+    )
+
+
+def _yarn_inv_freq(
+    inv_freq: Tensor, dim: int, base: float, scaling: dict, cfg: ModelConfig
+) -> Tensor:
+    """YaRN (Qwen2.5 / Qwen3 long context): dims that turn fewer than `beta_slow` times over
+    the original context are interpolated by the factor, those turning more than `beta_fast`
+    times kept, a linear ramp between (transformers' `_compute_yarn_parameters`)."""
+    original = scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = (
+        correction_dim(scaling.get("beta_fast") or 32),
+        correction_dim(scaling.get("beta_slow") or 1),
+    )
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / _yarn_factor(scaling, cfg) * ramp + inv_freq * (1 - ramp)
+
+
 def rope_tables(
     cfg: ModelConfig, length: int, theta: float | None = None, scaled: bool = True
 ) -> tuple[Tensor, Tensor]:
@@ -307,21 +343,30 @@ def rope_tables(
     positions = torch.arange(length, dtype=torch.float64)
     freqs = torch.outer(positions, rope_inv_freq(cfg, theta, scaled))
     emb = torch.cat([freqs, freqs], dim=-1)
-    gain = _longrope_gain(cfg) if scaled else 1.0
+    gain = _rope_gain(cfg) if scaled else 1.0
     return (emb.cos() * gain).float(), (emb.sin() * gain).float()
 
 
-def _longrope_gain(cfg: ModelConfig) -> float:
-    """LongRoPE's attention factor on cos and sin (1 for other scalings), as transformers
-    derives it: given, else from the context's growth over the original."""
+def _rope_gain(cfg: ModelConfig) -> float:
+    """LongRoPE's and YaRN's attention factor on cos and sin (1 for other scalings), as
+    transformers derives it: given, else from the context's growth over the original."""
     scaling = cfg.rope_scaling or {}
-    if scaling.get("rope_type") != "longrope":
+    kind = scaling.get("rope_type")
+    if kind not in ("longrope", "yarn"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     original = scaling["original_max_position_embeddings"]
-    factor = scaling.get("factor") or cfg.max_position_embeddings / original
-    return math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    if kind == "longrope":
+        factor = scaling.get("factor") or cfg.max_position_embeddings / original
+        return math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = _yarn_factor(scaling, cfg)
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
 
 
 def for_context(cfg: ModelConfig, max_seq_len: int) -> ModelConfig:
