@@ -44,6 +44,20 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    # Gemma 2: sliding (window 8) and global layers in turn, attention scores softcapped at 5
+    # (so that the cap changes them), softcapped logits, a tied head.
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=30.0,
+        ),
+    ),
     # Pythia: rotary on a quarter of each head, parallel residual, untied embed_out.
     "gptneox-parallel": (
         "GPTNeoXConfig",
@@ -205,6 +219,7 @@ PARITY = [
     "llama",
     "qwen2-tied",
     "qwen3",
+    "gemma2",
     "gemma3",
     "phi3",
     "gptneox-parallel",

@@ -20,12 +20,14 @@ LLAMA_LAYOUT = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "Phi3ForCausalLM",
     "SmolLM3ForCausalLM",
     "GraniteForCausalLM",
 )
 SUPPORTED_ARCHITECTURES = (*LLAMA_LAYOUT, "GPTNeoXForCausalLM")
+GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # hidden_act values → torch; gelu_new is the tanh approximation written out.
 ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh")
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
@@ -56,6 +58,7 @@ class ModelConfig:
     rope_local_theta: float | None = None  # the sliding layers' RoPE base (Gemma 3)
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma 3)
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None  # tanh cap on attention scores (Gemma 2)
     rope_layers: tuple[bool, ...] | None = None  # per layer, whether it rotates (SmolLM3's NoPE)
     # LongRoPE (Phi-3.5, Phi-4-mini): the long factors, for a package longer than the original
     # context (`for_context`), else the short ones.
@@ -71,7 +74,7 @@ class ModelConfig:
     @property
     def gemma(self) -> bool:
         """Gemma's switches: (1 + w) RMSNorm, four norms a layer, embeddings × √hidden."""
-        return self.architecture == "Gemma3ForCausalLM"
+        return self.architecture in GEMMAS
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
@@ -100,7 +103,7 @@ class ModelConfig:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             rope_theta=theta,
             rope_scaling=scaling,
-            tie_word_embeddings=hf.get("tie_word_embeddings", arch == "Gemma3ForCausalLM"),
+            tie_word_embeddings=hf.get("tie_word_embeddings", arch in GEMMAS),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             architecture=arch,
         )
@@ -190,29 +193,13 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
     if arch in ("MistralForCausalLM", "Phi3ForCausalLM") and hf.get("sliding_window"):
         out["sliding_window"] = hf["sliding_window"]
         out["layer_types"] = ("sliding_attention",) * layers
-    elif arch == "Gemma3ForCausalLM":
-        _refuse(hf, "attn_logit_softcapping", None, "transformers' Gemma 3 does not apply it")
-        _refuse(hf, "use_bidirectional_attention", False, "causal attention only")
-        types = hf.get("layer_types")
-        if types is None:
-            pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
-            types = [
-                "sliding_attention" if (i + 1) % pattern else "full_attention"
-                for i in range(layers)
-            ]
-        out.update(
-            qk_norm=True,
-            sliding_window=hf.get("sliding_window", 4096),
-            layer_types=tuple(types),
-            rope_local_theta=float(local or 10000.0),
-            query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
-            final_logit_softcapping=hf.get("final_logit_softcapping"),
-        )
+    elif arch in GEMMAS:
+        out.update(_gemma(hf, arch, layers, local))
     elif hf.get("sliding_window") is not None and not (
         arch.startswith(("Qwen", "SmolLM3")) and not hf.get("use_sliding_window")
     ):
         raise ValueError(f"config.json: sliding_window is not supported on {arch}")
-    if arch != "Gemma3ForCausalLM":
+    if arch not in GEMMAS:
         _refuse(hf, "final_logit_softcapping", None, f"not part of {arch}")
         _refuse(hf, "attn_logit_softcapping", None, f"not part of {arch}")
     types = out.get("layer_types") or hf.get("layer_types") or ()
@@ -223,6 +210,33 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
     if out.get("layer_types") is not None and len(out["layer_types"]) != layers:
         raise ValueError("config.json: layer_types must name every one of num_hidden_layers")
     return out
+
+
+def _gemma(hf: dict, arch: str, layers: int, local: float | None) -> dict[str, Any]:
+    """Gemma 2 and 3: sliding and global layers (Gemma 2 alternates them, Gemma 3 has one
+    global in six, with its own RoPE base), softcapped logits; Gemma 2 caps the attention
+    scores too, Gemma 3 normalises q and k instead."""
+    _refuse(hf, "use_bidirectional_attention", False, "causal attention only")
+    gemma3 = arch == "Gemma3ForCausalLM"
+    if gemma3:
+        _refuse(hf, "attn_logit_softcapping", None, "transformers' Gemma 3 does not apply it")
+    types = hf.get("layer_types")
+    if types is None:
+        pattern = 2
+        if gemma3:
+            pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
+        types = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ]
+    return dict(
+        qk_norm=gemma3,
+        sliding_window=hf.get("sliding_window", 4096),
+        layer_types=tuple(types),
+        rope_local_theta=float(local or 10000.0) if gemma3 else None,
+        query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+        final_logit_softcapping=hf.get("final_logit_softcapping"),
+        attn_logit_softcapping=None if gemma3 else hf.get("attn_logit_softcapping"),
+    )
 
 
 def _smollm3(hf: dict, layers: int) -> dict[str, Any]:

@@ -113,8 +113,11 @@ def rows_as_matmuls(q: Tensor) -> bool:
     return q.is_cuda
 
 
-def attend_rows(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """Masked softmax attention as matmuls: [b, h, m, d] x [b, h, n, d]."""
+def attend_rows(
+    q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, cap: float | None = None
+) -> Tensor:
+    """Masked softmax attention as matmuls: [b, h, m, d] x [b, h, n, d]; with `cap`, the
+    scores softcapped first (Gemma 2)."""
     b, h = q.shape[:2]
 
     # bmm on [b * h, ., .], one sequence's heads selected, not reshaped: torch.matmul's own
@@ -123,6 +126,7 @@ def attend_rows(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: fl
         return x[0] if b == 1 else x.flatten(0, 1)
 
     scores = torch.bmm(heads(q), heads(keys).transpose(1, 2)).unflatten(0, (b, h)) * scale
+    scores = scores if cap is None else torch.tanh(scores / cap) * cap
     probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
     return torch.bmm(heads(probs), heads(values)).unflatten(0, (b, h))
 
@@ -142,10 +146,12 @@ def cached_attention(
     v_cache: Tensor,
     attn_len: int,
     scale: float,
+    cap: float | None = None,
 ) -> Tensor:
     """Write k/v `[b, kv_heads, t, d]` into the caches at `write_at`, attend q `[b, heads,
     t, d]` to the filled prefix under `mask` (`[t, attn_len]`, or `[b, t, attn_len]` for a
-    batch); returns `[b, t, heads * d]`."""
+    batch); returns `[b, t, heads * d]`. `cap`: Gemma 2's softcap of the scores, which the
+    cache kernel and SDPA do not take: such layers attend as matmuls."""
     b, _, t, head_dim = q.shape
     kv_heads = k.shape[1]
     group = q.shape[1] // kv_heads
@@ -161,7 +167,7 @@ def cached_attention(
     # query-length axis ([b, kv, group * t, d]), so no expanded K/V copy per layer.
     q = q.reshape(b, kv_heads, group * t, head_dim)
     fixed_width = isinstance(t, int) and not torch.onnx.is_in_onnx_export()
-    if fixed_width and attention.applies(q, k_cache):  # CPU graphs: the cache read in place
+    if cap is None and fixed_width and attention.applies(q, k_cache):  # the cache read in place
         if batch:
             y = torch.ops.aotgen.attend_cache_slots(q * scale, k_cache, v_cache, mask, slots[:, 0])
         else:
@@ -172,7 +178,9 @@ def cached_attention(
         keys = k_cache[rows, :, :attn_len].to(q.dtype)
         values = v_cache[rows, :, :attn_len].to(q.dtype)
         mask = mask.repeat(1, group, 1).unsqueeze(1) if batch else mask.repeat(group, 1)
-        if fixed_width and t == 1:  # decode graph
+        if cap is not None:
+            y = attend_rows(q, keys, values, mask, scale, cap)
+        elif fixed_width and t == 1:  # decode graph
             y = attend_one(q, keys, values, mask, scale)
         elif fixed_width and rows_as_matmuls(q):
             y = attend_rows(q, keys, values, mask, scale)

@@ -1,6 +1,6 @@
-"""The Llama-layout decoders: Llama, Mistral, Qwen2, Qwen3, Gemma 3 (text), Phi-3, SmolLM3
-and Granite, driven by an HF config through a few switches (`ModelConfig`); GPT-NeoX lives in
-gptneox.py.
+"""The Llama-layout decoders: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text), Phi-3,
+SmolLM3 and Granite, driven by an HF config through a few switches (`ModelConfig`); GPT-NeoX
+lives in gptneox.py.
 
 One flat file in the spirit of gpt-fast. Module names follow the HF checkpoint
 (`model.layers.0.self_attn.q_proj`, ...) so weights load without a name map and
@@ -9,7 +9,8 @@ quantization/TP plans can match HF parameter names. The switches:
 - `attention_bias`: q/k/v biases (Qwen2).
 - `qk_norm`: per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3).
 - `cfg.gemma`: (1 + w) RMSNorms, a norm after attention and around the MLP (four a
-  layer), embeddings × √hidden, attention scaled by `query_pre_attn_scalar`.
+  layer), embeddings × √hidden, attention scaled by `query_pre_attn_scalar`; Gemma 2's
+  `attn_logit_softcapping` caps the attention scores.
 - `layer_types` / `sliding_window`: local layers attend to the last `sliding_window`
   positions with their own RoPE base (`rope_local_theta`); see layers.py for the cache.
 - `rotary_dim`: RoPE on the first dims of a head (Phi-4-mini); `rope_layers`: the layers
@@ -47,6 +48,7 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.attention_multiplier or (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.rotates = rotates
+        self.cap = cfg.attn_logit_softcapping
         d, heads, kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(d, heads * self.head_dim, bias=bias)
@@ -69,7 +71,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotates:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = cached_attention(q, k, v, write_at, mask, k_cache, v_cache, attn_len, self.scale)
+        y = cached_attention(
+            q, k, v, write_at, mask, k_cache, v_cache, attn_len, self.scale, self.cap
+        )
         return self.o_proj(y)
 
 

@@ -74,6 +74,7 @@ DEFAULT_PLANS: dict[str, dict[str, str]] = {
     "MistralForCausalLM": LLAMA_PLAN,
     "Qwen2ForCausalLM": LLAMA_PLAN,
     "Qwen3ForCausalLM": LLAMA_PLAN,
+    "Gemma2ForCausalLM": LLAMA_PLAN,
     "Gemma3ForCausalLM": LLAMA_PLAN,
     "Phi3ForCausalLM": LLAMA_PLAN,
     "SmolLM3ForCausalLM": LLAMA_PLAN,
