@@ -58,6 +58,19 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "GPTNeoXConfig",
         dict(num_hidden_layers=2, rotary_pct=0.5, use_parallel_residual=True),
     ),
+    # Gemma 2: sliding and global layers in turn, softcapped attention scores and logits.
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            sliding_window=4,
+            query_pre_attn_scalar=32,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=30.0,
+        ),
+    ),
     # Phi-3.5-mini's kind: fused qkv and gate-up, RoPE on half of each head, LongRoPE (its
     # factors stored as tensors), a sliding window.
     "phi3": (
@@ -152,7 +165,7 @@ def _checkpoint(out: Path, arch: str, **sizes: Any) -> Path:
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    randomize(model, gemma=arch == "gemma3")
+    randomize(model, gemma=arch.startswith("gemma"))
     model.save_pretrained(out)
     return out
 
@@ -163,15 +176,18 @@ def _gguf_name(arch: str, hf: str) -> str:
         return f"{GLOBAL_NAMES[module]}.{kind}"
     parts = module.split(".")  # model.layers.I.rest or gpt_neox.layers.I.rest
     i, rest = parts[2], ".".join(parts[3:])
-    names = {"gemma3": GEMMA_NAMES, "gptneox": LAYER_NAMES["gptneox"], "phi3": PHI3_NAMES}.get(
-        arch, LAYER_NAMES["llama"]
-    )
+    names = {
+        "gemma2": GEMMA_NAMES,
+        "gemma3": GEMMA_NAMES,
+        "gptneox": LAYER_NAMES["gptneox"],
+        "phi3": PHI3_NAMES,
+    }.get(arch, LAYER_NAMES["llama"])
     return f"blk.{i}.{names[rest]}.{kind}"
 
 
 def _converted(arch: str, hf: str, w: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf.py stores for an HF tensor."""
-    if arch == "gemma3" and hf.endswith("norm.weight"):
+    if arch in ("gemma2", "gemma3") and hf.endswith("norm.weight"):
         return w + np.float32(1.0)
     if arch in ("smollm3", "granite") and hf.endswith(("q_proj.weight", "k_proj.weight")):
         return permute_qk(w, heads if "q_proj" in hf else kv_heads)
@@ -245,6 +261,10 @@ def _write_gguf(
         if arch == "gemma3":
             theta = cfg["rope_parameters"]["full_attention"]["rope_theta"]
             w.add_sliding_window(cfg["sliding_window"])
+        if arch == "gemma2":
+            w.add_sliding_window(cfg["sliding_window"])
+            w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+            w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
         w.add_rope_freq_base(theta)
         _llama_variant_meta(w, arch, cfg, head_dim)
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])

@@ -61,6 +61,7 @@ ARCHS: dict[str, Arch] = {
     "llama": Arch("LlamaForCausalLM", "llama", _LLAMA_LAYER),
     "qwen2": Arch("Qwen2ForCausalLM", "qwen2", _LLAMA_LAYER),
     "qwen3": Arch("Qwen3ForCausalLM", "qwen3", {**_LLAMA_LAYER, **_QK_NORM}),
+    "gemma2": Arch("Gemma2ForCausalLM", "gemma2", _GEMMA3_LAYER),  # no q/k norm tensors
     "gemma3": Arch("Gemma3ForCausalLM", "gemma3_text", _GEMMA3_LAYER),
     "phi3": Arch("Phi3ForCausalLM", "phi3", _PHI3_LAYER),
     "smollm3": Arch("SmolLM3ForCausalLM", "smollm3", _LLAMA_LAYER),
@@ -201,12 +202,14 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     )
     if arch in ("phi3", "smollm3", "granite"):
         config.update(_llama_variant(reader, arch, head_dim))
-    if arch == "gemma3":
-        # llama.cpp's fixed Gemma 3 choices: every 6th layer global, local RoPE base 10000,
-        # attention scaled by head_dim ** -0.5 (hidden / heads on the 62-layer 27B).
-        # Newer converters may store the pattern (a period or one flag per layer) and base.
+    if arch in ("gemma2", "gemma3"):
+        # llama.cpp's fixed Gemma choices: every 6th layer global (Gemma 2: every 2nd), local
+        # RoPE base 10000 (Gemma 2: the global one), attention scaled by head_dim ** -0.5
+        # (hidden / heads on the 27B: 62 layers in Gemma 3, 46 in Gemma 2). Newer converters
+        # may store the pattern (a period or one flag per layer) and base.
         window = int(require_meta(reader, f"{arch}.attention.sliding_window"))
-        pattern = meta_value(reader, f"{arch}.attention.sliding_window_pattern", 6)
+        period, largest = (6, 62) if arch == "gemma3" else (2, 46)
+        pattern = meta_value(reader, f"{arch}.attention.sliding_window_pattern", period)
         if isinstance(pattern, list):
             if len(pattern) != n_layer:
                 raise CheckpointError(
@@ -220,9 +223,17 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
             hidden_activation="gelu_pytorch_tanh",
             sliding_window=window,
             layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
-            rope_local_base_freq=_f32(meta_value(reader, f"{arch}.rope.freq_base_swa", 10000.0)),
-            query_pre_attn_scalar=hidden // n_head if n_layer == 62 else head_dim,
+            query_pre_attn_scalar=hidden // n_head if n_layer == largest else head_dim,
         )
+        if arch == "gemma3":
+            base = _f32(meta_value(reader, f"{arch}.rope.freq_base_swa", 10000.0))
+            config["rope_local_base_freq"] = base
+        else:
+            for key, default in (
+                ("attn_logit_softcapping", 50.0),
+                ("final_logit_softcapping", 30.0),
+            ):
+                config[key] = _f32(meta_value(reader, f"{arch}.{key}", default))  # llama.cpp's
     return config
 
 
