@@ -115,6 +115,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             },
         ),
     ),
+    # OLMo 2: q/k norms across heads, norms after attention and the MLP.
+    "olmo2": ("Olmo2Config", dict(num_hidden_layers=2, num_key_value_heads=2)),
     # Layers 1 and 3 without RoPE (NoPE), a tied head.
     "smollm3": (
         "SmolLM3Config",
@@ -226,9 +228,9 @@ PARITY = [
     "gptneox-sequential",
 ]
 # Families whose differences from the Llama layout are switches outside the compiled graphs'
-# concerns (NoPE layers, scalar multipliers, RoPE tables): checked on the eager model, no
-# package built.
-EAGER_PARITY = ["smollm3", "granite", "qwen3-yarn"]
+# concerns (NoPE layers, scalar multipliers, RoPE tables, norms in other places): checked on
+# the eager model, no package built.
+EAGER_PARITY = ["smollm3", "granite", "qwen3-yarn", "olmo2"]
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}
 INT8 = {"quantize": {"linear": "int8"}}

@@ -287,13 +287,19 @@ def test_gptneox_tp_shards_whole_heads(checkpoints):
         resolve_plan(model, parse_parallel({"tensor": 3}))
 
 
-@pytest.mark.parametrize("family", ["qwen2-tied", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2-tied", "qwen3", "gemma2", "gemma3", "phi3", "granite"])
 def test_llama_layout_families_have_default_tp_plans(checkpoints, family):
     model = _eager(checkpoints, family)
     styles = resolve_plan(model, parse_parallel({"tensor": 2}))
     assert styles["model.layers.0.self_attn.q_proj"] == "colwise"
     with pytest.raises(RecipeError, match="does not divide"):
         resolve_plan(model, parse_parallel({"tensor": 3}))
+
+
+def test_olmo2_refuses_tensor_parallel(checkpoints):
+    """OLMo 2 normalises q and k across all heads: a rank with some of them cannot."""
+    with pytest.raises(RecipeError, match="normalises q and k across all heads"):
+        resolve_plan(_eager(checkpoints, "olmo2"), parse_parallel({"tensor": 2}))
 
 
 # ---- config.json: both dialects, and keys the model cannot honour -----------------------

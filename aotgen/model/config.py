@@ -25,6 +25,7 @@ LLAMA_LAYOUT = (
     "Phi3ForCausalLM",
     "SmolLM3ForCausalLM",
     "GraniteForCausalLM",
+    "Olmo2ForCausalLM",
 )
 SUPPORTED_ARCHITECTURES = (*LLAMA_LAYOUT, "GPTNeoXForCausalLM")
 GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -51,6 +52,10 @@ class ModelConfig:
     hidden_act: str = "silu"
     attention_bias: bool = False  # q/k/v biases (Qwen2); GPT-NeoX: qkv and dense
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    # OLMo 2: q and k normalised across all heads (the whole projection), and each block's
+    # norm after it instead of before.
+    qk_norm_across_heads: bool = False
+    norm_after: bool = False
     rotary_dim: int | None = None  # partial rotary: the first rotary_dim dims of a head
     use_parallel_residual: bool = False  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x))
     sliding_window: int | None = None  # keys within this many positions, on sliding layers
@@ -190,6 +195,8 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
         _refuse(hf, "use_sliding_window", False, f"sliding-window attention on {arch}")
     if arch == "Qwen3ForCausalLM":
         out["qk_norm"] = True
+    if arch == "Olmo2ForCausalLM":
+        out.update(qk_norm=True, qk_norm_across_heads=True, norm_after=True)
     if arch in ("MistralForCausalLM", "Phi3ForCausalLM") and hf.get("sliding_window"):
         out["sliding_window"] = hf["sliding_window"]
         out["layer_types"] = ("sliding_attention",) * layers

@@ -1,5 +1,5 @@
 """The Llama-layout decoders: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text), Phi-3,
-SmolLM3 and Granite, driven by an HF config through a few switches (`ModelConfig`); GPT-NeoX
+SmolLM3, Granite and OLMo 2, driven by an HF config through a few switches (`ModelConfig`); GPT-NeoX
 lives in gptneox.py.
 
 One flat file in the spirit of gpt-fast. Module names follow the HF checkpoint
@@ -17,6 +17,7 @@ quantization/TP plans can match HF parameter names. The switches:
   that rotate at all (SmolLM3 leaves every fourth without).
 - Granite's multipliers on the embeddings, each block's output and the attention scale, and
   its logits divisor.
+- OLMo 2: q/k norms across all heads, and the norms after attention and the MLP, not before.
 - Phi-3's fused `qkv_proj` / `gate_up_proj` checkpoint tensors are split at load into the
   layout above (`split_fused`).
 
@@ -55,19 +56,23 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d, kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(heads * self.head_dim, d, bias=False)
-        self.qk_norm = cfg.qk_norm
+        self.qk_norm, self.across_heads = cfg.qk_norm, cfg.qk_norm_across_heads
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.gemma)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.gemma)
+            q_dim, k_dim = (heads, kv_heads) if self.across_heads else (1, 1)
+            self.q_norm = RMSNorm(q_dim * self.head_dim, cfg.rms_norm_eps, cfg.gemma)
+            self.k_norm = RMSNorm(k_dim * self.head_dim, cfg.rms_norm_eps, cfg.gemma)
 
     def forward(self, x, cos, sin, write_at, mask, k_cache, v_cache, attn_len) -> Tensor:
         b, t, _ = x.shape
         # Heads are sized from the weights, not the config, so a tensor-parallel shard
         # (fewer heads per rank) runs through the same code.
-        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.across_heads:  # OLMo 2: over the whole projection
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        if self.qk_norm:
+        if self.qk_norm and not self.across_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotates:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -98,14 +103,21 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, cfg.rope_layers is None or cfg.rope_layers[index])
         self.residual_multiplier = cfg.residual_multiplier
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(d, eps, gemma)
+        self.norm_after = cfg.norm_after
+        if not cfg.norm_after:
+            self.input_layernorm = RMSNorm(d, eps, gemma)
         self.post_attention_layernorm = RMSNorm(d, eps, gemma)
         self.gemma = gemma
         if gemma:
             self.pre_feedforward_layernorm = RMSNorm(d, eps, gemma)
+        if gemma or cfg.norm_after:
             self.post_feedforward_layernorm = RMSNorm(d, eps, gemma)
 
     def forward(self, x, cos, sin, write_at, mask, k_cache, v_cache, attn_len) -> Tensor:
+        if self.norm_after:  # OLMo 2: each block's output normalised, its input not
+            a = self.self_attn(x, cos, sin, write_at, mask, k_cache, v_cache, attn_len)
+            h = x + self.post_attention_layernorm(a)
+            return h + self.post_feedforward_layernorm(self.mlp(h))
         a = self.self_attn(
             self.input_layernorm(x), cos, sin, write_at, mask, k_cache, v_cache, attn_len
         )

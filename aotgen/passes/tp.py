@@ -170,6 +170,11 @@ def _module_styles(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
 def resolve_plan(model: Transformer, tp: TensorParallel) -> dict[str, str]:
     """The recipe's plan (or the architecture's default), checked against the model and
     world size; returns module name → style. Call before compiling anything."""
+    if model.config.qk_norm_across_heads:
+        raise RecipeError(
+            f"{model.config.architecture} normalises q and k across all heads, which a rank "
+            "holding some heads cannot do alone: build it without `parallel`"
+        )
     return validate_plan(model, tp.plan or default_plan(model.config), tp.world_size)
 
 
