@@ -9,6 +9,8 @@ which convention from the template (vLLM's `--tool-call-parser`, chosen per mode
   calls separated by `; `, optionally led by `<|python_tag|>`.
 - `mistral` (Mistral 7B v0.3, Nemo): `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`
   after any text; call ids of 9 letters and digits, which its template checks.
+- `granite` (Granite 3.x): `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]`, Mistral's
+  JSON list after Granite's own marker.
 
 Each format reads calls back from the answer's text (`parse`), says where a call may begin
 (`start`: text before it streams as content), and gives the grammar that makes the model
@@ -188,7 +190,13 @@ class MistralFormat(_AfterText):
         return Grammar("grammar", f"start: {json.dumps(self.open)} body\nbody: {_json(array)}\n")
 
 
-ToolFormat = HermesFormat | Llama3JsonFormat | MistralFormat
+class GraniteFormat(MistralFormat):
+    name = "granite"
+    open = "<|tool_call|>"
+    call_id = staticmethod(_openai_id)
+
+
+ToolFormat = HermesFormat | Llama3JsonFormat | MistralFormat | GraniteFormat
 
 
 def tool_format(chat_template: str | None) -> ToolFormat | None:
@@ -197,6 +205,8 @@ def tool_format(chat_template: str | None) -> ToolFormat | None:
         return None
     if MistralFormat.open in chat_template:
         return MistralFormat()
+    if GraniteFormat.open in chat_template:  # before Hermes: "<tool_call>" is not in it
+        return GraniteFormat()
     if HermesFormat.open in chat_template:
         return HermesFormat()
     if '"parameters"' in chat_template or Llama3JsonFormat.python_tag in chat_template:

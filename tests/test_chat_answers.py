@@ -22,6 +22,7 @@ from aotgen.runtime.engine import Engine, GenerationConfig
 from aotgen.runtime.sampling import SamplingParams
 from aotgen.runtime.tokenizer import Tokenizer
 from aotgen.tool_calls import (
+    GraniteFormat,
     HermesFormat,
     Llama3JsonFormat,
     MistralFormat,
@@ -138,12 +139,29 @@ MISTRAL_CASES = [
     ),
     ("[TOOL_CALLS] oops", "[TOOL_CALLS] oops", []),
 ]
+# vLLM's granite parser cases: the marker, then a JSON list.
+GRANITE_CASES = [
+    ("Paris is sunny.", "Paris is sunny.", []),
+    (
+        '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        None,
+        [ToolCall("get_weather", '{"city": "Paris"}')],
+    ),
+    (
+        'On it. <|tool_call|>[{"name": "add", "arguments": {"a": 1, "b": 2}}, '
+        '{"name": "get_weather", "arguments": {"city": "Rome"}}]',
+        "On it. ",
+        [ToolCall("add", '{"a": 1, "b": 2}'), ToolCall("get_weather", '{"city": "Rome"}')],
+    ),
+    ("<|tool_call|>[oops", "<|tool_call|>[oops", []),
+]
 FORMAT_CASES = (
     [(HermesFormat(), *c) for c in HERMES_CASES]
     + [(Llama3JsonFormat(), *c) for c in LLAMA3_CASES]
     + [(MistralFormat(), *c) for c in MISTRAL_CASES]
+    + [(GraniteFormat(), *c) for c in GRANITE_CASES]
 )
-FORMATS = [HermesFormat(), Llama3JsonFormat(), MistralFormat()]
+FORMATS = [HermesFormat(), Llama3JsonFormat(), MistralFormat(), GraniteFormat()]
 
 
 @pytest.mark.parametrize(("fmt", "text", "content", "calls"), FORMAT_CASES)
@@ -165,6 +183,7 @@ def test_streamed_in_pieces_reads_as_whole(fmt, text):
         assert sent + rest == (content or "" if calls else text)
         if calls:
             assert "<tool_call>" not in sent and "{" not in sent and "[TOOL" not in sent
+            assert "<|tool" not in sent
 
 
 def test_tool_format_of_real_templates():
@@ -174,6 +193,7 @@ def test_tool_format_of_real_templates():
     assert names["compact-tools-thinking"] == "hermes"
     assert names["meta-llama-Llama-3.1-8B-Instruct"] == "llama3_json"
     assert names["meta-llama-Llama-3.2-3B-Instruct"] == "llama3_json"
+    assert names["ibm-granite-granite-3.3-2B-Instruct"] == "granite"
     assert (
         names["google-gemma-2-2b-it"] is None and names["microsoft-Phi-3.5-mini-instruct"] is None
     )
@@ -303,6 +323,7 @@ HISTORY = [
         "Qwen-Qwen3-0.6B",
         "meta-llama-Llama-3.2-3B-Instruct",
         "mistralai-Mistral-Nemo-Instruct-2407",
+        "ibm-granite-granite-3.3-2B-Instruct",
     ],
 )
 @pytest.mark.parametrize("history", [False, True], ids=["question", "after-a-call"])
