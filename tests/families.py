@@ -117,6 +117,24 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # OLMo 2: q/k norms across heads, norms after attention and the MLP.
     "olmo2": ("Olmo2Config", dict(num_hidden_layers=2, num_key_value_heads=2)),
+    # OLMo 3: OLMo 2 with a window of 8 on three layers in four; YaRN on the global ones.
+    "olmo3": (
+        "Olmo3Config",
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            sliding_window=8,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                },
+            },
+        ),
+    ),
     # Layers 1 and 3 without RoPE (NoPE), a tied head.
     "smollm3": (
         "SmolLM3Config",
@@ -230,7 +248,7 @@ PARITY = [
 # Families whose differences from the Llama layout are switches outside the compiled graphs'
 # concerns (NoPE layers, scalar multipliers, RoPE tables, norms in other places): checked on
 # the eager model, no package built.
-EAGER_PARITY = ["smollm3", "granite", "qwen3-yarn", "olmo2"]
+EAGER_PARITY = ["smollm3", "granite", "qwen3-yarn", "olmo2", "olmo3"]
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}
 INT8 = {"quantize": {"linear": "int8"}}

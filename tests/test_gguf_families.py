@@ -1,7 +1,8 @@
 """GGUF import of the non-Llama families: a tiny `transformers` checkpoint is written as a GGUF
 the way llama.cpp's converter writes it (its tensor names, Gemma's norms stored as 1 + w,
 GPT-NeoX's fused qkv regrouped as [q; k; v], Granite's and SmolLM3's q/k permuted, Phi-3's
-LongRoPE factors as tensors, some weights quantized), imported back, and the imported
+LongRoPE factors as tensors, OLMo 3 as olmo2 with a sliding-window pattern, some weights
+quantized), imported back, and the imported
 checkpoint must compute what the original computes in `transformers`, in `transformers` and in
 aotgen's model.
 """
@@ -90,6 +91,9 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             },
         ),
     ),
+    "olmo2": ("Olmo2Config", dict(num_hidden_layers=2, num_key_value_heads=2)),
+    # Written by llama.cpp as olmo2 with a window and one sliding flag per layer.
+    "olmo3": ("Olmo3Config", dict(num_hidden_layers=4, num_key_value_heads=2, sliding_window=4)),
     # llama.cpp's SmolLM3: NoPE on every fourth layer.
     "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, num_key_value_heads=2)),
     "granite": (
@@ -127,6 +131,11 @@ LAYER_NAMES = {
         "mlp.dense_h_to_4h": "ffn_up",
         "mlp.dense_4h_to_h": "ffn_down",
     },
+}
+OLMO2_NAMES = {
+    **LAYER_NAMES["llama"],
+    "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
 }
 PHI3_NAMES = {
     **LAYER_NAMES["llama"],
@@ -177,6 +186,8 @@ def _gguf_name(arch: str, hf: str) -> str:
     parts = module.split(".")  # model.layers.I.rest or gpt_neox.layers.I.rest
     i, rest = parts[2], ".".join(parts[3:])
     names = {
+        "olmo2": OLMO2_NAMES,
+        "olmo3": OLMO2_NAMES,
         "gemma2": GEMMA_NAMES,
         "gemma3": GEMMA_NAMES,
         "gptneox": LAYER_NAMES["gptneox"],
@@ -202,6 +213,9 @@ def _converted(arch: str, hf: str, w: np.ndarray, heads: int, kv_heads: int) -> 
 def _llama_variant_meta(w: gguf.GGUFWriter, arch: str, cfg: dict[str, Any], head_dim: int) -> None:
     """What llama.cpp's converter writes of Phi-3's and Granite's own keys (conversion/phi.py,
     granite.py); LongRoPE's factors as tensors."""
+    if arch == "olmo3":
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
     if arch == "granite":
         w.add_attention_scale(cfg["attention_multiplier"])
         w.add_embedding_scale(cfg["embedding_multiplier"])
@@ -238,7 +252,7 @@ def _write_gguf(
     matrices are Q8_0, or with `qtypes` every matrix takes the next of them its rows fit."""
     cfg = json.loads((ckpt / "config.json").read_text())
     tok = json.loads((ckpt / "tokenizer.json").read_text())
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), {"olmo3": "olmo2"}.get(arch, arch))
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -257,9 +271,9 @@ def _write_gguf(
         w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-        theta = cfg.get("rope_theta") or cfg["rope_parameters"].get("rope_theta")
+        rope = cfg.get("rope_parameters") or {}
+        theta = cfg.get("rope_theta") or rope.get("full_attention", rope).get("rope_theta")
         if arch == "gemma3":
-            theta = cfg["rope_parameters"]["full_attention"]["rope_theta"]
             w.add_sliding_window(cfg["sliding_window"])
         if arch == "gemma2":
             w.add_sliding_window(cfg["sliding_window"])

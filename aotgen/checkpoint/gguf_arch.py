@@ -39,6 +39,12 @@ _PHI3_LAYER = {
     "ffn_up": "mlp.gate_up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_OLMO2_LAYER = {  # norms after attention and the MLP; q/k norms across heads
+    **{k: v for k, v in _LLAMA_LAYER.items() if k not in ("attn_norm", "ffn_norm")},
+    **_QK_NORM,
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _LLAMA_GLOBAL = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -64,6 +70,7 @@ ARCHS: dict[str, Arch] = {
     "gemma2": Arch("Gemma2ForCausalLM", "gemma2", _GEMMA3_LAYER),  # no q/k norm tensors
     "gemma3": Arch("Gemma3ForCausalLM", "gemma3_text", _GEMMA3_LAYER),
     "phi3": Arch("Phi3ForCausalLM", "phi3", _PHI3_LAYER),
+    "olmo2": Arch("Olmo2ForCausalLM", "olmo2", _OLMO2_LAYER),
     "smollm3": Arch("SmolLM3ForCausalLM", "smollm3", _LLAMA_LAYER),
     "granite": Arch("GraniteForCausalLM", "granite", _LLAMA_LAYER),
     "gptneox": Arch(
@@ -202,6 +209,20 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     )
     if arch in ("phi3", "smollm3", "granite"):
         config.update(_llama_variant(reader, arch, head_dim))
+    if arch == "olmo2" and (window := meta_value(reader, f"{arch}.attention.sliding_window")):
+        # OLMo 3 (llama.cpp writes it as olmo2): one flag per layer, true where sliding.
+        pattern = require_meta(reader, f"{arch}.attention.sliding_window_pattern")
+        if len(pattern) != n_layer:
+            raise CheckpointError(
+                f"GGUF {arch}.attention.sliding_window_pattern has {len(pattern)} entries for "
+                f"{n_layer} blocks"
+            )
+        config.update(
+            architectures=["Olmo3ForCausalLM"],
+            model_type="olmo3",
+            sliding_window=int(window),
+            layer_types=["sliding_attention" if p else "full_attention" for p in pattern],
+        )
     if arch in ("gemma2", "gemma3"):
         # llama.cpp's fixed Gemma choices: every 6th layer global (Gemma 2: every 2nd), local
         # RoPE base 10000 (Gemma 2: the global one), attention scaled by head_dim ** -0.5
@@ -298,8 +319,8 @@ def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
         "dense": (d, d),
         "dense_h_to_4h": (f, d),
         "dense_4h_to_h": (d, f),
-        "q_norm": (hd,),
-        "k_norm": (hd,),
+        "q_norm": (q,) if c["architectures"][0].startswith("Olmo") else (hd,),
+        "k_norm": (kv,) if c["architectures"][0].startswith("Olmo") else (hd,),
     }
     shape = shapes.get(leaf, (d,) if "norm" in leaf else None)
     if shape is None or v is None and leaf in ("embed_tokens", "embed_in", "lm_head", "embed_out"):

@@ -26,6 +26,7 @@ LLAMA_LAYOUT = (
     "SmolLM3ForCausalLM",
     "GraniteForCausalLM",
     "Olmo2ForCausalLM",
+    "Olmo3ForCausalLM",
 )
 SUPPORTED_ARCHITECTURES = (*LLAMA_LAYOUT, "GPTNeoXForCausalLM")
 GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -195,13 +196,20 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
         _refuse(hf, "use_sliding_window", False, f"sliding-window attention on {arch}")
     if arch == "Qwen3ForCausalLM":
         out["qk_norm"] = True
-    if arch == "Olmo2ForCausalLM":
+    if arch in ("Olmo2ForCausalLM", "Olmo3ForCausalLM"):
         out.update(qk_norm=True, qk_norm_across_heads=True, norm_after=True)
     if arch in ("MistralForCausalLM", "Phi3ForCausalLM") and hf.get("sliding_window"):
         out["sliding_window"] = hf["sliding_window"]
         out["layer_types"] = ("sliding_attention",) * layers
     elif arch in GEMMAS:
         out.update(_gemma(hf, arch, layers, local))
+    elif arch == "Olmo3ForCausalLM":  # three sliding-window layers in four
+        types = hf.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)
+        ]
+        out.update(sliding_window=hf.get("sliding_window", 4096), layer_types=tuple(types))
+        if local is not None:  # per layer type: the sliding layers' base, never scaled
+            out["rope_local_theta"] = float(local)
     elif hf.get("sliding_window") is not None and not (
         arch.startswith(("Qwen", "SmolLM3")) and not hf.get("use_sliding_window")
     ):
