@@ -30,8 +30,8 @@ from reference import EagerModel, reset_caches
 from test_cpp_runtime import cpp_generate
 
 from aotgen.checkpoint.hf import open_checkpoint
-from aotgen.model.config import for_context
 from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
+from aotgen.model.rope import for_context
 from aotgen.package.build import build
 from aotgen.passes.tp import parse_parallel, resolve_plan, shard_model
 from aotgen.recipe import RecipeError, parse_recipe

@@ -48,7 +48,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aotgen.kernels import attention
-from aotgen.model.config import ModelConfig, rope_tables
+from aotgen.model.config import ModelConfig
+from aotgen.model.rope import rope_tables
 
 ACT_FNS: dict[str, Callable[[Tensor], Tensor]] = {
     "silu": F.silu,

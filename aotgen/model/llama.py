@@ -29,8 +29,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from aotgen.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, rope_inv_freq, rope_tables
+from aotgen.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from aotgen.model.layers import ACT_FNS, CausalLM, RMSNorm, apply_rope, cached_attention, softcap
+from aotgen.model.rope import rope_inv_freq, rope_tables
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",

@@ -21,8 +21,8 @@ from torch.export import ExportedProgram
 
 from aotgen.checkpoint.hf import Checkpoint, open_checkpoint
 from aotgen.export.aoti import GraphSpec, calibration_spec, export_graph, graph_specs
-from aotgen.model.config import for_context
 from aotgen.model.llama import ModelConfig, Transformer, load_model, model_class, new_kv_cache
+from aotgen.model.rope import for_context
 from aotgen.passes.fuse import FuseLinearsPass
 from aotgen.passes.gguf_keep import BlockIndex, KeepGGUF
 from aotgen.passes.lora import LoraAdapter, merge_adapter
