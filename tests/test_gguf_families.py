@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from families import load_reference, randomize, reference_logits
+from families import FAMILIES, load_reference, randomize, reference_logits
 from reference import EagerModel
 from safetensors import safe_open
 from tiny import make_tokenizer
@@ -91,22 +91,12 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             },
         ),
     ),
-    "olmo2": ("Olmo2Config", dict(num_hidden_layers=2, num_key_value_heads=2)),
+    "olmo2": FAMILIES["olmo2"],
     # Written by llama.cpp as olmo2 with a window and one sliding flag per layer.
     "olmo3": ("Olmo3Config", dict(num_hidden_layers=4, num_key_value_heads=2, sliding_window=4)),
     # llama.cpp's SmolLM3: NoPE on every fourth layer.
     "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, num_key_value_heads=2)),
-    "granite": (
-        "GraniteConfig",
-        dict(
-            num_hidden_layers=2,
-            num_key_value_heads=2,
-            embedding_multiplier=3.0,
-            residual_multiplier=0.5,
-            attention_multiplier=0.2,
-            logits_scaling=2.5,
-        ),
-    ),
+    "granite": FAMILIES["granite"],
 }
 # HF module name → llama.cpp's (gguf-py tensor_mapping.py), per architecture.
 LAYER_NAMES = {
