@@ -141,6 +141,8 @@ def _break(adapter: Path, how: str) -> None:
         config["peft_type"] = "IA3"
     elif how == "pickle":
         (adapter / "adapter_model.safetensors").rename(adapter / "adapter_model.bin")
+    elif how == "alpha-text":
+        config["lora_alpha"] = "sixteen"
     elif how == "no-config":
         (adapter / "adapter_config.json").unlink()
         return
@@ -154,6 +156,7 @@ def _break(adapter: Path, how: str) -> None:
         ("not-lora", "is a IA3 adapter: aotgen merges LoRA adapters only"),
         ("pickle", "holds adapter_model.bin, a pickle aotgen never loads"),
         ("no-config", "has no adapter_config.json"),
+        ("alpha-text", "lora_alpha and alpha_pattern values must be positive numbers"),
     ],
 )
 def test_bad_adapters_are_refused(bases, tmp_path, how, words):

@@ -91,6 +91,17 @@ def open_adapter(path: str | Path) -> LoraAdapter:
                 "merge; merge it with PEFT (`merge_and_unload()`, then `save_pretrained`) and "
                 "build the merged checkpoint"
             )
+    alphas = [config.get("lora_alpha", 8), *(config.get("alpha_pattern") or {}).values()]
+    if not all(isinstance(a, int | float) and not isinstance(a, bool) and a > 0 for a in alphas):
+        raise CheckpointError(
+            f"LoRA adapter {path}: lora_alpha and alpha_pattern values must be positive "
+            f"numbers, got {alphas}"
+        )
+    for pattern in config.get("alpha_pattern") or {}:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise CheckpointError(f"LoRA adapter {path}: alpha_pattern {pattern!r}: {e}") from None
     if not (path / WEIGHTS_FILE).is_file():
         pickled = (path / "adapter_model.bin").is_file()
         why = "holds adapter_model.bin, a pickle aotgen never loads" if pickled else "has none"
