@@ -301,6 +301,7 @@ def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
     q, kv = c["num_attention_heads"] * hd, c.get("num_key_value_heads", 0) * hd
     name, kind = hf.rsplit(".", 1)
     leaf = name.rsplit(".", 1)[-1]
+    across_heads = c["architectures"][0].startswith("Olmo")  # OLMo's q/k norms: whole rows
     shapes: dict[str, tuple[int, ...]] = {
         "embed_tokens": (v, d),
         "embed_in": (v, d),
@@ -319,8 +320,8 @@ def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
         "dense": (d, d),
         "dense_h_to_4h": (f, d),
         "dense_4h_to_h": (d, f),
-        "q_norm": (q,) if c["architectures"][0].startswith("Olmo") else (hd,),
-        "k_norm": (kv,) if c["architectures"][0].startswith("Olmo") else (hd,),
+        "q_norm": (q,) if across_heads else (hd,),
+        "k_norm": (kv,) if across_heads else (hd,),
     }
     shape = shapes.get(leaf, (d,) if "norm" in leaf else None)
     if shape is None or v is None and leaf in ("embed_tokens", "embed_in", "lm_head", "embed_out"):

@@ -28,6 +28,8 @@ LLAMA_LAYOUT = (
 )
 SUPPORTED_ARCHITECTURES = (*LLAMA_LAYOUT, "GPTNeoXForCausalLM")
 GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Configs that carry a sliding_window which `use_sliding_window` (refused when true) turns on.
+WINDOW_SWITCHED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
 # hidden_act values → torch; gelu_new is the tanh approximation written out.
 ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh")
 
@@ -189,7 +191,7 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
         out["attention_bias"] = True  # Qwen2 always has q/k/v biases
     else:
         _refuse(hf, "attention_bias", False, f"attention biases on {arch}")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM"):
+    if arch in WINDOW_SWITCHED:
         _refuse(hf, "use_sliding_window", False, f"sliding-window attention on {arch}")
     if arch == "Qwen3ForCausalLM":
         out["qk_norm"] = True
@@ -208,7 +210,7 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
         if local is not None:  # per layer type: the sliding layers' base, never scaled
             out["rope_local_theta"] = float(local)
     elif hf.get("sliding_window") is not None and not (
-        arch.startswith(("Qwen", "SmolLM3")) and not hf.get("use_sliding_window")
+        arch in WINDOW_SWITCHED and not hf.get("use_sliding_window")
     ):
         raise ValueError(f"config.json: sliding_window is not supported on {arch}")
     if arch not in GEMMAS:

@@ -633,7 +633,10 @@ class Engine:
     def rules(self, config: GenerationConfig, prompt: list[int]) -> TokenRules | None:
         """A request's penalties, grammar and min_tokens, at its start (None without any)."""
         penalties = config.penalties if config.penalties and config.penalties.active else None
-        if config.grammar is None and penalties is None and not config.min_tokens:
+        eos = self.tokenizer.eos_ids
+        ends = (set() if config.ignore_eos else set(eos)) | set(config.stop_token_ids)
+        holds = config.min_tokens > 0 and bool(ends)  # min_tokens with nothing to hold: a no-op
+        if config.grammar is None and penalties is None and not holds:
             return None
         try:
             grammar = (
@@ -641,8 +644,6 @@ class Engine:
             )
         except GrammarError as e:
             raise GenerationError(str(e)) from None
-        eos = self.tokenizer.eos_ids
-        ends = (set() if config.ignore_eos else set(eos)) | set(config.stop_token_ids)
         vocab = self.target.vocab_size
         return TokenRules(penalties, prompt, vocab, eos, grammar, config.min_tokens, ends)
 

@@ -91,7 +91,7 @@ class TokenRules:
         """One row (`[V]` or `[1, V]`) with the rules as they stand now."""
         out = self._penalize(logits, self.counts)
         out = self.grammar.restrict(out) if self.grammar is not None else out
-        return self._hold_open(out, torch.tensor([self.taken]))
+        return self._hold_open(out, torch.tensor([self.taken])) if self.holding else out
 
     def advance(self, tokens: list[int]) -> None:
         """Take a step's tokens, chosen under these rules, up to eos."""
@@ -118,7 +118,7 @@ class TokenRules:
             steps = torch.zeros(n + 1, len(self.counts))
             for i, tok in enumerate(tokens[:n]):
                 steps[i + 1 :, tok] += 1
-        lengths = self.taken + torch.arange(n + 1)
+        lengths = self.taken + torch.arange(n + 1) if self.holding else None
         return n, lambda rows: self._rows(rows, steps, masks, lengths)
 
     def over_tree(self, tokens: list[int], parents: list[int]) -> RowRules:
@@ -133,25 +133,31 @@ class TokenRules:
         masks = None
         if self.grammar is not None:
             masks = self.grammar.over_tree(tokens, parents)
-        depths = [0] * len(parents)
-        for node, parent in enumerate(parents[1:], 1):
-            depths[node] = depths[parent] + 1
-        lengths = self.taken + torch.tensor(depths)
+        lengths = None
+        if self.holding:  # the answer's length at each node: its depth past the root
+            depths = [0] * len(parents)
+            for node, parent in enumerate(parents[1:], 1):
+                depths[node] = depths[parent] + 1
+            lengths = self.taken + torch.tensor(depths)
         return lambda rows: self._rows(rows, steps, masks, lengths)
 
     def _rows(
-        self, rows: Tensor, steps: Tensor | None, masks: Tensor | None, lengths: Tensor
+        self, rows: Tensor, steps: Tensor | None, masks: Tensor | None, lengths: Tensor | None
     ) -> Tensor:
-        """Verify or tree rows; `lengths`: the answer's length as each row stands."""
+        """Verify or tree rows; `lengths`: the answer's length as each row stands (None when
+        min_tokens holds nothing off)."""
         out = rows if steps is None else self._penalize(rows, self.counts + steps)
         out = out if masks is None else out.masked_fill(~masks, -math.inf)
-        return self._hold_open(out, lengths)
+        return out if lengths is None else self._hold_open(out, lengths)
+
+    @property
+    def holding(self) -> bool:
+        """Whether min_tokens still refuses the ending tokens."""
+        return self.taken < self.min_tokens and len(self.ends) > 0
 
     def _hold_open(self, rows: Tensor, lengths: Tensor) -> Tensor:
         """`min_tokens`: the ending tokens refused in rows whose answer is still short, where
-        anything else is allowed."""
-        if not self.min_tokens or not len(self.ends) or self.taken >= self.min_tokens:
-            return rows
+        anything else is allowed (callers check `holding` first)."""
         flat = rows.reshape(-1, rows.shape[-1])
         shut = flat.index_fill(1, self.ends, -math.inf)
         held = (lengths < self.min_tokens) & (shut.amax(dim=-1) > -math.inf)

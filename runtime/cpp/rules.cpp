@@ -92,14 +92,12 @@ at::Tensor TokenRules::over_tree(const at::Tensor& rows, const std::vector<int64
 
 at::Tensor TokenRules::hold_open(const at::Tensor& rows, const std::vector<int64_t>& lengths) const {
   if (taken() >= min_tokens_ || ends_.numel() == 0) return rows;
-  at::Tensor flat = rows.reshape({-1, rows.size(-1)}).clone();
   const double inf = std::numeric_limits<double>::infinity();
-  for (int64_t i = 0; i < flat.size(0); ++i) {
-    if (lengths[i] >= min_tokens_) continue;
-    at::Tensor shut = flat[i].index_fill(0, ends_, -inf);
-    if (shut.max().item<float>() > -inf) flat[i].copy_(shut);  // something else is allowed
-  }
-  return flat.reshape(rows.sizes());
+  const at::Tensor flat = rows.reshape({-1, rows.size(-1)});
+  const at::Tensor shut = flat.index_fill(1, ends_, -inf);
+  const at::Tensor short_rows = at::tensor(lengths, at::kLong) < min_tokens_;
+  const at::Tensor held = short_rows & (std::get<0>(shut.max(-1)) > -inf);  // else allowed
+  return at::where(held.unsqueeze(1), shut, flat).reshape(rows.sizes());
 }
 
 at::Tensor TokenRules::penalize(const at::Tensor& logits, const at::Tensor& counts) const {
@@ -115,9 +113,10 @@ at::Tensor TokenRules::penalize(const at::Tensor& logits, const at::Tensor& coun
 std::optional<TokenRules> make_rules(const GenerationConfig& config,
                                      const std::vector<int64_t>& prompt, int64_t vocab,
                                      const std::vector<int64_t>& eos_ids) {
-  if (!config.penalties.active() && config.min_tokens == 0) return std::nullopt;
   std::set<int64_t> ends(config.stop_token_ids.begin(), config.stop_token_ids.end());
   if (!config.ignore_eos) ends.insert(eos_ids.begin(), eos_ids.end());
+  const bool holds = config.min_tokens > 0 && !ends.empty();  // else min_tokens is a no-op
+  if (!config.penalties.active() && !holds) return std::nullopt;
   return TokenRules(config.penalties, prompt, vocab, {eos_ids.begin(), eos_ids.end()},
                     config.min_tokens, ends);
 }
