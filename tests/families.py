@@ -14,6 +14,7 @@ from tiny import make_tokenizer
 BASE = dict(
     hidden_size=64, intermediate_size=128, num_attention_heads=4, max_position_embeddings=512
 )
+MOE = dict(num_experts=8, num_local_experts=8, num_experts_per_tok=2)
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", dict(num_hidden_layers=2, num_key_value_heads=2)),
     "qwen2-tied": (
@@ -117,6 +118,19 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # OLMo 2: q/k norms across heads, norms after attention and the MLP.
     "olmo2": ("Olmo2Config", dict(num_hidden_layers=2, num_key_value_heads=2)),
+    # Mixtures of experts: 8 experts, 2 a token; Qwen3-MoE with a dense MLP on layer 1.
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        dict(num_hidden_layers=3, num_key_value_heads=2, head_dim=32, **MOE,
+             moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1]),
+    ),  # fmt: skip
+    "mixtral": ("MixtralConfig", dict(num_hidden_layers=2, num_key_value_heads=2, **MOE)),
+    "qwen2-moe": (
+        "Qwen2MoeConfig",
+        dict(num_hidden_layers=2, num_key_value_heads=2, **MOE, moe_intermediate_size=48,
+             shared_expert_intermediate_size=96, decoder_sparse_step=2),
+    ),  # fmt: skip
+    "olmoe": ("OlmoeConfig", dict(num_hidden_layers=2, num_key_value_heads=2, **MOE)),
     # OLMo 3: OLMo 2 with a window of 8 on three layers in four; YaRN on the global ones.
     "olmo3": (
         "Olmo3Config",

@@ -13,6 +13,13 @@ from typing import Any
 
 from aotgen.model.rope import rope_inv_freq
 
+# Mixture-of-experts decoders: the Llama layout with sparse MLPs (moe.py).
+MOE_ARCHITECTURES = (
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
+)
 LLAMA_LAYOUT = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -25,11 +32,18 @@ LLAMA_LAYOUT = (
     "GraniteForCausalLM",
     "Olmo2ForCausalLM",
     "Olmo3ForCausalLM",
+    *MOE_ARCHITECTURES,
 )
 SUPPORTED_ARCHITECTURES = (*LLAMA_LAYOUT, "GPTNeoXForCausalLM")
 GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Configs that carry a sliding_window which `use_sliding_window` (refused when true) turns on.
-WINDOW_SWITCHED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
+WINDOW_SWITCHED = (
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "SmolLM3ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
 # hidden_act values → torch; gelu_new is the tanh approximation written out.
 ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh")
 
@@ -74,12 +88,24 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # Mixture of experts: each token through the `num_experts_per_tok` of `num_experts` SwiGLU
+    # experts (of `moe_intermediate_size`) its router picks, on the layers `moe_layers` marks
+    # (the others have the dense MLP); Qwen2-MoE's gated shared expert.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
     def gemma(self) -> bool:
         """Gemma's switches: (1 + w) RMSNorm, four norms a layer, embeddings × √hidden."""
         return self.architecture in GEMMAS
+
+    def is_moe(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
@@ -187,17 +213,25 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
     layers = common["num_hidden_layers"]
     out.update(_smollm3(hf, layers) if arch == "SmolLM3ForCausalLM" else {})
     out.update(_granite(hf) if arch == "GraniteForCausalLM" else {})
+    out.update(_moe(hf, arch, layers, act) if arch in MOE_ARCHITECTURES else {})
     if arch == "Qwen2ForCausalLM":
         out["attention_bias"] = True  # Qwen2 always has q/k/v biases
+    elif arch == "Qwen2MoeForCausalLM":
+        out["attention_bias"] = bool(hf.get("qkv_bias", True))
     else:
         _refuse(hf, "attention_bias", False, f"attention biases on {arch}")
     if arch in WINDOW_SWITCHED:
         _refuse(hf, "use_sliding_window", False, f"sliding-window attention on {arch}")
-    if arch == "Qwen3ForCausalLM":
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         out["qk_norm"] = True
     if arch in ("Olmo2ForCausalLM", "Olmo3ForCausalLM"):
         out.update(qk_norm=True, qk_norm_across_heads=True, norm_after=True)
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM") and hf.get("sliding_window"):
+    if arch == "OlmoeForCausalLM":  # OLMo 2's q/k norms, the norms before each block
+        out.update(qk_norm=True, qk_norm_across_heads=True)
+        _refuse(hf, "clip_qkv", None, "clipping q, k and v")
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM") and hf.get(
+        "sliding_window"
+    ):
         out["sliding_window"] = hf["sliding_window"]
         out["layer_types"] = ("sliding_attention",) * layers
     elif arch in GEMMAS:
@@ -250,6 +284,34 @@ def _gemma(hf: dict, arch: str, layers: int, local: float | None) -> dict[str, A
         query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
         final_logit_softcapping=hf.get("final_logit_softcapping"),
         attn_logit_softcapping=None if gemma3 else hf.get("attn_logit_softcapping"),
+    )
+
+
+def _moe(hf: dict, arch: str, layers: int, act: str) -> dict[str, Any]:
+    """Experts, top-k and the sparse layers: Qwen-MoE's `decoder_sparse_step` and
+    `mlp_only_layers` (dense MLPs there), every layer elsewhere."""
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    top_k = hf.get("num_experts_per_tok") or 0
+    if not 1 <= top_k <= experts:
+        raise ValueError(
+            f"config.json: num_experts_per_tok={top_k} must be 1 to the {experts} experts"
+        )
+    if act != "silu":
+        raise ValueError(f"config.json: hidden_act={act!r}: the experts are SwiGLU (silu) only")
+    step = hf.get("decoder_sparse_step") or 1
+    dense = set(hf.get("mlp_only_layers") or ())
+    qwen = arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
+        norm_topk_prob=arch == "MixtralForCausalLM" or bool(hf.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or 0
+        if arch == "Qwen2MoeForCausalLM"
+        else 0,
+        moe_layers=tuple(
+            not qwen or (i not in dense and (i + 1) % step == 0) for i in range(layers)
+        ),
     )
 
 

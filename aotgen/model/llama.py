@@ -1,5 +1,5 @@
 """The Llama-layout decoders: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text), Phi-3,
-SmolLM3, Granite and OLMo 2, driven by an HF config through a few switches (`ModelConfig`); GPT-NeoX
+SmolLM3, Granite, OLMo 2 and the mixtures of experts, driven by an HF config through a few switches (`ModelConfig`); GPT-NeoX
 lives in gptneox.py.
 
 One flat file in the spirit of gpt-fast. Module names follow the HF checkpoint
@@ -20,6 +20,8 @@ quantization/TP plans can match HF parameter names. The switches:
 - OLMo 2: q/k norms across all heads, and the norms after attention and the MLP, not before.
 - Phi-3's fused `qkv_proj` / `gate_up_proj` checkpoint tensors are split at load into the
   layout above (`split_fused`).
+- Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a sparse MLP (moe.py) on the
+  layers `moe_layers` marks.
 
 The forward contract and the runtime-owned KV cache are described in layers.py.
 """
@@ -31,6 +33,7 @@ from torch import Tensor, nn
 
 from aotgen.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from aotgen.model.layers import ACT_FNS, CausalLM, RMSNorm, apply_rope, cached_attention, softcap
+from aotgen.model.moe import SparseMoE, stack_experts
 from aotgen.model.rope import rope_inv_freq, rope_tables
 
 __all__ = [
@@ -103,7 +106,7 @@ class DecoderLayer(nn.Module):
         d, eps, gemma = cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma
         self.self_attn = Attention(cfg, cfg.rope_layers is None or cfg.rope_layers[index])
         self.residual_multiplier = cfg.residual_multiplier
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.is_moe(index) else MLP(cfg)
         self.norm_after = cfg.norm_after
         if not cfg.norm_after:
             self.input_layernorm = RMSNorm(d, eps, gemma)
@@ -233,9 +236,8 @@ def load_model(
 ) -> CausalLM:
     """Instantiate on the meta device and adopt the checkpoint tensors (no random init)."""
     cls = model_class(cfg)
-    weights = split_fused(
-        cfg, {k: v for k, v in weights.items() if not k.endswith(IGNORED_SUFFIXES)}
-    )
+    weights = {k: v for k, v in weights.items() if not k.endswith(IGNORED_SUFFIXES)}
+    weights = stack_experts(cfg, split_fused(cfg, weights))
     tied = cfg.tie_word_embeddings
     if tied:
         weights.pop(cls.HEAD, None)

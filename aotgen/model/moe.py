@@ -1,0 +1,114 @@
+"""The sparse MLP of mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
+
+A router (`gate`, one logit per expert) picks each token's `num_experts_per_tok` experts by
+softmax probability; their SwiGLU MLPs' outputs are summed, weighted by those probabilities
+(renormalised over the chosen experts where the config says `norm_topk_prob`, always for
+Mixtral). Qwen2-MoE adds a shared expert on every token, scaled by a sigmoid gate.
+
+The experts are held stacked, as transformers 5 holds them: `experts.gate_up_proj [E, 2f, d]`
+(each expert's gate rows, then its up rows) and `experts.down_proj [E, d, f]`; checkpoints
+store them one expert at a time, and `stack_experts` stacks them at load. kernels/moe.py runs
+them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import Tensor, nn
+
+from aotgen.kernels import moe
+from aotgen.model.config import MOE_ARCHITECTURES, ModelConfig
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * f, d))
+        self.down_proj = nn.Parameter(torch.empty(e, d, f))
+
+    def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        if moe.applies(x) and not torch.onnx.is_in_onnx_export():
+            return torch.ops.aotgen.moe_experts(x, weights, ids, self.gate_up_proj, self.down_proj)
+        t, experts = x.shape[0], self.gate_up_proj.shape[0]
+        gather = isinstance(t, int) and t * ids.shape[1] < experts  # not a prefill graph
+        return moe.experts_without_kernel(
+            x, weights, ids, self.gate_up_proj, self.down_proj, gather
+        )
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, d: int, f: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.normalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg)
+        self.shared = cfg.shared_expert_intermediate_size > 0
+        if self.shared:
+            self.shared_expert = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        probs = self.gate(rows).float().softmax(-1)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.normalise:
+            weights = weights / weights.sum(-1, keepdim=True)
+        y = self.experts(rows, weights, ids)
+        if self.shared:
+            y = y + torch.sigmoid(self.shared_expert_gate(rows)) * self.shared_expert(rows)
+        return y.reshape(x.shape)
+
+
+# Checkpoint names of one expert's projections: Mixtral's w1 (gate), w3 (up), w2 (down) under
+# `block_sparse_moe`, the others' gate_proj / up_proj / down_proj under `mlp`.
+_EXPERT = re.compile(
+    r"^(.*\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+    r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+)
+_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down"}
+
+
+def stack_experts(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Per-expert checkpoint tensors stacked into each layer's `experts.gate_up_proj` and
+    `experts.down_proj`; Mixtral's `block_sparse_moe` named `mlp`. Checkpoints already in the
+    stacked layout (transformers 5 in memory) pass through."""
+    if cfg.architecture not in MOE_ARCHITECTURES:
+        return weights
+    out: dict[str, Tensor] = {}
+    layers: dict[str, dict[str, dict[int, Tensor]]] = {}
+    for name, tensor in weights.items():
+        match = _EXPERT.match(name)
+        if match is None:
+            out[name.replace(".block_sparse_moe.", ".mlp.")] = tensor
+            continue
+        layer, index, proj = match.groups()
+        part = _PART.get(proj, "down")
+        layers.setdefault(layer, {}).setdefault(part, {})[int(index)] = tensor
+    for layer, parts in layers.items():
+        got = [sorted(parts.get(p, {})) for p in ("gate", "up", "down")]
+        if any(g != list(range(cfg.num_experts)) for g in got):
+            raise ValueError(
+                f"checkpoint: {layer} has experts {got[0]} (gate) {got[1]} (up) {got[2]} "
+                f"(down), the config says {cfg.num_experts}"
+            )
+        gate, up, down = (
+            torch.stack([parts[p][e] for e in range(cfg.num_experts)])
+            for p in ("gate", "up", "down")
+        )
+        out[f"{layer}.mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
+        out[f"{layer}.mlp.experts.down_proj"] = down
+    return out
