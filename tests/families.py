@@ -258,11 +258,15 @@ PARITY = [
     "phi3",
     "gptneox-parallel",
     "gptneox-sequential",
+    "qwen3-moe",
 ]
 # Families whose differences from the Llama layout are switches outside the compiled graphs'
-# concerns (NoPE layers, scalar multipliers, RoPE tables, norms in other places): checked on
-# the eager model, no package built.
-EAGER_PARITY = ["smollm3", "granite", "qwen3-yarn", "olmo2", "olmo3"]
+# concerns (NoPE layers, scalar multipliers, RoPE tables, norms in other places, the MoE
+# families' routing next to Qwen3-MoE's compiled one): checked on the eager model, no package
+# built.
+EAGER_PARITY = [
+    "smollm3", "granite", "qwen3-yarn", "olmo2", "olmo3", "mixtral", "qwen2-moe", "olmoe"
+]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}
 INT8 = {"quantize": {"linear": "int8"}}

@@ -16,6 +16,7 @@ from families import (
     EAGER_PARITY,
     INT8,
     INT8_FAMILIES,
+    MOE,
     PARITY,
     RECIPE,
     SPEC_PAIRS,
@@ -130,8 +131,10 @@ def test_greedy_matches_transformers(family_engines, checkpoints, family):
 
 @pytest.mark.parametrize("family", EAGER_PARITY)
 def test_eager_model_matches_transformers(checkpoints, family):
-    """SmolLM3 (NoPE layers), Granite (multipliers) and YaRN: the model's logits over a history
-    and its 32 greedy tokens, decoded step by step on its KV cache, equal transformers'."""
+    """SmolLM3 (NoPE layers), Granite (multipliers), YaRN, OLMo 2/3 and the mixtures of
+    experts (Mixtral, Qwen2-MoE's shared expert and dense layers, OLMoE): the model's logits
+    over a history and its 32 greedy tokens, decoded step by step on its KV cache, equal
+    transformers'."""
     eager = EagerModel(checkpoints[family], 96)
     reference = load_reference(checkpoints[family])
     history = torch.randint(0, eager.config.vocab_size, (40,), generator=torch.Generator()).tolist()
@@ -367,6 +370,10 @@ def test_transformers4_gemma3_config():
         ("SmolLM3ForCausalLM", {"no_rope_layers": [1]}, "no_rope_layers must name every"),
         ("GraniteForCausalLM", {"logits_scaling": 0}, "logits_scaling must be a positive"),
         ("PhiForCausalLM", {}, "unsupported architecture 'PhiForCausalLM'"),
+        ("MixtralForCausalLM", {**MOE, "num_experts_per_tok": 9}, "num_experts_per_tok=9"),
+        ("Qwen3MoeForCausalLM", {**MOE, "hidden_act": "gelu"}, "SwiGLU"),
+        ("OlmoeForCausalLM", {**MOE, "clip_qkv": 8.0}, "clip_qkv"),
+        ("Qwen2MoeForCausalLM", {**MOE, "use_sliding_window": True}, "use_sliding_window"),
     ],
 )
 def test_unhonoured_config_keys_are_errors(arch, extra, key):

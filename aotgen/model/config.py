@@ -294,7 +294,8 @@ def _moe(hf: dict, arch: str, layers: int, act: str) -> dict[str, Any]:
     top_k = hf.get("num_experts_per_tok") or 0
     if not 1 <= top_k <= experts:
         raise ValueError(
-            f"config.json: num_experts_per_tok={top_k} must be 1 to the {experts} experts"
+            f"config.json: num_experts_per_tok={top_k} must be from 1 to the number of "
+            f"experts ({experts})"
         )
     if act != "silu":
         raise ValueError(f"config.json: hidden_act={act!r}: the experts are SwiGLU (silu) only")

@@ -1,0 +1,80 @@
+"""Mixture-of-experts pieces the family tests (test_families.py: Qwen3-MoE compiled, Mixtral,
+Qwen2-MoE and OLMoE eager, all against transformers) do not reach: the experts' fixed-shape
+formulations against the op's eager definition, and what aotgen refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from families import make_family_checkpoint
+
+from aotgen.checkpoint.hf import open_checkpoint
+from aotgen.kernels.moe import experts_without_kernel, moe_experts
+from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
+from aotgen.package.build import build
+from aotgen.passes.tp import parse_parallel, resolve_plan
+from aotgen.recipe import Project, RecipeError, parse_recipe
+
+pytest.importorskip("transformers")
+
+
+def _routed(tokens: int, experts: int = 8, k: int = 2, d: int = 16, f: int = 12):
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, d, generator=g)
+    probs = torch.randn(tokens, experts, generator=g).softmax(-1)
+    weights, ids = probs.topk(k, dim=-1)
+    gate_up = torch.randn(experts, 2 * f, d, generator=g) / d**0.5
+    down = torch.randn(experts, d, f, generator=g) / f**0.5
+    return x, weights, ids, gate_up, down
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+@pytest.mark.parametrize("gather", [True, False])
+def test_fixed_shape_experts_equal_the_routed_loop(tokens, gather):
+    """Gathering each token's experts and running every expert under zero-padded routing
+    weights both give the op's sum (transformers' loop over routed experts); with 40 tokens
+    some experts get several, with 1 most get none."""
+    args = _routed(tokens)
+    want = moe_experts(*args)
+    assert want.abs().max() > 0.1
+    torch.testing.assert_close(experts_without_kernel(*args, gather=gather), want)
+
+
+def test_bfloat16_model_runs_without_the_kernel(tmp_path):
+    """A bfloat16 model takes the fixed-shape path; its logits stay near float32's."""
+    ckpt = open_checkpoint(make_family_checkpoint(tmp_path / "m", "mixtral"))
+    cfg = ModelConfig.from_hf(ckpt.config)
+    weights = ckpt.load_weights()
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79]])
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_model(cfg, dict(weights), 32, dtype)
+        logits[dtype] = model(ids, torch.arange(8), new_kv_cache(cfg, 32, dtype))
+    err = (logits[torch.bfloat16] - logits[torch.float32]).abs().max()
+    assert err < 0.05 * logits[torch.float32].abs().max()
+
+
+def test_a_missing_expert_is_named(tmp_path):
+    ckpt = open_checkpoint(make_family_checkpoint(tmp_path / "m", "olmoe"))
+    weights = ckpt.load_weights()
+    del weights["model.layers.1.mlp.experts.5.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"model.layers.1 has experts .* \(up\)"):
+        load_model(ModelConfig.from_hf(ckpt.config), weights, 32, torch.float32)
+
+
+def test_quantize_and_parallel_are_refused(tmp_path):
+    """The experts are not linears (the quantization passes would leave them float) and
+    have no tensor-parallel plan: one-line errors before any compile."""
+    path = make_family_checkpoint(tmp_path / "m", "qwen3-moe")
+    for extra, why in [
+        ({"quantize": {"linear": "int8"}}, "whose experts aotgen does not quantize"),
+        ({"parallel": {"tensor": 2}}, "no expert parallelism"),
+    ]:
+        recipe = parse_recipe({"checkpoint": str(path), **extra}, "moe", tmp_path)
+        with pytest.raises(RecipeError, match=why):
+            build(recipe, Project(tmp_path / "artifacts", cache_dir=tmp_path / "cache"))
+        assert not (tmp_path / "artifacts" / "moe").exists()
+    cfg = ModelConfig.from_hf(open_checkpoint(path).config)
+    model = load_model(cfg, open_checkpoint(path).load_weights(), 32, torch.float32)
+    with pytest.raises(RecipeError, match="mixture of experts"):
+        resolve_plan(model, parse_parallel({"tensor": 2}))
