@@ -1,6 +1,6 @@
 """The Llama-layout decoders: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text), Phi-3,
-SmolLM3, Granite, OLMo 2 and the mixtures of experts, driven by an HF config through a few switches (`ModelConfig`); GPT-NeoX
-lives in gptneox.py.
+SmolLM3, Granite, OLMo 2 and the mixtures of experts, driven by an HF config through a few
+switches (`ModelConfig`); GPT-NeoX lives in gptneox.py.
 
 One flat file in the spirit of gpt-fast. Module names follow the HF checkpoint
 (`model.layers.0.self_attn.q_proj`, ...) so weights load without a name map and
