@@ -121,15 +121,28 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # Mixtures of experts: 8 experts, 2 a token; Qwen3-MoE with a dense MLP on layer 1.
     "qwen3-moe": (
         "Qwen3MoeConfig",
-        dict(num_hidden_layers=3, num_key_value_heads=2, head_dim=32, **MOE,
-             moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1]),
-    ),  # fmt: skip
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=2,
+            head_dim=32,
+            **MOE,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+    ),
     "mixtral": ("MixtralConfig", dict(num_hidden_layers=2, num_key_value_heads=2, **MOE)),
     "qwen2-moe": (
         "Qwen2MoeConfig",
-        dict(num_hidden_layers=2, num_key_value_heads=2, **MOE, moe_intermediate_size=48,
-             shared_expert_intermediate_size=96, decoder_sparse_step=2),
-    ),  # fmt: skip
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            **MOE,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=96,
+            decoder_sparse_step=2,
+        ),
+    ),
     "olmoe": ("OlmoeConfig", dict(num_hidden_layers=2, num_key_value_heads=2, **MOE)),
     # OLMo 3: OLMo 2 with a window of 8 on three layers in four; YaRN on the global ones.
     "olmo3": (
