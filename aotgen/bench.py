@@ -41,16 +41,20 @@ def measure_bandwidth(mbytes: int = 512, runs: int = 5, device: str = "cpu") -> 
 
 
 def weight_bytes(engine: Engine) -> int:
-    """Bytes of target weights read per decoded token (every weight, once)."""
+    """Bytes of target weights read per decoded token: every weight once, but of a mixture
+    of experts' stacked experts only the k of E that one token is routed to."""
     if engine.backend == "onnxruntime":
         return onnx_weight_bytes(engine.root, engine.manifest["models"]["target"])
-    seen, total = set(), 0
-    for t in engine.target.weights.values():
+    cfg = engine.target.config
+    routed = cfg.get("num_experts_per_tok", 0) / cfg["num_experts"] if cfg.get("num_experts") else 1
+    seen, total = set(), 0.0
+    for name, t in engine.target.weights.items():
         key = t.untyped_storage().data_ptr()
         if key not in seen:
             seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
+            share = routed if ".experts." in name else 1
+            total += t.untyped_storage().nbytes() * share
+    return int(total)
 
 
 class BenchError(RuntimeError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +98,26 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # llama.cpp's SmolLM3: NoPE on every fourth layer.
     "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, num_key_value_heads=2)),
     "granite": FAMILIES["granite"],
+    # Mixtures of experts as llama.cpp runs them: every block MoE, the chosen experts'
+    # weights renormalised for Qwen3-MoE and Mixtral (a `llama` GGUF with experts) only.
+    "qwen3moe": ("Qwen3MoeConfig", {**FAMILIES["qwen3-moe"][1], "mlp_only_layers": []}),
+    "qwen2moe": ("Qwen2MoeConfig", {**FAMILIES["qwen2-moe"][1], "decoder_sparse_step": 1}),
+    "olmoe": FAMILIES["olmoe"],
+    "mixtral": FAMILIES["mixtral"],
 }
+MOE_NAMES = {
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+# One expert's projection in an HF checkpoint, and the stacked GGUF tensor it goes into.
+EXPERT = re.compile(
+    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$"
+)
+STACKED = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down"}
 # HF module name → llama.cpp's (gguf-py tensor_mapping.py), per architecture.
 LAYER_NAMES = {
     "llama": {
@@ -175,6 +195,8 @@ def _gguf_name(arch: str, hf: str) -> str:
         return f"{GLOBAL_NAMES[module]}.{kind}"
     parts = module.split(".")  # model.layers.I.rest or gpt_neox.layers.I.rest
     i, rest = parts[2], ".".join(parts[3:])
+    if rest in MOE_NAMES:
+        return f"blk.{i}.{MOE_NAMES[rest]}.{kind}"
     names = {
         "olmo2": OLMO2_NAMES,
         "olmo3": OLMO2_NAMES,
@@ -190,7 +212,9 @@ def _converted(arch: str, hf: str, w: np.ndarray, heads: int, kv_heads: int) -> 
     """What llama.cpp's convert_hf_to_gguf.py stores for an HF tensor."""
     if arch in ("gemma2", "gemma3") and hf.endswith("norm.weight"):
         return w + np.float32(1.0)
-    if arch in ("smollm3", "granite") and hf.endswith(("q_proj.weight", "k_proj.weight")):
+    if arch in ("smollm3", "granite", "mixtral") and hf.endswith(
+        ("q_proj.weight", "k_proj.weight")
+    ):
         return permute_qk(w, heads if "q_proj" in hf else kv_heads)
     if arch == "gptneox" and "query_key_value" in hf:
         rest = w.shape[1:]
@@ -224,6 +248,19 @@ def _llama_variant_meta(w: gguf.GGUFWriter, arch: str, cfg: dict[str, Any], head
     w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
 
 
+def _moe_meta(w: gguf.GGUFWriter, cfg: dict[str, Any]) -> None:
+    """What llama.cpp's converter writes of a mixture of experts (conversion/base.py, qwen.py)."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not experts:
+        return
+    w.add_expert_count(experts)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if cfg.get("moe_intermediate_size"):
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+
+
 def _blocks(stored: np.ndarray, qtype: str, seed: int) -> np.ndarray:
     """gguf's quantizer where it has one for `qtype`; else (k-quants) random blocks scaled
     to weights of about the checkpoint's size."""
@@ -242,7 +279,7 @@ def _write_gguf(
     matrices are Q8_0, or with `qtypes` every matrix takes the next of them its rows fit."""
     cfg = json.loads((ckpt / "config.json").read_text())
     tok = json.loads((ckpt / "tokenizer.json").read_text())
-    w = gguf.GGUFWriter(str(path), {"olmo3": "olmo2"}.get(arch, arch))
+    w = gguf.GGUFWriter(str(path), {"olmo3": "olmo2", "mixtral": "llama"}.get(arch, arch))
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -271,6 +308,7 @@ def _write_gguf(
             w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
         w.add_rope_freq_base(theta)
         _llama_variant_meta(w, arch, cfg, head_dim)
+        _moe_meta(w, cfg)
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     added = {t["id"]: t["content"] for t in tok["added_tokens"]}
     tokens = [added.get(i, t) for t, i in vocab]
@@ -285,10 +323,15 @@ def _write_gguf(
     w.add_eos_token_id(cfg["eos_token_id"])
     w.add_pad_token_id(cfg["pad_token_id"])
     written: dict[str, np.ndarray] = {}
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     with safe_open(ckpt / "model.safetensors", "np") as f:
         for n, hf in enumerate(sorted(f.keys())):
             x = f.get_tensor(hf).astype(np.float32)
             written[hf] = x
+            if match := EXPERT.match(hf):  # stacked per block and projection, as llama.cpp does
+                layer, e, proj = match.groups()
+                experts.setdefault((layer, STACKED.get(proj, "down")), {})[int(e)] = x
+                continue
             heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads")
             stored = _converted(arch, hf, x, *heads)
             blocks = x.ndim == 2 and x.shape[1]
@@ -306,6 +349,9 @@ def _write_gguf(
                 w.add_tensor(_gguf_name(arch, hf), q, raw_shape=q.shape, raw_dtype=qtype)
             else:
                 w.add_tensor(_gguf_name(arch, hf), stored)
+    for (layer, proj), per_expert in experts.items():
+        stacked = np.stack([per_expert[e] for e in sorted(per_expert)])
+        w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", stacked)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -354,6 +400,19 @@ def test_tensor_not_matching_metadata_is_one_line(tmp_path: Path) -> None:
     (ckpt / "config.json").write_text(json.dumps(cfg))
     _write_gguf(ckpt, tmp_path / "m.gguf", "qwen3", quantize=False)
     with pytest.raises(CheckpointError, match=r"tensor 'blk\.0\.attn_k_norm\.weight'|attn_q"):
+        import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
+    assert not (tmp_path / "imported").exists()
+
+
+@pytest.mark.parametrize("key", ["moe_intermediate_size", "num_local_experts"])
+def test_experts_not_matching_metadata_are_one_line(tmp_path: Path, key: str) -> None:
+    """Expert tensors whose shape the metadata (expert count, expert width) does not imply."""
+    ckpt = _checkpoint(tmp_path / "hf", "qwen3moe")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg[key] += 8
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    _write_gguf(ckpt, tmp_path / "m.gguf", "qwen3moe", quantize=False)
+    with pytest.raises(CheckpointError, match=r"tensor 'blk\.0\.ffn_\w+\.weight' has shape"):
         import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
     assert not (tmp_path / "imported").exists()
 

@@ -149,8 +149,31 @@ def read_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict[str, n
             w = w - np.float32(1.0)  # llama.cpp stores Gemma's (1 + w) RMSNorm scale
         elif arch == "gptneox" and ".attn_qkv." in t.name:
             w = _gptneox_qkv(w, config["num_attention_heads"])
-        out[name] = np.ascontiguousarray(w)
+        if ".mlp.experts." in name or name.endswith(("mlp.gate.weight", "expert_gate.weight")):
+            out.update(_moe_tensors(name, w, config["architectures"][0]))
+        else:
+            out[name] = np.ascontiguousarray(w)
     return out
+
+
+_MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def _moe_tensors(name: str, w: np.ndarray, hf_arch: str) -> dict[str, np.ndarray]:
+    """A mixture of experts' tensor as HF checkpoints store it: llama.cpp's stacked experts
+    [E, out, in] one tensor per expert, Qwen2-MoE's shared-expert gate [1, d], Mixtral's under
+    `block_sparse_moe` (experts as w1 / w3 / w2)."""
+    mixtral = hf_arch == "MixtralForCausalLM"
+    if ".mlp.experts." not in name:
+        w = w.reshape(1, -1) if name.endswith("shared_expert_gate.weight") else w
+        name = name.replace(".mlp.", ".block_sparse_moe.") if mixtral else name
+        return {name: np.ascontiguousarray(w)}
+    layer, proj = name.removesuffix(".weight").split(".mlp.experts.")
+    if mixtral:
+        stem, proj = f"{layer}.block_sparse_moe.experts", _MIXTRAL_EXPERT[proj]
+    else:
+        stem = f"{layer}.mlp.experts"
+    return {f"{stem}.{e}.{proj}.weight": np.ascontiguousarray(x) for e, x in enumerate(w)}
 
 
 def _token_text(tokens: list[str], idx: int | None) -> str | None:

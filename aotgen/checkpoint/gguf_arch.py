@@ -45,6 +45,19 @@ _OLMO2_LAYER = {  # norms after attention and the MLP; q/k norms across heads
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Mixture-of-experts blocks: the router, each projection's experts stacked [E, out, in] (split
+# into HF's one tensor per expert at import), Qwen2-MoE's shared expert and its gate.
+_MOE_LAYER = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_QK_MOE = {**_QK_NORM, **_MOE_LAYER}
 _LLAMA_GLOBAL = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -64,7 +77,7 @@ class Arch:
 
 
 ARCHS: dict[str, Arch] = {
-    "llama": Arch("LlamaForCausalLM", "llama", _LLAMA_LAYER),
+    "llama": Arch("LlamaForCausalLM", "llama", {**_LLAMA_LAYER, **_MOE_LAYER}),  # and Mixtral
     "qwen2": Arch("Qwen2ForCausalLM", "qwen2", _LLAMA_LAYER),
     "qwen3": Arch("Qwen3ForCausalLM", "qwen3", {**_LLAMA_LAYER, **_QK_NORM}),
     "gemma2": Arch("Gemma2ForCausalLM", "gemma2", _GEMMA3_LAYER),  # no q/k norm tensors
@@ -73,6 +86,11 @@ ARCHS: dict[str, Arch] = {
     "olmo2": Arch("Olmo2ForCausalLM", "olmo2", _OLMO2_LAYER),
     "smollm3": Arch("SmolLM3ForCausalLM", "smollm3", _LLAMA_LAYER),
     "granite": Arch("GraniteForCausalLM", "granite", _LLAMA_LAYER),
+    "qwen2moe": Arch("Qwen2MoeForCausalLM", "qwen2_moe", {**_LLAMA_LAYER, **_MOE_LAYER}),
+    "qwen3moe": Arch(
+        "Qwen3MoeForCausalLM", "qwen3_moe", {**_LLAMA_LAYER, **_QK_NORM, **_MOE_LAYER}
+    ),
+    "olmoe": Arch("OlmoeForCausalLM", "olmoe", {**_LLAMA_LAYER, **_QK_NORM, **_MOE_LAYER}),
     "gptneox": Arch(
         "GPTNeoXForCausalLM",
         "gpt_neox",
@@ -209,6 +227,8 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     )
     if arch in ("phi3", "smollm3", "granite"):
         config.update(_llama_variant(reader, arch, head_dim))
+    if meta_value(reader, f"{arch}.expert_count"):
+        config.update(_experts(reader, arch))
     if arch == "olmo2" and (window := meta_value(reader, f"{arch}.attention.sliding_window")):
         # OLMo 3 (llama.cpp writes it as olmo2): one flag per layer, true where sliding.
         pattern = require_meta(reader, f"{arch}.attention.sliding_window_pattern")
@@ -258,6 +278,32 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     return config
 
 
+def _experts(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
+    """A mixture of experts' config keys. llama.cpp renormalises the chosen experts' weights
+    for Mixtral (a `llama` GGUF with experts) and Qwen3-MoE whatever the original config said,
+    never for Qwen2-MoE and OLMoE, and runs every block as MoE."""
+    out: dict[str, Any] = {
+        "num_experts": int(require_meta(reader, f"{arch}.expert_count")),
+        "num_experts_per_tok": int(require_meta(reader, f"{arch}.expert_used_count")),
+        "norm_topk_prob": arch in ("llama", "qwen3moe"),
+    }
+    for key, hf in (
+        ("expert_feed_forward_length", "moe_intermediate_size"),
+        ("expert_shared_feed_forward_length", "shared_expert_intermediate_size"),
+    ):
+        if (value := meta_value(reader, f"{arch}.{key}")) is not None:
+            out[hf] = int(value)
+    if arch == "llama":
+        out.update(
+            architectures=["MixtralForCausalLM"],
+            model_type="mixtral",
+            num_local_experts=out.pop("num_experts"),
+        )
+    if arch == "qwen2moe":
+        out["qkv_bias"] = any(t.name.endswith("attn_q.bias") for t in reader.tensors)
+    return out
+
+
 def _llama_variant(reader: gguf.GGUFReader, arch: str, head_dim: int) -> dict[str, Any]:
     """The config keys of the Llama variants, from what llama.cpp stores of them."""
     if arch == "smollm3":  # llama.cpp rotates all but every fourth layer, as the HF default
@@ -302,6 +348,9 @@ def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
     name, kind = hf.rsplit(".", 1)
     leaf = name.rsplit(".", 1)[-1]
     across_heads = c["architectures"][0].startswith("Olmo")  # OLMo's q/k norms: whole rows
+    experts = c.get("num_experts") or c.get("num_local_experts")
+    if experts and ".mlp." in name:  # a mixture of experts' MLP
+        return _moe_shape(name, kind, c, experts)
     shapes: dict[str, tuple[int, ...]] = {
         "embed_tokens": (v, d),
         "embed_in": (v, d),
@@ -327,6 +376,20 @@ def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
     if shape is None or v is None and leaf in ("embed_tokens", "embed_in", "lm_head", "embed_out"):
         return None
     return shape[:1] if kind == "bias" else shape
+
+
+def _moe_shape(name: str, kind: str, c: dict[str, Any], experts: int) -> tuple[int, ...] | None:
+    d = c["hidden_size"]
+    f = c.get("moe_intermediate_size") or c["intermediate_size"]
+    shared = c.get("shared_expert_intermediate_size", 0)
+    leaf = name.rsplit(".", 1)[-1]
+    if kind != "weight" or leaf == "shared_expert_gate":  # stored as [d] or [1, d]
+        return None
+    if name.endswith("mlp.gate"):
+        return (experts, d)
+    if ".shared_expert." in name:
+        return (d, shared) if leaf == "down_proj" else (shared, d)
+    return (experts, d, f) if leaf == "down_proj" else (experts, f, d)
 
 
 def check_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:

@@ -1,0 +1,91 @@
+"""Mixture-of-experts speed on CPU: aotgen with its grouped expert kernel, aotgen with the
+fixed-shape formulation the kernel replaces, and llama.cpp, on one random-weight Qwen3-MoE
+checkpoint (no MoE checkpoint ships offline; speed does not depend on the weights' values).
+
+    python scripts/moe_bench.py [--work DIR] [--llamacpp BIN_DIR]
+
+Shape: 8 layers, hidden 1024, 16 heads / 4 KV heads, 32 experts of 512, 4 a token, SmolLM2's
+49,152-token vocabulary and tokenizer (llama.cpp's converter knows it): 478 M parameters,
+125 M of them read per decoded token. Prints `aotgen bench` for both packages and
+`llama-bench` on the same weights in F32 (converted with llama.cpp's convert_hf_to_gguf.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LLAMACPP = Path.home() / ".cache/aotgen-llamacpp"
+SHAPE = dict(
+    num_hidden_layers=8,
+    hidden_size=1024,
+    intermediate_size=2048,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_experts=32,
+    num_experts_per_tok=4,
+    moe_intermediate_size=512,
+    norm_topk_prob=True,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+)
+# The fixed-shape build: the op's kernel switched off for the whole build.
+WITHOUT_KERNEL = (
+    "import sys, aotgen.kernels.moe as m; m.applies = lambda x: False; "
+    "from aotgen.cli import main; sys.argv = ['aotgen', 'build', sys.argv[1]]; main()"
+)
+
+
+def checkpoint(out: Path) -> Path:
+    import torch
+    import transformers
+
+    if (out / "model.safetensors").exists():
+        return out
+    tokenizer = REPO / "checkpoints/smollm2-135m"
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / name, out / name)
+    config = transformers.Qwen3MoeConfig(**SHAPE, vocab_size=49152, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", type=Path, default=REPO / "artifacts/moe-bench")
+    parser.add_argument("--llamacpp", type=Path, default=LLAMACPP / "build/bin")
+    args = parser.parse_args()
+    work = args.work.resolve()
+    ckpt = checkpoint(work / "checkpoint")
+    recipe = "checkpoint: {}\nmax_seq_len: 512\nprefill_chunk: 128\n"
+    packages = []
+    for name, build in [
+        ("moe-kernel", ["-m", "aotgen", "build"]),
+        ("moe-fixed", ["-c", WITHOUT_KERNEL]),
+    ]:
+        path = work / f"{name}.yaml"
+        path.write_text(f"name: {name}\n" + recipe.format(ckpt))
+        subprocess.run([sys.executable, *build, str(path)], cwd=work, check=True)
+        packages.append(str(work / "artifacts" / name))
+    bench = [sys.executable, "-m", "aotgen", "bench", *packages, "--prompt-len", "128"]
+    subprocess.run([*bench, "--gen-tokens", "64", "--runs", "3"], cwd=work, check=True)
+
+    gguf = work / "moe-f32.gguf"
+    converter = LLAMACPP / "src/vendor/llama.cpp/convert_hf_to_gguf.py"
+    if not gguf.exists():
+        convert = [sys.executable, str(converter), str(ckpt), "--outtype", "f32"]
+        subprocess.run([*convert, "--outfile", str(gguf)], check=True)
+    llama_bench = [str(args.llamacpp / "llama-bench"), "-m", str(gguf), "-t", "2"]
+    subprocess.run([*llama_bench, "-p", "128", "-n", "64", "-r", "3"], check=True)
+
+
+if __name__ == "__main__":
+    main()
