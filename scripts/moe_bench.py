@@ -6,8 +6,9 @@ checkpoint (no MoE checkpoint ships offline; speed does not depend on the weight
 
 Shape: 8 layers, hidden 1024, 16 heads / 4 KV heads, 32 experts of 512, 4 a token, SmolLM2's
 49,152-token vocabulary and tokenizer (llama.cpp's converter knows it): 478 M parameters,
-125 M of them read per decoded token. Prints `aotgen bench` for both packages and
-`llama-bench` on the same weights in F32 (converted with llama.cpp's convert_hf_to_gguf.py).
+125 M of them read per decoded token. Prints `aotgen bench` for the fp32 package, the same without
+the kernel and the int8 package (experts int8 per channel), and `llama-bench` on the same
+weights in F32 and Q8_0 (converted with llama.cpp's convert_hf_to_gguf.py, then llama-quantize).
 """
 
 from __future__ import annotations
@@ -67,12 +68,14 @@ def main() -> None:
     ckpt = checkpoint(work / "checkpoint")
     recipe = "checkpoint: {}\nmax_seq_len: 512\nprefill_chunk: 128\n"
     packages = []
-    for name, build in [
-        ("moe-kernel", ["-m", "aotgen", "build"]),
-        ("moe-fixed", ["-c", WITHOUT_KERNEL]),
-    ]:
+    builds = [
+        ("moe-kernel", ["-m", "aotgen", "build"], ""),
+        ("moe-fixed", ["-c", WITHOUT_KERNEL], ""),
+        ("moe-int8", ["-m", "aotgen", "build"], "quantize: {linear: int8}\n"),
+    ]
+    for name, build, extra in builds:
         path = work / f"{name}.yaml"
-        path.write_text(f"name: {name}\n" + recipe.format(ckpt))
+        path.write_text(f"name: {name}\n" + recipe.format(ckpt) + extra)
         subprocess.run([sys.executable, *build, str(path)], cwd=work, check=True)
         packages.append(str(work / "artifacts" / name))
     bench = [sys.executable, "-m", "aotgen", "bench", *packages, "--prompt-len", "128"]
@@ -83,8 +86,13 @@ def main() -> None:
     if not gguf.exists():
         convert = [sys.executable, str(converter), str(ckpt), "--outtype", "f32"]
         subprocess.run([*convert, "--outfile", str(gguf)], check=True)
-    llama_bench = [str(args.llamacpp / "llama-bench"), "-m", str(gguf), "-t", "2"]
-    subprocess.run([*llama_bench, "-p", "128", "-n", "64", "-r", "3"], check=True)
+    q8 = work / "moe-q8_0.gguf"
+    if not q8.exists():
+        quantize = [str(args.llamacpp / "llama-quantize"), str(gguf), str(q8), "Q8_0"]
+        subprocess.run(quantize, check=True, capture_output=True)
+    for model in (gguf, q8):
+        llama_bench = [str(args.llamacpp / "llama-bench"), "-m", str(model), "-t", "2"]
+        subprocess.run([*llama_bench, "-p", "128", "-n", "64", "-r", "3"], check=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Mixture-of-experts pieces the family tests (test_families.py: Qwen3-MoE compiled, Mixtral,
 Qwen2-MoE and OLMoE eager, all against transformers) do not reach: the experts' fixed-shape
-formulations against the op's eager definition, and what aotgen refuses."""
+formulations against the op's eager definition, int8 experts, and what aotgen refuses."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import torch
 from families import make_family_checkpoint
 
 from aotgen.checkpoint.hf import open_checkpoint
-from aotgen.kernels.moe import experts_without_kernel, moe_experts
+from aotgen.kernels.moe import experts_without_kernel, moe_experts, moe_experts_int8
 from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
 from aotgen.package.build import build
+from aotgen.passes.quantize_experts import int8_rows
 from aotgen.passes.tp import parse_parallel, resolve_plan
 from aotgen.recipe import Project, RecipeError, parse_recipe
 
@@ -62,12 +63,28 @@ def test_a_missing_expert_is_named(tmp_path):
         load_model(ModelConfig.from_hf(ckpt.config), weights, 32, torch.float32)
 
 
-def test_quantize_and_parallel_are_refused(tmp_path):
-    """The experts are not linears (the quantization passes would leave them float) and
-    have no tensor-parallel plan: one-line errors before any compile."""
+def test_int8_experts_round_to_their_rows_scale():
+    """Per-row symmetric int8: every weight within half a step of its row's scale, and the
+    three ways to run int8 experts (the op, gathered, every expert) give one sum."""
+    x, weights, ids, gate_up, down = _routed(40)
+    q, scale = int8_rows(gate_up)
+    assert q.dtype == torch.int8 and scale.shape == gate_up.shape[:2]
+    assert ((q * scale[..., None] - gate_up).abs() <= scale[..., None] / 2 + 1e-7).all()
+    qd, sd = int8_rows(down)
+    want = moe_experts_int8(x, weights, ids, q, scale, qd, sd)
+    for gather in (True, False):
+        got = experts_without_kernel(x, weights, ids, q, qd, gather, (scale, sd))
+        torch.testing.assert_close(got, want)
+    dequantized = moe_experts(x, weights, ids, q * scale[..., None], qd * sd[..., None])
+    torch.testing.assert_close(want, dequantized)
+
+
+def test_quantized_routing_and_parallel_are_refused(tmp_path):
+    """Integer activations and GGUF blocks do not apply to the experts, and there is no
+    tensor-parallel plan for them: one-line errors before any compile."""
     path = make_family_checkpoint(tmp_path / "m", "qwen3-moe")
     for extra, why in [
-        ({"quantize": {"linear": "int8"}}, "whose experts aotgen does not quantize"),
+        ({"quantize": {"linear": "int8", "activations": "int8"}}, "activations: int8 does not"),
         ({"parallel": {"tensor": 2}}, "no expert parallelism"),
     ]:
         recipe = parse_recipe({"checkpoint": str(path), **extra}, "moe", tmp_path)

@@ -4,8 +4,9 @@ chose, weighted.
 `moe_experts` is a `torch.library` custom op whose eager implementation (transformers' loop
 over the routed experts) defines it; CPU float32 graphs call it, and AOTInductor links
 `moe.cpp` into each graph's `.so` as its C shim (export/shims.py): each routed expert runs once
-per step, over the tokens routed to it. Graphs the kernel does not serve (GPU, bfloat16, ONNX,
-autograd) compute the same sum with fixed-shape tensor ops (`experts_without_kernel`).
+per step, over the tokens routed to it. `moe_experts_int8` is the same on int8 experts with
+per-row scales. `run_experts` picks the kernel or a fixed-shape formulation
+(`experts_without_kernel`) by the graph's rows, device and dtype.
 """
 
 from __future__ import annotations
@@ -33,33 +34,95 @@ def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: 
     return out
 
 
+@torch.library.custom_op("aotgen::moe_experts_int8", mutates_args=())
+def moe_experts_int8(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    gate_up: Tensor,
+    gate_up_scale: Tensor,
+    down: Tensor,
+    down_scale: Tensor,
+) -> Tensor:
+    """`moe_experts` on int8 experts, each row scaled: gate_up_scale [E, 2f], down_scale
+    [E, d] (weight-only, per output channel)."""
+    return moe_experts(
+        x, weights, ids, gate_up * gate_up_scale[..., None], down * down_scale[..., None]
+    )
+
+
 @moe_experts.register_fake
 def _(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-OPS = (torch.ops.aotgen.moe_experts.default,)
+@moe_experts_int8.register_fake
+def _(x: Tensor, weights: Tensor, ids: Tensor, *experts: Tensor) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+OPS = (torch.ops.aotgen.moe_experts.default, torch.ops.aotgen.moe_experts_int8.default)
 
 
 def applies(x: Tensor) -> bool:
-    """Whether the kernel runs these experts: float32 on CPU, no gradient wanted."""
-    return not x.is_cuda and x.dtype == torch.float32 and not x.requires_grad
+    """Whether the kernel can run these rows: float32 on CPU, no gradient wanted, not an ONNX
+    export."""
+    return (
+        not x.is_cuda
+        and x.dtype == torch.float32
+        and not x.requires_grad
+        and not torch.onnx.is_in_onnx_export()
+    )
+
+
+def run_experts(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    scales: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
+    """x [T, d] through each row's routed experts; `scales`: int8 experts' row scales.
+
+    Fewer routed weight matrices than experts (decode, verify): each row's experts are
+    gathered, which Inductor fuses into the multiply-sums (faster than the kernel there,
+    docs/moe.md). More (prefill, large batches): the kernel on CPU float32, elsewhere every
+    expert on every row (ONNX, GPU, bfloat16, autograd)."""
+    t = x.shape[0]
+    few = isinstance(t, int) and t * ids.shape[1] < gate_up.shape[0]
+    if not few and applies(x):
+        if scales is None:
+            return torch.ops.aotgen.moe_experts(x, weights, ids, gate_up, down)
+        return torch.ops.aotgen.moe_experts_int8(
+            x, weights, ids, gate_up, scales[0], down, scales[1]
+        )
+    return experts_without_kernel(x, weights, ids, gate_up, down, few, scales)
 
 
 def experts_without_kernel(
-    x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, gather: bool
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    gather: bool,
+    scales: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
-    """The same sum with fixed shapes. `gather` (when the T·k routed weight matrices are fewer
-    than the E experts: a decode step): each token's k experts' weights are gathered;
-    otherwise every expert runs on every token and the router's weights, zero off each
-    token's k experts, pick the sum."""
+    """The same sum with fixed shapes. `gather`: each row's k experts' weights are gathered;
+    otherwise every expert runs on every row and the router's weights, zero off each row's k
+    experts, pick the sum."""
     f = down.shape[2]
     if gather:
-        h = torch.einsum("td,tkfd->tkf", x, gate_up[ids])
-        y = torch.einsum("tkf,tkdf->tkd", F.silu(h[..., :f]) * h[..., f:], down[ids])
+        h = torch.einsum("td,tkfd->tkf", x, gate_up[ids].to(x.dtype))
+        h = h if scales is None else h * scales[0][ids].to(x.dtype)
+        y = torch.einsum("tkf,tkdf->tkd", F.silu(h[..., :f]) * h[..., f:], down[ids].to(x.dtype))
+        y = y if scales is None else y * scales[1][ids].to(x.dtype)
         return (y * weights[..., None].to(y.dtype)).sum(1)
     route = torch.zeros(x.shape[0], gate_up.shape[0], dtype=x.dtype, device=x.device)
     route = route.scatter(1, ids, weights.to(x.dtype))
-    h = torch.einsum("td,efd->tef", x, gate_up)
-    y = torch.einsum("tef,edf->ted", F.silu(h[..., :f]) * h[..., f:], down)
+    h = torch.einsum("td,efd->tef", x, gate_up.to(x.dtype))
+    h = h if scales is None else h * scales[0].to(x.dtype)
+    y = torch.einsum("tef,edf->ted", F.silu(h[..., :f]) * h[..., f:], down.to(x.dtype))
+    y = y if scales is None else y * scales[1].to(x.dtype)
     return (y * route[..., None]).sum(1)

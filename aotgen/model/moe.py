@@ -30,14 +30,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, d, f))
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
-        # Fewer routed weight matrices than experts (decode, verify): each token's experts
-        # gathered, which Inductor fuses into the matmuls (faster than the kernel there,
-        # docs/moe.md). More (prefill, large batches): the kernel, or every expert on every row.
-        t, experts = x.shape[0], self.gate_up_proj.shape[0]
-        few = isinstance(t, int) and t * ids.shape[1] < experts
-        if not few and moe.applies(x) and not torch.onnx.is_in_onnx_export():
-            return torch.ops.aotgen.moe_experts(x, weights, ids, self.gate_up_proj, self.down_proj)
-        return moe.experts_without_kernel(x, weights, ids, self.gate_up_proj, self.down_proj, few)
+        return moe.run_experts(x, weights, ids, self.gate_up_proj, self.down_proj)
 
 
 class SharedExpert(nn.Module):

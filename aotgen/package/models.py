@@ -27,6 +27,7 @@ from aotgen.passes.fuse import FuseLinearsPass
 from aotgen.passes.gguf_keep import BlockIndex, KeepGGUF
 from aotgen.passes.lora import LoraAdapter, merge_adapter
 from aotgen.passes.quantize import QuantizePass, quantize_passes
+from aotgen.passes.quantize_experts import quantize_experts, routers
 from aotgen.passes.quantize_options import parse_quantize
 from aotgen.recipe import Recipe, RecipeError
 from aotgen.runtime.tokenizer import Tokenizer
@@ -137,8 +138,7 @@ def prepare_models(
     made of the target's layers has its adapters too)."""
     cfg, weights = merged_weights(ckpt, adapters or [])
     cfg = for_context(cfg, recipe.max_seq_len)
-    _refuse_quantized_experts(cfg, recipe.quantize)
-    dtype = getattr(torch, recipe.dtype)
+    quantize, int8_experts = _experts_quantize(cfg, recipe.quantize)
     graphs = graph_specs(
         recipe.prefill_chunk,
         recipe.verify_k,
@@ -150,11 +150,11 @@ def prepare_models(
     models = [
         ModelBuild(
             "target",
-            load_model(cfg, weights, recipe.cache_len, dtype).to(recipe.device),
+            _load(cfg, weights, recipe, int8_experts),
             cfg,
             graphs,
-            graph_passes(recipe, recipe.quantize),
-            keep_gguf(recipe, recipe.quantize, ckpt, indexes),
+            graph_passes(recipe, quantize),
+            keep_gguf(recipe, quantize, ckpt, indexes),
         )
     ]
     draft = (recipe.speculative or {}).get("draft")
@@ -167,29 +167,45 @@ def prepare_models(
         draft_graphs = [g for g in graphs if g.name not in skip]
         dcfg, dweights = _draft_weights(draft, ckpt, cfg, weights)
         dcfg = for_context(dcfg, recipe.max_seq_len)
-        _refuse_quantized_experts(dcfg, draft.get("quantize"))
+        dquantize, dint8_experts = _experts_quantize(dcfg, draft.get("quantize"))
         dckpt = open_checkpoint(draft["checkpoint"]) if "checkpoint" in draft else ckpt
         models.append(
             ModelBuild(
                 "draft",
-                load_model(dcfg, dweights, recipe.cache_len, dtype).to(recipe.device),
+                _load(dcfg, dweights, recipe, dint8_experts),
                 dcfg,
                 draft_graphs,
-                graph_passes(recipe, draft.get("quantize")),
-                keep_gguf(recipe, draft.get("quantize"), dckpt, indexes),
+                graph_passes(recipe, dquantize),
+                keep_gguf(recipe, dquantize, dckpt, indexes),
             )
         )
     return models
 
 
-def _refuse_quantized_experts(cfg: ModelConfig, quantize: dict[str, Any] | None) -> None:
-    """The quantization passes rewrite linears; a mixture of experts' experts are not
-    linears, so most of its weights would stay float under a quantized name."""
-    if cfg.num_experts and quantize:
+def _experts_quantize(
+    cfg: ModelConfig, quantize: dict[str, Any] | None
+) -> tuple[dict[str, Any] | None, bool]:
+    """A mixture of experts' `quantize:`: its linears as asked, the routers kept float
+    (passes/quantize_experts.py); returns the mapping and whether the experts go int8 (when
+    the linears are quantized)."""
+    options = parse_quantize(quantize)
+    if not cfg.num_experts or options is None:
+        return quantize, False
+    if options.gguf or options.activations == "int8":
+        why = "gguf: keep" if options.gguf else "activations: int8"
         raise RecipeError(
-            f"quantize: {cfg.architecture} is a mixture of experts, whose experts aotgen does "
-            "not quantize yet: build it without quantize (float32 or bfloat16)"
+            f"quantize.{why} does not apply to the experts of {cfg.architecture} (a mixture of "
+            "experts): use quantize: {linear: int8} (experts int8 per channel)"
         )
+    skip = [*(quantize.get("skip") or []), *routers(cfg.shared_expert_intermediate_size > 0)]
+    return {**quantize, "skip": skip}, options.linear is not None
+
+
+def _load(cfg: ModelConfig, weights: dict[str, Tensor], recipe: Recipe, int8_experts: bool):
+    model = load_model(cfg, weights, recipe.cache_len, getattr(torch, recipe.dtype))
+    if int8_experts:
+        quantize_experts(model)
+    return model.to(recipe.device)
 
 
 def _draft_weights(
