@@ -210,6 +210,11 @@ def test_int8_fused_build_stays_close(family_engines, checkpoints, family):
     assert _rel_err(got, want) < INT8_TOL
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert agree >= 0.9, agree
+    if family == "qwen3-moe":  # the experts int8, the routers float
+        entry = engine.manifest["models"]["target"]["quantization"]
+        assert entry["experts"]["scheme"] == "int8"
+        assert "model.layers.0.mlp.gate" in entry["kept_float"]
+        assert engine.target.weights["model.layers.0.mlp.experts.gate_up_proj"].dtype == torch.int8
 
 
 def test_biased_q_k_v_are_fused(checkpoints, project, family_engines):

@@ -57,7 +57,6 @@ _MOE_LAYER = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
-_QK_MOE = {**_QK_NORM, **_MOE_LAYER}
 _LLAMA_GLOBAL = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",

@@ -302,14 +302,13 @@ def _moe(hf: dict, arch: str, layers: int, act: str) -> dict[str, Any]:
     step = hf.get("decoder_sparse_step") or 1
     dense = set(hf.get("mlp_only_layers") or ())
     qwen = arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+    shared = hf.get("shared_expert_intermediate_size") if arch == "Qwen2MoeForCausalLM" else 0
     return dict(
         num_experts=experts,
         num_experts_per_tok=top_k,
         moe_intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
         norm_topk_prob=arch == "MixtralForCausalLM" or bool(hf.get("norm_topk_prob", False)),
-        shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or 0
-        if arch == "Qwen2MoeForCausalLM"
-        else 0,
+        shared_expert_intermediate_size=shared or 0,
         moe_layers=tuple(
             not qwen or (i not in dense and (i + 1) % step == 0) for i in range(layers)
         ),

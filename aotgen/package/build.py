@@ -41,6 +41,7 @@ from aotgen.package.models import ModelBuild, calibrate, prepare_models, recipe_
 from aotgen.package.perplexity import measure_perplexity
 from aotgen.package.weights import save_constants
 from aotgen.passes.fuse import FuseLinearsPass
+from aotgen.passes.quantize_experts import Int8Experts
 from aotgen.passes.tp import parse_parallel, plan_summary, resolve_plan
 from aotgen.recipe import Project, Recipe, RecipeError
 from aotgen.runtime.tokenizer import Tokenizer
@@ -254,9 +255,12 @@ def _model_entry(
 ) -> dict[str, Any]:
     """A model's manifest entry; its weights are added once they are written."""
     quantizer = mb.quantizer
+    quantization = quantizer.manifest_entry() if quantizer else None
+    if quantization and any(isinstance(m, Int8Experts) for m in mb.model.modules()):
+        quantization["experts"] = {"scheme": "int8", "granularity": "per-channel", "method": "rtn"}
     return {
         "config": {**mb.config.__dict__, "extra": None},
-        "quantization": quantizer.manifest_entry() if quantizer else None,
+        "quantization": quantization,
         "graphs": signatures,
         "kv_cache": {
             "layout": "per-layer [k0, v0, k1, v1, ...], each [1, kv_heads, cache_len, "

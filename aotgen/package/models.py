@@ -201,7 +201,9 @@ def _experts_quantize(
     return {**quantize, "skip": skip}, options.linear is not None
 
 
-def _load(cfg: ModelConfig, weights: dict[str, Tensor], recipe: Recipe, int8_experts: bool):
+def _load(
+    cfg: ModelConfig, weights: dict[str, Tensor], recipe: Recipe, int8_experts: bool
+) -> Transformer:
     model = load_model(cfg, weights, recipe.cache_len, getattr(torch, recipe.dtype))
     if int8_experts:
         quantize_experts(model)
