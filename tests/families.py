@@ -144,6 +144,19 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     "olmoe": ("OlmoeConfig", dict(num_hidden_layers=2, num_key_value_heads=2, **MOE)),
+    # Granite MoE: its experts stored stacked, its multipliers.
+    "granite-moe": (
+        "GraniteMoeConfig",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            **MOE,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.1,
+            logits_scaling=2.0,
+        ),
+    ),
     # OLMo 3: OLMo 2 with a window of 8 on three layers in four; YaRN on the global ones.
     "olmo3": (
         "Olmo3Config",
@@ -278,7 +291,8 @@ PARITY = [
 # families' routing next to Qwen3-MoE's compiled one): checked on the eager model, no package
 # built.
 EAGER_PARITY = [
-    "smollm3", "granite", "qwen3-yarn", "olmo2", "olmo3", "mixtral", "qwen2-moe", "olmoe"
+    "smollm3", "granite", "qwen3-yarn", "olmo2", "olmo3", "mixtral", "qwen2-moe", "olmoe",
+    "granite-moe",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

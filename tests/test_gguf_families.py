@@ -1,8 +1,8 @@
 """GGUF import of the non-Llama families: a tiny `transformers` checkpoint is written as a GGUF
 the way llama.cpp's converter writes it (its tensor names, Gemma's norms stored as 1 + w,
 GPT-NeoX's fused qkv regrouped as [q; k; v], Granite's and SmolLM3's q/k permuted, Phi-3's
-LongRoPE factors as tensors, OLMo 3 as olmo2 with a sliding-window pattern, some weights
-quantized), imported back, and the imported
+LongRoPE factors as tensors, OLMo 3 as olmo2 with a sliding-window pattern, a mixture of
+experts' experts stacked per block (Mixtral as llama), some weights quantized), imported back, and the imported
 checkpoint must compute what the original computes in `transformers`, in `transformers` and in
 aotgen's model.
 """
@@ -104,10 +104,13 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2moe": ("Qwen2MoeConfig", {**FAMILIES["qwen2-moe"][1], "decoder_sparse_step": 1}),
     "olmoe": FAMILIES["olmoe"],
     "mixtral": FAMILIES["mixtral"],
+    "granitemoe": FAMILIES["granite-moe"],
 }
 MOE_NAMES = {
     "mlp.gate": "ffn_gate_inp",
     "block_sparse_moe.gate": "ffn_gate_inp",
+    "block_sparse_moe.router.layer": "ffn_gate_inp",
+    "block_sparse_moe.output_linear": "ffn_down_exps",
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
     "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
@@ -212,9 +215,8 @@ def _converted(arch: str, hf: str, w: np.ndarray, heads: int, kv_heads: int) -> 
     """What llama.cpp's convert_hf_to_gguf.py stores for an HF tensor."""
     if arch in ("gemma2", "gemma3") and hf.endswith("norm.weight"):
         return w + np.float32(1.0)
-    if arch in ("smollm3", "granite", "mixtral") and hf.endswith(
-        ("q_proj.weight", "k_proj.weight")
-    ):
+    permuted = ("smollm3", "granite", "mixtral", "granitemoe")  # llama.cpp's LlamaModel kin
+    if arch in permuted and hf.endswith(("q_proj.weight", "k_proj.weight")):
         return permute_qk(w, heads if "q_proj" in hf else kv_heads)
     if arch == "gptneox" and "query_key_value" in hf:
         rest = w.shape[1:]
@@ -230,7 +232,7 @@ def _llama_variant_meta(w: gguf.GGUFWriter, arch: str, cfg: dict[str, Any], head
     if arch == "olmo3":
         w.add_sliding_window(cfg["sliding_window"])
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
-    if arch == "granite":
+    if arch in ("granite", "granitemoe"):
         w.add_attention_scale(cfg["attention_multiplier"])
         w.add_embedding_scale(cfg["embedding_multiplier"])
         w.add_residual_scale(cfg["residual_multiplier"])
@@ -331,6 +333,11 @@ def _write_gguf(
             if match := EXPERT.match(hf):  # stacked per block and projection, as llama.cpp does
                 layer, e, proj = match.groups()
                 experts.setdefault((layer, STACKED.get(proj, "down")), {})[int(e)] = x
+                continue
+            if hf.endswith("block_sparse_moe.input_linear.weight"):  # Granite MoE: split
+                layer = hf.split(".")[2]
+                for proj, part in zip(("gate", "up"), np.split(x, 2, axis=1), strict=True):
+                    w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", np.ascontiguousarray(part))
                 continue
             heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads")
             stored = _converted(arch, hf, x, *heads)

@@ -153,7 +153,7 @@ def read_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict[str, n
             out.update(_moe_tensors(name, w, config["architectures"][0]))
         else:
             out[name] = np.ascontiguousarray(w)
-    return out
+    return _granite_moe(out) if arch == "granitemoe" else out
 
 
 _MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
@@ -163,6 +163,8 @@ def _moe_tensors(name: str, w: np.ndarray, hf_arch: str) -> dict[str, np.ndarray
     """A mixture of experts' tensor as HF checkpoints store it: llama.cpp's stacked experts
     [E, out, in] one tensor per expert, Qwen2-MoE's shared-expert gate [1, d], Mixtral's under
     `block_sparse_moe` (experts as w1 / w3 / w2)."""
+    if hf_arch == "GraniteMoeForCausalLM":  # stacked in HF too: _granite_moe names them
+        return {name: np.ascontiguousarray(w)}
     mixtral = hf_arch == "MixtralForCausalLM"
     if ".mlp.experts." not in name:
         w = w.reshape(1, -1) if name.endswith("shared_expert_gate.weight") else w
@@ -174,6 +176,28 @@ def _moe_tensors(name: str, w: np.ndarray, hf_arch: str) -> dict[str, np.ndarray
     else:
         stem = f"{layer}.mlp.experts"
     return {f"{stem}.{e}.{proj}.weight": np.ascontiguousarray(x) for e, x in enumerate(w)}
+
+
+def _granite_moe(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Granite MoE's HF names: each block's experts stacked, gate and up rows fused
+    (`input_linear`), the router under `router.layer`."""
+    out = {}
+    for name, w in tensors.items():
+        layer, sep, proj = name.partition(".mlp.")
+        if not sep:
+            out[name] = w
+        elif proj == "gate.weight":
+            out[f"{layer}.block_sparse_moe.router.layer.weight"] = w
+        elif proj == "experts.down_proj.weight":
+            out[f"{layer}.block_sparse_moe.output_linear.weight"] = w
+        elif proj == "experts.gate_proj.weight":
+            up = tensors.get(f"{layer}.mlp.experts.up_proj.weight")
+            if up is None:
+                raise CheckpointError(f"GGUF block {layer.split('.')[-1]} lacks ffn_up_exps")
+            out[f"{layer}.block_sparse_moe.input_linear.weight"] = np.concatenate([w, up], axis=1)
+        elif proj != "experts.up_proj.weight":
+            out[name] = w
+    return out
 
 
 def _token_text(tokens: list[str], idx: int | None) -> str | None:

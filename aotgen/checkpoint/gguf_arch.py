@@ -90,6 +90,7 @@ ARCHS: dict[str, Arch] = {
         "Qwen3MoeForCausalLM", "qwen3_moe", {**_LLAMA_LAYER, **_QK_NORM, **_MOE_LAYER}
     ),
     "olmoe": Arch("OlmoeForCausalLM", "olmoe", {**_LLAMA_LAYER, **_QK_NORM, **_MOE_LAYER}),
+    "granitemoe": Arch("GraniteMoeForCausalLM", "granitemoe", {**_LLAMA_LAYER, **_MOE_LAYER}),
     "gptneox": Arch(
         "GPTNeoXForCausalLM",
         "gpt_neox",
@@ -111,7 +112,7 @@ ARCHS: dict[str, Arch] = {
 }
 SUPPORTED_ARCHS = tuple(ARCHS)
 # Architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and subclasses).
-PERMUTED_QK = ("llama", "smollm3", "granite")
+PERMUTED_QK = ("llama", "smollm3", "granite", "granitemoe")
 # LongRoPE's factors (Phi-3): config, not weights.
 ROPE_FACTORS = {
     "rope_factors_long.weight": "long_factor",
@@ -224,7 +225,7 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         rope_theta=_f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=_rope_scaling(reader, arch),
     )
-    if arch in ("phi3", "smollm3", "granite"):
+    if arch in ("phi3", "smollm3", "granite", "granitemoe"):
         config.update(_llama_variant(reader, arch, head_dim))
     if meta_value(reader, f"{arch}.expert_count"):
         config.update(_experts(reader, arch))
@@ -279,12 +280,13 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
 
 def _experts(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
     """A mixture of experts' config keys. llama.cpp renormalises the chosen experts' weights
-    for Mixtral (a `llama` GGUF with experts) and Qwen3-MoE whatever the original config said,
+    for Mixtral (a `llama` GGUF with experts), Qwen3-MoE and Granite MoE whatever the original
+    config said,
     never for Qwen2-MoE and OLMoE, and runs every block as MoE."""
     out: dict[str, Any] = {
         "num_experts": int(require_meta(reader, f"{arch}.expert_count")),
         "num_experts_per_tok": int(require_meta(reader, f"{arch}.expert_used_count")),
-        "norm_topk_prob": arch in ("llama", "qwen3moe"),
+        "norm_topk_prob": arch in ("llama", "qwen3moe", "granitemoe"),
     }
     for key, hf in (
         ("expert_feed_forward_length", "moe_intermediate_size"),
@@ -307,7 +309,7 @@ def _llama_variant(reader: gguf.GGUFReader, arch: str, head_dim: int) -> dict[st
     """The config keys of the Llama variants, from what llama.cpp stores of them."""
     if arch == "smollm3":  # llama.cpp rotates all but every fourth layer, as the HF default
         return {"no_rope_layer_interval": 4}
-    if arch == "granite":
+    if arch in ("granite", "granitemoe"):
         keys = {
             "attention.scale": "attention_multiplier",
             "embedding_scale": "embedding_multiplier",

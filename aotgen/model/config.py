@@ -19,6 +19,7 @@ MOE_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
     "OlmoeForCausalLM",
+    "GraniteMoeForCausalLM",
 )
 LLAMA_LAYOUT = (
     "LlamaForCausalLM",
@@ -212,7 +213,7 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
         raise ValueError(f"config.json: partial_rotary_factor={rotary} is not supported on {arch}")
     layers = common["num_hidden_layers"]
     out.update(_smollm3(hf, layers) if arch == "SmolLM3ForCausalLM" else {})
-    out.update(_granite(hf) if arch == "GraniteForCausalLM" else {})
+    out.update(_granite(hf) if arch in ("GraniteForCausalLM", "GraniteMoeForCausalLM") else {})
     out.update(_moe(hf, arch, layers, act) if arch in MOE_ARCHITECTURES else {})
     if arch == "Qwen2ForCausalLM":
         out["attention_bias"] = True  # Qwen2 always has q/k/v biases
@@ -307,7 +308,9 @@ def _moe(hf: dict, arch: str, layers: int, act: str) -> dict[str, Any]:
         num_experts=experts,
         num_experts_per_tok=top_k,
         moe_intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
-        norm_topk_prob=arch == "MixtralForCausalLM" or bool(hf.get("norm_topk_prob", False)),
+        # Mixtral renormalises; Granite's softmax over the top-k logits is the same
+        norm_topk_prob=arch in ("MixtralForCausalLM", "GraniteMoeForCausalLM")
+        or bool(hf.get("norm_topk_prob", False)),
         shared_expert_intermediate_size=shared or 0,
         moe_layers=tuple(
             not qwen or (i not in dense and (i + 1) % step == 0) for i in range(layers)

@@ -1,14 +1,15 @@
-"""The sparse MLP of mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
+"""The sparse MLP of mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and
+Granite MoE.
 
 A router (`gate`, one logit per expert) picks each token's `num_experts_per_tok` experts by
 softmax probability; their SwiGLU MLPs' outputs are summed, weighted by those probabilities
 (renormalised over the chosen experts where the config says `norm_topk_prob`, always for
-Mixtral). Qwen2-MoE adds a shared expert on every token, scaled by a sigmoid gate.
+Mixtral and Granite MoE). Qwen2-MoE adds a shared expert on every token, scaled by a sigmoid gate.
 
 The experts are held stacked, as transformers 5 holds them: `experts.gate_up_proj [E, 2f, d]`
 (each expert's gate rows, then its up rows) and `experts.down_proj [E, d, f]`; checkpoints
-store them one expert at a time, and `stack_experts` stacks them at load. kernels/moe.py runs
-them.
+store them one expert at a time (Granite MoE: stacked, under its own names), and
+`stack_experts` stacks (or renames) them at load. kernels/moe.py runs them.
 """
 
 from __future__ import annotations
@@ -74,6 +75,12 @@ _EXPERT = re.compile(
     r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
 )
 _PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down"}
+# Granite MoE stores the experts stacked already (its gate and up rows fused), under its names.
+_GRANITE = {
+    "block_sparse_moe.input_linear.weight": "mlp.experts.gate_up_proj",
+    "block_sparse_moe.output_linear.weight": "mlp.experts.down_proj",
+    "block_sparse_moe.router.layer.weight": "mlp.gate.weight",
+}
 
 
 def stack_experts(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -87,7 +94,10 @@ def stack_experts(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Ten
     for name, tensor in weights.items():
         match = _EXPERT.match(name)
         if match is None:
-            out[name.replace(".block_sparse_moe.", ".mlp.")] = tensor
+            layer, sep, rest = name.partition(".block_sparse_moe.")
+            if sep:  # Mixtral's and Granite MoE's router, Granite MoE's experts
+                name = f"{layer}.{_GRANITE.get(sep[1:] + rest, 'mlp.' + rest)}"
+            out[name] = tensor
             continue
         layer, index, proj = match.groups()
         part = _PART.get(proj, "down")
