@@ -20,8 +20,8 @@ quantization/TP plans can match HF parameter names. The switches:
 - OLMo 2: q/k norms across all heads, and the norms after attention and the MLP, not before.
 - Phi-3's fused `qkv_proj` / `gate_up_proj` checkpoint tensors are split at load into the
   layout above (`split_fused`).
-- Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE): a sparse MLP (moe.py) on the
-  layers `moe_layers` marks.
+- Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE): a sparse MLP
+  (moe.py) on the layers `moe_layers` marks.
 
 The forward contract and the runtime-owned KV cache are described in layers.py.
 """
