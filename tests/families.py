@@ -15,6 +15,17 @@ BASE = dict(
     hidden_size=64, intermediate_size=128, num_attention_heads=4, max_position_embeddings=512
 )
 MOE = dict(num_experts=8, num_local_experts=8, num_experts_per_tok=2)
+MULTIPLIERS = dict(
+    embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0
+)
+GRANITE4 = dict(
+    num_hidden_layers=2,
+    num_key_value_heads=2,
+    shared_intermediate_size=96,
+    layer_types=["attention"] * 2,
+    mamba_n_heads=4,
+    mamba_d_head=32,
+)
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", dict(num_hidden_layers=2, num_key_value_heads=2)),
     "qwen2-tied": (
@@ -151,11 +162,18 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             num_hidden_layers=2,
             num_key_value_heads=2,
             **MOE,
-            embedding_multiplier=3.0,
-            residual_multiplier=0.5,
-            attention_multiplier=0.1,
-            logits_scaling=2.0,
+            **MULTIPLIERS,
         ),
+    ),
+    # Granite 4.0 with attention layers only: dense (its MLP `shared_mlp`, gate and up fused),
+    # and with experts beside an ungated shared MLP and no positions at all.
+    "granite4": (
+        "GraniteMoeHybridConfig",
+        dict(GRANITE4, num_local_experts=0, position_embedding_type="rope", **MULTIPLIERS),
+    ),
+    "granite4-moe": (
+        "GraniteMoeHybridConfig",
+        dict(GRANITE4, **MOE, position_embedding_type=None, **MULTIPLIERS),
     ),
     # OLMo 3: OLMo 2 with a window of 8 on three layers in four; YaRN on the global ones.
     "olmo3": (
@@ -292,7 +310,7 @@ PARITY = [
 # built.
 EAGER_PARITY = [
     "smollm3", "granite", "qwen3-yarn", "olmo2", "olmo3", "mixtral", "qwen2-moe", "olmoe",
-    "granite-moe",
+    "granite-moe", "granite4", "granite4-moe",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

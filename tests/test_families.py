@@ -132,7 +132,8 @@ def test_greedy_matches_transformers(family_engines, checkpoints, family):
 @pytest.mark.parametrize("family", EAGER_PARITY)
 def test_eager_model_matches_transformers(checkpoints, family):
     """SmolLM3 (NoPE layers), Granite (multipliers), YaRN, OLMo 2/3 and the mixtures of
-    experts (Mixtral, Qwen2-MoE's shared expert and dense layers, OLMoE): the model's logits
+    experts (Mixtral, Qwen2-MoE's shared expert and dense layers, OLMoE, Granite MoE) and
+    Granite 4.0 with attention layers (dense, and experts with no positions): the model's logits
     over a history and its 32 greedy tokens, decoded step by step on its KV cache, equal
     transformers'."""
     eager = EagerModel(checkpoints[family], 96)
@@ -380,6 +381,8 @@ def test_transformers4_gemma3_config():
         ("Qwen3MoeForCausalLM", {**MOE, "hidden_act": "gelu"}, "SwiGLU"),
         ("OlmoeForCausalLM", {**MOE, "clip_qkv": 8.0}, "clip_qkv"),
         ("Qwen2MoeForCausalLM", {**MOE, "use_sliding_window": True}, "use_sliding_window"),
+        ("GraniteMoeHybridForCausalLM", {"layer_types": ["mamba"] * 6}, "Mamba layers"),
+        ("GraniteMoeHybridForCausalLM", {}, "Mamba layers"),
     ],
 )
 def test_unhonoured_config_keys_are_errors(arch, extra, key):

@@ -20,7 +20,12 @@ MOE_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "OlmoeForCausalLM",
     "GraniteMoeForCausalLM",
+    "GraniteMoeSharedForCausalLM",
+    "GraniteMoeHybridForCausalLM",  # Granite 4.0 with attention layers only; dense without experts
 )
+# Granites whose dense MLP (or shared expert) is `shared_mlp`, of shared_intermediate_size.
+GRANITE_SHARED_MLP = ("GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")
+GRANITES = ("GraniteForCausalLM", "GraniteMoeForCausalLM", *GRANITE_SHARED_MLP)  # multipliers
 LLAMA_LAYOUT = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -97,6 +102,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = False  # Qwen2-MoE scales it by a sigmoid gate, Granite does not
     moe_layers: tuple[bool, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -128,7 +134,9 @@ class ModelConfig:
         common: dict[str, Any] = dict(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
+            intermediate_size=hf.get("shared_intermediate_size") or hf["intermediate_size"]
+            if arch in GRANITE_SHARED_MLP
+            else hf["intermediate_size"],
             num_hidden_layers=hf["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=hf.get("num_key_value_heads") or heads,
@@ -213,8 +221,10 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
         raise ValueError(f"config.json: partial_rotary_factor={rotary} is not supported on {arch}")
     layers = common["num_hidden_layers"]
     out.update(_smollm3(hf, layers) if arch == "SmolLM3ForCausalLM" else {})
-    out.update(_granite(hf) if arch in ("GraniteForCausalLM", "GraniteMoeForCausalLM") else {})
-    out.update(_moe(hf, arch, layers, act) if arch in MOE_ARCHITECTURES else {})
+    out.update(_granite(hf, arch, layers) if arch in GRANITES else {})
+    dense_granite = arch == "GraniteMoeHybridForCausalLM" and not hf.get("num_local_experts")
+    if arch in MOE_ARCHITECTURES and not dense_granite:
+        out.update(_moe(hf, arch, layers, act))
     if arch == "Qwen2ForCausalLM":
         out["attention_bias"] = True  # Qwen2 always has q/k/v biases
     elif arch == "Qwen2MoeForCausalLM":
@@ -252,6 +262,7 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
         _refuse(hf, "final_logit_softcapping", None, f"not part of {arch}")
         _refuse(hf, "attn_logit_softcapping", None, f"not part of {arch}")
     types = out.get("layer_types") or hf.get("layer_types") or ()
+    types = () if arch == "GraniteMoeHybridForCausalLM" else types  # all global: _granite
     if any(t not in ("sliding_attention", "full_attention") for t in types):
         raise ValueError(f"config.json: layer_types {sorted(set(types))} are not supported")
     if "layer_types" not in out and "sliding_attention" in types:
@@ -303,15 +314,21 @@ def _moe(hf: dict, arch: str, layers: int, act: str) -> dict[str, Any]:
     step = hf.get("decoder_sparse_step") or 1
     dense = set(hf.get("mlp_only_layers") or ())
     qwen = arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-    shared = hf.get("shared_expert_intermediate_size") if arch == "Qwen2MoeForCausalLM" else 0
+    shared = {
+        "Qwen2MoeForCausalLM": hf.get("shared_expert_intermediate_size"),
+        "GraniteMoeSharedForCausalLM": hf.get("shared_intermediate_size"),
+        "GraniteMoeHybridForCausalLM": hf.get("shared_intermediate_size"),
+    }.get(arch)
     return dict(
         num_experts=experts,
         num_experts_per_tok=top_k,
         moe_intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
         # Mixtral renormalises; Granite's softmax over the top-k logits is the same
-        norm_topk_prob=arch in ("MixtralForCausalLM", "GraniteMoeForCausalLM")
+        norm_topk_prob=arch == "MixtralForCausalLM"
+        or arch in GRANITES
         or bool(hf.get("norm_topk_prob", False)),
         shared_expert_intermediate_size=shared or 0,
+        shared_expert_gated=arch == "Qwen2MoeForCausalLM",
         moe_layers=tuple(
             not qwen or (i not in dense and (i + 1) % step == 0) for i in range(layers)
         ),
@@ -329,11 +346,26 @@ def _smollm3(hf: dict, layers: int) -> dict[str, Any]:
     return {"rope_layers": tuple(bool(f) for f in flags)}
 
 
-def _granite(hf: dict) -> dict[str, Any]:
+def _granite(hf: dict, arch: str, layers: int) -> dict[str, Any]:
+    """Granite's multipliers; Granite 4.0 (the hybrid config) with attention layers only, with
+    RoPE or none (`position_embedding_type`)."""
     keys = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
     for key in keys:
         _positive(hf, key)
-    return {key: float(hf[key]) for key in keys if key in hf}
+    out: dict[str, Any] = {key: float(hf[key]) for key in keys if key in hf}
+    if arch == "GraniteMoeHybridForCausalLM":
+        types = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"]
+        if any(t not in ("attention", "full_attention") for t in types):
+            raise ValueError(
+                "config.json: Granite 4.0's Mamba layers (layer_types other than attention) "
+                "are not supported; its attention-only models (granite-4.0-micro) are"
+            )
+        position = hf.get("position_embedding_type")
+        if position not in (None, "rope"):
+            raise ValueError(f"config.json: position_embedding_type={position!r} is not supported")
+        if position is None:  # no positions at all
+            out["rope_layers"] = (False,) * layers
+    return out
 
 
 def _rotary_factor(hf: dict) -> float:

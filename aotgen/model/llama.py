@@ -16,7 +16,7 @@ quantization/TP plans can match HF parameter names. The switches:
 - `rotary_dim`: RoPE on the first dims of a head (Phi-4-mini); `rope_layers`: the layers
   that rotate at all (SmolLM3 leaves every fourth without).
 - Granite's multipliers on the embeddings, each block's output and the attention scale, and
-  its logits divisor.
+  its logits divisor; Granite 4's fused `shared_mlp` is split at load (`split_fused`).
 - OLMo 2: q/k norms across all heads, and the norms after attention and the MLP, not before.
 - Phi-3's fused `qkv_proj` / `gate_up_proj` checkpoint tensors are split at load into the
   layout above (`split_fused`).
@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from aotgen.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from aotgen.model.config import GRANITE_SHARED_MLP, SUPPORTED_ARCHITECTURES, ModelConfig
 from aotgen.model.layers import ACT_FNS, CausalLM, RMSNorm, apply_rope, cached_attention, softcap
 from aotgen.model.moe import SparseMoE, stack_experts
 from aotgen.model.rope import rope_inv_freq, rope_tables
@@ -207,7 +207,10 @@ def new_kv_cache(
 
 def split_fused(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
     """Phi-3's fused projections as the Llama layout's: `qkv_proj` rows are q, then k, then
-    v; `gate_up_proj` rows are gate, then up (other families: unchanged)."""
+    v; `gate_up_proj` rows are gate, then up. Granite 4's `shared_mlp` (input_linear: gate
+    rows, then up) is the MLP, or with experts the shared expert. Other families: unchanged."""
+    if cfg.architecture in GRANITE_SHARED_MLP:
+        return _granite_shared_mlp(cfg, weights)
     if cfg.architecture != "Phi3ForCausalLM":
         return weights
     q_rows = cfg.num_attention_heads * cfg.head_dim
@@ -222,6 +225,21 @@ def split_fused(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tenso
             gate, up = tensor.chunk(2)
             stem = name.removesuffix("gate_up_proj.weight")
             out |= {f"{stem}gate_proj.weight": gate, f"{stem}up_proj.weight": up}
+        else:
+            out[name] = tensor
+    return out
+
+
+def _granite_shared_mlp(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    mlp = "mlp.shared_expert." if cfg.num_experts else "mlp."
+    out = {}
+    for name, tensor in weights.items():
+        stem, sep, proj = name.partition("shared_mlp.")
+        if proj == "input_linear.weight":
+            gate, up = tensor.chunk(2)
+            out |= {f"{stem}{mlp}gate_proj.weight": gate, f"{stem}{mlp}up_proj.weight": up}
+        elif proj == "output_linear.weight":
+            out[f"{stem}{mlp}down_proj.weight"] = tensor
         else:
             out[name] = tensor
     return out

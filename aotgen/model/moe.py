@@ -4,7 +4,8 @@ Granite MoE.
 A router (`gate`, one logit per expert) picks each token's `num_experts_per_tok` experts by
 softmax probability; their SwiGLU MLPs' outputs are summed, weighted by those probabilities
 (renormalised over the chosen experts where the config says `norm_topk_prob`, always for
-Mixtral and Granite MoE). Qwen2-MoE adds a shared expert on every token, scaled by a sigmoid gate.
+Mixtral and Granite MoE). Qwen2-MoE adds a shared expert on every token, scaled by a sigmoid
+gate; Granite's MoE-with-shared-MLP configs add theirs ungated.
 
 The experts are held stacked, as transformers 5 holds them: `experts.gate_up_proj [E, 2f, d]`
 (each expert's gate rows, then its up rows) and `experts.down_proj [E, d, f]`; checkpoints
@@ -51,9 +52,10 @@ class SparseMoE(nn.Module):
         self.top_k, self.normalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg)
-        self.shared = cfg.shared_expert_intermediate_size > 0
+        self.shared, self.gated = cfg.shared_expert_intermediate_size > 0, cfg.shared_expert_gated
         if self.shared:
             self.shared_expert = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        if self.gated:
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -64,7 +66,9 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         y = self.experts(rows, weights, ids)
         if self.shared:
-            y = y + torch.sigmoid(self.shared_expert_gate(rows)) * self.shared_expert(rows)
+            shared = self.shared_expert(rows)
+            gate = torch.sigmoid(self.shared_expert_gate(rows)) if self.gated else 1.0
+            y = y + gate * shared
         return y.reshape(x.shape)
 
 

@@ -79,6 +79,7 @@ DEFAULT_PLANS: dict[str, dict[str, str]] = {
     "Phi3ForCausalLM": LLAMA_PLAN,
     "SmolLM3ForCausalLM": LLAMA_PLAN,
     "GraniteForCausalLM": LLAMA_PLAN,
+    "GraniteMoeHybridForCausalLM": LLAMA_PLAN,  # Granite 4.0 without experts
     "GPTNeoXForCausalLM": GPT_NEOX_PLAN,
 }
 # (column-parallel inputs, row-parallel output) of each block: both sharded or neither.
