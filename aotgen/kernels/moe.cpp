@@ -9,15 +9,17 @@
 // ids) and each routed expert runs once, as two matmuls over its tokens: its weights are read
 // once per step. Experts run in parallel, one thread each.
 //
-// x [T, d] float32; weights [T, k] float32 and ids [T, k] int64: each token's experts and their
-// routing weights; gate_up [E, 2f, d] (the gate's rows, then the up projection's) and down
-// [E, d, f], contiguous: float32, or int8 with float32 scales per row (`moe_experts_int8`: each
-// routed expert dequantized once per call into a buffer). The matmuls go to ATen's CPU mm
+// x [T, d] float32 or bfloat16 (the output's dtype); weights [T, k] float32 and ids [T, k] int64:
+// each token's experts and their routing weights; gate_up [E, 2f, d] (the gate's rows, then the
+// up projection's) and down [E, d, f], contiguous: float32, bfloat16, or int8 with float32 scales
+// per row (`moe_experts_int8`); other than float32, each routed expert is converted once per
+// call into a float32 buffer, and every product and sum is float32. The matmuls go to ATen's CPU mm
 // (MKL / oneDNN) through the C shim API; the grouping, SwiGLU and weighted sum are plain loops.
 // Each token's output sums its experts in ascending order, as transformers does.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #pragma GCC push_options
@@ -25,20 +27,21 @@
 
 namespace aotgen_moe {
 
-// A [rows, cols] float32 view of `data` with the given row and column strides.
-static AOTITorchError view(float* data, int64_t rows, int64_t cols, int64_t row_stride,
-                           int64_t col_stride, AtenTensorHandle* out) {
+// A [rows, cols] view of `data` (float32 or bfloat16) with the given row and column strides.
+static AOTITorchError view(void* data, int32_t dtype, int64_t rows, int64_t cols,
+                           int64_t row_stride, int64_t col_stride, AtenTensorHandle* out) {
   const int64_t sizes[2] = {rows, cols}, strides[2] = {row_stride, col_stride};
-  return aoti_torch_create_tensor_from_blob(data, 2, sizes, strides, 0, aoti_torch_dtype_float32(),
+  return aoti_torch_create_tensor_from_blob(data, 2, sizes, strides, 0, dtype,
                                             aoti_torch_device_type_cpu(), 0, out);
 }
 
-// out [n, m] = a [n, K] @ b^T, b's rows at `b` ([m, K] contiguous).
-static AOTITorchError matmul_t(float* a, int64_t n, int64_t K, float* b, int64_t m, float* out) {
+// out [n, m] = a [n, K] @ b^T, b's rows at `b` ([m, K] contiguous), all of `dtype`.
+static AOTITorchError matmul_t(void* a, int64_t n, int64_t K, void* b, int64_t m, void* out,
+                               int32_t dtype) {
   AtenTensorHandle ha, hb, ho;
-  AOTI_TORCH_ERROR_CODE_CHECK(view(a, n, K, K, 1, &ha));
-  AOTI_TORCH_ERROR_CODE_CHECK(view(b, K, m, 1, K, &hb));
-  AOTI_TORCH_ERROR_CODE_CHECK(view(out, n, m, m, 1, &ho));
+  AOTI_TORCH_ERROR_CODE_CHECK(view(a, dtype, n, K, K, 1, &ha));
+  AOTI_TORCH_ERROR_CODE_CHECK(view(b, dtype, K, m, 1, K, &hb));
+  AOTI_TORCH_ERROR_CODE_CHECK(view(out, dtype, n, m, m, 1, &ho));
   const AOTITorchError rc = aoti_torch_mm_out(ho, ha, hb);
   aoti_torch_delete_tensor_object(ha);
   aoti_torch_delete_tensor_object(hb);
@@ -46,23 +49,116 @@ static AOTITorchError matmul_t(float* a, int64_t n, int64_t K, float* b, int64_t
   return rc;
 }
 
-// One expert's weights [rows, cols] as float32: in place when they are, else int8 rows times
-// their scales, into `buffer`.
-static float* expert_weights(const void* all, const float* scales, int64_t e, int64_t rows,
-                             int64_t cols, std::vector<float>& buffer) {
-  if (!scales) return (float*)all + e * rows * cols;
-  const int8_t* q = (const int8_t*)all + e * rows * cols;
-  const float* s = scales + e * rows;
+enum class Kind { f32, bf16, i8 };  // how the weights are stored
+
+inline float bf16_to_float(uint16_t v) {
+  const uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as PyTorch does
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffff) > 0x7f800000) return 0x7fc0;  // NaN
+  return uint16_t((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+// One expert's weights [rows, cols] as float32: in place when they are, else converted (bf16)
+// or int8 rows times their scales, into `buffer`.
+static float* expert_weights(const void* all, Kind kind, const float* scales, int64_t e,
+                             int64_t rows, int64_t cols, std::vector<float>& buffer) {
+  const int64_t at = e * rows * cols;
+  if (kind == Kind::f32) return (float*)all + at;
   buffer.resize(rows * cols);
+  if (kind == Kind::bf16) {
+    const uint16_t* w = (const uint16_t*)all + at;
+    for (int64_t i = 0; i < rows * cols; i++) buffer[i] = bf16_to_float(w[i]);
+    return buffer.data();
+  }
+  const int8_t* q = (const int8_t*)all + at;
+  const float* s = scales + e * rows;
   for (int64_t r = 0; r < rows; r++)
     for (int64_t c = 0; c < cols; c++) buffer[r * cols + c] = q[r * cols + c] * s[r];
   return buffer.data();
 }
 
-static AOTITorchError experts(const float* x, const float* weights, const int64_t* ids,
-                              const void* gate_up, const float* gate_up_scale, const void* down,
-                              const float* down_scale, float* out, int64_t T, int64_t k,
-                              int64_t E, int64_t d, int64_t f) {
+struct Expert {  // what every routed expert's run reads
+  const void *x;
+  bool x_bf16;
+  const void *gate_up, *down;
+  Kind kind;
+  const float *gate_up_scale, *down_scale;
+  int64_t k, d, f;
+};
+
+struct Scratch {  // one thread's buffers, reused across its experts
+  std::vector<float> rows, hidden, act, gate_up, down;
+  std::vector<uint16_t> rows16, hidden16, act16, y16;
+};
+
+inline float silu_mul(float g, float u) { return g / (1.f + std::exp(-g)) * u; }
+
+// Expert e on its n rows (pairs: token * k + slot) in float32: out_rows [n, d].
+static AOTITorchError run_f32(const Expert& job, int64_t e, const int64_t* pairs, int64_t n,
+                              float* out_rows, Scratch& s) {
+  const int64_t d = job.d, f = job.f;
+  const int32_t f32 = aoti_torch_dtype_float32();
+  s.rows.resize(n * d);
+  s.hidden.resize(n * 2 * f);
+  s.act.resize(n * f);
+  for (int64_t r = 0; r < n; r++) {
+    const int64_t at = (pairs[r] / job.k) * d;
+    float* dst = s.rows.data() + r * d;
+    if (job.x_bf16) {
+      for (int64_t j = 0; j < d; j++) dst[j] = bf16_to_float(((const uint16_t*)job.x)[at + j]);
+    } else {
+      std::copy((const float*)job.x + at, (const float*)job.x + at + d, dst);
+    }
+  }
+  float* w = expert_weights(job.gate_up, job.kind, job.gate_up_scale, e, 2 * f, d, s.gate_up);
+  AOTI_TORCH_ERROR_CODE_CHECK(matmul_t(s.rows.data(), n, d, w, 2 * f, s.hidden.data(), f32));
+  for (int64_t r = 0; r < n; r++) {
+    const float* g = s.hidden.data() + r * 2 * f;
+    for (int64_t j = 0; j < f; j++) s.act[r * f + j] = silu_mul(g[j], g[f + j]);
+  }
+  w = expert_weights(job.down, job.kind, job.down_scale, e, d, f, s.down);
+  return matmul_t(s.act.data(), n, f, w, d, out_rows, f32);
+}
+
+// The same in bfloat16 (activations and weights both): ATen's bfloat16 matmuls on the weights
+// in place, the SwiGLU in float32 rounded back, as an eager bfloat16 model computes it.
+static AOTITorchError run_bf16(const Expert& job, int64_t e, const int64_t* pairs, int64_t n,
+                               float* out_rows, Scratch& s) {
+  const int64_t d = job.d, f = job.f;
+  const int32_t bf16 = aoti_torch_dtype_bfloat16();
+  s.rows16.resize(n * d);
+  s.hidden16.resize(n * 2 * f);
+  s.act16.resize(n * f);
+  s.y16.resize(n * d);
+  for (int64_t r = 0; r < n; r++) {
+    const uint16_t* src = (const uint16_t*)job.x + (pairs[r] / job.k) * d;
+    std::copy(src, src + d, s.rows16.data() + r * d);
+  }
+  uint16_t* w = (uint16_t*)job.gate_up + e * 2 * f * d;
+  AOTI_TORCH_ERROR_CODE_CHECK(matmul_t(s.rows16.data(), n, d, w, 2 * f, s.hidden16.data(), bf16));
+  for (int64_t r = 0; r < n; r++) {
+    const uint16_t* g = s.hidden16.data() + r * 2 * f;
+    for (int64_t j = 0; j < f; j++)
+      s.act16[r * f + j] = float_to_bf16(silu_mul(bf16_to_float(g[j]), bf16_to_float(g[f + j])));
+  }
+  w = (uint16_t*)job.down + e * d * f;
+  AOTI_TORCH_ERROR_CODE_CHECK(matmul_t(s.act16.data(), n, f, w, d, s.y16.data(), bf16));
+  for (int64_t i = 0; i < n * d; i++) out_rows[i] = bf16_to_float(s.y16[i]);
+  return AOTI_TORCH_SUCCESS;
+}
+
+// x and out are bfloat16 when x_bf16, else float32; the weighted sum is float32.
+static AOTITorchError experts(const void* x, bool x_bf16, const float* weights,
+                              const int64_t* ids, const void* gate_up, const void* down, Kind kind,
+                              const float* gate_up_scale, const float* down_scale, void* out,
+                              int64_t T, int64_t k, int64_t E, int64_t d, int64_t f) {
   // Counting sort of the (token, slot) pairs by expert.
   std::vector<int64_t> start(E + 1, 0), order(T * k);
   for (int64_t i = 0; i < T * k; i++) {
@@ -79,43 +175,35 @@ static AOTITorchError experts(const float* x, const float* weights, const int64_
   for (int64_t e = 0; e < E; e++)
     if (start[e + 1] > start[e]) hit.push_back(e);
   std::vector<float> y(T * k * d);
+  const Expert job{x, x_bf16, gate_up, down, kind, gate_up_scale, down_scale, k, d, f};
   AOTITorchError rc = AOTI_TORCH_SUCCESS;
 #pragma omp parallel
   {
-    std::vector<float> rows, hidden, act, gate_up_f, down_f;
+    Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
     for (size_t h = 0; h < hit.size(); h++) {
       const int64_t e = hit[h], n = start[e + 1] - start[e];
       const int64_t* pairs = order.data() + start[e];
-      rows.resize(n * d);
-      hidden.resize(n * 2 * f);
-      act.resize(n * f);
-      for (int64_t r = 0; r < n; r++) {
-        const float* src = x + (pairs[r] / k) * d;
-        std::copy(src, src + d, rows.data() + r * d);
-      }
-      float* w_gate_up = expert_weights(gate_up, gate_up_scale, e, 2 * f, d, gate_up_f);
-      if (matmul_t(rows.data(), n, d, w_gate_up, 2 * f, hidden.data()) != AOTI_TORCH_SUCCESS)
-        rc = AOTI_TORCH_FAILURE;
-      for (int64_t r = 0; r < n; r++) {
-        const float* g = hidden.data() + r * 2 * f;
-        float* a = act.data() + r * f;
-        for (int64_t j = 0; j < f; j++) a[j] = g[j] / (1.f + std::exp(-g[j])) * g[f + j];
-      }
-      float* w_down = expert_weights(down, down_scale, e, d, f, down_f);
-      if (matmul_t(act.data(), n, f, w_down, d, y.data() + start[e] * d) != AOTI_TORCH_SUCCESS)
-        rc = AOTI_TORCH_FAILURE;
+      float* out_rows = y.data() + start[e] * d;
+      const AOTITorchError got = x_bf16 && kind == Kind::bf16
+                                     ? run_bf16(job, e, pairs, n, out_rows, scratch)
+                                     : run_f32(job, e, pairs, n, out_rows, scratch);
+      if (got != AOTI_TORCH_SUCCESS) rc = got;
     }
   }
   if (rc != AOTI_TORCH_SUCCESS) return rc;
   // The weighted sum, experts in ascending order as transformers adds them.
-  for (int64_t i = 0; i < T * d; i++) out[i] = 0.f;
+  std::vector<float> sums(x_bf16 ? T * d : 0);
+  float* acc = x_bf16 ? sums.data() : (float*)out;
+  for (int64_t i = 0; i < T * d; i++) acc[i] = 0.f;
   for (int64_t p = 0; p < T * k; p++) {
     const float w = weights[order[p]];
-    float* dst = out + (order[p] / k) * d;
+    float* dst = acc + (order[p] / k) * d;
     const float* src = y.data() + p * d;
     for (int64_t j = 0; j < d; j++) dst[j] += src[j] * w;
   }
+  if (x_bf16)
+    for (int64_t i = 0; i < T * d; i++) ((uint16_t*)out)[i] = float_to_bf16(acc[i]);
   return AOTI_TORCH_SUCCESS;
 }
 
@@ -125,8 +213,9 @@ static AOTITorchError experts(const float* x, const float* weights, const int64_
 
 // Hidden: the shims stay inside the graph's .so (export/shims.py links them in).
 #pragma GCC visibility push(hidden)
-// x [T, d], weights [T, k] float32, ids [T, k] int64, gate_up [E, 2f, d], down [E, d, f]: float32,
-// or int8 with float32 row scales gate_up_scale [E, 2f], down_scale [E, d] (else null).
+// x [T, d] float32 or bfloat16, weights [T, k] float32, ids [T, k] int64, gate_up [E, 2f, d],
+// down [E, d, f]: float32, bfloat16, or int8 with float32 row scales gate_up_scale [E, 2f],
+// down_scale [E, d] (else null).
 static AOTITorchError aotgen_moe_shim(AtenTensorHandle x, AtenTensorHandle weights,
                                       AtenTensorHandle ids, AtenTensorHandle gate_up,
                                       AtenTensorHandle gate_up_scale, AtenTensorHandle down,
@@ -148,10 +237,19 @@ static AOTITorchError aotgen_moe_shim(AtenTensorHandle x, AtenTensorHandle weigh
   const int64_t f = down_sizes[2];
   if (gu_sizes[1] != 2 * f || gu_sizes[2] != d || down_sizes[0] != E || down_sizes[1] != d)
     return AOTI_TORCH_FAILURE;
+  int32_t x_dtype, w_dtype;
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(x, &x_dtype));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(gate_up, &w_dtype));
+  const int32_t f32 = aoti_torch_dtype_float32(), bf16 = aoti_torch_dtype_bfloat16();
+  if (x_dtype != f32 && x_dtype != bf16) return AOTI_TORCH_FAILURE;
+  const aotgen_moe::Kind kind = gate_up_scale      ? aotgen_moe::Kind::i8
+                                : w_dtype == bf16 ? aotgen_moe::Kind::bf16
+                                                  : aotgen_moe::Kind::f32;
+  if (!gate_up_scale && w_dtype != f32 && w_dtype != bf16) return AOTI_TORCH_FAILURE;
   const int64_t out_sizes[2] = {T, d}, out_strides[2] = {d, 1};
   AtenTensorHandle out;
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(
-      2, out_sizes, out_strides, aoti_torch_dtype_float32(), aoti_torch_device_type_cpu(), 0, &out));
+      2, out_sizes, out_strides, x_dtype, aoti_torch_device_type_cpu(), 0, &out));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(x, &x_data));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(weights, &w_data));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(ids, &id_data));
@@ -163,9 +261,8 @@ static AOTITorchError aotgen_moe_shim(AtenTensorHandle x, AtenTensorHandle weigh
     AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(down_scale, &down_scale_data));
   }
   const AOTITorchError rc = aotgen_moe::experts(
-      (const float*)x_data, (const float*)w_data, (const int64_t*)id_data, gu_data,
-      (const float*)gu_scale, down_data, (const float*)down_scale_data, (float*)out_data, T, k, E,
-      d, f);
+      x_data, x_dtype == bf16, (const float*)w_data, (const int64_t*)id_data, gu_data, down_data,
+      kind, (const float*)gu_scale, (const float*)down_scale_data, out_data, T, k, E, d, f);
   if (rc != AOTI_TORCH_SUCCESS) {
     aoti_torch_delete_tensor_object(out);
     return rc;

@@ -2,7 +2,7 @@
 chose, weighted.
 
 `moe_experts` is a `torch.library` custom op whose eager implementation (transformers' loop
-over the routed experts) defines it; CPU float32 graphs call it, and AOTInductor links
+over the routed experts) defines it; CPU graphs call it, and AOTInductor links
 `moe.cpp` into each graph's `.so` as its C shim (export/shims.py): each routed expert runs once
 per step, over the tokens routed to it. `moe_experts_int8` is the same on int8 experts with
 per-row scales. `run_experts` picks the kernel or a fixed-shape formulation
@@ -46,9 +46,8 @@ def moe_experts_int8(
 ) -> Tensor:
     """`moe_experts` on int8 experts, each row scaled: gate_up_scale [E, 2f], down_scale
     [E, d] (weight-only, per output channel)."""
-    return moe_experts(
-        x, weights, ids, gate_up * gate_up_scale[..., None], down * down_scale[..., None]
-    )
+    gate_up = (gate_up * gate_up_scale[..., None]).to(x.dtype)
+    return moe_experts(x, weights, ids, gate_up, (down * down_scale[..., None]).to(x.dtype))
 
 
 @moe_experts.register_fake
@@ -65,11 +64,11 @@ OPS = (torch.ops.aotgen.moe_experts.default, torch.ops.aotgen.moe_experts_int8.d
 
 
 def applies(x: Tensor) -> bool:
-    """Whether the kernel can run these rows: float32 on CPU, no gradient wanted, not an ONNX
-    export."""
+    """Whether the kernel can run these rows: float32 or bfloat16 on CPU, no gradient wanted,
+    not an ONNX export."""
     return (
         not x.is_cuda
-        and x.dtype == torch.float32
+        and x.dtype in (torch.float32, torch.bfloat16)
         and not x.requires_grad
         and not torch.onnx.is_in_onnx_export()
     )
@@ -87,8 +86,8 @@ def run_experts(
 
     Fewer routed weight matrices than experts (decode, verify): each row's experts are
     gathered, which Inductor fuses into the multiply-sums (faster than the kernel there,
-    docs/moe.md). More (prefill, large batches): the kernel on CPU float32, elsewhere every
-    expert on every row (ONNX, GPU, bfloat16, autograd)."""
+    docs/moe.md). More (prefill, large batches): the kernel on CPU (float32, bfloat16),
+    elsewhere every expert on every row (ONNX, GPU, autograd)."""
     t = x.shape[0]
     few = isinstance(t, int) and t * ids.shape[1] < gate_up.shape[0]
     if not few and applies(x):
