@@ -7,8 +7,9 @@ checkpoint (no MoE checkpoint ships offline; speed does not depend on the weight
 Shape: 8 layers, hidden 1024, 16 heads / 4 KV heads, 32 experts of 512, 4 a token, SmolLM2's
 49,152-token vocabulary and tokenizer (llama.cpp's converter knows it): 478 M parameters,
 125 M of them read per decoded token. Prints `aotgen bench` for the fp32 package, the same without
-the kernel and the int8 package (experts int8 per channel), and `llama-bench` on the same
-weights in F32 and Q8_0 (converted with llama.cpp's convert_hf_to_gguf.py, then llama-quantize).
+the kernel, the int8 package (experts int8 per channel) and the bfloat16 one, and `llama-bench`
+on the same weights in F32, Q8_0 and BF16 (converted with llama.cpp's convert_hf_to_gguf.py,
+then llama-quantize).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main() -> None:
         ("moe-kernel", ["-m", "aotgen", "build"], ""),
         ("moe-fixed", ["-c", WITHOUT_KERNEL], ""),
         ("moe-int8", ["-m", "aotgen", "build"], "quantize: {linear: int8}\n"),
+        ("moe-bf16", ["-m", "aotgen", "build"], "dtype: bfloat16\n"),
     ]
     for name, build, extra in builds:
         path = work / f"{name}.yaml"
@@ -86,11 +88,12 @@ def main() -> None:
     if not gguf.exists():
         convert = [sys.executable, str(converter), str(ckpt), "--outtype", "f32"]
         subprocess.run([*convert, "--outfile", str(gguf)], check=True)
-    q8 = work / "moe-q8_0.gguf"
-    if not q8.exists():
-        quantize = [str(args.llamacpp / "llama-quantize"), str(gguf), str(q8), "Q8_0"]
-        subprocess.run(quantize, check=True, capture_output=True)
-    for model in (gguf, q8):
+    quantized = {kind: work / f"moe-{kind.lower()}.gguf" for kind in ("Q8_0", "BF16")}
+    for kind, path in quantized.items():
+        if not path.exists():
+            quantize = [str(args.llamacpp / "llama-quantize"), str(gguf), str(path), kind]
+            subprocess.run(quantize, check=True, capture_output=True)
+    for model in (gguf, *quantized.values()):
         llama_bench = [str(args.llamacpp / "llama-bench"), "-m", str(model), "-t", "2"]
         subprocess.run([*llama_bench, "-p", "128", "-n", "64", "-r", "3"], check=True)
 
