@@ -97,6 +97,21 @@ def test_int8_experts_round_to_their_rows_scale():
     torch.testing.assert_close(want, dequantized)
 
 
+@pytest.mark.parametrize(
+    ("family", "routers"),
+    [("qwen3-moe", ["*.mlp.gate"]), ("qwen2-moe", ["*.mlp.gate", "*.mlp.shared_expert_gate"])],
+)
+def test_quantize_keeps_the_routers_float(tmp_path, family, routers):
+    """The recipe's own skip patterns (a string or a list) and the routers' are kept; the
+    experts go int8 with the linears, not with the embedding alone."""
+    from aotgen.package.models import _experts_quantize
+
+    cfg = ModelConfig.from_hf(open_checkpoint(make_family_checkpoint(tmp_path, family)).config)
+    quantize, experts = _experts_quantize(cfg, {"linear": "int8", "skip": "lm_head"})
+    assert quantize["skip"] == ["lm_head", *routers] and experts
+    assert not _experts_quantize(cfg, {"embedding": "int8"})[1]
+
+
 def test_quantized_routing_and_parallel_are_refused(tmp_path):
     """Integer activations and GGUF blocks do not apply to the experts, and there is no
     tensor-parallel plan for them: one-line errors before any compile."""

@@ -197,7 +197,7 @@ def _experts_quantize(
             f"quantize.{why} does not apply to the experts of {cfg.architecture} (a mixture of "
             "experts): use quantize: {linear: int8} (experts int8 per channel)"
         )
-    skip = [*(quantize.get("skip") or []), *routers(cfg.shared_expert_intermediate_size > 0)]
+    skip = [*options.skip, *routers(cfg.shared_expert_gated)]
     return {**quantize, "skip": skip}, options.linear is not None
 
 

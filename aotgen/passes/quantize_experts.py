@@ -16,9 +16,9 @@ from aotgen.kernels import moe
 from aotgen.model.moe import Experts
 
 
-def routers(shared_expert: bool) -> list[str]:
+def routers(gated_shared_expert: bool) -> list[str]:
     """quantize.skip globs of the routers (and Qwen2-MoE's shared-expert gate): kept float."""
-    return ["*.mlp.gate", *(["*.mlp.shared_expert_gate"] if shared_expert else [])]
+    return ["*.mlp.gate", *(["*.mlp.shared_expert_gate"] if gated_shared_expert else [])]
 
 
 def int8_rows(w: Tensor) -> tuple[Tensor, Tensor]:
