@@ -50,6 +50,27 @@ def test_kernel_equals_sdpa(lib, shape):
     assert (out - expect).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("cap", [5.0, 50.0])
+def test_softcapped_scores_equal_the_reference(lib, cap):
+    """Gemma 2's cap * tanh(scores / cap) before the softmax (cap 5 bends most scores of this
+    scale, cap 50 few), one sequence and a batch; without the cap the result is another."""
+    gen = torch.Generator().manual_seed(7)
+    h, g, t, n, length, d = 2, 2, 5, 45, 64, 256
+    q = torch.randn(2, h, g * t, d, generator=gen) * 0.3
+    k, v = (torch.randn(3, h, length, d, generator=gen) for _ in range(2))
+    mask = torch.rand(2, t, n, generator=gen) < 0.7
+    mask[..., 0] = True
+    slots = torch.tensor([2, 0])
+    out = at.run_library(lib, q, k, v, mask, slots, cap)
+    expect = at.attend_cache_slots(q.double(), k.double(), v.double(), mask, slots, cap).float()
+    assert (out - expect).abs().max() <= 1e-5
+    one = at.run_library(lib, q[:1], k[:1], v[:1], mask[0], cap=cap)
+    expect = at.attend_cache(q[:1].double(), k[:1].double(), v[:1].double(), mask[0], cap)
+    assert (one - expect.float()).abs().max() <= 1e-5
+    uncapped = at.attend_cache(q[:1].double(), k[:1].double(), v[:1].double(), mask[0])
+    assert (one - uncapped.float()).abs().max() > 1e-3
+
+
 def test_batch_reads_each_sequence_slot(lib):
     """Batched graphs: sequence b reads cache slot slots[b] under its own mask rows."""
     gen = torch.Generator().manual_seed(3)

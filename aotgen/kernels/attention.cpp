@@ -1,5 +1,6 @@
 // Attention of a few query rows (decode, verify, token trees, batched steps) over the filled
-// prefix of a KV cache: out [B, H, R, D] = softmax(q k^T + mask) v, q already scaled. Compiled
+// prefix of a KV cache: out [B, H, R, D] = softmax(q k^T + mask) v, q already scaled (with a
+// cap > 0, Gemma 2's, the scores softcapped first: cap * tanh(q k^T / cap)). Compiled
 // into each graph's .so by AOTInductor as the C shims of `aotgen::attend_cache` (one sequence)
 // and `aotgen::attend_cache_slots` (a batch), kernels/attention.py, whose eager reference
 // defines them.
@@ -138,6 +139,27 @@ __attribute__((always_inline)) inline vf key_block(const float* qr, const float*
   return sums(a);
 }
 
+// Gemma 2's softcap of the scores: cap * tanh(s / cap), tanh(a) = sign(a) (1 - e) / (1 + e)
+// with e = exp(-2 |a|).
+__attribute__((always_inline)) inline vf capped(vf x, float inv_cap, float cap) {
+  const vf a = x * inv_cap;
+  const vi negative = a < 0.f;
+  const vf e = exp_nonpositive(negative ? 2.f * a : -2.f * a);
+  const vf t = (1.f - e) / (1.f + e);
+  return (negative ? -t : t) * cap;
+}
+
+inline void softcap(float* s, int64_t N, float cap) {
+  const float inv = 1.f / cap;
+  int64_t j = 0;
+  for (; j + kLanes <= N; j += kLanes) *(vf_unaligned*)(s + j) = capped(load(s + j), inv, cap);
+  for (; j < N; j++) {
+    vf tail = {};
+    tail[0] = s[j];
+    s[j] = capped(tail, inv, cap)[0];
+  }
+}
+
 // Masked scores -> softmax weights in place; a row that sees nothing gets zeros.
 inline void softmax(float* s, const uint8_t* mask, int64_t ldm1, int64_t N) {
   vf mv = (vf){} - INFINITY;
@@ -195,14 +217,15 @@ __attribute__((always_inline)) inline void weigh_values(const float* s, int64_t 
 // RT rows of one head (row m at q + m * ldq, its mask row at mask_rows[m]); scores in s.
 template <int RT>
 inline void tile(const float* q, int64_t ldq, const float* k, const float* v, int64_t ldkv,
-                 const uint8_t* const* mask_rows, int64_t ldm1, int64_t N, int64_t D, float* s,
-                 float* out, int64_t ldo) {
+                 const uint8_t* const* mask_rows, int64_t ldm1, int64_t N, int64_t D, float cap,
+                 float* s, float* out, int64_t ldo) {
   int64_t j0 = 0;
   for (; j0 + kLanes <= N; j0 += kLanes)
     for (int m = 0; m < RT; m++)
       *(vf_unaligned*)(s + m * N + j0) = key_block(q + m * ldq, k + j0 * ldkv, ldkv, D);
   for (int m = 0; m < RT; m++) {
     for (int64_t j = j0; j < N; j++) s[m * N + j] = dot(q + m * ldq, k + j * ldkv, D);
+    if (cap > 0.f) softcap(s + m * N, N, cap);
     softmax(s + m * N, mask_rows[m], ldm1, N);
   }
   constexpr int kChunk = 4;  // vectors of dimensions per pass over the values
@@ -222,6 +245,7 @@ struct Problem {
   float* out;
   int64_t B, H, R, T, N, D;
   int64_t q_b, q_h, q_r, kv_s, kv_h, kv_j, m_b, m_t, m_j, slot_stride;
+  float cap;  // > 0: scores softcapped (Gemma 2)
 };
 
 inline void attend(const Problem& p) {
@@ -244,11 +268,12 @@ inline void attend(const Problem& p) {
     float* oh = p.out + ((b * p.H + h) * p.R + r0) * p.D;
     float* sc = scores.data();
     const int64_t ldq = p.q_r, ldkv = p.kv_j, ldm = p.m_j, N = p.N, D = p.D;
+    const float cap = p.cap;
     switch (n) {
-      case 1: tile<1>(qh, ldq, kh, vh, ldkv, rows, ldm, N, D, sc, oh, D); break;
-      case 2: tile<2>(qh, ldq, kh, vh, ldkv, rows, ldm, N, D, sc, oh, D); break;
-      case 3: tile<3>(qh, ldq, kh, vh, ldkv, rows, ldm, N, D, sc, oh, D); break;
-      default: tile<4>(qh, ldq, kh, vh, ldkv, rows, ldm, N, D, sc, oh, D); break;
+      case 1: tile<1>(qh, ldq, kh, vh, ldkv, rows, ldm, N, D, cap, sc, oh, D); break;
+      case 2: tile<2>(qh, ldq, kh, vh, ldkv, rows, ldm, N, D, cap, sc, oh, D); break;
+      case 3: tile<3>(qh, ldq, kh, vh, ldkv, rows, ldm, N, D, cap, sc, oh, D); break;
+      default: tile<4>(qh, ldq, kh, vh, ldkv, rows, ldm, N, D, cap, sc, oh, D); break;
     }
   }
 }
@@ -263,10 +288,10 @@ inline void attend(const Problem& p) {
 extern "C" int aotgen_attend_cache(const float* q, const float* k, const float* v,
                                    const uint8_t* mask, int shared_mask, const int64_t* slots,
                                    int64_t B, int64_t H, int64_t R, int64_t T, int64_t N,
-                                   int64_t L, int64_t D, float* out) {
+                                   int64_t L, int64_t D, float cap, float* out) {
   if (D % aotgen_attn::kLanes) return 1;
   aotgen_attn::attend({q, k, v, mask, slots, out, B, H, R, T, N, D, H * R * D, R * D, D,
-                       H * L * D, L * D, D, shared_mask ? 0 : T * N, N, 1, 1});
+                       H * L * D, L * D, D, shared_mask ? 0 : T * N, N, 1, 1, cap});
   return 0;
 }
 #else
@@ -274,10 +299,11 @@ extern "C" int aotgen_attend_cache(const float* q, const float* k, const float* 
 #pragma GCC visibility push(hidden)
 // The C shims AOTInductor calls: q [B, H, R, D] float32, the caches [S, H, L, D] float32 (the
 // first N = mask.size(-1) positions of slot slots[b], or of slot 0 for one sequence read), mask
-// [T, N] (one sequence) or [B, T, N] bool -> a new float32 [B, H, R, D].
+// [T, N] (one sequence) or [B, T, N] bool, cap (0: none) -> a new float32 [B, H, R, D].
 static AOTITorchError aotgen_attend_shim(AtenTensorHandle q, AtenTensorHandle k_cache,
                                          AtenTensorHandle v_cache, AtenTensorHandle mask,
-                                         AtenTensorHandle slots, AtenTensorHandle* ret0) {
+                                         AtenTensorHandle slots, double cap,
+                                         AtenTensorHandle* ret0) {
   int64_t *q_sizes, *q_strides, *k_strides, *v_strides, *m_sizes, *m_strides, *s_strides = nullptr;
   int64_t m_dim;
   void *q_data, *k_data, *v_data, *m_data, *s_data = nullptr, *o_data;
@@ -312,24 +338,24 @@ static AOTITorchError aotgen_attend_shim(AtenTensorHandle q, AtenTensorHandle k_
                        m_sizes[m_dim - 2], m_sizes[m_dim - 1], D, q_strides[0], q_strides[1],
                        q_strides[2], k_strides[0], k_strides[1], k_strides[2],
                        batched ? m_strides[0] : 0, m_strides[m_dim - 2], m_strides[m_dim - 1],
-                       s_strides ? s_strides[0] : 1});
+                       s_strides ? s_strides[0] : 1, (float)cap});
   *ret0 = out;
   return AOTI_TORCH_SUCCESS;
 }
 
 AOTITorchError aoti_torch_cpu_attend_cache(AtenTensorHandle q, AtenTensorHandle k_cache,
-                                           AtenTensorHandle v_cache,
-                                           AtenTensorHandle mask, AtenTensorHandle* ret0) {
-  return aotgen_attend_shim(q, k_cache, v_cache, mask, nullptr, ret0);
+                                           AtenTensorHandle v_cache, AtenTensorHandle mask,
+                                           double cap, AtenTensorHandle* ret0) {
+  return aotgen_attend_shim(q, k_cache, v_cache, mask, nullptr, cap, ret0);
 }
 
 AOTITorchError aoti_torch_cpu_attend_cache_slots(AtenTensorHandle q,
                                                  AtenTensorHandle k_cache,
                                                  AtenTensorHandle v_cache,
                                                  AtenTensorHandle mask,
-                                                 AtenTensorHandle slots,
+                                                 AtenTensorHandle slots, double cap,
                                                  AtenTensorHandle* ret0) {
-  return aotgen_attend_shim(q, k_cache, v_cache, mask, slots, ret0);
+  return aotgen_attend_shim(q, k_cache, v_cache, mask, slots, cap, ret0);
 }
 #pragma GCC visibility pop
 #endif

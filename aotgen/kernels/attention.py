@@ -29,40 +29,49 @@ DIM_MULTIPLE = 16  # head_dim must fill whole vectors on every ISA the kernel ha
 
 
 @torch.library.custom_op("aotgen::attend_cache", mutates_args=())
-def attend_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor) -> Tensor:
+def attend_cache(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, cap: float = 0.0
+) -> Tensor:
     """q [1, H, R, D] (scaled; row r = g * T + i) attends to the first N = mask.shape[1]
-    positions of k_cache / v_cache [1, H, L, D], row r seeing key j iff mask[r % T, j]."""
-    return _reference(q, k_cache, v_cache, mask[None], None)
+    positions of k_cache / v_cache [1, H, L, D], row r seeing key j iff mask[r % T, j]; with
+    cap > 0 (Gemma 2) the scores are softcapped first."""
+    return _reference(q, k_cache, v_cache, mask[None], None, cap)
 
 
 @torch.library.custom_op("aotgen::attend_cache_slots", mutates_args=())
 def attend_cache_slots(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, slots: Tensor
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, slots: Tensor, cap: float = 0.0
 ) -> Tensor:
     """A batch: q [B, H, R, D], sequence b reading cache slot slots[b] of k_cache / v_cache
     [S, H, L, D] under mask [B, T, N]."""
-    return _reference(q, k_cache, v_cache, mask, slots)
+    return _reference(q, k_cache, v_cache, mask, slots, cap)
 
 
 def _reference(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, slots: Tensor | None
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, slots: Tensor | None, cap: float
 ) -> Tensor:
-    """SDPA on the prefix (of each sequence's slot), the mask repeated over the folded heads."""
+    """SDPA on the prefix (of each sequence's slot), the mask repeated over the folded heads;
+    softcapped scores as matmuls."""
     _, t, n = mask.shape
     keys, values = k_cache[:, :, :n], v_cache[:, :, :n]
     if slots is not None:
         keys, values = keys[slots], values[slots]
     full = mask.repeat(1, q.shape[2] // t, 1).unsqueeze(1)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=full, scale=1.0)
+    if not cap:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=full, scale=1.0)
+    scores = torch.tanh(q @ keys.transpose(-1, -2) / cap) * cap
+    return scores.masked_fill(~full, float("-inf")).softmax(-1) @ values
 
 
 @attend_cache.register_fake
-def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor) -> Tensor:
+def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, cap: float = 0.0) -> Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 @attend_cache_slots.register_fake
-def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, slots: Tensor) -> Tensor:
+def _(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, slots: Tensor, cap: float = 0.0
+) -> Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -93,6 +102,7 @@ def run_library(
     v_cache: Tensor,
     mask: Tensor,
     slots: Tensor | None = None,
+    cap: float = 0.0,
 ) -> Tensor:
     """The C++ kernel on contiguous CPU tensors, as `attend_cache` (mask [T, N]) or
     `attend_cache_slots` (mask [B, T, N], slots [B])."""
@@ -105,7 +115,7 @@ def run_library(
     rc = lib.aotgen_attend_cache(
         ptr(q.data_ptr()), ptr(k_cache.data_ptr()), ptr(v_cache.data_ptr()), ptr(mask.data_ptr()),
         ctypes.c_int(mask.dim() == 2), slot_ptr, i64(b), i64(h), i64(r), i64(t), i64(n),
-        i64(k_cache.shape[2]), i64(d), ptr(out.data_ptr()),
+        i64(k_cache.shape[2]), i64(d), ctypes.c_float(cap), ptr(out.data_ptr()),
     )  # fmt: skip
     if rc:
         raise ValueError(f"head_dim {d} is not a whole number of vectors")

@@ -151,8 +151,8 @@ def cached_attention(
 ) -> Tensor:
     """Write k/v `[b, kv_heads, t, d]` into the caches at `write_at`, attend q `[b, heads,
     t, d]` to the filled prefix under `mask` (`[t, attn_len]`, or `[b, t, attn_len]` for a
-    batch); returns `[b, t, heads * d]`. `cap`: Gemma 2's softcap of the scores, which the
-    cache kernel and SDPA do not take: such layers attend as matmuls."""
+    batch); returns `[b, t, heads * d]`. `cap`: Gemma 2's softcap of the scores, which SDPA
+    does not take: without the cache kernel such layers attend as matmuls."""
     b, _, t, head_dim = q.shape
     kv_heads = k.shape[1]
     group = q.shape[1] // kv_heads
@@ -168,11 +168,14 @@ def cached_attention(
     # query-length axis ([b, kv, group * t, d]), so no expanded K/V copy per layer.
     q = q.reshape(b, kv_heads, group * t, head_dim)
     fixed_width = isinstance(t, int) and not torch.onnx.is_in_onnx_export()
-    if cap is None and fixed_width and attention.applies(q, k_cache):  # the cache read in place
+    if fixed_width and attention.applies(q, k_cache):  # the cache read in place
+        c = cap or 0.0
         if batch:
-            y = torch.ops.aotgen.attend_cache_slots(q * scale, k_cache, v_cache, mask, slots[:, 0])
+            y = torch.ops.aotgen.attend_cache_slots(
+                q * scale, k_cache, v_cache, mask, slots[:, 0], c
+            )
         else:
-            y = torch.ops.aotgen.attend_cache(q * scale, k_cache, v_cache, mask)
+            y = torch.ops.aotgen.attend_cache(q * scale, k_cache, v_cache, mask, c)
     else:
         # Attend only to the filled prefix of the cache, not all of it.
         rows = slots[:, 0] if batch else slice(None)
