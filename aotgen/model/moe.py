@@ -52,7 +52,8 @@ class SparseMoE(nn.Module):
         self.top_k, self.normalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg)
-        self.shared, self.gated = cfg.shared_expert_intermediate_size > 0, cfg.shared_expert_gated
+        self.shared = cfg.shared_expert_intermediate_size > 0
+        self.gated = self.shared and cfg.shared_expert_gated
         if self.shared:
             self.shared_expert = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         if self.gated:
