@@ -76,6 +76,21 @@ class RMSNorm(nn.Module):
         return xf.to(x.dtype) * self.weight.to(x.dtype)
 
 
+class GatedMLP(nn.Module):
+    """Gated MLP: SwiGLU (silu) for Llama and Qwen (and MoE shared experts), GeGLU (tanh GELU)
+    for Gemma."""
+
+    def __init__(self, d: int, f: int, act: str = "silu"):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+        self.act = ACT_FNS[act]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
 def rotate_half(x: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)

@@ -32,7 +32,14 @@ import torch
 from torch import Tensor, nn
 
 from aotgen.model.config import GRANITE_SHARED_MLP, SUPPORTED_ARCHITECTURES, ModelConfig
-from aotgen.model.layers import ACT_FNS, CausalLM, RMSNorm, apply_rope, cached_attention, softcap
+from aotgen.model.layers import (
+    CausalLM,
+    GatedMLP,
+    RMSNorm,
+    apply_rope,
+    cached_attention,
+    softcap,
+)
 from aotgen.model.moe import SparseMoE, stack_experts
 from aotgen.model.rope import rope_inv_freq, rope_tables
 
@@ -86,27 +93,14 @@ class Attention(nn.Module):
         return self.o_proj(y)
 
 
-class MLP(nn.Module):
-    """Gated MLP: SwiGLU (silu) for Llama and Qwen, GeGLU (tanh GELU) for Gemma."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.act = ACT_FNS[cfg.hidden_act]
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         d, eps, gemma = cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma
         self.self_attn = Attention(cfg, cfg.rope_layers is None or cfg.rope_layers[index])
         self.residual_multiplier = cfg.residual_multiplier
-        self.mlp = SparseMoE(cfg) if cfg.is_moe(index) else MLP(cfg)
+        dense = (cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.mlp = SparseMoE(cfg) if cfg.is_moe(index) else GatedMLP(*dense)
         self.norm_after = cfg.norm_after
         if not cfg.norm_after:
             self.input_layernorm = RMSNorm(d, eps, gemma)

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from aotgen.kernels import moe
 from aotgen.model.config import MOE_ARCHITECTURES, ModelConfig
+from aotgen.model.layers import GatedMLP
 
 
 class Experts(nn.Module):
@@ -35,17 +36,6 @@ class Experts(nn.Module):
         return moe.run_experts(x, weights, ids, self.gate_up_proj, self.down_proj)
 
 
-class SharedExpert(nn.Module):
-    def __init__(self, d: int, f: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(d, f, bias=False)
-        self.up_proj = nn.Linear(d, f, bias=False)
-        self.down_proj = nn.Linear(f, d, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -55,7 +45,7 @@ class SparseMoE(nn.Module):
         self.shared = cfg.shared_expert_intermediate_size > 0
         self.gated = self.shared and cfg.shared_expert_gated
         if self.shared:
-            self.shared_expert = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         if self.gated:
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
