@@ -210,6 +210,17 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             logits_scaling=2.5,
         ),
     ),
+    # LFM2: gated short convolutions (kernel 3) on layers 0, 2 and 3, attention on layer 1;
+    # the MLP width derived from intermediate_size as LFM2 does (2/3, rounded up to 32).
+    "lfm2": (
+        "Lfm2Config",
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            layer_types=["conv", "full_attention", "conv", "conv"],
+            block_multiple_of=32,
+        ),
+    ),
     "gptneox-draft": (
         "GPTNeoXConfig",
         dict(
@@ -303,6 +314,7 @@ PARITY = [
     "gptneox-parallel",
     "gptneox-sequential",
     "qwen3-moe",
+    "lfm2",
 ]
 # Families whose differences from the Llama layout are switches outside the compiled graphs'
 # concerns (NoPE layers, scalar multipliers, RoPE tables, norms in other places, the MoE

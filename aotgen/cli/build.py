@@ -138,8 +138,7 @@ def inspect(
             f"[bold]{role}[/]: {c['architecture']} {c['num_hidden_layers']} layers, "
             f"hidden {c['hidden_size']}, heads {c['num_attention_heads']}/"
             f"{c['num_key_value_heads']}, vocab {c['vocab_size']}; kv cache "
-            f"{entry['kv_cache']['shape']} × {2 * entry['kv_cache']['layers']} "
-            f"{entry['kv_cache']['dtype']}"
+            f"{_cache_summary(entry['kv_cache']['shapes'])} {entry['kv_cache']['dtype']}"
             + (" (the target's)" if entry["kv_cache"].get("shared_with") == "target" else "")
         )
         if entry.get("quantization"):
@@ -151,3 +150,11 @@ def inspect(
     for rel, f in m["files"].items():
         table.add_row(rel, f"{f['bytes']:,}", f["sha256"][0][:16])
     out.print(table)
+
+
+def _cache_summary(shapes: list[list[int]]) -> str:
+    """`[1, 3, 2048, 64] × 60`; one term per distinct shape (LFM2's convolution layers)."""
+    counts: dict[str, int] = {}
+    for shape in shapes:
+        counts[str(shape)] = counts.get(str(shape), 0) + 1
+    return ", ".join(f"{shape} × {n}" for shape, n in counts.items())

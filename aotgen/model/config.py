@@ -40,7 +40,7 @@ LLAMA_LAYOUT = (
     "Olmo3ForCausalLM",
     *MOE_ARCHITECTURES,
 )
-SUPPORTED_ARCHITECTURES = (*LLAMA_LAYOUT, "GPTNeoXForCausalLM")
+SUPPORTED_ARCHITECTURES = (*LLAMA_LAYOUT, "GPTNeoXForCausalLM", "Lfm2ForCausalLM")
 GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Configs that carry a sliding_window which `use_sliding_window` (refused when true) turns on.
 WINDOW_SWITCHED = (
@@ -104,6 +104,10 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     shared_expert_gated: bool = False  # Qwen2-MoE scales it by a sigmoid gate, Granite does not
     moe_layers: tuple[bool, ...] = ()
+    # LFM2: layers whose `layer_types` entry is "conv" mix the last `conv_kernel` positions
+    # with a gated depthwise convolution instead of attending.
+    conv_kernel: int = 0
+    conv_bias: bool = False
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -116,6 +120,9 @@ class ModelConfig:
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    def is_conv(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "conv"
 
     @classmethod
     def from_hf(cls, hf: dict) -> ModelConfig:
@@ -157,8 +164,8 @@ class ModelConfig:
             if not original:
                 raise ValueError(f"config.json: {kind} needs original_max_position_embeddings")
             common["rope_scaling"] = {**scaling, "original_max_position_embeddings": original}
-        family = _gpt_neox if arch == "GPTNeoXForCausalLM" else _llama_layout
-        cfg = cls(**common, **family(hf, arch, common, local))
+        family = {"GPTNeoXForCausalLM": _gpt_neox, "Lfm2ForCausalLM": _lfm2}.get(arch, _llama_layout)
+        cfg = cls(**{**common, **family(hf, arch, common, local)})
         rope_inv_freq(cfg)  # an unknown rope_scaling type fails here, before any compile
         return cfg
 
@@ -195,7 +202,7 @@ def _rope(hf: dict, arch: str) -> tuple[float, dict | None, float | None]:
         theta, scaling = hf.get("rope_theta"), hf.get("rope_scaling")
         theta = hf.get("rotary_emb_base", theta)  # GPT-NeoX 4.x
     if theta is None:
-        theta = {"Gemma3ForCausalLM": 1e6}.get(arch, 10000.0)
+        theta = {"Gemma3ForCausalLM": 1e6, "Lfm2ForCausalLM": 1e6}.get(arch, 10000.0)
     if isinstance(hf.get("rope_parameters"), dict) and "sliding_attention" in hf["rope_parameters"]:
         kind = (hf["rope_parameters"]["sliding_attention"] or {}).get("rope_type", "default")
         if kind != "default":
@@ -372,6 +379,41 @@ def _rotary_factor(hf: dict) -> float:
     params = hf.get("rope_parameters")
     factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
     return float(factor or hf.get("rotary_pct") or hf.get("partial_rotary_factor") or 1.0)
+
+
+def _lfm2(hf: dict, arch: str, common: dict, local: float | None) -> dict[str, Any]:
+    """LFM2: gated short convolutions and attention layers (q/k norms), SwiGLU MLPs whose
+    width is derived from `block_ff_dim` as transformers derives it, a tied head by default."""
+    layers = common["num_hidden_layers"]
+    types = hf.get("layer_types") or [
+        "full_attention" if i in (hf.get("full_attn_idxs") or range(layers)) else "conv"
+        for i in range(layers)
+    ]
+    if len(types) != layers or any(t not in ("conv", "full_attention") for t in types):
+        raise ValueError(
+            "config.json: LFM2's layer_types must name conv or full_attention for every layer"
+        )
+    kernel = hf.get("conv_L_cache", 3)
+    if not isinstance(kernel, int) or kernel < 1:
+        raise ValueError(f"config.json: conv_L_cache must be a positive integer, got {kernel!r}")
+    if common["hidden_size"] % 2:
+        raise ValueError("config.json: LFM2's hidden_size must be even")
+    width = hf.get("block_ff_dim") or hf["intermediate_size"]
+    if hf.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        multiplier = hf.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            step = hf.get("block_multiple_of", 256)
+            width = step * -(-int(multiplier * width) // step)
+    return {
+        "intermediate_size": width,
+        "rms_norm_eps": hf.get("norm_eps", 1e-5),
+        "tie_word_embeddings": hf.get("tie_embedding", hf.get("tie_word_embeddings", True)),
+        "qk_norm": True,
+        "layer_types": tuple(types),
+        "conv_kernel": kernel,
+        "conv_bias": bool(hf.get("conv_bias", False)),
+    }
 
 
 def _gpt_neox(hf: dict, arch: str, common: dict, local: float | None) -> dict[str, Any]:

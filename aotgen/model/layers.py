@@ -294,7 +294,10 @@ class CausalLM(nn.Module):
             if key_pos is not None:  # keys past the tree (rel >= t) are not its rows
                 seen = seen & (rel < t).unsqueeze(0)
             mask = (rel < 0).unsqueeze(0) | seen
-        return self._layers(x, input_pos, write_at, caches, keys, mask, self.last_row_only)
+        history = self._conv_history(input_pos, tree_mask)
+        return self._layers(
+            x, input_pos, write_at, caches, keys, mask, history, self.last_row_only
+        )
 
     def _batch_forward(
         self, x: Tensor, input_pos: Tensor, caches: list[Tensor], slots: Tensor
@@ -307,7 +310,29 @@ class CausalLM(nn.Module):
         keys = self.key_positions[:attn_len]
         mask = keys <= input_pos.unsqueeze(-1)  # [B, T, attn_len]
         write_at = (slots.unsqueeze(1), input_pos)
-        return self._layers(x, input_pos, write_at, caches, keys, mask, heads_dim=True)
+        history = self._conv_history(input_pos)
+        return self._layers(x, input_pos, write_at, caches, keys, mask, history, heads_dim=True)
+
+    def _conv_history(
+        self, input_pos: Tensor, tree_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor] | None:
+        """For convolution layers (LFM2): where each row's `lag`-th earlier position is in
+        its cache, `[lags, *input_pos.shape]` (lag 1 first), and whether it exists (the
+        sequence does not start before 0). Rows are consecutive positions written at their
+        own positions, except in a token tree, whose rows sit at slot `input_pos[0] + row`:
+        there a row's earlier positions inside the tree are its ancestors' slots."""
+        lags = self.config.conv_kernel - 1
+        if lags < 1:
+            return None
+        past = torch.stack([input_pos - lag for lag in range(1, lags + 1)])
+        at = past.clamp(min=0)
+        if tree_mask is not None:
+            start = input_pos[0]
+            # [lags, T, T]: row r of the tree is row i's ancestor at the lag's position.
+            ancestor = tree_mask.unsqueeze(0) & (input_pos == past.unsqueeze(-1))
+            row = ancestor.to(torch.int64).argmax(-1)
+            at = torch.where(past < start, at, start + row)
+        return at, past >= 0
 
     def _layers(
         self,
@@ -317,12 +342,14 @@ class CausalLM(nn.Module):
         caches: list[Tensor],
         keys: Tensor,
         mask: Tensor,
+        history: tuple[Tensor, Tensor] | None,
         last_row: bool = False,
         heads_dim: bool = False,
     ) -> Tensor:
         """The decoder layers and the head over the cache positions `keys`; each layer gets the
-        RoPE rows and mask of its kind (sliding or global). `heads_dim`: positions are `[B, T]`,
-        so the RoPE rows get a heads axis to broadcast against `[B, heads, T, d]`."""
+        RoPE rows and mask of its kind (sliding or global), a convolution layer no RoPE and,
+        for a mask, where its rows' earlier positions are (`history`). `heads_dim`: positions
+        are `[B, T]`, so the RoPE rows get a heads axis to broadcast against `[B, heads, T, d]`."""
         cfg = self.config
         dtype = x.dtype
         attn_len = keys.shape[0]
@@ -333,14 +360,17 @@ class CausalLM(nn.Module):
 
         glob = (*rope(self.rope_cos, self.rope_sin), mask)
         local = glob
-        if cfg.layer_types:
+        if cfg.sliding_window:
             # Tree rows' slots are never behind their positions, so the window keeps them.
             window = mask & (keys > input_pos.unsqueeze(-1) - cfg.sliding_window)
             local = (*glob[:2], window)
             if cfg.rope_local_theta is not None:
                 local = (*rope(self.rope_local_cos, self.rope_local_sin), window)
         for i, layer in enumerate(self.decoder_layers):
-            c, s, m = local if cfg.is_sliding(i) else glob
+            if cfg.is_conv(i):
+                c, s, m = None, None, history
+            else:
+                c, s, m = local if cfg.is_sliding(i) else glob
             x = layer(x, c, s, write_at, m, caches[2 * i], caches[2 * i + 1], attn_len)
         if last_row:
             x = x[:, -1:]

@@ -185,17 +185,30 @@ def model_class(cfg: ModelConfig) -> type[CausalLM]:
         from aotgen.model.gptneox import GPTNeoXForCausalLM
 
         return GPTNeoXForCausalLM
+    if cfg.architecture == "Lfm2ForCausalLM":
+        from aotgen.model.lfm2 import Lfm2ForCausalLM
+
+        return Lfm2ForCausalLM
     return Transformer
+
+
+def cache_shapes(cfg: ModelConfig, cache_len: int, batch: int = 1) -> list[list[int]]:
+    """The shape of each tensor of the per-layer `[k0, v0, k1, v1, ...]` cache: keys and
+    values `[batch, kv_heads, cache_len, head_dim]`; a convolution layer's (LFM2) its
+    inputs' two halves of channels, `[batch, 1, cache_len, hidden / 2]` each."""
+    attention = [batch, cfg.num_key_value_heads, cache_len, cfg.head_dim]
+    conv = [batch, 1, cache_len, cfg.hidden_size // 2]
+    return [conv if cfg.is_conv(i // 2) else attention for i in range(2 * cfg.num_hidden_layers)]
 
 
 def new_kv_cache(
     cfg: ModelConfig, cache_len: int, dtype=torch.float32, device: str = "cpu", batch: int = 1
 ) -> list[Tensor]:
-    """Per-layer `[k0, v0, k1, v1, ...]` cache, the layout every graph takes (batch 1; more
-    rows only for eager batched runs, such as distillation)."""
-    shape = (batch, cfg.num_key_value_heads, cache_len, cfg.head_dim)
+    """The cache every graph takes, zeroed (batch 1; more rows only for eager batched runs,
+    such as distillation)."""
     return [
-        torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * cfg.num_hidden_layers)
+        torch.zeros(shape, dtype=dtype, device=device)
+        for shape in cache_shapes(cfg, cache_len, batch)
     ]
 
 

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from aotgen import __version__
 from aotgen.export.aoti import package_graphs, use_cache_dir
+from aotgen.model.llama import cache_shapes
 from aotgen.package.compile import (
     CompiledModel,
     GraphReport,
@@ -42,7 +43,7 @@ from aotgen.package.perplexity import measure_perplexity
 from aotgen.package.weights import save_constants
 from aotgen.passes.fuse import FuseLinearsPass
 from aotgen.passes.quantize_experts import Int8Experts
-from aotgen.passes.tp import parse_parallel, plan_summary, resolve_plan
+from aotgen.passes.tp import parse_parallel, plan_summary, rank_config, resolve_plan
 from aotgen.recipe import Project, Recipe, RecipeError
 from aotgen.runtime.tokenizer import Tokenizer
 from aotgen.tempdirs import old_dir, partial_dir, remove_stale, sigterm_raises
@@ -263,15 +264,11 @@ def _model_entry(
         "quantization": quantization,
         "graphs": signatures,
         "kv_cache": {
-            "layout": "per-layer [k0, v0, k1, v1, ...], each [1, kv_heads, cache_len, "
-            "head_dim], written in place at input_pos",
+            "layout": "per-layer [k0, v0, k1, v1, ...]: keys and values [1, kv_heads, "
+            "cache_len, head_dim] (a convolution layer's inputs [1, 1, cache_len, hidden / 2] "
+            "twice), written in place at input_pos",
             "layers": mb.config.num_hidden_layers,
-            "shape": [
-                1,
-                mb.config.num_key_value_heads // world,  # per rank
-                recipe.cache_len,
-                mb.config.head_dim,
-            ],
+            "shapes": cache_shapes(rank_config(mb.config, world), recipe.cache_len),  # per rank
             "dtype": recipe.dtype,
             "cache_len": recipe.cache_len,
             **_cache_sharing(mb.role, recipe),

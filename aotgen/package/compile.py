@@ -87,7 +87,7 @@ def graph_signature(spec: GraphSpec, cfg: ModelConfig, cache: list[Tensor]) -> d
             {
                 "name": "kv_caches",
                 "count": len(cache),
-                "shape": [spec.batch or 1, *cache[0].shape[1:]],
+                "shapes": [[spec.batch or 1, *c.shape[1:]] for c in cache],
                 "dtype": str(cache[0].dtype).removeprefix("torch."),
             },
             *tree,

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 ISA_ORDER = ("DEFAULT", "AVX2", "AVX512")
 # Files are hashed in chunks so that all cores verify a package at load (one sha256 over

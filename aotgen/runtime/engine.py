@@ -80,7 +80,7 @@ class CompiledGraph:
         self.key_pos: Tensor | None = None
         if signature.get("attention") == "key_pos":
             caches = next(i for i in signature["inputs"] if i["name"] == "kv_caches")
-            self.key_pos = torch.arange(caches["shape"][2], device=device)
+            self.key_pos = torch.arange(caches["shapes"][0][2], device=device)
         self.replayable = device.type == "cuda" and self.key_pos is not None
         self.loader = open_loader(pt2, package_model, device)
 
@@ -163,11 +163,14 @@ def _target_cache_layers(
         target_caches is None
         or len(target_caches) < n
         # Per slot: the batch engine's caches hold several rows of the layout.
-        or any(list(c.shape[1:]) != kv["shape"][1:] or c.dtype != dtype for c in target_caches[:n])
+        or any(
+            list(c.shape[1:]) != shape[1:] or c.dtype != dtype
+            for c, shape in zip(target_caches, kv["shapes"], strict=False)
+        )
     ):
         raise PackageError(
             "the draft is built to share the target's KV cache, but the target's cache "
-            f"layout differs from the draft's ({kv['layers']} layers of {kv['shape']} "
+            f"layout differs from the draft's ({kv['layers']} layers of {kv['shapes'][0]} "
             f"{kv['dtype']}); rebuild the package"
         )
     return target_caches[:n]
@@ -209,9 +212,8 @@ class ModelRunner:
             # into the target's layers, so it only makes the target's record forget them.
             self.cached = target.cached
         else:
-            shape = [slots, *kv["shape"][1:]]
             self.caches = [
-                zeros_on_demand(shape, dtype, self.device) for _ in range(2 * kv["layers"])
+                zeros_on_demand([slots, *shape[1:]], dtype, self.device) for shape in kv["shapes"]
             ]
             self.cached = CachedTokens(slots)
         # Slots: one sequence's cache rows each (the batch engine's); a row is a `[1, ...]`

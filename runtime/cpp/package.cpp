@@ -71,7 +71,7 @@ namespace {
 
 std::vector<std::string> hash_chunks(const Mapping& mapping, std::size_t chunk_bytes);
 
-constexpr int kFormatVersion = 2;
+constexpr int kFormatVersion = 3;
 constexpr const char* kManifest = "manifest.json";
 constexpr std::array<std::string_view, 3> kIsaOrder = {"DEFAULT", "AVX2", "AVX512"};
 

@@ -40,15 +40,20 @@ at::Tensor zeros_on_demand(const std::vector<int64_t>& shape, at::ScalarType dty
       data, shape, [bytes](void* p) { ::munmap(p, bytes); }, at::TensorOptions().dtype(dtype));
 }
 
-// The KV caches a graph takes: 2 * layers tensors of kv_cache's shape, with as many rows
-// as the batched graphs serve (their `batch.max`).
+using Shapes = std::vector<std::vector<int64_t>>;
+
+// The KV caches a graph takes: 2 * layers tensors of kv_cache's shapes, with as many rows as
+// the batched graphs serve (their `batch.max`).
 void check_signature(const std::string& name, const json& signature, int64_t layers,
-                     std::vector<int64_t> shape) {
-  if (signature.contains("batch")) shape[0] = signature["batch"].at("max").get<int64_t>();
+                     Shapes shapes) {
+  if (signature.contains("batch")) {
+    for (auto& shape : shapes) shape.at(0) = signature["batch"].at("max").get<int64_t>();
+  }
   for (const auto& input : signature.value("inputs", json::array())) {
     if (input.value("name", "") != "kv_caches") continue;
     if (input.value("count", int64_t{-1}) != 2 * layers ||
-        input.value("shape", std::vector<int64_t>{}) != shape) {
+        static_cast<int64_t>(shapes.size()) != 2 * layers ||
+        input.value("shapes", Shapes{}) != shapes) {
       throw PackageError("graph " + name + " expects other KV caches than kv_cache describes");
     }
   }
@@ -79,7 +84,7 @@ Graph::Graph(const fs::path& pt2, const json& signature, int64_t vocab, const at
   if (signature.value("attention", "") == "key_pos") {
     for (const auto& input : signature.at("inputs")) {
       if (input.value("name", "") == "kv_caches") {
-        key_pos_ = at::arange(input.at("shape").at(2).get<int64_t>(),
+        key_pos_ = at::arange(input.at("shapes").at(0).at(2).get<int64_t>(),
                               at::TensorOptions().dtype(at::kLong).device(device));
       }
     }
@@ -212,11 +217,11 @@ ModelRunner::ModelRunner(const fs::path& pt2, const json& entry, const ModelRunn
     : vocab_size_(entry.at("config").at("vocab_size").get<int64_t>()), device_(device) {
   const auto& kv = entry.at("kv_cache");
   const auto layers = kv.at("layers").get<int64_t>();
-  auto shape = kv.at("shape").get<std::vector<int64_t>>();
+  auto shapes = kv.at("shapes").get<Shapes>();
   cache_len_ = kv.at("cache_len").get<int64_t>();
   const auto& graphs = entry.at("graphs");
   for (const auto& [name, signature] : graphs.items()) {
-    check_signature(name, signature, layers, shape);
+    check_signature(name, signature, layers, shapes);
   }
   if (!graphs.contains("decode")) throw PackageError("the package has no decode graph");
   const auto load = [&](const char* name, bool wanted = true) {
@@ -238,15 +243,14 @@ ModelRunner::ModelRunner(const fs::path& pt2, const json& entry, const ModelRunn
     // The first layers of the target's cache (all its slots), checked: the draft must read
     // exactly the tensors the target writes.
     const auto& theirs = target ? target->caches_ : caches_;
-    const bool fits = static_cast<int64_t>(theirs.size()) >= 2 * layers &&
-                      std::all_of(theirs.begin(), theirs.begin() + 2 * layers,
-                                  [&](const at::Tensor& c) {
-                                    return c.dim() == static_cast<int64_t>(shape.size()) &&
-                                           c.size(0) == slots &&
-                                           c.sizes().slice(1).vec() ==
-                                               std::vector(shape.begin() + 1, shape.end()) &&
-                                           c.scalar_type() == dtype;
-                                  });
+    bool fits = static_cast<int64_t>(theirs.size()) >= 2 * layers;
+    for (int64_t i = 0; fits && i < 2 * layers; ++i) {
+      const auto& c = theirs[i];
+      const auto& shape = shapes[i];
+      fits = c.dim() == static_cast<int64_t>(shape.size()) && c.size(0) == slots &&
+             c.sizes().slice(1).vec() == std::vector(shape.begin() + 1, shape.end()) &&
+             c.scalar_type() == dtype;
+    }
     if (!fits) {
       throw PackageError(
           "the draft is built to share the target's KV cache, but the target's cache layout "
@@ -256,8 +260,8 @@ ModelRunner::ModelRunner(const fs::path& pt2, const json& entry, const ModelRunn
     cached_ = target ? target->cached_ : std::make_shared<CachedTokens>(slots);
   } else {
     cached_ = std::make_shared<CachedTokens>(slots);
-    shape[0] = slots;
-    for (int64_t i = 0; i < 2 * layers; ++i) {
+    for (auto shape : shapes) {
+      shape.at(0) = slots;
       caches_.push_back(device_.is_cpu()
                             ? zeros_on_demand(shape, dtype)
                             : at::zeros(shape, at::TensorOptions().dtype(dtype).device(device_)));
