@@ -164,7 +164,9 @@ class ModelConfig:
             if not original:
                 raise ValueError(f"config.json: {kind} needs original_max_position_embeddings")
             common["rope_scaling"] = {**scaling, "original_max_position_embeddings": original}
-        family = {"GPTNeoXForCausalLM": _gpt_neox, "Lfm2ForCausalLM": _lfm2}.get(arch, _llama_layout)
+        family = {"GPTNeoXForCausalLM": _gpt_neox, "Lfm2ForCausalLM": _lfm2}.get(
+            arch, _llama_layout
+        )
         cfg = cls(**{**common, **family(hf, arch, common, local)})
         rope_inv_freq(cfg)  # an unknown rope_scaling type fails here, before any compile
         return cfg

@@ -295,9 +295,7 @@ class CausalLM(nn.Module):
                 seen = seen & (rel < t).unsqueeze(0)
             mask = (rel < 0).unsqueeze(0) | seen
         history = self._conv_history(input_pos, tree_mask)
-        return self._layers(
-            x, input_pos, write_at, caches, keys, mask, history, self.last_row_only
-        )
+        return self._layers(x, input_pos, write_at, caches, keys, mask, history, self.last_row_only)
 
     def _batch_forward(
         self, x: Tensor, input_pos: Tensor, caches: list[Tensor], slots: Tensor

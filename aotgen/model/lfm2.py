@@ -75,7 +75,10 @@ class ShortConv(nn.Module):
         out = bx * weight[:, kernel - 1]
         for lag in range(1, kernel):
             past = torch.cat(
-                [read_cache(k_cache, write_at, at[lag - 1]), read_cache(v_cache, write_at, at[lag - 1])],
+                [
+                    read_cache(k_cache, write_at, at[lag - 1]),
+                    read_cache(v_cache, write_at, at[lag - 1]),
+                ],
                 dim=-1,
             ).to(x.dtype)
             there = exists[lag - 1].unsqueeze(-1).to(x.dtype)

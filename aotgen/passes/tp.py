@@ -176,6 +176,11 @@ def resolve_plan(model: Transformer, tp: TensorParallel) -> dict[str, str]:
             f"{model.config.architecture} normalises q and k across all heads, which a rank "
             "holding some heads cannot do alone: build it without `parallel`"
         )
+    if model.config.conv_kernel:
+        raise RecipeError(
+            f"{model.config.architecture}'s convolution layers are not sharded: build it "
+            "without `parallel`"
+        )
     if model.config.num_experts:
         raise RecipeError(
             f"{model.config.architecture} is a mixture of experts, which aotgen does not shard "
