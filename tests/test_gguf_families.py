@@ -105,6 +105,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "olmoe": FAMILIES["olmoe"],
     "mixtral": FAMILIES["mixtral"],
     "granitemoe": FAMILIES["granite-moe"],
+    "lfm2": FAMILIES["lfm2"],
 }
 MOE_NAMES = {
     "mlp.gate": "ffn_gate_inp",
@@ -144,6 +145,22 @@ LAYER_NAMES = {
         "mlp.dense_h_to_4h": "ffn_up",
         "mlp.dense_4h_to_h": "ffn_down",
     },
+    "lfm2": {
+        "operator_norm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.out_proj": "attn_output",
+        "self_attn.q_layernorm": "attn_q_norm",
+        "self_attn.k_layernorm": "attn_k_norm",
+        "conv.conv": "shortconv.conv",
+        "conv.in_proj": "shortconv.in_proj",
+        "conv.out_proj": "shortconv.out_proj",
+        "ffn_norm": "ffn_norm",
+        "feed_forward.w1": "ffn_gate",
+        "feed_forward.w3": "ffn_up",
+        "feed_forward.w2": "ffn_down",
+    },
 }
 OLMO2_NAMES = {
     **LAYER_NAMES["llama"],
@@ -168,6 +185,7 @@ GLOBAL_NAMES = {
     "gpt_neox.embed_in": "token_embd",
     "gpt_neox.final_layer_norm": "output_norm",
     "embed_out": "output",
+    "model.embedding_norm": "token_embd_norm",  # LFM2's final norm
 }
 TEXTS = ["Hello world, the capital of France is Paris.", "  two  spaces\nand 12345 digits ✓"]
 
@@ -207,6 +225,7 @@ def _gguf_name(arch: str, hf: str) -> str:
         "gemma3": GEMMA_NAMES,
         "gptneox": LAYER_NAMES["gptneox"],
         "phi3": PHI3_NAMES,
+        "lfm2": LAYER_NAMES["lfm2"],
     }.get(arch, LAYER_NAMES["llama"])
     return f"blk.{i}.{names[rest]}.{kind}"
 
@@ -218,6 +237,8 @@ def _converted(arch: str, hf: str, w: np.ndarray, heads: int, kv_heads: int) -> 
     permuted = ("smollm3", "granite", "mixtral", "granitemoe")  # llama.cpp's LlamaModel kin
     if arch in permuted and hf.endswith(("q_proj.weight", "k_proj.weight")):
         return permute_qk(w, heads if "q_proj" in hf else kv_heads)
+    if arch == "lfm2" and hf.endswith("conv.conv.weight"):  # [d, 1, kernel] -> [d, kernel]
+        return np.ascontiguousarray(w[:, 0])
     if arch == "gptneox" and "query_key_value" in hf:
         rest = w.shape[1:]
         return np.ascontiguousarray(
@@ -263,6 +284,20 @@ def _moe_meta(w: gguf.GGUFWriter, cfg: dict[str, Any]) -> None:
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
 
 
+def _lfm2_meta(w: gguf.GGUFWriter, cfg: dict[str, Any]) -> None:
+    """What llama.cpp's converter writes of LFM2 (conversion/lfm2.py): KV heads per block (0
+    on the convolutions), the kernel, the MLP width LFM2 derives from block_ff_dim."""
+    w.add_head_count_kv(
+        [cfg["num_key_value_heads"] if t != "conv" else 0 for t in cfg["layer_types"]]
+    )
+    w.add_shortconv_l_cache(cfg["conv_L_cache"])
+    w.add_layer_norm_rms_eps(cfg["norm_eps"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    width, step = int(2 * cfg["intermediate_size"] / 3), cfg["block_multiple_of"]
+    width = int(cfg["block_ffn_dim_multiplier"] * width)
+    w.add_feed_forward_length(step * ((width + step - 1) // step))
+
+
 def _blocks(stored: np.ndarray, qtype: str, seed: int) -> np.ndarray:
     """gguf's quantizer where it has one for `qtype`; else (k-quants) random blocks scaled
     to weights of about the checkpoint's size."""
@@ -285,7 +320,8 @@ def _write_gguf(
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
+    if arch != "lfm2":  # its derived width: _lfm2_meta
+        w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     if arch == "gptneox":
@@ -295,6 +331,8 @@ def _write_gguf(
         w.add_rope_dimension_count(int(pct * head_dim))
         w.add_rope_freq_base(cfg.get("rotary_emb_base") or rope.get("rope_theta", 10000.0))
         w.add_parallel_residual(cfg["use_parallel_residual"])
+    elif arch == "lfm2":
+        _lfm2_meta(w, cfg)
     else:
         w.add_head_count_kv(cfg["num_key_value_heads"])
         w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])

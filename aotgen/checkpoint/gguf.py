@@ -149,6 +149,8 @@ def read_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict[str, n
             w = w - np.float32(1.0)  # llama.cpp stores Gemma's (1 + w) RMSNorm scale
         elif arch == "gptneox" and ".attn_qkv." in t.name:
             w = _gptneox_qkv(w, config["num_attention_heads"])
+        elif arch == "lfm2" and ".shortconv.conv." in t.name:
+            w = w[:, None]  # HF's depthwise Conv1d weight [d, 1, kernel]
         if ".mlp.experts." in name or name.endswith(("mlp.gate.weight", "expert_gate.weight")):
             out.update(_moe_tensors(name, w, config["architectures"][0]))
         else:

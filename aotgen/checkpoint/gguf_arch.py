@@ -57,6 +57,22 @@ _MOE_LAYER = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+_LFM2_LAYER = {  # attention or a short convolution (shortconv.*) in each block
+    "attn_norm": "operator_norm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.out_proj",
+    "attn_q_norm": "self_attn.q_layernorm",
+    "attn_k_norm": "self_attn.k_layernorm",
+    "shortconv.conv": "conv.conv",
+    "shortconv.in_proj": "conv.in_proj",
+    "shortconv.out_proj": "conv.out_proj",
+    "ffn_norm": "ffn_norm",
+    "ffn_gate": "feed_forward.w1",
+    "ffn_up": "feed_forward.w3",
+    "ffn_down": "feed_forward.w2",
+}
 _LLAMA_GLOBAL = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -91,6 +107,16 @@ ARCHS: dict[str, Arch] = {
     ),
     "olmoe": Arch("OlmoeForCausalLM", "olmoe", {**_LLAMA_LAYER, **_QK_NORM, **_MOE_LAYER}),
     "granitemoe": Arch("GraniteMoeForCausalLM", "granitemoe", {**_LLAMA_LAYER, **_MOE_LAYER}),
+    "lfm2": Arch(
+        "Lfm2ForCausalLM",
+        "lfm2",
+        _LFM2_LAYER,
+        {
+            "token_embd": "model.embed_tokens",
+            "token_embd_norm": "model.embedding_norm",
+            "output": "lm_head",
+        },
+    ),
     "gptneox": Arch(
         "GPTNeoXForCausalLM",
         "gpt_neox",
@@ -182,7 +208,9 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     arch, spec = arch_spec(reader)
     hidden = int(require_meta(reader, f"{arch}.embedding_length"))
     n_head = int(require_meta(reader, f"{arch}.attention.head_count"))
-    n_kv = int(meta_value(reader, f"{arch}.attention.head_count_kv", n_head))
+    n_kv = meta_value(reader, f"{arch}.attention.head_count_kv", n_head)
+    kv_per_layer = n_kv if isinstance(n_kv, list) else None  # LFM2: 0 on convolution layers
+    n_kv = int(max(n_kv) if kv_per_layer else n_kv)
     n_layer = int(require_meta(reader, f"{arch}.block_count"))
     head_dim = int(meta_value(reader, f"{arch}.attention.key_length", hidden // n_head))
     tokens = meta_value(reader, "tokenizer.ggml.tokens")
@@ -219,6 +247,19 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
             attention_bias=has_bias,
         )
         del config["num_key_value_heads"], config["head_dim"]
+        return config
+    if arch == "lfm2":
+        if kv_per_layer is None or len(kv_per_layer) != n_layer:
+            raise CheckpointError(
+                f"GGUF {arch}.attention.head_count_kv must list each of the {n_layer} blocks"
+            )
+        config.update(  # feed_forward_length is the width LFM2 derives: no adjusting again
+            layer_types=["full_attention" if n else "conv" for n in kv_per_layer],
+            conv_L_cache=int(require_meta(reader, f"{arch}.shortconv.l_cache")),
+            block_auto_adjust_ff_dim=False,
+            norm_eps=_f32(require_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+            rope_theta=_f32(meta_value(reader, f"{arch}.rope.freq_base", 1e6)),
+        )
         return config
     config.update(
         rms_norm_eps=_f32(require_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
@@ -373,6 +414,11 @@ def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
         "q_norm": (q,) if across_heads else (hd,),
         "k_norm": (kv,) if across_heads else (hd,),
     }
+    if c["architectures"][0] == "Lfm2ForCausalLM":
+        out_proj = (d, q) if ".self_attn." in name else (d, d)
+        lfm2 = {"in_proj": (3 * d, d), "out_proj": out_proj, "conv": (d, c["conv_L_cache"])}
+        lfm2 |= {"w1": (f, d), "w3": (f, d), "w2": (d, f), "q_layernorm": (hd,)}
+        shapes |= {**lfm2, "k_layernorm": (hd,)}  # conv as llama.cpp stores it: [d, kernel]
     shape = shapes.get(leaf, (d,) if "norm" in leaf else None)
     if shape is None or v is None and leaf in ("embed_tokens", "embed_in", "lm_head", "embed_out"):
         return None
@@ -407,13 +453,21 @@ def check_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
                 f"{list(want)}"
             )
         names.add(hf)
-    per_layer = {n.split(".", 3)[-1] for n in names if n.startswith(spec.layer_prefix + ".")}
-    for i in range(config["num_hidden_layers"]):
-        for rest in sorted(per_layer):
+    # Blocks of one kind (LFM2: attention or convolution) have the same tensors.
+    n_layer = config["num_hidden_layers"]
+    kinds = config.get("layer_types") if spec.hf_arch == "Lfm2ForCausalLM" else None
+    kinds = kinds or ["block"] * n_layer
+    per_kind: dict[str, set[str]] = {}
+    for n in names:
+        if n.startswith(spec.layer_prefix + "."):
+            layer, rest = n.removeprefix(spec.layer_prefix + ".").split(".", 1)
+            per_kind.setdefault(kinds[int(layer)], set()).add(rest)
+    for i in range(n_layer):
+        for rest in sorted(per_kind.get(kinds[i], ())):
             if f"{spec.layer_prefix}.{i}.{rest}" not in names:
                 raise CheckpointError(
-                    f"GGUF has {config['num_hidden_layers']} blocks but block {i} lacks "
-                    f"{rest} (other blocks have it)"
+                    f"GGUF has {n_layer} blocks but block {i} lacks {rest} (other blocks of its "
+                    "kind have it)"
                 )
     embed = f"{spec.globals['token_embd']}.weight"
     if embed not in names:

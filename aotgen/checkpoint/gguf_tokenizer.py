@@ -56,6 +56,7 @@ PRE_TOKENIZERS: dict[str, list[str]] = {
     "llama-v3": [_LLAMA3],
     "dbrx": [_LLAMA3],
     "smaug-bpe": [_LLAMA3],
+    "lfm2": [_LLAMA3],
     "qwen2": [_QWEN2],
     "stablelm2": [_QWEN2],
     "starcoder": [r"\p{N}", _GPT2],
