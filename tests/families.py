@@ -327,8 +327,9 @@ EAGER_PARITY = [
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}
 INT8 = {"quantize": {"linear": "int8"}}
-# The biased ones, and a mixture of experts (its experts int8, its routers float).
-INT8_FAMILIES = ["qwen2-tied", "gptneox-parallel", "qwen3-moe"]
+# The biased ones, a mixture of experts (its experts int8, its routers float), and LFM2 (its
+# convolutions float, their projections int8).
+INT8_FAMILIES = ["qwen2-tied", "gptneox-parallel", "qwen3-moe", "lfm2"]
 # (family, extra recipe keys) of every package, in the order the tests first ask for them.
 PACKAGES: list[tuple[str, dict[str, Any]]] = [
     *((family, {}) for family in PARITY),

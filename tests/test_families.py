@@ -200,8 +200,8 @@ def test_onnx_graphs_match_aoti_and_transformers(family_engines, checkpoints, pr
 @pytest.mark.slow  # three more builds, ~100 s each on 2 cores
 @pytest.mark.parametrize("family", INT8_FAMILIES)
 def test_int8_fused_build_stays_close(family_engines, checkpoints, family):
-    """int8 weights + fused linears on the biased families and Qwen3-MoE (int8 experts through
-    the kernel in prefill, gathered in decode and verify): logits within int8's error of
+    """int8 weights + fused linears on the biased families, Qwen3-MoE (int8 experts through
+    the kernel in prefill, gathered in decode and verify) and LFM2: logits within int8's error of
     transformers, and the same argmax at nearly every position of a teacher-forced text."""
     engine = family_engines(family, **INT8)
     ids = engine.tokenizer.encode(PROMPT + " Paris is the capital of France.")
@@ -216,6 +216,10 @@ def test_int8_fused_build_stays_close(family_engines, checkpoints, family):
         assert entry["experts"]["scheme"] == "int8"
         assert "model.layers.0.mlp.gate" in entry["kept_float"]
         assert engine.target.weights["model.layers.0.mlp.experts.gate_up_proj"].dtype == torch.int8
+    if family == "lfm2":  # the convolutions' projections int8
+        kinds = {(n.split(".weight")[0], w.dtype) for n, w in engine.target.weights.items()}
+        assert ("model.layers.0.conv.in_proj", torch.int8) in kinds
+        assert ("model.layers.0.conv.conv", torch.float32) in kinds
 
 
 def test_biased_q_k_v_are_fused(checkpoints, project, family_engines):
