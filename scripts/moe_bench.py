@@ -43,7 +43,8 @@ WITHOUT_KERNEL = (
 )
 
 
-def checkpoint(out: Path) -> Path:
+def random_checkpoint(out: Path, config_class: str, shape: dict) -> Path:
+    """A random-weight transformers checkpoint with SmolLM2's tokenizer (49,152 tokens)."""
     import torch
     import transformers
 
@@ -53,28 +54,18 @@ def checkpoint(out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer / name, out / name)
-    config = transformers.Qwen3MoeConfig(**SHAPE, vocab_size=49152, bos_token_id=1, eos_token_id=2)
+    config_cls = getattr(transformers, config_class)
+    config = config_cls(**shape, vocab_size=49152, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out)
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work", type=Path, default=REPO / "artifacts/moe-bench")
-    parser.add_argument("--llamacpp", type=Path, default=LLAMACPP / "build/bin")
-    args = parser.parse_args()
-    work = args.work.resolve()
-    ckpt = checkpoint(work / "checkpoint")
+def build_and_bench(work: Path, ckpt: Path, builds: list[tuple[str, list[str], str]]) -> None:
+    """Build each (name, python arguments, recipe lines) and `aotgen bench` them interleaved."""
     recipe = "checkpoint: {}\nmax_seq_len: 512\nprefill_chunk: 128\n"
     packages = []
-    builds = [
-        ("moe-kernel", ["-m", "aotgen", "build"], ""),
-        ("moe-fixed", ["-c", WITHOUT_KERNEL], ""),
-        ("moe-int8", ["-m", "aotgen", "build"], "quantize: {linear: int8}\n"),
-        ("moe-bf16", ["-m", "aotgen", "build"], "dtype: bfloat16\n"),
-    ]
     for name, build, extra in builds:
         path = work / f"{name}.yaml"
         path.write_text(f"name: {name}\n" + recipe.format(ckpt) + extra)
@@ -83,19 +74,43 @@ def main() -> None:
     bench = [sys.executable, "-m", "aotgen", "bench", *packages, "--prompt-len", "128"]
     subprocess.run([*bench, "--gen-tokens", "64", "--runs", "3"], cwd=work, check=True)
 
-    gguf = work / "moe-f32.gguf"
+
+def llama_bench(work: Path, ckpt: Path, stem: str, bin_dir: Path, kinds: tuple[str, ...]) -> None:
+    """llama-bench on the checkpoint converted by llama.cpp (F32), and quantized to `kinds`."""
+    gguf = work / f"{stem}-f32.gguf"
     converter = LLAMACPP / "src/vendor/llama.cpp/convert_hf_to_gguf.py"
     if not gguf.exists():
         convert = [sys.executable, str(converter), str(ckpt), "--outtype", "f32"]
         subprocess.run([*convert, "--outfile", str(gguf)], check=True)
-    quantized = {kind: work / f"moe-{kind.lower()}.gguf" for kind in ("Q8_0", "BF16")}
+    quantized = {kind: work / f"{stem}-{kind.lower()}.gguf" for kind in kinds}
     for kind, path in quantized.items():
         if not path.exists():
-            quantize = [str(args.llamacpp / "llama-quantize"), str(gguf), str(path), kind]
+            quantize = [str(bin_dir / "llama-quantize"), str(gguf), str(path), kind]
             subprocess.run(quantize, check=True, capture_output=True)
     for model in (gguf, *quantized.values()):
-        llama_bench = [str(args.llamacpp / "llama-bench"), "-m", str(model), "-t", "2"]
-        subprocess.run([*llama_bench, "-p", "128", "-n", "64", "-r", "3"], check=True)
+        command = [str(bin_dir / "llama-bench"), "-m", str(model), "-t", "2"]
+        subprocess.run([*command, "-p", "128", "-n", "64", "-r", "3"], check=True)
+
+
+def arguments(default_work: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", type=Path, default=REPO / default_work)
+    parser.add_argument("--llamacpp", type=Path, default=LLAMACPP / "build/bin")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments("artifacts/moe-bench")
+    work = args.work.resolve()
+    ckpt = random_checkpoint(work / "checkpoint", "Qwen3MoeConfig", SHAPE)
+    builds = [
+        ("moe-kernel", ["-m", "aotgen", "build"], ""),
+        ("moe-fixed", ["-c", WITHOUT_KERNEL], ""),
+        ("moe-int8", ["-m", "aotgen", "build"], "quantize: {linear: int8}\n"),
+        ("moe-bf16", ["-m", "aotgen", "build"], "dtype: bfloat16\n"),
+    ]
+    build_and_bench(work, ckpt, builds)
+    llama_bench(work, ckpt, "moe", args.llamacpp, ("Q8_0", "BF16"))
 
 
 if __name__ == "__main__":
