@@ -39,7 +39,7 @@ SHAPE = dict(
 # The fixed-shape build: the op's kernel switched off for the whole build.
 WITHOUT_KERNEL = (
     "import sys, aotgen.kernels.moe as m; m.applies = lambda x: False; "
-    "from aotgen.cli import main; sys.argv = ['aotgen', 'build', sys.argv[1]]; main()"
+    "from aotgen.cli import main; sys.argv = ['aotgen', 'build', *sys.argv[1:]]; main()"
 )
 
 
@@ -63,13 +63,14 @@ def random_checkpoint(out: Path, config_class: str, shape: dict) -> Path:
 
 
 def build_and_bench(work: Path, ckpt: Path, builds: list[tuple[str, list[str], str]]) -> None:
-    """Build each (name, python arguments, recipe lines) and `aotgen bench` them interleaved."""
+    """Build each (name, python arguments, recipe lines) and `aotgen bench` them interleaved.
+    `--force`: the packed tiles measured again (run it on a quiet machine)."""
     recipe = "checkpoint: {}\nmax_seq_len: 512\nprefill_chunk: 128\n"
     packages = []
     for name, build, extra in builds:
         path = work / f"{name}.yaml"
         path.write_text(f"name: {name}\n" + recipe.format(ckpt) + extra)
-        subprocess.run([sys.executable, *build, str(path)], cwd=work, check=True)
+        subprocess.run([sys.executable, *build, str(path), "--force"], cwd=work, check=True)
         packages.append(str(work / "artifacts" / name))
     bench = [sys.executable, "-m", "aotgen", "bench", *packages, "--prompt-len", "128"]
     subprocess.run([*bench, "--gen-tokens", "64", "--runs", "3"], cwd=work, check=True)

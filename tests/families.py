@@ -221,6 +221,19 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             block_multiple_of=32,
         ),
     ),
+    # LFM2-MoE: layer 0 dense, then 8 experts, 2 a token, picked by sigmoid score + bias.
+    "lfm2-moe": (
+        "Lfm2MoeConfig",
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=2,
+            layer_types=["conv", "full_attention", "conv"],
+            num_dense_layers=1,
+            moe_intermediate_size=48,
+            routed_scaling_factor=1.5,
+            **MOE,
+        ),
+    ),
     "gptneox-draft": (
         "GPTNeoXConfig",
         dict(
@@ -271,6 +284,9 @@ def randomize(model: torch.nn.Module, gemma: bool, std: float = 0.08) -> None:
             p.normal_(0, std * 4)
         else:
             p.normal_(0, std)
+    for name, b in model.named_buffers():
+        if name.endswith("expert_bias"):  # LFM2-MoE: large enough to change which are picked
+            b.normal_(0, 0.5)
 
 
 def load_reference(path: Path) -> torch.nn.Module:
@@ -322,7 +338,7 @@ PARITY = [
 # built.
 EAGER_PARITY = [
     "smollm3", "granite", "qwen3-yarn", "olmo2", "olmo3", "mixtral", "qwen2-moe", "olmoe",
-    "granite-moe", "granite4", "granite4-moe",
+    "granite-moe", "granite4", "granite4-moe", "lfm2-moe",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

@@ -132,8 +132,9 @@ def test_greedy_matches_transformers(family_engines, checkpoints, family):
 @pytest.mark.parametrize("family", EAGER_PARITY)
 def test_eager_model_matches_transformers(checkpoints, family):
     """SmolLM3 (NoPE layers), Granite (multipliers), YaRN, OLMo 2/3 and the mixtures of
-    experts (Mixtral, Qwen2-MoE's shared expert and dense layers, OLMoE, Granite MoE) and
-    Granite 4.0 with attention layers (dense, and experts with no positions): the model's logits
+    experts (Mixtral, Qwen2-MoE's shared expert and dense layers, OLMoE, Granite MoE, LFM2-MoE's
+    sigmoid routing) and Granite 4.0 with attention layers (dense, and experts with no
+    positions): the model's logits
     over a history and its 32 greedy tokens, decoded step by step on its KV cache, equal
     transformers'."""
     eager = EagerModel(checkpoints[family], 96)

@@ -40,7 +40,8 @@ LLAMA_LAYOUT = (
     "Olmo3ForCausalLM",
     *MOE_ARCHITECTURES,
 )
-SUPPORTED_ARCHITECTURES = (*LLAMA_LAYOUT, "GPTNeoXForCausalLM", "Lfm2ForCausalLM")
+LFM2 = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = (*LLAMA_LAYOUT, "GPTNeoXForCausalLM", *LFM2)
 GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Configs that carry a sliding_window which `use_sliding_window` (refused when true) turns on.
 WINDOW_SWITCHED = (
@@ -104,6 +105,11 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     shared_expert_gated: bool = False  # Qwen2-MoE scales it by a sigmoid gate, Granite does not
     moe_layers: tuple[bool, ...] = ()
+    # LFM2-MoE: experts picked by sigmoid score plus a per-expert bias, weighted by the score
+    # (renormalised, then x routed_scaling_factor).
+    router_sigmoid: bool = False
+    expert_bias: bool = False
+    routed_scaling_factor: float = 1.0
     # LFM2: layers whose `layer_types` entry is "conv" mix the last `conv_kernel` positions
     # with a gated depthwise convolution instead of attending.
     conv_kernel: int = 0
@@ -164,9 +170,8 @@ class ModelConfig:
             if not original:
                 raise ValueError(f"config.json: {kind} needs original_max_position_embeddings")
             common["rope_scaling"] = {**scaling, "original_max_position_embeddings": original}
-        family = {"GPTNeoXForCausalLM": _gpt_neox, "Lfm2ForCausalLM": _lfm2}.get(
-            arch, _llama_layout
-        )
+        family = _gpt_neox if arch == "GPTNeoXForCausalLM" else _llama_layout
+        family = _lfm2 if arch in LFM2 else family
         cfg = cls(**{**common, **family(hf, arch, common, local)})
         rope_inv_freq(cfg)  # an unknown rope_scaling type fails here, before any compile
         return cfg
@@ -204,7 +209,7 @@ def _rope(hf: dict, arch: str) -> tuple[float, dict | None, float | None]:
         theta, scaling = hf.get("rope_theta"), hf.get("rope_scaling")
         theta = hf.get("rotary_emb_base", theta)  # GPT-NeoX 4.x
     if theta is None:
-        theta = {"Gemma3ForCausalLM": 1e6, "Lfm2ForCausalLM": 1e6}.get(arch, 10000.0)
+        theta = 1e6 if arch in ("Gemma3ForCausalLM", *LFM2) else 10000.0
     if isinstance(hf.get("rope_parameters"), dict) and "sliding_attention" in hf["rope_parameters"]:
         kind = (hf["rope_parameters"]["sliding_attention"] or {}).get("rope_type", "default")
         if kind != "default":
@@ -385,7 +390,8 @@ def _rotary_factor(hf: dict) -> float:
 
 def _lfm2(hf: dict, arch: str, common: dict, local: float | None) -> dict[str, Any]:
     """LFM2: gated short convolutions and attention layers (q/k norms), SwiGLU MLPs whose
-    width is derived from `block_ff_dim` as transformers derives it, a tied head by default."""
+    width is derived from `block_ff_dim` as transformers derives it, a tied head by default.
+    LFM2-MoE: the MLPs after `num_dense_layers` are sparse, routed by sigmoid score."""
     layers = common["num_hidden_layers"]
     types = hf.get("layer_types") or [
         "full_attention" if i in (hf.get("full_attn_idxs") or range(layers)) else "conv"
@@ -401,13 +407,16 @@ def _lfm2(hf: dict, arch: str, common: dict, local: float | None) -> dict[str, A
     if common["hidden_size"] % 2:
         raise ValueError("config.json: LFM2's hidden_size must be even")
     width = hf.get("block_ff_dim") or hf["intermediate_size"]
-    if hf.get("block_auto_adjust_ff_dim", True):
+    moe = arch == "Lfm2MoeForCausalLM"
+    if not moe and hf.get("block_auto_adjust_ff_dim", True):
         width = int(2 * width / 3)
         multiplier = hf.get("block_ffn_dim_multiplier", 1.0)
         if multiplier is not None:
             step = hf.get("block_multiple_of", 256)
             width = step * -(-int(multiplier * width) // step)
+    experts = _lfm2_moe(hf, layers) if moe else {}
     return {
+        **experts,
         "intermediate_size": width,
         "rms_norm_eps": hf.get("norm_eps", 1e-5),
         "tie_word_embeddings": hf.get("tie_embedding", hf.get("tie_word_embeddings", True)),
@@ -415,6 +424,20 @@ def _lfm2(hf: dict, arch: str, common: dict, local: float | None) -> dict[str, A
         "layer_types": tuple(types),
         "conv_kernel": kernel,
         "conv_bias": bool(hf.get("conv_bias", False)),
+    }
+
+
+def _lfm2_moe(hf: dict, layers: int) -> dict[str, Any]:
+    out = _moe(hf, "Lfm2MoeForCausalLM", layers, "silu")
+    dense = hf.get("num_dense_layers", 2)
+    _positive(hf, "routed_scaling_factor")
+    return {
+        **out,
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+        "moe_layers": tuple(i >= dense for i in range(layers)),
+        "router_sigmoid": True,
+        "expert_bias": bool(hf.get("use_expert_bias", True)),
+        "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
     }
 
 

@@ -4,7 +4,9 @@ forward that turns positions into RoPE rows and masks and runs the layers.
 The KV cache is *not* owned by the model: every forward takes per-layer cache tensors
 (`[1, n_kv_heads, cache_len, head_dim]`) and writes the new keys/values in place at
 `input_pos` (position overwrite: rejected speculative positions are simply overwritten
-later, no rollback). This is the contract every exported graph keeps:
+later, no rollback). LFM2's convolution layers keep their inputs the same way, by position
+(lfm2.py; `_conv_history` says where each row's earlier positions are). This is the contract
+every exported graph keeps:
 
     forward(tokens [1, T], input_pos [T], caches [k0, v0, k1, v1, ...]) -> logits [1, T, V]
 

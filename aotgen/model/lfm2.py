@@ -9,6 +9,9 @@ kept like keys and values: written in place at each row's cache slot, read back 
 token trees then need nothing of their own, as for attention. The layer's two cache tensors
 (`[1, 1, cache_len, hidden / 2]`) hold the first and second half of B·x's channels.
 
+LFM2-MoE (`Lfm2MoeForCausalLM`): the MLPs after the first `num_dense_layers` are sparse
+(moe.py), experts picked by sigmoid score plus a per-expert bias.
+
 Module names follow the HF checkpoint (`model.layers.0.conv.in_proj`, `feed_forward.w1`,
 `model.embedding_norm` for the final norm) so weights load without a name map.
 """
@@ -26,6 +29,7 @@ from aotgen.model.layers import (
     apply_rope,
     cached_attention,
 )
+from aotgen.model.moe import SparseMoE
 
 
 class Attention(nn.Module):
@@ -114,7 +118,7 @@ class DecoderLayer(nn.Module):
         d, eps, f = cfg.hidden_size, cfg.rms_norm_eps, cfg.intermediate_size
         self.operator_norm = RMSNorm(d, eps)
         self.ffn_norm = RMSNorm(d, eps)
-        self.feed_forward = MLP(d, f)
+        self.feed_forward = SparseMoE(cfg) if cfg.is_moe(index) else MLP(d, f)
 
     def forward(self, x, cos, sin, write_at, mask, k_cache, v_cache, attn_len) -> Tensor:
         op = self.conv if hasattr(self, "conv") else self.self_attn

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from aotgen.model.config import GRANITE_SHARED_MLP, SUPPORTED_ARCHITECTURES, ModelConfig
+from aotgen.model.config import GRANITE_SHARED_MLP, LFM2, SUPPORTED_ARCHITECTURES, ModelConfig
 from aotgen.model.layers import (
     CausalLM,
     GatedMLP,
@@ -185,7 +185,7 @@ def model_class(cfg: ModelConfig) -> type[CausalLM]:
         from aotgen.model.gptneox import GPTNeoXForCausalLM
 
         return GPTNeoXForCausalLM
-    if cfg.architecture == "Lfm2ForCausalLM":
+    if cfg.architecture in LFM2:
         from aotgen.model.lfm2 import Lfm2ForCausalLM
 
         return Lfm2ForCausalLM

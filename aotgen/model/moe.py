@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from aotgen.kernels import moe
-from aotgen.model.config import MOE_ARCHITECTURES, ModelConfig
+from aotgen.model.config import ModelConfig
 from aotgen.model.layers import GatedMLP
 
 
@@ -40,7 +40,10 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.top_k, self.normalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.sigmoid, self.scale = cfg.router_sigmoid, cfg.routed_scaling_factor
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        if cfg.expert_bias:  # shifts which experts are picked, not their weights
+            self.expert_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
         self.experts = Experts(cfg)
         self.shared = cfg.shared_expert_intermediate_size > 0
         self.gated = self.shared and cfg.shared_expert_gated
@@ -51,10 +54,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        probs = self.gate(rows).float().softmax(-1)
-        weights, ids = probs.topk(self.top_k, dim=-1)
-        if self.normalise:
-            weights = weights / weights.sum(-1, keepdim=True)
+        weights, ids = self.route(self.gate(rows).float())
         y = self.experts(rows, weights, ids)
         if self.shared:
             shared = self.shared_expert(rows)
@@ -62,11 +62,27 @@ class SparseMoE(nn.Module):
             y = y + gate * shared
         return y.reshape(x.shape)
 
+    def route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """Each row's experts and their weights, from the router's logits."""
+        if not self.sigmoid:
+            weights, ids = logits.softmax(-1).topk(self.top_k, dim=-1)
+            if self.normalise:
+                weights = weights / weights.sum(-1, keepdim=True)
+            return weights, ids
+        scores = logits.sigmoid()  # LFM2-MoE
+        bias = getattr(self, "expert_bias", None)
+        choice = scores if bias is None else scores + bias.float()
+        ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, ids)
+        if self.normalise:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-6)
+        return weights * self.scale if self.scale != 1.0 else weights, ids
+
 
 # Checkpoint names of one expert's projections: Mixtral's w1 (gate), w3 (up), w2 (down) under
 # `block_sparse_moe`, the others' gate_proj / up_proj / down_proj under `mlp`.
 _EXPERT = re.compile(
-    r"^(.*\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+    r"^(.*\.layers\.\d+)\.(mlp|block_sparse_moe|feed_forward)\.experts\.(\d+)\."
     r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
 )
 _PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down"}
@@ -82,7 +98,7 @@ def stack_experts(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Ten
     """Per-expert checkpoint tensors stacked into each layer's `experts.gate_up_proj` and
     `experts.down_proj`; Mixtral's `block_sparse_moe` named `mlp`. Checkpoints already in the
     stacked layout (transformers 5 in memory) pass through."""
-    if cfg.architecture not in MOE_ARCHITECTURES:
+    if not cfg.num_experts:
         return weights
     out: dict[str, Tensor] = {}
     layers: dict[str, dict[str, dict[int, Tensor]]] = {}
@@ -94,8 +110,9 @@ def stack_experts(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Ten
                 name = f"{layer}.{_GRANITE.get(sep[1:] + rest, 'mlp.' + rest)}"
             out[name] = tensor
             continue
-        layer, index, proj = match.groups()
+        layer, block, index, proj = match.groups()
         part = _PART.get(proj, "down")
+        layer = f"{layer}.{'feed_forward' if block == 'feed_forward' else 'mlp'}"  # LFM2-MoE's
         layers.setdefault(layer, {}).setdefault(part, {})[int(index)] = tensor
     for layer, parts in layers.items():
         got = [sorted(parts.get(p, {})) for p in ("gate", "up", "down")]
@@ -108,6 +125,6 @@ def stack_experts(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Ten
             torch.stack([parts[p][e] for e in range(cfg.num_experts)])
             for p in ("gate", "up", "down")
         )
-        out[f"{layer}.mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
-        out[f"{layer}.mlp.experts.down_proj"] = down
+        out[f"{layer}.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
+        out[f"{layer}.experts.down_proj"] = down
     return out

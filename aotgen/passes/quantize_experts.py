@@ -18,7 +18,8 @@ from aotgen.model.moe import Experts
 
 def routers(gated_shared_expert: bool) -> list[str]:
     """quantize.skip globs of the routers (and Qwen2-MoE's shared-expert gate): kept float."""
-    return ["*.mlp.gate", *(["*.mlp.shared_expert_gate"] if gated_shared_expert else [])]
+    gates = ["*.mlp.gate", "*.feed_forward.gate"]  # LFM2-MoE's under feed_forward
+    return [*gates, *(["*.mlp.shared_expert_gate"] if gated_shared_expert else [])]
 
 
 def int8_rows(w: Tensor) -> tuple[Tensor, Tensor]:
