@@ -106,6 +106,8 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": FAMILIES["mixtral"],
     "granitemoe": FAMILIES["granite-moe"],
     "lfm2": FAMILIES["lfm2"],
+    # llama.cpp's converter does not store routed_scaling_factor: 1 here.
+    "lfm2moe": ("Lfm2MoeConfig", {**FAMILIES["lfm2-moe"][1], "routed_scaling_factor": 1.0}),
 }
 MOE_NAMES = {
     "mlp.gate": "ffn_gate_inp",
@@ -116,10 +118,11 @@ MOE_NAMES = {
     "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "feed_forward.gate": "ffn_gate_inp",  # LFM2-MoE
 }
 # One expert's projection in an HF checkpoint, and the stacked GGUF tensor it goes into.
 EXPERT = re.compile(
-    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$"
+    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.experts\.(\d+)\.(\w+)\.weight$"
 )
 STACKED = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down"}
 # HF module name → llama.cpp's (gguf-py tensor_mapping.py), per architecture.
@@ -211,6 +214,8 @@ def _checkpoint(out: Path, arch: str, **sizes: Any) -> Path:
 
 
 def _gguf_name(arch: str, hf: str) -> str:
+    if hf.endswith("feed_forward.expert_bias"):  # LFM2-MoE's, a tensor of its own
+        return f"blk.{hf.split('.')[2]}.exp_probs_b.bias"
     module, kind = hf.rsplit(".", 1)
     if module in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[module]}.{kind}"
@@ -226,6 +231,7 @@ def _gguf_name(arch: str, hf: str) -> str:
         "gptneox": LAYER_NAMES["gptneox"],
         "phi3": PHI3_NAMES,
         "lfm2": LAYER_NAMES["lfm2"],
+        "lfm2moe": LAYER_NAMES["lfm2"],
     }.get(arch, LAYER_NAMES["llama"])
     return f"blk.{i}.{names[rest]}.{kind}"
 
@@ -237,7 +243,7 @@ def _converted(arch: str, hf: str, w: np.ndarray, heads: int, kv_heads: int) -> 
     permuted = ("smollm3", "granite", "mixtral", "granitemoe")  # llama.cpp's LlamaModel kin
     if arch in permuted and hf.endswith(("q_proj.weight", "k_proj.weight")):
         return permute_qk(w, heads if "q_proj" in hf else kv_heads)
-    if arch == "lfm2" and hf.endswith("conv.conv.weight"):  # [d, 1, kernel] -> [d, kernel]
+    if arch.startswith("lfm2") and hf.endswith("conv.conv.weight"):  # [d, 1, kernel] -> [d, kernel]
         return np.ascontiguousarray(w[:, 0])
     if arch == "gptneox" and "query_key_value" in hf:
         rest = w.shape[1:]
@@ -286,13 +292,21 @@ def _moe_meta(w: gguf.GGUFWriter, cfg: dict[str, Any]) -> None:
 
 def _lfm2_meta(w: gguf.GGUFWriter, cfg: dict[str, Any]) -> None:
     """What llama.cpp's converter writes of LFM2 (conversion/lfm2.py): KV heads per block (0
-    on the convolutions), the kernel, the MLP width LFM2 derives from block_ff_dim."""
+    on the convolutions), the kernel, the MLP width LFM2 derives from block_ff_dim; LFM2-MoE's
+    experts (sigmoid gating)."""
     w.add_head_count_kv(
         [cfg["num_key_value_heads"] if t != "conv" else 0 for t in cfg["layer_types"]]
     )
     w.add_shortconv_l_cache(cfg["conv_L_cache"])
     w.add_layer_norm_rms_eps(cfg["norm_eps"])
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    if "num_experts" in cfg:  # LFM2-MoE: its MLP width as it is, the experts (lfm2.py)
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_leading_dense_block_count(cfg["num_dense_layers"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        return
     width, step = int(2 * cfg["intermediate_size"] / 3), cfg["block_multiple_of"]
     width = int(cfg["block_ffn_dim_multiplier"] * width)
     w.add_feed_forward_length(step * ((width + step - 1) // step))
@@ -331,7 +345,7 @@ def _write_gguf(
         w.add_rope_dimension_count(int(pct * head_dim))
         w.add_rope_freq_base(cfg.get("rotary_emb_base") or rope.get("rope_theta", 10000.0))
         w.add_parallel_residual(cfg["use_parallel_residual"])
-    elif arch == "lfm2":
+    elif arch.startswith("lfm2"):
         _lfm2_meta(w, cfg)
     else:
         w.add_head_count_kv(cfg["num_key_value_heads"])

@@ -338,7 +338,7 @@ def test_package_keeps_the_graph_contract(quantized):
         sig = {k: v for k, v in entry["graphs"][spec.name].items() if k != "package_model"}
         assert sig == graph_signature(spec, cfg, cache)
     assert entry["kv_cache"]["dtype"] == "float32"
-    assert entry["kv_cache"]["shape"] == list(cache[0].shape)
+    assert entry["kv_cache"]["shapes"] == [list(c.shape) for c in cache]
     q = entry["quantization"]
     assert q["linear"]["activation_dtype"] == raw.get("activations", "bfloat16")
     assert q["perplexity"]["package"] > 0

@@ -83,7 +83,7 @@ def test_package_layout(tp_package):
     assert {"model.pt2", "rank0/target.safetensors", "rank1/target.safetensors"} <= files
     assert not any(f.endswith(".pt2") and f.startswith("rank") for f in files)
     # 2 KV heads over 2 ranks: one per rank.
-    assert m["models"]["target"]["kv_cache"]["shape"][1] == 1
+    assert all(shape[1] == 1 for shape in m["models"]["target"]["kv_cache"]["shapes"])
     with pytest.raises(Exception, match="tensor-parallel package"):
         Engine.load(tp_package)  # the single-process loader refuses and says how to run it
 

@@ -149,9 +149,11 @@ def read_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict[str, n
             w = w - np.float32(1.0)  # llama.cpp stores Gemma's (1 + w) RMSNorm scale
         elif arch == "gptneox" and ".attn_qkv." in t.name:
             w = _gptneox_qkv(w, config["num_attention_heads"])
-        elif arch == "lfm2" and ".shortconv.conv." in t.name:
+        elif arch.startswith("lfm2") and ".shortconv.conv." in t.name:
             w = w[:, None]  # HF's depthwise Conv1d weight [d, 1, kernel]
-        if ".mlp.experts." in name or name.endswith(("mlp.gate.weight", "expert_gate.weight")):
+        if arch == "lfm2moe" and (".experts." in name or name.endswith("expert_bias.bias")):
+            out.update(_lfm2_moe_tensors(name, w))
+        elif ".mlp.experts." in name or name.endswith(("mlp.gate.weight", "expert_gate.weight")):
             out.update(_moe_tensors(name, w, config["architectures"][0]))
         else:
             out[name] = np.ascontiguousarray(w)
@@ -178,6 +180,18 @@ def _moe_tensors(name: str, w: np.ndarray, hf_arch: str) -> dict[str, np.ndarray
     else:
         stem = f"{layer}.mlp.experts"
     return {f"{stem}.{e}.{proj}.weight": np.ascontiguousarray(x) for e, x in enumerate(w)}
+
+
+def _lfm2_moe_tensors(name: str, w: np.ndarray) -> dict[str, np.ndarray]:
+    """LFM2-MoE's HF names: one tensor per expert (w1 gate, w3 up, w2 down), the expert bias
+    a tensor of its own (llama.cpp's `exp_probs_b.bias`)."""
+    if name.endswith("expert_bias.bias"):
+        return {name.removesuffix(".bias"): np.ascontiguousarray(w)}
+    stem, proj = name.removesuffix(".weight").rsplit(".", 1)
+    return {
+        f"{stem}.{e}.{_MIXTRAL_EXPERT[proj]}.weight": np.ascontiguousarray(x)
+        for e, x in enumerate(w)
+    }
 
 
 def _granite_moe(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

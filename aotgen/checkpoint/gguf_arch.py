@@ -73,6 +73,19 @@ _LFM2_LAYER = {  # attention or a short convolution (shortconv.*) in each block
     "ffn_up": "feed_forward.w3",
     "ffn_down": "feed_forward.w2",
 }
+_LFM2_MOE_LAYER = {  # experts stacked [E, out, in]; exp_probs_b the expert bias
+    **_LFM2_LAYER,
+    "ffn_gate_inp": "feed_forward.gate",
+    "ffn_gate_exps": "feed_forward.experts.gate_proj",
+    "ffn_up_exps": "feed_forward.experts.up_proj",
+    "ffn_down_exps": "feed_forward.experts.down_proj",
+    "exp_probs_b": "feed_forward.expert_bias",
+}
+_LFM2_GLOBAL = {
+    "token_embd": "model.embed_tokens",
+    "token_embd_norm": "model.embedding_norm",
+    "output": "lm_head",
+}
 _LLAMA_GLOBAL = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -107,16 +120,8 @@ ARCHS: dict[str, Arch] = {
     ),
     "olmoe": Arch("OlmoeForCausalLM", "olmoe", {**_LLAMA_LAYER, **_QK_NORM, **_MOE_LAYER}),
     "granitemoe": Arch("GraniteMoeForCausalLM", "granitemoe", {**_LLAMA_LAYER, **_MOE_LAYER}),
-    "lfm2": Arch(
-        "Lfm2ForCausalLM",
-        "lfm2",
-        _LFM2_LAYER,
-        {
-            "token_embd": "model.embed_tokens",
-            "token_embd_norm": "model.embedding_norm",
-            "output": "lm_head",
-        },
-    ),
+    "lfm2": Arch("Lfm2ForCausalLM", "lfm2", _LFM2_LAYER, _LFM2_GLOBAL),
+    "lfm2moe": Arch("Lfm2MoeForCausalLM", "lfm2_moe", _LFM2_MOE_LAYER, _LFM2_GLOBAL),
     "gptneox": Arch(
         "GPTNeoXForCausalLM",
         "gpt_neox",
@@ -248,18 +253,21 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         )
         del config["num_key_value_heads"], config["head_dim"]
         return config
-    if arch == "lfm2":
+    if arch in ("lfm2", "lfm2moe"):
         if kv_per_layer is None or len(kv_per_layer) != n_layer:
             raise CheckpointError(
                 f"GGUF {arch}.attention.head_count_kv must list each of the {n_layer} blocks"
             )
-        config.update(  # feed_forward_length is the width LFM2 derives: no adjusting again
+        config.update(
             layer_types=["full_attention" if n else "conv" for n in kv_per_layer],
             conv_L_cache=int(require_meta(reader, f"{arch}.shortconv.l_cache")),
-            block_auto_adjust_ff_dim=False,
             norm_eps=_f32(require_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
             rope_theta=_f32(meta_value(reader, f"{arch}.rope.freq_base", 1e6)),
         )
+        if arch == "lfm2":  # feed_forward_length is the width LFM2 derives: no adjusting again
+            config["block_auto_adjust_ff_dim"] = False
+        else:
+            config.update(_lfm2_experts(reader, arch))
         return config
     config.update(
         rms_norm_eps=_f32(require_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
@@ -317,6 +325,23 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
             ):
                 config[key] = _f32(meta_value(reader, f"{arch}.{key}", default))  # llama.cpp's
     return config
+
+
+def _lfm2_experts(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
+    """LFM2-MoE as llama.cpp runs it: sigmoid scores, the chosen experts' renormalised."""
+    gating = meta_value(reader, f"{arch}.expert_gating_func")
+    if gating != gguf.ExpertGatingFuncType.SIGMOID:
+        raise CheckpointError(f"GGUF {arch}.expert_gating_func {gating!r}: LFM2-MoE is sigmoid")
+    scale = meta_value(reader, f"{arch}.expert_weights_scale")
+    return {
+        "num_experts": int(require_meta(reader, f"{arch}.expert_count")),
+        "num_experts_per_tok": int(require_meta(reader, f"{arch}.expert_used_count")),
+        "moe_intermediate_size": int(require_meta(reader, f"{arch}.expert_feed_forward_length")),
+        "num_dense_layers": int(meta_value(reader, f"{arch}.leading_dense_block_count", 0)),
+        "norm_topk_prob": True,
+        "routed_scaling_factor": _f32(scale) if scale else 1.0,
+        "use_expert_bias": any(t.name.endswith("exp_probs_b.bias") for t in reader.tensors),
+    }
 
 
 def _experts(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
@@ -391,7 +416,8 @@ def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
     leaf = name.rsplit(".", 1)[-1]
     across_heads = c["architectures"][0].startswith("Olmo")  # OLMo's q/k norms: whole rows
     experts = c.get("num_experts") or c.get("num_local_experts")
-    if experts and ".mlp." in name:  # a mixture of experts' MLP
+    routed = ".mlp." in name or ".feed_forward.experts." in name  # LFM2-MoE's: feed_forward
+    if experts and (routed or name.endswith(("feed_forward.gate", "expert_bias"))):
         return _moe_shape(name, kind, c, experts)
     shapes: dict[str, tuple[int, ...]] = {
         "embed_tokens": (v, d),
@@ -414,7 +440,7 @@ def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
         "q_norm": (q,) if across_heads else (hd,),
         "k_norm": (kv,) if across_heads else (hd,),
     }
-    if c["architectures"][0] == "Lfm2ForCausalLM":
+    if c["architectures"][0].startswith("Lfm2"):
         out_proj = (d, q) if ".self_attn." in name else (d, d)
         lfm2 = {"in_proj": (3 * d, d), "out_proj": out_proj, "conv": (d, c["conv_L_cache"])}
         lfm2 |= {"w1": (f, d), "w3": (f, d), "w2": (d, f), "q_layernorm": (hd,)}
@@ -430,9 +456,11 @@ def _moe_shape(name: str, kind: str, c: dict[str, Any], experts: int) -> tuple[i
     f = c.get("moe_intermediate_size") or c["intermediate_size"]
     shared = c.get("shared_expert_intermediate_size", 0)
     leaf = name.rsplit(".", 1)[-1]
+    if leaf == "expert_bias":
+        return (experts,)
     if kind != "weight" or leaf == "shared_expert_gate":  # stored as [d] or [1, d]
         return None
-    if name.endswith("mlp.gate"):
+    if name.endswith(("mlp.gate", "feed_forward.gate")):
         return (experts, d)
     if ".shared_expert." in name:
         return (d, shared) if leaf == "down_proj" else (shared, d)
@@ -453,10 +481,12 @@ def check_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
                 f"{list(want)}"
             )
         names.add(hf)
-    # Blocks of one kind (LFM2: attention or convolution) have the same tensors.
+    # Blocks of one kind (LFM2: attention or convolution, dense or experts) have the same
+    # tensors.
     n_layer = config["num_hidden_layers"]
-    kinds = config.get("layer_types") if spec.hf_arch == "Lfm2ForCausalLM" else None
-    kinds = kinds or ["block"] * n_layer
+    dense = config.get("num_dense_layers", n_layer)
+    kinds = [f"{t}-{i < dense}" for i, t in enumerate(config.get("layer_types") or [])]
+    kinds = kinds if spec.hf_arch.startswith("Lfm2") else ["block"] * n_layer
     per_kind: dict[str, set[str]] = {}
     for n in names:
         if n.startswith(spec.layer_prefix + "."):
