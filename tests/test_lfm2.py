@@ -169,3 +169,29 @@ def test_batch_and_reused_prefixes_equal_cold_runs(package):
         )
         assert (result.cached_tokens > 0) == (turn > 0)
         prompt = prompt + result.token_ids + _ids(51 + turn, 5, vocab)
+
+
+@pytest.mark.cpp
+def test_cpp_runtime_speculates_on_convolution_caches(run_bin, package):
+    """aotgen-run on the same package: draft, n-gram and tree speculation give the Python
+    runtime's ids and acceptance counts (and so transformers' greedy tokens)."""
+    from test_cpp_runtime import cpp_generate
+
+    engine = Engine.load(package)
+    modes = {
+        "draft": ["--speculative"],
+        "ngram": ["--lookup", "ngram"],
+        "tree": ["--speculative", "--draft-parallel", "4", "--p-split", "0.1"],
+    }
+    for ids in PROMPTS:
+        for mode, flags in modes.items():
+            tree = TreeParams(4, 0.1) if mode == "tree" else None
+            speculative = "ngram" if mode == "ngram" else "draft"
+            config = GenerationConfig(
+                max_new_tokens=24, ignore_eos=True, speculative=speculative, k=4, tree=tree
+            )
+            want = engine.generate(ids, config)
+            args = ["--max-new-tokens", "24", "--ignore-eos", "--k", "4", *flags]
+            got = cpp_generate(run_bin, package, ids, *args)
+            assert got["ids"] == want.token_ids, (ids, mode)
+            assert got["spec"]["accepted"] == want.spec.accepted, (ids, mode)

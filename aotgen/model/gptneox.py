@@ -84,10 +84,6 @@ class GPTNeoXForCausalLM(CausalLM):
         self.tie_weights()
         self.init_buffers()
 
-    def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.embed_out.weight = self.gpt_neox.embed_in.weight
-
     @property
     def decoder_layers(self) -> nn.ModuleList:
         return self.gpt_neox.layers

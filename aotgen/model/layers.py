@@ -213,9 +213,13 @@ def cached_attention(
 
 
 class CausalLM(nn.Module):
-    """The shared forward. A family provides `decoder_layers`, `embed(tokens)`, `logits(x)`;
+    """The shared forward. A family provides `decoder_layers`, `embed(tokens)`, `logits(x)`,
+    the names of its embedding and head weights (`EMBED`, `HEAD`);
     each layer is called as `layer(x, cos, sin, write_at, mask, k_cache, v_cache,
     attn_len)` with its own RoPE rows and mask (sliding or global)."""
+
+    EMBED: str
+    HEAD: str
 
     def __init__(self, cfg: ModelConfig, cache_len: int):
         super().__init__()
@@ -235,6 +239,12 @@ class CausalLM(nn.Module):
             yield
         finally:
             setattr(self, switch, before)
+
+    def tie_weights(self) -> None:
+        """A tied head is the embedding table (`HEAD` and `EMBED`: each family's names)."""
+        if self.config.tie_word_embeddings:
+            head = self.get_submodule(self.HEAD.removesuffix(".weight"))
+            head.weight = self.get_submodule(self.EMBED.removesuffix(".weight")).weight
 
     def init_buffers(self) -> None:
         """RoPE tables and key positions (not in the checkpoint; after a meta init too)."""

@@ -5,9 +5,9 @@ A convolution layer mixes each position with the `conv_kernel - 1` before it:
 `out_proj(C * conv(B * x))`, with B, C, x the three thirds of `in_proj` and `conv` depthwise
 over positions. What it remembers of the past is B·x at those positions, so its "state" is
 kept like keys and values: written in place at each row's cache slot, read back by position
-(layers.py `conv_history`). Speculative rows that are rejected, prefix reuse, batch slots and
-token trees then need nothing of their own, as for attention. The layer's two cache tensors
-(`[1, 1, cache_len, hidden / 2]`) hold the first and second half of B·x's channels.
+(layers.py `CausalLM._conv_history`). Speculative rows that are rejected, prefix reuse, batch
+slots and token trees then need nothing of their own, as for attention. The layer's two cache
+tensors (`[1, 1, cache_len, hidden / 2]`) hold the first and second half of B·x's channels.
 
 LFM2-MoE (`Lfm2MoeForCausalLM`): the MLPs after the first `num_dense_layers` are sparse
 (moe.py), experts picked by sigmoid score plus a per-expert bias.
@@ -65,9 +65,9 @@ class ShortConv(nn.Module):
         self.out_proj = nn.Linear(d, d, bias=bias)
 
     def forward(self, x, cos, sin, write_at, history, k_cache, v_cache, attn_len) -> Tensor:
-        """`history` (layers.py `conv_history`): where each row's earlier positions are in
+        """`history` (layers.py `CausalLM._conv_history`): where each row's earlier positions are in
         the cache, lag 1 first, and which of them exist (none before position 0)."""
-        b, t, d = x.shape
+        d = x.shape[-1]
         gate_b, gate_c, h = self.in_proj(x).chunk(3, dim=-1)
         bx = gate_b * h  # [b, t, d]
         half = d // 2
@@ -157,10 +157,6 @@ class Lfm2ForCausalLM(CausalLM):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.init_buffers()
-
-    def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
     def decoder_layers(self) -> nn.ModuleList:

@@ -150,10 +150,6 @@ class Transformer(CausalLM):
         self.tie_weights()
         self.init_buffers()
 
-    def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
     def init_buffers(self) -> None:
         super().init_buffers()
         # Gemma: × √hidden, rounded to the weights' dtype as transformers does.
