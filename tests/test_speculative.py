@@ -364,7 +364,7 @@ def test_shared_cache_layout_mismatch_is_refused():
     from aotgen.package.manifest import PackageError
     from aotgen.runtime.engine import _target_cache_layers
 
-    kv = {"layers": 1, "shape": [1, 2, 16, 8], "dtype": "float32"}
+    kv = {"layers": 1, "shapes": [[1, 2, 16, 8]] * 2, "dtype": "float32"}
     with pytest.raises(PackageError, match="share the target's KV cache"):
         _target_cache_layers(kv, torch.float32, [torch.zeros(1, 2, 16, 4)] * 2)
     with pytest.raises(PackageError, match="share the target's KV cache"):
