@@ -102,6 +102,7 @@ def stack_experts(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Ten
         return weights
     out: dict[str, Tensor] = {}
     layers: dict[str, dict[str, dict[int, Tensor]]] = {}
+    mlp_of: dict[str, str] = {}
     for name, tensor in weights.items():
         match = _EXPERT.match(name)
         if match is None:
@@ -112,7 +113,8 @@ def stack_experts(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Ten
             continue
         layer, block, index, proj = match.groups()
         part = _PART.get(proj, "down")
-        layer = f"{layer}.{'feed_forward' if block == 'feed_forward' else 'mlp'}"  # LFM2-MoE's
+        if block == "feed_forward":  # LFM2-MoE's experts stay under feed_forward
+            mlp_of[layer] = block
         layers.setdefault(layer, {}).setdefault(part, {})[int(index)] = tensor
     for layer, parts in layers.items():
         got = [sorted(parts.get(p, {})) for p in ("gate", "up", "down")]
@@ -125,6 +127,7 @@ def stack_experts(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Ten
             torch.stack([parts[p][e] for e in range(cfg.num_experts)])
             for p in ("gate", "up", "down")
         )
-        out[f"{layer}.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
-        out[f"{layer}.experts.down_proj"] = down
+        mlp = mlp_of.get(layer, "mlp")
+        out[f"{layer}.{mlp}.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
+        out[f"{layer}.{mlp}.experts.down_proj"] = down
     return out

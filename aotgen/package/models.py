@@ -21,6 +21,7 @@ from torch.export import ExportedProgram
 
 from aotgen.checkpoint.hf import Checkpoint, open_checkpoint
 from aotgen.export.aoti import GraphSpec, calibration_spec, export_graph, graph_specs
+from aotgen.model.config import LFM2
 from aotgen.model.llama import ModelConfig, Transformer, load_model, model_class, new_kv_cache
 from aotgen.model.rope import for_context
 from aotgen.passes.fuse import FuseLinearsPass
@@ -197,7 +198,7 @@ def _experts_quantize(
             f"quantize.{why} does not apply to the experts of {cfg.architecture} (a mixture of "
             "experts): use quantize: {linear: int8} (experts int8 per channel)"
         )
-    skip = [*options.skip, *routers(cfg.shared_expert_gated)]
+    skip = [*options.skip, *routers(cfg.shared_expert_gated, cfg.architecture in LFM2)]
     return {**quantize, "skip": skip}, options.linear is not None
 
 

@@ -16,10 +16,11 @@ from aotgen.kernels import moe
 from aotgen.model.moe import Experts
 
 
-def routers(gated_shared_expert: bool) -> list[str]:
-    """quantize.skip globs of the routers (and Qwen2-MoE's shared-expert gate): kept float."""
-    gates = ["*.mlp.gate", "*.feed_forward.gate"]  # LFM2-MoE's under feed_forward
-    return [*gates, *(["*.mlp.shared_expert_gate"] if gated_shared_expert else [])]
+def routers(gated_shared_expert: bool, lfm2: bool = False) -> list[str]:
+    """quantize.skip globs of the routers (and Qwen2-MoE's shared-expert gate): kept float.
+    LFM2-MoE's router is under `feed_forward`."""
+    gate = "*.feed_forward.gate" if lfm2 else "*.mlp.gate"
+    return [gate, *(["*.mlp.shared_expert_gate"] if gated_shared_expert else [])]
 
 
 def int8_rows(w: Tensor) -> tuple[Tensor, Tensor]:
