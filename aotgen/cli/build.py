@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Annotated
 
@@ -154,7 +155,5 @@ def inspect(
 
 def _cache_summary(shapes: list[list[int]]) -> str:
     """`[1, 3, 2048, 64] × 60`; one term per distinct shape (LFM2's convolution layers)."""
-    counts: dict[str, int] = {}
-    for shape in shapes:
-        counts[str(shape)] = counts.get(str(shape), 0) + 1
+    counts = Counter(str(shape) for shape in shapes)
     return ", ".join(f"{shape} × {n}" for shape, n in counts.items())
