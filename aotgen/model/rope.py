@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:  # config.py checks a config's scaling with rope_inv_freq
+if TYPE_CHECKING:  # ModelConfig.from_hf checks a config's scaling with rope_inv_freq
     from aotgen.model.config import ModelConfig
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")

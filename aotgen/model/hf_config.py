@@ -1,0 +1,349 @@
+"""Reading an HF `config.json` of a supported architecture into `ModelConfig`'s fields.
+
+Both config.json dialects are read: transformers 4.x (`rope_theta`, `rope_scaling`,
+`rotary_pct`, `rope_local_base_freq`) and 5.x (`rope_parameters`). Any key the model would
+otherwise silently ignore is refused with a one-line error naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aotgen.model.config import (
+    ACTIVATIONS,
+    GEMMAS,
+    GRANITE_SHARED_MLP,
+    GRANITES,
+    LFM2,
+    MOE_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    WINDOW_SWITCHED,
+)
+
+
+def hf_fields(hf: dict) -> dict[str, Any]:
+    """`ModelConfig`'s fields for an HF `config.json` dict; refuses what the model cannot
+    represent."""
+    archs = hf.get("architectures") or [hf.get("model_type", "?")]
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    for key in ("rope_theta", "rms_norm_eps", "layer_norm_eps", "rope_local_base_freq"):
+        _positive(hf, key)
+    heads = hf["num_attention_heads"]
+    theta, scaling, local = _rope(hf, arch)
+    common: dict[str, Any] = dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf.get("shared_intermediate_size") or hf["intermediate_size"]
+        if arch in GRANITE_SHARED_MLP
+        else hf["intermediate_size"],
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=hf.get("tie_word_embeddings", arch in GEMMAS),
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        architecture=arch,
+    )
+    if scaling and "rope_type" not in scaling and "type" in scaling:  # 4.x's older key
+        scaling = {"rope_type": scaling["type"], **scaling}
+        common["rope_scaling"] = scaling
+    kind = (scaling or {}).get("rope_type")
+    if kind in ("longrope", "yarn"):
+        original = scaling.get("original_max_position_embeddings")
+        original = original or hf.get("original_max_position_embeddings")
+        if not original:
+            raise ValueError(f"config.json: {kind} needs original_max_position_embeddings")
+        common["rope_scaling"] = {**scaling, "original_max_position_embeddings": original}
+    family = _gpt_neox if arch == "GPTNeoXForCausalLM" else _llama_layout
+    family = _lfm2 if arch in LFM2 else family
+    return {**common, **family(hf, arch, common, local)}
+
+
+def _positive(hf: dict, key: str) -> None:
+    value = hf.get(key)
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+    ):
+        raise ValueError(f"config.json: {key} must be a positive number, got {value!r}")
+
+
+def _refuse(hf: dict, key: str, allowed: Any, why: str) -> None:
+    """A key whose value the model would not honour: a one-line error naming it."""
+    value = hf.get(key)
+    if value not in (None, allowed):
+        raise ValueError(f"config.json: {key}={value!r} is not supported ({why})")
+
+
+def _rope(hf: dict, arch: str) -> tuple[float, dict | None, float | None]:
+    """(base, scaling of the global layers, base of the sliding layers) from either dialect."""
+    params = hf.get("rope_parameters")
+    local = hf.get("rope_local_base_freq")
+    if isinstance(params, dict) and "full_attention" in params:  # 5.x, per layer type
+        local = (params.get("sliding_attention") or {}).get("rope_theta", local)
+        params = params["full_attention"]
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", hf.get("rope_theta"))
+        scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "rope_type")}
+        scaling.pop("partial_rotary_factor", None)
+        kind = params.get("rope_type", params.get("type", "default"))
+        scaling = {"rope_type": kind, **scaling} if kind != "default" else None
+    else:
+        theta, scaling = hf.get("rope_theta"), hf.get("rope_scaling")
+        theta = hf.get("rotary_emb_base", theta)  # GPT-NeoX 4.x
+    if theta is None:
+        theta = 1e6 if arch in ("Gemma3ForCausalLM", *LFM2) else 10000.0
+    if isinstance(hf.get("rope_parameters"), dict) and "sliding_attention" in hf["rope_parameters"]:
+        kind = (hf["rope_parameters"]["sliding_attention"] or {}).get("rope_type", "default")
+        if kind != "default":
+            raise ValueError(f"config.json: rope_parameters.sliding_attention {kind!r} scaling")
+    if arch == "Gemma3ForCausalLM" and local is None:
+        local = 10000.0
+    return float(theta), scaling or None, local
+
+
+def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dict[str, Any]:
+    """Llama, Mistral, Qwen2, Qwen3 and Gemma 3: one module layout, a few switches."""
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    if act not in ACTIVATIONS:
+        raise ValueError(f"config.json: hidden_act={act!r} is not supported; {ACTIVATIONS}")
+    _refuse(hf, "mlp_bias", False, "MLP biases")
+    out: dict[str, Any] = {"hidden_act": act, "rms_norm_eps": hf.get("rms_norm_eps", 1e-6)}
+    rotary = _rotary_factor(hf)
+    if arch == "Phi3ForCausalLM" and rotary != 1.0:  # Phi-4-mini rotates 3/4 of each head
+        out["rotary_dim"] = int(common["head_dim"] * rotary)
+        if out["rotary_dim"] % 2 or not out["rotary_dim"]:
+            raise ValueError(f"config.json: partial_rotary_factor={rotary}: an odd or empty dim")
+    elif rotary != 1.0:
+        raise ValueError(f"config.json: partial_rotary_factor={rotary} is not supported on {arch}")
+    layers = common["num_hidden_layers"]
+    out.update(_smollm3(hf, layers) if arch == "SmolLM3ForCausalLM" else {})
+    out.update(_granite(hf, arch, layers) if arch in GRANITES else {})
+    dense_granite = arch == "GraniteMoeHybridForCausalLM" and not hf.get("num_local_experts")
+    if arch in MOE_ARCHITECTURES and not dense_granite:
+        out.update(_moe(hf, arch, layers, act))
+    if arch == "Qwen2ForCausalLM":
+        out["attention_bias"] = True  # Qwen2 always has q/k/v biases
+    elif arch == "Qwen2MoeForCausalLM":
+        out["attention_bias"] = bool(hf.get("qkv_bias", True))
+    else:
+        _refuse(hf, "attention_bias", False, f"attention biases on {arch}")
+    if arch in WINDOW_SWITCHED:
+        _refuse(hf, "use_sliding_window", False, f"sliding-window attention on {arch}")
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        out["qk_norm"] = True
+    if arch in ("Olmo2ForCausalLM", "Olmo3ForCausalLM"):
+        out.update(qk_norm=True, qk_norm_across_heads=True, norm_after=True)
+    if arch == "OlmoeForCausalLM":  # OLMo 2's q/k norms, the norms before each block
+        out.update(qk_norm=True, qk_norm_across_heads=True)
+        _refuse(hf, "clip_qkv", None, "clipping q, k and v")
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM") and hf.get(
+        "sliding_window"
+    ):
+        out["sliding_window"] = hf["sliding_window"]
+        out["layer_types"] = ("sliding_attention",) * layers
+    elif arch in GEMMAS:
+        out.update(_gemma(hf, arch, layers, local))
+    elif arch == "Olmo3ForCausalLM":  # three sliding-window layers in four
+        types = hf.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)
+        ]
+        out.update(sliding_window=hf.get("sliding_window", 4096), layer_types=tuple(types))
+        if local is not None:  # per layer type: the sliding layers' base, never scaled
+            out["rope_local_theta"] = float(local)
+    elif hf.get("sliding_window") is not None and not (
+        arch in WINDOW_SWITCHED and not hf.get("use_sliding_window")
+    ):
+        raise ValueError(f"config.json: sliding_window is not supported on {arch}")
+    if arch not in GEMMAS:
+        _refuse(hf, "final_logit_softcapping", None, f"not part of {arch}")
+        _refuse(hf, "attn_logit_softcapping", None, f"not part of {arch}")
+    types = out.get("layer_types") or hf.get("layer_types") or ()
+    types = () if arch == "GraniteMoeHybridForCausalLM" else types  # all global: _granite
+    if any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise ValueError(f"config.json: layer_types {sorted(set(types))} are not supported")
+    if "layer_types" not in out and "sliding_attention" in types:
+        raise ValueError(f"config.json: layer_types with sliding_attention on {arch}")
+    if out.get("layer_types") is not None and len(out["layer_types"]) != layers:
+        raise ValueError("config.json: layer_types must name every one of num_hidden_layers")
+    return out
+
+
+def _gemma(hf: dict, arch: str, layers: int, local: float | None) -> dict[str, Any]:
+    """Gemma 2 and 3: sliding and global layers (Gemma 2 alternates them, Gemma 3 has one
+    global in six, with its own RoPE base), softcapped logits; Gemma 2 caps the attention
+    scores too, Gemma 3 normalises q and k instead."""
+    _refuse(hf, "use_bidirectional_attention", False, "causal attention only")
+    gemma3 = arch == "Gemma3ForCausalLM"
+    if gemma3:
+        _refuse(hf, "attn_logit_softcapping", None, "transformers' Gemma 3 does not apply it")
+    types = hf.get("layer_types")
+    if types is None:
+        pattern = 2
+        if gemma3:
+            pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
+        types = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ]
+    return dict(
+        qk_norm=gemma3,
+        sliding_window=hf.get("sliding_window", 4096),
+        layer_types=tuple(types),
+        rope_local_theta=float(local or 10000.0) if gemma3 else None,
+        query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+        final_logit_softcapping=hf.get("final_logit_softcapping"),
+        attn_logit_softcapping=None if gemma3 else hf.get("attn_logit_softcapping"),
+    )
+
+
+def _moe(hf: dict, arch: str, layers: int, act: str) -> dict[str, Any]:
+    """Experts, top-k and the sparse layers: Qwen-MoE's `decoder_sparse_step` and
+    `mlp_only_layers` (dense MLPs there), every layer elsewhere."""
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    top_k = hf.get("num_experts_per_tok") or 0
+    if not 1 <= top_k <= experts:
+        raise ValueError(
+            f"config.json: num_experts_per_tok={top_k} must be from 1 to the number of "
+            f"experts ({experts})"
+        )
+    if act != "silu":
+        raise ValueError(f"config.json: hidden_act={act!r}: the experts are SwiGLU (silu) only")
+    step = hf.get("decoder_sparse_step") or 1
+    dense = set(hf.get("mlp_only_layers") or ())
+    qwen = arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+    shared = {
+        "Qwen2MoeForCausalLM": hf.get("shared_expert_intermediate_size"),
+        "GraniteMoeSharedForCausalLM": hf.get("shared_intermediate_size"),
+        "GraniteMoeHybridForCausalLM": hf.get("shared_intermediate_size"),
+    }.get(arch)
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
+        # Mixtral renormalises; Granite's softmax over the top-k logits is the same
+        norm_topk_prob=arch == "MixtralForCausalLM"
+        or arch in GRANITES
+        or bool(hf.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=shared or 0,
+        shared_expert_gated=arch == "Qwen2MoeForCausalLM",
+        moe_layers=tuple(
+            not qwen or (i not in dense and (i + 1) % step == 0) for i in range(layers)
+        ),
+    )
+
+
+def _smollm3(hf: dict, layers: int) -> dict[str, Any]:
+    """SmolLM3: every `no_rope_layer_interval`-th layer attends without RoPE (NoPE)."""
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        interval = hf.get("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(flags) != layers:
+        raise ValueError("config.json: no_rope_layers must name every one of num_hidden_layers")
+    return {"rope_layers": tuple(bool(f) for f in flags)}
+
+
+def _granite(hf: dict, arch: str, layers: int) -> dict[str, Any]:
+    """Granite's multipliers; Granite 4.0 (the hybrid config) with attention layers only, with
+    RoPE or none (`position_embedding_type`)."""
+    keys = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+    for key in keys:
+        _positive(hf, key)
+    out: dict[str, Any] = {key: float(hf[key]) for key in keys if key in hf}
+    if arch == "GraniteMoeHybridForCausalLM":
+        types = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"]
+        if any(t not in ("attention", "full_attention") for t in types):
+            raise ValueError(
+                "config.json: Granite 4.0's Mamba layers (layer_types other than attention) "
+                "are not supported; its attention-only models (granite-4.0-micro) are"
+            )
+        position = hf.get("position_embedding_type")
+        if position not in (None, "rope"):
+            raise ValueError(f"config.json: position_embedding_type={position!r} is not supported")
+        if position is None:  # no positions at all
+            out["rope_layers"] = (False,) * layers
+    return out
+
+
+def _rotary_factor(hf: dict) -> float:
+    params = hf.get("rope_parameters")
+    factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    return float(factor or hf.get("rotary_pct") or hf.get("partial_rotary_factor") or 1.0)
+
+
+def _lfm2(hf: dict, arch: str, common: dict, local: float | None) -> dict[str, Any]:
+    """LFM2: gated short convolutions and attention layers (q/k norms), SwiGLU MLPs whose
+    width is derived from `block_ff_dim` as transformers derives it, a tied head by default.
+    LFM2-MoE: the MLPs after `num_dense_layers` are sparse, routed by sigmoid score."""
+    layers = common["num_hidden_layers"]
+    types = hf.get("layer_types") or [
+        "full_attention" if i in (hf.get("full_attn_idxs") or range(layers)) else "conv"
+        for i in range(layers)
+    ]
+    if len(types) != layers or any(t not in ("conv", "full_attention") for t in types):
+        raise ValueError(
+            "config.json: LFM2's layer_types must name conv or full_attention for every layer"
+        )
+    kernel = hf.get("conv_L_cache", 3)
+    if not isinstance(kernel, int) or kernel < 1:
+        raise ValueError(f"config.json: conv_L_cache must be a positive integer, got {kernel!r}")
+    if common["hidden_size"] % 2:
+        raise ValueError("config.json: LFM2's hidden_size must be even")
+    width = hf.get("block_ff_dim") or hf["intermediate_size"]
+    moe = arch == "Lfm2MoeForCausalLM"
+    if not moe and hf.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        multiplier = hf.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            step = hf.get("block_multiple_of", 256)
+            width = step * -(-int(multiplier * width) // step)
+    experts = _lfm2_moe(hf, layers) if moe else {}
+    return {
+        **experts,
+        "intermediate_size": width,
+        "rms_norm_eps": hf.get("norm_eps", 1e-5),
+        "tie_word_embeddings": hf.get("tie_embedding", hf.get("tie_word_embeddings", True)),
+        "qk_norm": True,
+        "layer_types": tuple(types),
+        "conv_kernel": kernel,
+        "conv_bias": bool(hf.get("conv_bias", False)),
+    }
+
+
+def _lfm2_moe(hf: dict, layers: int) -> dict[str, Any]:
+    out = _moe(hf, "Lfm2MoeForCausalLM", layers, "silu")
+    dense = hf.get("num_dense_layers", 2)
+    _positive(hf, "routed_scaling_factor")
+    return {
+        **out,
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+        "moe_layers": tuple(i >= dense for i in range(layers)),
+        "router_sigmoid": True,
+        "expert_bias": bool(hf.get("use_expert_bias", True)),
+        "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+    }
+
+
+def _gpt_neox(hf: dict, arch: str, common: dict, local: float | None) -> dict[str, Any]:
+    act = hf.get("hidden_act", "gelu")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"config.json: hidden_act={act!r} is not supported; {ACTIVATIONS}")
+    has_factor = "rotary_pct" in hf or "partial_rotary_factor" in (hf.get("rope_parameters") or {})
+    factor = _rotary_factor(hf) if has_factor else 0.25  # transformers' default
+    rotary_dim = int(common["head_dim"] * factor)
+    if rotary_dim % 2 or rotary_dim == 0:
+        raise ValueError(f"config.json: rotary_pct={factor} gives an odd or empty rotary dim")
+    if common["hidden_size"] % common["num_attention_heads"]:
+        raise ValueError("config.json: hidden_size must be a multiple of num_attention_heads")
+    return {
+        "hidden_act": act,
+        "rms_norm_eps": hf.get("layer_norm_eps", 1e-5),
+        "attention_bias": hf.get("attention_bias", True),
+        "rotary_dim": rotary_dim,
+        "use_parallel_residual": hf.get("use_parallel_residual", True),
+    }
