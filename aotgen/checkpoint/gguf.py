@@ -25,13 +25,13 @@ from safetensors.numpy import save_file
 from aotgen.checkpoint.gguf_arch import (
     PERMUTED_QK,
     arch_spec,
-    check_tensors,
     hf_name,
     meta_value,
     model_tensors,
     read_config,
     require_meta,
 )
+from aotgen.checkpoint.gguf_check import check_tensors
 from aotgen.checkpoint.gguf_tokenizer import build_tokenizer, check_tokenizer
 from aotgen.checkpoint.hf import BLOCKS_FILE, CheckpointError, write_checkpoint_dir
 

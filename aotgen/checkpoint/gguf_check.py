@@ -1,0 +1,108 @@
+"""A GGUF checked against its own metadata before anything is written: every tensor shaped as
+the config read from it implies, every block complete."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gguf
+
+from aotgen.checkpoint.gguf_arch import arch_spec, hf_name, model_tensors
+from aotgen.checkpoint.hf import CheckpointError
+
+
+def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
+    """The PyTorch shape the model expects for an HF tensor name; None if not checked."""
+    d, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    hd = c.get("head_dim") or d // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * hd, c.get("num_key_value_heads", 0) * hd
+    name, kind = hf.rsplit(".", 1)
+    leaf = name.rsplit(".", 1)[-1]
+    across_heads = c["architectures"][0].startswith("Olmo")  # OLMo's q/k norms: whole rows
+    experts = c.get("num_experts") or c.get("num_local_experts")
+    routed = ".mlp." in name or ".feed_forward.experts." in name  # LFM2-MoE's: feed_forward
+    if experts and (routed or name.endswith(("feed_forward.gate", "expert_bias"))):
+        return _moe_shape(name, kind, c, experts)
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed_tokens": (v, d),
+        "embed_in": (v, d),
+        "lm_head": (v, d),
+        "embed_out": (v, d),
+        "q_proj": (q, d),
+        "k_proj": (kv, d),
+        "v_proj": (kv, d),
+        "o_proj": (d, q),
+        "gate_proj": (f, d),
+        "up_proj": (f, d),
+        "down_proj": (d, f),
+        "query_key_value": (3 * d, d),
+        "qkv_proj": (q + 2 * kv, d),
+        "gate_up_proj": (2 * f, d),
+        "dense": (d, d),
+        "dense_h_to_4h": (f, d),
+        "dense_4h_to_h": (d, f),
+        "q_norm": (q,) if across_heads else (hd,),
+        "k_norm": (kv,) if across_heads else (hd,),
+    }
+    if c["architectures"][0].startswith("Lfm2"):
+        out_proj = (d, q) if ".self_attn." in name else (d, d)
+        lfm2 = {"in_proj": (3 * d, d), "out_proj": out_proj, "conv": (d, c["conv_L_cache"])}
+        lfm2 |= {"w1": (f, d), "w3": (f, d), "w2": (d, f), "q_layernorm": (hd,)}
+        shapes |= {**lfm2, "k_layernorm": (hd,)}  # conv as llama.cpp stores it: [d, kernel]
+    shape = shapes.get(leaf, (d,) if "norm" in leaf else None)
+    if shape is None or v is None and leaf in ("embed_tokens", "embed_in", "lm_head", "embed_out"):
+        return None
+    return shape[:1] if kind == "bias" else shape
+
+
+def _moe_shape(name: str, kind: str, c: dict[str, Any], experts: int) -> tuple[int, ...] | None:
+    d = c["hidden_size"]
+    f = c.get("moe_intermediate_size") or c["intermediate_size"]
+    shared = c.get("shared_expert_intermediate_size", 0)
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "expert_bias":
+        return (experts,)
+    if kind != "weight" or leaf == "shared_expert_gate":  # stored as [d] or [1, d]
+        return None
+    if name.endswith(("mlp.gate", "feed_forward.gate")):
+        return (experts, d)
+    if ".shared_expert." in name:
+        return (d, shared) if leaf == "down_proj" else (shared, d)
+    return (experts, d, f) if leaf == "down_proj" else (experts, f, d)
+
+
+def check_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
+    """Every tensor named and shaped as the metadata says, every layer complete."""
+    _, spec = arch_spec(reader)
+    names: set[str] = set()
+    for t in model_tensors(reader):
+        hf = hf_name(spec, t.name)
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        want = _expected_shape(hf, config)
+        if want is not None and shape != want:
+            raise CheckpointError(
+                f"GGUF tensor {t.name!r} has shape {list(shape)} but the metadata implies "
+                f"{list(want)}"
+            )
+        names.add(hf)
+    # Blocks of one kind (LFM2: attention or convolution, dense or experts) have the same
+    # tensors.
+    n_layer = config["num_hidden_layers"]
+    dense = config.get("num_dense_layers", n_layer)
+    kinds = [f"{t}-{i < dense}" for i, t in enumerate(config.get("layer_types") or [])]
+    kinds = kinds if spec.hf_arch.startswith("Lfm2") else ["block"] * n_layer
+    per_kind: dict[str, set[str]] = {}
+    for n in names:
+        if n.startswith(spec.layer_prefix + "."):
+            layer, rest = n.removeprefix(spec.layer_prefix + ".").split(".", 1)
+            per_kind.setdefault(kinds[int(layer)], set()).add(rest)
+    for i in range(n_layer):
+        for rest in sorted(per_kind.get(kinds[i], ())):
+            if f"{spec.layer_prefix}.{i}.{rest}" not in names:
+                raise CheckpointError(
+                    f"GGUF has {n_layer} blocks but block {i} lacks {rest} (other blocks of its "
+                    "kind have it)"
+                )
+    embed = f"{spec.globals['token_embd']}.weight"
+    if embed not in names:
+        raise CheckpointError("GGUF has no token_embd.weight tensor")
