@@ -108,7 +108,13 @@ REAL_PACKAGE_USERS = {
 }
 # Compile-cache warmers (tests/real_builds.py WARMERS) -> the fixtures whose builds they compile
 # ahead, into the session project's cache, while the tests before them run.
-WARM_USERS = {"families": {"family_engines"}}
+# In the order the tests ask for them; the busiest modules late in the run that the builder has
+# time for before the real packages are needed.
+WARM_USERS = {
+    "families": {"family_engines"},
+    "gguf_keep": {"kept", "integer"},
+    "quantize": {"int8_build", "int4_build", "block_build"},
+}
 # Recipe -> the bundled GGUF (`aotgen import-gguf` short name) its checkpoint comes from.
 REAL_PACKAGE_GGUF = {"gemma3-270m": "gemma3-270m"}
 

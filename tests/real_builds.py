@@ -6,14 +6,15 @@ on the second core while the other tests run. Writes OUT/NAME.done (holding the 
 path) as each recipe finishes; a failure ends the process with its traceback in the log.
 A NAME in WARMERS compiles a test module's recipes into the session project's compile cache
 (OUT/project-cache), so that the tests' own builds of them are cache hits (both run one torch
-thread: conftest.py); it stops when OUT/NAME.stop appears (the tests started) and leaves them
-the rest.
+thread: conftest.py; a compile's key holds the graph and the weights' shapes, not their values
+or paths); it stops when OUT/NAME.stop appears (the tests started) and leaves them the rest.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -25,23 +26,46 @@ from aotgen.package.build import build  # noqa: E402
 from aotgen.recipe import Project, parse_recipe  # noqa: E402
 
 
-def warm_families(out: Path) -> Path:
+def warm(out: Path, name: str, recipes: Iterator[tuple[str, dict]]) -> Path:
+    """Build `recipes` (package name, recipe data) into the session project's compile cache
+    until the tests that use them start (OUT/NAME.stop)."""
+    project = Project(artifacts_dir=out / f"{name}-built", cache_dir=out / "project-cache")
+    done = 0
+    while not (out / f"{name}.stop").exists() and (item := next(recipes, None)):  # stop_warming
+        build(parse_recipe(item[1], item[0], Path(".")), project)
+        done += 1
+    print(f"compiled {done} {name} packages ahead", flush=True)
+    return project.artifacts_dir
+
+
+def warm_families(out: Path) -> Iterator[tuple[str, dict]]:
     """test_families.py's packages (tests/families.py), AOTInductor only: ONNX has no cache."""
     from families import PACKAGES, family_checkpoints, family_recipe
 
     checkpoints = family_checkpoints(out / "families")
-    project = Project(artifacts_dir=out / "families-built", cache_dir=out / "project-cache")
-    done = 0
-    while done < len(PACKAGES) and not (out / "families.stop").exists():  # stop_warming
-        family, extra = PACKAGES[done]
-        name, data = family_recipe(family, checkpoints, ["aoti"], extra)
-        build(parse_recipe(data, name, Path(".")), project)
-        done += 1
-    print(f"compiled {done} of {len(PACKAGES)} family packages ahead", flush=True)
-    return project.artifacts_dir
+    for family, extra in PACKAGES:
+        yield family_recipe(family, checkpoints, ["aoti"], extra)
 
 
-WARMERS = {"families": warm_families}
+def warm_quantize(out: Path) -> Iterator[tuple[str, dict]]:
+    """test_quantize.py's packages, on the session's tiny checkpoints' shapes (conftest.py)."""
+    from test_quantize import package_recipes
+    from tiny import make_tiny_checkpoint
+
+    tiny = make_tiny_checkpoint(out / "quantize" / "tiny")
+    tied = make_tiny_checkpoint(out / "quantize" / "tied", tie=True, seed=1)
+    yield from package_recipes(tiny, tied).items()
+
+
+def warm_gguf_keep(out: Path) -> Iterator[tuple[str, dict]]:
+    """test_gguf_keep.py's packages."""
+    from test_gguf_keep import PACKAGES, package_recipe
+
+    for name in PACKAGES:
+        yield name, package_recipe(out / "gguf_keep" / name, name)
+
+
+WARMERS = {"families": warm_families, "gguf_keep": warm_gguf_keep, "quantize": warm_quantize}
 
 
 def main(out: Path, names: list[str]) -> None:
@@ -50,7 +74,7 @@ def main(out: Path, names: list[str]) -> None:
     for name in names:
         t0 = time.monotonic()
         if name in WARMERS:
-            path = WARMERS[name](out)
+            path = warm(out, name, WARMERS[name](out))
         else:
             gguf = bundled_gguf(name)
             if gguf not in checkpoints:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_RECIPE
+from conftest import TINY_RECIPE, stop_warming
 from reference import EagerModel, reset_caches
 from test_gguf_families import _checkpoint, _write_gguf
 
@@ -38,20 +38,44 @@ def test_kept_types_are_the_kernels():
     assert set(KEPT_TYPES) == set(gb.QTYPES)
 
 
-def _kept_build(tmp: Path, project, arch: str, quantize: dict):
-    sizes, qtypes = FAMILIES[arch]
+def kept_recipe(tmp: Path, arch: str, quantize: dict) -> dict:
+    """A recipe on a tiny `arch` GGUF (FAMILIES' block types, else the legacy ones), written
+    and imported into tmp."""
+    sizes, qtypes = FAMILIES.get(arch, ({}, LEGACY))
     _write_gguf(_checkpoint(tmp / "hf", arch, **sizes), tmp / "m.gguf", arch, qtypes=qtypes)
     imported = import_gguf(tmp / "m.gguf", tmp / "imported")
-    raw = {"checkpoint": str(imported), **TINY_RECIPE, "quantize": quantize}
-    report = build(parse_recipe(raw, tmp.name, Path(".")), project)
+    return {"checkpoint": str(imported), **TINY_RECIPE, "quantize": quantize}
+
+
+# package -> (arch, recipe keys) of the compiled packages (tests/real_builds.py compiles them
+# ahead)
+PACKAGES = {
+    "keep-gemma3": ("gemma3", {"quantize": {"gguf": "keep"}}),  # every block type, float
+    "keep-gptneox-int8": ("gptneox", {"quantize": {"gguf": "keep", "activations": "int8"}}),
+    "keep-tp2": ("qwen2", {"quantize": {"gguf": "keep"}, "parallel": {"tensor": 2}}),
+}
+
+
+def package_recipe(tmp: Path, name: str) -> dict:
+    arch, keys = PACKAGES[name]
+    return {**kept_recipe(tmp, arch, keys["quantize"]), **keys}
+
+
+def _kept_build(request, name: str):
+    stop_warming(request, "gguf_keep")  # the builds take what the background compiled
+    tmp = request.getfixturevalue("tmp_path_factory").mktemp(name)
+    raw = package_recipe(tmp, name)
+    report = build(parse_recipe(raw, name, Path(".")), request.getfixturevalue("project"))
     engine = Engine.load(report.path)
+    imported = Path(raw["checkpoint"])
+    qtypes = FAMILIES[PACKAGES[name][0]][1]
     return report, engine, EagerModel(imported, engine.target.cache_len), qtypes
 
 
 @pytest.fixture(scope="module")
-def kept(tmp_path_factory, project):
+def kept(request):
     """Gemma 3 with every block type, float activations."""
-    return _kept_build(tmp_path_factory.mktemp("keep-gemma3"), project, "gemma3", {"gguf": "keep"})
+    return _kept_build(request, "keep-gemma3")
 
 
 def _graph_error(engine: Engine, eager: EagerModel, graph: str, length: int, start: int) -> float:
@@ -110,10 +134,9 @@ def test_greedy_equals_eager(kept):
 
 
 @pytest.fixture(scope="module")
-def integer(tmp_path_factory, project):
+def integer(request):
     """GPT-NeoX with the legacy block types, in integer numerics (`activations: int8`)."""
-    tmp = tmp_path_factory.mktemp("keep-gptneox-int8")
-    return _kept_build(tmp, project, "gptneox", {"gguf": "keep", "activations": "int8"})
+    return _kept_build(request, "keep-gptneox-int8")
 
 
 @pytest.mark.parametrize("graph,length,start", GRAPHS)
@@ -165,18 +188,17 @@ class _EagerRunner:
         return self.eager.forward(tokens, start_pos)
 
 
-def test_tensor_parallel_shards_keep_their_blocks(tmp_path_factory, project, tmp_path):
+def test_tensor_parallel_shards_keep_their_blocks(request, project, tmp_path):
     """TP=2 of a kept Qwen2 checkpoint: the column-wise shards (whole rows) and the row-wise
     ones (each row's half, cut between blocks) still run on the file's blocks, and the ranks
     together give the dequantized checkpoint's logits and greedy tokens."""
     from test_tp import _tp_outputs
     from tp_worker import GREEDY_PROMPT, GREEDY_TOKENS, SCENARIOS, scenario_logits
 
-    tmp = tmp_path_factory.mktemp("keep-tp")
-    _write_gguf(_checkpoint(tmp / "hf", "qwen2"), tmp / "m.gguf", "qwen2", qtypes=LEGACY)
-    imported = import_gguf(tmp / "m.gguf", tmp / "imported")
-    raw = {"checkpoint": str(imported), **TINY_RECIPE, "quantize": {"gguf": "keep"}}
-    tp2 = build(parse_recipe({**raw, "parallel": {"tensor": 2}}, "keep-tp2", Path(".")), project)
+    stop_warming(request, "gguf_keep")
+    raw = package_recipe(tmp_path / "keep-tp", "keep-tp2")
+    imported = Path(raw["checkpoint"])
+    tp2 = build(parse_recipe(raw, "keep-tp2", Path(".")), project)
     entry = json.loads((tp2.path / "manifest.json").read_text())["models"]["target"]
     kept = entry["quantization"]["weights"]
     assert any("o_proj" in name for name in kept)  # row-wise shards

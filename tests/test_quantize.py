@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_RECIPE
+from conftest import TINY_RECIPE, stop_warming
 from reference import reset_caches
 from safetensors import safe_open
 
@@ -294,26 +294,33 @@ def test_eager_quantized_graph_is_close_to_fp32(tiny_model):
 
 
 # ---- compiled packages: one int8 build (tied embeddings) and one int4 build ----------------
-def _build(checkpoint: Path, quantize: dict, name: str, project):
-    recipe = parse_recipe(
-        {"checkpoint": str(checkpoint), **TINY_RECIPE, "quantize": quantize}, name, Path(".")
-    )
-    return build(recipe, project)
+def package_recipes(tiny: Path, tied: Path) -> dict[str, dict]:
+    """The compiled packages' recipes, by package name (tests/real_builds.py compiles them
+    ahead)."""
+    on = {"tiny-int8": (tied, INT8), "tiny-int4": (tiny, INT4), "tiny-block": (tied, BLOCK)}
+    return {n: {"checkpoint": str(c), **TINY_RECIPE, "quantize": q} for n, (c, q) in on.items()}
+
+
+def _build(request, name: str):
+    stop_warming(request, "quantize")  # the builds take what the background compiled
+    tiny, tied = (request.getfixturevalue(f) for f in ("tiny_checkpoint", "tied_checkpoint"))
+    data = package_recipes(tiny, tied)[name]
+    return build(parse_recipe(data, name, Path(".")), request.getfixturevalue("project"))
 
 
 @pytest.fixture(scope="module")
-def int8_build(tied_checkpoint, project):
-    return _build(tied_checkpoint, INT8, "tiny-int8", project)
+def int8_build(request):
+    return _build(request, "tiny-int8")
 
 
 @pytest.fixture(scope="module")
-def int4_build(tiny_checkpoint, project):
-    return _build(tiny_checkpoint, INT4, "tiny-int4", project)
+def int4_build(request):
+    return _build(request, "tiny-int4")
 
 
 @pytest.fixture(scope="module")
-def block_build(tied_checkpoint, project):
-    return _build(tied_checkpoint, BLOCK, "tiny-block", project)
+def block_build(request):
+    return _build(request, "tiny-block")
 
 
 @pytest.fixture(params=["int8", "int4", "block"])
