@@ -228,7 +228,10 @@ def pytest_collection_modifyitems(config, items) -> None:
         item: [name for name, users in REAL_PACKAGE_USERS.items() if users & set(item.fixturenames)]
         for item in items
     }
+    # Each in the order the builder finishes its packages: a test runs while the later ones build.
+    built = list(REAL_PACKAGE_USERS)
     users = [item for item in items if needed[item]]
+    users.sort(key=lambda item: max(built.index(name) for name in needed[item]))
     items[:] = [item for item in items if not needed[item]] + users
     if config.option.collectonly:
         return

@@ -128,7 +128,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict) -> ModelConfig:
         """Map an HF `config.json` dict; refuse what this model cannot represent."""
-        from aotgen.model.hf_config import hf_fields
+        from aotgen.model.hf_config import hf_fields  # it reads this module's lists
 
         cfg = cls(**hf_fields(hf))
         rope_inv_freq(cfg)  # an unknown rope_scaling type fails here, before any compile
