@@ -38,15 +38,6 @@ def test_kept_types_are_the_kernels():
     assert set(KEPT_TYPES) == set(gb.QTYPES)
 
 
-def kept_recipe(tmp: Path, arch: str, quantize: dict) -> dict:
-    """A recipe on a tiny `arch` GGUF (FAMILIES' block types, else the legacy ones), written
-    and imported into tmp."""
-    sizes, qtypes = FAMILIES.get(arch, ({}, LEGACY))
-    _write_gguf(_checkpoint(tmp / "hf", arch, **sizes), tmp / "m.gguf", arch, qtypes=qtypes)
-    imported = import_gguf(tmp / "m.gguf", tmp / "imported")
-    return {"checkpoint": str(imported), **TINY_RECIPE, "quantize": quantize}
-
-
 # package -> (arch, recipe keys) of the compiled packages (tests/real_builds.py compiles them
 # ahead)
 PACKAGES = {
@@ -57,8 +48,13 @@ PACKAGES = {
 
 
 def package_recipe(tmp: Path, name: str) -> dict:
+    """A package's recipe on a tiny GGUF of its arch (FAMILIES' block types, else the legacy
+    ones), written and imported into tmp."""
     arch, keys = PACKAGES[name]
-    return {**kept_recipe(tmp, arch, keys["quantize"]), **keys}
+    sizes, qtypes = FAMILIES.get(arch, ({}, LEGACY))
+    _write_gguf(_checkpoint(tmp / "hf", arch, **sizes), tmp / "m.gguf", arch, qtypes=qtypes)
+    imported = import_gguf(tmp / "m.gguf", tmp / "imported")
+    return {"checkpoint": str(imported), **TINY_RECIPE, **keys}
 
 
 def _kept_build(request, name: str):
