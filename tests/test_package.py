@@ -279,9 +279,11 @@ def test_compiles_are_reused_across_builds(tiny_checkpoint, tiny_package, projec
         assert engine.generate(ids, config).token_ids == want
 
 
-def test_compile_key_names_what_the_compile_depends_on(tiny_model):
-    """Two exports of one graph share a key; other options, thread counts or graphs do not."""
+def test_compile_key_names_what_the_compile_depends_on(tiny_model, tmp_path):
+    """Two exports of one graph share a key; other options, thread counts, linked objects
+    or graphs do not."""
     from aotgen.export.aoti import compile_key, example_inputs, export_graph, graph_specs
+    from aotgen.export.aoti_runtime import runtime_object
     from aotgen.model.llama import new_kv_cache
 
     model, cfg, cache_len = tiny_model
@@ -292,6 +294,7 @@ def test_compile_key_names_what_the_compile_depends_on(tiny_model):
     assert compile_key(export_graph(model, decode, caches), args, {"max_autotune": False}) == key
     ep = export_graph(model, decode, caches)
     assert compile_key(ep, args, {"max_autotune": True}) != key
+    assert compile_key(ep, args, {"max_autotune": False}, [runtime_object(tmp_path)]) != key
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)

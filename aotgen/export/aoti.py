@@ -14,11 +14,13 @@ package stores them once, and the runtime binds that one copy to every graph.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +30,7 @@ from torch.export import Dim, ExportedProgram
 from torch.fx.experimental import _config as fx_config
 from torch.utils import _pytree as pytree
 
-from aotgen.export import shims
+from aotgen.export import aoti_runtime, shims
 from aotgen.tempdirs import partial_dir, remove_stale
 
 
@@ -187,10 +189,13 @@ def graph_identity(ep: ExportedProgram) -> tuple:
     )
 
 
-def compile_key(ep: ExportedProgram, args: tuple, options: dict) -> str:
+def compile_key(
+    ep: ExportedProgram, args: tuple, options: dict, objects: Sequence[shims.KernelObject] = ()
+) -> str:
     """Everything an AOTInductor compile depends on: the graph, its input shapes and dynamic
     ranges, the options and the rest of Inductor's config, the thread count (the C++ backend
-    sizes its parallel loops by it), torch, the CPU's ISA or the GPU, and the C++ compiler."""
+    sizes its parallel loops by it), torch, the CPU's ISA or the GPU, the C++ compiler, and
+    the objects it links (their names carry the key of their source and flags)."""
     from torch._inductor import config
     from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
 
@@ -218,9 +223,9 @@ def compile_key(ep: ExportedProgram, args: tuple, options: dict) -> str:
         torch.__version__,
         hardware,
         get_compiler_version_info(get_cpp_compiler()),
+        sorted(obj.path.name for obj in objects),
     )
-    if c_shims := options.get(shims.C_SHIMS):  # the custom kernels' declarations; their
-        # objects, named in custom_op_libs, carry the key of their source and flags
+    if c_shims := options.get(shims.C_SHIMS):  # the custom kernels' declarations
         parts += (sorted((str(op), decl) for op, decl in c_shims.items()),)
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
@@ -238,14 +243,22 @@ def compile_graph(
     """
     import torch._inductor
 
+    cpu = args[0].device.type == "cpu"
     options = inductor_options(max_autotune, args[0].device.type)
     with shims.kernel_dir(cache) as kernels:
         link, objects = shims.link_options(ep.graph, kernels)
+        if cpu:
+            objects.append(aoti_runtime.runtime_object(kernels))
         options.update(link)
-        entry = cache / compile_key(ep, args, options) if cache else None
+        options.update(shims.library_options(objects))
+        entry = cache / compile_key(ep, args, options, objects) if cache else None
         if entry and (cached := _cached_files(entry)) is not None:
             return cached, True
-        with warnings.catch_warnings(), shims.linking(objects):
+        with (
+            warnings.catch_warnings(),
+            shims.linking(objects),
+            aoti_runtime.graph_only() if cpu else contextlib.nullcontext(),
+        ):
             warnings.simplefilter("ignore", FutureWarning)
             files = torch._inductor.aot_compile(ep.module(), args, options=options)
     if entry:

@@ -41,6 +41,7 @@ KERNELS = (  # (the kernel source, the ops whose C shims it defines)
 )
 C_SHIMS = "aot_inductor.custom_ops_to_c_shims"
 LIBS = "aot_inductor.custom_op_libs"
+LINK_SCRIPT = "aotgen-objects.ld"
 HEADER = "#include <torch/csrc/inductor/aoti_runtime/utils.h>\n"  # AtenTensorHandle, shim.h
 _SHIM = re.compile(r"^[^\n;{}]*AOTITorchError (aoti_torch_cpu_\w+)\(([^)]*)\)\s*\{", re.MULTILINE)
 
@@ -62,8 +63,8 @@ def used_kernels(graph: torch.fx.Graph) -> list[tuple[Path, list]]:
 
 
 def link_options(graph: torch.fx.Graph, directory: Path) -> tuple[dict, list[KernelObject]]:
-    """Inductor options that declare and link the shims the graph calls, and the kernel
-    objects they name in `directory` (built by `linking`)."""
+    """Inductor options that declare the shims the graph calls, and the kernel objects that
+    define them in `directory` (built and linked by `linking`)."""
     shims: dict = {}
     objects = []
     for source, ops in used_kernels(graph):
@@ -74,10 +75,15 @@ def link_options(graph: torch.fx.Graph, directory: Path) -> tuple[dict, list[Ker
                 raise RuntimeError(f"{source.name} defines no C shim {name}")
             shims[op] = [declared[name]]
         objects.append(KernelObject.of(source, directory))
-    if not shims:
-        return {}, []
-    # `-l:NAME` finds the object by name in LIBRARY_PATH (`linking`).
-    return {C_SHIMS: shims, LIBS: [f":{obj.path.name}" for obj in objects]}, objects
+    return ({C_SHIMS: shims} if shims else {}), objects
+
+
+def library_options(objects: list[KernelObject]) -> dict:
+    """The Inductor option that links `objects`: one linker script (`linking` writes it),
+    named alike for every graph. AOTInductor keys its precompiled headers by the compile
+    command, libraries included: a name per set of objects built two headers (~9 s each on
+    one core) for every set."""
+    return {LIBS: [f":{LINK_SCRIPT}"]} if objects else {}
 
 
 def _compile_options():
@@ -102,10 +108,13 @@ class KernelObject:
 
     @staticmethod
     def of(source: Path, directory: Path) -> KernelObject:
+        return KernelObject.from_text(source.stem, HEADER + source.read_text(), directory)
+
+    @staticmethod
+    def from_text(stem: str, text: str, directory: Path) -> KernelObject:
         from torch._inductor.cpp_builder import get_compiler_version_info
 
         options = _compile_options()
-        text = HEADER + source.read_text()
         flags = (
             options.get_compiler(),
             get_compiler_version_info(options.get_compiler()),
@@ -115,7 +124,7 @@ class KernelObject:
             options.get_passthrough_args(),
         )
         key = hashlib.sha256((text + json.dumps(flags)).encode()).hexdigest()[:20]
-        return KernelObject(text, directory / f"aotgen-{source.stem}-{key}.o")
+        return KernelObject(text, directory / f"aotgen-{stem}-{key}.o")
 
     def build(self) -> None:
         """Compile, if not there yet: in a private dir, renamed into place whole."""
@@ -140,23 +149,26 @@ class KernelObject:
 
 @contextlib.contextmanager
 def linking(objects: list[KernelObject]) -> Iterator[None]:
-    """The objects built, and LIBRARY_PATH holding their dirs while AOTInductor links
-    (gcc searches it for `-l`)."""
+    """The objects built, and while AOTInductor links, LIBRARY_PATH (where gcc looks for
+    `-l`) holding a linker script that names them and their dirs."""
     if not objects:
         yield
         return
     for obj in objects:
         obj.build()
     before = os.environ.get("LIBRARY_PATH")
-    dirs = [str(d) for d in dict.fromkeys(obj.path.parent for obj in objects)]
-    os.environ["LIBRARY_PATH"] = os.pathsep.join(dirs + ([before] if before else []))
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["LIBRARY_PATH"]
-        else:
-            os.environ["LIBRARY_PATH"] = before
+    with tempfile.TemporaryDirectory(prefix="aotgen-link-") as script_dir:
+        names = " ".join(obj.path.name for obj in objects)  # [-.\w]: no quoting needed
+        Path(script_dir, LINK_SCRIPT).write_text(f"INPUT({names})\n")
+        dirs = [script_dir, *dict.fromkeys(str(obj.path.parent) for obj in objects)]
+        os.environ["LIBRARY_PATH"] = os.pathsep.join(dirs + ([before] if before else []))
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ["LIBRARY_PATH"]
+            else:
+                os.environ["LIBRARY_PATH"] = before
 
 
 @contextlib.contextmanager
