@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from aotgen.export import shims
 from aotgen.kernels import block_dot as bd
 from aotgen.kernels import gguf_blocks as gb
 from aotgen.kernels import gguf_dot as gd
@@ -184,9 +185,10 @@ def wrapper_sources(package: Path, role: str) -> dict[str, str]:
 
 
 def links(wrapper: str, kernel: str) -> bool:
-    """Whether the graph's link command (which AOTInductor appends to its wrapper source)
-    links kernels/KERNEL.cpp's object (export/shims.py)."""
-    return f"-l:aotgen-{kernel}-" in wrapper
+    """Whether the graph calls a shim of kernels/KERNEL.cpp (and so links its object: the
+    wrapper declares, and the build links, only the kernels it calls; export/shims.py)."""
+    (ops,) = [ops for source, ops in shims.KERNELS if source.stem == kernel]
+    return any(f"aoti_torch_cpu_{op._opname}(" in wrapper for op in ops)
 
 
 def assert_block_linears_follow_the_autotune(package: Path, role: str) -> None:

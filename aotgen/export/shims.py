@@ -100,8 +100,9 @@ def _compile_options():
 
 @dataclass(frozen=True)
 class KernelObject:
-    """A kernel source compiled to `path` = `<dir>/aotgen-<stem>-<key>.o`, the key covering
-    the source, the flags and the compiler: a changed kernel or CPU compiles anew."""
+    """A C++ source compiled to `path` = `<dir>/aotgen-<stem>-<key>.o`, the key covering the
+    source, the flags, the compiler and torch (whose headers it includes): a changed kernel,
+    CPU or torch compiles anew."""
 
     text: str
     path: Path
@@ -122,6 +123,7 @@ class KernelObject:
             options.get_include_dirs(),
             options.get_cflags(),
             options.get_passthrough_args(),
+            torch.__version__,
         )
         key = hashlib.sha256((text + json.dumps(flags)).encode()).hexdigest()[:20]
         return KernelObject(text, directory / f"aotgen-{stem}-{key}.o")
