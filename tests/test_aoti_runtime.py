@@ -5,32 +5,24 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import zipfile
-from pathlib import Path
 
 import pytest
 
 from aotgen.export import shims
 from aotgen.export.aoti_runtime import runtime_object
 from aotgen.kernels import gguf_dot as gd
+from tests.test_block_dot_panels import wrapper_sources
+from tests.test_shims import decode_so
 
 INTERFACE = ("AOTInductorModelContainerCreateWithDevice", "AOTInductorModelContainerRun")
-
-
-def _decode_files(package: Path, tmp_path: Path) -> tuple[str, Path]:
-    with zipfile.ZipFile(package / "rank0" / "model.pt2") as pt2:
-        names = [n for n in pt2.namelist() if "/target_decode/" in n]
-        (wrapper,) = [n for n in names if n.endswith(".wrapper.cpp")]
-        (so,) = [n for n in names if n.endswith(".so")]
-        (tmp_path / "decode.so").write_bytes(pt2.read(so))
-        return pt2.read(wrapper).decode(), tmp_path / "decode.so"
 
 
 def test_wrapper_declares_the_runtime_and_so_exports_it(tiny_package, tmp_path):
     nm = shutil.which("nm")
     if nm is None:
         pytest.skip("no nm (binutils)")
-    wrapper, so = _decode_files(tiny_package, tmp_path)
+    wrapper = wrapper_sources(tiny_package, "target")["decode"]
+    so = decode_so(tiny_package, tmp_path)
     assert "extern template class AOTInductorModelBase<AOTInductorModel>;" in wrapper
     for function in INTERFACE:
         assert f"AOTIRuntimeError {function}(" not in wrapper  # not pasted in

@@ -173,8 +173,8 @@ def tile_of(tile: Tile) -> tuple[int, int]:
 
 # ---- compiled packages (tests/test_quantize.py, tests/test_speculative.py) ---------------------
 def wrapper_sources(package: Path, role: str) -> dict[str, str]:
-    """Each compiled graph of `role`: the C++ of its wrapper, where AOTInductor pastes the
-    custom ops' kernels (their C shims)."""
+    """Each compiled graph of `role`: the C++ of its wrapper, where AOTInductor declares and
+    calls the custom ops' C shims."""
     out = {}
     with zipfile.ZipFile(package / "rank0" / "model.pt2") as z:
         for name in z.namelist():

@@ -64,17 +64,23 @@ def test_objects_build_under_a_relative_cache_dir(tmp_path, monkeypatch):
         assert obj.path.is_file()
 
 
+def decode_so(package: Path, tmp_path: Path) -> Path:
+    """The target's decode graph's `.so`, copied out of the package into tmp_path."""
+    with zipfile.ZipFile(package / "rank0" / "model.pt2") as pt2:
+        names = [n for n in pt2.namelist() if n.endswith(".so") and "/target_decode/" in n]
+        assert len(names) == 1, pt2.namelist()
+        so = tmp_path / "decode.so"
+        so.write_bytes(pt2.read(names[0]))
+    return so
+
+
 def test_graph_so_holds_its_shims_hidden(tiny_package, tmp_path):
     """The decode graph's `.so` defines the shims it calls (packed linears, attention) and
     neither imports nor exports them: the package runs them without any other library."""
     nm = shutil.which("nm")
     if nm is None:
         pytest.skip("no nm (binutils)")
-    with zipfile.ZipFile(tiny_package / "rank0" / "model.pt2") as pt2:
-        names = [n for n in pt2.namelist() if n.endswith(".so") and "/target_decode/" in n]
-        assert len(names) == 1, pt2.namelist()
-        so = tmp_path / "decode.so"
-        so.write_bytes(pt2.read(names[0]))
+    so = decode_so(tiny_package, tmp_path)
 
     def symbols(*flags: str) -> str:
         return subprocess.run([nm, "-C", *flags, str(so)], capture_output=True, text=True).stdout
