@@ -140,6 +140,30 @@ def test_tampered_onnx_file_is_refused(onnx_package, tmp_path, which):
         Engine.load(copy, backend="onnxruntime")
 
 
+def test_export_skips_only_rewrites_that_change_nothing(tiny_model):
+    """The export leaves out onnxscript's rewrite rules of several output nodes, whose matching
+    is quadratic in the graph's size (export/onnx.py): the files are byte for byte those of
+    the exporter's full default rule set."""
+    from unittest import mock
+
+    from onnxscript import rewriter
+
+    from aotgen.export import onnx as onnx_export
+    from aotgen.export.aoti import GraphSpec
+    from aotgen.model.llama import new_kv_cache
+
+    model, cfg, cache_len = tiny_model
+    caches = new_kv_cache(cfg, cache_len)
+    full = rewriter._DEFAULT_REWRITE_RULES
+    assert any(not r._target_pattern.has_single_output_node for r in full)  # there is one
+    for spec in (GraphSpec("prefill", 2, 16), GraphSpec("verify", 5, 5)):
+        ours = onnx_export.export_onnx(model, spec, caches)
+        with mock.patch.object(onnx_export, "_single_output_rewrites", mock.MagicMock()):
+            theirs = onnx_export.export_onnx(model, spec, caches)
+        assert rewriter._DEFAULT_REWRITE_RULES is full  # put back
+        assert ours.SerializeToString() == theirs.SerializeToString()
+
+
 def test_package_without_onnx_graphs_is_a_clear_error(tiny_package):
     with pytest.raises(PackageError, match=r"formats: \[aoti, onnx\]"):
         Engine.load(tiny_package, backend="onnxruntime")
