@@ -40,7 +40,8 @@ from aotgen.runtime.engine import Engine, GenerationConfig
 
 pytest.importorskip("transformers")
 
-# ONNX graphs too where the aotgen[onnx] extra is installed (test_onnx_graphs_match_...).
+# ONNX graphs too where the aotgen[onnx] extra is installed, in the plain packages that ONNX
+# Runtime runs (test_onnx_graphs_match_..., test_separate_draft_through_onnx_runtime).
 FORMATS = ["aoti", "onnx"] if have_onnx() else ["aoti"]
 HAVE_ONNX = "onnx" in FORMATS
 # Longer than Gemma's window (8) and than one prefill chunk (16 tokens).
@@ -72,7 +73,7 @@ def load_reference(path: Path) -> torch.nn.Module:
 
 def _package(family: str, checkpoints: dict[str, Path], project, **extra) -> Path:
     """One build per (family, options), shared by this module's tests."""
-    name, data = family_recipe(family, checkpoints, FORMATS, extra)
+    name, data = family_recipe(family, checkpoints, ["aoti"] if extra else FORMATS, extra)
     if name not in _packages:
         _packages[name] = build(parse_recipe(data, name, Path(".")), project).path
     return _packages[name]
