@@ -96,12 +96,10 @@ def export_onnx(model: nn.Module, spec: GraphSpec, caches: list[Tensor]) -> onnx
 
 @contextmanager
 def _single_output_rewrites() -> Iterator[None]:
-    """The exporter's optimizer with only its rewrite rules that match one output node.
-    onnxscript matches a pattern of several output nodes (`SlicesSplit`, the one such default
-    rule) by trying every combination of same-op nodes, each time listing the whole graph:
-    quadratic in the graph's size. On a 30-layer graph one such pass takes ~34 s, two passes
-    per graph, over half of the whole export, and the rule rewrites nothing in these graphs
-    (tests/test_onnx.py compares the files both ways)."""
+    """The exporter's optimizer with only its rewrite rules that match one output node:
+    onnxscript matches a pattern of several output nodes (`SlicesSplit`) by trying every
+    combination of same-op nodes, quadratic in the graph's size, and that rule rewrites
+    nothing in these graphs (docs/onnx.md, "Export time")."""
     rules = getattr(rewriter, "_DEFAULT_REWRITE_RULES", None)
     if rules is None:  # an onnxscript that keeps its rules elsewhere: its optimizer as it is
         yield
