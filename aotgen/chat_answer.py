@@ -9,18 +9,10 @@ import uuid
 from typing import Any
 
 from aotgen.openai_api import chat_logprobs, finish_reason
-from aotgen.reasoning import ReasoningStream, opens_reasoning, split_reasoning, takes_reasoning
+from aotgen.reasoning import ReasoningStream, split_reasoning
 from aotgen.runtime.engine import GenerationResult
 from aotgen.runtime.tokenizer import Tokenizer
 from aotgen.tool_calls import ToolCall, ToolCallStream, ToolFormat
-
-
-def thinking_of(tok: Tokenizer, prompt: list[int]) -> bool | None:
-    """Whether the answer starts inside its reasoning (True), may open one (False), or has
-    none (None: the template has no reasoning, or the prompt closed it)."""
-    if not takes_reasoning(tok.chat_template):
-        return None
-    return opens_reasoning(tok.decode(prompt[-32:]))  # enough for the tags, spelled by bytes
 
 
 class AnswerStream:

@@ -12,6 +12,11 @@ the history it renders.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aotgen.runtime.tokenizer import Tokenizer
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -27,6 +32,14 @@ def opens_reasoning(prompt_text: str) -> bool | None:
 
 def takes_reasoning(chat_template: str | None) -> bool:
     return bool(chat_template) and OPEN in chat_template
+
+
+def thinking_of(tok: Tokenizer, prompt: list[int]) -> bool | None:
+    """Whether the answer to a chat prompt starts inside its reasoning (True), may open one
+    (False), or has none (None: the template has no reasoning, or the prompt closed it)."""
+    if not takes_reasoning(tok.chat_template):
+        return None
+    return opens_reasoning(tok.decode(prompt[-32:]))  # enough for the tags, spelled by bytes
 
 
 def _split(text: str, thinking: bool, final: bool) -> tuple[str, str]:

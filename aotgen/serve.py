@@ -28,7 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from aotgen.chat_answer import ChatAnswers, thinking_of
+from aotgen.chat_answer import ChatAnswers
 from aotgen.metrics import ServeMetrics
 from aotgen.openai_api import (
     ApiError,
@@ -41,6 +41,7 @@ from aotgen.openai_api import (
     finish_reason,
     usage_of,
 )
+from aotgen.reasoning import thinking_of
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.engine import GenerationConfig, GenerationError, GenerationResult
 from aotgen.runtime.sampling import SEED_MAX, SamplingParams

@@ -103,8 +103,9 @@ REAL_PACKAGE_USERS = {
     "smollm2-135m-onnx": {"smollm2_onnx_package"},
     "smollm2-135m-int8": {"smollm2_int8_package"},
     "smollm2-135m-int4-g64": {"smollm2_int4_g64_package"},
-    "smollm2-135m-q4_1": {"smollm2_q4_1_package"},
     "gemma3-270m": {"gemma_package"},
+    # Last: its tests take ~15 s, the shortest wait at the end of the run (Gemma 3's: ~90 s).
+    "smollm2-135m-q4_1": {"smollm2_q4_1_package"},
 }
 # Compile-cache warmers (tests/real_builds.py WARMERS) -> the fixtures whose builds they compile
 # ahead, into the session project's cache, while the tests before them run.

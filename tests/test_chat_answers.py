@@ -659,3 +659,26 @@ def test_a_chat_answer_continues_the_final_message(tools_server):
     assert tokenized["tokens"] == ids
     r = httpx.post(url, json=body | {"add_generation_prompt": True})
     assert r.status_code == 400 and "add_generation_prompt" in r.json()["error"]["message"]
+
+
+# ---- aotgen run --chat: the reasoning apart ---------------------------------------------------
+
+
+def test_run_chat_shows_reasoning_apart_from_the_answer(tiny_package, tmp_path):
+    """`aotgen run --chat` with a template that takes reasoning: the reasoning streams on stderr,
+    the answer alone on stdout (its own line after the reasoning); `--json` holds them apart as
+    `split_reasoning` does, beside the raw text. A regex makes the random model reason."""
+    import subprocess
+    import sys
+
+    package = with_chat_template(tiny_package, tmp_path / "pkg", "compact-tools-thinking.jinja")
+    answer = "<think>\nI think so.\n</think>\n\nYes, it is."
+    args = [sys.executable, "-m", "aotgen", "run", str(package), "--chat", "Is it?"]
+    args += ["--regex", re.escape(answer), "--max-new-tokens", "60", "--threads", "1"]
+    streamed = subprocess.run(args, capture_output=True, text=True, check=True)
+    assert streamed.stdout == "Yes, it is.\n"
+    assert streamed.stderr.startswith("I think so.\nload "), streamed.stderr
+    whole = json.loads(subprocess.run([*args, "--json"], capture_output=True, check=True).stdout)
+    assert whole["text"] == answer
+    assert (whole["reasoning"], whole["content"]) == split_reasoning(answer, thinking=False)
+    assert (whole["reasoning"], whole["content"]) == ("I think so.", "Yes, it is.")

@@ -25,7 +25,7 @@ from aotgen.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from aotgen.runtime.engine import Engine, GenerationConfig, GenerationResult
+    from aotgen.runtime.engine import Engine, GenerationConfig
     from aotgen.runtime.grammar import Grammar
 
 
@@ -223,26 +223,52 @@ def run(
     if interactive:
         _converse(engine, cfg, system, as_json)
         return
-    ids = (
-        engine.chat_ids(chat, system=system)
-        if chat is not None
-        else engine.tokenizer.prompt_ids(text)
-    )
-    _answer(engine, ids, cfg, as_json)
+    if chat is None:
+        _answer(engine, engine.tokenizer.prompt_ids(text), cfg, as_json, chat=False)
+    else:
+        _answer(engine, engine.chat_ids(chat, system=system), cfg, as_json, chat=True)
 
 
 def _answer(
-    engine: Engine, ids: list[int], cfg: GenerationConfig, as_json: bool
-) -> GenerationResult:
-    """Generate from `ids`: the text streamed, then the stats (or one JSON object)."""
-    stream = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    result = engine.generate(ids, cfg, on_text=stream)
+    engine: Engine, ids: list[int], cfg: GenerationConfig, as_json: bool, chat: bool
+) -> str:
+    """Generate from `ids`: the text streamed, then the stats (or one JSON object). A chat
+    answer's reasoning (`<think>`, aotgen/reasoning.py) streams dimmed on stderr, apart from
+    the answer on stdout, and comes apart in the JSON. Returns the answer without it."""
+    from aotgen.reasoning import ReasoningStream, split_reasoning, thinking_of
+
+    thinking = thinking_of(engine.tokenizer, ids) if chat else None
+    split = None if thinking is None else ReasoningStream(thinking)
+
+    shown = {"reasoning": False, "content": False}
+
+    def show(reasoning: str, content: str) -> None:
+        if reasoning:
+            console.print(reasoning, style="dim", end="", markup=False, highlight=False)
+            shown["reasoning"] = True
+        if content:
+            if shown["reasoning"] and not shown["content"]:
+                console.print()  # the reasoning ended: the answer starts on a line of its own
+            shown["content"] = True
+            sys.stdout.write(content)
+            sys.stdout.flush()
+
+    def stream(piece: str) -> None:
+        show(*(split.feed(piece) if split else ("", piece)))
+
+    result = engine.generate(ids, cfg, on_text=None if as_json else stream)
+    reasoning, content = (None, result.text)
+    if thinking is not None:
+        reasoning, content = split_reasoning(result.text, thinking)
     if as_json:
-        print_json(_run_json(engine.load_s, ids, result, cfg.speculative))
+        out = _run_json(engine.load_s, ids, result, cfg.speculative)
+        print_json(out | {"reasoning": reasoning, "content": content})
     else:
+        if split is not None:
+            show(*split.finish())
         sys.stdout.write("\n")
         _print_stats(engine.load_s, result, cfg.speculative, tree=cfg.tree is not None)
-    return result
+    return content
 
 
 def _converse(engine: Engine, cfg: GenerationConfig, system: str | None, as_json: bool) -> None:
@@ -260,8 +286,9 @@ def _converse(engine: Engine, cfg: GenerationConfig, system: str | None, as_json
         while len(ids) + cfg.max_new_tokens > engine.max_seq_len and len(messages) > 1:
             del messages[:2]  # the oldest turn: a message and its answer
             ids = engine.tokenizer.encode_chat(messages, system=system)
-        result = _answer(engine, ids, cfg, as_json)
-        messages.append({"role": "assistant", "content": result.text})
+        # The answer without its reasoning, as a chat client sends the history back.
+        content = _answer(engine, ids, cfg, as_json, chat=True)
+        messages.append({"role": "assistant", "content": content})
 
 
 def structured_output(

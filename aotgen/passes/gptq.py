@@ -44,23 +44,24 @@ def input_hessians(ep: ExportedProgram, batches: Sequence[Sequence[Any]]) -> dic
     specs = ep.graph_signature.input_specs
     weights = {**ep.state_dict, **ep.constants}
     lifted = {s.arg.name: s.target for s in specs if s.kind != USER}
-    watch: dict[Node, str] = {}
+    # Keyed by the input node: linears that read one input (q/k/v, gate/up) share its X^T X.
+    watch: dict[Node, list[str]] = {}
     for node in ep.graph.nodes:
         if node.op == "call_function" and node.target is aten.linear.default:
             name = lifted.get(getattr(node.args[1], "name", None))
             if name is not None:
-                watch[node] = name
-    sums: dict[str, Tensor] = {}
+                watch.setdefault(node.args[0], []).append(name)
+    sums: dict[Node, Tensor] = {}
 
     class _Collect(Interpreter):
         def run_node(self, n: Node) -> Any:
+            out = super().run_node(n)
             if n in watch:
-                args, _ = self.fetch_args_kwargs_from_env(n)
                 # float32 within a chunk (half the float64 cost), summed over chunks in float64
-                x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+                x = out.detach().reshape(-1, out.shape[-1]).float()
                 h = (x.T @ x).double()
-                sums[watch[n]] = sums[watch[n]] + h if watch[n] in sums else h
-            return super().run_node(n)
+                sums[n] = sums[n] + h if n in sums else h
+            return out
 
     collect = _Collect(ep.graph_module)
     with torch.no_grad():
@@ -68,7 +69,11 @@ def input_hessians(ep: ExportedProgram, batches: Sequence[Sequence[Any]]) -> dic
             user = iter(torch.utils._pytree.tree_leaves(list(user_inputs)))
             args = [next(user) if s.kind == USER else weights[s.target] for s in specs]
             collect.run(*args)
-    return {name: h.float() for name, h in sums.items()}
+    hessians: dict[str, Tensor] = {}  # a weight that several linears use sums their inputs'
+    for node, h in sums.items():
+        for name in watch[node]:
+            hessians[name] = hessians[name] + h if name in hessians else h
+    return {name: h.float() for name, h in hessians.items()}
 
 
 def gptq_codes(
