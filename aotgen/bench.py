@@ -42,18 +42,24 @@ def measure_bandwidth(mbytes: int = 512, runs: int = 5, device: str = "cpu") -> 
 
 def weight_bytes(engine: Engine) -> int:
     """Bytes of target weights read per decoded token: every weight once, but of a mixture
-    of experts' stacked experts only the k of E that one token is routed to."""
+    of experts' stacked experts only the k of E that one token is routed to, and of a table
+    the graphs only gather rows of (an untied embedding, RoPE's) one row."""
+    entry = engine.manifest["models"]["target"]
     if engine.backend == "onnxruntime":
-        return onnx_weight_bytes(engine.root, engine.manifest["models"]["target"])
+        return onnx_weight_bytes(engine.root, entry)
     cfg = engine.target.config
     routed = cfg.get("num_experts_per_tok", 0) / cfg["num_experts"] if cfg.get("num_experts") else 1
+    weights = engine.target.weights
+    by_row = set(entry["weights"].get("read_by_row", []))  # older packages: every weight whole
+    read_whole = {t.untyped_storage().data_ptr() for n, t in weights.items() if n not in by_row}
     seen, total = set(), 0.0
-    for name, t in engine.target.weights.items():
+    for name, t in weights.items():
         key = t.untyped_storage().data_ptr()
         if key not in seen:
             seen.add(key)
             share = routed if ".experts." in name else 1
-            total += t.untyped_storage().nbytes() * share
+            nbytes = t.untyped_storage().nbytes()
+            total += (nbytes if key in read_whole else nbytes / t.shape[0]) * share
     return int(total)
 
 

@@ -368,6 +368,10 @@ def test_package_stores_quantized_weights_once(int8_build, int4_build):
     ]
     assert "model.layers.0.self_attn.q_proj.weight" not in names
     assert "model.layers.1.mlp.down_proj.weight_packed" in names  # skipped: stays float
+    # A decode step reads the shared int8 table whole (the head), of the embedding's scales a row.
+    manifest = json.loads((int8_build.path / "manifest.json").read_text())
+    by_row = set(manifest["models"]["target"]["weights"]["read_by_row"])
+    assert by_row == {"lm_head.weight_int8_scales", "rope_cos", "rope_sin"}
     with safe_open(str(int4_build.path / "rank0" / "target.safetensors"), "pt") as f:
         names = set(f.keys())
     # int4 g32 runs on Q4_1 panels of the same codes (passes/pack.py): ATen's layout is gone.

@@ -23,6 +23,7 @@ from aotgen.cli.common import (
     resolve_threads,
     user_errors_exit,
 )
+from aotgen.reasoning import ReasoningStream, split_reasoning, thinking_of
 
 if TYPE_CHECKING:
     from aotgen.runtime.engine import Engine, GenerationConfig
@@ -233,42 +234,49 @@ def _answer(
     engine: Engine, ids: list[int], cfg: GenerationConfig, as_json: bool, chat: bool
 ) -> str:
     """Generate from `ids`: the text streamed, then the stats (or one JSON object). A chat
-    answer's reasoning (`<think>`, aotgen/reasoning.py) streams dimmed on stderr, apart from
-    the answer on stdout, and comes apart in the JSON. Returns the answer without it."""
-    from aotgen.reasoning import ReasoningStream, split_reasoning, thinking_of
-
+    answer's reasoning (`<think>`, aotgen/reasoning.py) comes apart from the answer, on stderr
+    and in the JSON. Returns the answer without it."""
     thinking = thinking_of(engine.tokenizer, ids) if chat else None
-    split = None if thinking is None else ReasoningStream(thinking)
-
-    shown = {"reasoning": False, "content": False}
-
-    def show(reasoning: str, content: str) -> None:
-        if reasoning:
-            console.print(reasoning, style="dim", end="", markup=False, highlight=False)
-            shown["reasoning"] = True
-        if content:
-            if shown["reasoning"] and not shown["content"]:
-                console.print()  # the reasoning ended: the answer starts on a line of its own
-            shown["content"] = True
-            sys.stdout.write(content)
-            sys.stdout.flush()
-
-    def stream(piece: str) -> None:
-        show(*(split.feed(piece) if split else ("", piece)))
-
-    result = engine.generate(ids, cfg, on_text=None if as_json else stream)
+    printer = None if as_json else _Printer(thinking)
+    result = engine.generate(ids, cfg, on_text=printer.feed if printer else None)
     reasoning, content = (None, result.text)
     if thinking is not None:
         reasoning, content = split_reasoning(result.text, thinking)
-    if as_json:
+    if printer is None:
         out = _run_json(engine.load_s, ids, result, cfg.speculative)
         print_json(out | {"reasoning": reasoning, "content": content})
     else:
-        if split is not None:
-            show(*split.finish())
-        sys.stdout.write("\n")
+        printer.finish()
         _print_stats(engine.load_s, result, cfg.speculative, tree=cfg.tree is not None)
     return content
+
+
+class _Printer:
+    """The answer streamed on stdout; a chat answer's reasoning (`thinking` not None) dimmed on
+    stderr before it, so that stdout holds the answer alone, on a line of its own."""
+
+    def __init__(self, thinking: bool | None):
+        self.split = None if thinking is None else ReasoningStream(thinking)
+        self.reasoned = self.answered = False
+
+    def feed(self, piece: str) -> None:
+        self._show(*(self.split.feed(piece) if self.split else ("", piece)))
+
+    def finish(self) -> None:
+        if self.split:
+            self._show(*self.split.finish())
+        sys.stdout.write("\n")
+
+    def _show(self, reasoning: str, content: str) -> None:
+        if reasoning:
+            console.print(reasoning, style="dim", end="", markup=False, highlight=False)
+            self.reasoned = True
+        if content:
+            if self.reasoned and not self.answered:
+                console.print()  # the reasoning ends its line
+            self.answered = True
+            sys.stdout.write(content)
+            sys.stdout.flush()
 
 
 def _converse(engine: Engine, cfg: GenerationConfig, system: str | None, as_json: bool) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 from torch.export import Dim, ExportedProgram
+from torch.export.graph_signature import InputKind
 from torch.fx.experimental import _config as fx_config
 from torch.utils import _pytree as pytree
 
@@ -331,6 +332,30 @@ def package_graphs(path: Path, files: dict[str, list[str]]) -> None:
 def constant_sources(ep: ExportedProgram) -> dict[str, Tensor]:
     """Every tensor the compiled graph may ask for by name: parameters, buffers, constants."""
     return {**ep.state_dict, **ep.constants}
+
+
+def row_reads(ep: ExportedProgram) -> tuple[set[str], set[str]]:
+    """(the constants the graph reads only by row: embedding tables and per-position tables,
+    gathered at the tokens or positions of a step; the constants it reads otherwise). A step
+    reads one row of the first per token, the whole of the second (`aotgen bench`'s bytes)."""
+    aten = torch.ops.aten
+    lifted = {
+        spec.arg.name: spec.target
+        for spec in ep.graph_signature.input_specs
+        if spec.kind != InputKind.USER_INPUT
+    }
+
+    def gathers_rows(user: torch.fx.Node, table: torch.fx.Node) -> bool:
+        if user.target in (aten.embedding.default, aten.index.Tensor):
+            return user.args[0] is table
+        return user.target is aten.index_select.default and user.args[:2] == (table, 0)
+
+    by_row, whole = set(), set()
+    for node in ep.graph.nodes:
+        if node.op == "placeholder" and node.name in lifted:
+            rows = bool(node.users) and all(gathers_rows(u, node) for u in node.users)
+            (by_row if rows else whole).add(lifted[node.name])
+    return by_row, whole
 
 
 def use_cache_dir(cache_dir: Path) -> None:

@@ -106,6 +106,7 @@ class _Compiled:
     files: dict[str, list[str]] = field(default_factory=dict)  # package model -> files
     entries: dict[str, Any] = field(default_factory=dict)  # role -> manifest entry
     sources: dict[str, list[dict[str, Tensor]]] = field(default_factory=dict)  # role -> ranks
+    read_by_row: dict[str, set[str]] = field(default_factory=dict)  # role -> gathered constants
     group_name: str | None = None
     graphs: list[GraphReport] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -210,6 +211,7 @@ def _compile_models(
         result.graphs.extend(compiled.graphs)
         result.files.update(compiled.files)
         result.sources[mb.role] = compiled.sources
+        result.read_by_row[mb.role] = compiled.read_by_row
         for fuser in (p for p in mb.graph_passes if isinstance(p, FuseLinearsPass)):
             result.notes.append(f"{mb.role}: {fuser.note()}")
         if mb.quantizer:
@@ -364,6 +366,8 @@ def _write_weights(
             ranks[rank]["weights"][mb.role] = {
                 "file": f"rank{rank}/{weights_file}",
                 "aliases": aliases,
+                # Read a row per token (embedding and position tables): `aotgen bench`'s bytes.
+                "read_by_row": sorted(names & compiled.read_by_row[mb.role]),
             }
             weight_bytes += nbytes
         entry["weights"] = ranks[0]["weights"][mb.role]

@@ -27,6 +27,7 @@ from aotgen.export.aoti import (
     export_graph,
     graph_identity,
     replayable,
+    row_reads,
 )
 from aotgen.model.llama import ModelConfig
 from aotgen.package.autotune import Autotune
@@ -63,6 +64,8 @@ class CompiledModel:
     packed: int = 0  # weights repacked into panels
     int4_on_q4_1: int = 0  # of them, int4 weights moved onto Q4_1 panels (float32 activations)
     tiles_note: str | None = None  # why the tiles may not be the fastest (Autotune.busy_note)
+    read_whole: set[str] = field(default_factory=set)  # constants some graph reads whole
+    read_by_row: set[str] = field(default_factory=set)  # constants the graphs only gather rows of
 
 
 def graph_signature(spec: GraphSpec, cfg: ModelConfig, cache: list[Tensor]) -> dict[str, Any]:
@@ -140,6 +143,9 @@ def compile_model(
         compiled.files[key] = graph_files
         for rank_sources, rank_ep in zip(compiled.sources, eps, strict=True):
             rank_sources.update(constant_sources(rank_ep))
+        by_row, whole = row_reads(ep)
+        compiled.read_by_row = (compiled.read_by_row | by_row) - whole - compiled.read_whole
+        compiled.read_whole |= whole
         signature = graph_signature(spec, mb.config, cache)
         compiled.signatures[spec.name] = {"package_model": key, **signature}
         so_bytes = sum(os.path.getsize(f) for f in graph_files if f.endswith(".so"))
