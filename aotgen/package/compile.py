@@ -64,8 +64,13 @@ class CompiledModel:
     packed: int = 0  # weights repacked into panels
     int4_on_q4_1: int = 0  # of them, int4 weights moved onto Q4_1 panels (float32 activations)
     tiles_note: str | None = None  # why the tiles may not be the fastest (Autotune.busy_note)
+    gathered: set[str] = field(default_factory=set)  # constants some graph gathers rows of
     read_whole: set[str] = field(default_factory=set)  # constants some graph reads whole
-    read_by_row: set[str] = field(default_factory=set)  # constants the graphs only gather rows of
+
+    @property
+    def read_by_row(self) -> set[str]:
+        """The constants every graph only gathers rows of."""
+        return self.gathered - self.read_whole
 
 
 def graph_signature(spec: GraphSpec, cfg: ModelConfig, cache: list[Tensor]) -> dict[str, Any]:
@@ -144,7 +149,7 @@ def compile_model(
         for rank_sources, rank_ep in zip(compiled.sources, eps, strict=True):
             rank_sources.update(constant_sources(rank_ep))
         by_row, whole = row_reads(ep)
-        compiled.read_by_row = (compiled.read_by_row | by_row) - whole - compiled.read_whole
+        compiled.gathered |= by_row
         compiled.read_whole |= whole
         signature = graph_signature(spec, mb.config, cache)
         compiled.signatures[spec.name] = {"package_model": key, **signature}
