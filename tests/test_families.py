@@ -20,6 +20,7 @@ from families import (
     PARITY,
     RECIPE,
     SPEC_PAIRS,
+    WINDOWED,
     family_checkpoints,
     family_recipe,
     make_family_checkpoint,
@@ -29,6 +30,7 @@ from families import (
 from families import load_reference as _load_reference
 from reference import EagerModel, reset_caches
 from test_cpp_runtime import cpp_generate
+from test_tree import SHAPES, make_tree, path_to
 
 from aotgen.checkpoint.hf import open_checkpoint
 from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
@@ -36,6 +38,7 @@ from aotgen.model.rope import for_context
 from aotgen.package.build import build
 from aotgen.passes.tp import parse_parallel, resolve_plan, shard_model
 from aotgen.recipe import RecipeError, parse_recipe
+from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.engine import Engine, GenerationConfig
 
 pytest.importorskip("transformers")
@@ -222,6 +225,37 @@ def test_int8_fused_build_stays_close(family_engines, checkpoints, family):
         kinds = {(n.split(".weight")[0], w.dtype) for n, w in engine.target.weights.items()}
         assert ("model.layers.0.conv.in_proj", torch.int8) in kinds
         assert ("model.layers.0.conv.conv", torch.float32) in kinds
+
+
+def test_windowed_tree_and_batched_graphs_match_transformers(family_engines, checkpoints, project):
+    """Sliding-window layers attend from their window's first key: the tree graph's nodes and
+    the batched graphs' sequences, at positions past Gemma 3's window (8), give transformers'
+    logits for each row's own history."""
+    reference = load_reference(checkpoints["gemma3"])
+    runner = family_engines("gemma3", **WINDOWED).target
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, runner.vocab_size, (19,), generator=g).tolist()
+    tree = make_tree(SHAPES["bushy"][: WINDOWED["tree_nodes"] - 1], 2, runner.vocab_size)
+    reset_caches(runner)
+    runner.forward(prompt, 0)
+    got = runner.tree_forward(tree, len(prompt))
+    for node in range(len(tree)):
+        history = prompt + [tree.tokens[i] for i in path_to(tree, node)]
+        want = reference_logits(reference, history)[-1]
+        assert _rel_err(got[node], want) < FP32_TOL, node
+
+    batch = BatchEngine.load(_package("gemma3", checkpoints, project, **WINDOWED)).target
+    histories = [torch.randint(0, runner.vocab_size, (n,), generator=g).tolist() for n in (24, 13)]
+    slots = torch.tensor([1, 0])
+    for graph, t in (("batch_decode", 1), ("batch_verify", 5)):
+        reset_caches(batch)
+        for history, slot in zip(histories, slots.tolist(), strict=True):
+            batch.forward(history[:-t], 0, slot=slot)
+        tokens = torch.tensor([h[-t:] for h in histories])
+        positions = torch.tensor([range(len(h) - t, len(h)) for h in histories])
+        got = batch.batch(graph, tokens, positions, slots)
+        for row, history in zip(got, histories, strict=True):
+            assert _rel_err(row, reference_logits(reference, history)[-t:]) < FP32_TOL, graph
 
 
 def test_biased_q_k_v_are_fused(checkpoints, project, family_engines):

@@ -121,6 +121,8 @@ def dynamic_shapes(spec: GraphSpec, caches: list[Tensor]) -> tuple | None:
     """The token count of `tokens` and `input_pos` is dynamic in the prefill graph, the
     number of sequences in the batched graphs, the attended length (`key_pos`) in the graphs
     replayed on a GPU."""
+    if spec.batch == 2:  # one batch size (`max_batch: 2`): export takes no Dim of one value
+        return None
     if spec.batch:
         b = Dim(f"{spec.name}_batch", min=2, max=spec.batch)
         return ({0: b}, {0: b}, [None] * len(caches), None, {0: b})

@@ -24,13 +24,13 @@ class Attention(nn.Module):
         self.query_key_value = nn.Linear(d, 3 * d, bias=cfg.attention_bias)
         self.dense = nn.Linear(d, d, bias=cfg.attention_bias)
 
-    def forward(self, x, cos, sin, write_at, mask, k_cache, v_cache, attn_len) -> Tensor:
+    def forward(self, x, cos, sin, write_at, mask, k_cache, v_cache, span) -> Tensor:
         b, t, _ = x.shape
         # Heads are sized from the weights, so a tensor-parallel shard runs unchanged.
         qkv = self.query_key_value(x).view(b, t, -1, 3 * self.head_dim).transpose(1, 2)
         q, k, v = qkv.chunk(3, dim=-1)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = cached_attention(q, k, v, write_at, mask, k_cache, v_cache, attn_len, self.scale)
+        y = cached_attention(q, k, v, write_at, mask, k_cache, v_cache, span, self.scale)
         return self.dense(y)
 
 
@@ -54,9 +54,9 @@ class Layer(nn.Module):
         self.attention = Attention(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, write_at, mask, k_cache, v_cache, attn_len) -> Tensor:
+    def forward(self, x, cos, sin, write_at, mask, k_cache, v_cache, span) -> Tensor:
         a = self.attention(
-            self.input_layernorm(x), cos, sin, write_at, mask, k_cache, v_cache, attn_len
+            self.input_layernorm(x), cos, sin, write_at, mask, k_cache, v_cache, span
         )
         if self.parallel:  # x + attn(ln1(x)) + mlp(ln2(x))
             return self.mlp(self.post_attention_layernorm(x)) + a + x

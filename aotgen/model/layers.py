@@ -29,7 +29,9 @@ one sequence of a batch on a view, with no copy.
 
 Sliding-window layers keep a full-length cache and a window mask: the same cache layout
 for every layer, so the runtimes, speculation and the draft's shared cache need nothing
-new; the cost is memory for keys the window no longer sees.
+new; the cost is memory for keys the window no longer sees. They attend only from the first
+key the window of the call's earliest row sees (`span`, read back with `.item()` like the
+length), so their attention costs window + rows keys, not the whole prefix.
 
 How far a graph attends: up to its last position (`input_pos[-1] + 1` keys, read back to the
 host with `.item()`), or over the cache positions `key_pos` (`arange(n)`, n past the last
@@ -162,14 +164,15 @@ def cached_attention(
     mask: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    attn_len: int,
+    span: slice,
     scale: float,
     cap: float | None = None,
 ) -> Tensor:
     """Write k/v `[b, kv_heads, t, d]` into the caches at `write_at`, attend q `[b, heads,
-    t, d]` to the filled prefix under `mask` (`[t, attn_len]`, or `[b, t, attn_len]` for a
-    batch); returns `[b, t, heads * d]`. `cap`: Gemma 2's softcap of the scores, which SDPA
-    does not take: without the cache kernel such layers attend as matmuls."""
+    t, d]` to the cache positions `span` (the filled prefix, or a sliding window's part of it)
+    under `mask` (`[t, n]`, or `[b, t, n]` for a batch, n the span's length); returns `[b, t,
+    heads * d]`. `cap`: Gemma 2's softcap of the scores, which SDPA does not take: without the
+    cache kernel such layers attend as matmuls."""
     b, _, t, head_dim = q.shape
     kv_heads = k.shape[1]
     group = q.shape[1] // kv_heads
@@ -187,6 +190,8 @@ def cached_attention(
     fixed_width = isinstance(t, int) and not torch.onnx.is_in_onnx_export()
     if fixed_width and attention.applies(q, k_cache):  # the cache read in place
         c = cap or 0.0
+        if span.start is not None:  # the kernel attends from the view's first position
+            k_cache, v_cache = k_cache[:, :, span.start :], v_cache[:, :, span.start :]
         if batch:
             y = torch.ops.aotgen.attend_cache_slots(
                 q * scale, k_cache, v_cache, mask, slots[:, 0], c
@@ -194,10 +199,10 @@ def cached_attention(
         else:
             y = torch.ops.aotgen.attend_cache(q * scale, k_cache, v_cache, mask, c)
     else:
-        # Attend only to the filled prefix of the cache, not all of it.
+        # Attend only to the span of the cache, not all of it.
         rows = slots[:, 0] if batch else slice(None)
-        keys = k_cache[rows, :, :attn_len].to(q.dtype)
-        values = v_cache[rows, :, :attn_len].to(q.dtype)
+        keys = k_cache[rows, :, span].to(q.dtype)
+        values = v_cache[rows, :, span].to(q.dtype)
         mask = mask.repeat(1, group, 1).unsqueeze(1) if batch else mask.repeat(group, 1)
         if cap is not None:
             y = attend_rows(q, keys, values, mask, scale, cap)
@@ -307,7 +312,10 @@ class CausalLM(nn.Module):
                 seen = seen & (rel < t).unsqueeze(0)
             mask = (rel < 0).unsqueeze(0) | seen
         history = self._conv_history(input_pos, tree_mask)
-        return self._layers(x, input_pos, write_at, caches, keys, mask, history, self.last_row_only)
+        return self._layers(
+            x, input_pos, write_at, caches, keys, mask, history, self.last_row_only,
+            prefix_keys=key_pos is None,
+        )  # fmt: skip
 
     def _batch_forward(
         self, x: Tensor, input_pos: Tensor, caches: list[Tensor], slots: Tensor
@@ -355,11 +363,14 @@ class CausalLM(nn.Module):
         history: tuple[Tensor, Tensor] | None,
         last_row: bool = False,
         heads_dim: bool = False,
+        prefix_keys: bool = True,
     ) -> Tensor:
         """The decoder layers and the head over the cache positions `keys`; each layer gets the
-        RoPE rows and mask of its kind (sliding or global), a convolution layer no RoPE and,
-        for a mask, where its rows' earlier positions are (`history`). `heads_dim`: positions
-        are `[B, T]`, so the RoPE rows get a heads axis to broadcast against `[B, heads, T, d]`."""
+        RoPE rows, mask and span of keys of its kind (sliding or global), a convolution layer
+        no RoPE and, for a mask, where its rows' earlier positions are (`history`).
+        `heads_dim`: positions are `[B, T]`, so the RoPE rows get a heads axis to broadcast
+        against `[B, heads, T, d]`. `prefix_keys`: `keys` are the positions from 0 (not a
+        caller's `key_pos`), so sliding layers may start at their window."""
         cfg = self.config
         dtype = x.dtype
         attn_len = keys.shape[0]
@@ -368,20 +379,27 @@ class CausalLM(nn.Module):
             cos, sin = cos[input_pos].to(dtype), sin[input_pos].to(dtype)
             return (cos.unsqueeze(1), sin.unsqueeze(1)) if heads_dim else (cos, sin)
 
-        glob = (*rope(self.rope_cos, self.rope_sin), mask)
+        glob = (*rope(self.rope_cos, self.rope_sin), mask, slice(None, attn_len))
         local = glob
         if cfg.sliding_window:
+            span = glob[3]
+            if prefix_keys:
+                # No row sees a key before the earliest row's window: attend from there.
+                first = (input_pos.min() - cfg.sliding_window + 1).clamp(min=0).item()
+                torch._check(first >= 0)
+                torch._check(first < attn_len)
+                keys, mask, span = keys[first:], mask[..., first:], slice(first, attn_len)
             # Tree rows' slots are never behind their positions, so the window keeps them.
             window = mask & (keys > input_pos.unsqueeze(-1) - cfg.sliding_window)
-            local = (*glob[:2], window)
+            cos_sin = glob[:2]
             if cfg.rope_local_theta is not None:
-                local = (*rope(self.rope_local_cos, self.rope_local_sin), window)
+                cos_sin = rope(self.rope_local_cos, self.rope_local_sin)
+            local = (*cos_sin, window, span)
         for i, layer in enumerate(self.decoder_layers):
+            c, s, m, span = local if cfg.is_sliding(i) else glob
             if cfg.is_conv(i):
                 c, s, m = None, None, history
-            else:
-                c, s, m = local if cfg.is_sliding(i) else glob
-            x = layer(x, c, s, write_at, m, caches[2 * i], caches[2 * i + 1], attn_len)
+            x = layer(x, c, s, write_at, m, caches[2 * i], caches[2 * i + 1], span)
         if last_row:
             x = x[:, -1:]
         return self.logits(x).float()

@@ -45,13 +45,13 @@ class Attention(nn.Module):
         self.q_layernorm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_layernorm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, write_at, mask, k_cache, v_cache, attn_len) -> Tensor:
+    def forward(self, x, cos, sin, write_at, mask, k_cache, v_cache, span) -> Tensor:
         b, t, _ = x.shape
         q = self.q_layernorm(self.q_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)
         k = self.k_layernorm(self.k_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = cached_attention(q, k, v, write_at, mask, k_cache, v_cache, attn_len, self.scale)
+        y = cached_attention(q, k, v, write_at, mask, k_cache, v_cache, span, self.scale)
         return self.out_proj(y)
 
 
@@ -64,7 +64,7 @@ class ShortConv(nn.Module):
         self.conv = nn.Conv1d(d, d, kernel, groups=d, bias=bias, padding=kernel - 1)
         self.out_proj = nn.Linear(d, d, bias=bias)
 
-    def forward(self, x, cos, sin, write_at, history, k_cache, v_cache, attn_len) -> Tensor:
+    def forward(self, x, cos, sin, write_at, history, k_cache, v_cache, span) -> Tensor:
         """`history` (layers.py `CausalLM._conv_history`): where each row's earlier positions are in
         the cache, lag 1 first, and which of them exist (none before position 0)."""
         d = x.shape[-1]
@@ -120,9 +120,9 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = RMSNorm(d, eps)
         self.feed_forward = SparseMoE(cfg) if cfg.is_moe(index) else MLP(d, f)
 
-    def forward(self, x, cos, sin, write_at, mask, k_cache, v_cache, attn_len) -> Tensor:
+    def forward(self, x, cos, sin, write_at, mask, k_cache, v_cache, span) -> Tensor:
         op = self.conv if hasattr(self, "conv") else self.self_attn
-        h = x + op(self.operator_norm(x), cos, sin, write_at, mask, k_cache, v_cache, attn_len)
+        h = x + op(self.operator_norm(x), cos, sin, write_at, mask, k_cache, v_cache, span)
         return h + self.feed_forward(self.ffn_norm(h))
 
 

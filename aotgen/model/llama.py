@@ -73,7 +73,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(q_dim * self.head_dim, cfg.rms_norm_eps, cfg.gemma)
             self.k_norm = RMSNorm(k_dim * self.head_dim, cfg.rms_norm_eps, cfg.gemma)
 
-    def forward(self, x, cos, sin, write_at, mask, k_cache, v_cache, attn_len) -> Tensor:
+    def forward(self, x, cos, sin, write_at, mask, k_cache, v_cache, span) -> Tensor:
         b, t, _ = x.shape
         # Heads are sized from the weights, not the config, so a tensor-parallel shard
         # (fewer heads per rank) runs through the same code.
@@ -87,9 +87,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotates:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = cached_attention(
-            q, k, v, write_at, mask, k_cache, v_cache, attn_len, self.scale, self.cap
-        )
+        y = cached_attention(q, k, v, write_at, mask, k_cache, v_cache, span, self.scale, self.cap)
         return self.o_proj(y)
 
 
@@ -111,13 +109,13 @@ class DecoderLayer(nn.Module):
         if gemma or cfg.norm_after:
             self.post_feedforward_layernorm = RMSNorm(d, eps, gemma)
 
-    def forward(self, x, cos, sin, write_at, mask, k_cache, v_cache, attn_len) -> Tensor:
+    def forward(self, x, cos, sin, write_at, mask, k_cache, v_cache, span) -> Tensor:
         if self.norm_after:  # OLMo 2: each block's output normalised, its input not
-            a = self.self_attn(x, cos, sin, write_at, mask, k_cache, v_cache, attn_len)
+            a = self.self_attn(x, cos, sin, write_at, mask, k_cache, v_cache, span)
             h = x + self.post_attention_layernorm(a)
             return h + self.post_feedforward_layernorm(self.mlp(h))
         a = self.self_attn(
-            self.input_layernorm(x), cos, sin, write_at, mask, k_cache, v_cache, attn_len
+            self.input_layernorm(x), cos, sin, write_at, mask, k_cache, v_cache, span
         )
         if self.gemma:  # norms on both sides of attention and of the MLP
             h = x + self.post_attention_layernorm(a)
