@@ -114,7 +114,6 @@ REAL_PACKAGE_USERS = {
 WARM_USERS = {
     "families": {"family_engines"},
     "gguf_keep": {"kept", "integer"},
-    "quantize": {"int8_build", "int4_build", "block_build"},
 }
 # Recipe -> the bundled GGUF (`aotgen import-gguf` short name) its checkpoint comes from.
 REAL_PACKAGE_GGUF = {"gemma3-270m": "gemma3-270m"}

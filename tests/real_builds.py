@@ -47,16 +47,6 @@ def warm_families(out: Path) -> Iterator[tuple[str, dict]]:
         yield family_recipe(family, checkpoints, ["aoti"], extra)
 
 
-def warm_quantize(out: Path) -> Iterator[tuple[str, dict]]:
-    """test_quantize.py's packages, on the session's tiny checkpoints' shapes (conftest.py)."""
-    from test_quantize import package_recipes
-    from tiny import make_tiny_checkpoint
-
-    tiny = make_tiny_checkpoint(out / "quantize" / "tiny")
-    tied = make_tiny_checkpoint(out / "quantize" / "tied", tie=True, seed=1)
-    yield from package_recipes(tiny, tied).items()
-
-
 def warm_gguf_keep(out: Path) -> Iterator[tuple[str, dict]]:
     """test_gguf_keep.py's packages."""
     from test_gguf_keep import PACKAGES, package_recipe
@@ -65,7 +55,7 @@ def warm_gguf_keep(out: Path) -> Iterator[tuple[str, dict]]:
         yield name, package_recipe(out / "gguf_keep" / name, name)
 
 
-WARMERS = {"families": warm_families, "gguf_keep": warm_gguf_keep, "quantize": warm_quantize}
+WARMERS = {"families": warm_families, "gguf_keep": warm_gguf_keep}
 
 
 def main(out: Path, names: list[str]) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_RECIPE, stop_warming
+from conftest import TINY_RECIPE
 from reference import reset_caches
 from safetensors import safe_open
 
@@ -295,14 +295,12 @@ def test_eager_quantized_graph_is_close_to_fp32(tiny_model):
 
 # ---- compiled packages: one int8 build (tied embeddings) and one int4 build ----------------
 def package_recipes(tiny: Path, tied: Path) -> dict[str, dict]:
-    """The compiled packages' recipes, by package name (tests/real_builds.py compiles them
-    ahead)."""
+    """The compiled packages' recipes, by package name."""
     on = {"tiny-int8": (tied, INT8), "tiny-int4": (tiny, INT4), "tiny-block": (tied, BLOCK)}
     return {n: {"checkpoint": str(c), **TINY_RECIPE, "quantize": q} for n, (c, q) in on.items()}
 
 
 def _build(request, name: str):
-    stop_warming(request, "quantize")  # the builds take what the background compiled
     tiny, tied = (request.getfixturevalue(f) for f in ("tiny_checkpoint", "tied_checkpoint"))
     data = package_recipes(tiny, tied)[name]
     return build(parse_recipe(data, name, Path(".")), request.getfixturevalue("project"))
