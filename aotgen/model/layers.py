@@ -31,7 +31,8 @@ Sliding-window layers keep a full-length cache and a window mask: the same cache
 for every layer, so the runtimes, speculation and the draft's shared cache need nothing
 new; the cost is memory for keys the window no longer sees. They attend only from the first
 key the window of the call's earliest row sees (`span`, read back with `.item()` like the
-length), so their attention costs window + rows keys, not the whole prefix.
+length), so their attention costs window + rows keys, not the whole prefix (a graph given
+`key_pos` attends over all of it, masked).
 
 How far a graph attends: up to its last position (`input_pos[-1] + 1` keys, read back to the
 host with `.item()`), or over the cache positions `key_pos` (`arange(n)`, n past the last
@@ -221,7 +222,7 @@ class CausalLM(nn.Module):
     """The shared forward. A family provides `decoder_layers`, `embed(tokens)`, `logits(x)`,
     the names of its embedding and head weights (`EMBED`, `HEAD`);
     each layer is called as `layer(x, cos, sin, write_at, mask, k_cache, v_cache,
-    attn_len)` with its own RoPE rows and mask (sliding or global)."""
+    span)` with its own RoPE rows, mask and span of cache positions (sliding or global)."""
 
     EMBED: str
     HEAD: str
@@ -312,10 +313,10 @@ class CausalLM(nn.Module):
                 seen = seen & (rel < t).unsqueeze(0)
             mask = (rel < 0).unsqueeze(0) | seen
         history = self._conv_history(input_pos, tree_mask)
+        last, prefix = self.last_row_only, key_pos is None
         return self._layers(
-            x, input_pos, write_at, caches, keys, mask, history, self.last_row_only,
-            prefix_keys=key_pos is None,
-        )  # fmt: skip
+            x, input_pos, write_at, caches, keys, mask, history, last, prefix_keys=prefix
+        )
 
     def _batch_forward(
         self, x: Tensor, input_pos: Tensor, caches: list[Tensor], slots: Tensor
