@@ -380,10 +380,11 @@ class CausalLM(nn.Module):
             cos, sin = cos[input_pos].to(dtype), sin[input_pos].to(dtype)
             return (cos.unsqueeze(1), sin.unsqueeze(1)) if heads_dim else (cos, sin)
 
-        glob = (*rope(self.rope_cos, self.rope_sin), mask, slice(None, attn_len))
+        filled = slice(None, attn_len)  # the filled prefix
+        glob = (*rope(self.rope_cos, self.rope_sin), mask, filled)
         local = glob
         if cfg.sliding_window:
-            span = glob[3]
+            span = filled
             if prefix_keys:
                 # No row sees a key before the earliest row's window: attend from there.
                 first = (input_pos.min() - cfg.sliding_window + 1).clamp(min=0).item()
