@@ -102,11 +102,13 @@ def eager_engine(
 def check_conversation(printed: list[dict], package: Path, lines: list[str], config) -> None:
     """The turns `run --interactive --json` printed (either runtime), each user line the next
     turn of one chat, against the Python engine on the same chat: each turn's prompt ids and
-    cached count equal its, and its ids those of a cold run (reuse off, a second engine). A
-    chat past the context loses its oldest turns (a message and its answer) until the next
-    prompt and `max_new_tokens` fit."""
+    cached count equal its, and its ids those of a cold run (reuse off, a second engine). Each
+    answer goes back into the chat without its reasoning, as a client sends it. A chat past
+    the context loses its oldest turns (a message and its answer) until the next prompt and
+    `max_new_tokens` fit."""
     from dataclasses import replace
 
+    from aotgen.reasoning import split_reasoning, thinking_of
     from aotgen.runtime.engine import Engine
 
     engine, cold = Engine.load(package), Engine.load(package)
@@ -123,7 +125,9 @@ def check_conversation(printed: list[dict], package: Path, lines: list[str], con
         assert out["cached_tokens"] == result.cached_tokens
         cold_ids = cold.generate(ids, replace(config, reuse_prefix=False)).token_ids
         assert out["ids"] == result.token_ids == cold_ids
-        messages.append({"role": "assistant", "content": result.text})
+        thinking = thinking_of(engine.tokenizer, ids)
+        content = result.text if thinking is None else split_reasoning(result.text, thinking)[1]
+        messages.append({"role": "assistant", "content": content})
     assert 0 < printed[1]["cached_tokens"] <= printed[2]["cached_tokens"]
 
 
@@ -140,9 +144,19 @@ def reset_caches(*runners) -> None:
 CHAT_TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 
 
+def r1_thinking_template() -> str:
+    """DeepSeek-R1's chat template with thinking on (its default): the prompt opens the
+    reasoning (`<think>\\n`), so a tiny random model's whole answer is reasoning."""
+    source = (CHAT_TEMPLATES / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja").read_text()
+    close = "{% if not enable_thinking %}{{- '</think>' -}}{% endif %}"
+    assert close in source
+    return source.replace(close, "")
+
+
 def with_chat_template(package: Path, dest: Path, template: str) -> Path:
     """A copy of `package` at `dest` whose tokenizer config has the chat template
-    `template` (a file of tests/data/chat_templates), its manifest hashed again."""
+    `template` (a file of tests/data/chat_templates, or the template's source), its manifest
+    hashed again."""
     import json
     import shutil
 
@@ -151,7 +165,8 @@ def with_chat_template(package: Path, dest: Path, template: str) -> Path:
     copy = Path(shutil.copytree(package, dest))
     config_path = copy / "tokenizer" / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
-    config["chat_template"] = (CHAT_TEMPLATES / template).read_text()
+    is_file = template.endswith(".jinja")
+    config["chat_template"] = (CHAT_TEMPLATES / template).read_text() if is_file else template
     config_path.write_text(json.dumps(config))
     write_manifest(copy, read_manifest(copy))
     return copy

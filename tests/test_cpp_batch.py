@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 from cpp_build import cmake_cache_value, require_cpp_build
+from reference import r1_thinking_template, with_chat_template
 
+from aotgen.reasoning import split_reasoning
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.engine import Engine, GenerationConfig
 from aotgen.runtime.rules import Penalties
@@ -175,6 +177,26 @@ def test_batch_matches_python(request, batch_bin, tmp_path, package_fixture):
         for mode in ("draft", "draft+ngram"):  # every step proposes: lookup, else the draft
             spec = [g["spec"] for g, c in drafting if c.speculative == mode]
             assert sum(s["steps"] for s in spec) > sum(s["lookup_steps"] for s in spec), mode
+
+
+def test_chat_reasoning_comes_apart(batch_bin, tiny_package, tmp_path):
+    """Under DeepSeek-R1's template (the prompt opens the reasoning) a chat request's answer,
+    the ids Python gets, is split as Python splits its text; a plain prompt's stays whole."""
+    package = with_chat_template(tiny_package, tmp_path / "r1", r1_thinking_template())
+    engine = Engine.load(package)
+    request = {"max_new_tokens": 6, "ignore_eos": True, "temperature": 0}
+    got, _ = cpp_results(
+        run_batch(
+            batch_bin, package, [{"chat": "Hi"} | request, {"prompt": "Hi"} | request], tmp_path
+        )
+    )
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    assert got[0]["ids"] == engine.generate(ids, GenerationConfig(6, ignore_eos=True)).token_ids
+    assert (got[0]["reasoning"], got[0]["content"]) == split_reasoning(got[0]["text"], True)
+    assert got[0]["reasoning"] and (got[1]["reasoning"], got[1]["content"]) == (
+        None,
+        got[1]["text"],
+    )
 
 
 def _both_runtimes(

@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 from cpp_build import REPO_ROOT
-from reference import check_conversation, with_chat_template
+from reference import check_conversation, r1_thinking_template, with_chat_template
 
 from aotgen.package.manifest import PackageError
+from aotgen.reasoning import split_reasoning, thinking_of
 from aotgen.runtime.engine import Engine, GenerationConfig
 from aotgen.runtime.rules import Penalties
 from aotgen.runtime.sampling import SamplingParams
@@ -444,6 +445,38 @@ def test_chat_template_of_another_family(run_bin, gemma_chat_package):
     lines = ["The quick brown fox", "and then?", "1 2 3"]
     printed = run_interactive(run_bin, gemma_chat_package, lines, 8)
     check_conversation(printed, gemma_chat_package, lines, GenerationConfig(8, ignore_eos=True))
+
+
+@pytest.fixture(scope="module")
+def r1_chat_package(tiny_package: Path, tmp_path_factory) -> Path:
+    """The tiny package with DeepSeek-R1's chat template: the prompt opens the reasoning."""
+    dest = tmp_path_factory.mktemp("r1") / "pkg"
+    return with_chat_template(tiny_package, dest, r1_thinking_template())
+
+
+def test_reasoning_comes_apart_from_the_answer_like_python(run_bin, r1_chat_package, tiny_package):
+    """A chat answer's reasoning (the prompt opened `<think>`, the tiny model never closes it)
+    goes to stderr and the JSON's `reasoning`, the answer alone to stdout and `content`, as
+    Python's split of Python's answer; `--interactive` sends each answer back without its
+    reasoning, as Python's does. A template without reasoning keeps the answer whole."""
+    engine = Engine.load(r1_chat_package)
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    assert thinking_of(engine.tokenizer, ids) is True
+    args = ["--chat", "Hi", "--max-new-tokens", "8", "--ignore-eos"]
+    got = json.loads(run(run_bin, r1_chat_package, *args, "--json").stdout)
+    assert got["ids"] == engine.generate(ids, GenerationConfig(8, ignore_eos=True)).token_ids
+    # C++'s own text: a random model's stray bytes decode differently in the two runtimes.
+    reasoning, content = split_reasoning(got["text"], True)
+    assert (got["reasoning"], got["content"]) == (reasoning, content) and reasoning
+    proc = run(run_bin, r1_chat_package, *args)
+    assert proc.stdout == content + "\n" and proc.stderr.startswith(reasoning + "\n")
+
+    plain = json.loads(run(run_bin, tiny_package, *args, "--json").stdout)
+    assert (plain["reasoning"], plain["content"]) == (None, plain["text"])
+
+    lines = ["Hi", "and?", "1 2"]  # three turns in the context: R1's tags take ~20 tokens each
+    printed = run_interactive(run_bin, r1_chat_package, lines, 4)
+    check_conversation(printed, r1_chat_package, lines, GenerationConfig(4, ignore_eos=True))
 
 
 # ---- bad input: one clear message, exit status 1, no crash -------------------------------

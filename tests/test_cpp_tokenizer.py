@@ -575,6 +575,48 @@ def test_chat_template_errors_are_one_line(
     assert proc.returncode == 1 and "no chat template beside" in proc.stderr
 
 
+# Answers and prompt tails past tests/test_chat_answers.py's cases: Unicode whitespace before
+# the tag (Python's lstrip), tags cut short, newlines only, text after a closed reasoning.
+REASONING_TEXTS = [
+    "\u00a0<think>x</think>y",
+    "\u3000 \n<think>\n\nA é 日本</think>\n\n\nB",
+    "<thi",
+    "  <think",
+    "<think>a</thi",
+    "</think>",
+    "",
+    "\n\n",
+    "日本語 </think> ok",
+    "Hello<think>no</think>",
+    "prompt <think>\n",
+    "prompt </think>\n\n",
+    "prompt<think>\u00a0",
+]
+
+
+def test_reasoning_split_equals_pythons(tokenize_bin: Path):
+    """reasoning.h against aotgen/reasoning.py on the same texts: the whole split, the deltas of
+    the text streamed a character at a time (ReasoningStream), and opens_reasoning."""
+    from test_chat_answers import REASONING_CASES
+
+    from aotgen.reasoning import ReasoningStream, opens_reasoning, split_reasoning
+
+    cases = [[text, thinking] for text, thinking, _, _ in REASONING_CASES]
+    cases += [[text, thinking] for text in REASONING_TEXTS for thinking in (False, True)]
+    for (text, thinking), got in zip(
+        cases, run_cli(tokenize_bin, ["--reasoning"], cases), strict=True
+    ):
+        stream = ReasoningStream(thinking)
+        deltas = [list(stream.feed(c)) for c in text] + [list(stream.finish())]
+        reasoning, content = split_reasoning(text, thinking)
+        assert got == {
+            "reasoning": reasoning,
+            "content": content,
+            "deltas": deltas,
+            "opens": opens_reasoning(text),
+        }, (text, thinking)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

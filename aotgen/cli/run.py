@@ -265,6 +265,8 @@ class _Printer:
     def finish(self) -> None:
         if self.split:
             self._show(*self.split.finish())
+        if self.reasoned and not self.answered:
+            console.print()  # the stats start a line of their own
         sys.stdout.write("\n")
 
     def _show(self, reasoning: str, content: str) -> None:

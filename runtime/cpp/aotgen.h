@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "chat.h"
+#include "reasoning.h"
 #include "tokenizer.h"
 
 namespace aotgen {
@@ -202,6 +203,10 @@ class Engine {
   // user, then the assistant's turn. Sent again with each new message, its earlier turns are
   // found in the KV cache (GenerationConfig::reuse_prefix).
   std::vector<int64_t> chat_ids(const std::vector<ChatMessage>& messages) const;
+  // Where the answer to a chat prompt starts (reasoning.h): inside its reasoning (true), free
+  // to open one (false), or with none (nullopt: the template has no reasoning, or the prompt
+  // closed it). Split the answer with split_reasoning / ReasoningStream.
+  std::optional<bool> thinking(const std::vector<int64_t>& prompt_ids) const;
 
   // A plain-text prompt's ids, led by bos when the checkpoint says so (`add_bos_token` in
   // tokenizer_config.json, e.g. Gemma), as the Python runtime's Tokenizer.prompt_ids.

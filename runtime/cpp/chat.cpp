@@ -12,6 +12,8 @@
 
 #include <minja/minja.hpp>
 
+#include "reasoning.h"
+
 namespace aotgen {
 namespace {
 
@@ -136,6 +138,8 @@ std::string ChatTemplate::render(const std::vector<ChatMessage>& messages,
 bool ChatTemplate::is_chatml() const {
   return impl_->source.find("<|im_start|>") != std::string::npos;
 }
+
+bool ChatTemplate::takes_reasoning() const { return aotgen::takes_reasoning(impl_->source); }
 
 std::string chat_prompt(const ChatTemplate& tmpl, const std::vector<ChatMessage>& messages,
                         bool add_generation_prompt) {

@@ -37,6 +37,8 @@ class ChatTemplate {
 
   // llama.cpp's test for its built-in ChatML formatter: "<|im_start|>" in the template.
   bool is_chatml() const;
+  // The model reasons before it answers (the template holds "<think>", reasoning.h).
+  bool takes_reasoning() const;
 
  private:
   struct Impl;

@@ -471,6 +471,12 @@ std::vector<int64_t> Engine::chat_ids(const std::vector<ChatMessage>& messages) 
   return encode_chat(*impl_->tokenizer, *impl_->chat_template, messages);
 }
 
+std::optional<bool> Engine::thinking(const std::vector<int64_t>& prompt_ids) const {
+  if (!impl_->chat_template || !impl_->chat_template->takes_reasoning()) return std::nullopt;
+  const auto tail = prompt_ids.size() > 32 ? prompt_ids.end() - 32 : prompt_ids.begin();
+  return opens_reasoning(impl_->tokenizer->decode({tail, prompt_ids.end()}));  // the tags' ids
+}
+
 std::vector<int64_t> Engine::prompt_ids(const std::string& text) const {
   std::vector<int64_t> ids = impl_->tokenizer->encode(text);
   if (impl_->bos_id) ids.insert(ids.begin(), *impl_->bos_id);

@@ -50,7 +50,8 @@ options (defaults for every request):
   --prefill-step N       prompt tokens per step while others decode (default 64)
   --threads N            intra-op threads
   --no-verify            skip the sha256 check of the package files
-Output: one JSON line per finished request (request, prompt_ids, ids, text, finish_reason,
+Output: one JSON line per finished request (request, prompt_ids, ids, text, reasoning and
+content (a chat answer's <think> reasoning apart; null and the text otherwise), finish_reason,
 step, spec, error), then {"summary": {...}}.
 )";
 
@@ -135,17 +136,20 @@ Args parse_args(int argc, char** argv) {
   return args;
 }
 
-// One line's request: its prompt ids, its config, and when to cancel it (if ever).
+// One line's request: its prompt ids, its config, when to cancel it (if ever), and for a
+// chat, where its answer starts (Engine::thinking: its reasoning comes apart).
 struct Line {
   std::vector<int64_t> prompt_ids;
   aotgen::GenerationConfig config;
   std::optional<int64_t> cancel_after;
+  std::optional<bool> thinking;
 };
 
 Line parse_line(const std::string& text, const Args& args, const aotgen::Engine& engine) {
-  Line line{{}, args.config, std::nullopt};
+  Line line{{}, args.config, std::nullopt, std::nullopt};
   if (!text.starts_with("{")) {
     line.prompt_ids = args.chat ? engine.chat_ids(text) : engine.prompt_ids(text);
+    if (args.chat) line.thinking = engine.thinking(line.prompt_ids);
     return line;
   }
   const json r = json::parse(text);  // json::exception: reported with the line number
@@ -166,6 +170,7 @@ Line parse_line(const std::string& text, const Args& args, const aotgen::Engine&
     const auto system = r.contains("system") ? std::optional(r["system"].get<std::string>())
                                              : std::nullopt;
     line.prompt_ids = engine.chat_ids(r["chat"].get<std::string>(), system);
+    line.thinking = engine.thinking(line.prompt_ids);
   } else if (r.contains("prompt")) {
     line.prompt_ids = engine.prompt_ids(r["prompt"].get<std::string>());
   } else {
@@ -253,8 +258,13 @@ int run(Args args) {
         [&](int64_t id, const aotgen::GenerationResult& r) {
           const std::size_t n = line_of.at(id);
           tokens += static_cast<int64_t>(r.token_ids.size());
+          const auto& thinking = lines[n].thinking;
+          const auto split = thinking ? aotgen::split_reasoning(r.text, *thinking)
+                                      : aotgen::ReasoningSplit{std::nullopt, r.text};
           const json out = {{"request", n},           {"prompt_ids", lines[n].prompt_ids},
                             {"ids", r.token_ids},     {"text", r.text},
+                            {"reasoning", split.reasoning ? json(*split.reasoning) : json(nullptr)},
+                            {"content", split.content},
                             {"finish_reason", r.finish_reason}, {"step", steps},
                             {"cached_tokens", r.cached_tokens},
                             {"spec", spec_json(r.spec)}, {"error", r.error},

@@ -4,11 +4,12 @@
 //                       | --interactive) [options]
 //
 // Streams the text to stdout, then prints load / first-token / decode timings on stderr.
-// With --json (or --ids), prints one JSON object on stdout instead: prompt_ids, ids
-// (generated), text, finish_reason, spec (or null), logprobs (with --logprobs N, or null) and
-// timings. Errors: one message on stderr, exit status 1 (2 for a command line that cannot be
-// parsed at all). Option values are checked as the Python CLI (`aotgen run`) checks them, with
-// the same messages.
+// A chat answer's reasoning (`<think> ... </think>`) streams on stderr, the answer alone on
+// stdout. With --json (or --ids), prints one JSON object on stdout instead: prompt_ids, ids
+// (generated), text, reasoning (or null) and content (the text without it), finish_reason,
+// spec (or null), logprobs (with --logprobs N, or null) and timings. Errors: one message on
+// stderr, exit status 1 (2 for a command line that cannot be parsed at all). Option values
+// are checked as the Python CLI (`aotgen run`) checks them, with the same messages.
 #include <charconv>
 #include <chrono>
 #include <cstdint>
@@ -21,6 +22,8 @@
 #include <string_view>
 #include <system_error>
 #include <vector>
+
+#include <unistd.h>  // isatty
 
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
@@ -326,26 +329,77 @@ std::vector<int64_t> prompt_ids(const Args& args, const aotgen::Engine& engine) 
   }
 }
 
-// Generates from ids: the text streamed (or one JSON object), then the stats on stderr.
-// `since` is when the command started or the turn's message arrived.
-aotgen::GenerationResult answer(aotgen::Engine& engine, const std::vector<int64_t>& ids,
-                                const Args& args, Clock::time_point since) {
+void write(std::FILE* file, std::string_view text) {
+  std::fwrite(text.data(), 1, text.size(), file);
+  std::fflush(file);
+}
+
+// The answer streamed on stdout; a chat answer's reasoning (`thinking` set) on stderr before
+// it, dimmed on a terminal, so that stdout holds the answer alone (aotgen/cli/run.py _Printer).
+class Printer {
+ public:
+  explicit Printer(std::optional<bool> thinking) {
+    if (thinking) split_.emplace(*thinking);
+  }
+  void feed(std::string_view piece) {
+    if (!split_) return show("", piece);
+    const auto [reasoning, content] = split_->feed(piece);
+    show(reasoning, content);
+  }
+  void finish() {
+    if (split_) {
+      const auto [reasoning, content] = split_->finish();
+      show(reasoning, content);
+    }
+    if (reasoned_ && !answered_) write(stderr, "\n");  // the stats start a line of their own
+    write(stdout, "\n");
+  }
+
+ private:
+  void show(std::string_view reasoning, std::string_view content) {
+    if (!reasoning.empty()) {
+      const std::string text(reasoning);
+      write(stderr, dim_ ? "\x1b[2m" + text + "\x1b[0m" : text);
+      reasoned_ = true;
+    }
+    if (!content.empty()) {
+      if (reasoned_ && !answered_) write(stderr, "\n");  // the reasoning ends its line
+      answered_ = true;
+      write(stdout, content);
+    }
+  }
+
+  std::optional<aotgen::ReasoningStream> split_;
+  bool dim_ = isatty(fileno(stderr));
+  bool reasoned_ = false, answered_ = false;
+};
+
+// Generates from ids: the text streamed (or one JSON object), then the stats on stderr. A
+// chat answer's reasoning (`<think>`, reasoning.h) comes apart from the answer, on stderr and
+// in the JSON. `since` is when the command started or the turn's message arrived. Returns the
+// answer without its reasoning.
+std::string answer(aotgen::Engine& engine, const std::vector<int64_t>& ids, const Args& args,
+                   bool chat, Clock::time_point since) {
   const auto t_generate = Clock::now();
+  std::optional<bool> thinking;
+  if (chat) thinking = engine.thinking(ids);
+  std::optional<Printer> printer;
   aotgen::TextCallback stream;
   if (!args.print_ids) {
-    stream = [](std::string_view text) {
-      std::fwrite(text.data(), 1, text.size(), stdout);
-      std::fflush(stdout);
-    };
+    stream = [&printer = printer.emplace(thinking)](std::string_view text) { printer.feed(text); };
   }
   const auto result = engine.generate(ids, args.config, stream);
   const double to_first_token =
       std::chrono::duration<double>(t_generate - since).count() + result.prefill_s;
+  auto split = thinking ? aotgen::split_reasoning(result.text, *thinking)
+                        : aotgen::ReasoningSplit{std::nullopt, result.text};
 
   if (args.print_ids) {
     json out = {{"prompt_ids", ids},
                 {"ids", result.token_ids},
                 {"text", result.text},
+                {"reasoning", split.reasoning ? json(*split.reasoning) : json(nullptr)},
+                {"content", split.content},
                 {"finish_reason", result.finish_reason},
                 {"cached_tokens", result.cached_tokens},
                 {"load_s", engine.load_s()},
@@ -364,7 +418,7 @@ aotgen::GenerationResult answer(aotgen::Engine& engine, const std::vector<int64_
     out["logprobs"] = logprobs_json(result.logprobs);
     std::cout << out.dump(-1, ' ', false, json::error_handler_t::replace) << std::endl;
   } else {
-    std::cout << std::endl;
+    printer->finish();
   }
   std::fprintf(stderr,
                "load %.2f s · prompt %lld tok (%lld in the cache), first token %.3f s · "
@@ -381,7 +435,7 @@ aotgen::GenerationResult answer(aotgen::Engine& engine, const std::vector<int64_
                  s->mean_accepted_length(), static_cast<long long>(s->lookup_steps),
                  static_cast<long long>(s->steps));
   }
-  return result;
+  return std::move(split.content);
 }
 
 int run(Args args) {
@@ -393,7 +447,7 @@ int run(Args args) {
   }
   auto engine = aotgen::Engine::load(args.package, args.load);
   if (!args.interactive) {
-    answer(engine, prompt_ids(args, engine), args, t_start);
+    answer(engine, prompt_ids(args, engine), args, args.chat.has_value(), t_start);
     return 0;
   }
   // The whole conversation is each turn's prompt, as a chat client sends it; the engine runs
@@ -415,8 +469,8 @@ int run(Args args) {
       messages.erase(messages.begin() + oldest, messages.begin() + oldest + 2);
       ids = engine.chat_ids(messages);
     }
-    const auto result = answer(engine, ids, args, since);
-    messages.emplace_back("assistant", result.text);
+    // The answer without its reasoning, as a chat client sends it back.
+    messages.emplace_back("assistant", answer(engine, ids, args, true, since));
   }
   return 0;
 }

@@ -12,6 +12,10 @@
 //   --chat          [[role, content]...] -> {"prompt", "ids"}     chat_prompt, encode_chat with
 //                                           or {"error": "..."}   the template of the tokenizer's
 //                                                                 directory (chat.h)
+//   --reasoning     [text, thinking]     -> {"reasoning", "content", split_reasoning (reasoning.h),
+//                                           "deltas", "opens"}       ReasoningStream fed one
+//                                                                 character at a time, then
+//                                                                 finish(); opens_reasoning
 // Exits 1 with a message on stderr at the first bad line or tokenizer error; --chat reports
 // a template that fails on a conversation as that line's "error" and goes on.
 #include <cstdlib>
@@ -25,17 +29,19 @@
 #include <nlohmann/json.hpp>
 
 #include "chat.h"
+#include "reasoning.h"
 #include "tokenizer.h"
 
 namespace {
 
 using json = nlohmann::json;
 
-enum class Mode { Encode, Decode, Stream, PreTokenize, ChatML, Chat };
+enum class Mode { Encode, Decode, Stream, PreTokenize, ChatML, Chat, Reasoning };
 
 int usage() {
   std::cerr << "usage: aotgen-tokenize TOKENIZER_JSON [--decode | --stream | --pre-tokenize | "
-               "--chatml | --chat] [--skip-special-tokens] [--no-generation-prompt]\n"
+               "--chatml | --chat | --reasoning] [--skip-special-tokens] "
+               "[--no-generation-prompt]\n"
                "  reads one JSON value per stdin line, writes one JSON value per line\n";
   return 2;
 }
@@ -62,6 +68,30 @@ std::string parse_text(const json& value) {
   return value.get<std::string>();
 }
 
+json optional_json(const auto& value) { return value ? json(*value) : json(nullptr); }
+
+// --reasoning: the whole split, the streamed deltas (one UTF-8 character a piece) and
+// whether `text` as a prompt opens the reasoning.
+json reasoning(const json& input) {
+  const std::string text = parse_text(input.at(0));
+  const bool thinking = input.at(1).get<bool>();
+  const auto whole = aotgen::split_reasoning(text, thinking);
+  aotgen::ReasoningStream stream(thinking);
+  json deltas = json::array();
+  for (std::size_t i = 0, n = 1; i < text.size(); i += n) {
+    const auto lead = static_cast<unsigned char>(text[i]);
+    n = lead < 0xc0 ? 1 : lead < 0xe0 ? 2 : lead < 0xf0 ? 3 : 4;
+    const auto [r, c] = stream.feed(std::string_view(text).substr(i, n));
+    deltas.push_back({r, c});
+  }
+  const auto [r, c] = stream.finish();
+  deltas.push_back({r, c});
+  return {{"reasoning", optional_json(whole.reasoning)},
+          {"content", whole.content},
+          {"deltas", deltas},
+          {"opens", optional_json(aotgen::opens_reasoning(text))}};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -81,6 +111,8 @@ int main(int argc, char** argv) {
       mode = Mode::ChatML;
     } else if (arg == "--chat") {
       mode = Mode::Chat;
+    } else if (arg == "--reasoning") {
+      mode = Mode::Reasoning;
     } else if (arg == "--skip-special-tokens") {
       skip_special = true;
     } else if (arg == "--no-generation-prompt") {
@@ -94,7 +126,7 @@ int main(int argc, char** argv) {
       path = arg;
     }
   }
-  if (path.empty() && mode != Mode::ChatML) return usage();
+  if (path.empty() && mode != Mode::ChatML && mode != Mode::Reasoning) return usage();
 
   std::size_t line_no = 0;
   try {
@@ -129,6 +161,9 @@ int main(int argc, char** argv) {
           break;
         case Mode::ChatML:
           output = aotgen::chatml_prompt(parse_messages(input), generation_prompt);
+          break;
+        case Mode::Reasoning:
+          output = reasoning(input);
           break;
         case Mode::Chat: {
           const auto messages = parse_messages(input);
