@@ -41,7 +41,8 @@ from aotgen.passes.quantize_numerics import kernel_problem
 from aotgen.passes.quantize_options import parse_quantize
 from aotgen.recipe import Recipe, RecipeError, kv_cache_len, parse_recipe
 from aotgen.runtime.cuda_graph import ReplayedGraph
-from aotgen.runtime.engine import MIN_KEY_SPAN, Engine, GenerationConfig, key_span
+from aotgen.runtime.engine import Engine, GenerationConfig
+from aotgen.runtime.model_runner import MIN_KEY_SPAN, key_span
 from aotgen.runtime.tree import Tree
 
 HAS_CUDA = torch.cuda.is_available()
@@ -168,7 +169,7 @@ def test_key_pos_attention_equals_prefix_attention(family, tmp_path, monkeypatch
 
 
 def test_key_span_covers_the_position_in_a_few_captures():
-    """Replayed graphs attend over one of a few spans (runtime/engine.py): the shortest power
+    """Replayed graphs attend over one of a few spans (runtime/model_runner.py): the shortest power
     of two from MIN_KEY_SPAN that covers the positions, the whole cache past the last."""
     spans = {key_span(attend, 2053) for attend in range(1, 2054)}
     assert spans == {128, 256, 512, 1024, 2048, 2053}

@@ -17,7 +17,8 @@ from aotgen.package import build as build_mod
 from aotgen.package import compile as compile_mod
 from aotgen.package.manifest import PackageError, verify_package
 from aotgen.recipe import VERIFY_ROOM, RecipeError, parse_recipe
-from aotgen.runtime.engine import Engine, GenerationConfig, GenerationError, zeros_on_demand
+from aotgen.runtime.engine import Engine, GenerationConfig, GenerationError
+from aotgen.runtime.model_runner import zeros_on_demand
 
 PROMPTS = [
     "The quick brown fox",

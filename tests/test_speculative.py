@@ -362,7 +362,7 @@ def test_separate_draft_keeps_its_own_cache(spec_package):
 
 def test_shared_cache_layout_mismatch_is_refused():
     from aotgen.package.manifest import PackageError
-    from aotgen.runtime.engine import _target_cache_layers
+    from aotgen.runtime.model_runner import _target_cache_layers
 
     kv = {"layers": 1, "shapes": [[1, 2, 16, 8]] * 2, "dtype": "float32"}
     with pytest.raises(PackageError, match="share the target's KV cache"):

@@ -44,7 +44,7 @@ _USER_ERRORS = (
     ("aotgen.recipe", "ProjectError"),
     ("aotgen.recipe", "RecipeError"),
     ("aotgen.runtime.distributed", "LaunchError"),
-    ("aotgen.runtime.engine", "GenerationError"),
+    ("aotgen.runtime.model_runner", "GenerationError"),
 )
 
 

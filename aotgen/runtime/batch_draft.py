@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from aotgen.runtime.engine import ModelRunner
+from aotgen.runtime.model_runner import ModelRunner
 from aotgen.runtime.proposers import draft_token
 from aotgen.runtime.sequence import Sequence
 from aotgen.runtime.speculative import Proposal

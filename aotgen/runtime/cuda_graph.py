@@ -9,7 +9,7 @@ export decode, verify and tree taking the cache positions they attend as an inpu
 (`"attention": "key_pos"` in the graph's signature, model/layers.py), and the runtime loads
 them single-threaded (the AOTInductor container's multi-threaded run synchronises on an
 event, which a capture refuses). Each graph is captured on first use per KV cache it runs on
-(a batch slot's rows are another cache) and per span of keys (`engine.key_span`: a few
+(a batch slot's rows are another cache) and per span of keys (`model_runner.key_span`: a few
 lengths, each covering up to twice the attended positions), with inputs copied into buffers
 the capture owns, and replayed after.
 The logits it returns live in the capture's memory: the next replay overwrites them, so
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from aotgen.runtime.engine import CompiledGraph
+    from aotgen.runtime.model_runner import CompiledGraph
 
 
 @dataclass

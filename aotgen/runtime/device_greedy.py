@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from aotgen.runtime.engine import ModelRunner
+    from aotgen.runtime.model_runner import ModelRunner
 
 
 def greedy_tokens(runner: ModelRunner, token: int, pos: int) -> Iterator[int]:

@@ -41,7 +41,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from aotgen.package.manifest import PackageError, read_manifest, verify_package
-from aotgen.runtime.engine import Engine, GenerationConfig, ModelRunner
+from aotgen.runtime.engine import Engine, GenerationConfig
+from aotgen.runtime.model_runner import ModelRunner
 from aotgen.runtime.sampling import SamplingParams
 from aotgen.runtime.tokenizer import Tokenizer
 

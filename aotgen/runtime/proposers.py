@@ -18,7 +18,7 @@ from aotgen.runtime.sampling import SamplingParams, logits_to_probs, sample
 from aotgen.runtime.speculative import Proposal
 
 if TYPE_CHECKING:
-    from aotgen.runtime.engine import ModelRunner
+    from aotgen.runtime.model_runner import ModelRunner
     from aotgen.runtime.rules import TokenRules
 
 

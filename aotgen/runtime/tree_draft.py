@@ -43,7 +43,8 @@ from aotgen.runtime.tree_shape import (
 )
 
 if TYPE_CHECKING:
-    from aotgen.runtime.engine import Engine, GenerationConfig, ModelRunner
+    from aotgen.runtime.engine import Engine, GenerationConfig
+    from aotgen.runtime.model_runner import ModelRunner
     from aotgen.runtime.rules import TokenRules
     from aotgen.runtime.speculative import SpecStats
 
