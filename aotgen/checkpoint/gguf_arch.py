@@ -211,27 +211,54 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
 def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     """The HF config.json of the GGUF's architecture, from its metadata."""
     arch, spec = arch_spec(reader)
+    config = _common_config(reader, arch, spec)
+    if arch == "gptneox":
+        return _gptneox_config(reader, arch, config)
+    if arch in ("lfm2", "lfm2moe"):
+        return _lfm2_config(reader, arch, config)
+    config.update(
+        rms_norm_eps=_f32(require_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=_f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(reader, arch),
+    )
+    if arch in ("phi3", "smollm3", "granite", "granitemoe"):
+        config.update(_llama_variant(reader, arch, config["head_dim"]))
+    if meta_value(reader, f"{arch}.expert_count"):
+        config.update(_experts(reader, arch))
+    if arch == "olmo2" and (window := meta_value(reader, f"{arch}.attention.sliding_window")):
+        # OLMo 3 (llama.cpp writes it as olmo2): one flag per layer, true where sliding.
+        pattern = require_meta(reader, f"{arch}.attention.sliding_window_pattern")
+        config.update(
+            architectures=["Olmo3ForCausalLM"],
+            model_type="olmo3",
+            sliding_window=int(window),
+            layer_types=_layer_types(reader, arch, pattern, config["num_hidden_layers"]),
+        )
+    if arch in ("gemma2", "gemma3"):
+        config.update(_gemma_config(reader, arch, config))
+    return config
+
+
+def _common_config(reader: gguf.GGUFReader, arch: str, spec: Arch) -> dict[str, Any]:
+    """What every architecture's config holds. `num_key_value_heads` is the largest of a
+    per-block list (LFM2: 0 on convolution layers), kept as `kv_heads_per_layer`."""
     hidden = int(require_meta(reader, f"{arch}.embedding_length"))
     n_head = int(require_meta(reader, f"{arch}.attention.head_count"))
     n_kv = meta_value(reader, f"{arch}.attention.head_count_kv", n_head)
-    kv_per_layer = n_kv if isinstance(n_kv, list) else None  # LFM2: 0 on convolution layers
-    n_kv = int(max(n_kv) if kv_per_layer else n_kv)
-    n_layer = int(require_meta(reader, f"{arch}.block_count"))
-    head_dim = int(meta_value(reader, f"{arch}.attention.key_length", hidden // n_head))
     tokens = meta_value(reader, "tokenizer.ggml.tokens")
     vocab_size = meta_value(reader, f"{arch}.vocab_size") or (len(tokens) if tokens else None)
     if vocab_size is None:
         embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
         vocab_size = int(embd.shape[-1]) if embd is not None else None
-    config: dict[str, Any] = {
+    return {
         "architectures": [spec.hf_arch],
         "model_type": spec.model_type,
         "hidden_size": hidden,
         "intermediate_size": int(require_meta(reader, f"{arch}.feed_forward_length")),
-        "num_hidden_layers": n_layer,
+        "num_hidden_layers": int(require_meta(reader, f"{arch}.block_count")),
         "num_attention_heads": n_head,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
+        "num_key_value_heads": int(max(n_kv) if isinstance(n_kv, list) else n_kv),
+        "head_dim": int(meta_value(reader, f"{arch}.attention.key_length", hidden // n_head)),
         "max_position_embeddings": int(require_meta(reader, f"{arch}.context_length")),
         "vocab_size": int(vocab_size) if vocab_size is not None else None,
         "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
@@ -240,91 +267,79 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         "pad_token_id": meta_value(reader, "tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
-    if arch == "gptneox":
-        rot = int(meta_value(reader, f"{arch}.rope.dimension_count", head_dim))
-        has_bias = any(t.name.endswith("attn_qkv.bias") for t in reader.tensors)
-        config.update(
-            layer_norm_eps=_f32(require_meta(reader, f"{arch}.attention.layer_norm_epsilon")),
-            rotary_pct=rot / head_dim,
-            rotary_emb_base=_f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0)),
-            use_parallel_residual=bool(meta_value(reader, f"{arch}.use_parallel_residual", True)),
-            hidden_act="gelu",
-            attention_bias=has_bias,
+
+
+def _gptneox_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    head_dim = config.pop("head_dim")
+    del config["num_key_value_heads"]
+    rot = int(meta_value(reader, f"{arch}.rope.dimension_count", head_dim))
+    return config | {
+        "layer_norm_eps": _f32(require_meta(reader, f"{arch}.attention.layer_norm_epsilon")),
+        "rotary_pct": rot / head_dim,
+        "rotary_emb_base": _f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "use_parallel_residual": bool(meta_value(reader, f"{arch}.use_parallel_residual", True)),
+        "hidden_act": "gelu",
+        "attention_bias": any(t.name.endswith("attn_qkv.bias") for t in reader.tensors),
+    }
+
+
+def _lfm2_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """LFM2 (-MoE): the blocks with KV heads attend, the others are short convolutions."""
+    n_layer = config["num_hidden_layers"]
+    kv_per_layer = meta_value(reader, f"{arch}.attention.head_count_kv")
+    if not isinstance(kv_per_layer, list) or len(kv_per_layer) != n_layer:
+        raise CheckpointError(
+            f"GGUF {arch}.attention.head_count_kv must list each of the {n_layer} blocks"
         )
-        del config["num_key_value_heads"], config["head_dim"]
-        return config
-    if arch in ("lfm2", "lfm2moe"):
-        if kv_per_layer is None or len(kv_per_layer) != n_layer:
-            raise CheckpointError(
-                f"GGUF {arch}.attention.head_count_kv must list each of the {n_layer} blocks"
-            )
-        config.update(
-            layer_types=["full_attention" if n else "conv" for n in kv_per_layer],
-            conv_L_cache=int(require_meta(reader, f"{arch}.shortconv.l_cache")),
-            norm_eps=_f32(require_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-            rope_theta=_f32(meta_value(reader, f"{arch}.rope.freq_base", 1e6)),
-        )
-        if arch == "lfm2":  # feed_forward_length is the width LFM2 derives: no adjusting again
-            config["block_auto_adjust_ff_dim"] = False
-        else:
-            config.update(_lfm2_experts(reader, arch))
-        return config
     config.update(
-        rms_norm_eps=_f32(require_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=_f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(reader, arch),
+        layer_types=["full_attention" if n else "conv" for n in kv_per_layer],
+        conv_L_cache=int(require_meta(reader, f"{arch}.shortconv.l_cache")),
+        norm_eps=_f32(require_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=_f32(meta_value(reader, f"{arch}.rope.freq_base", 1e6)),
     )
-    if arch in ("phi3", "smollm3", "granite", "granitemoe"):
-        config.update(_llama_variant(reader, arch, head_dim))
-    if meta_value(reader, f"{arch}.expert_count"):
-        config.update(_experts(reader, arch))
-    if arch == "olmo2" and (window := meta_value(reader, f"{arch}.attention.sliding_window")):
-        # OLMo 3 (llama.cpp writes it as olmo2): one flag per layer, true where sliding.
-        pattern = require_meta(reader, f"{arch}.attention.sliding_window_pattern")
+    if arch == "lfm2":  # feed_forward_length is the width LFM2 derives: no adjusting again
+        config["block_auto_adjust_ff_dim"] = False
+    else:
+        config.update(_lfm2_experts(reader, arch))
+    return config
+
+
+def _layer_types(reader: gguf.GGUFReader, arch: str, pattern: Any, n_layer: int) -> list[str]:
+    """Sliding or full attention per layer from a sliding-window pattern: one flag per layer
+    (true where sliding), or a period (every period-th layer full)."""
+    if isinstance(pattern, list):
         if len(pattern) != n_layer:
             raise CheckpointError(
                 f"GGUF {arch}.attention.sliding_window_pattern has {len(pattern)} entries for "
                 f"{n_layer} blocks"
             )
-        config.update(
-            architectures=["Olmo3ForCausalLM"],
-            model_type="olmo3",
-            sliding_window=int(window),
-            layer_types=["sliding_attention" if p else "full_attention" for p in pattern],
-        )
-    if arch in ("gemma2", "gemma3"):
-        # llama.cpp's fixed Gemma choices: every 6th layer global (Gemma 2: every 2nd), local
-        # RoPE base 10000 (Gemma 2: the global one), attention scaled by head_dim ** -0.5
-        # (hidden / heads on the 27B: 62 layers in Gemma 3, 46 in Gemma 2). Newer converters
-        # may store the pattern (a period or one flag per layer) and base.
-        window = int(require_meta(reader, f"{arch}.attention.sliding_window"))
-        period, largest = (6, 62) if arch == "gemma3" else (2, 46)
-        pattern = meta_value(reader, f"{arch}.attention.sliding_window_pattern", period)
-        if isinstance(pattern, list):
-            if len(pattern) != n_layer:
-                raise CheckpointError(
-                    f"GGUF {arch}.attention.sliding_window_pattern has {len(pattern)} entries "
-                    f"for {n_layer} blocks"
-                )
-            sliding = [bool(p) for p in pattern]
-        else:
-            sliding = [(i + 1) % int(pattern) != 0 for i in range(n_layer)]
-        config.update(
-            hidden_activation="gelu_pytorch_tanh",
-            sliding_window=window,
-            layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
-            query_pre_attn_scalar=hidden // n_head if n_layer == largest else head_dim,
-        )
-        if arch == "gemma3":
-            base = _f32(meta_value(reader, f"{arch}.rope.freq_base_swa", 10000.0))
-            config["rope_local_base_freq"] = base
-        else:
-            for key, default in (
-                ("attn_logit_softcapping", 50.0),
-                ("final_logit_softcapping", 30.0),
-            ):
-                config[key] = _f32(meta_value(reader, f"{arch}.{key}", default))  # llama.cpp's
-    return config
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(n_layer)]
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
+def _gemma_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's fixed Gemma choices: every 6th layer global (Gemma 2: every 2nd), local
+    RoPE base 10000 (Gemma 2: the global one), attention scaled by head_dim ** -0.5 (hidden /
+    heads on the 27B: 62 layers in Gemma 3, 46 in Gemma 2). Newer converters may store the
+    pattern (a period or one flag per layer) and base."""
+    n_layer = config["num_hidden_layers"]
+    period, largest = (6, 62) if arch == "gemma3" else (2, 46)
+    pattern = meta_value(reader, f"{arch}.attention.sliding_window_pattern", period)
+    scale_dim = config["hidden_size"] // config["num_attention_heads"]
+    gemma = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": int(require_meta(reader, f"{arch}.attention.sliding_window")),
+        "layer_types": _layer_types(reader, arch, pattern, n_layer),
+        "query_pre_attn_scalar": scale_dim if n_layer == largest else config["head_dim"],
+    }
+    if arch == "gemma3":
+        gemma["rope_local_base_freq"] = _f32(meta_value(reader, f"{arch}.rope.freq_base_swa", 1e4))
+        return gemma
+    for key, default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
+        gemma[key] = _f32(meta_value(reader, f"{arch}.{key}", default))  # llama.cpp's
+    return gemma
 
 
 def _lfm2_experts(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
