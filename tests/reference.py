@@ -145,8 +145,9 @@ CHAT_TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 
 
 def r1_thinking_template() -> str:
-    """DeepSeek-R1's chat template with thinking on (its default): the prompt opens the
-    reasoning (`<think>\\n`), so a tiny random model's whole answer is reasoning."""
+    """DeepSeek-R1's chat template as the model ships it, thinking always on (the stored
+    variant closes the reasoning unless `enable_thinking`): the prompt opens the reasoning, so
+    a tiny random model's whole answer is reasoning."""
     source = (CHAT_TEMPLATES / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja").read_text()
     close = "{% if not enable_thinking %}{{- '</think>' -}}{% endif %}"
     assert close in source

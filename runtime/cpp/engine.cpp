@@ -473,8 +473,9 @@ std::vector<int64_t> Engine::chat_ids(const std::vector<ChatMessage>& messages) 
 
 std::optional<bool> Engine::thinking(const std::vector<int64_t>& prompt_ids) const {
   if (!impl_->chat_template || !impl_->chat_template->takes_reasoning()) return std::nullopt;
+  // The last 32 ids: enough for the tags, even spelled byte by byte.
   const auto tail = prompt_ids.size() > 32 ? prompt_ids.end() - 32 : prompt_ids.begin();
-  return opens_reasoning(impl_->tokenizer->decode({tail, prompt_ids.end()}));  // the tags' ids
+  return opens_reasoning(impl_->tokenizer->decode({tail, prompt_ids.end()}));
 }
 
 std::vector<int64_t> Engine::prompt_ids(const std::string& text) const {
