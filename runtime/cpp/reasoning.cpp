@@ -99,6 +99,11 @@ ReasoningSplit split_reasoning(std::string_view text, bool thinking) {
           std::move(content)};
 }
 
+ReasoningSplit split_answer(std::string_view text, std::optional<bool> thinking) {
+  if (!thinking) return {std::nullopt, std::string(text)};
+  return split_reasoning(text, *thinking);
+}
+
 std::pair<std::string, std::string> ReasoningStream::feed(std::string_view piece) {
   text_ += piece;
   return deltas(false);

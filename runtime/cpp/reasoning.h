@@ -30,6 +30,9 @@ struct ReasoningSplit {
 
 // A whole answer's reasoning and content.
 ReasoningSplit split_reasoning(std::string_view text, bool thinking);
+// The same for an answer whose prompt may take no reasoning (`thinking` nullopt, as
+// Engine::thinking says): then it is all content.
+ReasoningSplit split_answer(std::string_view text, std::optional<bool> thinking);
 
 // A streamed answer split into (reasoning, content) deltas as its text arrives; together they
 // add up to split_reasoning of the whole. Pieces are whole UTF-8 characters (StreamDecoder's).

@@ -258,9 +258,7 @@ int run(Args args) {
         [&](int64_t id, const aotgen::GenerationResult& r) {
           const std::size_t n = line_of.at(id);
           tokens += static_cast<int64_t>(r.token_ids.size());
-          const auto& thinking = lines[n].thinking;
-          const auto split = thinking ? aotgen::split_reasoning(r.text, *thinking)
-                                      : aotgen::ReasoningSplit{std::nullopt, r.text};
+          const auto split = aotgen::split_answer(r.text, lines[n].thinking);
           const json out = {{"request", n},           {"prompt_ids", lines[n].prompt_ids},
                             {"ids", r.token_ids},     {"text", r.text},
                             {"reasoning", split.reasoning ? json(*split.reasoning) : json(nullptr)},

@@ -391,8 +391,7 @@ std::string answer(aotgen::Engine& engine, const std::vector<int64_t>& ids, cons
   const auto result = engine.generate(ids, args.config, stream);
   const double to_first_token =
       std::chrono::duration<double>(t_generate - since).count() + result.prefill_s;
-  auto split = thinking ? aotgen::split_reasoning(result.text, *thinking)
-                        : aotgen::ReasoningSplit{std::nullopt, result.text};
+  auto split = aotgen::split_answer(result.text, thinking);
 
   if (args.print_ids) {
     json out = {{"prompt_ids", ids},
