@@ -148,26 +148,42 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
     if "checkpoint" not in data:
         raise RecipeError(f"{where}: 'checkpoint' is required (an HF checkpoint dir)")
     data = dict(data)
-    compile_opts = data.pop("compile", None) or {}
-    if not isinstance(compile_opts, dict):
-        raise RecipeError(f"{where} compile: must be a mapping, e.g. {{max_autotune: true}}")
-    check_keys(
-        f"{where} compile",
-        compile_opts,
-        [f.name for f in dataclasses.fields(CompileOptions)],
-    )
-    if compile_opts.get("few_token_linears", "reduction") not in ("reduction", "blas"):
-        raise RecipeError(f"{where} compile.few_token_linears: 'reduction' or 'blas'")
-    for key in ("fuse_linears", "max_autotune", "packed_linears"):
-        if not isinstance(compile_opts.get(key, False), bool):
-            raise RecipeError(
-                f"{where} compile.{key}: must be true or false, got {compile_opts[key]!r}"
-            )
-    if not isinstance(data["checkpoint"], str) or not data["checkpoint"]:
-        raise RecipeError(f"{where}: checkpoint must be a path, got {data['checkpoint']!r}")
+    compile_opts = _parse_compile(data.pop("compile", None) or {}, where)
+    _check_value_types(data, where)
     ckpt = Path(data.pop("checkpoint"))
     if not ckpt.is_absolute():
         ckpt = base_dir / ckpt
+    if "lora" in data:
+        data["lora"] = _parse_lora(data["lora"], base_dir, where)
+    if "quantize" in data:
+        data["quantize"] = _resolve_calibration(data["quantize"], base_dir)
+    if "formats" in data:
+        data["formats"] = _parse_formats(data["formats"], where)
+    recipe = Recipe(name=data.pop("name", name), checkpoint=ckpt, compile=compile_opts, **data)
+    _check_sizes(recipe, where)
+    if recipe.speculative is not None:
+        recipe = _parse_speculative(recipe, "verify_k" in data, base_dir)
+    _check_target(recipe, where)
+    return recipe
+
+
+def _parse_compile(opts: Any, where: str) -> CompileOptions:
+    """The recipe's `compile:` mapping."""
+    if not isinstance(opts, dict):
+        raise RecipeError(f"{where} compile: must be a mapping, e.g. {{max_autotune: true}}")
+    check_keys(f"{where} compile", opts, [f.name for f in dataclasses.fields(CompileOptions)])
+    if opts.get("few_token_linears", "reduction") not in ("reduction", "blas"):
+        raise RecipeError(f"{where} compile.few_token_linears: 'reduction' or 'blas'")
+    for key in ("fuse_linears", "max_autotune", "packed_linears"):
+        if not isinstance(opts.get(key, False), bool):
+            raise RecipeError(f"{where} compile.{key}: must be true or false, got {opts[key]!r}")
+    return CompileOptions(**opts)
+
+
+def _check_value_types(data: dict[str, Any], where: str) -> None:
+    """Each top-level key's value is of its kind (the checkpoint is there)."""
+    if not isinstance(data["checkpoint"], str) or not data["checkpoint"]:
+        raise RecipeError(f"{where}: checkpoint must be a path, got {data['checkpoint']!r}")
     for key in ("quantize", "speculative", "parallel"):
         if data.get(key) is not None and not isinstance(data[key], dict):
             raise RecipeError(f"{where}: {key} must be a mapping, got {data[key]!r}")
@@ -181,15 +197,10 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
         value = data.get(key, 1)
         if not _is_int(value) or value < 1:
             raise RecipeError(f"{where}: {key} must be a positive integer, got {value!r}")
-    if "lora" in data:
-        data["lora"] = _parse_lora(data["lora"], base_dir, where)
-    if "quantize" in data:
-        data["quantize"] = _resolve_calibration(data["quantize"], base_dir)
-    if "formats" in data:
-        data["formats"] = _parse_formats(data["formats"], where)
-    recipe = Recipe(
-        name=data.pop("name", name), checkpoint=ckpt, compile=CompileOptions(**compile_opts), **data
-    )
+
+
+def _check_sizes(recipe: Recipe, where: str) -> None:
+    """The graphs' row counts within what their kernels and runtimes take."""
     if recipe.verify_k > MAX_VERIFY_K:
         raise RecipeError(
             f"{where}: verify_k must be an integer in 1..{MAX_VERIFY_K} (the verify graph "
@@ -199,8 +210,10 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
         raise RecipeError(f"{where}: prefill_chunk must be >= 2 (1 token is decode)")
     _check_rows(recipe, "tree_nodes", MAX_TREE_NODES, "the tree graph's rows, root included", where)
     _check_rows(recipe, "max_batch", MAX_BATCH, "the sequences a batched step serves", where)
-    if recipe.speculative is not None:
-        recipe = _parse_speculative(recipe, "verify_k" in data, base_dir)
+
+
+def _check_target(recipe: Recipe, where: str) -> None:
+    """dtype, device, parallel and formats: each known, and together buildable."""
     if recipe.dtype not in DTYPES:
         raise RecipeError(f"{where}: dtype {recipe.dtype!r}; valid: {', '.join(DTYPES)}")
     if recipe.device not in DEVICES:
@@ -216,7 +229,6 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
             f"{where}: formats onnx is for float32 CPU packages without `parallel`; drop onnx, "
             "or build with dtype: float32, device: cpu and no parallel"
         )
-    return recipe
 
 
 def _parse_lora(lora: Any, base_dir: Path, where: str) -> tuple[Path, ...]:

@@ -24,7 +24,7 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -222,6 +222,16 @@ def create_app(
         engine.close()
 
     app = FastAPI(title="aotgen", lifespan=lifespan)
+    _add_error_handlers(app)
+    if api_key:
+        _require_api_key(app, api_key)
+    app.include_router(_info_routes(server))
+    app.include_router(_generation_routes(server))
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Invalid bodies and refused requests answer OpenAI-shaped errors, not FastAPI's."""
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -237,25 +247,31 @@ def create_app(
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         return _error(exc)
 
-    if api_key:
 
-        @app.middleware("http")
-        async def authorize(request: Request, call_next: Any) -> Any:
-            """With an API key, every endpoint but /health and /metrics wants it as a bearer
-            token, as OpenAI's and vLLM's do."""
-            open_path = request.url.path in ("/health", "/metrics")
-            given = request.headers.get("authorization", "")
-            if open_path or hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return await call_next(request)
-            return _error(
-                ApiError(
-                    401,
-                    "missing or wrong API key: send Authorization: Bearer KEY",
-                    kind="authentication_error",
-                )
+def _require_api_key(app: FastAPI, api_key: str) -> None:
+    """Every endpoint but /health and /metrics wants the key as a bearer token, as OpenAI's
+    and vLLM's do."""
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next: Any) -> Any:
+        open_path = request.url.path in ("/health", "/metrics")
+        given = request.headers.get("authorization", "")
+        if open_path or hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            return await call_next(request)
+        return _error(
+            ApiError(
+                401,
+                "missing or wrong API key: send Authorization: Bearer KEY",
+                kind="authentication_error",
             )
+        )
 
-    @app.get("/health")
+
+def _info_routes(server: Server) -> APIRouter:
+    """What the server holds and how it counts: health, metrics, the model, tokenization."""
+    router, engine = APIRouter(), server.engine
+
+    @router.get("/health")
     async def health() -> dict[str, Any]:
         s = engine.scheduler
         return {
@@ -266,30 +282,36 @@ def create_app(
             "finished": dict(engine.finished),  # finish reason -> requests
         }
 
-    @app.get("/metrics")
+    @router.get("/metrics")
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=server.metrics.content_type)
 
-    @app.get("/v1/models")
+    @router.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": name, "object": "model", "created": server.created, "owned_by": "aotgen"}
-        return {"object": "list", "data": [card]}
+        card = {"id": server.name, "object": "model", "created": server.created}
+        return {"object": "list", "data": [card | {"owned_by": "aotgen"}]}
 
-    @app.post("/tokenize")
+    @router.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
         ids = req.ids(engine.tokenizer)
         return {"count": len(ids), "max_model_len": engine.engine.max_seq_len, "tokens": ids}
 
-    @app.post("/detokenize")
+    @router.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
         vocab = engine.target.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise ApiError(400, f"tokens must be in 0..{vocab - 1}", "tokens")
         return {"prompt": engine.tokenizer.decode(req.tokens)}
 
-    @app.post("/v1/completions")
+    return router
+
+
+def _generation_routes(server: Server) -> APIRouter:
+    """/v1/completions and /v1/chat/completions."""
+    router, tok, name = APIRouter(), server.engine.tokenizer, server.name
+
+    @router.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
-        tok = engine.tokenizer
         prompts = _prompts(req.prompt, tok)
         longest = max(prompts, key=len)
         config = server.config(req, longest, 16 if req.max_tokens is None else req.max_tokens)
@@ -306,9 +328,8 @@ def create_app(
         echoes = [tok.decode(p) if req.echo else "" for p in prompts]
         return await _respond(server, request, req, prompts, config, chunk, echoes)
 
-    @app.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Any:
-        tok = engine.tokenizer
         fmt, forced = req.tool_calls(tool_format(tok.chat_template))
         prompt = req.prompt_ids(tok)
         config = server.config(req, prompt, req.max_completion_tokens or req.max_tokens)
@@ -322,7 +343,7 @@ def create_app(
             server, request, req, [prompt], config, answers.chunk, choice=answers.choice
         )
 
-    return app
+    return router
 
 
 async def _respond(

@@ -23,6 +23,7 @@ from aotgen.cli.common import (
 )
 
 if TYPE_CHECKING:
+    from aotgen.bench import BenchResult
     from aotgen.runtime.sampling import SamplingParams
 
 
@@ -111,9 +112,6 @@ def bench(
     ] = False,
 ) -> None:
     """Prefill/decode tok/s, ms/token, weight bytes/token and roofline ratio, side by side."""
-    from aotgen.bench import LlamaCppRunner, PackageRunner, bench_interleaved, measure_bandwidth
-    from aotgen.runtime.distributed import package_world_size
-
     for option, value in (("--prompt-len", prompt_len), ("--gen-tokens", gen_tokens)):
         at_least(option, value)
     at_least("--runs", runs)
@@ -184,6 +182,26 @@ def bench(
         if as_json:
             print_json(report)
         return
+    _bench_plain(
+        packages, backends, llama_cpp, (prompt_len, gen_tokens, runs), threads, as_json, report
+    )
+
+
+def _bench_plain(
+    packages: list[Path],
+    backends: list[str],
+    llama_cpp: list[Path] | None,
+    shape: tuple[int, int, int],
+    threads: int,
+    as_json: bool,
+    report: dict[str, Any],
+) -> None:
+    """Prefill and decode of each package (and GGUF) side by side; `shape`: prompt length,
+    new tokens, runs."""
+    from aotgen.bench import LlamaCppRunner, PackageRunner, bench_interleaved, measure_bandwidth
+    from aotgen.runtime.distributed import package_world_size
+
+    prompt_len, gen_tokens, runs = shape
     tp = [p for p in packages if package_world_size(p) > 1]
     if tp and backends != ["aoti"]:
         raise CliError(f"{tp[0]} is tensor-parallel: it runs with the aoti backend only")
@@ -214,13 +232,16 @@ def bench(
             ],
         }
         print_json(report)
-        return
-    if not results:
-        return
-    table = Table(
-        title=f"decode greedy, prompt {prompt_len}, {gen_tokens} new tokens, median of {runs} "
-        "(runs interleaved)"
-    )
+    elif results:
+        title = f"decode greedy, prompt {prompt_len}, {gen_tokens} new tokens, median of {runs}"
+        _print_results(results, bandwidth, f"{title} (runs interleaved)", threads)
+
+
+def _print_results(
+    results: list[BenchResult], bandwidth: dict[str, float], title: str, threads: int
+) -> None:
+    """The plain benchmark's table, one row per package and backend, and the bandwidth."""
+    table = Table(title=title)
     for col in (
         "package",
         "load s",

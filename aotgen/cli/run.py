@@ -167,18 +167,7 @@ def run(
     A tensor-parallel package starts its ranks through torch.distributed.run (or runs
     under `torchrun --nproc-per-node N -m aotgen run ...`); only rank 0 prints.
     """
-    given = [x for x in (prompt, prompt_file, chat) if x is not None]
-    if len(given) != (0 if interactive else 1):
-        raise CliError(
-            "--interactive reads the user's messages from stdin: drop --prompt, --prompt-file, "
-            "--chat"
-            if interactive
-            else "give exactly one of --prompt, --prompt-file, --chat (or --interactive)"
-        )
-    if system is not None and chat is None and not interactive:
-        raise CliError(
-            "--system goes with --chat or --interactive (a system message for the chat template)"
-        )
+    _check_prompt_source(prompt, prompt_file, chat, system, interactive)
     _check_speculation_options(lookup, k, ngram_min, ngram_max, draft_parallel, p_split)
     if best_first and not draft_parallel:
         raise CliError("--best-first shapes a token tree: add --draft-parallel N")
@@ -228,6 +217,28 @@ def run(
         _answer(engine, engine.tokenizer.prompt_ids(text), cfg, as_json, chat=False)
     else:
         _answer(engine, engine.chat_ids(chat, system=system), cfg, as_json, chat=True)
+
+
+def _check_prompt_source(
+    prompt: str | None,
+    prompt_file: Path | None,
+    chat: str | None,
+    system: str | None,
+    interactive: bool,
+) -> None:
+    """One prompt source, or none with --interactive; a system message only for a chat."""
+    given = [x for x in (prompt, prompt_file, chat) if x is not None]
+    if len(given) != (0 if interactive else 1):
+        raise CliError(
+            "--interactive reads the user's messages from stdin: drop --prompt, --prompt-file, "
+            "--chat"
+            if interactive
+            else "give exactly one of --prompt, --prompt-file, --chat (or --interactive)"
+        )
+    if system is not None and chat is None and not interactive:
+        raise CliError(
+            "--system goes with --chat or --interactive (a system message for the chat template)"
+        )
 
 
 def _answer(
