@@ -183,7 +183,7 @@ def bench(
             print_json(report)
         return
     _bench_plain(
-        packages, backends, llama_cpp, (prompt_len, gen_tokens, runs), threads, as_json, report
+        packages, backends, llama_cpp, prompt_len, gen_tokens, runs, threads, as_json, report
     )
 
 
@@ -191,17 +191,18 @@ def _bench_plain(
     packages: list[Path],
     backends: list[str],
     llama_cpp: list[Path] | None,
-    shape: tuple[int, int, int],
+    prompt_len: int,
+    gen_tokens: int,
+    runs: int,
     threads: int,
     as_json: bool,
     report: dict[str, Any],
 ) -> None:
-    """Prefill and decode of each package (and GGUF) side by side; `shape`: prompt length,
-    new tokens, runs."""
+    """Prefill and decode of each package (and GGUF) side by side, into `report` (--json) or
+    a table."""
     from aotgen.bench import LlamaCppRunner, PackageRunner, bench_interleaved, measure_bandwidth
     from aotgen.runtime.distributed import package_world_size
 
-    prompt_len, gen_tokens, runs = shape
     tp = [p for p in packages if package_world_size(p) > 1]
     if tp and backends != ["aoti"]:
         raise CliError(f"{tp[0]} is tensor-parallel: it runs with the aoti backend only")
