@@ -181,7 +181,7 @@ def _parse_compile(opts: Any, where: str) -> CompileOptions:
 
 
 def _check_value_types(data: dict[str, Any], where: str) -> None:
-    """Each top-level key's value is of its kind (the checkpoint is there)."""
+    """The top-level values' types (`checkpoint` is known to be present)."""
     if not isinstance(data["checkpoint"], str) or not data["checkpoint"]:
         raise RecipeError(f"{where}: checkpoint must be a path, got {data['checkpoint']!r}")
     for key in ("quantize", "speculative", "parallel"):

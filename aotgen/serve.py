@@ -269,7 +269,7 @@ def _require_api_key(app: FastAPI, api_key: str) -> None:
 
 def _info_routes(server: Server) -> APIRouter:
     """What the server holds and how it counts: health, metrics, the model, tokenization."""
-    router, engine = APIRouter(), server.engine
+    router, engine, name = APIRouter(), server.engine, server.name
 
     @router.get("/health")
     async def health() -> dict[str, Any]:
@@ -288,8 +288,8 @@ def _info_routes(server: Server) -> APIRouter:
 
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": server.name, "object": "model", "created": server.created}
-        return {"object": "list", "data": [card | {"owned_by": "aotgen"}]}
+        card = {"id": name, "object": "model", "created": server.created, "owned_by": "aotgen"}
+        return {"object": "list", "data": [card]}
 
     @router.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
