@@ -234,8 +234,11 @@ def _bench_plain(
         }
         print_json(report)
     elif results:
-        title = f"decode greedy, prompt {prompt_len}, {gen_tokens} new tokens, median of {runs}"
-        _print_results(results, bandwidth, f"{title} (runs interleaved)", threads)
+        title = (
+            f"decode greedy, prompt {prompt_len}, {gen_tokens} new tokens, median of {runs} "
+            "(runs interleaved)"
+        )
+        _print_results(results, bandwidth, title, threads)
 
 
 def _print_results(
