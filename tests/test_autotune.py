@@ -1,18 +1,20 @@
 """The build's autotune (aotgen/package/autotune.py): each candidate's fastest call over
-interleaved rounds on cold weights, tiles measured under load flagged, a kernel change
-re-measuring only the kinds that run it."""
+interleaved rounds on cold weights, timings contended by another process's threads measured
+again, tiles measured under load flagged, a kernel change re-measuring only the kinds that run
+it."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from aotgen.package import autotune
-from aotgen.package.autotune import Autotune, OthersMeter, cold, fastest_us
+from aotgen.package.autotune import Autotune, OthersMeter, cold, fastest_us, settled_us
 
 KEY = ("float32", 48, 64, 3)
 
@@ -29,6 +31,75 @@ def test_fastest_call_wins_over_a_slow_burst():
     us = fastest_us({"bursty": bursty, "slow": lambda: time.sleep(0.005)})
     assert us["bursty"] < 4000 < us["slow"], us
     assert calls["bursty"] > 4
+
+
+class FakeOpenMP:
+    """A kernel library's OpenMP thread setting, as `one_thread` drives it."""
+
+    def __init__(self) -> None:
+        self.threads = 2
+
+    def omp_get_max_threads(self) -> int:
+        return self.threads
+
+    def omp_set_num_threads(self, threads: int) -> None:
+        self.threads = threads
+
+
+def contended_kernel(lib: FakeOpenMP, call_s: float, stalled_calls: float) -> Callable[[], None]:
+    """A kernel call that, on all threads, waits out a 5 ms scheduler tick for its first
+    `stalled_calls` calls, as when another process's threads hold the cores."""
+    calls = {"all threads": 0}
+
+    def run() -> None:
+        if lib.threads > 1:
+            calls["all threads"] += 1
+            if calls["all threads"] <= stalled_calls:
+                time.sleep(0.005)
+                return
+        time.sleep(call_s)
+
+    return run
+
+
+def test_contended_timing_is_measured_again(monkeypatch):
+    """Candidates whose every call on all threads stalled, so that one would be chosen from
+    noise, are measured again until the one chosen runs as fast as on one thread; each keeps
+    its fastest call over the attempts."""
+    monkeypatch.setattr(autotune.random, "uniform", lambda a, b: 0.0)
+    lib = FakeOpenMP()
+    runs = {  # stalled for more calls than one measurement makes
+        "fast": contended_kernel(lib, call_s=0.0001, stalled_calls=20),
+        "slow": contended_kernel(lib, call_s=0.001, stalled_calls=20),
+    }
+    first = fastest_us(runs)
+    assert min(first.values()) > 4000, first  # the noise a plain measurement chooses from
+    us, contended = settled_us(runs, lib, runs)
+    assert not contended
+    assert us["fast"] < 1000 < us["slow"] < 4000, us
+    assert lib.threads == 2
+
+
+def test_timing_contended_throughout_is_flagged(tmp_path, monkeypatch):
+    """A timing that stays contended over every attempt flags its tile `busy`: the build says
+    so, and `aotgen build --force` measures it again."""
+    monkeypatch.setattr(autotune.random, "uniform", lambda a, b: 0.0)
+    lib = FakeOpenMP()
+    runs = {"stalled": contended_kernel(lib, call_s=0.0001, stalled_calls=float("inf"))}
+    us, contended = settled_us(runs, lib, runs)
+    assert contended and us["stalled"] > 4000, us
+
+    monkeypatch.setattr(OthersMeter, "cores", lambda self: 0.0)
+    monkeypatch.setattr(autotune, "settled_us", lambda runs, lib, checked: (fastest_us(runs), True))
+    tune = Autotune(tmp_path)
+    tune.choose(*KEY)
+    assert "held the cores" in tune.busy_note()
+    measured = []
+    monkeypatch.setattr(
+        Autotune, "_measure", lambda self, *key: measured.append(key) or tune.tiles[key]
+    )
+    Autotune(tmp_path, retune_busy=True).choose(*KEY)
+    assert measured == [KEY]
 
 
 def test_cold_copies_take_turns(monkeypatch):
