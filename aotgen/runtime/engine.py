@@ -20,7 +20,7 @@ from torch import Tensor
 from aotgen.package.manifest import PackageError, verify_package
 from aotgen.runtime.device_greedy import greedy_tokens
 from aotgen.runtime.grammar import Grammar, GrammarError, GrammarTokens
-from aotgen.runtime.logprobs import MAX_TOP, TokenLogprob, token_logprobs
+from aotgen.runtime.logprobs import TokenLogprob, token_logprobs
 from aotgen.runtime.model_runner import GenerationError, ModelRunner
 from aotgen.runtime.onnx_backend import BACKENDS
 from aotgen.runtime.proposers import (
@@ -29,6 +29,7 @@ from aotgen.runtime.proposers import (
     LookupProposer,
     Proposer,
 )
+from aotgen.runtime.request_check import PackageLimits, check_request
 from aotgen.runtime.rules import Penalties, TokenRules, fit, select, verify_within
 from aotgen.runtime.sampling import SamplingParams, make_generator
 from aotgen.runtime.sequence import TokenSink
@@ -36,7 +37,6 @@ from aotgen.runtime.speculative import AdaptiveK, SpecStats
 from aotgen.runtime.tokenizer import Tokenizer
 from aotgen.runtime.tree_draft import TreeParams, tree_steps
 
-SPECULATIVE_MODES = (None, "draft", "ngram", "draft+ngram")
 # Shortest n-gram match that may make a proposal (it must also convince by its counts:
 # runtime/ngram.py). Backed by a draft (acceptance ~0.95 on SmolLM2), a 1-2 token match is
 # mostly a worse guess than the draft's; from 3 tokens on, matches on a copy/edit task were
@@ -231,69 +231,15 @@ class Engine:
             return self._generate(prompt_ids, config, on_text, rules)
 
     def check_request(self, prompt_ids: list[int], config: GenerationConfig) -> None:
-        if not prompt_ids:
-            raise GenerationError("empty prompt: give at least one token")
-        least = 0 if config.prompt_logprobs is not None else 1  # 0: score the prompt only
-        if isinstance(config.max_new_tokens, bool) or not (
-            isinstance(config.max_new_tokens, int) and config.max_new_tokens >= least
-        ):
-            raise GenerationError(
-                f"max_new_tokens must be a whole number >= {least}, got {config.max_new_tokens!r}"
-            )
-        # k above the package's verify_k is capped to it, as documented; below 1 is an error.
-        if config.k is not None and not (isinstance(config.k, int) and config.k >= 1):
-            raise GenerationError(f"k (the draft length) must be >= 1, got {config.k!r}")
-        vocab = self.target.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise GenerationError(f"prompt token ids must be in 0..{vocab - 1}")
-        if any(not 0 <= t < vocab for t in config.stop_token_ids):
-            raise GenerationError(f"stop token ids must be in 0..{vocab - 1}")
-        if isinstance(config.min_tokens, bool) or not (
-            isinstance(config.min_tokens, int) and 0 <= config.min_tokens <= config.max_new_tokens
-        ):
-            raise GenerationError(
-                f"min_tokens must be a whole number in 0..max_new_tokens "
-                f"({config.max_new_tokens}), got {config.min_tokens!r}"
-            )
-        total = len(prompt_ids) + config.max_new_tokens
-        if total > self.max_seq_len:
-            raise GenerationError(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) "
-                f"= {total} exceeds the package context of {self.max_seq_len} tokens; shorten "
-                "the prompt, lower max_new_tokens, or rebuild with a larger max_seq_len"
-            )
-        if config.speculative not in SPECULATIVE_MODES:
-            raise GenerationError(
-                f"speculative={config.speculative!r}: expected one of {SPECULATIVE_MODES}"
-            )
-        if config.uses_draft and self.draft is None:
-            raise GenerationError(
-                f"{self.root} has no draft model; build with a `speculative: draft:` recipe "
-                "or use n-gram lookup (--lookup ngram)"
-            )
-        if config.tree is not None:
-            self._check_tree(config)
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(config, name)
-            if value is not None and not (
-                isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOP
-            ):
-                raise GenerationError(
-                    f"{name} must be a whole number in 0..{MAX_TOP} (the most likely tokens to "
-                    f"list beside each one), got {value!r}"
-                )
-        for token, _ in config.penalties.logit_bias if config.penalties else ():
-            if not 0 <= token < vocab:
-                raise GenerationError(f"logit_bias token {token} is outside 0..{vocab - 1}")
-        if config.grammar is not None and config.ignore_eos:
-            raise GenerationError(
-                "a grammar ends generation with eos where its text is complete: drop ignore_eos"
-            )
-        if config.uses_lookup and not 1 <= config.lookup_min <= config.ngram_max:
-            raise GenerationError(
-                f"need 1 <= ngram_min <= ngram_max, got {config.lookup_min} and "
-                f"{config.ngram_max} (--ngram-min / --ngram-max)"
-            )
+        """A GenerationError naming the first thing in the request this engine cannot run."""
+        limits = PackageLimits(
+            self.root,
+            self.target.vocab_size,
+            self.max_seq_len,
+            has_draft=self.draft is not None,
+            has_tree=bool(getattr(self.target, "tree_len", 0)),
+        )
+        check_request(prompt_ids, config, limits)
 
     def rules(self, config: GenerationConfig, prompt: list[int]) -> TokenRules | None:
         """A request's penalties, grammar and min_tokens, at its start (None without any)."""
@@ -311,17 +257,6 @@ class Engine:
             raise GenerationError(str(e)) from None
         vocab = self.target.vocab_size
         return TokenRules(penalties, prompt, vocab, eos, grammar, config.min_tokens, ends)
-
-    def _check_tree(self, config: GenerationConfig) -> None:
-        if config.speculative is None:
-            raise GenerationError("tree drafting needs a speculative mode (draft or ngram)")
-        if not getattr(self.target, "tree_len", 0):
-            raise GenerationError(
-                f"{self.root} has no tree verify graph: rebuild it with `tree_nodes: N` in the "
-                "recipe, or draft a chain (no --draft-parallel)"
-            )
-        if config.adaptive_k:
-            raise GenerationError("adaptive k drafts chains only: drop it with tree drafting")
 
     def _generate(
         self,
