@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -156,6 +157,41 @@ def _output_slice_sums(
     return sums
 
 
+@dataclass(frozen=True)
+class FewRowLinear:
+    """A linear (or int8 weight-only matmul) that `linears_as_reductions` rewrites."""
+
+    x: Node
+    weight: Node
+    bias: Node | None
+    scales: Node | None  # int8 only
+    lead: list[int]  # x's static leading dims
+    rows: int
+    k: int
+
+
+def _few_row_linear(node: Node, max_rows: int) -> FewRowLinear | None:
+    """The node as a linear of <= `max_rows` static rows that the reduction should run."""
+    if node.op != "call_function":
+        return None
+    if node.target == aten.linear.default:
+        x, weight, *rest = node.args
+        bias, scales = (rest[0] if rest else None), None
+    elif node.target == aten._weight_int8pack_mm.default:
+        x, weight, scales = node.args
+        bias = None
+    else:
+        return None
+    x_val = x.meta["val"]
+    lead = list(x_val.shape[:-1])
+    if not all(isinstance(d, int) for d in lead) or math.prod(lead) > max_rows:
+        return None
+    rows, k = math.prod(lead), x_val.shape[-1]
+    if rows > 1 and amx_matmul_faster(weight.meta["val"].dtype):
+        return None
+    return FewRowLinear(x, weight, bias, scales, lead, rows, k)
+
+
 def linears_as_reductions(ep: ExportedProgram, max_rows: int = MAX_ROWS) -> ExportedProgram:
     """Rewrite `aten.linear` and int8 weight-only matmuls with <= `max_rows` static rows.
 
@@ -166,66 +202,53 @@ def linears_as_reductions(ep: ExportedProgram, max_rows: int = MAX_ROWS) -> Expo
     """
     graph = ep.graph_module.graph
     for node in list(graph.nodes):
-        if node.op != "call_function":
+        linear = _few_row_linear(node, max_rows)
+        if linear is None:
             continue
-        if node.target == aten.linear.default:
-            x, weight, *rest = node.args
-            bias, scales = (rest[0] if rest else None), None
-        elif node.target == aten._weight_int8pack_mm.default:
-            x, weight, scales = node.args
-            bias = None
-        else:
-            continue
-        x_val = x.meta["val"]
-        lead = x_val.shape[:-1]
-        if not all(isinstance(d, int) for d in lead) or math.prod(lead) > max_rows:
-            continue
-        rows, k = math.prod(lead), x_val.shape[-1]
-        if rows > 1 and amx_matmul_faster(weight.meta["val"].dtype):
-            continue
-
-        add = partial(emit, graph, node)
         with graph.inserting_before(node):
-            # Rows taken with as_strided from a fresh contiguous copy: Inductor's as_strided
-            # lowering materialises its input, so the rows are computed once. Otherwise the
-            # producer (e.g. an RMSNorm) is inlined into the reduction and recomputed for
-            # every output row: that made a verify step's 49k-row head 2x slower.
-            if scales is not None and is_cast_from_float32(x):
-                x = x.args[0]  # the bf16 cast was for the kernel; the reduction reads float32
-            dense = add(aten.clone.default, x, memory_format=torch.contiguous_format)
-            if scales is not None:
-                dense = add(aten._to_copy.default, dense, dtype=torch.float32)
-            pieces = 4 if scales is not None and k % 4 == 0 and sys.byteorder == "little" else 1
-            if pieces == 4:
-                # int8 as 32-bit words: (x[t] * w).sum(-1) == sum_b (x_b[t] * byte_b(w)).sum(-1)
-                # with x_b[t][j] = x[t][4j + b], the rows regrouped once (a [rows, 4, k/4]
-                # copy). The words are a float32 view so that Inductor loads full vectors.
-                dense = add(aten.view.default, dense, [rows, k // 4, 4])
-                dense = add(aten.permute.default, dense, [0, 2, 1])
-                dense = add(aten.clone.default, dense, memory_format=torch.contiguous_format)
-                weight = add(aten.view.dtype, weight, torch.float32)
-            elif scales is not None:
-                weight = add(aten._to_copy.default, weight, dtype=torch.float32)
-            chunks = k_chunks(k, rows) if rows > 1 and pieces == 1 else 1
-            if chunks > 1:
-                sums = _input_slice_sums(add, dense, weight, rows, chunks)
-            else:
-                sums = _output_slice_sums(add, dense, weight, rows, pieces)
-            out = add(aten.stack.default, sums)
-            if scales is not None:
-                out = add(
-                    aten.mul.Tensor, out, add(aten._to_copy.default, scales, dtype=torch.float32)
-                )
-            out = add(aten.reshape.default, out, [*lead, -1])
-            if bias is not None:
-                out = add(aten.add.Tensor, out, bias)
-            # The int8 sum is float32: the quantize pass's output cast is dropped, as the
-            # input cast above.
-            out = float32_result(add, node, out)
+            out = _as_reduction(partial(emit, graph, node), node, linear)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
     ep.graph_module.recompile()
     return ep
+
+
+def _as_reduction(add: Callable[..., Node], node: Node, linear: FewRowLinear) -> Node:
+    """The linear's output as multiply-and-sum reductions, emitted before `node`."""
+    x, weight, scales, rows, k = linear.x, linear.weight, linear.scales, linear.rows, linear.k
+    # Rows taken with as_strided from a fresh contiguous copy: Inductor's as_strided
+    # lowering materialises its input, so the rows are computed once. Otherwise the
+    # producer (e.g. an RMSNorm) is inlined into the reduction and recomputed for
+    # every output row: that made a verify step's 49k-row head 2x slower.
+    if scales is not None and is_cast_from_float32(x):
+        x = x.args[0]  # the bf16 cast was for the kernel; the reduction reads float32
+    dense = add(aten.clone.default, x, memory_format=torch.contiguous_format)
+    if scales is not None:
+        dense = add(aten._to_copy.default, dense, dtype=torch.float32)
+    pieces = 4 if scales is not None and k % 4 == 0 and sys.byteorder == "little" else 1
+    if pieces == 4:
+        # int8 as 32-bit words: (x[t] * w).sum(-1) == sum_b (x_b[t] * byte_b(w)).sum(-1)
+        # with x_b[t][j] = x[t][4j + b], the rows regrouped once (a [rows, 4, k/4]
+        # copy). The words are a float32 view so that Inductor loads full vectors.
+        dense = add(aten.view.default, dense, [rows, k // 4, 4])
+        dense = add(aten.permute.default, dense, [0, 2, 1])
+        dense = add(aten.clone.default, dense, memory_format=torch.contiguous_format)
+        weight = add(aten.view.dtype, weight, torch.float32)
+    elif scales is not None:
+        weight = add(aten._to_copy.default, weight, dtype=torch.float32)
+    chunks = k_chunks(k, rows) if rows > 1 and pieces == 1 else 1
+    if chunks > 1:
+        sums = _input_slice_sums(add, dense, weight, rows, chunks)
+    else:
+        sums = _output_slice_sums(add, dense, weight, rows, pieces)
+    out = add(aten.stack.default, sums)
+    if scales is not None:
+        out = add(aten.mul.Tensor, out, add(aten._to_copy.default, scales, dtype=torch.float32))
+    out = add(aten.reshape.default, out, [*linear.lead, -1])
+    if linear.bias is not None:
+        out = add(aten.add.Tensor, out, linear.bias)
+    # The int8 sum is float32: the quantize pass's output cast is dropped, as the input cast.
+    return float32_result(add, node, out)
 
 
 def int8_linears_for_gpu(ep: ExportedProgram, max_rows: int = MAX_ROWS) -> ExportedProgram:
