@@ -127,6 +127,14 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
     dense_granite = arch == "GraniteMoeHybridForCausalLM" and not hf.get("num_local_experts")
     if arch in MOE_ARCHITECTURES and not dense_granite:
         out.update(_moe(hf, arch, layers, act))
+    out.update(_attention(hf, arch))
+    out.update(_windows(hf, arch, layers, local))
+    return out
+
+
+def _attention(hf: dict, arch: str) -> dict[str, Any]:
+    """Biases on q, k, v and the norms around attention, per family."""
+    out: dict[str, Any] = {}
     if arch == "Qwen2ForCausalLM":
         out["attention_bias"] = True  # Qwen2 always has q/k/v biases
     elif arch == "Qwen2MoeForCausalLM":
@@ -142,6 +150,12 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
     if arch == "OlmoeForCausalLM":  # OLMo 2's q/k norms, the norms before each block
         out.update(qk_norm=True, qk_norm_across_heads=True)
         _refuse(hf, "clip_qkv", None, "clipping q, k and v")
+    return out
+
+
+def _windows(hf: dict, arch: str, layers: int, local: float | None) -> dict[str, Any]:
+    """Which layers attend through a sliding window, and how wide it is."""
+    out: dict[str, Any] = {}
     if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM") and hf.get(
         "sliding_window"
     ):
