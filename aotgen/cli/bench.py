@@ -23,7 +23,7 @@ from aotgen.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from aotgen.bench import BenchResult
+    from aotgen.bench import BenchResult, SpecBenchRow
     from aotgen.runtime.sampling import SamplingParams
 
 
@@ -410,8 +410,14 @@ def _bench_speculative(
     rows, costs = bench_speculative(
         package, max(gen_tokens, 96), k, threads, rounds, llama_lookup, TreeParams(*tree), sampling
     )
-    if as_json:
-        return {"package": package.name, "rows": [dataclasses.asdict(r) for r in rows], **costs}
+    if not as_json:
+        wide_console().print(_speculative_table(package, rows, sampling))
+        _print_speculative_costs(rows, costs, threads)
+    return {"package": package.name, "rows": [dataclasses.asdict(r) for r in rows], **costs}
+
+
+def _speculative_table(package: Path, rows: list[SpecBenchRow], sampling: SamplingParams) -> Table:
+    """One row per task and mode, speed-ups against the same task's plain row."""
     plain = {r.task: r for r in rows if r.mode == "plain"}
     t, p = sampling.temperature, sampling.top_p
     how = "greedy" if sampling.greedy else f"sampled (temperature {t:g}, top-p {p:g})"
@@ -445,7 +451,13 @@ def _bench_speculative(
             f"{r.branch_steps}/{r.steps}" if r.mode.endswith(" tree") else "",
             {True: "yes", False: "no (near-tie)", None: ""}[r.same_as_plain],
         )
-    wide_console().print(table)
+    return table
+
+
+def _print_speculative_costs(
+    rows: list[SpecBenchRow], costs: dict[str, float], threads: int | None
+) -> None:
+    """n-gram against llama-lookup where both ran, and the step costs that bound speed-ups."""
     by_mode = {(r.task, r.mode): r for r in rows}
     for (task, mode), r in by_mode.items():
         if mode == "llama-lookup" and (task, "ngram") in by_mode:
@@ -464,4 +476,3 @@ def _bench_speculative(
         line += f" · tree step {costs['tree_ms']:.2f} ms ({costs['tree_ms'] / d:.2f})"
     line += "\nend to end: prompt prefill included (the same in every mode); " + _cpu_line(threads)
     wide_console().print(line)
-    return {"package": package.name, "rows": [dataclasses.asdict(r) for r in rows], **costs}
