@@ -19,10 +19,10 @@ rounds and each keeps its fastest call (other work only ever adds time, and a bu
 on every candidate instead of one). That fails where another process runs threads of its own on
 the same cores (a second build measuring its tiles): a kernel's threads meet at a barrier, one of
 them waits out a scheduler tick for its core, and every call takes 4-8 ms instead of 10-300 µs,
-on every candidate, so the tile is picked from noise. So the candidate a measurement would choose
-is timed again on one thread, which no barrier stalls; where it ran slower on all threads (by
-more than CONTENDED_US), the candidates are measured again after a random pause (keeping each
-one's fastest call), up to RETRIES times. Where other processes used the CPU while the tiles were
+on every candidate, so the tile is picked from noise. The candidate a measurement would choose
+is therefore timed again on one thread, which no barrier stalls; where it ran slower on all
+threads (by more than CONTENDED_US), the candidates are measured again after a random pause
+(each keeping its fastest call), up to RETRIES times. Where other processes used the CPU while the tiles were
 measured (`/proc/stat`), or a measurement stayed contended, they are cached flagged `busy`, and
 every build that uses them says so:
 tiles picked under load cost SmolLM2's verify step a quarter of its time (docs/benchmarks.md).
@@ -70,9 +70,9 @@ from aotgen.passes.pack import BLOCK_DOT, ROW_MAJOR  # `choose`'s answers: keep 
 ROUNDS = 5
 ROUND_CALLS = 3
 ROUND_BUDGET_S = 0.004
-# How much slower than on one thread a call on all threads may run (their start and join, a
-# few µs where quiet: no shape gains nothing from the second thread) before its timing counts
-# as contended; and how often a contended timing is measured again.
+# How much slower than on one thread a call on all threads may run before its timing counts
+# as contended (where quiet, two threads trail one by their start and join, 1-3 µs, on the
+# smallest shapes only); and how often a contended timing is measured again.
 CONTENDED_US = 50.0
 RETRIES = 3
 # Other processes' CPU use while measuring, in cores, above which the tiles are flagged busy.
