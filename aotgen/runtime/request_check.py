@@ -30,13 +30,18 @@ class PackageLimits:
 def check_request(prompt_ids: list[int], config: GenerationConfig, limits: PackageLimits) -> None:
     if not prompt_ids:
         raise GenerationError("empty prompt: give at least one token")
-    _check_lengths(prompt_ids, config, limits.max_seq_len)
-    _check_token_ids(prompt_ids, config, limits.vocab_size)
+    _check_numbers(prompt_ids, config, limits)
     _check_speculation(config, limits)
-    _check_outputs(config)
+    _check_outputs(config, limits.vocab_size)
+    if config.uses_lookup and not 1 <= config.lookup_min <= config.ngram_max:
+        raise GenerationError(
+            f"need 1 <= ngram_min <= ngram_max, got {config.lookup_min} and "
+            f"{config.ngram_max} (--ngram-min / --ngram-max)"
+        )
 
 
-def _check_lengths(prompt_ids: list[int], config: GenerationConfig, max_seq_len: int) -> None:
+def _check_numbers(prompt_ids: list[int], config: GenerationConfig, limits: PackageLimits) -> None:
+    """Counts, token ids and the context, in the order a request's errors are reported."""
     least = 0 if config.prompt_logprobs is not None else 1  # 0: score the prompt only
     if isinstance(config.max_new_tokens, bool) or not (
         isinstance(config.max_new_tokens, int) and config.max_new_tokens >= least
@@ -44,6 +49,14 @@ def _check_lengths(prompt_ids: list[int], config: GenerationConfig, max_seq_len:
         raise GenerationError(
             f"max_new_tokens must be a whole number >= {least}, got {config.max_new_tokens!r}"
         )
+    # k above the package's verify_k is capped to it, as documented; below 1 is an error.
+    if config.k is not None and not (isinstance(config.k, int) and config.k >= 1):
+        raise GenerationError(f"k (the draft length) must be >= 1, got {config.k!r}")
+    vocab = limits.vocab_size
+    if any(not 0 <= t < vocab for t in prompt_ids):
+        raise GenerationError(f"prompt token ids must be in 0..{vocab - 1}")
+    if any(not 0 <= t < vocab for t in config.stop_token_ids):
+        raise GenerationError(f"stop token ids must be in 0..{vocab - 1}")
     if isinstance(config.min_tokens, bool) or not (
         isinstance(config.min_tokens, int) and 0 <= config.min_tokens <= config.max_new_tokens
     ):
@@ -52,28 +65,15 @@ def _check_lengths(prompt_ids: list[int], config: GenerationConfig, max_seq_len:
             f"({config.max_new_tokens}), got {config.min_tokens!r}"
         )
     total = len(prompt_ids) + config.max_new_tokens
-    if total > max_seq_len:
+    if total > limits.max_seq_len:
         raise GenerationError(
             f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) "
-            f"= {total} exceeds the package context of {max_seq_len} tokens; shorten "
+            f"= {total} exceeds the package context of {limits.max_seq_len} tokens; shorten "
             "the prompt, lower max_new_tokens, or rebuild with a larger max_seq_len"
         )
 
 
-def _check_token_ids(prompt_ids: list[int], config: GenerationConfig, vocab: int) -> None:
-    if any(not 0 <= t < vocab for t in prompt_ids):
-        raise GenerationError(f"prompt token ids must be in 0..{vocab - 1}")
-    if any(not 0 <= t < vocab for t in config.stop_token_ids):
-        raise GenerationError(f"stop token ids must be in 0..{vocab - 1}")
-    for token, _ in config.penalties.logit_bias if config.penalties else ():
-        if not 0 <= token < vocab:
-            raise GenerationError(f"logit_bias token {token} is outside 0..{vocab - 1}")
-
-
 def _check_speculation(config: GenerationConfig, limits: PackageLimits) -> None:
-    # k above the package's verify_k is capped to it, as documented; below 1 is an error.
-    if config.k is not None and not (isinstance(config.k, int) and config.k >= 1):
-        raise GenerationError(f"k (the draft length) must be >= 1, got {config.k!r}")
     if config.speculative not in SPECULATIVE_MODES:
         raise GenerationError(
             f"speculative={config.speculative!r}: expected one of {SPECULATIVE_MODES}"
@@ -83,32 +83,8 @@ def _check_speculation(config: GenerationConfig, limits: PackageLimits) -> None:
             f"{limits.root} has no draft model; build with a `speculative: draft:` recipe "
             "or use n-gram lookup (--lookup ngram)"
         )
-    if config.tree is not None:
-        _check_tree(config, limits)
-    if config.uses_lookup and not 1 <= config.lookup_min <= config.ngram_max:
-        raise GenerationError(
-            f"need 1 <= ngram_min <= ngram_max, got {config.lookup_min} and "
-            f"{config.ngram_max} (--ngram-min / --ngram-max)"
-        )
-
-
-def _check_outputs(config: GenerationConfig) -> None:
-    for name in ("logprobs", "prompt_logprobs"):
-        value = getattr(config, name)
-        if value is not None and not (
-            isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOP
-        ):
-            raise GenerationError(
-                f"{name} must be a whole number in 0..{MAX_TOP} (the most likely tokens to "
-                f"list beside each one), got {value!r}"
-            )
-    if config.grammar is not None and config.ignore_eos:
-        raise GenerationError(
-            "a grammar ends generation with eos where its text is complete: drop ignore_eos"
-        )
-
-
-def _check_tree(config: GenerationConfig, limits: PackageLimits) -> None:
+    if config.tree is None:
+        return
     if config.speculative is None:
         raise GenerationError("tree drafting needs a speculative mode (draft or ngram)")
     if not limits.has_tree:
@@ -118,3 +94,22 @@ def _check_tree(config: GenerationConfig, limits: PackageLimits) -> None:
         )
     if config.adaptive_k:
         raise GenerationError("adaptive k drafts chains only: drop it with tree drafting")
+
+
+def _check_outputs(config: GenerationConfig, vocab: int) -> None:
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(config, name)
+        if value is not None and not (
+            isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOP
+        ):
+            raise GenerationError(
+                f"{name} must be a whole number in 0..{MAX_TOP} (the most likely tokens to "
+                f"list beside each one), got {value!r}"
+            )
+    for token, _ in config.penalties.logit_bias if config.penalties else ():
+        if not 0 <= token < vocab:
+            raise GenerationError(f"logit_bias token {token} is outside 0..{vocab - 1}")
+    if config.grammar is not None and config.ignore_eos:
+        raise GenerationError(
+            "a grammar ends generation with eos where its text is complete: drop ignore_eos"
+        )
