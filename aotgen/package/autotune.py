@@ -20,11 +20,11 @@ on every candidate instead of one). That fails where another process runs thread
 the same cores (a second build measuring its tiles): a kernel's threads meet at a barrier, one of
 them waits out a scheduler tick for its core, and every call takes 4-8 ms instead of 10-300 µs,
 on every candidate, so the tile is picked from noise. The candidate a measurement would choose
-is therefore timed again on one thread, which no barrier stalls; where it ran slower on all
-threads (by more than CONTENDED_US), the candidates are measured again after a random pause
-(each keeping its fastest call), up to RETRIES times. Where other processes used the CPU while the tiles were
-measured (`/proc/stat`), or a measurement stayed contended, they are cached flagged `busy`, and
-every build that uses them says so:
+is therefore timed again on one thread, which no barrier stalls; where it ran over CONTENDED
+times slower on all threads, the candidates are measured again after a random pause (each
+keeping its fastest call), up to RETRIES times. Where other processes used the CPU while the
+tiles were measured (`/proc/stat`), or a measurement stayed contended, they are cached flagged
+`busy`, and every build that uses them says so:
 tiles picked under load cost SmolLM2's verify step a quarter of its time (docs/benchmarks.md).
 A rebuild reuses them, so its graphs (and their compiles) stay the same; `retune_busy`
 (`aotgen build --force`) measures them again.
@@ -70,9 +70,11 @@ from aotgen.passes.pack import BLOCK_DOT, ROW_MAJOR  # `choose`'s answers: keep 
 ROUNDS = 5
 ROUND_CALLS = 3
 ROUND_BUDGET_S = 0.004
-# How much slower than on one thread a call on all threads may run before its timing counts
-# as contended (where quiet, two threads trail one by their start and join, 1-3 µs, on the
-# smallest shapes only); and how often a contended timing is measured again.
+# A call on all threads that took over CONTENDED times its time on one thread, plus
+# CONTENDED_US, was contended: quiet, two threads run a call in 0.5-0.7 of one thread's time,
+# and trail it by 1-3 µs on the smallest shapes; stalled at a barrier, they took 3-1000 times
+# it. Under steady load from other work, about 1 times. How often to measure it again:
+CONTENDED = 2.0
 CONTENDED_US = 50.0
 RETRIES = 3
 # Other processes' CPU use while measuring, in cores, above which the tiles are flagged busy.
@@ -129,14 +131,17 @@ def settled_us(
     runs: dict[Any, Callable[[], object]], lib: CDLL, checked: Collection[Any]
 ) -> tuple[dict[Any, float], bool]:
     """`fastest_us`, measured again while the `checked` candidate it would choose (a call of
-    `lib`) ran slower on all threads than on one (by more than CONTENDED_US); each candidate
-    keeps its fastest call over the attempts. Also whether the last attempt was still contended."""
+    `lib`) ran over CONTENDED times slower on all threads than on one; each candidate keeps its
+    fastest call over the attempts. Also whether the last attempt was still contended. On one
+    thread there is no barrier to stall, and nothing to check."""
     us = fastest_us(runs)
+    if lib.omp_get_max_threads() == 1:
+        return us, False
     for attempt in range(RETRIES + 1):
         name = min(checked, key=us.get)
         with one_thread(lib):
             serial = fastest_us({name: runs[name]})[name]
-        if us[name] <= serial + CONTENDED_US:
+        if us[name] <= CONTENDED * serial + CONTENDED_US:
             return us, False
         if attempt < RETRIES:
             time.sleep(random.uniform(0.1, 0.5))  # out of step with the other process
