@@ -58,6 +58,8 @@ class Recipe:
     # Sequences the batched graphs serve at once (runtime/batch_engine.py); 0: no batched graphs.
     max_batch: int = 0
     dtype: str = "float32"
+    # The KV cache's dtype, if not `dtype`: bfloat16 halves its memory and what attention reads.
+    kv_cache_dtype: str | None = None
     # Where the package runs: "cpu", or "cuda" (built on a machine with the GPU it targets).
     device: str = "cpu"
     # LoRA adapters (PEFT directories) merged into the weights before the passes (passes/lora.py).
@@ -73,6 +75,10 @@ class Recipe:
     score_graph: bool = False
     # Graph formats written: AOTInductor always; "onnx" adds ONNX graphs (export/onnx.py).
     formats: tuple[str, ...] = ("aoti",)
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.kv_cache_dtype or self.dtype
 
     @property
     def cache_len(self) -> int:
@@ -187,7 +193,7 @@ def _check_value_types(data: dict[str, Any], where: str) -> None:
     for key in ("quantize", "speculative", "parallel"):
         if data.get(key) is not None and not isinstance(data[key], dict):
             raise RecipeError(f"{where}: {key} must be a mapping, got {data[key]!r}")
-    for key in ("dtype", "device"):
+    for key in ("dtype", "kv_cache_dtype", "device"):
         if key in data and not isinstance(data[key], str):
             raise RecipeError(f"{where}: {key} must be a string, got {data[key]!r}")
     for key in ("perplexity", "score_graph"):
@@ -216,6 +222,15 @@ def _check_target(recipe: Recipe, where: str) -> None:
     """dtype, device, parallel and formats: each known, and together buildable."""
     if recipe.dtype not in DTYPES:
         raise RecipeError(f"{where}: dtype {recipe.dtype!r}; valid: {', '.join(DTYPES)}")
+    if recipe.kv_dtype not in DTYPES:
+        raise RecipeError(
+            f"{where}: kv_cache_dtype {recipe.kv_dtype!r}; valid: {', '.join(DTYPES)}"
+        )
+    if recipe.kv_dtype != recipe.dtype and recipe.device != "cpu":
+        raise RecipeError(
+            f"{where}: kv_cache_dtype other than dtype is for CPU packages so far; drop it for "
+            f"device {recipe.device}"
+        )
     if recipe.device not in DEVICES:
         raise RecipeError(f"{where}: device {recipe.device!r}; valid: {', '.join(DEVICES)}")
     if recipe.device != "cpu" and recipe.parallel:
@@ -223,11 +238,14 @@ def _check_target(recipe: Recipe, where: str) -> None:
             f"{where}: `parallel` runs on CPU ranks only so far; drop it for device {recipe.device}"
         )
     if "onnx" in recipe.formats and (
-        recipe.device != "cpu" or recipe.parallel or recipe.dtype != "float32"
+        recipe.device != "cpu"
+        or recipe.parallel
+        or recipe.dtype != "float32"
+        or recipe.kv_dtype != "float32"
     ):
         raise RecipeError(
             f"{where}: formats onnx is for float32 CPU packages without `parallel`; drop onnx, "
-            "or build with dtype: float32, device: cpu and no parallel"
+            "or build with dtype: float32 (and its KV cache), device: cpu and no parallel"
         )
 
 

@@ -36,18 +36,24 @@ SHAPES = (
 )
 
 
+@pytest.mark.parametrize("cache_dtype", at.CACHE_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_kernel_equals_sdpa(lib, shape):
+def test_kernel_equals_sdpa(lib, shape, cache_dtype):
+    """bfloat16 caches are widened exactly, so the reference is float64 SDPA on the same
+    bfloat16 values: the bound is float32's either way."""
     h, g, t, n, length, d = shape
     gen = torch.Generator().manual_seed(n + d)
     q = torch.randn(1, h, g * t, d, generator=gen) * d**-0.5
-    k, v = (torch.randn(1, h, length, d, generator=gen) for _ in range(2))
+    k32, v32 = (torch.randn(1, h, length, d, generator=gen) for _ in range(2))
+    k32[:, :, n:] = v32[:, :, n:] = float("nan")  # past the prefix: never read
+    k, v = k32.to(cache_dtype), v32.to(cache_dtype)
     mask = torch.rand(t, n, generator=gen) < 0.7
     mask[:, 0] = True  # every row sees a key (SDPA gives NaN for a row that sees none)
-    k[:, :, n:] = v[:, :, n:] = float("nan")  # past the prefix: never read
     out = at.run_library(lib, q, k, v, mask)
     expect = at.attend_cache(q.double(), k.double(), v.double(), mask).float()
     assert (out - expect).abs().max() <= 1e-5
+    if cache_dtype == torch.bfloat16:  # the bound sees bfloat16's rounding of the cache
+        assert (out - at.attend_cache(q, k32, v32, mask)).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("cap", [5.0, 50.0])
@@ -113,11 +119,12 @@ def test_gradients_keep_sdpa():
     assert at.applies(q.detach(), k)
 
 
-def test_cpu_graphs_call_the_kernel(tiny_model):
-    """The exported decode, verify, tree and batched graphs attend through the ops; prefill
-    (any number of rows) keeps SDPA."""
+@pytest.mark.parametrize("cache_dtype", at.CACHE_DTYPES, ids=str)
+def test_cpu_graphs_call_the_kernel(tiny_model, cache_dtype):
+    """The exported decode, verify, tree and batched graphs attend through the ops, on a
+    float32 or a bfloat16 cache; prefill (any number of rows) keeps SDPA."""
     model, cfg, cache_len = tiny_model
-    caches = new_kv_cache(cfg, cache_len)
+    caches = new_kv_cache(cfg, cache_len, cache_dtype)
     specs = graph_specs(TINY_RECIPE["prefill_chunk"], TINY_RECIPE["verify_k"], 4, max_batch=3)
     calls = {}
     for spec in specs:

@@ -15,6 +15,10 @@
 // prefix attended; sequence b reads cache slot slots[b]. Work: OpenMP over (sequence, head,
 // tile of rows); each tile streams its head's N keys twice (scores, then the weighted sum of
 // values), the rows' scores in a per-thread buffer.
+//
+// The caches hold float32 or bfloat16 (`kv_cache_dtype: bfloat16`): a bfloat16 vector is
+// widened to float32 as it is loaded (zero-extend, shift by 16: exact), so scores and sums
+// are float32 either way and a long context reads half the bytes.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -42,7 +46,13 @@ typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
 typedef float vf_unaligned __attribute__((vector_size(4 * kLanes), aligned(4)));
 constexpr int kTile = 4;  // rows per work item: one key load serves them all
 
+typedef uint16_t vbf_unaligned __attribute__((vector_size(2 * kLanes), aligned(2)));
+typedef uint16_t bf16;  // bfloat16 bits: the high half of a float32
+
 __attribute__((always_inline)) inline vf load(const float* p) { return *(const vf_unaligned*)p; }
+__attribute__((always_inline)) inline vf load(const bf16* p) {
+  return (vf)(__builtin_convertvector(*(const vbf_unaligned*)p, vi) << 16);
+}
 
 __attribute__((always_inline)) inline float hsum(vf v) {
 #ifdef __AVX512F__
@@ -121,14 +131,16 @@ __attribute__((always_inline)) inline vf sums(vf* a) {
   return across_blocks<kLanes>(a);
 }
 
-__attribute__((always_inline)) inline float dot(const float* a, const float* b, int64_t D) {
+template <typename KV>
+__attribute__((always_inline)) inline float dot(const float* a, const KV* b, int64_t D) {
   vf acc = load(a) * load(b);
   for (int64_t c = kLanes; c < D; c += kLanes) acc += load(a + c) * load(b + c);
   return hsum(acc);
 }
 
 // Scores of kLanes keys for one row: their block of K stays in L1 across the tile's rows.
-__attribute__((always_inline)) inline vf key_block(const float* qr, const float* k, int64_t ldkv,
+template <typename KV>
+__attribute__((always_inline)) inline vf key_block(const float* qr, const KV* k, int64_t ldkv,
                                                    int64_t D) {
   vf a[kLanes] = {};
   for (int64_t c = 0; c < D; c += kLanes) {
@@ -196,13 +208,13 @@ inline void softmax(float* s, const uint8_t* mask, int64_t ldm1, int64_t N) {
 }
 
 // out rows += sum_j s[m][j] v_j over C vectors of dimensions from c0: RT * C accumulators.
-template <int RT, int C>
+template <int RT, int C, typename KV>
 __attribute__((always_inline)) inline void weigh_values(const float* s, int64_t N,
-                                                        const float* v, int64_t ldkv,
+                                                        const KV* v, int64_t ldkv,
                                                         int64_t c0, float* out, int64_t ldo) {
   vf acc[RT][C] = {};
   for (int64_t j = 0; j < N; j++) {
-    const float* vj = v + j * ldkv + c0;
+    const KV* vj = v + j * ldkv + c0;
 #pragma GCC unroll 8
     for (int c = 0; c < C; c++) {
       const vf vv = load(vj + c * kLanes);
@@ -215,8 +227,8 @@ __attribute__((always_inline)) inline void weigh_values(const float* s, int64_t 
 }
 
 // RT rows of one head (row m at q + m * ldq, its mask row at mask_rows[m]); scores in s.
-template <int RT>
-inline void tile(const float* q, int64_t ldq, const float* k, const float* v, int64_t ldkv,
+template <int RT, typename KV>
+inline void tile(const float* q, int64_t ldq, const KV* k, const KV* v, int64_t ldkv,
                  const uint8_t* const* mask_rows, int64_t ldm1, int64_t N, int64_t D, float cap,
                  float* s, float* out, int64_t ldo) {
   int64_t j0 = 0;
@@ -231,15 +243,18 @@ inline void tile(const float* q, int64_t ldq, const float* k, const float* v, in
   constexpr int kChunk = 4;  // vectors of dimensions per pass over the values
   int64_t c0 = 0;
   for (; c0 + kChunk * kLanes <= D; c0 += kChunk * kLanes)
-    weigh_values<RT, kChunk>(s, N, v, ldkv, c0, out, ldo);
-  for (; c0 < D; c0 += kLanes) weigh_values<RT, 1>(s, N, v, ldkv, c0, out, ldo);
+    weigh_values<RT, kChunk, KV>(s, N, v, ldkv, c0, out, ldo);
+  for (; c0 < D; c0 += kLanes) weigh_values<RT, 1, KV>(s, N, v, ldkv, c0, out, ldo);
 }
 
 // B sequences' rows: q [B, H, R, D], sequence b reading cache slot slots[b] (b without slots)
 // of k / v [S, H, L, D], with mask rows [B or shared, T, N] (batch stride 0: shared);
-// out [B, H, R, D] contiguous. Strides in elements; D a multiple of kLanes.
+// out [B, H, R, D] contiguous. Strides in elements; D a multiple of kLanes. The caches hold
+// float32 or bfloat16 (KV).
+template <typename KV>
 struct Problem {
-  const float *q, *k, *v;
+  const float* q;
+  const KV *k, *v;
   const uint8_t* mask;
   const int64_t* slots;  // nullptr: sequence b reads slot b
   float* out;
@@ -248,7 +263,8 @@ struct Problem {
   float cap;  // > 0: scores softcapped (Gemma 2)
 };
 
-inline void attend(const Problem& p) {
+template <typename KV>
+inline void attend(const Problem<KV>& p) {
   // Enough work items for both cores: rows per item down to 1 when there are few heads.
   int rt = kTile;
   while (rt > 1 && p.B * p.H * ((p.R + rt - 1) / rt) < 4) rt /= 2;
@@ -263,8 +279,8 @@ inline void attend(const Problem& p) {
     const uint8_t* rows[kTile];
     for (int m = 0; m < n; m++) rows[m] = p.mask + b * p.m_b + ((r0 + m) % p.T) * p.m_t;
     const float* qh = p.q + b * p.q_b + h * p.q_h + r0 * p.q_r;
-    const float* kh = p.k + slot * p.kv_s + h * p.kv_h;
-    const float* vh = p.v + slot * p.kv_s + h * p.kv_h;
+    const KV* kh = p.k + slot * p.kv_s + h * p.kv_h;
+    const KV* vh = p.v + slot * p.kv_s + h * p.kv_h;
     float* oh = p.out + ((b * p.H + h) * p.R + r0) * p.D;
     float* sc = scores.data();
     const int64_t ldq = p.q_r, ldkv = p.kv_j, ldm = p.m_j, N = p.N, D = p.D;
@@ -284,21 +300,31 @@ inline void attend(const Problem& p) {
 
 #ifdef AOTGEN_ATTENTION_STANDALONE
 // For tests: the kernel without AOTInductor's tensor handles, contiguous tensors: q [B, H, R,
-// D], k / v [S, H, L, D], mask [B, T, N] (or [T, N] shared: shared_mask), slots [B] or null.
-extern "C" int aotgen_attend_cache(const float* q, const float* k, const float* v,
+// D], k / v [S, H, L, D] (float32, or bfloat16: bf16_cache), mask [B, T, N] (or [T, N]
+// shared: shared_mask), slots [B] or null.
+extern "C" int aotgen_attend_cache(const float* q, const void* k, const void* v,
                                    const uint8_t* mask, int shared_mask, const int64_t* slots,
                                    int64_t B, int64_t H, int64_t R, int64_t T, int64_t N,
-                                   int64_t L, int64_t D, float cap, float* out) {
+                                   int64_t L, int64_t D, float cap, int bf16_cache, float* out) {
   if (D % aotgen_attn::kLanes) return 1;
-  aotgen_attn::attend({q, k, v, mask, slots, out, B, H, R, T, N, D, H * R * D, R * D, D,
-                       H * L * D, L * D, D, shared_mask ? 0 : T * N, N, 1, 1, cap});
+  const int64_t m_b = shared_mask ? 0 : T * N;
+  if (bf16_cache)
+    aotgen_attn::attend<aotgen_attn::bf16>({q, (const aotgen_attn::bf16*)k,
+                                            (const aotgen_attn::bf16*)v, mask, slots, out, B, H,
+                                            R, T, N, D, H * R * D, R * D, D, H * L * D, L * D, D,
+                                            m_b, N, 1, 1, cap});
+  else
+    aotgen_attn::attend<float>({q, (const float*)k, (const float*)v, mask, slots, out, B, H, R, T,
+                                N, D, H * R * D, R * D, D, H * L * D, L * D, D, m_b, N, 1, 1,
+                                cap});
   return 0;
 }
 #else
 // Hidden: the shims stay inside the graph's .so (export/shims.py links them in).
 #pragma GCC visibility push(hidden)
-// The C shims AOTInductor calls: q [B, H, R, D] float32, the caches [S, H, L, D] float32 (the
-// first N = mask.size(-1) positions of slot slots[b], or of slot 0 for one sequence read), mask
+// The C shims AOTInductor calls: q [B, H, R, D] float32, the caches [S, H, L, D] float32 or
+// bfloat16 (the first N = mask.size(-1) positions of slot slots[b], or of slot 0 for one
+// sequence read), mask
 // [T, N] (one sequence) or [B, T, N] bool, cap (0: none) -> a new float32 [B, H, R, D].
 static AOTITorchError aotgen_attend_shim(AtenTensorHandle q, AtenTensorHandle k_cache,
                                          AtenTensorHandle v_cache, AtenTensorHandle mask,
@@ -306,18 +332,23 @@ static AOTITorchError aotgen_attend_shim(AtenTensorHandle q, AtenTensorHandle k_
                                          AtenTensorHandle* ret0) {
   int64_t *q_sizes, *q_strides, *k_strides, *v_strides, *m_sizes, *m_strides, *s_strides = nullptr;
   int64_t m_dim;
+  int32_t k_dtype, v_dtype;
   void *q_data, *k_data, *v_data, *m_data, *s_data = nullptr, *o_data;
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(q, &q_sizes));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(q, &q_strides));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(k_cache, &k_strides));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(v_cache, &v_strides));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(k_cache, &k_dtype));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(v_cache, &v_dtype));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dim(mask, &m_dim));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(mask, &m_sizes));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(mask, &m_strides));
   const int64_t B = q_sizes[0], H = q_sizes[1], R = q_sizes[2], D = q_sizes[3];
   const bool batched = m_dim == 3;
   if (q_strides[3] != 1 || k_strides[3] != 1 || v_strides[3] != 1 || k_strides[0] != v_strides[0] ||
-      k_strides[1] != v_strides[1] || k_strides[2] != v_strides[2] || D % aotgen_attn::kLanes)
+      k_strides[1] != v_strides[1] || k_strides[2] != v_strides[2] || D % aotgen_attn::kLanes ||
+      k_dtype != v_dtype ||
+      (k_dtype != aoti_torch_dtype_float32() && k_dtype != aoti_torch_dtype_bfloat16()))
     return AOTI_TORCH_FAILURE;
   int64_t out_sizes[4] = {B, H, R, D}, out_strides[4] = {H * R * D, R * D, D, 1};
   AtenTensorHandle out;
@@ -333,12 +364,19 @@ static AOTITorchError aotgen_attend_shim(AtenTensorHandle q, AtenTensorHandle k_
     AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(slots, &s_strides));
     AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(slots, &s_data));
   }
-  aotgen_attn::attend({(const float*)q_data, (const float*)k_data, (const float*)v_data,
-                       (const uint8_t*)m_data, (const int64_t*)s_data, (float*)o_data, B, H, R,
-                       m_sizes[m_dim - 2], m_sizes[m_dim - 1], D, q_strides[0], q_strides[1],
-                       q_strides[2], k_strides[0], k_strides[1], k_strides[2],
-                       batched ? m_strides[0] : 0, m_strides[m_dim - 2], m_strides[m_dim - 1],
-                       s_strides ? s_strides[0] : 1, (float)cap});
+  const auto run = [&](auto kv) {
+    using KV = decltype(kv);
+    aotgen_attn::attend<KV>({(const float*)q_data, (const KV*)k_data, (const KV*)v_data,
+                             (const uint8_t*)m_data, (const int64_t*)s_data, (float*)o_data, B,
+                             H, R, m_sizes[m_dim - 2], m_sizes[m_dim - 1], D, q_strides[0],
+                             q_strides[1], q_strides[2], k_strides[0], k_strides[1],
+                             k_strides[2], batched ? m_strides[0] : 0, m_strides[m_dim - 2],
+                             m_strides[m_dim - 1], s_strides ? s_strides[0] : 1, (float)cap});
+  };
+  if (k_dtype == aoti_torch_dtype_bfloat16())
+    run(aotgen_attn::bf16{});
+  else
+    run(0.f);
   *ret0 = out;
   return AOTI_TORCH_SUCCESS;
 }

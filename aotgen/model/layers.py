@@ -111,13 +111,13 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 # CPU graphs with a fixed number of rows (decode, verify, tree, batched) attend through
-# kernels/attention.py's kernel, which reads the cache in place (float32 caches, head_dim a
-# multiple of 16). Other decode graphs (bfloat16) attend with `attend_one`: Inductor fuses
-# its multiply-sums and softmax into the layer's kernel, where SDPA is an extern call per
-# layer; measured on SmolLM2 int8 before the kernel: decode 5.6 -> 5.3 ms at position 64,
-# 11.0 -> 9.9 ms at 1000. ONNX export keeps SDPA (MatMul + Softmax) for decode too: ONNX
-# Runtime does not fuse the broadcast multiply-sum, and materialising its products took a
-# quarter of an ORT decode step.
+# kernels/attention.py's kernel, which reads the cache in place (float32 q, float32 or
+# bfloat16 caches, head_dim a multiple of 16). Other decode graphs (bfloat16) attend with
+# `attend_one`: Inductor fuses its multiply-sums and softmax into the layer's kernel, where
+# SDPA is an extern call per layer; measured on SmolLM2 int8 before the kernel: decode 5.6 ->
+# 5.3 ms at position 64, 11.0 -> 9.9 ms at 1000. ONNX export keeps SDPA (MatMul + Softmax)
+# for decode too: ONNX Runtime does not fuse the broadcast multiply-sum, and materialising its
+# products took a quarter of an ORT decode step.
 def attend_one(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
     """Masked softmax attention as broadcast multiply-sums: [b, h, m, d] x [b, h, n, d]."""
     scores = (q.unsqueeze(3) * keys.unsqueeze(2)).sum(-1) * scale

@@ -271,7 +271,7 @@ def _model_entry(
             "twice), written in place at input_pos",
             "layers": mb.config.num_hidden_layers,
             "shapes": cache_shapes(rank_config(mb.config, world), recipe.cache_len),  # per rank
-            "dtype": recipe.dtype,
+            "dtype": recipe.kv_dtype,
             "cache_len": recipe.cache_len,
             **_cache_sharing(mb.role, recipe),
         },

@@ -56,7 +56,7 @@ class ModelBuild:
 
 def recipe_kv_cache(cfg: ModelConfig, recipe: Recipe) -> list[Tensor]:
     """A KV cache shaped, typed and placed as the recipe's graphs take it."""
-    return new_kv_cache(cfg, recipe.cache_len, getattr(torch, recipe.dtype), recipe.device)
+    return new_kv_cache(cfg, recipe.cache_len, getattr(torch, recipe.kv_dtype), recipe.device)
 
 
 def _layer_index(name: str) -> int | None:

@@ -1,6 +1,7 @@
-"""What a build costs in quality: held-out perplexity of the eager float model vs the
-compiled package (same tokens, same windows), recorded in the manifest and the build
-report, so a quantized build says what it cost."""
+"""What a build costs in quality: held-out perplexity of the eager float model (its KV cache
+in the model's dtype) vs the compiled package (same tokens, same windows), recorded in the
+manifest and the build report, so a quantized build, or one with a narrower KV cache, says
+what it cost."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from aotgen.model.llama import new_kv_cache
 from aotgen.package.manifest import write_manifest
-from aotgen.package.models import ModelBuild, recipe_kv_cache
+from aotgen.package.models import ModelBuild
 from aotgen.recipe import Recipe
 
 # All of heldout.txt for real BPE vocabularies (~3.5k tokens); tiny test vocabularies
@@ -23,9 +25,10 @@ HELDOUT_TOKENS = 4096
 def measure_perplexity(
     root: Path, mb: ModelBuild, recipe: Recipe, world: int, manifest: dict[str, Any]
 ) -> tuple[dict[str, float], list[str]]:
-    """For a quantized target (or a recipe asking for it): the perplexities for the build
-    report, and its notes; the package's manifest in `root` is rewritten with them."""
-    if not (mb.quantizer or mb.gguf or recipe.perplexity):
+    """For a quantized target, one with a narrower KV cache, or a recipe asking for it: the
+    perplexities for the build report, and its notes; the package's manifest in `root` is
+    rewritten with them."""
+    if not (mb.quantizer or mb.gguf or recipe.perplexity or recipe.kv_dtype != recipe.dtype):
         return {}, []
     if world > 1:
         return {}, ["perplexity not measured: a tensor-parallel package runs only with its ranks"]
@@ -44,7 +47,8 @@ def measure_perplexity(
     note = (
         f"{mb.role}: perplexity on {HELDOUT.name} ({tokens} tokens): {recipe.dtype} eager "
         f"{ref:.3f}, {'quantized ' if mb.quantizer or mb.gguf else ''}package {got:.3f} "
-        f"({100 * (got / ref - 1):+.2f}%)"
+        f"({100 * (got / ref - 1):+.2f}%"
+        + (f", {recipe.kv_dtype} KV cache)" if recipe.kv_dtype != recipe.dtype else ")")
     )
     return {"reference": ref, "package": got}, [note]
 
@@ -56,8 +60,8 @@ def _perplexities(root: Path, mb: ModelBuild, recipe: Recipe) -> tuple[float, fl
 
     engine = Engine.load(root, verify=False)
     ids = heldout_ids(engine.tokenizer)[:HELDOUT_TOKENS]
-    cache = recipe_kv_cache(mb.config, recipe)
     device = recipe.device
+    cache = new_kv_cache(mb.config, recipe.cache_len, getattr(torch, recipe.dtype), device)
 
     @torch.no_grad()
     def eager(chunk: list[int]) -> Tensor:
