@@ -33,6 +33,9 @@ SHAPES = (
     (1, 4, 5, 37, 64, 256),  # Gemma 3: one KV head, head_dim 256
     (2, 2, 3, 17, 40, 32),  # N not a multiple of the vector width
     (4, 1, 32, 3, 8, 80),  # a 32-node tree over 3 keys; D = 5 vectors of 16
+    (3, 3, 1, 2000, 2056, 64),  # decode over a long prefix: spans of keys, merged
+    (1, 4, 1, 1100, 1200, 256),  # Gemma 3 decode: four spans (one head), the last shorter
+    (3, 3, 5, 3000, 3010, 64),  # verify over a long prefix: several tiles read each span
 )
 
 
@@ -75,6 +78,25 @@ def test_softcapped_scores_equal_the_reference(lib, cap):
     assert (one - expect.float()).abs().max() <= 1e-5
     uncapped = at.attend_cache(q[:1].double(), k[:1].double(), v[:1].double(), mask[0])
     assert (one - uncapped.float()).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("cache_dtype", at.CACHE_DTYPES, ids=str)
+def test_spans_a_row_sees_nothing_of(lib, cache_dtype):
+    """A long prefix is split into spans of keys whose parts are merged: rows that see only
+    the last keys (a sliding window), or only the first, leave whole spans unseen; a row
+    that sees nothing gets zeros."""
+    gen = torch.Generator().manual_seed(11)
+    h, g, t, n, d = 1, 4, 3, 1500, 256
+    q = torch.randn(1, h, g * t, d, generator=gen) * d**-0.5
+    k, v = (torch.randn(1, h, n, d, generator=gen).to(cache_dtype) for _ in range(2))
+    mask = torch.zeros(t, n, dtype=torch.bool)
+    mask[0, -100:] = True
+    mask[1, :40] = True
+    out = at.run_library(lib, q, k, v, mask)
+    seen = mask.repeat(g, 1).any(-1)
+    expect = at.attend_cache(q.double(), k.double(), v.double(), mask).float()
+    assert (out[:, :, seen] - expect[:, :, seen]).abs().max() <= 1e-5
+    assert (out[:, :, ~seen] == 0).all()
 
 
 def test_batch_reads_each_sequence_slot(lib):

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -172,8 +173,13 @@ inline void softcap(float* s, int64_t N, float cap) {
   }
 }
 
-// Masked scores -> softmax weights in place; a row that sees nothing gets zeros.
-inline void softmax(float* s, const uint8_t* mask, int64_t ldm1, int64_t N) {
+// Masked scores -> unnormalised softmax weights e^(s - max) in place (0 where masked); returns
+// the max and the weights' sum. A row that sees nothing gets zeros, max -inf and sum 0.
+struct RowStats {
+  float max, sum;
+};
+
+inline RowStats exp_weights(float* s, const uint8_t* mask, int64_t ldm1, int64_t N) {
   vf mv = (vf){} - INFINITY;
   int64_t j = 0;
   for (; j < N; j++)
@@ -187,7 +193,7 @@ inline void softmax(float* s, const uint8_t* mask, int64_t ldm1, int64_t N) {
   for (; j < N; j++) mx = std::max(mx, s[j]);
   if (mx == -INFINITY) {
     std::fill(s, s + N, 0.f);
-    return;
+    return {mx, 0.f};
   }
   vf total = {};
   for (j = 0; j + kLanes <= N; j += kLanes) {
@@ -202,9 +208,7 @@ inline void softmax(float* s, const uint8_t* mask, int64_t ldm1, int64_t N) {
     s[j] = exp_nonpositive(tail)[0];
     sum += s[j];
   }
-  const vf inv = (vf){} + 1.f / sum;
-  for (j = 0; j + kLanes <= N; j += kLanes) *(vf_unaligned*)(s + j) = load(s + j) * inv;
-  for (; j < N; j++) s[j] *= inv[0];
+  return {mx, sum};
 }
 
 // out rows += sum_j s[m][j] v_j over C vectors of dimensions from c0: RT * C accumulators.
@@ -226,25 +230,75 @@ __attribute__((always_inline)) inline void weigh_values(const float* s, int64_t 
     for (int c = 0; c < C; c++) *(vf_unaligned*)(out + m * ldo + c0 + c * kLanes) = acc[m][c];
 }
 
-// RT rows of one head (row m at q + m * ldq, its mask row at mask_rows[m]); scores in s.
+// RT rows of one head (row m at q + m * ldq, its mask row at mask_rows[m]) over N keys: the
+// unnormalised weighted sums of values into out, each row's max and sum into stats; scores in
+// s. bfloat16 keys are widened once per tile, a block of kLanes keys into `wide`, not once
+// per row.
 template <int RT, typename KV>
 inline void tile(const float* q, int64_t ldq, const KV* k, const KV* v, int64_t ldkv,
                  const uint8_t* const* mask_rows, int64_t ldm1, int64_t N, int64_t D, float cap,
-                 float* s, float* out, int64_t ldo) {
+                 float* s, float* wide, float* out, int64_t ldo, RowStats* stats) {
   int64_t j0 = 0;
-  for (; j0 + kLanes <= N; j0 += kLanes)
+  for (; j0 + kLanes <= N; j0 += kLanes) {
+    const float* kb;
+    int64_t ldk = ldkv;
+    if constexpr (std::is_same_v<KV, float>) {
+      kb = k + j0 * ldkv;
+    } else {
+      for (int i = 0; i < kLanes; i++)
+        for (int64_t c = 0; c < D; c += kLanes)
+          *(vf_unaligned*)(wide + i * D + c) = load(k + (j0 + i) * ldkv + c);
+      kb = wide;
+      ldk = D;
+    }
     for (int m = 0; m < RT; m++)
-      *(vf_unaligned*)(s + m * N + j0) = key_block(q + m * ldq, k + j0 * ldkv, ldkv, D);
+      *(vf_unaligned*)(s + m * N + j0) = key_block(q + m * ldq, kb, ldk, D);
+  }
   for (int m = 0; m < RT; m++) {
     for (int64_t j = j0; j < N; j++) s[m * N + j] = dot(q + m * ldq, k + j * ldkv, D);
     if (cap > 0.f) softcap(s + m * N, N, cap);
-    softmax(s + m * N, mask_rows[m], ldm1, N);
+    stats[m] = exp_weights(s + m * N, mask_rows[m], ldm1, N);
   }
   constexpr int kChunk = 4;  // vectors of dimensions per pass over the values
   int64_t c0 = 0;
   for (; c0 + kChunk * kLanes <= D; c0 += kChunk * kLanes)
     weigh_values<RT, kChunk, KV>(s, N, v, ldkv, c0, out, ldo);
   for (; c0 < D; c0 += kLanes) weigh_values<RT, 1, KV>(s, N, v, ldkv, c0, out, ldo);
+}
+
+// tile<n> for n = 1..kTile rows.
+template <typename KV>
+inline void tiles_of(int n, const float* q, int64_t ldq, const KV* k, const KV* v, int64_t ldkv,
+                     const uint8_t* const* rows, int64_t ldm, int64_t N, int64_t D, float cap,
+                     float* s, float* wide, float* out, RowStats* stats) {
+  switch (n) {
+    case 1: tile<1>(q, ldq, k, v, ldkv, rows, ldm, N, D, cap, s, wide, out, D, stats); break;
+    case 2: tile<2>(q, ldq, k, v, ldkv, rows, ldm, N, D, cap, s, wide, out, D, stats); break;
+    case 3: tile<3>(q, ldq, k, v, ldkv, rows, ldm, N, D, cap, s, wide, out, D, stats); break;
+    default: tile<4>(q, ldq, k, v, ldkv, rows, ldm, N, D, cap, s, wide, out, D, stats); break;
+  }
+}
+
+inline void scale(float* x, int64_t D, float f) {
+  for (int64_t c = 0; c < D; c += kLanes) *(vf_unaligned*)(x + c) = load(x + c) * f;
+}
+
+// A row's parts over `parts` spans of keys (part c's sums at o + c * R * D, its stats at
+// stats[c * R]) -> out: the softmax over all the keys, each part rescaled by e^(max_c - max).
+inline void merge(const float* o, const RowStats* stats, int64_t parts, int64_t R, int64_t D,
+                  float* out) {
+  float mx = -INFINITY, sum = 0.f;
+  for (int64_t c = 0; c < parts; c++) mx = std::max(mx, stats[c * R].max);
+  std::fill(out, out + D, 0.f);
+  if (mx == -INFINITY) return;
+  for (int64_t c = 0; c < parts; c++) {
+    if (stats[c * R].max == -INFINITY) continue;
+    const float f = std::exp(stats[c * R].max - mx);
+    sum += f * stats[c * R].sum;
+    for (int64_t d = 0; d < D; d += kLanes)
+      *(vf_unaligned*)(out + d) = load(out + d) + load(o + c * R * D + d) * f;
+  }
+  scale(out, D, 1.f / sum);
 }
 
 // B sequences' rows: q [B, H, R, D], sequence b reading cache slot slots[b] (b without slots)
@@ -263,34 +317,92 @@ struct Problem {
   float cap;  // > 0: scores softcapped (Gemma 2)
 };
 
+// Work items: (sequence, head, group of row tiles, span of keys). A span's keys and values
+// (~256 kB) stay in L2 while the item's tiles of rows read them, so a long prefix is read
+// from memory once per head, not once per tile of rows; the spans' parts are merged after.
+// A bfloat16 span is widened to float32 once per item when several tiles read it. Few heads
+// (decode of a 3-head model) split the keys further, down to kMinSpan, then the rows, down to
+// one a tile, so that both cores have work.
+constexpr int64_t kSpanBytes = 256 << 10;  // keys and values of a span
+constexpr int64_t kMinSpan = 128;          // keys
+constexpr int64_t kItems = 4;              // work items wanted for two cores
+
 template <typename KV>
 inline void attend(const Problem<KV>& p) {
-  // Enough work items for both cores: rows per item down to 1 when there are few heads.
+  const int64_t span_keys =
+      std::max<int64_t>(kLanes, kSpanBytes / (2 * p.D * (int64_t)sizeof(KV)) / kLanes * kLanes);
+  int64_t spans = std::max<int64_t>(1, (p.N + span_keys - 1) / span_keys);
   int rt = kTile;
-  while (rt > 1 && p.B * p.H * ((p.R + rt - 1) / rt) < 4) rt /= 2;
-  const int64_t tiles = (p.R + rt - 1) / rt;
-#pragma omp parallel for schedule(static)
-  for (int64_t item = 0; item < p.B * p.H * tiles; item++) {
-    static thread_local std::vector<float> scores;
-    if ((int64_t)scores.size() < kTile * p.N) scores.resize(kTile * p.N);
-    const int64_t bh = item / tiles, b = bh / p.H, h = bh % p.H, r0 = (item % tiles) * rt;
-    const int64_t slot = p.slots ? p.slots[b * p.slot_stride] : b;
-    const int n = (int)std::min<int64_t>(rt, p.R - r0);
-    const uint8_t* rows[kTile];
-    for (int m = 0; m < n; m++) rows[m] = p.mask + b * p.m_b + ((r0 + m) % p.T) * p.m_t;
-    const float* qh = p.q + b * p.q_b + h * p.q_h + r0 * p.q_r;
-    const KV* kh = p.k + slot * p.kv_s + h * p.kv_h;
-    const KV* vh = p.v + slot * p.kv_s + h * p.kv_h;
-    float* oh = p.out + ((b * p.H + h) * p.R + r0) * p.D;
-    float* sc = scores.data();
-    const int64_t ldq = p.q_r, ldkv = p.kv_j, ldm = p.m_j, N = p.N, D = p.D;
-    const float cap = p.cap;
-    switch (n) {
-      case 1: tile<1>(qh, ldq, kh, vh, ldkv, rows, ldm, N, D, cap, sc, oh, D); break;
-      case 2: tile<2>(qh, ldq, kh, vh, ldkv, rows, ldm, N, D, cap, sc, oh, D); break;
-      case 3: tile<3>(qh, ldq, kh, vh, ldkv, rows, ldm, N, D, cap, sc, oh, D); break;
-      default: tile<4>(qh, ldq, kh, vh, ldkv, rows, ldm, N, D, cap, sc, oh, D); break;
+  int64_t tiles = (p.R + rt - 1) / rt, groups = 1;
+  const auto items = [&] { return p.B * p.H * groups * spans; };
+  for (;;) {
+    if (items() >= kItems) break;
+    if (p.N >= 2 * spans * kMinSpan) {
+      spans *= 2;
+    } else if (groups < tiles) {
+      groups++;
+    } else if (rt > 1) {
+      rt /= 2;
+      tiles = groups = (p.R + rt - 1) / rt;
+    } else {
+      break;
     }
+  }
+  const int64_t per_group = (tiles + groups - 1) / groups;
+  const int64_t span = (p.N + spans - 1) / spans;
+  const bool widen = !std::is_same_v<KV, float> && per_group > 1;
+  // Parts of the split rows: [B * H][spans][R][D] sums and [B * H][spans][R] stats.
+  std::vector<float> parts(spans > 1 ? p.B * p.H * spans * p.R * p.D : 0);
+  std::vector<RowStats> part_stats(spans > 1 ? p.B * p.H * spans * p.R : 0);
+#pragma omp parallel for schedule(static)
+  for (int64_t item = 0; item < items(); item++) {
+    static thread_local std::vector<float> scores, wide, wide_k, wide_v;
+    if ((int64_t)scores.size() < kTile * span) scores.resize(kTile * span);
+    if ((int64_t)wide.size() < kLanes * p.D) wide.resize(kLanes * p.D);
+    const int64_t bh = item / (groups * spans), b = bh / p.H, h = bh % p.H;
+    const int64_t group = item / spans % groups, part = item % spans;
+    const int64_t j0 = part * span, N = std::min(span, p.N - j0);
+    const int64_t slot = p.slots ? p.slots[b * p.slot_stride] : b;
+    const KV* kh = p.k + slot * p.kv_s + h * p.kv_h + j0 * p.kv_j;
+    const KV* vh = p.v + slot * p.kv_s + h * p.kv_h + j0 * p.kv_j;
+    const int64_t ldq = p.q_r, ldkv = p.kv_j, ldm = p.m_j, D = p.D;
+    if (widen && N > 0) {
+      if ((int64_t)wide_k.size() < span * D) wide_k.resize(span * D), wide_v.resize(span * D);
+      for (int64_t j = 0; j < N; j++)
+        for (int64_t c = 0; c < D; c += kLanes) {
+          *(vf_unaligned*)(wide_k.data() + j * D + c) = load(kh + j * ldkv + c);
+          *(vf_unaligned*)(wide_v.data() + j * D + c) = load(vh + j * ldkv + c);
+        }
+    }
+    const float cap = p.cap;
+    float *sc = scores.data(), *wd = wide.data();
+    for (int64_t t = group * per_group; t < std::min(tiles, (group + 1) * per_group); t++) {
+      const int64_t r0 = t * rt;
+      const int n = (int)std::min<int64_t>(rt, p.R - r0);
+      const uint8_t* rows[kTile];
+      for (int m = 0; m < n; m++)
+        rows[m] = p.mask + b * p.m_b + ((r0 + m) % p.T) * p.m_t + j0 * p.m_j;
+      const float* qh = p.q + b * p.q_b + h * p.q_h + r0 * p.q_r;
+      RowStats own[kTile];
+      RowStats* st = spans > 1 ? part_stats.data() + (bh * spans + part) * p.R + r0 : own;
+      float* oh = spans > 1 ? parts.data() + ((bh * spans + part) * p.R + r0) * D
+                            : p.out + (bh * p.R + r0) * D;
+      if (widen)
+        tiles_of(n, qh, ldq, wide_k.data(), wide_v.data(), D, rows, ldm, N, D, cap, sc, wd, oh,
+                 st);
+      else
+        tiles_of(n, qh, ldq, kh, vh, ldkv, rows, ldm, N, D, cap, sc, wd, oh, st);
+      if (spans == 1)
+        for (int m = 0; m < n; m++)
+          if (st[m].sum > 0.f) scale(oh + m * D, D, 1.f / st[m].sum);
+    }
+  }
+  if (spans == 1) return;
+#pragma omp parallel for schedule(static)
+  for (int64_t row = 0; row < p.B * p.H * p.R; row++) {
+    const int64_t bh = row / p.R, r = row % p.R;
+    merge(parts.data() + (bh * spans * p.R + r) * p.D, part_stats.data() + bh * spans * p.R + r,
+          spans, p.R, p.D, p.out + row * p.D);
   }
 }
 
