@@ -2,7 +2,9 @@
 (kernels/attention.cpp, as a plain library) against what the graphs ran before it: SDPA on
 the prefix slice (one sequence) or on the gathered slots (a batch). SmolLM2's shapes (3 KV
 heads, 3 query heads each, head_dim 64); interleaved rounds, the best median. (One-row decode
-graphs fused their attention into Inductor's kernels, which cannot be timed alone.)
+graphs fused their attention into Inductor's kernels, which cannot be timed alone.) Then a
+step's attention over 30 layers' caches, each read from memory as in a package, with float32
+against bfloat16 caches (`kv_cache_dtype`).
 
     python scripts/attention_bench.py
 """
@@ -69,6 +71,28 @@ def main() -> None:
                 best[name] = min(best[name], median_us(fn))
         shown = ", ".join(f"{name} {us:.1f}" for name, us in best.items())
         print(f"{batch} x {tokens} @ {keys}: {shown}")
+    layers()
+
+
+def layers(count: int = 30) -> None:
+    """One step's attention over `count` layers' caches (SmolLM2's 30: 189 MB of float32 at
+    4,096 keys, past the CPU's caches): the median of 15 interleaved steps per cache dtype."""
+    print(f"rows @ keys: ms per step of {count} layers, float32 vs bfloat16 caches")
+    lib = at.library()
+    for tokens, keys in ((1, 1024), (5, 1024), (1, 4096), (5, 4096), (1, 8000), (5, 8000)):
+        q = torch.randn(1, HEADS, GROUP * tokens, DIM) * DIM**-0.5
+        mask = torch.ones(tokens, keys, dtype=torch.bool)
+        wide = [[torch.randn(1, HEADS, keys, DIM) for _ in range(2)] for _ in range(count)]
+        caches = {"float32": wide, "bfloat16": [[c.bfloat16() for c in kv] for kv in wide]}
+        times: dict[str, list[float]] = {name: [] for name in caches}
+        for _ in range(15):
+            for name, kvs in caches.items():
+                start = time.perf_counter()
+                for k, v in kvs:
+                    at.run_library(lib, q, k, v, mask)
+                times[name].append(time.perf_counter() - start)
+        f32, bf16 = (sorted(t)[len(t) // 2] * 1e3 for t in times.values())
+        print(f"{tokens} @ {keys}: {f32:.2f} vs {bf16:.2f} ({f32 / bf16:.2f}x)")
 
 
 if __name__ == "__main__":
