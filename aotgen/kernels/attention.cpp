@@ -13,8 +13,8 @@
 // (row r = g * T + i: query head g of the group, token i), so K and V are read once per tile
 // of rows. mask [T, N] or [B, T, N] bool: row r sees key j iff mask[b][r % T][j]; N is the
 // prefix attended; sequence b reads cache slot slots[b]. Work: OpenMP over (sequence, head,
-// tile of rows); each tile streams its head's N keys twice (scores, then the weighted sum of
-// values), the rows' scores in a per-thread buffer.
+// group of row tiles, span of keys) (`attend`); each tile streams its span's keys twice
+// (scores, then the weighted sum of values), the rows' scores in a per-thread buffer.
 //
 // The caches hold float32 or bfloat16 (`kv_cache_dtype: bfloat16`): a bfloat16 vector is
 // widened to float32 as it is loaded (zero-extend, shift by 16: exact), so scores and sums
@@ -45,7 +45,7 @@ constexpr int kLanes = 4;
 typedef float vf __attribute__((vector_size(4 * kLanes)));
 typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
 typedef float vf_unaligned __attribute__((vector_size(4 * kLanes), aligned(4)));
-constexpr int kTile = 4;  // rows per work item: one key load serves them all
+constexpr int kTile = 4;  // rows per tile: one key load serves them all
 
 typedef uint16_t vbf_unaligned __attribute__((vector_size(2 * kLanes), aligned(2)));
 typedef uint16_t bf16;  // bfloat16 bits: the high half of a float32
@@ -318,19 +318,18 @@ struct Problem {
 };
 
 // Work items: (sequence, head, group of row tiles, span of keys). A span's keys and values
-// (~256 kB) stay in L2 while the item's tiles of rows read them, so a long prefix is read
+// (256 kB as float32) stay in L2 while the item's tiles of rows read them, so a long prefix is read
 // from memory once per head, not once per tile of rows; the spans' parts are merged after.
 // A bfloat16 span is widened to float32 once per item when several tiles read it. Few heads
 // (decode of a 3-head model) split the keys further, down to kMinSpan, then the rows, down to
 // one a tile, so that both cores have work.
-constexpr int64_t kSpanBytes = 256 << 10;  // keys and values of a span
+constexpr int64_t kSpanBytes = 256 << 10;  // keys and values of a span, as float32
 constexpr int64_t kMinSpan = 128;          // keys
 constexpr int64_t kItems = 4;              // work items wanted for two cores
 
 template <typename KV>
 inline void attend(const Problem<KV>& p) {
-  const int64_t span_keys =
-      std::max<int64_t>(kLanes, kSpanBytes / (2 * p.D * (int64_t)sizeof(KV)) / kLanes * kLanes);
+  const int64_t span_keys = std::max<int64_t>(kLanes, kSpanBytes / (8 * p.D) / kLanes * kLanes);
   int64_t spans = std::max<int64_t>(1, (p.N + span_keys - 1) / span_keys);
   int rt = kTile;
   int64_t tiles = (p.R + rt - 1) / rt, groups = 1;
@@ -436,8 +435,8 @@ extern "C" int aotgen_attend_cache(const float* q, const void* k, const void* v,
 #pragma GCC visibility push(hidden)
 // The C shims AOTInductor calls: q [B, H, R, D] float32, the caches [S, H, L, D] float32 or
 // bfloat16 (the first N = mask.size(-1) positions of slot slots[b], or of slot 0 for one
-// sequence read), mask
-// [T, N] (one sequence) or [B, T, N] bool, cap (0: none) -> a new float32 [B, H, R, D].
+// sequence read), mask [T, N] (one sequence) or [B, T, N] bool, cap (0: none) -> a new
+// float32 [B, H, R, D].
 static AOTITorchError aotgen_attend_shim(AtenTensorHandle q, AtenTensorHandle k_cache,
                                          AtenTensorHandle v_cache, AtenTensorHandle mask,
                                          AtenTensorHandle slots, double cap,
