@@ -226,6 +226,11 @@ def _check_target(recipe: Recipe, where: str) -> None:
         raise RecipeError(
             f"{where}: kv_cache_dtype {recipe.kv_dtype!r}; valid: {', '.join(DTYPES)}"
         )
+    if recipe.kv_dtype != recipe.dtype and recipe.dtype != "float32":
+        raise RecipeError(
+            f"{where}: kv_cache_dtype {recipe.kv_dtype} with dtype {recipe.dtype}: the cache "
+            "of a bfloat16 package is bfloat16; drop kv_cache_dtype"
+        )
     if recipe.kv_dtype != recipe.dtype and recipe.device != "cpu":
         raise RecipeError(
             f"{where}: kv_cache_dtype other than dtype is for CPU packages so far; drop it for "

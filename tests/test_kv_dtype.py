@@ -144,6 +144,10 @@ def test_cpp_runtime_equals_python(run_bin, engine, bf16_report):
         ({"kv_cache_dtype": 16}, r"kv_cache_dtype must be a string"),
         ({**BF16, "formats": ["aoti", "onnx"]}, r"formats onnx is for float32 .*KV cache"),
         ({**BF16, "device": "cuda"}, r"kv_cache_dtype other than dtype is for CPU packages"),
+        (
+            {"kv_cache_dtype": "float32", "dtype": "bfloat16"},
+            r"the cache of a bfloat16 package is bfloat16; drop kv_cache_dtype",
+        ),
     ],
 )
 def test_bad_kv_cache_dtype_is_a_recipe_error(tiny_checkpoint, extra, message):
