@@ -78,11 +78,13 @@ def test_manifest_lists_the_batched_graphs(batch_engine):
     assert list(batch_engine.target.caches[0].shape)[0] == 4
 
 
-@pytest.mark.parametrize("graph,t", [("batch_decode", 1), ("batch_verify", 5)])
-def test_batched_graphs_match_eager(batch_engine, tiny_checkpoint, graph, t):
-    target = batch_engine.target
-    eager = EagerModel(tiny_checkpoint, target.cache_len)
-    eager.caches = new_kv_cache(eager.config, target.cache_len, batch=4)
+def batched_and_eager(
+    target, checkpoint, graph: str, t: int, cache_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batched graph's logits for three sequences in slots 2, 0, 3 of the 4-slot
+    `target`, and the eager model's on a cache of `cache_dtype`, after the same prompts."""
+    eager = EagerModel(checkpoint, target.cache_len)
+    eager.caches = new_kv_cache(eager.config, target.cache_len, cache_dtype, batch=4)
     reset_caches(target)
     prompts = _prompts(3, eager.config.vocab_size, seed=2)
     slots = [2, 0, 3]
@@ -95,6 +97,12 @@ def test_batched_graphs_match_eager(batch_engine, tiny_checkpoint, graph, t):
     got = target.batch(graph, tokens, positions, torch.tensor(slots))
     with torch.no_grad():
         want = eager.model(tokens, positions, eager.caches, None, torch.tensor(slots))
+    return got, want
+
+
+@pytest.mark.parametrize("graph,t", [("batch_decode", 1), ("batch_verify", 5)])
+def test_batched_graphs_match_eager(batch_engine, tiny_checkpoint, graph, t):
+    got, want = batched_and_eager(batch_engine.target, tiny_checkpoint, graph, t)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 

@@ -19,7 +19,7 @@ from aotgen.recipe import RecipeError, parse_recipe
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.engine import Engine, GenerationConfig
 from aotgen.runtime.sampling import SamplingParams
-from tests.test_batch import _prompts
+from tests.test_batch import _prompts, batched_and_eager
 from tests.test_cpp_runtime import cpp_generate
 
 BF16 = {"kv_cache_dtype": "bfloat16"}
@@ -89,21 +89,7 @@ def batch_engine(bf16_report) -> BatchEngine:
 
 @pytest.mark.parametrize("graph,t", [("batch_decode", 1), ("batch_verify", 5)])
 def test_batched_graphs_equal_eager_on_a_bfloat16_cache(batch_engine, tiny_checkpoint, graph, t):
-    target = batch_engine.target
-    reset_caches(target)
-    eager = EagerBf16(tiny_checkpoint, target.cache_len)
-    eager.caches = new_kv_cache(eager.config, target.cache_len, torch.bfloat16, batch=4)
-    prompts = _prompts(3, eager.config.vocab_size, seed=2)
-    slots = [2, 0, 3]
-    for p, s in zip(prompts, slots, strict=True):
-        target.forward(p, 0, slot=s)
-        views = [c[s : s + 1] for c in eager.caches]
-        eager.model(torch.tensor([p]), torch.arange(len(p)), views)
-    tokens = torch.randint(5, eager.config.vocab_size, (3, t))
-    positions = torch.tensor([[len(p) + i for i in range(t)] for p in prompts])
-    got = target.batch(graph, tokens, positions, torch.tensor(slots))
-    with torch.no_grad():
-        want = eager.model(tokens, positions, eager.caches, None, torch.tensor(slots))
+    got, want = batched_and_eager(batch_engine.target, tiny_checkpoint, graph, t, torch.bfloat16)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
