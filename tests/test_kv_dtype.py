@@ -25,6 +25,15 @@ from tests.test_cpp_runtime import cpp_generate
 BF16 = {"kv_cache_dtype": "bfloat16"}
 
 
+def assert_close_on_bf16_cache(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Logits on a bfloat16 cache against the eager model's. A key or value the graph computes
+    in another float32 order (fused, packed linears) can round to the neighbouring bfloat16:
+    about one element in 10^4, moving the few logits that read it by up to ~2e-4 (seen in CI).
+    So the bound is float32's on the mean, and a bfloat16 step's on the maximum."""
+    diff = (got - want).abs()
+    assert diff.mean() <= 1e-5 and diff.max() <= 1e-3, (diff.mean(), diff.max())
+
+
 class EagerBf16(EagerModel):
     """The eager float32 model on a bfloat16 KV cache."""
 
@@ -77,9 +86,9 @@ def test_graphs_equal_eager_on_a_bfloat16_cache(engine, tiny_checkpoint):
         want.append(eager.forward([t], pos + i)[-1])
         control.append(exact.forward([t], pos + i)[-1])
     for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
-    # The bound sees the cache's rounding: a float32 cache gives other logits.
-    assert max((g - c).abs().max() for g, c in zip(got, control, strict=True)) > 1e-3
+        assert_close_on_bf16_cache(g, w)
+    # The bound sees the cache's rounding: a float32 cache gives other logits throughout.
+    assert min((g - c).abs().mean() for g, c in zip(got, control, strict=True)) > 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +99,7 @@ def batch_engine(bf16_report) -> BatchEngine:
 @pytest.mark.parametrize("graph,t", [("batch_decode", 1), ("batch_verify", 5)])
 def test_batched_graphs_equal_eager_on_a_bfloat16_cache(batch_engine, tiny_checkpoint, graph, t):
     got, want = batched_and_eager(batch_engine.target, tiny_checkpoint, graph, t, torch.bfloat16)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert_close_on_bf16_cache(got, want)
 
 
 def test_greedy_and_speculative_equal_eager(engine, tiny_checkpoint):
