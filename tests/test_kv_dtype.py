@@ -1,8 +1,8 @@
 """`kv_cache_dtype: bfloat16` on a float32 package: the graphs write keys and values rounded to
 bfloat16 and attend over them in float32 (kernels/attention.cpp widens them exactly), so every
 graph equals the eager model run on a bfloat16 cache (float32's bound, but for a key that
-rounds to the neighbouring bfloat16); both runtimes
-allocate the cache at half the bytes and generate what the eager model does.
+rounds to the neighbouring bfloat16); both runtimes allocate the cache at half the bytes and
+generate what the eager model does.
 """
 
 from __future__ import annotations
