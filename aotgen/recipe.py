@@ -226,16 +226,8 @@ def _check_target(recipe: Recipe, where: str) -> None:
         raise RecipeError(
             f"{where}: kv_cache_dtype {recipe.kv_dtype!r}; valid: {', '.join(DTYPES)}"
         )
-    if recipe.kv_dtype != recipe.dtype and recipe.dtype != "float32":
-        raise RecipeError(
-            f"{where}: kv_cache_dtype {recipe.kv_dtype} with dtype {recipe.dtype}: the cache "
-            "of a bfloat16 package is bfloat16; drop kv_cache_dtype"
-        )
-    if recipe.kv_dtype != recipe.dtype and recipe.device != "cpu":
-        raise RecipeError(
-            f"{where}: kv_cache_dtype other than dtype is for CPU packages so far; drop it for "
-            f"device {recipe.device}"
-        )
+    if recipe.kv_dtype != recipe.dtype:
+        _check_narrow_cache(recipe, where)
     if recipe.device not in DEVICES:
         raise RecipeError(f"{where}: device {recipe.device!r}; valid: {', '.join(DEVICES)}")
     if recipe.device != "cpu" and recipe.parallel:
@@ -251,6 +243,20 @@ def _check_target(recipe: Recipe, where: str) -> None:
         raise RecipeError(
             f"{where}: formats onnx is for float32 CPU packages without `parallel`; drop onnx, "
             "or build with dtype: float32 (and its KV cache), device: cpu and no parallel"
+        )
+
+
+def _check_narrow_cache(recipe: Recipe, where: str) -> None:
+    """A KV cache narrower than the model's dtype: bfloat16 for a float32 CPU package."""
+    if recipe.dtype != "float32":
+        raise RecipeError(
+            f"{where}: kv_cache_dtype {recipe.kv_dtype} with dtype {recipe.dtype}: the cache "
+            "of a bfloat16 package is bfloat16; drop kv_cache_dtype"
+        )
+    if recipe.device != "cpu":
+        raise RecipeError(
+            f"{where}: kv_cache_dtype other than dtype is for CPU packages so far; drop it for "
+            f"device {recipe.device}"
         )
 
 

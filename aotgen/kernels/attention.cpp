@@ -55,6 +55,13 @@ __attribute__((always_inline)) inline vf load(const bf16* p) {
   return (vf)(__builtin_convertvector(*(const vbf_unaligned*)p, vi) << 16);
 }
 
+// `rows` rows of D bfloat16 (ld apart) -> float32 rows of D at dst, contiguous.
+inline void widen_rows(const bf16* src, int64_t ld, int64_t rows, int64_t D, float* dst) {
+  for (int64_t j = 0; j < rows; j++)
+    for (int64_t c = 0; c < D; c += kLanes)
+      *(vf_unaligned*)(dst + j * D + c) = load(src + j * ld + c);
+}
+
 __attribute__((always_inline)) inline float hsum(vf v) {
 #ifdef __AVX512F__
   return _mm512_reduce_add_ps((__m512)v);
@@ -247,9 +254,7 @@ inline void tile(const float* q, int64_t ldq, const KV* k, const KV* v, int64_t 
     if constexpr (std::is_same_v<KV, float>) {
       kb = k + j0 * ldkv;
     } else {
-      for (int i = 0; i < kLanes; i++)
-        for (int64_t c = 0; c < D; c += kLanes)
-          *(vf_unaligned*)(wide + i * D + c) = load(k + (j0 + i) * ldkv + c);
+      widen_rows(k + j0 * ldkv, ldkv, kLanes, D, wide);
       kb = wide;
       ldk = D;
     }
@@ -278,12 +283,11 @@ inline void tiles_of(int n, const float* q, int64_t ldq, const KV* k, const KV* 
                      const uint8_t* const* rows, int64_t ldm, int64_t N, int64_t D, float cap,
                      bool fetch, float* s, float* wide, float* out, RowStats* stats) {
   switch (n) {
-    case 1: tile<1>(q, ldq, k, v, ldkv, rows, ldm, N, D, cap, fetch, s, wide, out, D, stats); break;
-    case 2: tile<2>(q, ldq, k, v, ldkv, rows, ldm, N, D, cap, fetch, s, wide, out, D, stats); break;
-    case 3: tile<3>(q, ldq, k, v, ldkv, rows, ldm, N, D, cap, fetch, s, wide, out, D, stats); break;
+    case 1: return tile<1>(q, ldq, k, v, ldkv, rows, ldm, N, D, cap, fetch, s, wide, out, D, stats);
+    case 2: return tile<2>(q, ldq, k, v, ldkv, rows, ldm, N, D, cap, fetch, s, wide, out, D, stats);
+    case 3: return tile<3>(q, ldq, k, v, ldkv, rows, ldm, N, D, cap, fetch, s, wide, out, D, stats);
     default:
-      tile<4>(q, ldq, k, v, ldkv, rows, ldm, N, D, cap, fetch, s, wide, out, D, stats);
-      break;
+      return tile<4>(q, ldq, k, v, ldkv, rows, ldm, N, D, cap, fetch, s, wide, out, D, stats);
   }
 }
 
@@ -373,13 +377,13 @@ inline void attend(const Problem<KV>& p) {
     const KV* kh = p.k + slot * p.kv_s + h * p.kv_h + j0 * p.kv_j;
     const KV* vh = p.v + slot * p.kv_s + h * p.kv_h + j0 * p.kv_j;
     const int64_t ldq = p.q_r, ldkv = p.kv_j, ldm = p.m_j, D = p.D;
-    if (widen && N > 0) {
-      if ((int64_t)wide_k.size() < span * D) wide_k.resize(span * D), wide_v.resize(span * D);
-      for (int64_t j = 0; j < N; j++)
-        for (int64_t c = 0; c < D; c += kLanes) {
-          *(vf_unaligned*)(wide_k.data() + j * D + c) = load(kh + j * ldkv + c);
-          *(vf_unaligned*)(wide_v.data() + j * D + c) = load(vh + j * ldkv + c);
-        }
+    if constexpr (!std::is_same_v<KV, float>) {
+      if (widen) {
+        wide_k.resize(std::max<size_t>(wide_k.size(), span * D));
+        wide_v.resize(wide_k.size());
+        widen_rows(kh, ldkv, N, D, wide_k.data());
+        widen_rows(vh, ldkv, N, D, wide_v.data());
+      }
     }
     const float cap = p.cap;
     float *sc = scores.data(), *wd = wide.data();
@@ -426,16 +430,16 @@ extern "C" int aotgen_attend_cache(const float* q, const void* k, const void* v,
                                    int64_t B, int64_t H, int64_t R, int64_t T, int64_t N,
                                    int64_t L, int64_t D, float cap, int bf16_cache, float* out) {
   if (D % aotgen_attn::kLanes) return 1;
-  const int64_t m_b = shared_mask ? 0 : T * N;
+  const auto run = [&](auto kv) {
+    using KV = decltype(kv);
+    aotgen_attn::attend<KV>({q, (const KV*)k, (const KV*)v, mask, slots, out, B, H, R, T, N, D,
+                             H * R * D, R * D, D, H * L * D, L * D, D, shared_mask ? 0 : T * N,
+                             N, 1, 1, cap});
+  };
   if (bf16_cache)
-    aotgen_attn::attend<aotgen_attn::bf16>({q, (const aotgen_attn::bf16*)k,
-                                            (const aotgen_attn::bf16*)v, mask, slots, out, B, H,
-                                            R, T, N, D, H * R * D, R * D, D, H * L * D, L * D, D,
-                                            m_b, N, 1, 1, cap});
+    run(aotgen_attn::bf16{});
   else
-    aotgen_attn::attend<float>({q, (const float*)k, (const float*)v, mask, slots, out, B, H, R, T,
-                                N, D, H * R * D, R * D, D, H * L * D, L * D, D, m_b, N, 1, 1,
-                                cap});
+    run(0.f);
   return 0;
 }
 #else
