@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -125,13 +126,44 @@ def check_backend(backend: str) -> None:
 
 
 def resolve_threads(threads: int | None) -> int | None:
-    """--threads if given (>= 1), else aotgen.toml's `threads` (0 there: torch's default)."""
+    """--threads if given (>= 1), else aotgen.toml's `threads` (0 there: torch's default);
+    a warning on stderr when they outnumber the CPUs this process may use."""
     from aotgen.recipe import Project
 
     if threads is not None:
         at_least("--threads", threads)
-        return threads
-    return Project.load().threads or None
+        source = "--threads"
+    else:
+        threads, source = Project.load().threads or None, "aotgen.toml's threads"
+    import torch
+
+    count = threads or torch.get_num_threads()
+    cpus = usable_cpus()
+    if count > cpus:
+        given = f"{source} {count}" if threads else f"torch's default of {count} threads"
+        console.print(
+            f"[yellow]warning:[/] {given} on {cpus} usable CPU{'s' * (cpus > 1)}: the threads "
+            f"wait on each other and decode slows severalfold; use --threads {cpus} or fewer",
+            highlight=False,
+            soft_wrap=True,
+        )
+    return threads
+
+
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # "max 100000", or "200000 100000": 2 CPUs
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU quota (a
+    container's `--cpus`), which the mask does not show."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        quota, period = CGROUP_CPU_MAX.read_text().split()
+        if quota != "max":
+            return max(1, min(cpus or 1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cpus or 1
 
 
 def read_prompt_file(path: Path) -> str:

@@ -24,6 +24,7 @@
 
 #include "aotgen.h"
 #include "logprobs_json.h"
+#include "threads.h"
 
 namespace {
 
@@ -248,6 +249,7 @@ json spec_json(const std::optional<aotgen::SpecStats>& s) {
 int run(Args args) {
   const auto t0 = std::chrono::steady_clock::now();
   args.batch.max_queue = 1 << 30;  // every line is submitted up front
+  warn_if_oversubscribed(args.load.threads);
   auto batch = aotgen::BatchEngine::load(args.package, args.load, args.batch);
   const auto lines = read_lines(args, batch.engine());
   int64_t steps = 0, tokens = 0;

@@ -30,6 +30,7 @@
 
 #include "aotgen.h"
 #include "logprobs_json.h"
+#include "threads.h"
 
 namespace {
 
@@ -444,6 +445,7 @@ int run(Args args) {
     args.prompt = read_prompt_file(*args.prompt_file);
     args.prompt_file.reset();
   }
+  warn_if_oversubscribed(args.load.threads);
   auto engine = aotgen::Engine::load(args.package, args.load);
   if (!args.interactive) {
     answer(engine, prompt_ids(args, engine), args, args.chat.has_value(), t_start);
