@@ -1,12 +1,14 @@
 """Benchmarks of built packages: prefill / decode tok/s and the memory roofline.
 
-Decode of a small model on CPU is bound by reading the weights once per token, so the
-honest yardstick is `weight bytes per token × tok/s ÷ measured read bandwidth`.
+Decode of a small model on CPU is bound by reading the weights once per token, and past a
+few thousand tokens of context by reading the KV cache too, so the honest yardstick is
+`(weight + KV-cache bytes per token) × tok/s ÷ measured read bandwidth`.
 Runtime-side only: imports no model code.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -63,6 +65,50 @@ def weight_bytes(engine: Engine) -> int:
     return int(total)
 
 
+def kv_read_bytes(
+    position_bytes: list[int], windows: list[int | None], prompt_len: int, gen_tokens: int
+) -> int:
+    """Mean bytes of KV cache a decode step reads after a `prompt_len`-token prompt: each
+    layer's `position_bytes` (its keys and values, or a convolution's inputs, at one position)
+    times the positions it attends: all of them, or its last `windows[layer]`."""
+    steps = range(prompt_len + 1, prompt_len + gen_tokens)  # keys each decode step attends
+    if not steps:
+        return 0
+    layers = zip(position_bytes, windows, strict=True)
+    return round(sum(b * min(n, w or n) for b, w in layers for n in steps) / len(steps))
+
+
+def package_kv_bytes(entry: dict, prompt_len: int, gen_tokens: int) -> int:
+    """`kv_read_bytes` of a package's model, from its manifest entry: the cache's shapes and
+    dtype, and which layers slide or convolve."""
+    kv, cfg = entry["kv_cache"], entry["config"]
+    size = torch.empty(0, dtype=getattr(torch, kv.get("dtype", "float32"))).element_size()
+    shapes = kv["shapes"]  # [k0, v0, k1, v1, ...], positions on axis 2
+    per = [
+        (math.prod(k) // k[2] + math.prod(v) // v[2]) * size
+        for k, v in zip(shapes[::2], shapes[1::2], strict=True)
+    ]
+    kinds = cfg.get("layer_types") or ["full_attention"] * len(per)
+    caps = {"sliding_attention": cfg.get("sliding_window"), "conv": cfg.get("conv_kernel")}
+    return kv_read_bytes(per, [caps.get(k) for k in kinds], prompt_len, gen_tokens)
+
+
+def gguf_kv_bytes(path: Path, prompt_len: int, gen_tokens: int) -> int:
+    """`kv_read_bytes` of a GGUF's model in llama.cpp's default cache (f16 keys and values;
+    a convolution layer's small rolling state not counted)."""
+    from aotgen.checkpoint.gguf import open_gguf
+    from aotgen.checkpoint.gguf_arch import read_config
+
+    cfg = read_config(open_gguf(path))
+    layers = cfg["num_hidden_layers"]
+    heads = cfg.get("kv_heads_per_layer") or [cfg["num_key_value_heads"]] * layers
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kinds = cfg.get("layer_types") or ["full_attention"] * layers
+    window = cfg.get("sliding_window")
+    windows = [window if k == "sliding_attention" else None for k in kinds]
+    return kv_read_bytes([2 * h * head_dim * 2 for h in heads], windows, prompt_len, gen_tokens)
+
+
 class BenchError(RuntimeError):
     """A benchmark that cannot run as asked (missing optional extra or input)."""
 
@@ -77,10 +123,11 @@ class BenchResult:
     load_s: float
     spec: str = ""
     device: str = "cpu"  # whose memory bandwidth the roofline divides by
+    kv_bytes: int = 0  # of KV cache a decode step reads, on average
 
     def roofline(self, bandwidth_gbs: float) -> float:
-        """Fraction of the memory roofline the decode reaches."""
-        return self.weight_bytes * self.decode_tok_s / (bandwidth_gbs * 1e9)
+        """Fraction of the memory roofline the decode reaches: weights and KV cache read."""
+        return (self.weight_bytes + self.kv_bytes) * self.decode_tok_s / (bandwidth_gbs * 1e9)
 
 
 def prompt_ids(vocab: int, n: int) -> list[int]:
@@ -107,6 +154,8 @@ class PackageRunner:
             self.name += f" ({'AOTInductor' if backend == 'aoti' else 'ONNX Runtime'})"
         self.device = self.engine.target.device.type
         self.weight_bytes = weight_bytes(self.engine)
+        entry = self.engine.manifest["models"]["target"]
+        self.kv_bytes = package_kv_bytes(entry, prompt_len, gen_tokens)
         self.prompt = prompt_ids(self.engine.tokenizer.vocab_size, prompt_len)
         # Every run prefills the whole prompt: the same prompt again would find it cached.
         self.cfg = GenerationConfig(
@@ -158,6 +207,7 @@ class LlamaCppRunner:
         )
         self.name, self.load_s = f"llama.cpp {path.name}", time.perf_counter() - t0
         self.weight_bytes = path.stat().st_size
+        self.kv_bytes = gguf_kv_bytes(path, prompt_len, gen_tokens)
         vocab = self.llm.n_vocab()
         self.prompt, self.gen_tokens = prompt_ids(vocab, prompt_len), gen_tokens
         # Greedy: argmax of the last position's logits (all that llama.cpp computes).
@@ -199,6 +249,7 @@ def bench_interleaved(
                 decode_tok_s=dec,
                 decode_ms=1e3 / dec if dec else float("nan"),
                 weight_bytes=runner.weight_bytes,
+                kv_bytes=runner.kv_bytes,
                 load_s=runner.load_s,
                 device=runner.device,
             )

@@ -111,7 +111,8 @@ def bench(
         typer.Option("--json", help="print the results as one JSON object on stdout"),
     ] = False,
 ) -> None:
-    """Prefill/decode tok/s, ms/token, weight bytes/token and roofline ratio, side by side."""
+    """Prefill/decode tok/s, ms/token, weight and KV-cache bytes/token and roofline ratio, side
+    by side."""
     for option, value in (("--prompt-len", prompt_len), ("--gen-tokens", gen_tokens)):
         at_least(option, value)
     at_least("--runs", runs)
@@ -253,6 +254,7 @@ def _print_results(
         "decode tok/s",
         "ms/token",
         "weights MB/token",
+        "KV MB/token",
         "roofline",
     ):
         table.add_column(col, justify="left" if col == "package" else "right", no_wrap=True)
@@ -264,6 +266,7 @@ def _print_results(
             f"{r.decode_tok_s:.1f}",
             f"{r.decode_ms:.2f}",
             f"{r.weight_bytes / 1e6:.0f}",
+            f"{r.kv_bytes / 1e6:.1f}",
             f"{r.roofline(bandwidth[r.device]):.0%}",
         )
     wide_console().print(table)
