@@ -15,9 +15,15 @@ from conftest import TINY_RECIPE
 
 from aotgen.export.aoti import export_graph, graph_specs
 from aotgen.kernels import attention as at
+from aotgen.kernels.cache_rows import decode_rows, encode_rows
 from aotgen.model.llama import new_kv_cache
 from tests.test_gguf_blocks import ISAS
 from tests.test_packed import isa_library
+
+
+def exact(cache: torch.Tensor) -> torch.Tensor:
+    """The values a cache's rows hold, in float64: the reference reads the same ones."""
+    return decode_rows(cache, torch.float64)
 
 
 @pytest.fixture(scope="module", params=list(ISAS))
@@ -42,20 +48,20 @@ SHAPES = (
 @pytest.mark.parametrize("cache_dtype", at.CACHE_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_kernel_equals_sdpa(lib, shape, cache_dtype):
-    """bfloat16 caches are widened exactly, so the reference is float64 SDPA on the same
-    bfloat16 values: the bound is float32's either way."""
+    """bfloat16 caches are widened exactly, int8 rows' codes scaled, so the reference is
+    float64 SDPA on the values the cache holds: the bound is float32's either way."""
     h, g, t, n, length, d = shape
     gen = torch.Generator().manual_seed(n + d)
     q = torch.randn(1, h, g * t, d, generator=gen) * d**-0.5
     k32, v32 = (torch.randn(1, h, length, d, generator=gen) for _ in range(2))
     k32[:, :, n:] = v32[:, :, n:] = float("nan")  # past the prefix: never read
-    k, v = k32.to(cache_dtype), v32.to(cache_dtype)
+    k, v = encode_rows(k32, cache_dtype), encode_rows(v32, cache_dtype)
     mask = torch.rand(t, n, generator=gen) < 0.7
     mask[:, 0] = True  # every row sees a key (SDPA gives NaN for a row that sees none)
     out = at.run_library(lib, q, k, v, mask)
-    expect = at.attend_cache(q.double(), k.double(), v.double(), mask).float()
+    expect = at.attend_cache(q.double(), exact(k), exact(v), mask).float()
     assert (out - expect).abs().max() <= 1e-5
-    if cache_dtype == torch.bfloat16:  # the bound sees bfloat16's rounding of the cache
+    if cache_dtype != torch.float32:  # the bound sees the cache's rounding
         assert (out - at.attend_cache(q, k32, v32, mask)).abs().max() > 1e-4
 
 
@@ -88,13 +94,13 @@ def test_spans_a_row_sees_nothing_of(lib, cache_dtype):
     gen = torch.Generator().manual_seed(11)
     h, g, t, n, d = 1, 4, 3, 1500, 256
     q = torch.randn(1, h, g * t, d, generator=gen) * d**-0.5
-    k, v = (torch.randn(1, h, n, d, generator=gen).to(cache_dtype) for _ in range(2))
+    k, v = (encode_rows(torch.randn(1, h, n, d, generator=gen), cache_dtype) for _ in range(2))
     mask = torch.zeros(t, n, dtype=torch.bool)
     mask[0, -100:] = True
     mask[1, :40] = True
     out = at.run_library(lib, q, k, v, mask)
     seen = mask.repeat(g, 1).any(-1)
-    expect = at.attend_cache(q.double(), k.double(), v.double(), mask).float()
+    expect = at.attend_cache(q.double(), exact(k), exact(v), mask).float()
     assert (out[:, :, seen] - expect[:, :, seen]).abs().max() <= 1e-5
     assert (out[:, :, ~seen] == 0).all()
 
@@ -144,7 +150,7 @@ def test_gradients_keep_sdpa():
 @pytest.mark.parametrize("cache_dtype", at.CACHE_DTYPES, ids=str)
 def test_cpu_graphs_call_the_kernel(tiny_model, cache_dtype):
     """The exported decode, verify, tree and batched graphs attend through the ops, on a
-    float32 or a bfloat16 cache; prefill (any number of rows) keeps SDPA."""
+    float32, bfloat16 or int8 cache; prefill (any number of rows) keeps SDPA."""
     model, cfg, cache_len = tiny_model
     caches = new_kv_cache(cfg, cache_len, cache_dtype)
     specs = graph_specs(TINY_RECIPE["prefill_chunk"], TINY_RECIPE["verify_k"], 4, max_batch=3)

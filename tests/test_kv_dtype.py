@@ -1,8 +1,9 @@
-"""`kv_cache_dtype: bfloat16` on a float32 package: the graphs write keys and values rounded to
-bfloat16 and attend over them in float32 (kernels/attention.cpp widens them exactly), so every
-graph equals the eager model run on a bfloat16 cache (float32's bound, but for a key that
-rounds to the neighbouring bfloat16); both runtimes allocate the cache at half the bytes and
-generate what the eager model does.
+"""`kv_cache_dtype: bfloat16` or `int8` on a float32 package: the graphs write keys and values
+rounded to bfloat16, or as int8 codes with a scale per row (kernels/cache_rows.py), and attend
+over them in float32 (kernels/attention.cpp widens them), so every graph equals the eager
+model run on a cache of that dtype (float32's bound, but for a key that rounds to the
+neighbouring step); both runtimes allocate the cache at half the bytes (bfloat16) or
+(head_dim + 4) / (4 head_dim) of them (int8) and generate what the eager model does.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from conftest import TINY_RECIPE
 from reference import EagerModel, reset_caches
 
+from aotgen.kernels.cache_rows import row_width
 from aotgen.model.llama import new_kv_cache
 from aotgen.package.build import build
 from aotgen.recipe import RecipeError, parse_recipe
@@ -26,52 +28,70 @@ from tests.test_cpp_runtime import cpp_generate
 BF16 = {"kv_cache_dtype": "bfloat16"}
 
 
-def assert_close_on_bf16_cache(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Logits on a bfloat16 cache against the eager model's. A key or value the graph computes
-    in another float32 order (fused, packed linears) can round to the neighbouring bfloat16:
-    about one element in 10^4, moving the few logits that read it by up to ~2e-4 on the tiny
-    model. So the bound is float32's on the mean, and a bfloat16 step's on the maximum."""
+# (mean, max) bounds on |logits - eager's on the same cache dtype|, and the mean a float32
+# cache's logits exceed (the control: the bound sees the cache's rounding).
+BOUNDS = {torch.bfloat16: (1e-5, 1e-3, 1e-4), torch.int8: (2e-4, 2e-3, 5e-4)}
+
+
+def assert_close_on_narrow_cache(got: torch.Tensor, want: torch.Tensor, dtype) -> None:
+    """Logits on a bfloat16 or int8 cache against the eager model's. A key or value the graph
+    computes in another float32 order (fused, packed linears) can round to the neighbouring
+    bfloat16, about one element in 10^4, moving the few logits that read it by up to ~2e-4 on
+    the tiny model: float32's bound on the mean, a rounding step's on the maximum. An int8
+    code that flips (one in ~10^5; 2 of 40 seeded runs) moves its row by a 127th of the row's
+    largest value, and every later position a little: up to 6.6e-5 on the mean of a run's
+    logits, 3.9e-4 on one, where a float32 cache differs by 7.7e-4 or more on the mean."""
+    mean, most, _ = BOUNDS[dtype]
     diff = (got - want).abs()
-    assert diff.mean() <= 1e-5 and diff.max() <= 1e-3, (diff.mean(), diff.max())
+    assert diff.mean() <= mean and diff.max() <= most, (diff.mean(), diff.max())
 
 
-class EagerBf16(EagerModel):
-    """The eager float32 model on a bfloat16 KV cache."""
+class EagerOnCache(EagerModel):
+    """The eager float32 model on a KV cache of another dtype."""
+
+    def __init__(self, checkpoint: Path, cache_len: int, dtype: torch.dtype):
+        self.dtype = dtype
+        super().__init__(checkpoint, cache_len)
 
     def reset(self) -> None:
-        self.caches = new_kv_cache(self.config, self.cache_len, torch.bfloat16)
+        self.caches = new_kv_cache(self.config, self.cache_len, self.dtype)
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "int8"])
+def report(request, tiny_checkpoint, project):
+    """The tiny batch recipe (4 slots, a 1-layer draft on the target's cache) with the KV cache
+    in the param's dtype."""
+    data = {"checkpoint": str(tiny_checkpoint), **TINY_RECIPE, "max_batch": 4}
+    data |= {"kv_cache_dtype": request.param, "speculative": {"draft": {"layers": 1}}}
+    return build(parse_recipe(data, f"tiny-kv-{request.param}", Path(".")), project)
 
 
 @pytest.fixture(scope="module")
-def bf16_report(tiny_checkpoint, project):
-    """The tiny batch recipe (4 slots, a 1-layer draft on the target's cache), bfloat16 KV."""
-    data = {"checkpoint": str(tiny_checkpoint), **TINY_RECIPE, "max_batch": 4, **BF16}
-    data["speculative"] = {"draft": {"layers": 1}}
-    return build(parse_recipe(data, "tiny-kv-bf16", Path(".")), project)
+def engine(report) -> Engine:
+    return Engine.load(report.path)
 
 
-@pytest.fixture(scope="module")
-def engine(bf16_report) -> Engine:
-    return Engine.load(bf16_report.path)
+def cache_dtype(engine: Engine) -> torch.dtype:
+    return getattr(torch, engine.manifest["models"]["target"]["kv_cache"]["dtype"])
 
 
-def test_cache_is_bfloat16_at_half_the_bytes(engine, bf16_report, tiny_package):
-    kv = engine.manifest["models"]["target"]["kv_cache"]
-    assert kv["dtype"] == "bfloat16"
-    assert all(c.dtype == torch.bfloat16 for c in engine.target.caches)
-    float_bytes = sum(c.nbytes for c in Engine.load(tiny_package).target.caches)
+def test_cache_takes_the_dtypes_bytes(engine, report, tiny_package):
+    dtype = cache_dtype(engine)
+    assert all(c.dtype == dtype for c in engine.target.caches)
     slots = engine.target.caches[0].shape[0]  # the batched graphs' rows; tiny_package has 1
-    assert sum(c.nbytes for c in engine.target.caches) * 2 == float_bytes * slots
+    for c, f in zip(engine.target.caches, Engine.load(tiny_package).target.caches, strict=True):
+        d = f.shape[-1]  # float32 rows of d values: 4 d bytes
+        assert c.nbytes * 4 * d == f.nbytes * slots * row_width(d, dtype) * dtype.itemsize
     # The build measured what the narrower cache costs against the float32 one.
-    assert any("bfloat16 KV cache" in note for note in bf16_report.notes)
-    assert set(bf16_report.perplexity) == {"reference", "package"}
+    assert any(f"{dtype} KV cache".removeprefix("torch.") in note for note in report.notes)
+    assert set(report.perplexity) == {"reference", "package"}
 
 
-def test_graphs_equal_eager_on_a_bfloat16_cache(engine, tiny_checkpoint):
+def test_graphs_equal_eager_on_the_cache(engine, tiny_checkpoint):
     """prefill, then a verify-width block (every row's logits), then decode steps."""
     target = engine.target
     reset_caches(target)
-    eager = EagerBf16(tiny_checkpoint, target.cache_len)
+    eager = EagerOnCache(tiny_checkpoint, target.cache_len, cache_dtype(engine))
     exact = EagerModel(tiny_checkpoint, target.cache_len)  # float32 cache: the control
     prompt = _prompts(1, eager.config.vocab_size, seed=5)[0] + list(range(7, 30))
     block = list(range(40, 40 + target.verify_len))
@@ -87,25 +107,27 @@ def test_graphs_equal_eager_on_a_bfloat16_cache(engine, tiny_checkpoint):
         want.append(eager.forward([t], pos + i)[-1])
         control.append(exact.forward([t], pos + i)[-1])
     for g, w in zip(got, want, strict=True):
-        assert_close_on_bf16_cache(g, w)
+        assert_close_on_narrow_cache(g, w, cache_dtype(engine))
     # The bound sees the cache's rounding: a float32 cache gives other logits throughout.
-    assert min((g - c).abs().mean() for g, c in zip(got, control, strict=True)) > 1e-4
+    control_mean = BOUNDS[cache_dtype(engine)][2]
+    assert min((g - c).abs().mean() for g, c in zip(got, control, strict=True)) > control_mean
 
 
 @pytest.fixture(scope="module")
-def batch_engine(bf16_report) -> BatchEngine:
-    return BatchEngine.load(bf16_report.path)
+def batch_engine(report) -> BatchEngine:
+    return BatchEngine.load(report.path)
 
 
 @pytest.mark.parametrize("graph,t", [("batch_decode", 1), ("batch_verify", 5)])
-def test_batched_graphs_equal_eager_on_a_bfloat16_cache(batch_engine, tiny_checkpoint, graph, t):
-    got, want = batched_and_eager(batch_engine.target, tiny_checkpoint, graph, t, torch.bfloat16)
-    assert_close_on_bf16_cache(got, want)
+def test_batched_graphs_equal_eager_on_the_cache(engine, batch_engine, tiny_checkpoint, graph, t):
+    dtype = cache_dtype(engine)
+    got, want = batched_and_eager(batch_engine.target, tiny_checkpoint, graph, t, dtype)
+    assert_close_on_narrow_cache(got, want, dtype)
 
 
 def test_greedy_and_speculative_equal_eager(engine, tiny_checkpoint):
     reset_caches(engine.target)
-    eager = EagerBf16(tiny_checkpoint, engine.target.cache_len)
+    eager = EagerOnCache(tiny_checkpoint, engine.target.cache_len, cache_dtype(engine))
     prompt = _prompts(1, eager.config.vocab_size, seed=8)[0]
     want = eager.greedy(prompt, 32)
     for mode in (None, "ngram", "draft"):
@@ -123,23 +145,27 @@ def test_batch_equals_each_request_alone(engine, batch_engine):
     assert [r.token_ids for r in got] == want
 
 
-def test_cpp_runtime_equals_python(run_bin, engine, bf16_report):
+def test_cpp_runtime_equals_python(run_bin, engine, report):
     prompt = _prompts(1, engine.target.vocab_size, seed=9)[0]
     config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
     want = engine.generate(prompt, config).token_ids
     args = ("--max-new-tokens", "24", "--ignore-eos")
-    assert cpp_generate(run_bin, bf16_report.path, prompt, *args)["ids"] == want
-    draft = cpp_generate(run_bin, bf16_report.path, prompt, *args, "--speculative")
+    assert cpp_generate(run_bin, report.path, prompt, *args)["ids"] == want
+    draft = cpp_generate(run_bin, report.path, prompt, *args, "--speculative")
     assert draft["ids"] == want
 
 
 @pytest.mark.parametrize(
     "extra,message",
     [
-        ({"kv_cache_dtype": "int8"}, r"kv_cache_dtype 'int8'; valid: float32, bfloat16"),
+        (
+            {"kv_cache_dtype": "float16"},
+            r"kv_cache_dtype 'float16'; valid: float32, bfloat16, int8",
+        ),
         ({"kv_cache_dtype": 16}, r"kv_cache_dtype must be a string"),
         ({**BF16, "formats": ["aoti", "onnx"]}, r"formats onnx is for float32 .*KV cache"),
         ({**BF16, "device": "cuda"}, r"kv_cache_dtype other than dtype is for CPU packages"),
+        ({"kv_cache_dtype": "int8", "dtype": "bfloat16"}, r"the cache of a bfloat16 package"),
         (
             {"kv_cache_dtype": "float32", "dtype": "bfloat16"},
             r"the cache of a bfloat16 package is bfloat16; drop kv_cache_dtype",

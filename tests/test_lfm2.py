@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from families import load_reference, make_family_checkpoint, reference_greedy, reference_logits
+from test_kv_dtype import EagerOnCache
 from test_tree import SHAPES, make_tree, path_to
 
 from aotgen.checkpoint.hf import open_checkpoint
@@ -144,6 +145,22 @@ def test_speculation_and_trees_give_transformers_greedy(checkpoint, package):
                 )
                 result = engine.generate(ids, config)
                 assert result.token_ids == want, (ids, mode, tree)
+
+
+def test_int8_cache_codes_the_convolution_inputs_too(checkpoint, project):
+    """`kv_cache_dtype: int8` stores the convolution layers' cached inputs as coded rows like
+    keys and values: greedy, plain and speculating, equals the eager model's on such a cache."""
+    data = {"checkpoint": str(checkpoint), "max_seq_len": 96, "prefill_chunk": 16}
+    data |= {"kv_cache_dtype": "int8", "speculative": {"draft": {"layers": 2}}}
+    engine = Engine.load(build(parse_recipe(data, "lfm2-int8-kv", Path(".")), project).path)
+    hidden = engine.target.config["hidden_size"]
+    assert engine.target.caches[0].shape[-1] == hidden // 2 + 4  # layer 0: a convolution
+    eager = EagerOnCache(checkpoint, engine.target.cache_len, torch.int8)
+    for ids in PROMPTS:
+        want = eager.greedy(ids, 24)
+        for mode in (None, "draft", "ngram"):
+            config = GenerationConfig(max_new_tokens=24, ignore_eos=True, speculative=mode)
+            assert engine.generate(ids, config).token_ids == want, (ids, mode)
 
 
 def test_batch_and_reused_prefixes_equal_cold_runs(package):

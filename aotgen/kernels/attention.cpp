@@ -16,12 +16,15 @@
 // group of row tiles, span of keys) (`attend`); each tile streams its span's keys twice
 // (scores, then the weighted sum of values), the rows' scores in a per-thread buffer.
 //
-// The caches hold float32 or bfloat16 (`kv_cache_dtype: bfloat16`): a bfloat16 vector is
-// widened to float32 as it is loaded (zero-extend, shift by 16: exact), so scores and sums
-// are float32 either way and a long context reads half the bytes.
+// The caches hold float32, bfloat16 or int8 rows (`kv_cache_dtype`): a bfloat16 vector is
+// widened to float32 as it is loaded (zero-extend, shift by 16: exact); an int8 row is head_dim
+// codes and its float32 scale (kernels/cache_rows.py), the scale multiplying a key's score or
+// a value's weight once. Scores and sums are float32 either way; a long context reads half or
+// about a quarter of the bytes.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX2__)
@@ -48,18 +51,42 @@ typedef float vf_unaligned __attribute__((vector_size(4 * kLanes), aligned(4)));
 constexpr int kTile = 4;  // rows per tile: one key load serves them all
 
 typedef uint16_t vbf_unaligned __attribute__((vector_size(2 * kLanes), aligned(2)));
+typedef int8_t vi8_unaligned __attribute__((vector_size(kLanes), aligned(1)));
 typedef uint16_t bf16;  // bfloat16 bits: the high half of a float32
 
 __attribute__((always_inline)) inline vf load(const float* p) { return *(const vf_unaligned*)p; }
 __attribute__((always_inline)) inline vf load(const bf16* p) {
   return (vf)(__builtin_convertvector(*(const vbf_unaligned*)p, vi) << 16);
 }
+// int8 codes, unscaled.
+__attribute__((always_inline)) inline vf load(const int8_t* p) {
+  return __builtin_convertvector(__builtin_convertvector(*(const vi8_unaligned*)p, vi), vf);
+}
 
-// `rows` rows of D bfloat16 (ld apart) -> float32 rows of D at dst, contiguous.
-inline void widen_rows(const bf16* src, int64_t ld, int64_t rows, int64_t D, float* dst) {
-  for (int64_t j = 0; j < rows; j++)
-    for (int64_t c = 0; c < D; c += kLanes)
-      *(vf_unaligned*)(dst + j * D + c) = load(src + j * ld + c);
+// The scale of a cache row of D values: an int8 row's float32 after its codes; 1 otherwise.
+template <typename KV>
+__attribute__((always_inline)) inline float row_scale(const KV* row, int64_t D) {
+  if constexpr (std::is_same_v<KV, int8_t>) {
+    float s;
+    std::memcpy(&s, row + D, sizeof s);
+    return s;
+  } else {
+    return 1.f;
+  }
+}
+
+// `rows` cache rows of D bfloat16 or int8 values (ld apart) -> float32 rows of D at dst,
+// contiguous, scaled.
+template <typename KV>
+inline void widen_rows(const KV* src, int64_t ld, int64_t rows, int64_t D, float* dst) {
+  for (int64_t j = 0; j < rows; j++) {
+    const float s = row_scale(src + j * ld, D);
+    for (int64_t c = 0; c < D; c += kLanes) {
+      vf x = load(src + j * ld + c);
+      if constexpr (std::is_same_v<KV, int8_t>) x *= s;
+      *(vf_unaligned*)(dst + j * D + c) = x;
+    }
+  }
 }
 
 __attribute__((always_inline)) inline float hsum(vf v) {
@@ -275,9 +302,16 @@ inline void tile(const float* q, int64_t ldq, const KV* k, const KV* v, int64_t 
       *(vf_unaligned*)(s + m * N + j0) = key_block(q + m * ldq, kb, ldk, D);
   }
   for (int m = 0; m < RT; m++) {
-    for (int64_t j = j0; j < N; j++) s[m * N + j] = dot(q + m * ldq, k + j * ldkv, D);
+    for (int64_t j = j0; j < N; j++)
+      s[m * N + j] = dot(q + m * ldq, k + j * ldkv, D) * row_scale(k + j * ldkv, D);
     if (cap > 0.f) softcap(s + m * N, N, cap);
     stats[m] = exp_weights(s + m * N, mask_rows[m], ldm1, N);
+  }
+  if constexpr (std::is_same_v<KV, int8_t>) {  // each value's scale into its weights
+    for (int64_t j = 0; j < N; j++) {
+      const float f = row_scale(v + j * ldkv, D);
+      for (int m = 0; m < RT; m++) s[m * N + j] *= f;
+    }
   }
   constexpr int kChunk = std::min(4, kAccumulators / RT);
   int64_t c0 = 0;
@@ -435,21 +469,24 @@ inline void attend(const Problem<KV>& p) {
 
 #ifdef AOTGEN_ATTENTION_STANDALONE
 // For tests: the kernel without AOTInductor's tensor handles, contiguous tensors: q [B, H, R,
-// D], k / v [S, H, L, D] (float32, or bfloat16: bf16_cache), mask [B, T, N] (or [T, N]
-// shared: shared_mask), slots [B] or null.
+// D], k / v [S, H, L, row] (cache_kind 0: float32, row D; 1: bfloat16, row D; 2: int8, row
+// D + 4), mask [B, T, N] (or [T, N] shared: shared_mask), slots [B] or null.
 extern "C" int aotgen_attend_cache(const float* q, const void* k, const void* v,
                                    const uint8_t* mask, int shared_mask, const int64_t* slots,
                                    int64_t B, int64_t H, int64_t R, int64_t T, int64_t N,
-                                   int64_t L, int64_t D, float cap, int bf16_cache, float* out) {
+                                   int64_t L, int64_t D, float cap, int cache_kind, float* out) {
   if (D % aotgen_attn::kLanes) return 1;
+  const int64_t row = cache_kind == 2 ? D + 4 : D;
   const auto run = [&](auto kv) {
     using KV = decltype(kv);
     aotgen_attn::attend<KV>({q, (const KV*)k, (const KV*)v, mask, slots, out, B, H, R, T, N, D,
-                             H * R * D, R * D, D, H * L * D, L * D, D, shared_mask ? 0 : T * N,
-                             N, 1, 1, cap});
+                             H * R * D, R * D, D, H * L * row, L * row, row,
+                             shared_mask ? 0 : T * N, N, 1, 1, cap});
   };
-  if (bf16_cache)
+  if (cache_kind == 1)
     run(aotgen_attn::bf16{});
+  else if (cache_kind == 2)
+    run(int8_t{});
   else
     run(0.f);
   return 0;
@@ -465,12 +502,14 @@ static AOTITorchError aotgen_attend_shim(AtenTensorHandle q, AtenTensorHandle k_
                                          AtenTensorHandle v_cache, AtenTensorHandle mask,
                                          AtenTensorHandle slots, double cap,
                                          AtenTensorHandle* ret0) {
-  int64_t *q_sizes, *q_strides, *k_strides, *v_strides, *m_sizes, *m_strides, *s_strides = nullptr;
+  int64_t *q_sizes, *q_strides, *k_sizes, *k_strides, *v_strides, *m_sizes, *m_strides;
+  int64_t* s_strides = nullptr;
   int64_t m_dim;
   int32_t k_dtype, v_dtype;
   void *q_data, *k_data, *v_data, *m_data, *s_data = nullptr, *o_data;
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(q, &q_sizes));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(q, &q_strides));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(k_cache, &k_sizes));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(k_cache, &k_strides));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(v_cache, &v_strides));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(k_cache, &k_dtype));
@@ -480,10 +519,11 @@ static AOTITorchError aotgen_attend_shim(AtenTensorHandle q, AtenTensorHandle k_
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(mask, &m_strides));
   const int64_t B = q_sizes[0], H = q_sizes[1], R = q_sizes[2], D = q_sizes[3];
   const bool batched = m_dim == 3;
+  const bool int8 = k_dtype == aoti_torch_dtype_int8();
   if (q_strides[3] != 1 || k_strides[3] != 1 || v_strides[3] != 1 || k_strides[0] != v_strides[0] ||
       k_strides[1] != v_strides[1] || k_strides[2] != v_strides[2] || D % aotgen_attn::kLanes ||
-      k_dtype != v_dtype ||
-      (k_dtype != aoti_torch_dtype_float32() && k_dtype != aoti_torch_dtype_bfloat16()))
+      k_dtype != v_dtype || k_sizes[3] != (int8 ? D + 4 : D) ||
+      (k_dtype != aoti_torch_dtype_float32() && k_dtype != aoti_torch_dtype_bfloat16() && !int8))
     return AOTI_TORCH_FAILURE;
   int64_t out_sizes[4] = {B, H, R, D}, out_strides[4] = {H * R * D, R * D, D, 1};
   AtenTensorHandle out;
@@ -510,6 +550,8 @@ static AOTITorchError aotgen_attend_shim(AtenTensorHandle q, AtenTensorHandle k_
   };
   if (k_dtype == aoti_torch_dtype_bfloat16())
     run(aotgen_attn::bf16{});
+  else if (int8)
+    run(int8_t{});
   else
     run(0.f);
   *ret0 = out;

@@ -23,10 +23,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from aotgen.kernels import packed
+from aotgen.kernels.cache_rows import decode_rows, row_width
 
 SOURCE = Path(__file__).with_name("attention.cpp")
 DIM_MULTIPLE = 16  # head_dim must fill whole vectors on every ISA the kernel has
-CACHE_DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # what the kernel reads
 
 
 @torch.library.custom_op("aotgen::attend_cache", mutates_args=())
@@ -54,7 +55,7 @@ def _reference(
     """SDPA on the prefix (of each sequence's slot) in q's dtype, the mask repeated over the
     folded heads; softcapped scores as matmuls."""
     _, t, n = mask.shape
-    keys, values = k_cache[:, :, :n].to(q.dtype), v_cache[:, :, :n].to(q.dtype)
+    keys, values = (decode_rows(c[:, :, :n], q.dtype) for c in (k_cache, v_cache))
     if slots is not None:
         keys, values = keys[slots], values[slots]
     full = mask.repeat(1, q.shape[2] // t, 1).unsqueeze(1)
@@ -80,14 +81,16 @@ OPS = (torch.ops.aotgen.attend_cache.default, torch.ops.aotgen.attend_cache_slot
 
 
 def applies(q: Tensor, k_cache: Tensor) -> bool:
-    """Whether a fixed-width CPU graph attends through the kernel: float32 q, float32 or
-    bfloat16 caches, head_dim a multiple of 16, and no gradient wanted (the ops have no
-    backward; training a draft runs the model eagerly with autograd)."""
+    """Whether a fixed-width CPU graph attends through the kernel: float32 q, float32,
+    bfloat16 or int8 caches (kernels/cache_rows.py), head_dim a multiple of 16, and no
+    gradient wanted (the ops have no backward; training a draft runs the model eagerly with
+    autograd)."""
     return (
         not q.is_cuda
         and not q.requires_grad
         and q.dtype == torch.float32
         and k_cache.dtype in CACHE_DTYPES
+        and k_cache.shape[-1] == row_width(q.shape[-1], k_cache.dtype)
         and q.shape[-1] % DIM_MULTIPLE == 0
     )
 
@@ -106,7 +109,7 @@ def run_library(
     slots: Tensor | None = None,
     cap: float = 0.0,
 ) -> Tensor:
-    """The C++ kernel on contiguous CPU tensors (caches float32 or bfloat16), as
+    """The C++ kernel on contiguous CPU tensors (caches float32, bfloat16 or int8 rows), as
     `attend_cache` (mask [T, N]) or `attend_cache_slots` (mask [B, T, N], slots [B])."""
     b, h, r, d = q.shape
     t, n = mask.shape[-2:]
@@ -118,7 +121,7 @@ def run_library(
         ptr(q.data_ptr()), ptr(k_cache.data_ptr()), ptr(v_cache.data_ptr()), ptr(mask.data_ptr()),
         ctypes.c_int(mask.dim() == 2), slot_ptr, i64(b), i64(h), i64(r), i64(t), i64(n),
         i64(k_cache.shape[2]), i64(d), ctypes.c_float(cap),
-        ctypes.c_int(k_cache.dtype == torch.bfloat16), ptr(out.data_ptr()),
+        ctypes.c_int(CACHE_DTYPES.index(k_cache.dtype)), ptr(out.data_ptr()),
     )  # fmt: skip
     if rc:
         raise ValueError(f"head_dim {d} is not a whole number of vectors")

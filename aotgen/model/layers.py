@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aotgen.kernels import attention
+from aotgen.kernels.cache_rows import decode_rows, encode_rows
 from aotgen.model.config import ModelConfig
 from aotgen.model.rope import rope_tables
 
@@ -180,11 +181,11 @@ def cached_attention(
     batch = isinstance(write_at, tuple)
     if batch:
         slots, positions = write_at
-        k_cache[slots, :, positions] = k.transpose(1, 2).to(k_cache.dtype)
-        v_cache[slots, :, positions] = v.transpose(1, 2).to(v_cache.dtype)
+        k_cache[slots, :, positions] = encode_rows(k.transpose(1, 2), k_cache.dtype)
+        v_cache[slots, :, positions] = encode_rows(v.transpose(1, 2), v_cache.dtype)
     else:
-        k_cache.index_copy_(2, write_at, k.to(k_cache.dtype))
-        v_cache.index_copy_(2, write_at, v.to(v_cache.dtype))
+        k_cache.index_copy_(2, write_at, encode_rows(k, k_cache.dtype))
+        v_cache.index_copy_(2, write_at, encode_rows(v, v_cache.dtype))
     # GQA without repeating K/V: fold each KV head's group of query heads into the
     # query-length axis ([b, kv, group * t, d]), so no expanded K/V copy per layer.
     q = q.reshape(b, kv_heads, group * t, head_dim)
@@ -202,8 +203,8 @@ def cached_attention(
     else:
         # Attend only to the span of the cache, not all of it.
         rows = slots[:, 0] if batch else slice(None)
-        keys = k_cache[rows, :, span].to(q.dtype)
-        values = v_cache[rows, :, span].to(q.dtype)
+        keys = decode_rows(k_cache[rows, :, span], q.dtype)
+        values = decode_rows(v_cache[rows, :, span], q.dtype)
         mask = mask.repeat(1, group, 1).unsqueeze(1) if batch else mask.repeat(group, 1)
         if cap is not None:
             y = attend_rows(q, keys, values, mask, scale, cap)

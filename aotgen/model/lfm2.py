@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from aotgen.kernels.cache_rows import decode_rows, encode_rows
 from aotgen.model.config import ModelConfig
 from aotgen.model.layers import (
     CacheIndex,
@@ -80,11 +81,11 @@ class ShortConv(nn.Module):
         for lag in range(1, kernel):
             past = torch.cat(
                 [
-                    read_cache(k_cache, write_at, at[lag - 1]),
-                    read_cache(v_cache, write_at, at[lag - 1]),
+                    read_cache(k_cache, write_at, at[lag - 1], x.dtype),
+                    read_cache(v_cache, write_at, at[lag - 1], x.dtype),
                 ],
                 dim=-1,
-            ).to(x.dtype)
+            )
             there = exists[lag - 1].unsqueeze(-1).to(x.dtype)
             out = out + past * weight[:, kernel - 1 - lag] * there
         if self.conv.bias is not None:
@@ -96,16 +97,21 @@ def write_cache(cache: Tensor, write_at: CacheIndex, rows: Tensor) -> None:
     """`rows [b, t, c]` into a `[slots, 1, cache_len, c]` cache at `write_at`."""
     if isinstance(write_at, tuple):
         slots, positions = write_at
-        cache[slots, :, positions] = rows.unsqueeze(2).to(cache.dtype)
+        cache[slots, :, positions] = encode_rows(rows.unsqueeze(2), cache.dtype)
     else:
-        cache.index_copy_(2, write_at, rows.unsqueeze(1).to(cache.dtype))
+        cache.index_copy_(2, write_at, encode_rows(rows.unsqueeze(1), cache.dtype))
 
 
-def read_cache(cache: Tensor, write_at: CacheIndex, positions: Tensor) -> Tensor:
-    """The cache's rows at `positions` (`[t]`, or `[B, T]` in the slots of `write_at`)."""
+def read_cache(
+    cache: Tensor, write_at: CacheIndex, positions: Tensor, dtype: torch.dtype
+) -> Tensor:
+    """The cache's rows at `positions` (`[t]`, or `[B, T]` in the slots of `write_at`) as
+    `dtype` values."""
     if isinstance(write_at, tuple):
-        return cache[write_at[0], :, positions][:, :, 0]
-    return cache[:, 0].index_select(1, positions)
+        rows = cache[write_at[0], :, positions][:, :, 0]
+    else:
+        rows = cache[:, 0].index_select(1, positions)
+    return decode_rows(rows, dtype)
 
 
 class DecoderLayer(nn.Module):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from aotgen.kernels.cache_rows import row_width
 from aotgen.model.config import GRANITE_SHARED_MLP, LFM2, SUPPORTED_ARCHITECTURES, ModelConfig
 from aotgen.model.layers import (
     CausalLM,
@@ -186,12 +187,15 @@ def model_class(cfg: ModelConfig) -> type[CausalLM]:
     return Transformer
 
 
-def cache_shapes(cfg: ModelConfig, cache_len: int, batch: int = 1) -> list[list[int]]:
+def cache_shapes(
+    cfg: ModelConfig, cache_len: int, batch: int = 1, dtype: torch.dtype = torch.float32
+) -> list[list[int]]:
     """The shape of each tensor of the per-layer `[k0, v0, k1, v1, ...]` cache: keys and
     values `[batch, kv_heads, cache_len, head_dim]`; a convolution layer's (LFM2) its
-    inputs' two halves of channels, `[batch, 1, cache_len, hidden / 2]` each."""
-    attention = [batch, cfg.num_key_value_heads, cache_len, cfg.head_dim]
-    conv = [batch, 1, cache_len, cfg.hidden_size // 2]
+    inputs' two halves of channels, `[batch, 1, cache_len, hidden / 2]` each. An int8 cache's
+    rows are 4 elements wider (kernels/cache_rows.py)."""
+    attention = [batch, cfg.num_key_value_heads, cache_len, row_width(cfg.head_dim, dtype)]
+    conv = [batch, 1, cache_len, row_width(cfg.hidden_size // 2, dtype)]
     return [conv if cfg.is_conv(i // 2) else attention for i in range(2 * cfg.num_hidden_layers)]
 
 
@@ -202,7 +206,7 @@ def new_kv_cache(
     such as distillation)."""
     return [
         torch.zeros(shape, dtype=dtype, device=device)
-        for shape in cache_shapes(cfg, cache_len, batch)
+        for shape in cache_shapes(cfg, cache_len, batch, dtype)
     ]
 
 

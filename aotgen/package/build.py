@@ -268,9 +268,12 @@ def _model_entry(
         "kv_cache": {
             "layout": "per-layer [k0, v0, k1, v1, ...]: keys and values [1, kv_heads, "
             "cache_len, head_dim] (a convolution layer's inputs [1, 1, cache_len, hidden / 2] "
-            "twice), written in place at input_pos",
+            "twice; int8: each row's codes, then its float32 scale's 4 bytes), written in "
+            "place at input_pos",
             "layers": mb.config.num_hidden_layers,
-            "shapes": cache_shapes(rank_config(mb.config, world), recipe.cache_len),  # per rank
+            "shapes": cache_shapes(  # per rank
+                rank_config(mb.config, world), recipe.cache_len, 1, getattr(torch, recipe.kv_dtype)
+            ),
             "dtype": recipe.kv_dtype,
             "cache_len": recipe.cache_len,
             **_cache_sharing(mb.role, recipe),
