@@ -51,16 +51,23 @@ typedef float vf_unaligned __attribute__((vector_size(4 * kLanes), aligned(4)));
 constexpr int kTile = 4;  // rows per tile: one key load serves them all
 
 typedef uint16_t vbf_unaligned __attribute__((vector_size(2 * kLanes), aligned(2)));
-typedef int8_t vi8_unaligned __attribute__((vector_size(kLanes), aligned(1)));
 typedef uint16_t bf16;  // bfloat16 bits: the high half of a float32
 
 __attribute__((always_inline)) inline vf load(const float* p) { return *(const vf_unaligned*)p; }
 __attribute__((always_inline)) inline vf load(const bf16* p) {
   return (vf)(__builtin_convertvector(*(const vbf_unaligned*)p, vi) << 16);
 }
-// int8 codes, unscaled.
+// int8 codes, unscaled (intrinsics: GCC's vector conversion loads them a byte at a time).
 __attribute__((always_inline)) inline vf load(const int8_t* p) {
-  return __builtin_convertvector(__builtin_convertvector(*(const vi8_unaligned*)p, vi), vf);
+#ifdef __AVX512F__
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#elif defined(__AVX2__)
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+#else
+  vf x;
+  for (int i = 0; i < kLanes; i++) x[i] = p[i];
+  return x;
+#endif
 }
 
 // The scale of a cache row of D values: an int8 row's float32 after its codes; 1 otherwise.
