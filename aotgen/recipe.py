@@ -59,7 +59,7 @@ class Recipe:
     max_batch: int = 0
     dtype: str = "float32"
     # The KV cache's dtype, if not `dtype`: bfloat16 halves its memory and what attention reads,
-    # int8 (a scale per position and head, kernels/cache_rows.py) takes 0.27-0.31 of float32's.
+    # int8 (a scale per position and head, kernels/cache_rows.py) takes (d + 4) / 4d of it.
     kv_cache_dtype: str | None = None
     # Where the package runs: "cpu", or "cuda" (built on a machine with the GPU it targets).
     device: str = "cpu"

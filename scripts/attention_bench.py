@@ -3,8 +3,8 @@
 the prefix slice (one sequence) or on the gathered slots (a batch). SmolLM2's shapes (3 KV
 heads, 3 query heads each, head_dim 64); interleaved rounds, the best median. (One-row decode
 graphs fused their attention into Inductor's kernels, which cannot be timed alone.) Then a
-step's attention over 30 layers' caches, each read from memory as in a package, with float32
-against bfloat16 caches (`kv_cache_dtype`).
+step's attention over 30 layers' caches, each read from memory as in a package, with float32,
+bfloat16 and int8 caches (`kv_cache_dtype`).
 
     python scripts/attention_bench.py
 """
@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from aotgen.kernels import attention as at
+from aotgen.kernels.cache_rows import encode_rows
 
 HEADS, GROUP, DIM, CACHE = 3, 3, 64, 2056
 
@@ -77,13 +78,16 @@ def main() -> None:
 def layers(count: int = 30) -> None:
     """One step's attention over `count` layers' caches (SmolLM2's 30: 189 MB of float32 at
     4,096 keys, past the CPU's caches): the median of 15 interleaved steps per cache dtype."""
-    print(f"rows @ keys: ms per step of {count} layers, float32 vs bfloat16 caches")
+    print(f"rows @ keys: ms per step of {count} layers, float32 / bfloat16 / int8 caches")
     lib = at.library()
     for tokens, keys in ((1, 1024), (5, 1024), (1, 4096), (5, 4096), (1, 8000), (5, 8000)):
         q = torch.randn(1, HEADS, GROUP * tokens, DIM) * DIM**-0.5
         mask = torch.ones(tokens, keys, dtype=torch.bool)
         wide = [[torch.randn(1, HEADS, keys, DIM) for _ in range(2)] for _ in range(count)]
-        caches = {"float32": wide, "bfloat16": [[c.bfloat16() for c in kv] for kv in wide]}
+        caches = {
+            str(dtype): [[encode_rows(c, dtype) for c in kv] for kv in wide]
+            for dtype in (torch.float32, torch.bfloat16, torch.int8)
+        }
         times: dict[str, list[float]] = {name: [] for name in caches}
         for _ in range(15):
             for name, kvs in caches.items():
@@ -91,8 +95,8 @@ def layers(count: int = 30) -> None:
                 for k, v in kvs:
                     at.run_library(lib, q, k, v, mask)
                 times[name].append(time.perf_counter() - start)
-        f32, bf16 = (sorted(t)[len(t) // 2] * 1e3 for t in times.values())
-        print(f"{tokens} @ {keys}: {f32:.2f} vs {bf16:.2f} ({f32 / bf16:.2f}x)")
+        f32, bf16, int8 = (sorted(t)[len(t) // 2] * 1e3 for t in times.values())
+        print(f"{tokens} @ {keys}: {f32:.2f} / {bf16:.2f} / {int8:.2f}")
 
 
 if __name__ == "__main__":
