@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_RECIPE
+from families import RECIPE, make_family_checkpoint
 from reference import EagerModel, reset_caches
 
 from aotgen.kernels.cache_rows import row_width
@@ -153,6 +154,24 @@ def test_cpp_runtime_equals_python(run_bin, engine, report):
     assert cpp_generate(run_bin, report.path, prompt, *args)["ids"] == want
     draft = cpp_generate(run_bin, report.path, prompt, *args, "--speculative")
     assert draft["ids"] == want
+
+
+def test_windows_and_softcaps_on_an_int8_cache(tmp_path_factory, project):
+    """Gemma 2's shape on an int8 cache: sliding-window layers (window 8: the kernel reads the
+    cache from the window's first key) and softcapped scores (a key's scale applied before the
+    cap). Greedy, plain and with n-gram lookup, equals the eager model's on such a cache."""
+    pytest.importorskip("transformers")
+    checkpoint = make_family_checkpoint(tmp_path_factory.mktemp("gemma2") / "g", "gemma2")
+    data = {"checkpoint": str(checkpoint), **RECIPE, "kv_cache_dtype": "int8"}
+    engine = Engine.load(build(parse_recipe(data, "gemma2-int8-kv", Path(".")), project).path)
+    eager = EagerOnCache(checkpoint, engine.target.cache_len, torch.int8)
+    for seed in (1, 2):
+        gen = torch.Generator().manual_seed(seed)
+        prompt = torch.randint(5, eager.config.vocab_size, (12,), generator=gen).tolist() * 2
+        want = eager.greedy(prompt, 24)
+        for mode in (None, "ngram"):
+            config = GenerationConfig(max_new_tokens=24, ignore_eos=True, speculative=mode)
+            assert engine.generate(prompt, config).token_ids == want, (seed, mode)
 
 
 @pytest.mark.parametrize(

@@ -70,6 +70,8 @@ __attribute__((always_inline)) inline vf load(const int8_t* p) {
 #endif
 }
 
+constexpr int64_t kScaleBytes = 4;  // an int8 row's float32 scale, after its D codes
+
 // The scale of a cache row of D values: an int8 row's float32 after its codes; 1 otherwise.
 template <typename KV>
 __attribute__((always_inline)) inline float row_scale(const KV* row, int64_t D) {
@@ -282,8 +284,8 @@ __attribute__((always_inline)) inline void weigh_values(const float* s, int64_t 
 
 // RT rows of one head (row m at q + m * ldq, its mask row at mask_rows[m]) over N keys: the
 // unnormalised weighted sums of values into out, each row's max and sum into stats; scores in
-// s. bfloat16 keys are widened once per tile, a block of kLanes keys into `wide`, not once
-// per row. Reading the cache itself (`fetch`), the block's values are prefetched while its
+// s. bfloat16 and int8 keys are widened (int8 scaled) once per tile, a block of kLanes keys
+// into `wide`, not once per row; int8 values' scales go into their weights. Reading the cache itself (`fetch`), the block's values are prefetched while its
 // scores are computed: the values pass then finds them in cache (decode over 4,096 keys
 // 10-17 % faster). Only the item's first tile prefetches: the span is in L2 for the others.
 template <int RT, typename KV>
@@ -483,7 +485,7 @@ extern "C" int aotgen_attend_cache(const float* q, const void* k, const void* v,
                                    int64_t B, int64_t H, int64_t R, int64_t T, int64_t N,
                                    int64_t L, int64_t D, float cap, int cache_kind, float* out) {
   if (D % aotgen_attn::kLanes) return 1;
-  const int64_t row = cache_kind == 2 ? D + 4 : D;
+  const int64_t row = cache_kind == 2 ? D + aotgen_attn::kScaleBytes : D;
   const auto run = [&](auto kv) {
     using KV = decltype(kv);
     aotgen_attn::attend<KV>({q, (const KV*)k, (const KV*)v, mask, slots, out, B, H, R, T, N, D,
@@ -502,9 +504,9 @@ extern "C" int aotgen_attend_cache(const float* q, const void* k, const void* v,
 // Hidden: the shims stay inside the graph's .so (export/shims.py links them in).
 #pragma GCC visibility push(hidden)
 // The C shims AOTInductor calls: q [B, H, R, D] float32, the caches [S, H, L, D] float32 or
-// bfloat16 (the first N = mask.size(-1) positions of slot slots[b], or of slot 0 for one
-// sequence read), mask [T, N] (one sequence) or [B, T, N] bool, cap (0: none) -> a new
-// float32 [B, H, R, D].
+// bfloat16, or [S, H, L, D + 4] int8 rows (the first N = mask.size(-1) positions of slot
+// slots[b], or of slot 0 for one sequence read), mask [T, N] (one sequence) or [B, T, N]
+// bool, cap (0: none) -> a new float32 [B, H, R, D].
 static AOTITorchError aotgen_attend_shim(AtenTensorHandle q, AtenTensorHandle k_cache,
                                          AtenTensorHandle v_cache, AtenTensorHandle mask,
                                          AtenTensorHandle slots, double cap,
@@ -529,7 +531,7 @@ static AOTITorchError aotgen_attend_shim(AtenTensorHandle q, AtenTensorHandle k_
   const bool int8 = k_dtype == aoti_torch_dtype_int8();
   if (q_strides[3] != 1 || k_strides[3] != 1 || v_strides[3] != 1 || k_strides[0] != v_strides[0] ||
       k_strides[1] != v_strides[1] || k_strides[2] != v_strides[2] || D % aotgen_attn::kLanes ||
-      k_dtype != v_dtype || k_sizes[3] != (int8 ? D + 4 : D) ||
+      k_dtype != v_dtype || k_sizes[3] != (int8 ? D + aotgen_attn::kScaleBytes : D) ||
       (k_dtype != aoti_torch_dtype_float32() && k_dtype != aoti_torch_dtype_bfloat16() && !int8))
     return AOTI_TORCH_FAILURE;
   int64_t out_sizes[4] = {B, H, R, D}, out_strides[4] = {H * R * D, R * D, D, 1};

@@ -27,7 +27,8 @@ from aotgen.kernels.cache_rows import decode_rows, row_width
 
 SOURCE = Path(__file__).with_name("attention.cpp")
 DIM_MULTIPLE = 16  # head_dim must fill whole vectors on every ISA the kernel has
-CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # what the kernel reads
+# What the kernel reads, in the order of its standalone entry's `cache_kind`.
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 
 
 @torch.library.custom_op("aotgen::attend_cache", mutates_args=())
