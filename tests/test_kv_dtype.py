@@ -8,6 +8,7 @@ neighbouring step); both runtimes allocate the cache at half the bytes (bfloat16
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,12 @@ from conftest import TINY_RECIPE
 from families import RECIPE, make_family_checkpoint
 from reference import EagerModel, reset_caches
 
+from aotgen.checkpoint.hf import open_checkpoint
 from aotgen.kernels.cache_rows import row_width
+from aotgen.model.config import ModelConfig
 from aotgen.model.llama import new_kv_cache
 from aotgen.package.build import build
+from aotgen.package.models import recipe_kv_cache
 from aotgen.recipe import RecipeError, parse_recipe
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.engine import Engine, GenerationConfig
@@ -156,15 +160,17 @@ def test_cpp_runtime_equals_python(run_bin, engine, report):
     assert draft["ids"] == want
 
 
-def test_windows_and_softcaps_on_an_int8_cache(tmp_path_factory, project):
-    """Gemma 2's shape on an int8 cache: sliding-window layers (window 8: the kernel reads the
-    cache from the window's first key) and softcapped scores (a key's scale applied before the
-    cap). Greedy, plain and with n-gram lookup, equals the eager model's on such a cache."""
+@pytest.mark.parametrize("kv", ["bfloat16", "int8"])
+def test_windows_and_softcaps_on_a_narrow_cache(tmp_path_factory, project, kv):
+    """Gemma 2's shape: sliding-window layers (window 8: the kernel reads the cache from the
+    window's first key) and softcapped scores (an int8 key's scale applied before the cap; the
+    prefill through the kernel too, whose matmuls on a decoded span do not compile). Greedy,
+    plain and with n-gram lookup, equals the eager model's on such a cache."""
     pytest.importorskip("transformers")
     checkpoint = make_family_checkpoint(tmp_path_factory.mktemp("gemma2") / "g", "gemma2")
-    data = {"checkpoint": str(checkpoint), **RECIPE, "kv_cache_dtype": "int8"}
-    engine = Engine.load(build(parse_recipe(data, "gemma2-int8-kv", Path(".")), project).path)
-    eager = EagerOnCache(checkpoint, engine.target.cache_len, torch.int8)
+    data = {"checkpoint": str(checkpoint), **RECIPE, "kv_cache_dtype": kv}
+    engine = Engine.load(build(parse_recipe(data, f"gemma2-{kv}-kv", Path(".")), project).path)
+    eager = EagerOnCache(checkpoint, engine.target.cache_len, getattr(torch, kv))
     for seed in (1, 2):
         gen = torch.Generator().manual_seed(seed)
         prompt = torch.randint(5, eager.config.vocab_size, (12,), generator=gen).tolist() * 2
@@ -172,6 +178,13 @@ def test_windows_and_softcaps_on_an_int8_cache(tmp_path_factory, project):
         for mode in (None, "ngram"):
             config = GenerationConfig(max_new_tokens=24, ignore_eos=True, speculative=mode)
             assert engine.generate(prompt, config).token_ids == want, (seed, mode)
+
+
+def test_narrow_cache_needs_the_kernels_head_dim(tiny_checkpoint):
+    recipe = parse_recipe({"checkpoint": str(tiny_checkpoint), "kv_cache_dtype": "int8"}, "r", ".")
+    cfg = replace(ModelConfig.from_hf(open_checkpoint(tiny_checkpoint).config), head_dim=24)
+    with pytest.raises(RecipeError, match="multiple of 16, and LlamaForCausalLM's is 24"):
+        recipe_kv_cache(cfg, recipe)
 
 
 @pytest.mark.parametrize(

@@ -190,7 +190,10 @@ def cached_attention(
     # query-length axis ([b, kv, group * t, d]), so no expanded K/V copy per layer.
     q = q.reshape(b, kv_heads, group * t, head_dim)
     fixed_width = isinstance(t, int) and not torch.onnx.is_in_onnx_export()
-    if fixed_width and attention.applies(q, k_cache):  # the cache read in place
+    # A narrower cache's softcapped prefill too: as matmuls on a decoded span, whose length is
+    # data-dependent, it fails to compile (Inductor's bmm lowering guards on that length).
+    capped_narrow = cap is not None and k_cache.dtype != q.dtype
+    if (fixed_width or capped_narrow) and attention.applies(q, k_cache):  # cache read in place
         c = cap or 0.0
         if span.start is not None:  # the kernel attends from the view's first position
             k_cache, v_cache = k_cache[:, :, span.start :], v_cache[:, :, span.start :]

@@ -21,6 +21,7 @@ from torch.export import ExportedProgram
 
 from aotgen.checkpoint.hf import Checkpoint, open_checkpoint
 from aotgen.export.aoti import GraphSpec, calibration_spec, export_graph, graph_specs
+from aotgen.kernels import attention
 from aotgen.model.config import LFM2
 from aotgen.model.llama import ModelConfig, Transformer, load_model, model_class, new_kv_cache
 from aotgen.model.rope import for_context
@@ -55,7 +56,15 @@ class ModelBuild:
 
 
 def recipe_kv_cache(cfg: ModelConfig, recipe: Recipe) -> list[Tensor]:
-    """A KV cache shaped, typed and placed as the recipe's graphs take it."""
+    """A KV cache shaped, typed and placed as the recipe's graphs take it. A cache narrower
+    than the model's dtype is read by the attention kernel only, which needs whole vectors of
+    head_dim."""
+    if recipe.kv_dtype != recipe.dtype and cfg.head_dim % attention.DIM_MULTIPLE:
+        raise RecipeError(
+            f"kv_cache_dtype {recipe.kv_dtype}: the attention kernel that reads it needs a "
+            f"head_dim that is a multiple of {attention.DIM_MULTIPLE}, and {cfg.architecture}'s "
+            f"is {cfg.head_dim}; drop kv_cache_dtype"
+        )
     return new_kv_cache(cfg, recipe.cache_len, getattr(torch, recipe.kv_dtype), recipe.device)
 
 
