@@ -82,7 +82,7 @@ def package_kv_bytes(entry: dict, prompt_len: int, gen_tokens: int) -> int:
     """`kv_read_bytes` of a package's model, from its manifest entry: the cache's shapes and
     dtype, and which layers slide or convolve."""
     kv, cfg = entry["kv_cache"], entry["config"]
-    size = torch.empty(0, dtype=getattr(torch, kv.get("dtype", "float32"))).element_size()
+    size = getattr(torch, kv.get("dtype", "float32")).itemsize
     shapes = kv["shapes"]  # [k0, v0, k1, v1, ...], positions on axis 2
     per = [
         (math.prod(k) // k[2] + math.prod(v) // v[2]) * size

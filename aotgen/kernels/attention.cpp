@@ -285,9 +285,10 @@ __attribute__((always_inline)) inline void weigh_values(const float* s, int64_t 
 // RT rows of one head (row m at q + m * ldq, its mask row at mask_rows[m]) over N keys: the
 // unnormalised weighted sums of values into out, each row's max and sum into stats; scores in
 // s. bfloat16 and int8 keys are widened (int8 scaled) once per tile, a block of kLanes keys
-// into `wide`, not once per row; int8 values' scales go into their weights. Reading the cache itself (`fetch`), the block's values are prefetched while its
-// scores are computed: the values pass then finds them in cache (decode over 4,096 keys
-// 10-17 % faster). Only the item's first tile prefetches: the span is in L2 for the others.
+// into `wide`, not once per row; int8 values' scales go into their weights. Reading the cache
+// itself (`fetch`), the block's values are prefetched while its scores are computed: the
+// values pass then finds them in cache (decode over 4,096 keys 10-17 % faster). Only the
+// item's first tile prefetches: the span is in L2 for the others.
 template <int RT, typename KV>
 inline void tile(const float* q, int64_t ldq, const KV* k, const KV* v, int64_t ldkv,
                  const uint8_t* const* mask_rows, int64_t ldm1, int64_t N, int64_t D, float cap,

@@ -57,8 +57,9 @@ class ModelBuild:
 
 def recipe_kv_cache(cfg: ModelConfig, recipe: Recipe) -> list[Tensor]:
     """A KV cache shaped, typed and placed as the recipe's graphs take it. A cache narrower
-    than the model's dtype is read by the attention kernel only, which needs whole vectors of
-    head_dim."""
+    than the model's dtype is read by the attention kernel in the few-row graphs and in a
+    softcapped prefill (as matmuls it does not compile), and the kernel needs whole vectors
+    of head_dim."""
     if recipe.kv_dtype != recipe.dtype and cfg.head_dim % attention.DIM_MULTIPLE:
         raise RecipeError(
             f"kv_cache_dtype {recipe.kv_dtype}: the attention kernel that reads it needs a "
