@@ -250,11 +250,12 @@ def _check_target(recipe: Recipe, where: str) -> None:
 
 def _check_narrow_cache(recipe: Recipe, where: str) -> None:
     """A KV cache narrower than the model's dtype: bfloat16 or int8 for a float32 CPU
-    package."""
-    if recipe.dtype != "float32":
+    package, int8 for a bfloat16 one."""
+    if KV_DTYPES.index(recipe.kv_dtype) < KV_DTYPES.index(recipe.dtype):
         raise RecipeError(
-            f"{where}: kv_cache_dtype {recipe.kv_dtype} with dtype {recipe.dtype}: the cache "
-            "of a bfloat16 package is bfloat16; drop kv_cache_dtype"
+            f"{where}: kv_cache_dtype {recipe.kv_dtype} is wider than dtype {recipe.dtype}: "
+            f"a cache holds the model's {recipe.dtype} keys and values or narrower ones; "
+            "drop kv_cache_dtype or choose int8"
         )
     if recipe.device != "cpu":
         raise RecipeError(

@@ -13,11 +13,11 @@ from aotgen.runtime.cached_tokens import CachedTokens
 
 
 class EagerModel:
-    def __init__(self, checkpoint: Path, cache_len: int):
+    def __init__(self, checkpoint: Path, cache_len: int, dtype: torch.dtype = torch.float32):
         ckpt = open_checkpoint(checkpoint)
         self.config = ModelConfig.from_hf(ckpt.config)
         weights = ckpt.load_weights()
-        self.model: Transformer = load_model(self.config, weights, cache_len, torch.float32)
+        self.model: Transformer = load_model(self.config, weights, cache_len, dtype)
         self.cache_len = cache_len
         self.reset()
 

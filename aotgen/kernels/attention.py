@@ -82,14 +82,14 @@ OPS = (torch.ops.aotgen.attend_cache.default, torch.ops.aotgen.attend_cache_slot
 
 
 def applies(q: Tensor, k_cache: Tensor) -> bool:
-    """Whether a fixed-width CPU graph attends through the kernel: float32 q, float32,
-    bfloat16 or int8 caches (kernels/cache_rows.py), head_dim a multiple of 16, and no
-    gradient wanted (the ops have no backward; training a draft runs the model eagerly with
-    autograd)."""
+    """Whether a fixed-width CPU graph attends through the kernel: float32 or bfloat16 q (the
+    kernel takes it widened to float32), float32, bfloat16 or int8 caches
+    (kernels/cache_rows.py), head_dim a multiple of 16, and no gradient wanted (the ops have
+    no backward; training a draft runs the model eagerly with autograd)."""
     return (
         not q.is_cuda
         and not q.requires_grad
-        and q.dtype == torch.float32
+        and q.dtype in (torch.float32, torch.bfloat16)
         and k_cache.dtype in CACHE_DTYPES
         and k_cache.shape[-1] == row_width(q.shape[-1], k_cache.dtype)
         and q.shape[-1] % DIM_MULTIPLE == 0

@@ -112,8 +112,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 # CPU graphs with a fixed number of rows (decode, verify, tree, batched) attend through
-# kernels/attention.py's kernel, which reads the cache in place (float32 q, float32 or
-# bfloat16 caches, head_dim a multiple of 16). Other decode graphs (bfloat16) attend with
+# kernels/attention.py's kernel, which reads the cache in place (q widened to float32; float32,
+# bfloat16 or int8 caches; head_dim a multiple of 16). Other decode graphs attend with
 # `attend_one`: Inductor fuses its multiply-sums and softmax into the layer's kernel, where
 # SDPA is an extern call per layer; measured on SmolLM2 int8 before the kernel: decode 5.6 ->
 # 5.3 ms at position 64, 11.0 -> 9.9 ms at 1000. ONNX export keeps SDPA (MatMul + Softmax)
@@ -197,12 +197,12 @@ def cached_attention(
         c = cap or 0.0
         if span.start is not None:  # the kernel attends from the view's first position
             k_cache, v_cache = k_cache[:, :, span.start :], v_cache[:, :, span.start :]
+        scaled = q.float() * scale  # the kernel takes float32 q (a bfloat16 model's widened)
         if batch:
-            y = torch.ops.aotgen.attend_cache_slots(
-                q * scale, k_cache, v_cache, mask, slots[:, 0], c
-            )
+            y = torch.ops.aotgen.attend_cache_slots(scaled, k_cache, v_cache, mask, slots[:, 0], c)
         else:
-            y = torch.ops.aotgen.attend_cache(q * scale, k_cache, v_cache, mask, c)
+            y = torch.ops.aotgen.attend_cache(scaled, k_cache, v_cache, mask, c)
+        y = y.to(q.dtype)
     else:
         # Attend only to the span of the cache, not all of it.
         rows = slots[:, 0] if batch else slice(None)
