@@ -74,6 +74,15 @@ def test_inspect_json_is_the_manifest(tiny_package: Path, tmp_path: Path) -> Non
     assert json.loads(out) == read_manifest(tiny_package)
 
 
+def test_inspect_prints_the_cache_bytes(tiny_package: Path, tmp_path: Path) -> None:
+    """What the runtime allocates for the cache, in all and per position."""
+    out = " ".join(aotgen("inspect", str(tiny_package), cwd=tmp_path).stdout.split())
+    caches = Engine.load(tiny_package).target.caches
+    total = sum(c.nbytes for c in caches)
+    per_position = total // caches[0].shape[2]
+    assert f", {total / 1e6:.1f} MB ({per_position:,} B a position)" in out
+
+
 @pytest.mark.parametrize("lookup", [False, True], ids=["plain", "ngram"])
 def test_run_json(tiny_package: Path, tmp_path: Path, lookup: bool) -> None:
     """`run --json`: nothing but one JSON object on stdout, holding what Engine.generate says."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Annotated
@@ -140,7 +141,11 @@ def inspect(
             f"hidden {c['hidden_size']}, heads {c['num_attention_heads']}/"
             f"{c['num_key_value_heads']}, vocab {c['vocab_size']}; kv cache "
             f"{_cache_summary(entry['kv_cache']['shapes'])} {entry['kv_cache']['dtype']}"
-            + (" (the target's)" if entry["kv_cache"].get("shared_with") == "target" else "")
+            + (
+                " (the target's)"
+                if entry["kv_cache"].get("shared_with") == "target"
+                else _cache_bytes(entry["kv_cache"])
+            )
         )
         if entry.get("quantization"):
             out.print(f"  quantization: {json.dumps(entry['quantization'])}")
@@ -151,6 +156,19 @@ def inspect(
     for rel, f in m["files"].items():
         table.add_row(rel, f"{f['bytes']:,}", f["sha256"][0][:16])
     out.print(table)
+
+
+CACHE_ITEM_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}  # recipe.KV_DTYPES, without torch
+
+
+def _cache_bytes(kv: dict) -> str:
+    """`, 33.4 MB (4,080 B a position)`: what the cache allocates, for sizing a deployment
+    (every slot of a batched package; positions on axis 2)."""
+    shapes = kv["shapes"]
+    total = CACHE_ITEM_BYTES[kv["dtype"]] * sum(math.prod(s) for s in shapes)
+    per_position = total // (shapes[0][0] * shapes[0][2])
+    slots = f" for {shapes[0][0]} slots" if shapes[0][0] > 1 else ""
+    return f", {total / 1e6:.1f} MB{slots} ({per_position:,} B a position)"
 
 
 def _cache_summary(shapes: list[list[int]]) -> str:
