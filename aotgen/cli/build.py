@@ -158,14 +158,13 @@ def inspect(
     out.print(table)
 
 
-CACHE_ITEM_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}  # recipe.KV_DTYPES, without torch
-
-
 def _cache_bytes(kv: dict) -> str:
     """`, 33.4 MB (4,080 B a position)`: what the cache allocates, for sizing a deployment
     (every slot of a batched package; positions on axis 2)."""
+    import torch  # imported already by the manifest's checks; not at the CLI's start
+
     shapes = kv["shapes"]
-    total = CACHE_ITEM_BYTES[kv["dtype"]] * sum(math.prod(s) for s in shapes)
+    total = getattr(torch, kv["dtype"]).itemsize * sum(math.prod(s) for s in shapes)
     per_position = total // (shapes[0][0] * shapes[0][2])
     slots = f" for {shapes[0][0]} slots" if shapes[0][0] > 1 else ""
     return f", {total / 1e6:.1f} MB{slots} ({per_position:,} B a position)"

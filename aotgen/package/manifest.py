@@ -11,6 +11,7 @@ import json
 import mmap
 import os
 import platform
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,9 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
     return manifest
 
 
+# What a package's KV cache may hold (recipe.KV_DTYPES).
+CACHE_DTYPES = ("float32", "bfloat16", "int8")
+
 # The manifest keys loading relies on, with their JSON types.
 _REQUIRED: dict[str, type | tuple[type, ...]] = {
     "torch_version": str,
@@ -165,10 +169,29 @@ def _check_structure(manifest: dict[str, Any], path: Path) -> None:
     for role, entry in manifest["models"].items():
         if not isinstance(entry, dict) or not isinstance(entry.get("weights"), dict):
             raise bad(f"`models.{role}.weights` missing")
+        _check_kv_cache(entry.get("kv_cache"), f"models.{role}.kv_cache", bad)
     try:
         referenced_files(manifest)
     except (KeyError, TypeError, AttributeError) as e:
         raise bad(f"a file reference is missing: {e}") from None
+
+
+def _check_kv_cache(kv: Any, where: str, bad: Callable[[str], PackageError]) -> None:
+    """The cache the runtime allocates: a known dtype, `cache_len`, 4-D `shapes`."""
+    dtype = kv.get("dtype") if isinstance(kv, dict) else None
+    if dtype not in CACHE_DTYPES:
+        raise bad(f"`{where}`: dtype {dtype}, not one of {', '.join(CACHE_DTYPES)}")
+    shapes = kv.get("shapes")
+    if not (
+        isinstance(kv.get("cache_len"), int)
+        and isinstance(shapes, list)
+        and shapes
+        and all(
+            isinstance(s, list) and len(s) == 4 and all(type(n) is int and n > 0 for n in s)
+            for s in shapes
+        )
+    ):
+        raise bad(f"`{where}` needs `cache_len` and 4-D `shapes`")
 
 
 def referenced_files(manifest: dict[str, Any]) -> list[str]:

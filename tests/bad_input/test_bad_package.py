@@ -140,6 +140,11 @@ ROWS: list[tuple[str, Mutation, str]] = [
     ("manifest-no-target", _edit(lambda m: m.pop("target")), "malformed"),
     ("manifest-files-list", _edit(lambda m: m.update(files=[])), "malformed"),
     (
+        "manifest-kv-dtype",
+        _edit(lambda m: m["models"]["target"]["kv_cache"].update(dtype="float8")),
+        "dtype float8",
+    ),
+    (
         "manifest-files-no-sha",
         _edit(lambda m: m["files"][WEIGHTS].pop("sha256")),
         "malformed",
