@@ -8,7 +8,6 @@ Runtime-side only: imports no model code.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import shutil
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from aotgen.package.manifest import kv_position_bytes
 from aotgen.runtime.engine import Engine, GenerationConfig, GenerationResult
 from aotgen.runtime.onnx_backend import onnx_weight_bytes
 from aotgen.runtime.sampling import SamplingParams
@@ -81,13 +81,8 @@ def kv_read_bytes(
 def package_kv_bytes(entry: dict, prompt_len: int, gen_tokens: int) -> int:
     """`kv_read_bytes` of a package's model, from its manifest entry: the cache's shapes and
     dtype, and which layers slide or convolve."""
-    kv, cfg = entry["kv_cache"], entry["config"]
-    size = getattr(torch, kv.get("dtype", "float32")).itemsize
-    shapes = kv["shapes"]  # [k0, v0, k1, v1, ...], positions on axis 2
-    per = [
-        (math.prod(k) // k[2] + math.prod(v) // v[2]) * size
-        for k, v in zip(shapes[::2], shapes[1::2], strict=True)
-    ]
+    cfg = entry["config"]
+    per = kv_position_bytes(entry["kv_cache"])
     kinds = cfg.get("layer_types") or ["full_attention"] * len(per)
     caps = {"sliding_attention": cfg.get("sliding_window"), "conv": cfg.get("conv_kernel")}
     return kv_read_bytes(per, [caps.get(k) for k in kinds], prompt_len, gen_tokens)

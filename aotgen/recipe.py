@@ -93,7 +93,7 @@ class Recipe:
 
 
 DTYPES = ("float32", "bfloat16")
-KV_DTYPES = (*DTYPES, "int8")
+KV_DTYPES = (*DTYPES, "int8")  # widest first: a cache narrower than dtype comes after it
 FORMATS = ("aoti", "onnx")
 DEVICES = ("cpu", "cuda")
 # verify_k (and speculative.k) bound: the verify graph scores k + 1 positions and the KV cache

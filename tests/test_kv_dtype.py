@@ -196,7 +196,7 @@ def test_bfloat16_package_on_an_int8_cache(tied_checkpoint, project, run_bin):
     assert any("int8 KV cache" in note for note in report.notes)
     engine = Engine.load(report.path)
     target = engine.target
-    d = target.caches[0].shape[-1] - 4
+    d = target.config["head_dim"]
     assert all(
         c.dtype == torch.int8 and c.shape[-1] == row_width(d, torch.int8) for c in target.caches
     )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections import Counter
 from pathlib import Path
 from typing import Annotated
@@ -159,15 +158,12 @@ def inspect(
 
 
 def _cache_bytes(kv: dict) -> str:
-    """`, 33.4 MB (4,080 B a position)`: what the cache allocates, for sizing a deployment
-    (every slot of a batched package; positions on axis 2)."""
-    import torch  # imported already by the manifest's checks; not at the CLI's start
+    """`, 33.4 MB (4,080 B a position)`: what one sequence's cache allocates, for sizing a
+    deployment (a batched engine allocates it once per slot)."""
+    from aotgen.package.manifest import kv_position_bytes
 
-    shapes = kv["shapes"]
-    total = getattr(torch, kv["dtype"]).itemsize * sum(math.prod(s) for s in shapes)
-    per_position = total // (shapes[0][0] * shapes[0][2])
-    slots = f" for {shapes[0][0]} slots" if shapes[0][0] > 1 else ""
-    return f", {total / 1e6:.1f} MB{slots} ({per_position:,} B a position)"
+    per_position = sum(kv_position_bytes(kv))
+    return f", {per_position * kv['cache_len'] / 1e6:.1f} MB ({per_position:,} B a position)"
 
 
 def _cache_summary(shapes: list[list[int]]) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import os
 import platform
@@ -192,6 +193,18 @@ def _check_kv_cache(kv: Any, where: str, bad: Callable[[str], PackageError]) -> 
         )
     ):
         raise bad(f"`{where}` needs `cache_len` and 4-D `shapes`")
+
+
+def kv_position_bytes(kv: dict[str, Any]) -> list[int]:
+    """Bytes one position takes in each layer's cache (its keys and values, or a convolution
+    layer's inputs) for one sequence, from a checked `kv_cache` entry: `shapes` are
+    `[k0, v0, k1, v1, ...]`, positions on axis 2."""
+    size = getattr(torch, kv["dtype"]).itemsize
+    shapes = kv["shapes"]
+    return [
+        (math.prod(k) // k[2] + math.prod(v) // v[2]) * size
+        for k, v in zip(shapes[::2], shapes[1::2], strict=True)
+    ]
 
 
 def referenced_files(manifest: dict[str, Any]) -> list[str]:
