@@ -84,7 +84,9 @@ def package_kv_bytes(entry: dict, prompt_len: int, gen_tokens: int) -> int:
     cfg = entry["config"]
     per = kv_position_bytes(entry["kv_cache"])
     kinds = cfg.get("layer_types") or ["full_attention"] * len(per)
-    caps = {"sliding_attention": cfg.get("sliding_window"), "conv": cfg.get("conv_kernel")}
+    # A ring's layers attend every cell written (model/layers.py), a full cache's the window.
+    window = entry["kv_cache"].get("ring", {}).get("cells") or cfg.get("sliding_window")
+    caps = {"sliding_attention": window, "conv": cfg.get("conv_kernel")}
     return kv_read_bytes(per, [caps.get(k) for k in kinds], prompt_len, gen_tokens)
 
 

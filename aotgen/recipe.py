@@ -61,6 +61,10 @@ class Recipe:
     # The KV cache's dtype, if not `dtype`: bfloat16 halves its memory and what attention reads,
     # int8 (a scale per position and head, kernels/cache_rows.py) takes (d + 4) / 4d of it.
     kv_cache_dtype: str | None = None
+    # Sliding-window layers' cache: "ring" (window + the widest call's positions, each
+    # position in cell p % cells) or "full" (cache_len positions, as global layers). Unset:
+    # a ring where the package can take one (CPU, AOTInductor graphs only).
+    sliding_cache: str | None = None
     # Where the package runs: "cpu", or "cuda" (built on a machine with the GPU it targets).
     device: str = "cpu"
     # LoRA adapters (PEFT directories) merged into the weights before the passes (passes/lora.py).
@@ -85,6 +89,17 @@ class Recipe:
     def cache_len(self) -> int:
         return kv_cache_len(self.max_seq_len, self.verify_k, self.tree_nodes)
 
+    def ring_cells(self, window: int | None) -> int | None:
+        """A sliding layer's ring length for `window`, or None for a full-length cache. A call
+        writes its rows before they attend, and a rejected speculative row stays written
+        until a later call overwrites it, so the cells hold the window plus the widest call
+        (prefill chunk, verify block, tree): every key a row's window sees is still there."""
+        widest = max(self.prefill_chunk, self.verify_k + 1, self.tree_nodes, VERIFY_ROOM)
+        ring = self.sliding_cache or ("ring" if ring_capable(self) else "full")
+        if window is None or ring == "full" or window + widest >= self.cache_len:
+            return None
+        return window + widest
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["checkpoint"] = str(self.checkpoint)
@@ -96,6 +111,7 @@ DTYPES = ("float32", "bfloat16")
 KV_DTYPES = (*DTYPES, "int8")  # widest first: a cache narrower than dtype comes after it
 FORMATS = ("aoti", "onnx")
 DEVICES = ("cpu", "cuda")
+SLIDING_CACHES = ("ring", "full")
 # verify_k (and speculative.k) bound: the verify graph scores k + 1 positions and the KV cache
 # grows by max(k + 1, VERIFY_ROOM); drafts longer than this are almost never accepted whole.
 MAX_VERIFY_K = 16
@@ -195,7 +211,7 @@ def _check_value_types(data: dict[str, Any], where: str) -> None:
     for key in ("quantize", "speculative", "parallel"):
         if data.get(key) is not None and not isinstance(data[key], dict):
             raise RecipeError(f"{where}: {key} must be a mapping, got {data[key]!r}")
-    for key in ("dtype", "kv_cache_dtype", "device"):
+    for key in ("dtype", "kv_cache_dtype", "device", "sliding_cache"):
         if key in data and not isinstance(data[key], str):
             raise RecipeError(f"{where}: {key} must be a string, got {data[key]!r}")
     for key in ("perplexity", "score_graph"):
@@ -232,6 +248,15 @@ def _check_target(recipe: Recipe, where: str) -> None:
         _check_narrow_cache(recipe, where)
     if recipe.device not in DEVICES:
         raise RecipeError(f"{where}: device {recipe.device!r}; valid: {', '.join(DEVICES)}")
+    if recipe.sliding_cache not in (None, *SLIDING_CACHES):
+        raise RecipeError(
+            f"{where}: sliding_cache {recipe.sliding_cache!r}; valid: {', '.join(SLIDING_CACHES)}"
+        )
+    if recipe.sliding_cache == "ring" and not ring_capable(recipe):
+        raise RecipeError(
+            f"{where}: sliding_cache ring is for CPU packages without ONNX graphs; drop it (a "
+            "full cache is the default there)"
+        )
     if recipe.device != "cpu" and recipe.parallel:
         raise RecipeError(
             f"{where}: `parallel` runs on CPU ranks only so far; drop it for device {recipe.device}"
@@ -246,6 +271,12 @@ def _check_target(recipe: Recipe, where: str) -> None:
             f"{where}: formats onnx is for float32 CPU packages without `parallel`; drop onnx, "
             "or build with dtype: float32 (and its KV cache), device: cpu and no parallel"
         )
+
+
+def ring_capable(recipe: Recipe) -> bool:
+    """Whether the package's graphs can keep sliding layers in a ring: CUDA graphs are
+    replayed over the `key_pos` they are given, and ONNX graphs use their own attention."""
+    return recipe.device == "cpu" and "onnx" not in recipe.formats
 
 
 def _check_narrow_cache(recipe: Recipe, where: str) -> None:

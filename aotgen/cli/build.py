@@ -159,11 +159,14 @@ def inspect(
 
 def _cache_bytes(kv: dict) -> str:
     """`, 33.4 MB (4,080 B a position)`: what one sequence's cache allocates, for sizing a
-    deployment (a batched engine allocates it once per slot)."""
-    from aotgen.package.manifest import kv_position_bytes
+    deployment (a batched engine allocates it once per slot); with a ring, the bytes a
+    position takes in the layers that keep every position."""
+    from aotgen.package.manifest import kv_cache_bytes, kv_position_bytes
 
-    per_position = sum(kv_position_bytes(kv))
-    return f", {per_position * kv['cache_len'] / 1e6:.1f} MB ({per_position:,} B a position)"
+    lengths = [k[2] for k in kv["shapes"][::2]]
+    full = [b for b, n in zip(kv_position_bytes(kv), lengths, strict=True) if n == kv["cache_len"]]
+    ring = f", sliding layers a ring of {kv['ring']['cells']:,}" if kv.get("ring") else ""
+    return f", {kv_cache_bytes(kv) / 1e6:.1f} MB ({sum(full):,} B a position{ring})"
 
 
 def _cache_summary(shapes: list[list[int]]) -> str:

@@ -156,6 +156,10 @@ def attend_rows(
 # Where a graph writes its keys and values: the positions `[T]` of its one sequence, or
 # (slots [B, 1], positions [B, T]) for a batch of sequences in a slotted cache.
 CacheIndex = Tensor | tuple[Tensor, Tensor]
+# Which keys (cache slots) each row of a call sees, for a tensor of key slots.
+MaskFn = Callable[[Tensor], Tensor]
+# A sliding layer's ring cache: where to write, the slot each cell holds, and the call's mask.
+Ring = tuple[CacheIndex, Tensor, Tensor]
 
 
 def cached_attention(
@@ -305,21 +309,39 @@ class CausalLM(nn.Module):
         if tree_mask is None:
             # Each row's keys and values go to the slot of its position.
             write_at = input_pos
-            mask = keys.unsqueeze(0) <= input_pos.unsqueeze(1)
+            last = input_pos[-1]
+
+            def sees(keys: Tensor) -> Tensor:
+                return keys.unsqueeze(0) <= input_pos.unsqueeze(1)
+
         else:
             # A token tree (runtime/tree.py): row i is written to slot input_pos[0] + i and has
             # RoPE position input_pos[i] (input_pos[0] plus its depth); tree_mask [T, T] says
             # which rows each row sees (its ancestors and itself), next to the whole prefix.
             write_at = start + self.key_positions[:t]
-            rel = keys - start  # < 0 on the prefix, else the key's tree row
-            seen = tree_mask.index_select(1, rel.clamp(0, t - 1))
-            if key_pos is not None:  # keys past the tree (rel >= t) are not its rows
-                seen = seen & (rel < t).unsqueeze(0)
-            mask = (rel < 0).unsqueeze(0) | seen
+            last = write_at[-1]
+
+            def sees(keys: Tensor) -> Tensor:
+                rel = keys - start  # < 0 on the prefix, else the key's tree row
+                seen = tree_mask.index_select(1, rel.clamp(0, t - 1))
+                if key_pos is not None:  # keys past the tree (rel >= t) are not its rows
+                    seen = seen & (rel < t).unsqueeze(0)
+                return (rel < 0).unsqueeze(0) | seen
+
+        ring = self._ring(caches, write_at, last, attn_len, sees)
         history = self._conv_history(input_pos, tree_mask)
-        last, prefix = self.last_row_only, key_pos is None
+        last_row, prefix = self.last_row_only, key_pos is None
         return self._layers(
-            x, input_pos, write_at, caches, keys, mask, history, last, prefix_keys=prefix
+            x,
+            input_pos,
+            write_at,
+            caches,
+            keys,
+            sees(keys),
+            history,
+            last_row,
+            ring=ring,
+            prefix_keys=prefix,
         )
 
     def _batch_forward(
@@ -331,10 +353,43 @@ class CausalLM(nn.Module):
         torch._check(attn_len >= 1)
         torch._check(attn_len <= self.cache_len)
         keys = self.key_positions[:attn_len]
-        mask = keys <= input_pos.unsqueeze(-1)  # [B, T, attn_len]
         write_at = (slots.unsqueeze(1), input_pos)
+
+        def sees(keys: Tensor) -> Tensor:  # [B, T, keys]
+            return keys <= input_pos.unsqueeze(-1)
+
+        # Each sequence's ring cells hold the positions up to its own last one.
+        ring = self._ring(caches, write_at, input_pos[:, -1:].unsqueeze(-1), attn_len, sees)
         history = self._conv_history(input_pos)
-        return self._layers(x, input_pos, write_at, caches, keys, mask, history, heads_dim=True)
+        return self._layers(
+            x, input_pos, write_at, caches, keys, sees(keys), history, heads_dim=True, ring=ring
+        )
+
+    def _ring(
+        self,
+        caches: list[Tensor],
+        write_at: CacheIndex,
+        last: Tensor,
+        attn_len: int,
+        sees: MaskFn,
+    ) -> Ring | None:
+        """Where sliding layers with a ring cache (fewer cells than `cache_len`, position p in
+        cell p % cells) write, and which position each cell holds: the latest one up to
+        `last`, the call's furthest slot. The recipe sizes the ring so that every key a row's
+        window sees is still there (window + the widest call's rows)."""
+        cfg = self.config
+        layer = next((i for i in range(cfg.num_hidden_layers) if cfg.is_sliding(i)), None)
+        cells = None if layer is None else caches[2 * layer].shape[2]
+        if cells is None or cells == self.cache_len:
+            return None
+        # Cells past the furthest position hold nothing yet: attend the first `attn_len`.
+        cell = self.key_positions[: torch.sym_min(attn_len, cells)]
+        held = last - (last - cell) % cells
+        if isinstance(write_at, tuple):
+            ring_write: CacheIndex = (write_at[0], write_at[1] % cells)
+        else:
+            ring_write = write_at % cells
+        return ring_write, held, sees(held) & (held >= 0)  # < 0: another sequence's furthest
 
     def _conv_history(
         self, input_pos: Tensor, tree_mask: Tensor | None = None
@@ -368,14 +423,16 @@ class CausalLM(nn.Module):
         history: tuple[Tensor, Tensor] | None,
         last_row: bool = False,
         heads_dim: bool = False,
+        ring: Ring | None = None,
         prefix_keys: bool = True,
     ) -> Tensor:
         """The decoder layers and the head over the cache positions `keys`; each layer gets the
-        RoPE rows, mask and span of keys of its kind (sliding or global), a convolution layer
-        no RoPE and, for a mask, where its rows' earlier positions are (`history`).
-        `heads_dim`: positions are `[B, T]`, so the RoPE rows get a heads axis to broadcast
-        against `[B, heads, T, d]`. `prefix_keys`: `keys` are the positions from 0 (not a
-        caller's `key_pos`), so sliding layers may start at their window."""
+        RoPE rows, where to write, mask and span of keys of its kind (sliding or global), a
+        convolution layer no RoPE and, for a mask, where its rows' earlier positions are
+        (`history`). `heads_dim`: positions are `[B, T]`, so the RoPE rows get a heads axis to
+        broadcast against `[B, heads, T, d]`. `ring`: the sliding layers' ring cells (`_ring`).
+        `prefix_keys`: `keys` are the positions from 0 (not a caller's `key_pos`), so sliding
+        layers may start at their window."""
         cfg = self.config
         dtype = x.dtype
         attn_len = keys.shape[0]
@@ -385,11 +442,17 @@ class CausalLM(nn.Module):
             return (cos.unsqueeze(1), sin.unsqueeze(1)) if heads_dim else (cos, sin)
 
         filled = slice(None, attn_len)  # the filled prefix
-        glob = (*rope(self.rope_cos, self.rope_sin), mask, filled)
+        glob = (*rope(self.rope_cos, self.rope_sin), write_at, mask, filled)
         local = glob
         if cfg.sliding_window:
             span = filled
-            if prefix_keys:
+            local_write = write_at
+            if ring is not None:  # every cell, masked to the positions it holds
+                if not prefix_keys:
+                    raise ValueError("a ring cache takes no key_pos: build with a full cache")
+                local_write, keys, mask = ring
+                span = slice(None, keys.shape[-1])
+            elif prefix_keys:
                 # No row sees a key before the earliest row's window: attend from there.
                 first = (input_pos.min() - cfg.sliding_window + 1).clamp(min=0).item()
                 torch._check(first >= 0)
@@ -400,12 +463,12 @@ class CausalLM(nn.Module):
             cos_sin = glob[:2]
             if cfg.rope_local_theta is not None:
                 cos_sin = rope(self.rope_local_cos, self.rope_local_sin)
-            local = (*cos_sin, window, span)
+            local = (*cos_sin, local_write, window, span)
         for i, layer in enumerate(self.decoder_layers):
-            c, s, m, span = local if cfg.is_sliding(i) else glob
+            c, s, at, m, span = local if cfg.is_sliding(i) else glob
             if cfg.is_conv(i):
                 c, s, m = None, None, history
-            x = layer(x, c, s, write_at, m, caches[2 * i], caches[2 * i + 1], span)
+            x = layer(x, c, s, at, m, caches[2 * i], caches[2 * i + 1], span)
         if last_row:
             x = x[:, -1:]
         return self.logits(x).float()

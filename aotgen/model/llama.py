@@ -188,25 +188,43 @@ def model_class(cfg: ModelConfig) -> type[CausalLM]:
 
 
 def cache_shapes(
-    cfg: ModelConfig, cache_len: int, batch: int = 1, dtype: torch.dtype = torch.float32
+    cfg: ModelConfig,
+    cache_len: int,
+    batch: int = 1,
+    dtype: torch.dtype = torch.float32,
+    ring_cells: int | None = None,
 ) -> list[list[int]]:
     """The shape of each tensor of the per-layer `[k0, v0, k1, v1, ...]` cache: keys and
-    values `[batch, kv_heads, cache_len, head_dim]`; a convolution layer's (LFM2) its
-    inputs' two halves of channels, `[batch, 1, cache_len, hidden / 2]` each. An int8 cache's
-    rows are 4 elements wider (kernels/cache_rows.py)."""
-    attention = [batch, cfg.num_key_value_heads, cache_len, row_width(cfg.head_dim, dtype)]
+    values `[batch, kv_heads, cache_len, head_dim]`, a sliding layer's `ring_cells` long when
+    it keeps a ring (position p in cell p % ring_cells, model/layers.py); a convolution
+    layer's (LFM2) its inputs' two halves of channels, `[batch, 1, cache_len, hidden / 2]`
+    each. An int8 cache's rows are 4 elements wider (kernels/cache_rows.py)."""
+    width = row_width(cfg.head_dim, dtype)
+    attention = [batch, cfg.num_key_value_heads, cache_len, width]
+    ring = [batch, cfg.num_key_value_heads, ring_cells or cache_len, width]
     conv = [batch, 1, cache_len, row_width(cfg.hidden_size // 2, dtype)]
-    return [conv if cfg.is_conv(i // 2) else attention for i in range(2 * cfg.num_hidden_layers)]
+
+    def shape(layer: int) -> list[int]:
+        if cfg.is_conv(layer):
+            return conv
+        return ring if cfg.is_sliding(layer) else attention
+
+    return [shape(i // 2) for i in range(2 * cfg.num_hidden_layers)]
 
 
 def new_kv_cache(
-    cfg: ModelConfig, cache_len: int, dtype=torch.float32, device: str = "cpu", batch: int = 1
+    cfg: ModelConfig,
+    cache_len: int,
+    dtype=torch.float32,
+    device: str = "cpu",
+    batch: int = 1,
+    ring_cells: int | None = None,
 ) -> list[Tensor]:
     """The cache every graph takes, zeroed (batch 1; more rows only for eager batched runs,
     such as distillation)."""
     return [
         torch.zeros(shape, dtype=dtype, device=device)
-        for shape in cache_shapes(cfg, cache_len, batch, dtype)
+        for shape in cache_shapes(cfg, cache_len, batch, dtype, ring_cells)
     ]
 
 

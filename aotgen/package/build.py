@@ -38,7 +38,13 @@ from aotgen.package.compile import (
 )
 from aotgen.package.inputs import BuildInputs, read_inputs, up_to_date
 from aotgen.package.manifest import FORMAT_VERSION, target_info, write_manifest
-from aotgen.package.models import ModelBuild, calibrate, prepare_models, recipe_kv_cache
+from aotgen.package.models import (
+    ModelBuild,
+    calibrate,
+    prepare_models,
+    recipe_kv_cache,
+    ring_cells,
+)
 from aotgen.package.perplexity import measure_perplexity
 from aotgen.package.weights import save_constants
 from aotgen.passes.fuse import FuseLinearsPass
@@ -259,6 +265,7 @@ def _model_entry(
     """A model's manifest entry; its weights are added once they are written."""
     quantizer = mb.quantizer
     quantization = quantizer.manifest_entry() if quantizer else None
+    cells = ring_cells(mb.config, recipe)
     if quantization and any(isinstance(m, Int8Experts) for m in mb.model.modules()):
         quantization["experts"] = {"scheme": "int8", "granularity": "per-channel", "method": "rtn"}
     return {
@@ -269,13 +276,19 @@ def _model_entry(
             "layout": "per-layer [k0, v0, k1, v1, ...]: keys and values [1, kv_heads, "
             "cache_len, head_dim] (a convolution layer's inputs [1, 1, cache_len, hidden / 2] "
             "twice; int8: each row's codes, then its float32 scale's 4 bytes), written in "
-            "place at input_pos",
+            "place at input_pos; with `ring`, sliding layers hold `cells` positions, position "
+            "p in cell p % cells",
             "layers": mb.config.num_hidden_layers,
             "shapes": cache_shapes(  # per rank
-                rank_config(mb.config, world), recipe.cache_len, 1, getattr(torch, recipe.kv_dtype)
+                rank_config(mb.config, world),
+                recipe.cache_len,
+                1,
+                getattr(torch, recipe.kv_dtype),
+                cells,
             ),
             "dtype": recipe.kv_dtype,
             "cache_len": recipe.cache_len,
+            **({"ring": {"cells": cells, "window": mb.config.sliding_window}} if cells else {}),
             **_cache_sharing(mb.role, recipe),
         },
     }

@@ -193,6 +193,19 @@ def _check_kv_cache(kv: Any, where: str, bad: Callable[[str], PackageError]) -> 
         )
     ):
         raise bad(f"`{where}` needs `cache_len` and 4-D `shapes`")
+    ring = kv.get("ring")
+    if ring is not None and not (
+        isinstance(ring, dict)
+        and all(type(ring.get(k)) is int and ring[k] > 0 for k in ("cells", "window"))
+        and any(s[2] == ring["cells"] for s in shapes)
+    ):
+        raise bad(f"`{where}.ring` needs positive `cells` (a layer's length) and `window`")
+
+
+def kv_cache_bytes(kv: dict[str, Any]) -> int:
+    """Bytes one sequence's cache takes: every layer's positions (a ring layer's cells)."""
+    lengths = [k[2] for k in kv["shapes"][::2]]
+    return sum(b * n for b, n in zip(kv_position_bytes(kv), lengths, strict=True))
 
 
 def kv_position_bytes(kv: dict[str, Any]) -> list[int]:

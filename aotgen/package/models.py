@@ -66,7 +66,15 @@ def recipe_kv_cache(cfg: ModelConfig, recipe: Recipe) -> list[Tensor]:
             f"head_dim that is a multiple of {attention.DIM_MULTIPLE}, and {cfg.architecture}'s "
             f"is {cfg.head_dim}; drop kv_cache_dtype"
         )
-    return new_kv_cache(cfg, recipe.cache_len, getattr(torch, recipe.kv_dtype), recipe.device)
+    dtype = getattr(torch, recipe.kv_dtype)
+    return new_kv_cache(cfg, recipe.cache_len, dtype, recipe.device, 1, ring_cells(cfg, recipe))
+
+
+def ring_cells(cfg: ModelConfig, recipe: Recipe) -> int | None:
+    """The ring length of the model's sliding layers' cache, None where it keeps none."""
+    if not any(cfg.is_sliding(i) for i in range(cfg.num_hidden_layers)):
+        return None
+    return recipe.ring_cells(cfg.sliding_window)
 
 
 def _layer_index(name: str) -> int | None:

@@ -241,7 +241,8 @@ class BatchEngine:
         for seq in prefilling:
             if seq.pos == seq.cached_tokens and seq.config.reuses_prefix:  # not started
                 try:
-                    held = self.target.share_prefix(seq.slot, seq.prompt)
+                    # Not the last token, which runs: a ring is checked where the row goes on.
+                    held = self.target.share_prefix(seq.slot, seq.prompt[:-1])
                 except Exception as e:  # a failed copy ends its request, not the engine
                     _fail([seq], e)
                     continue

@@ -9,16 +9,26 @@ The record is kept truthful rather than complete: a write at `start` first forge
 from `start` on, a write the runner cannot name (a draft's own keys in the target's layers, a
 tree's nodes) is only forgotten, and a write past the recorded end leaves the record as it
 is, since the positions in between are unknown.
+
+Sliding-window layers of a package built with a ring cache (`kv_cache.ring`) keep position
+`p` in cell `p % cells`, so a later position overwrites it. The record then also keeps which
+position each cell holds, and a row can go on at position `b` only if the cells still hold
+the window before it (`b - window + 1 .. b - 1`); where they do not (an answer regenerated
+from far back), the prompt runs from the start, as llama.cpp does without `--swa-full`.
 """
 
 from __future__ import annotations
 
 
 class CachedTokens:
-    """The token ids whose keys and values sit at positions 0.. of each cache row (slot)."""
+    """The token ids whose keys and values sit at positions 0.. of each cache row (slot), and
+    with a ring (`cells`, `window`), the position each ring cell of each row holds (-1: none
+    or unknown)."""
 
-    def __init__(self, slots: int):
+    def __init__(self, slots: int, ring: tuple[int, int] | None = None):
         self.rows: list[list[int]] = [[] for _ in range(slots)]
+        self.ring = ring
+        self.cells: list[list[int]] = [[-1] * ring[0] for _ in range(slots)] if ring else []
 
     def clear(self) -> None:
         """Forget every row: nothing found before is reused (a benchmark's new conversation;
@@ -35,20 +45,56 @@ class CachedTokens:
         row = self.rows[slot]
         if start == len(row):
             row.extend(tokens)
+        self._place(slot, start, len(tokens), known=True)
+
+    def overwrote(self, slot: int, start: int, count: int) -> None:
+        """Positions (or tree slots) start.. of `slot` now hold keys that are not the record's:
+        forgotten, and their ring cells unknown."""
+        self.forget(slot, start)
+        self._place(slot, start, count, known=False)
+
+    def copy_cells(self, donor: int, slot: int) -> None:
+        """`slot`'s ring layers were copied whole from `donor`'s row."""
+        if self.ring:
+            self.cells[slot] = list(self.cells[donor])
+
+    def _place(self, slot: int, start: int, count: int, known: bool) -> None:
+        if self.ring:
+            cells, size = self.cells[slot], self.ring[0]
+            for p in range(start, start + count):
+                cells[p % size] = p if known else -1
 
     def prefix(self, slot: int, tokens: list[int]) -> int:
-        """How many leading `tokens` the row already holds."""
+        """How many leading `tokens` the row holds such that it can go on after them."""
         n = 0
         for held, tok in zip(self.rows[slot], tokens, strict=False):
             if held != tok:
                 break
             n += 1
-        return n
+        return self._resumable(slot, n)
+
+    def _resumable(self, slot: int, n: int) -> int:
+        """The largest b <= n at which the row's ring cells still hold the window before b
+        (n without a ring); 0 where none within a ring's length of n does."""
+        if not self.ring or n == 0:
+            return n
+        size, window = self.ring
+        cells = self.cells[slot]
+        lo = max(0, n - size - window)
+        run = 0  # consecutive held positions ending at q
+        runs = {}
+        for q in range(lo, n):
+            run = run + 1 if cells[q % size] == q else 0
+            runs[q] = run
+        for b in range(n, max(0, n - size), -1):
+            if runs[b - 1] >= min(window - 1, b):
+                return b
+        return 0
 
     def reusable(self, slot: int, prompt: list[int]) -> int:
         """How many leading prompt tokens need not run again: all that the row holds but the
         prompt's last, whose logits pick the first new token."""
-        return min(self.prefix(slot, prompt), len(prompt) - 1)
+        return self.prefix(slot, prompt[:-1])
 
     def best_slot(self, free: list[int], prompt: list[int]) -> int:
         """The free slot holding the longest prefix of `prompt` (the first on a tie)."""

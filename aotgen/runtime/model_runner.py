@@ -188,7 +188,8 @@ class ModelRunner:
             self.caches = [
                 zeros_on_demand([slots, *shape[1:]], dtype, self.device) for shape in kv["shapes"]
             ]
-            self.cached = CachedTokens(slots)
+            ring = kv.get("ring")
+            self.cached = CachedTokens(slots, ring and (ring["cells"], ring["window"]))
         # Slots: one sequence's cache rows each (the batch engine's); a row is a `[1, ...]`
         # view that the single-sequence graphs run on in place.
         self.slot_caches = (
@@ -273,10 +274,12 @@ class ModelRunner:
         donor, held = self.cached.holder(tokens)
         if held <= own:
             return own
-        for cache in self.caches:  # [slots, kv_heads, cache_len, head_dim]
-            cache[slot, :, own:held].copy_(cache[donor, :, own:held])
+        for cache in self.caches:  # [slots, kv_heads, cache_len or ring cells, head_dim]
+            rows = slice(own, held) if cache.shape[2] == self.cache_len else slice(None)
+            cache[slot, :, rows].copy_(cache[donor, :, rows])
         self.cached.forget(slot, own)
         self.cached.wrote(slot, own, tokens[own:held])
+        self.cached.copy_cells(donor, slot)  # a ring's cells hold what the donor's held
         return held
 
     def _graph_width(self, n: int, pos: int, all_logits: bool = False) -> int:
@@ -304,7 +307,7 @@ class ModelRunner:
         ids = tree.tokens + tree.tokens[-1:] * (width - n)
         positions = [start + d for d in tree.depths] + [start] * (width - n)
         dev = self.device
-        self.cached.forget(0, start)  # node i sits at start + i: not a sequence
+        self.cached.overwrote(0, start, width)  # node i sits at start + i: not a sequence
         logits = self.graphs["tree"](
             torch.tensor([ids], device=dev),
             torch.tensor(positions, device=dev),
@@ -350,5 +353,7 @@ class ModelRunner:
     def _wrote(self, slot: int, start: int, tokens: list[int]) -> None:
         """Record a call's tokens in the cache row; a draft on the target's cache only
         forgets (its keys are not the target's)."""
-        if not self.shares_cache:
+        if self.shares_cache:
+            self.cached.overwrote(slot, start, len(tokens))
+        else:
             self.cached.wrote(slot, start, tokens)

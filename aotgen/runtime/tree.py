@@ -150,6 +150,7 @@ def commit_path(caches: list[Tensor], start: int, path: list[int]) -> int:
         return 0
     src = torch.tensor([s for s, _ in moves], device=caches[0].device)
     dst = torch.tensor([d for _, d in moves], device=caches[0].device)
-    for cache in caches:
-        cache.index_copy_(2, dst, cache.index_select(2, src))
+    for cache in caches:  # a ring layer's slot s is its cell s % cells
+        cells = cache.shape[2]
+        cache.index_copy_(2, dst % cells, cache.index_select(2, src % cells))
     return len(moves)
