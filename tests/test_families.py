@@ -228,13 +228,14 @@ def test_int8_fused_build_stays_close(family_engines, checkpoints, family):
 
 
 def test_windowed_tree_and_batched_graphs_match_transformers(family_engines, checkpoints, project):
-    """Sliding-window layers attend from their window's first key: the tree graph's nodes and
-    the batched graphs' sequences, at positions past Gemma 3's window (8), give transformers'
-    logits for each row's own history."""
+    """Sliding-window layers in a ring of window + 16 cells (a prefill chunk): the tree graph's
+    nodes and the batched graphs' sequences, at positions past Gemma 3's window (8) and past
+    the ring's length (24), give transformers' logits for each row's own history."""
     reference = load_reference(checkpoints["gemma3"])
     runner = family_engines("gemma3", **WINDOWED).target
+    assert runner.caches[0].shape[2] == 24 < runner.caches[-1].shape[2]  # layer 3 is global
     g = torch.Generator().manual_seed(3)
-    prompt = torch.randint(0, runner.vocab_size, (19,), generator=g).tolist()
+    prompt = torch.randint(0, runner.vocab_size, (45,), generator=g).tolist()
     tree = make_tree(SHAPES["bushy"][: WINDOWED["tree_nodes"] - 1], 2, runner.vocab_size)
     reset_caches(runner)
     runner.forward(prompt, 0)
@@ -245,7 +246,7 @@ def test_windowed_tree_and_batched_graphs_match_transformers(family_engines, che
         assert _rel_err(got[node], want) < FP32_TOL, node
 
     batch = BatchEngine.load(_package("gemma3", checkpoints, project, **WINDOWED)).target
-    histories = [torch.randint(0, runner.vocab_size, (n,), generator=g).tolist() for n in (24, 13)]
+    histories = [torch.randint(0, runner.vocab_size, (n,), generator=g).tolist() for n in (53, 13)]
     slots = torch.tensor([1, 0])
     for graph, t in (("batch_decode", 1), ("batch_verify", 5)):
         reset_caches(batch)
@@ -256,6 +257,36 @@ def test_windowed_tree_and_batched_graphs_match_transformers(family_engines, che
         got = batch.batch(graph, tokens, positions, slots)
         for row, history in zip(got, histories, strict=True):
             assert _rel_err(row, reference_logits(reference, history)[-t:]) < FP32_TOL, graph
+
+
+def test_ring_cache_generates_and_reuses_like_transformers(family_engines, checkpoints, project):
+    """Gemma 3 in a ring cache: greedy text, plain and with n-gram speculation (rejected rows
+    left in the ring), equals transformers' past the ring's length; the next chat turn reuses
+    the row; a prompt that branches further back than the ring holds runs from the start and
+    still equals transformers; the batch engine copies a running request's ring."""
+    reference = load_reference(checkpoints["gemma3"])
+    engine = family_engines("gemma3", **WINDOWED)
+    assert engine.manifest["models"]["target"]["kv_cache"]["ring"] == {"cells": 24, "window": 8}
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, engine.target.vocab_size, (30,), generator=g).tolist()
+    want = reference_greedy(reference, prompt, 40)
+    for lookup in (None, "ngram"):
+        cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True, speculative=lookup)
+        assert engine.generate(prompt, cfg).token_ids == want
+        turn = [*prompt, *want, 5, 6, 7]
+        got = engine.generate(turn, replace(cfg, max_new_tokens=8))
+        assert got.cached_tokens >= len(prompt) + len(want) - 1
+        assert got.token_ids == reference_greedy(reference, turn, 8)
+        branch = prompt[:20] + [9]
+        got = engine.generate(branch, replace(cfg, max_new_tokens=8))
+        assert got.cached_tokens == 0  # the ring no longer holds positions 13..19
+        assert got.token_ids == reference_greedy(reference, branch, 8)
+
+    batch = BatchEngine.load(engine.root)
+    prompts = [prompt, prompt[:20], [*prompt, *want[:10]]]
+    results = batch.generate_many(prompts, GenerationConfig(max_new_tokens=24, ignore_eos=True))
+    assert [r.token_ids for r in results] == [reference_greedy(reference, p, 24) for p in prompts]
+    assert results[1].cached_tokens == 19  # copied from the first request's row
 
 
 def test_biased_q_k_v_are_fused(checkpoints, project, family_engines):
