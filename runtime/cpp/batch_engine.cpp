@@ -169,7 +169,10 @@ struct BatchEngine::Impl {
       if (r->pos == r->cached_tokens && r->config.reuse_prefix) {  // not started
         int64_t held = 0;
         try {
-          held = target.share_prefix(r->slot, r->prompt);
+          // Without the last token: the row goes on at most there, where its logits pick
+          // the first new token, so the ring's window is checked at that position.
+          held = target.share_prefix(
+              r->slot, std::vector<int64_t>(r->prompt.begin(), r->prompt.end() - 1));
         } catch (const std::exception& e) {  // a failed copy ends its request, not the engine
           fail(*r, e);
           continue;

@@ -59,6 +59,24 @@ void check_signature(const std::string& name, const json& signature, int64_t lay
   }
 }
 
+// kv_cache.ring's (cells, window): sliding layers keep position p in cell p % cells, and
+// some layer is that long; (0, 0) without a ring.
+std::pair<int64_t, int64_t> ring_of(const json& kv, const Shapes& shapes) {
+  if (!kv.contains("ring") || kv["ring"].is_null()) return {0, 0};
+  const json& ring = kv["ring"];
+  const auto positive = [&](const char* key) {
+    return ring.is_object() && ring.contains(key) && ring[key].is_number_integer() &&
+           ring[key].get<int64_t>() > 0;
+  };
+  if (!positive("cells") || !positive("window") ||
+      std::none_of(shapes.begin(), shapes.end(), [&](const std::vector<int64_t>& s) {
+        return s.size() == 4 && s[2] == ring["cells"].get<int64_t>();
+      })) {
+    throw PackageError("kv_cache.ring needs positive cells (a layer's length) and window");
+  }
+  return {ring["cells"].get<int64_t>(), ring["window"].get<int64_t>()};
+}
+
 }  // namespace
 
 // ---- Graph -------------------------------------------------------------------------------
@@ -169,6 +187,10 @@ int64_t Graph::span(int64_t attend) const {
 
 // ---- CachedTokens ------------------------------------------------------------------------
 
+CachedTokens::CachedTokens(int64_t slots, int64_t ring_cells, int64_t ring_window)
+    : rows_(slots), ring_cells_(std::max<int64_t>(ring_cells, 0)), ring_window_(ring_window),
+      cells_(ring_cells_ > 0 ? slots : 0, std::vector<int64_t>(ring_cells_, -1)) {}
+
 void CachedTokens::clear() {
   for (auto& row : rows_) row.clear();
 }
@@ -181,16 +203,53 @@ void CachedTokens::forget(int64_t slot, int64_t start) {
 void CachedTokens::wrote(int64_t slot, int64_t start, const int64_t* tokens, int64_t count) {
   auto& row = rows_.at(slot);
   if (start == static_cast<int64_t>(row.size())) row.insert(row.end(), tokens, tokens + count);
+  place(slot, start, count, true);
+}
+
+void CachedTokens::overwrote(int64_t slot, int64_t start, int64_t count) {
+  forget(slot, start);
+  place(slot, start, count, false);
+}
+
+void CachedTokens::copy_cells(int64_t donor, int64_t slot) {
+  if (!cells_.empty()) cells_.at(slot) = cells_.at(donor);
+}
+
+void CachedTokens::place(int64_t slot, int64_t start, int64_t count, bool known) {
+  if (cells_.empty()) return;
+  auto& cells = cells_.at(slot);
+  for (int64_t p = start; p < start + count; ++p) cells[p % ring_cells_] = known ? p : -1;
 }
 
 int64_t CachedTokens::prefix(int64_t slot, const std::vector<int64_t>& tokens) const {
+  return prefix_of(slot, tokens.data(), tokens.size());
+}
+
+int64_t CachedTokens::prefix_of(int64_t slot, const int64_t* tokens, std::size_t count) const {
   const auto& row = rows_.at(slot);
-  const std::size_t n = std::min(row.size(), tokens.size());
-  return std::mismatch(row.begin(), row.begin() + n, tokens.begin()).first - row.begin();
+  const std::size_t n = std::min(row.size(), count);
+  return resumable(slot, std::mismatch(row.begin(), row.begin() + n, tokens).first - row.begin());
+}
+
+int64_t CachedTokens::resumable(int64_t slot, int64_t n) const {
+  if (cells_.empty() || n == 0) return n;
+  const auto& cells = cells_.at(slot);
+  const int64_t size = ring_cells_, window = ring_window_;
+  const int64_t lo = std::max<int64_t>(0, n - size - window);
+  std::vector<int64_t> runs(n - lo);  // [q - lo]: consecutive held positions ending at q
+  int64_t run = 0;
+  for (int64_t q = lo; q < n; ++q) {
+    run = cells[q % size] == q ? run + 1 : 0;
+    runs[q - lo] = run;
+  }
+  for (int64_t b = n; b > std::max<int64_t>(0, n - size); --b) {
+    if (runs[b - 1 - lo] >= std::min(window - 1, b)) return b;
+  }
+  return 0;
 }
 
 int64_t CachedTokens::reusable(int64_t slot, const std::vector<int64_t>& prompt) const {
-  return std::min(prefix(slot, prompt), static_cast<int64_t>(prompt.size()) - 1);
+  return prompt.empty() ? 0 : prefix_of(slot, prompt.data(), prompt.size() - 1);
 }
 
 int64_t CachedTokens::best_slot(const std::deque<int64_t>& free,
@@ -219,6 +278,7 @@ ModelRunner::ModelRunner(const fs::path& pt2, const json& entry, const ModelRunn
   const auto layers = kv.at("layers").get<int64_t>();
   auto shapes = kv.at("shapes").get<Shapes>();
   cache_len_ = kv.at("cache_len").get<int64_t>();
+  const auto [ring_cells, ring_window] = ring_of(kv, shapes);
   const auto& graphs = entry.at("graphs");
   for (const auto& [name, signature] : graphs.items()) {
     check_signature(name, signature, layers, shapes);
@@ -257,9 +317,10 @@ ModelRunner::ModelRunner(const fs::path& pt2, const json& entry, const ModelRunn
           "differs from the draft's; rebuild the package");
     }
     caches_.assign(theirs.begin(), theirs.begin() + 2 * layers);
-    cached_ = target ? target->cached_ : std::make_shared<CachedTokens>(slots);
+    cached_ = target ? target->cached_
+                     : std::make_shared<CachedTokens>(slots, ring_cells, ring_window);
   } else {
-    cached_ = std::make_shared<CachedTokens>(slots);
+    cached_ = std::make_shared<CachedTokens>(slots, ring_cells, ring_window);
     for (auto shape : shapes) {
       shape.at(0) = slots;
       caches_.push_back(device_.is_cpu()
@@ -316,23 +377,31 @@ at::Tensor ModelRunner::tree_forward(const Tree& tree, int64_t start) {
     ids[0][i] = tree.tokens[i];
     positions[i] = start + depths[i];
   }
-  cached_->forget(0, start);  // node i sits at start + i: not a sequence
+  cached_->overwrote(0, start, width);  // node i sits at start + i: not a sequence
   return (*tree_)(ids, positions, caches(), tree.mask(width), start + width)[0].narrow(0, 0, n);
 }
 
 void ModelRunner::wrote(int64_t slot, int64_t start, const int64_t* tokens, int64_t count) {
-  if (!shares_cache_) cached_->wrote(slot, start, tokens, count);
+  if (shares_cache_) {
+    cached_->overwrote(slot, start, count);  // the draft's own keys, not the target's
+  } else {
+    cached_->wrote(slot, start, tokens, count);
+  }
 }
 
 int64_t ModelRunner::share_prefix(int64_t slot, const std::vector<int64_t>& tokens) {
   const int64_t own = cached_->prefix(slot, tokens);
   const auto [donor, held] = cached_->holder(tokens);
   if (held <= own) return own;
-  for (auto& cache : caches_) {  // [slots, kv_heads, cache_len, head_dim]
-    cache.select(0, slot).slice(1, own, held).copy_(cache.select(0, donor).slice(1, own, held));
+  for (auto& cache : caches_) {  // [slots, kv_heads, cache_len or ring cells, head_dim]
+    at::Tensor to = cache.select(0, slot), from = cache.select(0, donor);
+    // A ring layer's cells hold positions of any age: the donor's whole row.
+    if (cache.size(2) >= cache_len_) to = to.slice(1, own, held), from = from.slice(1, own, held);
+    to.copy_(from);
   }
   cached_->forget(slot, own);
   cached_->wrote(slot, own, tokens.data() + own, held - own);
+  cached_->copy_cells(donor, slot);  // last: the ring layers are now the donor's, cell for cell
   return held;
 }
 

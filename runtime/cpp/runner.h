@@ -3,6 +3,7 @@
 // aotgen/runtime/engine.py), and the loaded engine's state.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <filesystem>
@@ -34,14 +35,22 @@ struct Tree;
 // Kept truthful rather than complete: a write at `start` first forgets everything from there,
 // a write it cannot name (a draft's keys in the target's layers, a tree's nodes) is only
 // forgotten, and a write past the recorded end records nothing.
+// With a ring (kv_cache.ring: sliding layers keep position p in cell p % cells) it also keeps
+// the position each cell of each row holds (-1: none or unknown), and a row goes on at a
+// position only where its cells still hold the window before it.
 class CachedTokens {
  public:
-  explicit CachedTokens(int64_t slots) : rows_(slots) {}
+  explicit CachedTokens(int64_t slots, int64_t ring_cells = 0, int64_t ring_window = 0);
   void clear();
   void forget(int64_t slot, int64_t start);
   // tokens now sit at positions start.. of `slot` (after forget(slot, start)).
   void wrote(int64_t slot, int64_t start, const int64_t* tokens, int64_t count);
-  // How many leading tokens the row already holds.
+  // Positions (or tree slots) start.. of `slot` now hold keys that are not the record's:
+  // forgotten, and their ring cells unknown.
+  void overwrote(int64_t slot, int64_t start, int64_t count);
+  // `slot`'s ring layers were copied whole from `donor`'s row.
+  void copy_cells(int64_t donor, int64_t slot);
+  // How many leading tokens the row holds such that it can go on after them.
   int64_t prefix(int64_t slot, const std::vector<int64_t>& tokens) const;
   // All that the row holds of the prompt but its last token, whose logits pick the first.
   int64_t reusable(int64_t slot, const std::vector<int64_t>& prompt) const;
@@ -51,7 +60,15 @@ class CachedTokens {
   std::pair<int64_t, int64_t> holder(const std::vector<int64_t>& tokens) const;
 
  private:
+  int64_t prefix_of(int64_t slot, const int64_t* tokens, std::size_t count) const;
+  void place(int64_t slot, int64_t start, int64_t count, bool known);
+  // The largest b <= n at which the row's cells still hold the window before b (n without a
+  // ring); 0 where none within a ring's length of n does.
+  int64_t resumable(int64_t slot, int64_t n) const;
+
   std::vector<std::vector<int64_t>> rows_;
+  int64_t ring_cells_ = 0, ring_window_ = 0;
+  std::vector<std::vector<int64_t>> cells_;  // [slot][cell]: the position it holds, or -1
 };
 
 // One AOTInductor graph; checks the token count (and batch size) it was compiled for and
@@ -98,7 +115,8 @@ class Graph {
 // target's for a draft built with kv_cache.shared_with: target. The target's cache has
 // `slots` rows per layer ([slots, kv_heads, cache_len, head_dim]); a row is a [1, ...] view
 // that the single-sequence graphs run on in place, and the batched graphs (loaded only when
-// slots > 1) take all of them.
+// slots > 1) take all of them. A sliding layer of a ring cache (kv_cache.ring) has the ring's
+// cells in place of cache_len.
 class ModelRunner {
  public:
   // Loads the graphs' code; the weights come later, in bind_weights. `target` is the target's
@@ -164,7 +182,8 @@ class ModelRunner {
   std::unique_ptr<Graph> prefill_, decode_, verify_, tree_, batch_decode_, batch_verify_;
   std::vector<at::Tensor> caches_;                    // all slots
   std::vector<std::vector<at::Tensor>> slot_caches_;  // [slot][layer]: [1, ...] rows
-  // A draft on the target's cache only makes the target's record forget what it writes.
+  // A draft on the target's cache only makes the target's record forget what it writes (and
+  // its ring cells unknown).
   void wrote(int64_t slot, int64_t start, const int64_t* tokens, int64_t count);
 
   std::shared_ptr<CachedTokens> cached_;

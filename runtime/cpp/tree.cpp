@@ -423,7 +423,9 @@ int64_t commit_path(const std::vector<at::Tensor>& caches, int64_t start,
   const at::Tensor s = at::tensor(src, at::kLong), d = at::tensor(dst, at::kLong);
   for (const auto& cache : caches) {
     at::Tensor c = cache;  // the same storage: written in place
-    c.index_copy_(2, d, c.index_select(2, s));
+    // A ring layer keeps position p in cell p % its cells (a full-length layer: p).
+    const int64_t cells = c.size(2);
+    c.index_copy_(2, d.remainder(cells), c.index_select(2, s.remainder(cells)));
   }
   return static_cast<int64_t>(src.size());
 }

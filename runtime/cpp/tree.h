@@ -42,7 +42,8 @@ struct TreeVerdict {
 TreeVerdict verify_tree(const Tree& tree, const at::Tensor& logits, const SamplingParams& params,
                         at::Generator& generator);
 
-// Copy the path's keys/values from slot start + node to start + depth; returns the count.
+// Copy the path's keys/values from slot start + node to start + depth (a ring layer: their
+// cells); returns the count.
 int64_t commit_path(const std::vector<at::Tensor>& caches, int64_t start,
                     const std::vector<int64_t>& path);
 
