@@ -29,6 +29,7 @@ from families import (
 )
 from families import load_reference as _load_reference
 from reference import EagerModel, reset_caches
+from test_cpp_batch import batch_bin, cpp_results, request_json, run_batch  # noqa: F401
 from test_cpp_runtime import cpp_generate
 from test_tree import SHAPES, make_tree, path_to
 
@@ -513,6 +514,33 @@ def test_int4_and_gptq_passes_on_biased_families(checkpoints, family, quantize):
         want = model(tokens, pos, new_kv_cache(cfg, 32))
     # int4 g32 of random Gaussian weights (no structure to keep): measured 0.087-0.099.
     assert 0 < _rel_err(got, want) < 0.2
+
+
+@pytest.mark.cpp
+def test_cpp_runtime_on_a_ring_cache(run_bin, batch_bin, family_engines, tmp_path):  # noqa: F811
+    """The C++ runtime on Gemma 3's ring cache: aotgen-run's greedy and n-gram ids equal
+    Python's; aotgen-batch on one slot, a chat's next turn and a branch from far back, gets
+    Python's ids and cached counts (the branch runs whole in both)."""
+    engine = family_engines("gemma3", **WINDOWED)
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(3, engine.target.vocab_size, (30,), generator=g).tolist()
+    for args in ([], ["--lookup", "ngram"]):
+        cfg = GenerationConfig(
+            max_new_tokens=40, ignore_eos=True, speculative="ngram" if args else None
+        )
+        got = cpp_generate(
+            run_bin, engine.root, prompt, "--max-new-tokens", "40", "--ignore-eos", *args
+        )
+        assert got["ids"] == engine.generate(prompt, replace(cfg, reuse_prefix=False)).token_ids
+    first = engine.generate(prompt, GenerationConfig(max_new_tokens=40, ignore_eos=True))
+    prompts = [prompt, [*prompt, *first.token_ids, 5, 6], [*prompt[:20], 9]]
+    configs = [GenerationConfig(n, ignore_eos=True) for n in (40, 8, 8)]
+    want = BatchEngine.load(engine.root, slots=1).generate_many(prompts, configs)
+    requests = [request_json(p, c) for p, c in zip(prompts, configs, strict=True)]
+    got = cpp_results(run_batch(batch_bin, engine.root, requests, tmp_path, "--slots", "1"))[0]
+    assert [r["ids"] for r in got] == [w.token_ids for w in want]
+    assert [r["cached_tokens"] for r in got] == [w.cached_tokens for w in want]
+    assert want[1].cached_tokens >= 69 and want[2].cached_tokens == 0
 
 
 @pytest.mark.cpp

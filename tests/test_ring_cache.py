@@ -15,6 +15,7 @@ from aotgen.checkpoint.hf import open_checkpoint
 from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
 from aotgen.recipe import RecipeError, parse_recipe
 from aotgen.runtime.cached_tokens import CachedTokens
+from aotgen.runtime.tree import commit_path
 
 pytest.importorskip("transformers")
 
@@ -132,3 +133,14 @@ def test_sliding_cache_recipe_key():
         parse_recipe({**base, "formats": ["aoti", "onnx"], "sliding_cache": "ring"}, "r", Path("."))
     with pytest.raises(RecipeError, match="sliding_cache 'rolling'; valid: ring, full"):
         parse_recipe({**base, "sliding_cache": "rolling"}, "r", Path("."))
+
+
+def test_a_trees_accepted_path_moves_into_ring_cells():
+    """`commit_path` moves the accepted nodes' keys from slot start + node to start + depth:
+    in a ring layer between the cells of those slots, in a full-length layer as before."""
+    start, path = 21, [0, 2, 3]  # nodes at slots 21, 23, 24 become positions 21, 22, 23
+    ring = torch.arange(10.0).reshape(1, 1, 10, 1).repeat(1, 1, 1, 2)  # cell c holds c
+    full = torch.arange(30.0).reshape(1, 1, 30, 1).repeat(1, 1, 1, 2)
+    assert commit_path([ring, full], start, path) == 2
+    assert ring[0, 0, :, 0].tolist() == [0, 1, 3, 4, 4, 5, 6, 7, 8, 9]  # cells 2, 3 <- 3, 4
+    assert full[0, 0, 21:25, 0].tolist() == [21, 23, 24, 24]

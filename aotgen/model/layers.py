@@ -27,11 +27,16 @@ which row each of the B sequences uses; positions are per sequence:
 A slot's row of such a cache is itself a `[1, ...]` cache, so the single-sequence graphs run
 one sequence of a batch on a view, with no copy.
 
-Sliding-window layers keep a full-length cache and a window mask: the same cache layout
-for every layer, so the runtimes, speculation and the draft's shared cache need nothing
-new; the cost is memory for keys the window no longer sees. They attend only from the first
-key the window of the call's earliest row sees (`span`, read back with `.item()` like the
-length), so their attention costs window + rows keys, not the whole prefix (a graph given
+Sliding-window layers keep a ring (`_ring`): a cache of `cells` positions (the window plus
+the widest call's rows, recipe.py `ring_cells`), position p in cell p % cells, each cell
+masked by the position it holds. A call writes its rows before they attend and a rejected
+speculative row stays written until overwritten, so the extra cells keep every key a row's
+window sees. The runtimes keep the same contract (positions, not cells): only prefix reuse
+and the copies of a row (a shared prefix, a tree's accepted path) know about cells
+(runtime/cached_tokens.py). A package built with `sliding_cache: full` (and every CUDA or
+ONNX package) keeps a full-length cache there instead; such layers attend only from the
+first key the window of the call's earliest row sees (`span`, read back with `.item()` like
+the length), so their attention costs window + rows keys, not the whole prefix (a graph given
 `key_pos` attends over all of it, masked).
 
 How far a graph attends: up to its last position (`input_pos[-1] + 1` keys, read back to the
