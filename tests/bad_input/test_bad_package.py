@@ -145,6 +145,11 @@ ROWS: list[tuple[str, Mutation, str]] = [
         "dtype float8",
     ),
     (
+        "manifest-kv-ring",  # no layer of the ring's length
+        _edit(lambda m: m["models"]["target"]["kv_cache"].update(ring={"cells": 7, "window": 4})),
+        "needs positive",
+    ),
+    (
         "manifest-files-no-sha",
         _edit(lambda m: m["files"][WEIGHTS].pop("sha256")),
         "malformed",
