@@ -394,7 +394,8 @@ class CausalLM(nn.Module):
             ring_write: CacheIndex = (write_at[0], write_at[1] % cells)
         else:
             ring_write = write_at % cells
-        return ring_write, held, sees(held) & (held >= 0)  # < 0: another sequence's furthest
+        # held < 0: a cell this sequence has not reached (a shorter one of a batch).
+        return ring_write, held, sees(held) & (held >= 0)
 
     def _conv_history(
         self, input_pos: Tensor, tree_mask: Tensor | None = None
