@@ -346,8 +346,9 @@ INT8 = {"quantize": {"linear": "int8"}}
 # The biased ones, a mixture of experts (its experts int8, its routers float), and LFM2 (its
 # convolutions float, their projections int8).
 INT8_FAMILIES = ["qwen2-tied", "gptneox-parallel", "qwen3-moe", "lfm2"]
-# Gemma 3's tree and batched graphs (its window shorter than their rows' histories).
-WINDOWED = {"max_batch": 2, "tree_nodes": 4}
+# Gemma 3's tree and batched graphs (its window shorter than their rows' histories), and a
+# draft of its first two layers on its cache: every kind of call on a ring cache.
+WINDOWED = {"max_batch": 2, "tree_nodes": 4, "speculative": {"draft": {"layers": 2}, "k": 4}}
 # (family, extra recipe keys) of every package, in the order the tests first ask for them.
 PACKAGES: list[tuple[str, dict[str, Any]]] = [
     *((family, {}) for family in PARITY),

@@ -41,6 +41,7 @@ from aotgen.passes.tp import parse_parallel, resolve_plan, shard_model
 from aotgen.recipe import RecipeError, parse_recipe
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.engine import Engine, GenerationConfig
+from aotgen.runtime.tree_draft import TreeParams
 
 pytest.importorskip("transformers")
 
@@ -261,18 +262,19 @@ def test_windowed_tree_and_batched_graphs_match_transformers(family_engines, che
 
 
 def test_ring_cache_generates_and_reuses_like_transformers(family_engines, checkpoints, project):
-    """Gemma 3 in a ring cache: greedy text, plain and with n-gram speculation (rejected rows
-    left in the ring), equals transformers' past the ring's length; the next chat turn reuses
-    the row; a prompt that branches further back than the ring holds runs from the start and
-    still equals transformers; the batch engine copies a running request's ring."""
+    """Gemma 3 in a ring cache: greedy text, plain, with n-gram speculation (rejected rows
+    left in the ring), a draft on the target's ring and a tree of its proposals, equals
+    transformers' past the ring's length; the next chat turn reuses the row; a prompt that
+    branches further back than the ring holds runs from the start and still equals
+    transformers; the batch engine copies a running request's ring."""
     reference = load_reference(checkpoints["gemma3"])
     engine = family_engines("gemma3", **WINDOWED)
     assert engine.manifest["models"]["target"]["kv_cache"]["ring"] == {"cells": 24, "window": 8}
     g = torch.Generator().manual_seed(5)
     prompt = torch.randint(3, engine.target.vocab_size, (30,), generator=g).tolist()
     want = reference_greedy(reference, prompt, 40)
-    for lookup in (None, "ngram"):
-        cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True, speculative=lookup)
+    for lookup, tree in ((None, None), ("ngram", None), ("draft", None), ("draft", TreeParams())):
+        cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True, speculative=lookup, tree=tree)
         assert engine.generate(prompt, cfg).token_ids == want
         turn = [*prompt, *want, 5, 6, 7]
         got = engine.generate(turn, replace(cfg, max_new_tokens=8))
