@@ -177,7 +177,7 @@ def test_a_failed_prefix_copy_ends_its_request_only(tiny_batch_package, monkeypa
     share = batch.target.share_prefix
 
     def failing(slot, prompt):
-        if prompt == prompts[1]:
+        if prompt == prompts[1][:-1]:  # the engine asks for all but the last token
             raise RuntimeError("copy failed")
         return share(slot, prompt)
 
