@@ -81,13 +81,12 @@ class CachedTokens:
         size, window = self.ring
         cells = self.cells[slot]
         lo = max(0, n - size - window)
-        run = 0  # consecutive held positions ending at q
-        runs = {}
+        run, runs = 0, []  # runs[q - lo]: consecutive held positions ending at q
         for q in range(lo, n):
             run = run + 1 if cells[q % size] == q else 0
-            runs[q] = run
+            runs.append(run)
         for b in range(n, max(0, n - size), -1):
-            if runs[b - 1] >= min(window - 1, b):
+            if runs[b - 1 - lo] >= min(window - 1, b):
                 return b
         return 0
 
