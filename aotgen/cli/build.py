@@ -163,10 +163,12 @@ def _cache_bytes(kv: dict) -> str:
     position takes in the layers that keep every position."""
     from aotgen.package.manifest import kv_cache_bytes, kv_position_bytes
 
-    lengths = [k[2] for k in kv["shapes"][::2]]
-    full = [b for b, n in zip(kv_position_bytes(kv), lengths, strict=True) if n == kv["cache_len"]]
+    keys = kv["shapes"][::2]
+    per = sum(
+        b for b, k in zip(kv_position_bytes(kv), keys, strict=True) if k[2] == kv["cache_len"]
+    )
     ring = f", sliding layers a ring of {kv['ring']['cells']:,}" if kv.get("ring") else ""
-    return f", {kv_cache_bytes(kv) / 1e6:.1f} MB ({sum(full):,} B a position{ring})"
+    return f", {kv_cache_bytes(kv) / 1e6:.1f} MB ({per:,} B a position{ring})"
 
 
 def _cache_summary(shapes: list[list[int]]) -> str:
