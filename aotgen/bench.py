@@ -333,12 +333,20 @@ def llama_lookup_binary() -> Path:
 
 
 def run_llama_lookup(
-    binary: Path, gguf: Path, prompt: str, n: int, k: int, threads: int | None
+    binary: Path,
+    gguf: Path,
+    prompt: str,
+    n: int,
+    k: int,
+    threads: int | None,
+    lookup_cache: Path | None = None,
 ) -> LookupRun:
-    """Greedy `llama-lookup` on prompt (text with its special tokens, parsed as such)."""
+    """Greedy `llama-lookup` on prompt (text with its special tokens, parsed as such); with
+    `lookup_cache`, its dynamic n-gram cache file (`-lcd`), read and written back."""
     t = str(threads or torch.get_num_threads())
     cmd = [binary, "-m", gguf, "-p", prompt, "-n", str(n), "--spec-draft-n-max", str(k)]
     cmd += ["-t", t, "-tb", t, "--temp", "0", "-c", "4096"]
+    cmd += ["-lcd", lookup_cache] if lookup_cache else []
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
     log = proc.stdout + proc.stderr
     decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)

@@ -1,8 +1,8 @@
 """`aotgen serve`'s Prometheus metrics (`GET /metrics`), named as vLLM names its own with the
 `aotgen:` prefix, so that dashboards built for one read the other: requests running and
 waiting, requests finished by reason, prompt / cached / generated tokens, speculative tokens
-drafted and accepted, and histograms of time to first token, time per output token and
-end-to-end latency."""
+drafted and accepted, the lookup cache's n-grams, and histograms of time to first token, time
+per output token and end-to-end latency."""
 
 from __future__ import annotations
 
@@ -47,6 +47,11 @@ class ServeMetrics:
         Gauge(
             "aotgen:num_requests_waiting", "Requests waiting for a slot.", registry=registry
         ).set_function(lambda: len(scheduler.waiting))
+        Gauge(
+            "aotgen:lookup_cache_ngrams",
+            "n-grams in the lookup cache of earlier requests (0 without one).",
+            registry=registry,
+        ).set_function(lambda: len(engine.engine.lookup_cache or ()))
         self.finished = Counter(
             "aotgen:request_success",
             "Requests finished, by reason.",

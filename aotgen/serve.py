@@ -22,6 +22,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -211,8 +212,14 @@ def _sse(obj: dict[str, Any]) -> str:
 
 
 def create_app(
-    engine: BatchEngine, name: str, speculative: str | None = None, api_key: str | None = None
+    engine: BatchEngine,
+    name: str,
+    speculative: str | None = None,
+    api_key: str | None = None,
+    lookup_cache: Path | None = None,
 ) -> FastAPI:
+    """The HTTP app; with `lookup_cache`, the engine's lookup cache is written there when the
+    app stops (uvicorn re-raises SIGTERM / SIGINT after shutdown, so not after `run`)."""
     server = Server(engine, name, speculative)
 
     @asynccontextmanager
@@ -220,6 +227,8 @@ def create_app(
         engine.start()
         yield
         engine.close()
+        if lookup_cache is not None and engine.engine.lookup_cache is not None:
+            engine.engine.lookup_cache.save(lookup_cache)
 
     app = FastAPI(title="aotgen", lifespan=lifespan)
     _add_error_handlers(app)
@@ -391,8 +400,9 @@ def serve(
     port: int,
     speculative: str | None = None,
     api_key: str | None = None,
+    lookup_cache: Path | None = None,
 ) -> None:
     import uvicorn
 
-    app = create_app(engine, name, speculative, api_key)
+    app = create_app(engine, name, speculative, api_key, lookup_cache)
     uvicorn.run(app, host=host, port=port, log_level="warning")

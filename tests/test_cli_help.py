@@ -17,6 +17,7 @@ from aotgen import __version__
 from aotgen.cli import app
 from aotgen.package.manifest import read_manifest
 from aotgen.runtime.engine import Engine, GenerationConfig
+from aotgen.runtime.lookup_cache import LookupCache
 
 PROMPT = "The quick brown fox"
 
@@ -107,6 +108,19 @@ def test_run_json(tiny_package: Path, tmp_path: Path, lookup: bool) -> None:
         )
     else:
         assert out["spec"] is None
+
+
+def test_run_lookup_cache_file(tiny_package: Path, tmp_path: Path) -> None:
+    """`run --lookup ngram --lookup-cache FILE`: the file is created holding the run's text
+    (prompt + answer) in llama.cpp's format, and the next run reads it and adds its own."""
+    args = ["run", str(tiny_package), "--prompt", PROMPT, "--max-new-tokens", "12", "--json"]
+    args += ["--ignore-eos", "--lookup", "ngram", "--lookup-cache", "c.bin"]
+    want = LookupCache()
+    for _ in range(2):
+        out = json.loads(aotgen(*args, cwd=tmp_path).stdout)
+        want.add(out["prompt_ids"] + out["ids"])
+        want.save(tmp_path / "want.bin")
+        assert (tmp_path / "c.bin").read_bytes() == (tmp_path / "want.bin").read_bytes()
 
 
 def test_bench_json(tiny_package: Path, tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from reference import check_conversation, r1_thinking_template, with_chat_templa
 from aotgen.package.manifest import PackageError
 from aotgen.reasoning import split_reasoning, thinking_of
 from aotgen.runtime.engine import Engine, GenerationConfig
+from aotgen.runtime.lookup_cache import LookupCache
 from aotgen.runtime.rules import Penalties
 from aotgen.runtime.sampling import SamplingParams
 
@@ -201,6 +202,50 @@ def test_ngram_match_bounds_reach_the_proposer(run_bin, tiny_package, py_engine)
     assert len(drafted) > 1, drafted
     proc = run(run_bin, tiny_package, "--prompt", "hi", *common, "--ngram-min", "5", check=False)
     assert proc.returncode != 0 and "--ngram-min (5) must be <= --ngram-max" in proc.stderr
+
+
+def test_lookup_cache_equals_pythons(run_bin, tiny_package, py_engine, tmp_path):
+    """--lookup-cache across runs: each run's ids and drafted / accepted counts equal Python's
+    engine holding the same cache, both write the same file byte for byte, and a repeated
+    prompt is drafted from what the earlier runs taught. A damaged file and a cache without
+    lookup are refused in one line."""
+    common = ["--max-new-tokens", str(N_TOKENS), "--ignore-eos", "--lookup", "ngram"]
+    cfg = GenerationConfig(max_new_tokens=N_TOKENS, ignore_eos=True, speculative="ngram")
+    cpp_file = tmp_path / "cpp.bin"
+    py_engine.lookup_cache = LookupCache()
+    try:
+        accepted = []
+        for prompt in PROMPTS[:2] * 3:
+            ids = py_engine.tokenizer.encode(prompt)
+            got = cpp_generate(run_bin, tiny_package, ids, *common, "--lookup-cache", str(cpp_file))
+            ref = py_engine.generate(ids, cfg)
+            assert got["ids"] == ref.token_ids
+            assert (got["spec"]["drafted"], got["spec"]["accepted"]) == (
+                ref.spec.drafted,
+                ref.spec.accepted,
+            )
+            accepted.append(ref.spec.accepted)
+        py_engine.lookup_cache.save(tmp_path / "py.bin")
+    finally:
+        py_engine.lookup_cache = None
+    assert cpp_file.read_bytes() == (tmp_path / "py.bin").read_bytes()
+    assert accepted[4] > accepted[0] and accepted[5] > accepted[1], accepted
+    (tmp_path / "bad.bin").write_bytes(b"\x01\x00")
+    proc = run(
+        run_bin,
+        tiny_package,
+        "--prompt",
+        "hi",
+        *common,
+        "--lookup-cache",
+        str(tmp_path / "bad.bin"),
+        check=False,
+    )
+    assert_fails(proc, "the file ends inside an n-gram at byte 0")
+    proc = run(
+        run_bin, tiny_package, "--prompt", "hi", "--lookup-cache", str(cpp_file), check=False
+    )
+    assert_fails(proc, "--lookup-cache holds what --lookup ngram drafts from")
 
 
 def test_seeded_sampling_is_reproducible(run_bin, tiny_package, py_engine):

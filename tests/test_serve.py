@@ -22,6 +22,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from aotgen.runtime.engine import Engine, GenerationConfig  # noqa: E402
+from aotgen.runtime.lookup_cache import LookupCache  # noqa: E402
 from aotgen.runtime.rules import Penalties  # noqa: E402
 from aotgen.runtime.sampling import SamplingParams  # noqa: E402
 
@@ -667,3 +668,24 @@ def test_client_leaving_mid_stream_frees_its_slot(smollm2_server):
         time.sleep(0.2)
     assert health["running"] == 0
     assert health["finished"].get("cancelled", 0) == before + 1
+
+
+def test_lookup_cache_is_learnt_and_written_at_shutdown(tiny_batch_package, alone, tmp_path):
+    """`serve --lookup ngram --lookup-cache FILE`: every answered request's text (prompt and
+    answer, as served alone) is in the file written when the server stops."""
+    path = tmp_path / "cache.bin"
+    server = Server(tiny_batch_package, "--lookup", "ngram", "--lookup-cache", str(path))
+    prompts = [_ids(1, 9), _ids(2, 12)]
+    try:
+        for ids in prompts:
+            body = {"prompt": ids, "max_tokens": 10, "temperature": 0}
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).raise_for_status()
+        metrics = httpx.get(f"{server.url}/metrics").text
+    finally:
+        server.close()
+    want = LookupCache()
+    for ids in prompts:
+        want.add(ids + alone.generate(ids, GenerationConfig(max_new_tokens=10)).token_ids)
+    want.save(tmp_path / "want.bin")
+    assert path.read_bytes() == (tmp_path / "want.bin").read_bytes()
+    assert f"aotgen:lookup_cache_ngrams {float(len(want))}" in metrics

@@ -283,6 +283,23 @@ def test_tree_greedy_equals_plain_greedy_eager(tree_engines, proposer, shape):
         assert nodes > drafted and branch_steps > 0, (nodes, drafted, branch_steps)
 
 
+def test_tree_lookup_drafts_from_the_lookup_cache(tree_engines):
+    """An n-gram tree with a cache of earlier requests: the same prompt three times gives plain
+    greedy ids each time, the later ones in fewer steps (their chains come from the cache)."""
+    from aotgen.runtime.lookup_cache import LookupCache
+    from aotgen.runtime.tree_draft import TreeParams
+
+    engine = tree_engines["own"]
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    engine.lookup_cache = LookupCache()
+    try:
+        runs = [_generate(engine, ids, speculative="ngram", tree=TreeParams(2)) for _ in range(3)]
+    finally:
+        engine.lookup_cache = None
+    assert all(r.token_ids == _plain(engine, PROMPTS[0]) for r in runs)
+    assert runs[2].spec.steps < runs[0].spec.steps, [r.spec.steps for r in runs]
+
+
 class FixedShapes:
     """A proposer of a fixed tree shape: the chain is the target's greedy continuation, each
     token replaced by a random one with probability 1/3; branch tokens are the true token or

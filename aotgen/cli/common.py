@@ -181,6 +181,27 @@ def read_prompt_file(path: Path) -> str:
         ) from None
 
 
+LOOKUP_CACHE_HELP = (
+    "with --lookup ngram: a file of n-gram counts from earlier requests to draft from "
+    "(llama.cpp's lookup-cache format), read if it exists; every request's text is added and "
+    "the file written back at exit"
+)
+
+
+def check_lookup_cache(path: Path | None, lookup: str | None) -> None:
+    """--lookup-cache goes with --lookup ngram and names a writable file (checked before the
+    package loads, so a typo costs no generation)."""
+    if path is None:
+        return
+    if lookup is None:
+        raise CliError("--lookup-cache holds what --lookup ngram drafts from: add --lookup ngram")
+    if path.is_dir() or not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
+        raise CliError(
+            f"--lookup-cache {path}: give a file in an existing, writable directory (it is "
+            "written back at exit)"
+        )
+
+
 def _version(value: bool) -> None:
     """`--version`: the ISA is printed because packages only load on the ISA they were
     compiled for."""

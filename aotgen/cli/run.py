@@ -12,11 +12,13 @@ from rich.console import Console
 
 from aotgen.cli.common import (
     BACKEND_HELP,
+    LOOKUP_CACHE_HELP,
     SEED_MAX,
     CliError,
     app,
     at_least,
     check_backend,
+    check_lookup_cache,
     console,
     print_json,
     read_prompt_file,
@@ -128,6 +130,7 @@ def run(
         typer.Option(help="shortest lookup match (default: 1; 3 with --speculative too)"),
     ] = None,
     ngram_max: Annotated[int, typer.Option(help="longest lookup match tried first")] = 4,
+    lookup_cache: Annotated[Path | None, typer.Option(help=LOOKUP_CACHE_HELP)] = None,
     draft_parallel: Annotated[
         int | None,
         typer.Option(
@@ -169,6 +172,7 @@ def run(
     """
     _check_prompt_source(prompt, prompt_file, chat, system, interactive)
     _check_speculation_options(lookup, k, ngram_min, ngram_max, draft_parallel, p_split)
+    check_lookup_cache(lookup_cache, lookup)
     if best_first and not draft_parallel:
         raise CliError("--best-first shapes a token tree: add --draft-parallel N")
     at_least("--max-new-tokens", max_new_tokens)
@@ -178,6 +182,7 @@ def run(
         raise CliError(f"--seed must be an integer in 0..{SEED_MAX}, got {seed}")
     # After the checks above: a mistyped option is refused without the seconds torch takes.
     from aotgen.runtime.engine import GenerationConfig
+    from aotgen.runtime.lookup_cache import LookupCache
     from aotgen.runtime.rules import Penalties
     from aotgen.runtime.sampling import SamplingParams
     from aotgen.runtime.tree_draft import TreeParams
@@ -210,13 +215,18 @@ def run(
     engine = _start_engine(package, backend, resolve_threads(threads), launch)
     if engine is None:  # launched as ranks, or a rank other than 0 (it served rank 0's calls)
         return
-    if interactive:
-        _converse(engine, cfg, system, as_json)
-        return
-    if chat is None:
-        _answer(engine, engine.tokenizer.prompt_ids(text), cfg, as_json, chat=False)
-    else:
-        _answer(engine, engine.chat_ids(chat, system=system), cfg, as_json, chat=True)
+    if lookup_cache is not None:
+        engine.lookup_cache = LookupCache.open(lookup_cache, engine.target.vocab_size)
+    try:
+        if interactive:
+            _converse(engine, cfg, system, as_json)
+        elif chat is None:
+            _answer(engine, engine.tokenizer.prompt_ids(text), cfg, as_json, chat=False)
+        else:
+            _answer(engine, engine.chat_ids(chat, system=system), cfg, as_json, chat=True)
+    finally:
+        if engine.lookup_cache is not None and lookup_cache is not None:
+            engine.lookup_cache.save(lookup_cache)
 
 
 def _check_prompt_source(
@@ -498,6 +508,7 @@ def serve(
     prefill_step: Annotated[
         int, typer.Option(help="prompt tokens per step while other requests decode")
     ] = 64,
+    lookup_cache: Annotated[Path | None, typer.Option(help=LOOKUP_CACHE_HELP)] = None,
     threads: Annotated[
         int | None, typer.Option(help="intra-op threads, >= 1 (default: aotgen.toml's)")
     ] = None,
@@ -512,9 +523,11 @@ def serve(
     """Serve a package over an OpenAI-compatible HTTP API, many requests at once."""
     from aotgen.runtime import distributed
     from aotgen.runtime.batch_engine import BatchEngine
+    from aotgen.runtime.lookup_cache import LookupCache
 
     if lookup not in (None, "ngram"):
         raise CliError(f"--lookup {lookup!r}: the only lookup is 'ngram'")
+    check_lookup_cache(lookup_cache, lookup)
     for option, value in (("--max-queue", max_queue), ("--prefill-step", prefill_step)):
         at_least(option, value)
     at_least("--slots", slots, low=0)
@@ -533,9 +546,11 @@ def serve(
         raise CliError(f"{package} has no draft model: drop --speculative, or use --lookup ngram")
     mode = speculative_mode(speculative, lookup)
     name = package.resolve().name
+    if lookup_cache is not None:
+        engine.engine.lookup_cache = LookupCache.open(lookup_cache, engine.engine.target.vocab_size)
     engine.warm_cache()
     Console(stderr=True).print(
         f"serving {name} on http://{host}:{port}/v1 ({engine.slots} slots"
         f"{f', speculative: {mode}' if mode else ''})"
     )
-    serve_http(engine, name, host, port, speculative=mode, api_key=api_key)
+    serve_http(engine, name, host, port, mode, api_key, lookup_cache)

@@ -211,6 +211,8 @@ class BatchEngine:
 
     def _report(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
+            if seq.sink.finish_reason != "error":
+                self.engine.learn(seq.prompt, seq.sink.ids)
             if seq.on_done is not None:
                 seq.on_done(self._result(seq))
 
@@ -329,7 +331,9 @@ class BatchEngine:
                 )
             if together and seq.config.uses_draft:
                 if seq.config.uses_lookup and seq.proposer is None:
-                    seq.proposer = LookupProposer(seq.config.lookup_min, seq.config.ngram_max)
+                    seq.proposer = LookupProposer(
+                        seq.config.lookup_min, seq.config.ngram_max, engine.lookup_cache
+                    )
                 out[seq.id] = seq.proposer.propose(seq.history, k) if seq.proposer else Proposal([])
                 if not out[seq.id].tokens and k > 0:
                     drafting.append((seq, k))

@@ -21,6 +21,7 @@ from aotgen.package.manifest import PackageError, verify_package
 from aotgen.runtime.device_greedy import greedy_tokens
 from aotgen.runtime.grammar import Grammar, GrammarError, GrammarTokens
 from aotgen.runtime.logprobs import TokenLogprob, token_logprobs
+from aotgen.runtime.lookup_cache import LookupCache
 from aotgen.runtime.model_runner import GenerationError, ModelRunner
 from aotgen.runtime.onnx_backend import BACKENDS
 from aotgen.runtime.proposers import (
@@ -153,6 +154,9 @@ class Engine:
         self.root, self.manifest, self.load_s = root, manifest or {}, load_s
         self.backend = backend  # "aoti" or "onnxruntime": which graphs run
         self.grammar_tokens = GrammarTokens(tokenizer, target.vocab_size)
+        # n-gram counts of finished requests that n-gram lookup drafts from, when set
+        # (runtime/lookup_cache.py); every request's text is added to it when it ends.
+        self.lookup_cache: LookupCache | None = None
         # One KV cache, so one request at a time: concurrent generate() calls queue here.
         self._lock = threading.Lock()
 
@@ -285,6 +289,7 @@ class Engine:
         steps.close()
         sink.close("length")  # a prompt scored only (max_new_tokens 0)
         t_end = time.perf_counter()
+        self.learn(prompt_ids, sink.ids)
         return GenerationResult(
             text=sink.text,
             token_ids=sink.ids,
@@ -297,6 +302,11 @@ class Engine:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
+
+    def learn(self, prompt: list[int], answer: list[int]) -> None:
+        """Add a finished request's text to the lookup cache, if the engine has one."""
+        if self.lookup_cache is not None:
+            self.lookup_cache.add([*prompt, *answer])
 
     def reusable(self, prompt: list[int], config: GenerationConfig) -> int:
         """Leading prompt tokens the target's cache holds from an earlier request."""
@@ -386,7 +396,7 @@ class Engine:
     ) -> Proposer:
         """The proposer of config.speculative: "ngram", "draft" or "draft+ngram"; a draft
         runs in the cache row `slot` and drafts within the request's grammar."""
-        lookup = LookupProposer(config.lookup_min, config.ngram_max)
+        lookup = LookupProposer(config.lookup_min, config.ngram_max, self.lookup_cache)
         if not config.uses_draft:
             return lookup
         draft = DraftProposer(

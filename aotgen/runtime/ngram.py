@@ -10,7 +10,9 @@ The design joins two proposers this runtime is measured against:
   draft is long on copied text and empty on free text, where a proposal would only cost a
   verify step.
 
-Ties between equally frequent followers go to the one seen most recently. The C++ runtime
+Ties between equally frequent followers go to the one seen most recently. Where the request's
+own text convinces of nothing, a `LookupCache` of earlier requests' texts, when given, is asked
+by a stricter rule (runtime/lookup_cache.py). The C++ runtime
 (`runtime/cpp/ngram.cpp`) implements the same rules; `tests/test_cpp_runtime.py` checks the two
 agree token for token.
 """
@@ -19,6 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aotgen.runtime.lookup_cache import LookupCache
 
 # Evidence an n-gram needs before its most frequent follower is drafted, by n (1, 2, 3, 4+):
 # how often the n-gram occurred, and the winner's share of its followers in percent.
@@ -80,25 +86,32 @@ class NgramIndex:
         return sorted(ranked, key=lambda f: (f.count, f.last), reverse=True)
 
 
-def convincing(followers: list[Follower], n: int) -> bool:
+def convincing(
+    followers: list[Follower],
+    n: int,
+    min_occurrences: Sequence[int] = MIN_OCCURRENCES,
+    min_percent: Sequence[int] = MIN_PERCENT,
+) -> bool:
     """Enough occurrences of the n-gram, and a clear enough winner among its followers."""
     if not followers:
         return False
     total = sum(f.count for f in followers)
-    i = min(n, len(MIN_OCCURRENCES)) - 1
-    return total >= MIN_OCCURRENCES[i] and 100 * followers[0].count >= MIN_PERCENT[i] * total
+    i = min(n, len(min_occurrences)) - 1
+    return total >= min_occurrences[i] and 100 * followers[0].count >= min_percent[i] * total
 
 
 class NgramProposer:
     """Drafts from the text so far (prompt + output): longest convincing n-gram first, its
-    most frequent follower, one token at a time for as long as the evidence holds."""
+    most frequent follower, one token at a time for as long as the evidence holds; then from
+    `shared`, earlier requests' counts, when given."""
 
-    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
+    def __init__(self, min_n: int = 1, max_n: int = 4, shared: LookupCache | None = None) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.min_n = min_n
         self.max_n = max_n
         self.index = NgramIndex(max_n)
+        self.shared = shared
 
     def candidates(self, context: Sequence[int]) -> list[Follower]:
         """The ranked followers of the longest convincing suffix n-gram of context (after
@@ -107,7 +120,9 @@ class NgramProposer:
             followers = self.index.followers(context, n)
             if convincing(followers, n):
                 return followers
-        return []
+        return (
+            [] if self.shared is None else self.shared.candidates(context, self.min_n, self.max_n)
+        )
 
     def propose(self, history: Sequence[int], k: int) -> list[int]:
         """Up to k tokens to follow history; fewer (or none) when the evidence runs out."""

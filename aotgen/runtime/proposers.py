@@ -18,6 +18,7 @@ from aotgen.runtime.sampling import SamplingParams, logits_to_probs, sample
 from aotgen.runtime.speculative import Proposal
 
 if TYPE_CHECKING:
+    from aotgen.runtime.lookup_cache import LookupCache
     from aotgen.runtime.model_runner import ModelRunner
     from aotgen.runtime.rules import TokenRules
 
@@ -64,11 +65,12 @@ def draft_token(
 
 
 class LookupProposer:
-    """n-gram lookup in the prompt + output (`NgramProposer`): no model, deterministic. One
-    per request: its index grows with the request's text."""
+    """n-gram lookup in the prompt + output (`NgramProposer`), then in earlier requests'
+    texts (`shared`, a LookupCache) when given: no model, deterministic. One per request: its
+    index grows with the request's text."""
 
-    def __init__(self, min_n: int, max_n: int) -> None:
-        self.ngram = NgramProposer(min_n, max_n)
+    def __init__(self, min_n: int, max_n: int, shared: LookupCache | None = None) -> None:
+        self.ngram = NgramProposer(min_n, max_n, shared)
 
     def propose(self, history: list[int], k: int) -> Proposal:
         tokens = self.ngram.propose(history, k)

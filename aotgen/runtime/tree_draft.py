@@ -44,6 +44,7 @@ from aotgen.runtime.tree_shape import (
 
 if TYPE_CHECKING:
     from aotgen.runtime.engine import Engine, GenerationConfig
+    from aotgen.runtime.lookup_cache import LookupCache
     from aotgen.runtime.model_runner import ModelRunner
     from aotgen.runtime.rules import TokenRules
     from aotgen.runtime.speculative import SpecStats
@@ -208,8 +209,10 @@ class TreeLookupProposer:
     """A token tree from n-gram lookup: the chain `NgramProposer.propose` drafts, with the
     other ranked followers (`candidates`) whose share passes p_split as branches."""
 
-    def __init__(self, min_n: int, max_n: int, tree: TreeParams) -> None:
-        self.ngram = NgramProposer(min_n, max_n)
+    def __init__(
+        self, min_n: int, max_n: int, tree: TreeParams, shared: LookupCache | None = None
+    ) -> None:
+        self.ngram = NgramProposer(min_n, max_n, shared)
         self.tree_params = tree
         self.calibration = Calibration()
 
@@ -314,7 +317,9 @@ class TreeDraftOrLookup:
 def tree_proposer(
     engine: Engine, prompt: list[int], config: GenerationConfig, gen: torch.Generator
 ) -> TreeDraftProposer | TreeLookupProposer | TreeDraftOrLookup:
-    lookup = TreeLookupProposer(config.lookup_min, config.ngram_max, config.tree)
+    lookup = TreeLookupProposer(
+        config.lookup_min, config.ngram_max, config.tree, engine.lookup_cache
+    )
     if not config.uses_draft:
         return lookup
     draft = TreeDraftProposer(

@@ -176,6 +176,8 @@ struct LoadOptions {
 // Receives generated text as soon as it is final (complete UTF-8, past any stop string).
 using TextCallback = std::function<void(std::string_view)>;
 
+class LookupCache;  // n-gram counts of earlier requests (below)
+
 class Engine {
  public:
   // Verifies the package (before loading any .so), then loads graphs, weights, tokenizer.
@@ -216,9 +218,15 @@ class Engine {
   const std::vector<int64_t>& eos_ids() const;
   int64_t max_seq_len() const;
   int64_t verify_k() const;
+  int64_t vocab_size() const;  // the model's logits width
   bool has_draft() const;
   double load_s() const;  // wall time of load(), verification included
   const std::filesystem::path& root() const;
+  // n-gram lookup also drafts from `cache` (earlier requests' counts), and every request's
+  // text is added to it when it ends; nullptr: none. Shared: one cache may serve engines in
+  // turn, not at once.
+  void set_lookup_cache(std::shared_ptr<LookupCache> cache);
+  const std::shared_ptr<LookupCache>& lookup_cache() const;
 
  private:
   struct Impl;
@@ -291,6 +299,8 @@ class BatchEngine {
   int64_t waiting() const;  // queued requests without a slot
   int64_t running() const;  // requests holding a slot
   const Engine& engine() const;  // tokenizer, chat_ids, prompt_ids, limits
+  // Engine::set_lookup_cache for every request; call before step() runs.
+  void set_lookup_cache(std::shared_ptr<LookupCache> cache);
 
  private:
   struct Impl;
@@ -321,14 +331,16 @@ std::string platform_string();
 // n-gram lookup proposals (aotgen/runtime/ngram.py, rule for rule): for n = 1..max_n, how
 // often each token followed every n-gram of the text so far. Drafts the most frequent (then
 // most recent) follower of the longest convincing suffix n-gram, one token at a time, each
-// looked up with the tokens drafted before it, for as long as the evidence holds.
+// looked up with the tokens drafted before it, for as long as the evidence holds; where the
+// text convinces of nothing, asks `shared` (earlier requests' counts) when given.
 class NgramProposer {
  public:
   struct Follower {
     int64_t token, count, last;  // last: position of its latest occurrence
   };
 
-  explicit NgramProposer(int64_t min_n = 1, int64_t max_n = 4);
+  explicit NgramProposer(int64_t min_n = 1, int64_t max_n = 4,
+                         const LookupCache* shared = nullptr);
   // Up to k tokens to follow history (prompt + output); fewer, or none, when the evidence
   // runs out. The index grows with history while history extends what it has seen.
   std::vector<int64_t> propose(const std::vector<int64_t>& history, int64_t k);
@@ -341,9 +353,48 @@ class NgramProposer {
   std::vector<Follower> followers(const std::vector<int64_t>& context, int64_t n) const;
 
   int64_t min_n_, max_n_;
+  const LookupCache* shared_;
   std::vector<int64_t> tokens_;
   // tables_[n - 1]: n-gram -> {next token -> {count, last position}}
   std::vector<std::map<std::vector<int64_t>, std::map<int64_t, std::array<int64_t, 2>>>> tables_;
+};
+
+// A lookup-cache file that cannot be read: what is wrong, and what to do.
+class LookupCacheError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// n-gram counts that outlive a request (aotgen/runtime/lookup_cache.py, rule for rule):
+// llama.cpp's dynamic lookup cache. Counts the followers of every 1..4-gram of each text
+// added (a finished request's prompt and answer); NgramProposer asks it, by llama.cpp's
+// strict rule (but a 3- or 4-gram seen once convinces), where a request's own text
+// convinces of nothing. Files in llama.cpp's format
+// (common_ngram_cache_save), written sorted: equal caches are equal files, in either runtime.
+class LookupCache {
+ public:
+  static constexpr int64_t kMaxNgrams = 500000;  // past this, counts halve (zeros go)
+
+  explicit LookupCache(int64_t max_ngrams = kMaxNgrams);
+  // Reads a cache file (aotgen's or llama.cpp's) for a model of vocab_size tokens; throws
+  // LookupCacheError naming the first thing wrong in it.
+  static LookupCache load(const std::filesystem::path& path, int64_t vocab_size,
+                          int64_t max_ngrams = kMaxNgrams);
+  // load(), or a new cache where there is no file yet (it is written on save()).
+  static LookupCache open(const std::filesystem::path& path, int64_t vocab_size);
+  // Writes through a temporary file renamed into place; throws LookupCacheError.
+  void save(const std::filesystem::path& path) const;
+  void add(const std::vector<int64_t>& tokens);
+  // The ranked followers (most frequent, then lowest id) of the longest suffix n-gram of
+  // context, n from min(max_n, 4) down to min_n, that convinces (lookup_cache.py's rule).
+  std::vector<NgramProposer::Follower> candidates(const std::vector<int64_t>& context,
+                                                  int64_t min_n, int64_t max_n) const;
+  std::size_t size() const { return table_.size(); }
+
+ private:
+  void age();
+  int64_t max_ngrams_;
+  std::map<std::vector<int32_t>, std::map<int32_t, int32_t>> table_;
 };
 
 }  // namespace aotgen

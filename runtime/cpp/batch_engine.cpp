@@ -264,13 +264,15 @@ struct BatchEngine::Impl {
       k = std::min(k, e.max_seq_len + e.verify_k - r.pos);
       if (!together || !detail::uses_draft(c.speculative)) {
         if (!r.proposer) {
-          r.proposer = detail::make_proposer(e.draft.get(), r.prompt, c, r.gen, r.slot, &r.rules);
+          r.proposer = detail::make_proposer(e.draft.get(), r.prompt, c, r.gen, r.slot, &r.rules,
+                                             e.lookup_cache.get());
         }
         out[i] = r.proposer->propose(r.history, k);
         continue;
       }
       if (!r.proposer && c.speculative == Speculative::DraftNgram) {
-        r.proposer = std::make_unique<detail::LookupProposer>(detail::ngram_min(c), c.ngram_max);
+        r.proposer = std::make_unique<detail::LookupProposer>(detail::ngram_min(c), c.ngram_max,
+                                                              e.lookup_cache.get());
       }
       if (r.proposer) out[i] = r.proposer->propose(r.history, k);
       if (out[i].tokens.empty() && k > 0) {
@@ -438,6 +440,7 @@ bool BatchEngine::step() {
     }
   }
   for (const auto& r : finished) {  // outside the lock: a callback may submit
+    if (r->sink.finish_reason() != "error") b.e.learn(r->prompt, r->sink.ids());
     if (r->on_done) r->on_done(r->id, r->result());
   }
   return work || !finished.empty();
@@ -490,5 +493,8 @@ int64_t BatchEngine::running() const {
 }
 
 const Engine& BatchEngine::engine() const { return impl_->engine; }
+void BatchEngine::set_lookup_cache(std::shared_ptr<LookupCache> cache) {
+  impl_->engine.set_lookup_cache(std::move(cache));
+}
 
 }  // namespace aotgen

@@ -104,11 +104,12 @@ class TokenSteps {
  public:
   TokenSteps(ModelRunner& target, ModelRunner* draft, int64_t max_seq_len, int64_t verify_k,
              const std::vector<int64_t>& prompt, int64_t cached, const GenerationConfig& config,
-             std::optional<SpecStats>& spec, std::optional<detail::TokenRules> rules)
+             std::optional<SpecStats>& spec, std::optional<detail::TokenRules> rules,
+             const LookupCache* lookup_cache)
       : target_(target), draft_(draft), max_seq_len_(max_seq_len), max_k_(verify_k),
         prompt_(prompt), cached_(cached), config_(config), params_(config.sampling),
         spec_(spec), gen_(detail::make_generator(config.sampling.seed)),
-        rules_(std::move(rules)) {}
+        rules_(std::move(rules)), lookup_cache_(lookup_cache) {}
 
   std::vector<int64_t> next() {
     if (!started_) {
@@ -143,9 +144,9 @@ class TokenSteps {
       if (draft_) draft_calls_.emplace(*draft_, config_.reuse_prefix);
       tree_proposer_ = detail::make_tree_proposer(
           config_.speculative, draft_calls_ ? &*draft_calls_ : nullptr, prompt_, params_, gen_,
-          *config_.tree, ngram_min(config_), config_.ngram_max);
+          *config_.tree, ngram_min(config_), config_.ngram_max, lookup_cache_);
     } else {
-      proposer_ = detail::make_proposer(draft_, prompt_, config_, gen_, 0, &rules_);
+      proposer_ = detail::make_proposer(draft_, prompt_, config_, gen_, 0, &rules_, lookup_cache_);
     }
   }
 
@@ -234,6 +235,7 @@ class TokenSteps {
   std::unique_ptr<detail::TreeProposer> tree_proposer_;
   at::Tensor rows_;  // the logits rows that chose the last step's tokens
   std::optional<detail::TokenRules> rules_;  // the request's penalties, none without
+  const LookupCache* lookup_cache_;  // earlier requests' n-gram counts, or none
 };
 
 // The target cache's rows (engine.py _cache_slots): `slots`, or for 0 the package's
@@ -435,7 +437,8 @@ GenerationResult Engine::generate(const std::vector<int64_t>& prompt_ids,
   std::optional<Clock::time_point> t_first;
   TokenSteps steps(*e.target, e.draft.get(), e.max_seq_len, e.verify_k, prompt_ids,
                    result.cached_tokens, config, result.spec,
-                   detail::make_rules(config, prompt_ids, e.target->vocab_size(), e.eos_ids));
+                   detail::make_rules(config, prompt_ids, e.target->vocab_size(), e.eos_ids),
+                   e.lookup_cache.get());
   while (true) {
     const auto new_tokens = steps.next();
     if (!t_first) t_first = Clock::now();
@@ -452,6 +455,7 @@ GenerationResult Engine::generate(const std::vector<int64_t>& prompt_ids,
   result.finish_reason = sink.finish_reason();
   result.prefill_s = std::chrono::duration<double>(*t_first - t0).count();
   result.decode_s = std::chrono::duration<double>(t_end - *t_first).count();
+  e.learn(prompt_ids, result.token_ids);
   return result;
 }
 
@@ -488,8 +492,13 @@ const Tokenizer& Engine::tokenizer() const { return *impl_->tokenizer; }
 const std::vector<int64_t>& Engine::eos_ids() const { return impl_->eos_ids; }
 int64_t Engine::max_seq_len() const { return impl_->max_seq_len; }
 int64_t Engine::verify_k() const { return impl_->verify_k; }
+int64_t Engine::vocab_size() const { return impl_->target->vocab_size(); }
 bool Engine::has_draft() const { return impl_->draft != nullptr; }
 double Engine::load_s() const { return impl_->load_s; }
 const fs::path& Engine::root() const { return impl_->root; }
+void Engine::set_lookup_cache(std::shared_ptr<LookupCache> cache) {
+  impl_->lookup_cache = std::move(cache);
+}
+const std::shared_ptr<LookupCache>& Engine::lookup_cache() const { return impl_->lookup_cache; }
 
 }  // namespace aotgen

@@ -1,6 +1,6 @@
 // n-gram lookup proposals: aotgen/runtime/ngram.py rule for rule (longest convincing match
-// first, the most frequent then most recent follower, drafting while the evidence holds), so
-// both runtimes draft the same tokens.
+// first, the most frequent then most recent follower, drafting while the evidence holds, then
+// the shared LookupCache), so both runtimes draft the same tokens.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -25,8 +25,9 @@ bool convincing(const std::vector<NgramProposer::Follower>& followers, int64_t n
 
 }  // namespace
 
-NgramProposer::NgramProposer(int64_t min_n, int64_t max_n)
-    : min_n_(min_n), max_n_(max_n), tables_(max_n > 0 ? static_cast<std::size_t>(max_n) : 0) {
+NgramProposer::NgramProposer(int64_t min_n, int64_t max_n, const LookupCache* shared)
+    : min_n_(min_n), max_n_(max_n), shared_(shared),
+      tables_(max_n > 0 ? static_cast<std::size_t>(max_n) : 0) {
   if (min_n < 1 || min_n > max_n) {
     throw std::invalid_argument("need 1 <= ngram_min <= ngram_max, got " + std::to_string(min_n) +
                                 " and " + std::to_string(max_n));
@@ -74,7 +75,7 @@ std::vector<NgramProposer::Follower> NgramProposer::candidates(
     auto ranked = followers(context, n);
     if (convincing(ranked, n)) return ranked;
   }
-  return {};
+  return shared_ ? shared_->candidates(context, min_n_, max_n_) : std::vector<Follower>{};
 }
 
 std::vector<int64_t> NgramProposer::propose(const std::vector<int64_t>& history, int64_t k) {

@@ -75,8 +75,9 @@ Proposal DraftProposer::propose(const std::vector<int64_t>& history, int64_t k) 
 
 std::unique_ptr<Proposer> make_proposer(ModelRunner* draft, const std::vector<int64_t>& prompt,
                                         const GenerationConfig& config, at::Generator& gen,
-                                        int64_t slot, std::optional<TokenRules>* rules) {
-  LookupProposer lookup(ngram_min(config), config.ngram_max);
+                                        int64_t slot, std::optional<TokenRules>* rules,
+                                        const LookupCache* shared) {
+  LookupProposer lookup(ngram_min(config), config.ngram_max, shared);
   if (!uses_draft(config.speculative)) return std::make_unique<LookupProposer>(lookup);
   DraftProposer drafted(*draft, prompt, config.sampling, gen, slot, config.reuse_prefix, rules);
   if (config.speculative == Speculative::DraftNgram) {

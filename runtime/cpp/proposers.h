@@ -47,11 +47,13 @@ class Proposer {
   virtual void accepted(int64_t /*pos*/) {}
 };
 
-// n-gram lookup in the prompt + output (NgramProposer): no model, deterministic. One per
-// request: its index grows with the request's text.
+// n-gram lookup in the prompt + output (NgramProposer), then in earlier requests' texts
+// (`shared`) when given: no model, deterministic. One per request: its index grows with the
+// request's text.
 class LookupProposer final : public Proposer {
  public:
-  LookupProposer(int64_t min_n, int64_t max_n) : ngram_(min_n, max_n) {}
+  LookupProposer(int64_t min_n, int64_t max_n, const LookupCache* shared = nullptr)
+      : ngram_(min_n, max_n, shared) {}
 
   Proposal propose(const std::vector<int64_t>& history, int64_t k) override {
     Proposal proposal;
@@ -110,11 +112,13 @@ class DraftOrLookupProposer final : public Proposer {
 };
 
 // The proposer of config.speculative (Ngram, Draft or DraftNgram; Engine.proposer): a draft
-// runs in the cache row `slot`. `config` and `gen` must outlive it.
+// runs in the cache row `slot`; lookup asks `shared` too. `config`, `gen` and `shared` must
+// outlive it.
 std::unique_ptr<Proposer> make_proposer(ModelRunner* draft, const std::vector<int64_t>& prompt,
                                         const GenerationConfig& config, at::Generator& gen,
                                         int64_t slot = 0,
-                                        std::optional<TokenRules>* rules = nullptr);
+                                        std::optional<TokenRules>* rules = nullptr,
+                                        const LookupCache* shared = nullptr);
 
 // The accepted prefix of the proposal plus one token from the target (speculative.py verify).
 inline std::vector<int64_t> verify(const Proposal& proposal, const at::Tensor& target_logits,

@@ -213,6 +213,15 @@ struct EngineState {
   int64_t verify_k = 0;
   double load_s = 0;
   std::mutex generate_mutex;  // one KV cache: one request at a time
+  std::shared_ptr<LookupCache> lookup_cache;  // what n-gram lookup learnt from earlier requests
+
+  // Adds a finished request's text to the lookup cache, if there is one.
+  void learn(const std::vector<int64_t>& prompt, const std::vector<int64_t>& answer) {
+    if (!lookup_cache) return;
+    std::vector<int64_t> text(prompt);
+    text.insert(text.end(), answer.begin(), answer.end());
+    lookup_cache->add(text);
+  }
 };
 
 }  // namespace aotgen::detail

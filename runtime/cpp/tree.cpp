@@ -179,8 +179,9 @@ class TreeDraftProposer final : public TreeProposer {
 
 class TreeLookupProposer final : public TreeProposer {
  public:
-  TreeLookupProposer(int64_t min_n, int64_t max_n, const TreeParams& tree)
-      : ngram_(min_n, max_n), max_n_(max_n), tree_(tree) {}
+  TreeLookupProposer(int64_t min_n, int64_t max_n, const TreeParams& tree,
+                     const LookupCache* shared)
+      : ngram_(min_n, max_n, shared), max_n_(max_n), tree_(tree) {}
 
   Tree propose(const std::vector<int64_t>& history, int64_t k, int64_t budget) override {
     const auto chain = ngram_.propose(history, std::min(k, budget - 1));
@@ -434,8 +435,9 @@ std::unique_ptr<TreeProposer> make_tree_proposer(Speculative mode, DraftModel* d
                                                  const std::vector<int64_t>& prompt,
                                                  const SamplingParams& params,
                                                  at::Generator& generator, const TreeParams& tree,
-                                                 int64_t ngram_min, int64_t ngram_max) {
-  auto lookup = std::make_unique<TreeLookupProposer>(ngram_min, ngram_max, tree);
+                                                 int64_t ngram_min, int64_t ngram_max,
+                                                 const LookupCache* shared) {
+  auto lookup = std::make_unique<TreeLookupProposer>(ngram_min, ngram_max, tree, shared);
   if (mode == Speculative::Ngram) return lookup;
   auto drafted = std::make_unique<TreeDraftProposer>(*draft, prompt, params, generator, tree);
   if (mode == Speculative::DraftNgram) {

@@ -74,6 +74,7 @@ std::unique_ptr<TreeProposer> make_tree_proposer(Speculative mode, DraftModel* d
                                                  const std::vector<int64_t>& prompt,
                                                  const SamplingParams& params,
                                                  at::Generator& generator, const TreeParams& tree,
-                                                 int64_t ngram_min, int64_t ngram_max);
+                                                 int64_t ngram_min, int64_t ngram_max,
+                                                 const LookupCache* shared = nullptr);
 
 }  // namespace aotgen::detail

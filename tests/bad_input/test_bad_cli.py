@@ -224,6 +224,30 @@ ROWS = [
         ("--ngram-min", "5", "--ngram-max", "2"),
         "--ngram-min (5) must be <= --ngram-max (2)",
     ),
+    run(
+        "lookup-cache-without-lookup",
+        ("--lookup-cache", "c.bin"),
+        "--lookup-cache holds what --lookup ngram drafts from: add --lookup ngram",
+    ),
+    run(
+        "lookup-cache-no-directory",
+        ("--lookup", "ngram", "--lookup-cache", "missing/c.bin"),
+        "give a file in an existing, writable directory",
+    ),
+    run(
+        "lookup-cache-damaged",  # 2 bytes: not even one n-gram
+        ("--lookup", "ngram", "--lookup-cache", "c.bin"),
+        "lookup cache c.bin: the file ends inside an n-gram at byte 0",
+        files={"c.bin": b"\x01\x00"},
+    ),
+    run(
+        "lookup-cache-other-vocabulary",  # (7) -> 100000: a token past the tiny model's
+        ("--lookup", "ngram", "--lookup-cache", "c.bin"),
+        "token 100000 lies outside the vocabulary",
+        files={
+            "c.bin": bytes.fromhex("07000000" + "ff" * 12 + "01000000" + "a0860100" + "01000000")
+        },
+    ),
     run("threads-negative", ("--threads", "-1"), "--threads must be >= 1"),
     run("threads-zero", ("--threads", "0"), "--threads must be >= 1"),
     run(

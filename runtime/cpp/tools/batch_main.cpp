@@ -47,6 +47,9 @@ options (defaults for every request):
   --max-new-tokens N     (default 256)
   --temperature T, --top-k K, --top-p P, --min-p P, --seed S, --ignore-eos,
   --lookup ngram, --speculative
+  --lookup-cache FILE    n-gram counts of earlier requests for lookup to draft from
+                         (llama.cpp's lookup-cache format): read if it exists, every
+                         request's text added, written back at the end
   --slots N              KV-cache slots (default: the package's max_batch)
   --prefill-step N       prompt tokens per step while others decode (default 64)
   --threads N            intra-op threads
@@ -72,6 +75,7 @@ T parse_number(std::string_view flag, std::string_view text) {
 
 struct Args {
   std::string package, requests;
+  std::optional<std::string> lookup_cache;
   bool chat = false, lookup = false, draft = false;
   aotgen::GenerationConfig config;
   aotgen::LoadOptions load;
@@ -116,6 +120,8 @@ Args parse_args(int argc, char** argv) {
       args.lookup = true;
     } else if (arg == "--speculative") {
       args.draft = true;
+    } else if (arg == "--lookup-cache") {
+      args.lookup_cache = value();
     } else if (arg == "--slots") {
       args.batch.slots = parse_number<int64_t>(arg, value());
     } else if (arg == "--prefill-step") {
@@ -251,6 +257,10 @@ int run(Args args) {
   args.batch.max_queue = 1 << 30;  // every line is submitted up front
   warn_if_oversubscribed(args.load.threads);
   auto batch = aotgen::BatchEngine::load(args.package, args.load, args.batch);
+  if (args.lookup_cache) {
+    batch.set_lookup_cache(std::make_shared<aotgen::LookupCache>(
+        aotgen::LookupCache::open(*args.lookup_cache, batch.engine().vocab_size())));
+  }
   const auto lines = read_lines(args, batch.engine());
   int64_t steps = 0, tokens = 0;
   std::map<int64_t, std::size_t> line_of;  // request id -> line index
@@ -287,6 +297,7 @@ int run(Args args) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
   const double wall = seconds_since(t_start);
+  if (args.lookup_cache) batch.engine().lookup_cache()->save(*args.lookup_cache);
   const json summary = {{"requests", lines.size()}, {"steps", steps}, {"tokens", tokens},
                         {"slots", batch.slots()},   {"free_slots", batch.free_slots()},
                         {"wall_s", wall}};

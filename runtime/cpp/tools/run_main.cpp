@@ -23,7 +23,7 @@
 #include <system_error>
 #include <vector>
 
-#include <unistd.h>  // isatty
+#include <unistd.h>  // isatty, access
 
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
@@ -63,8 +63,8 @@ options:
                          --lookup ngram: the draft proposes only when lookup finds no match)
   --k K                  draft length, >= 1 (default and maximum: the package's verify_k)
   --adaptive-k           adapt the draft length (+2 after a full accept, else -1)
-  --ngram-min N          shortest lookup match (default: 1; 3 with --speculative too)
-  --ngram-max N          longest lookup match, tried first (default 4)
+  --ngram-min N, --ngram-max N  lookup match lengths (defaults 1, or 3 with --speculative; 4)
+  --lookup-cache FILE    n-gram counts of earlier runs for lookup (llama-lookup -lcd's file)
   --draft-parallel N     tree drafting: up to N sequences, scored in one tree-graph call
                          (needs a package built with tree_nodes)
   --p-split P            tree drafting: branch where an alternative's probability > P (0.1)
@@ -170,7 +170,7 @@ T parse_number(std::string_view flag, std::string_view text) {
 
 struct Args {
   std::string package;
-  std::optional<std::string> chat, prompt, prompt_file, prompt_ids, system;
+  std::optional<std::string> chat, prompt, prompt_file, prompt_ids, system, lookup_cache;
   std::optional<int> threads;
   aotgen::GenerationConfig config;
   aotgen::LoadOptions load;
@@ -249,6 +249,8 @@ Args parse_args(int argc, char** argv) {
       cfg.ngram_min = parse_number<int64_t>(arg, value());
     } else if (arg == "--ngram-max") {
       cfg.ngram_max = parse_number<int64_t>(arg, value());
+    } else if (arg == "--lookup-cache") {
+      args.lookup_cache = value();
     } else if (arg == "--draft-parallel") {
       tree.n_parallel = parse_number<int64_t>(arg, value());
       use_tree = true;
@@ -294,6 +296,20 @@ Args parse_args(int argc, char** argv) {
   return args;
 }
 
+// --lookup-cache goes with --lookup ngram and names a writable file (aotgen/cli/common.py).
+void check_lookup_cache(const std::filesystem::path& path, aotgen::Speculative mode) {
+  if (mode != aotgen::Speculative::Ngram && mode != aotgen::Speculative::DraftNgram) {
+    throw BadValue("--lookup-cache holds what --lookup ngram drafts from: add --lookup ngram");
+  }
+  const auto dir = path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
+  if (std::filesystem::is_directory(path) || !std::filesystem::is_directory(dir) ||
+      access(dir.c_str(), W_OK) != 0) {
+    throw BadValue("--lookup-cache " + path.string() +
+                   ": give a file in an existing, writable directory (it is written back at "
+                   "exit)");
+  }
+}
+
 // Range checks, after parsing so that a malformed command line is reported as such first.
 void check_values(Args& args) {
   auto& cfg = args.config;
@@ -313,6 +329,7 @@ void check_values(Args& args) {
                    ") must be <= --ngram-max (" + std::to_string(cfg.ngram_max) +
                    "); the lookup tries matches from ngram-max tokens down to ngram-min");
   }
+  if (args.lookup_cache) check_lookup_cache(*args.lookup_cache, cfg.speculative);
   if (args.threads) {
     at_least("--threads", *args.threads);
     args.load.threads = *args.threads;
@@ -447,8 +464,16 @@ int run(Args args) {
   }
   warn_if_oversubscribed(args.load.threads);
   auto engine = aotgen::Engine::load(args.package, args.load);
+  if (args.lookup_cache) {
+    engine.set_lookup_cache(std::make_shared<aotgen::LookupCache>(
+        aotgen::LookupCache::open(*args.lookup_cache, engine.vocab_size())));
+  }
+  const auto save_lookup_cache = [&] {
+    if (args.lookup_cache) engine.lookup_cache()->save(*args.lookup_cache);
+  };
   if (!args.interactive) {
     answer(engine, prompt_ids(args, engine), args, args.chat.has_value(), t_start);
+    save_lookup_cache();
     return 0;
   }
   // The whole conversation is each turn's prompt, as a chat client sends it; the engine runs
@@ -473,6 +498,7 @@ int run(Args args) {
     // The answer without its reasoning, as a chat client sends it back.
     messages.emplace_back("assistant", answer(engine, ids, args, true, since));
   }
+  save_lookup_cache();
   return 0;
 }
 
