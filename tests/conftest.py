@@ -114,6 +114,7 @@ REAL_PACKAGE_USERS = {
 WARM_USERS = {
     "families": {"family_engines"},
     "gguf_keep": {"kept", "integer"},
+    "kv_dtype": {"kv_build"},
 }
 # Recipe -> the bundled GGUF (`aotgen import-gguf` short name) its checkpoint comes from.
 REAL_PACKAGE_GGUF = {"gemma3-270m": "gemma3-270m"}

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).parents[1]))  # test modules that import `tests.*`
 
 from conftest import build_real_recipe, bundled_gguf  # noqa: E402
 
@@ -55,7 +56,23 @@ def warm_gguf_keep(out: Path) -> Iterator[tuple[str, dict]]:
         yield name, package_recipe(out / "gguf_keep" / name, name)
 
 
-WARMERS = {"families": warm_families, "gguf_keep": warm_gguf_keep}
+def warm_kv_dtype(out: Path) -> Iterator[tuple[str, dict]]:
+    """test_kv_dtype.py's packages, on checkpoints of the shapes the tests build on."""
+    from families import make_family_checkpoint
+    from test_kv_dtype import PACKAGES
+    from tiny import make_tiny_checkpoint
+
+    root = out / "kv_dtype"
+    checkpoints = {
+        "tiny": make_tiny_checkpoint(root / "tiny"),
+        "tied": make_tiny_checkpoint(root / "tied", tie=True, seed=1),
+        "gemma2": make_family_checkpoint(root / "gemma2", "gemma2"),
+    }
+    for name, (checkpoint, keys) in PACKAGES.items():
+        yield name, {"checkpoint": str(checkpoints[checkpoint]), **keys}
+
+
+WARMERS = {"families": warm_families, "gguf_keep": warm_gguf_keep, "kv_dtype": warm_kv_dtype}
 
 
 def main(out: Path, names: list[str]) -> None:

@@ -8,12 +8,13 @@ neighbouring step); both runtimes allocate the cache at half the bytes (bfloat16
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_RECIPE
+from conftest import TINY_RECIPE, stop_warming
 from families import RECIPE, make_family_checkpoint
 from reference import EagerModel, reset_caches
 
@@ -21,7 +22,7 @@ from aotgen.checkpoint.hf import open_checkpoint
 from aotgen.kernels.cache_rows import row_width
 from aotgen.model.config import ModelConfig
 from aotgen.model.llama import new_kv_cache
-from aotgen.package.build import build
+from aotgen.package.build import BuildReport, build
 from aotgen.package.models import recipe_kv_cache
 from aotgen.recipe import RecipeError, parse_recipe
 from aotgen.runtime.batch_engine import BatchEngine
@@ -31,6 +32,16 @@ from tests.test_batch import _prompts, batched_and_eager
 from tests.test_cpp_runtime import cpp_generate
 
 BF16 = {"kv_cache_dtype": "bfloat16"}
+# Package -> (the checkpoint it builds on: tiny, tied or gemma2, the recipe's keys); the
+# background builder's `kv_dtype` warmer compiles them ahead (tests/real_builds.py).
+DRAFT = {**TINY_RECIPE, "max_batch": 4, "speculative": {"draft": {"layers": 1}}}
+PACKAGES = {
+    "tiny-kv-bfloat16": ("tiny", {**DRAFT, "kv_cache_dtype": "bfloat16"}),
+    "tiny-kv-int8": ("tiny", {**DRAFT, "kv_cache_dtype": "int8"}),
+    "gemma2-bfloat16-kv": ("gemma2", {**RECIPE, "kv_cache_dtype": "bfloat16"}),
+    "gemma2-int8-kv": ("gemma2", {**RECIPE, "kv_cache_dtype": "int8"}),
+    "tiny-bf16-kv8": ("tied", {**TINY_RECIPE, "dtype": "bfloat16", "kv_cache_dtype": "int8"}),
+}
 
 
 # (mean, max) bounds on |logits - eager's on the same cache dtype|, and the mean a float32
@@ -68,13 +79,23 @@ class EagerOnCache(EagerModel):
         self.caches = new_kv_cache(self.config, self.cache_len, self.dtype)
 
 
+@pytest.fixture(scope="module")
+def kv_build(request, project) -> Callable[[str, Path], BuildReport]:
+    """Build one of PACKAGES on a checkpoint; the builds take what the background compiled."""
+    stop_warming(request, "kv_dtype")
+
+    def build_package(name: str, checkpoint: Path) -> BuildReport:
+        data = {"checkpoint": str(checkpoint), **PACKAGES[name][1]}
+        return build(parse_recipe(data, name, Path(".")), project)
+
+    return build_package
+
+
 @pytest.fixture(scope="module", params=["bfloat16", "int8"])
-def report(request, tiny_checkpoint, project):
+def report(request, tiny_checkpoint, kv_build):
     """The tiny batch recipe (4 slots, a 1-layer draft on the target's cache) with the KV cache
     in the param's dtype."""
-    data = {"checkpoint": str(tiny_checkpoint), **TINY_RECIPE, "max_batch": 4}
-    data |= {"kv_cache_dtype": request.param, "speculative": {"draft": {"layers": 1}}}
-    return build(parse_recipe(data, f"tiny-kv-{request.param}", Path(".")), project)
+    return kv_build(f"tiny-kv-{request.param}", tiny_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -167,15 +188,14 @@ def test_cpp_runtime_equals_python(run_bin, engine, report):
 
 
 @pytest.mark.parametrize("kv", ["bfloat16", "int8"])
-def test_windows_and_softcaps_on_a_narrow_cache(tmp_path_factory, project, kv):
+def test_windows_and_softcaps_on_a_narrow_cache(tmp_path_factory, kv_build, kv):
     """Gemma 2's shape: sliding-window layers (window 8: the kernel reads the cache from the
     window's first key) and softcapped scores (an int8 key's scale applied before the cap; the
     prefill through the kernel too, whose matmuls on a decoded span do not compile). Greedy,
     plain and with n-gram lookup, equals the eager model's on such a cache."""
     pytest.importorskip("transformers")
     checkpoint = make_family_checkpoint(tmp_path_factory.mktemp("gemma2") / "g", "gemma2")
-    data = {"checkpoint": str(checkpoint), **RECIPE, "kv_cache_dtype": kv}
-    engine = Engine.load(build(parse_recipe(data, f"gemma2-{kv}-kv", Path(".")), project).path)
+    engine = Engine.load(kv_build(f"gemma2-{kv}-kv", checkpoint).path)
     eager = EagerOnCache(checkpoint, engine.target.cache_len, getattr(torch, kv))
     for seed in (1, 2):
         gen = torch.Generator().manual_seed(seed)
@@ -186,13 +206,12 @@ def test_windows_and_softcaps_on_a_narrow_cache(tmp_path_factory, project, kv):
             assert engine.generate(prompt, config).token_ids == want, (seed, mode)
 
 
-def test_bfloat16_package_on_an_int8_cache(tied_checkpoint, project, run_bin):
+def test_bfloat16_package_on_an_int8_cache(tied_checkpoint, kv_build, run_bin):
     """A bfloat16 package with `kv_cache_dtype: int8`: the kernel reads the int8 rows with q
     widened to float32. Each graph against the eager bfloat16 model on an int8 cache (both
     round activations to bfloat16, in other orders) and against the float32 model on a float32
     cache (bfloat16's bound, as for a bfloat16 cache); the C++ runtime generates Python's ids."""
-    data = {"checkpoint": str(tied_checkpoint), **TINY_RECIPE, "dtype": "bfloat16"}
-    report = build(parse_recipe(data | {"kv_cache_dtype": "int8"}, "tiny-bf16-kv8", "."), project)
+    report = kv_build("tiny-bf16-kv8", tied_checkpoint)
     assert any("int8 KV cache" in note for note in report.notes)
     engine = Engine.load(report.path)
     target = engine.target
