@@ -45,6 +45,7 @@ from aotgen.openai_api import (
 from aotgen.reasoning import thinking_of
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.engine import GenerationConfig, GenerationError, GenerationResult
+from aotgen.runtime.lookup_cache import PeriodicSave
 from aotgen.runtime.sampling import SEED_MAX, SamplingParams
 from aotgen.runtime.scheduler import QueueFull
 from aotgen.tool_calls import tool_format
@@ -217,18 +218,24 @@ def create_app(
     speculative: str | None = None,
     api_key: str | None = None,
     lookup_cache: Path | None = None,
+    lookup_cache_every_s: float = 60.0,
 ) -> FastAPI:
-    """The HTTP app; with `lookup_cache`, the engine's lookup cache is written there when the
-    app stops (uvicorn re-raises SIGTERM / SIGINT after shutdown, so not after `run`)."""
+    """The HTTP app; with `lookup_cache`, the engine's lookup cache is written there every
+    `lookup_cache_every_s` seconds while it changes and when the app stops (uvicorn re-raises
+    SIGTERM / SIGINT after shutdown, so not after `run`)."""
     server = Server(engine, name, speculative)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        saver = None
+        if lookup_cache is not None and engine.engine.lookup_cache is not None:
+            saver = PeriodicSave(engine.engine.lookup_cache, lookup_cache, lookup_cache_every_s)
+            saver.start()
         yield
         engine.close()
-        if lookup_cache is not None and engine.engine.lookup_cache is not None:
-            engine.engine.lookup_cache.save(lookup_cache)
+        if saver is not None:
+            saver.close()
 
     app = FastAPI(title="aotgen", lifespan=lifespan)
     _add_error_handlers(app)
@@ -401,8 +408,9 @@ def serve(
     speculative: str | None = None,
     api_key: str | None = None,
     lookup_cache: Path | None = None,
+    lookup_cache_every_s: float = 60.0,
 ) -> None:
     import uvicorn
 
-    app = create_app(engine, name, speculative, api_key, lookup_cache)
+    app = create_app(engine, name, speculative, api_key, lookup_cache, lookup_cache_every_s)
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import random
 import struct
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.engine import Engine, GenerationConfig
-from aotgen.runtime.lookup_cache import LookupCache, LookupCacheError
+from aotgen.runtime.lookup_cache import LookupCache, LookupCacheError, PeriodicSave
 from aotgen.runtime.ngram import NgramProposer
 
 
@@ -129,6 +131,56 @@ def test_aging_bounds_the_cache() -> None:
     cache.add([1, 2, 1, 2, 1, 2, 1, 2, 3, 4, 5, 6, 7])
     assert 0 < len(cache) <= 8
     assert cache.table[(1,)] == {2: 2}  # 4 occurrences halved; the once-seen n-grams forgotten
+
+
+def _texts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(50) for _ in range(rng.randrange(5, 40))] for _ in range(count)]
+
+
+def test_snapshots_taken_while_another_thread_adds_are_whole() -> None:
+    """A server writes snapshots from its own thread while the engine's thread adds texts:
+    each snapshot equals a recount of the texts added before it (none half-added)."""
+    cache, texts = LookupCache(), _texts(400, seed=5)
+    adder = threading.Thread(target=lambda: [cache.add(t) for t in texts])
+    adder.start()
+    snapshots = []
+    while adder.is_alive() or not snapshots:
+        snapshots.append(cache.snapshot())
+    adder.join()
+    assert any(0 < s.additions < len(texts) for s in snapshots)  # some taken mid-way
+    for snap in snapshots[:: max(1, len(snapshots) // 8)]:
+        recount = LookupCache()
+        for t in texts[: snap.additions]:
+            recount.add(t)
+        assert snap.table == recount.table
+
+
+def test_periodic_save_writes_while_texts_come_and_once_more_on_close(tmp_path: Path) -> None:
+    cache, path = LookupCache(), tmp_path / "c.bin"
+    saver = PeriodicSave(cache, path, every_s=0.05)
+    saver.start()
+    time.sleep(0.2)
+    assert not path.exists()  # nothing learnt, nothing written
+    cache.add(_texts(1, seed=1)[0])
+    deadline = time.monotonic() + 10
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert LookupCache.load(path, 50).table == cache.table  # written without a shutdown
+    cache.add(_texts(1, seed=2)[0])
+    saver.close()
+    assert LookupCache.load(path, 50).table == cache.table
+
+
+def test_no_interval_writes_on_close_only(tmp_path: Path) -> None:
+    cache, path = LookupCache(), tmp_path / "c.bin"
+    saver = PeriodicSave(cache, path, every_s=0)
+    saver.start()
+    cache.add([1, 2, 3, 4])
+    time.sleep(0.1)
+    assert not path.exists()
+    saver.close()
+    assert LookupCache.load(path, 50).table == cache.table
 
 
 # ---- engines that learn ---------------------------------------------------------------------

@@ -689,3 +689,27 @@ def test_lookup_cache_is_learnt_and_written_at_shutdown(tiny_batch_package, alon
     want.save(tmp_path / "want.bin")
     assert path.read_bytes() == (tmp_path / "want.bin").read_bytes()
     assert f"aotgen:lookup_cache_ngrams {float(len(want))}" in metrics
+
+
+def test_lookup_cache_is_written_while_serving(tiny_batch_package, alone, tmp_path):
+    """`--lookup-cache-every 0.2`: the file holds every answered request's text a moment
+    later, so a server killed without a shutdown (SIGKILL) keeps what it learnt."""
+    path = tmp_path / "cache.bin"
+    args = ("--lookup", "ngram", "--lookup-cache", str(path), "--lookup-cache-every", "0.2")
+    server = Server(tiny_batch_package, *args)
+    want = LookupCache()
+    try:
+        for ids in (_ids(3, 9), _ids(4, 12)):
+            body = {"prompt": ids, "max_tokens": 10, "temperature": 0}
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).raise_for_status()
+            want.add(ids + alone.generate(ids, GenerationConfig(max_new_tokens=10)).token_ids)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            written = LookupCache.load(path, alone.target.vocab_size) if path.exists() else None
+            if written is not None and written.table == want.table:
+                break
+            time.sleep(0.1)
+    finally:
+        server.proc.kill()
+        server.proc.wait(10)
+    assert LookupCache.load(path, alone.target.vocab_size).table == want.table

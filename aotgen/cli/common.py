@@ -184,7 +184,7 @@ def read_prompt_file(path: Path) -> str:
 LOOKUP_CACHE_HELP = (
     "with --lookup ngram: a file of n-gram counts from earlier requests to draft from "
     "(llama.cpp's lookup-cache format), read if it exists; every request's text is added and "
-    "the file written back at exit"
+    "the file written back at exit (by serve also every --lookup-cache-every seconds)"
 )
 
 
@@ -200,6 +200,16 @@ def check_lookup_cache(path: Path | None, lookup: str | None) -> None:
             f"--lookup-cache {path}: give a file in an existing, writable directory (it is "
             "written back at exit)"
         )
+
+
+def check_lookup_cache_every(seconds: float | None, path: Path | None) -> None:
+    """--lookup-cache-every: a finite number of seconds >= 0, for a --lookup-cache file."""
+    if seconds is None:
+        return
+    if path is None:
+        raise CliError("--lookup-cache-every sets how often --lookup-cache is written: add it")
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise CliError(f"--lookup-cache-every must be a number of seconds >= 0, got {seconds}")
 
 
 def _version(value: bool) -> None:

@@ -19,6 +19,7 @@ from aotgen.cli.common import (
     at_least,
     check_backend,
     check_lookup_cache,
+    check_lookup_cache_every,
     console,
     print_json,
     read_prompt_file,
@@ -509,6 +510,13 @@ def serve(
         int, typer.Option(help="prompt tokens per step while other requests decode")
     ] = 64,
     lookup_cache: Annotated[Path | None, typer.Option(help=LOOKUP_CACHE_HELP)] = None,
+    lookup_cache_every: Annotated[
+        float | None,
+        typer.Option(
+            help="seconds between writes of --lookup-cache while requests add to it "
+            "(default 60; 0: at shutdown only)"
+        ),
+    ] = None,
     threads: Annotated[
         int | None, typer.Option(help="intra-op threads, >= 1 (default: aotgen.toml's)")
     ] = None,
@@ -531,6 +539,7 @@ def serve(
     for option, value in (("--max-queue", max_queue), ("--prefill-step", prefill_step)):
         at_least(option, value)
     at_least("--slots", slots, low=0)
+    check_lookup_cache_every(lookup_cache_every, lookup_cache)
     if not 0 < port < 65536:
         raise CliError(f"--port must be in 1..65535, got {port}")
     if distributed.needs_launch(package):
@@ -553,4 +562,5 @@ def serve(
         f"serving {name} on http://{host}:{port}/v1 ({engine.slots} slots"
         f"{f', speculative: {mode}' if mode else ''})"
     )
-    serve_http(engine, name, host, port, mode, api_key, lookup_cache)
+    every_s = 60.0 if lookup_cache_every is None else lookup_cache_every
+    serve_http(engine, name, host, port, mode, api_key, lookup_cache, every_s)

@@ -22,9 +22,11 @@ writes the same files.
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -54,6 +56,8 @@ class LookupCache:
             raise ValueError(f"max_ngrams must be >= 1, got {max_ngrams}")
         self.max_ngrams = max_ngrams
         self.table: dict[tuple[int, ...], dict[int, int]] = {}
+        self.additions = 0  # texts added: a saver compares it to know whether to write again
+        self._lock = threading.Lock()  # add vs snapshot: a server saves from another thread
 
     def __len__(self) -> int:
         return len(self.table)
@@ -61,12 +65,23 @@ class LookupCache:
     def add(self, tokens: Sequence[int]) -> None:
         """Count every n-gram of a finished request's text (prompt + answer) and its follower."""
         toks = [int(t) for t in tokens]
-        for n in range(1, MAX_N + 1):
-            for i in range(n, len(toks)):
-                part = self.table.setdefault(tuple(toks[i - n : i]), {})
-                part[toks[i]] = min(part.get(toks[i], 0) + 1, _COUNT_MAX)
-        while len(self.table) > self.max_ngrams:
-            self._age()
+        with self._lock:
+            for n in range(1, MAX_N + 1):
+                for i in range(n, len(toks)):
+                    part = self.table.setdefault(tuple(toks[i - n : i]), {})
+                    part[toks[i]] = min(part.get(toks[i], 0) + 1, _COUNT_MAX)
+            while len(self.table) > self.max_ngrams:
+                self._age()
+            self.additions += 1
+
+    def snapshot(self) -> LookupCache:
+        """A copy taken between two `add`s, to write while requests go on adding to this one
+        (a copy takes an eighth of what writing it does)."""
+        with self._lock:
+            copy = LookupCache(self.max_ngrams)
+            copy.table = {key: part.copy() for key, part in self.table.items()}
+            copy.additions = self.additions
+        return copy
 
     def _age(self) -> None:
         """Halve every count and forget what reaches zero: n-grams seen once go first, and
@@ -136,6 +151,40 @@ class LookupCache:
         while len(cache.table) > cache.max_ngrams:
             cache._age()
         return cache
+
+
+class PeriodicSave:
+    """Writes a cache to `path` every `every_s` seconds while requests add to it, from a
+    thread of its own, and once more on `close`: a server killed without a shutdown keeps
+    what it had learnt up to its last write. A failed write is logged and tried again at the
+    next interval."""
+
+    def __init__(self, cache: LookupCache, path: Path, every_s: float) -> None:
+        self.cache, self.path, self.every_s = cache, path, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="aotgen-lookup-cache", daemon=True)
+
+    def start(self) -> None:
+        if self.every_s > 0:
+            self._thread.start()
+
+    def _run(self) -> None:
+        written = self.cache.additions
+        while not self._stop.wait(self.every_s):
+            if self.cache.additions != written:
+                snapshot = self.cache.snapshot()
+                try:
+                    snapshot.save(self.path)
+                    written = snapshot.additions
+                except OSError as e:
+                    logging.getLogger("aotgen").warning("lookup cache %s: %s", self.path, e)
+
+    def close(self) -> None:
+        """Stop (after a write under way), then write what came since."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self.cache.save(self.path)
 
 
 def _read_record(

@@ -248,6 +248,17 @@ ROWS = [
             "c.bin": bytes.fromhex("07000000" + "ff" * 12 + "01000000" + "a0860100" + "01000000")
         },
     ),
+    Row(
+        "serve-lookup-cache-every-without-file",
+        ("serve", "{pkg}", "--lookup", "ngram", "--lookup-cache-every", "5"),
+        "--lookup-cache-every sets how often --lookup-cache is written: add it",
+    ),
+    Row(
+        "serve-lookup-cache-every-nan",
+        ("serve", "{pkg}", "--lookup", "ngram", "--lookup-cache", "c.bin")
+        + ("--lookup-cache-every", "nan"),
+        "--lookup-cache-every must be a number of seconds >= 0, got nan",
+    ),
     run("threads-negative", ("--threads", "-1"), "--threads must be >= 1"),
     run("threads-zero", ("--threads", "0"), "--threads must be >= 1"),
     run(
