@@ -45,7 +45,7 @@ from aotgen.openai_api import (
 from aotgen.reasoning import thinking_of
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.engine import GenerationConfig, GenerationError, GenerationResult
-from aotgen.runtime.lookup_cache import PeriodicSave
+from aotgen.runtime.lookup_cache import SAVE_EVERY_S, PeriodicSave
 from aotgen.runtime.sampling import SEED_MAX, SamplingParams
 from aotgen.runtime.scheduler import QueueFull
 from aotgen.tool_calls import tool_format
@@ -218,7 +218,7 @@ def create_app(
     speculative: str | None = None,
     api_key: str | None = None,
     lookup_cache: Path | None = None,
-    lookup_cache_every_s: float = 60.0,
+    lookup_cache_every_s: float = SAVE_EVERY_S,
 ) -> FastAPI:
     """The HTTP app; with `lookup_cache`, the engine's lookup cache is written there every
     `lookup_cache_every_s` seconds while it changes and when the app stops (uvicorn re-raises
@@ -408,7 +408,7 @@ def serve(
     speculative: str | None = None,
     api_key: str | None = None,
     lookup_cache: Path | None = None,
-    lookup_cache_every_s: float = 60.0,
+    lookup_cache_every_s: float = SAVE_EVERY_S,
 ) -> None:
     import uvicorn
 

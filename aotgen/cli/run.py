@@ -531,7 +531,7 @@ def serve(
     """Serve a package over an OpenAI-compatible HTTP API, many requests at once."""
     from aotgen.runtime import distributed
     from aotgen.runtime.batch_engine import BatchEngine
-    from aotgen.runtime.lookup_cache import LookupCache
+    from aotgen.runtime.lookup_cache import SAVE_EVERY_S, LookupCache
 
     if lookup not in (None, "ngram"):
         raise CliError(f"--lookup {lookup!r}: the only lookup is 'ngram'")
@@ -562,5 +562,5 @@ def serve(
         f"serving {name} on http://{host}:{port}/v1 ({engine.slots} slots"
         f"{f', speculative: {mode}' if mode else ''})"
     )
-    every_s = 60.0 if lookup_cache_every is None else lookup_cache_every
+    every_s = SAVE_EVERY_S if lookup_cache_every is None else lookup_cache_every
     serve_http(engine, name, host, port, mode, api_key, lookup_cache, every_s)

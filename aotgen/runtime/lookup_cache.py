@@ -39,6 +39,7 @@ MAX_N = 4  # llama.cpp's LLAMA_NGRAM_MAX: token slots per n-gram in the file
 MIN_OCCURRENCES = (4, 3, 1, 1)
 MIN_PERCENT = (75, 66, 66, 66)
 MAX_NGRAMS = 500_000  # past this many n-grams, counts halve and the ones at zero go
+SAVE_EVERY_S = 60.0  # a server's writes of its cache while requests add to it (PeriodicSave)
 _COUNT_MAX = 2**31 - 1
 _HEAD = struct.Struct(f"<{MAX_N}ii")
 _PAIR = struct.Struct("<ii")
