@@ -79,13 +79,14 @@ def smollm2_checkpoint(tmp_path_factory) -> Path:
     return _bundled_checkpoint(tmp_path_factory, "smollm2", "smollm2-135m")
 
 
-def build_real_recipe(name: str, checkpoint: Path, root: Path) -> Path:
-    """Build recipes/NAME.yaml against `checkpoint` into a private artifacts dir."""
+def build_real_recipe(name: str, checkpoint: Path, root: Path, cache_dir: Path) -> Path:
+    """Build recipes/NAME.yaml against `checkpoint` into a private artifacts dir, compiling
+    into the session's cache: the kernels' objects and autotuned tiles are built once."""
     from aotgen.package.build import build
 
     recipe = load_recipe(REPO / "recipes" / f"{name}.yaml", base_dir=REPO)
     recipe = type(recipe)(**{**recipe.__dict__, "checkpoint": checkpoint})
-    project = Project(artifacts_dir=root / "artifacts", cache_dir=REPO / ".aotgen-cache")
+    project = Project(artifacts_dir=root / "artifacts", cache_dir=cache_dir)
     return build(recipe, project).path
 
 
@@ -281,7 +282,9 @@ def _real_package(request, recipe: str, checkpoint_fixture: str = "smollm2_check
         # no GGUF (the checkpoint fixture skips), or not seen at collection
         checkpoint = request.getfixturevalue(checkpoint_fixture)
         root = request.getfixturevalue("tmp_path_factory").mktemp(recipe)
-        return build_real_recipe(recipe, checkpoint, root)
+        return build_real_recipe(
+            recipe, checkpoint, root, request.getfixturevalue("project").cache_dir
+        )
     return builds.wait(recipe)
 
 

@@ -86,7 +86,7 @@ def main(out: Path, names: list[str]) -> None:
             gguf = bundled_gguf(name)
             if gguf not in checkpoints:
                 checkpoints[gguf] = import_gguf(resolve_gguf(gguf), out / "checkpoints" / gguf)
-            path = build_real_recipe(name, checkpoints[gguf], out / name)
+            path = build_real_recipe(name, checkpoints[gguf], out / name, out / "project-cache")
         (out / f"{name}.tmp").write_text(str(path))
         (out / f"{name}.tmp").rename(out / f"{name}.done")  # whole, or not there yet
         now = time.monotonic()
