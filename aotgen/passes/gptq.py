@@ -59,8 +59,11 @@ def input_hessians(ep: ExportedProgram, batches: Sequence[Sequence[Any]]) -> dic
             if n in watch:
                 # float32 within a chunk (half the float64 cost), summed over chunks in float64
                 x = out.detach().reshape(-1, out.shape[-1]).float()
-                h = (x.T @ x).double()
-                sums[n] = sums[n] + h if n in sums else h
+                h = x.T @ x
+                if n in sums:
+                    sums[n].add_(h)  # widened as it is added: no float64 copy per chunk
+                else:
+                    sums[n] = h.double()
             return out
 
     collect = _Collect(ep.graph_module)
