@@ -4,6 +4,8 @@ test modules make: `python tests/real_builds.py OUT NAME...`.
 Run by conftest.py in a process of its own at the start of a session, so the packages compile
 on the second core while the other tests run. Writes OUT/NAME.done (holding the package's
 path) as each recipe finishes; a failure ends the process with its traceback in the log.
+Every build compiles into the session project's cache, so the C++ kernels' objects and
+the autotuned tiles are built once for the warmers, the real packages and the tests.
 A NAME in WARMERS compiles a test module's recipes into the session project's compile cache
 (OUT/project-cache), so that the tests' own builds of them are cache hits (both run one torch
 thread: conftest.py; a compile's key holds the graph and the weights' shapes, not their values
