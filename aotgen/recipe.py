@@ -254,8 +254,8 @@ def _check_target(recipe: Recipe, where: str) -> None:
         )
     if recipe.sliding_cache == "ring" and not ring_capable(recipe):
         raise RecipeError(
-            f"{where}: sliding_cache ring is for CPU packages without ONNX graphs; drop it (a "
-            "full cache is the default there)"
+            f"{where}: sliding_cache ring is for CPU packages; drop it (a full cache is the "
+            "default there)"
         )
     if recipe.device != "cpu" and recipe.parallel:
         raise RecipeError(
@@ -275,8 +275,9 @@ def _check_target(recipe: Recipe, where: str) -> None:
 
 def ring_capable(recipe: Recipe) -> bool:
     """Whether the package's graphs can keep sliding layers in a ring: CUDA graphs are
-    replayed over the `key_pos` they are given, and ONNX graphs use their own attention."""
-    return recipe.device == "cpu" and "onnx" not in recipe.formats
+    replayed over the `key_pos` they are given. ONNX graphs are exported from the same
+    modules as the AOTInductor ones and share their cache, ring included."""
+    return recipe.device == "cpu"
 
 
 def _check_narrow_cache(recipe: Recipe, where: str) -> None:

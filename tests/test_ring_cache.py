@@ -121,16 +121,16 @@ def test_a_row_goes_on_only_where_the_ring_holds_the_window():
 
 
 def test_sliding_cache_recipe_key():
-    """`sliding_cache`: ring by default on CPU AOTInductor packages, full where asked or
-    where the graphs cannot take a ring (ONNX, CUDA); ring there is a one-line error."""
+    """`sliding_cache`: ring by default on CPU packages (their ONNX graphs too), full where
+    asked or where the graphs cannot take a ring (CUDA); ring there is a one-line error."""
     base = {"checkpoint": "ckpt", "max_seq_len": 96, "prefill_chunk": 16}
     assert parse_recipe(base, "r", Path(".")).ring_cells(8) == 8 + 16
     assert parse_recipe({**base, "sliding_cache": "full"}, "r", Path(".")).ring_cells(8) is None
     onnx = parse_recipe({**base, "formats": ["aoti", "onnx"]}, "r", Path("."))
-    assert onnx.ring_cells(8) is None
+    assert onnx.ring_cells(8) == 8 + 16
     assert parse_recipe({**base, "max_seq_len": 16}, "r", Path(".")).ring_cells(8) is None
     with pytest.raises(RecipeError, match="sliding_cache ring is for CPU packages"):
-        parse_recipe({**base, "formats": ["aoti", "onnx"], "sliding_cache": "ring"}, "r", Path("."))
+        parse_recipe({**base, "device": "cuda", "sliding_cache": "ring"}, "r", Path("."))
     with pytest.raises(RecipeError, match="sliding_cache 'rolling'; valid: ring, full"):
         parse_recipe({**base, "sliding_cache": "rolling"}, "r", Path("."))
 
