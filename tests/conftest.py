@@ -79,6 +79,9 @@ def smollm2_checkpoint(tmp_path_factory) -> Path:
     return _bundled_checkpoint(tmp_path_factory, "smollm2", "smollm2-135m")
 
 
+PPL = ": perplexity on "  # a build report's perplexity note (aotgen/package/perplexity.py)
+
+
 def build_real_recipe(name: str, checkpoint: Path, root: Path, cache_dir: Path) -> Path:
     """Build recipes/NAME.yaml against `checkpoint` into a private artifacts dir, compiling
     into the session's cache: the kernels' objects and autotuned tiles are built once."""
@@ -87,7 +90,11 @@ def build_real_recipe(name: str, checkpoint: Path, root: Path, cache_dir: Path) 
     recipe = load_recipe(REPO / "recipes" / f"{name}.yaml", base_dir=REPO)
     recipe = type(recipe)(**{**recipe.__dict__, "checkpoint": checkpoint})
     project = Project(artifacts_dir=root / "artifacts", cache_dir=cache_dir)
-    return build(recipe, project).path
+    report = build(recipe, project)
+    for note in report.notes:  # the builder's log (the session's summary) shows what it measured
+        if PPL in note:
+            print(f"{name}: {note}", flush=True)
+    return report.path
 
 
 # ---- real-model packages, built in the background -------------------------------------------
@@ -185,9 +192,10 @@ class BackgroundBuilds:
         return Path(done.read_text())
 
     def report(self) -> list[str]:
-        """How long each build took and what the tests waited: CI's critical path."""
+        """How long each build took and what the tests waited (CI's critical path), and the
+        held-out perplexities the quantized builds measured."""
         lines = self.log.read_text().splitlines()
-        built = [ln for ln in lines if ln.startswith(("built ", "compiled "))]
+        built = [ln for ln in lines if ln.startswith(("built ", "compiled ")) or PPL in ln]
         return built + self.waits
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ Bounds used below, and why:
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -30,6 +31,8 @@ from aotgen.export.aoti import example_inputs, export_graph, graph_specs
 from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
 from aotgen.package.build import build
 from aotgen.package.compile import graph_signature
+from aotgen.package.models import prepare_models
+from aotgen.package.perplexity import HELDOUT_TOKENS, _reference_cross_entropy
 from aotgen.passes.gemv import linears_as_reductions
 from aotgen.passes.pack import PackLinears
 from aotgen.passes.quantize import QuantizePass, quantize_pass
@@ -44,6 +47,7 @@ from aotgen.passes.quantize_numerics import (
 from aotgen.passes.quantize_options import parse_quantize
 from aotgen.recipe import RecipeError, kv_cache_len, parse_recipe
 from aotgen.runtime.engine import Engine, GenerationConfig
+from aotgen.runtime.quality import heldout_ids
 
 INT8 = {"linear": "int8", "embedding": "int8", "skip": ["model.layers.1.mlp.down_proj"]}
 INT4 = {"linear": {"int4": {"groupsize": 32}}, "overrides": {"lm_head": "int8"}}
@@ -460,6 +464,34 @@ def test_report_notes_and_perplexity(int8_build, int4_build, block_build):
     for report, bound in ((int8_build, 0.02), (int4_build, 0.1), (block_build, 0.1)):
         ppl = report.perplexity
         assert abs(ppl["package"] / ppl["reference"] - 1) < bound, ppl
+
+
+def test_eager_reference_is_kept_in_the_build_cache(
+    int8_build, block_build, tied_checkpoint, tmp_path
+):
+    """The eager side of the held-out perplexity comes from the build cache when the same
+    weights were measured on the same tokens: the int8 and GGUF-blocks builds of one float
+    model report one reference, the eager model's own; a changed weight or token list
+    measures again."""
+    recipe = parse_recipe({"checkpoint": str(tied_checkpoint), **TINY_RECIPE}, "t", Path("."))
+    mb = prepare_models(recipe, open_checkpoint(tied_checkpoint))[0]
+    ids = torch.randint(0, mb.config.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
+    ids = ids.tolist()
+    # The builds: one float model under both, read or measured as the eager model gives it.
+    heldout = heldout_ids(Engine.load(int8_build.path).tokenizer)[:HELDOUT_TOKENS]
+    want = math.exp(_reference_cross_entropy(mb, recipe, heldout, None)[0])
+    assert int8_build.perplexity["reference"] == block_build.perplexity["reference"]
+    assert int8_build.perplexity["reference"] == pytest.approx(want, rel=1e-9)
+    eager = _reference_cross_entropy(mb, recipe, ids, None)[0]
+    assert _reference_cross_entropy(mb, recipe, ids, tmp_path) == (eager, False)
+    (stored,) = tmp_path.glob("*.json")
+    stored.write_text(json.dumps({"cross_entropy": 123.0}))  # read back, not measured again
+    assert _reference_cross_entropy(mb, recipe, ids, tmp_path) == (123.0, True)
+    assert _reference_cross_entropy(mb, recipe, ids[:-1], tmp_path)[0] != 123.0
+    with torch.no_grad():
+        next(mb.model.parameters()).view(-1)[0] += 1e-3
+    assert _reference_cross_entropy(mb, recipe, ids, tmp_path)[0] != 123.0
+    assert len(list(tmp_path.glob("*.json"))) == 3
 
 
 GENERATE = textwrap.dedent(

@@ -148,7 +148,12 @@ def _build(
         report.graphs, report.notes = compiled.graphs, compiled.notes
         manifest, report.weight_bytes = _write_package(tmp, inputs, plan, compiled)
         report.perplexity, notes = measure_perplexity(
-            tmp, plan.models[0], inputs.recipe, plan.world, manifest
+            tmp,
+            plan.models[0],
+            inputs.recipe,
+            plan.world,
+            manifest,
+            project.cache_dir / "perplexity",
         )
         report.notes.extend(notes)
         _replace_dir(tmp, out)
