@@ -7,12 +7,14 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
+
+from aotgen.checkpoint import prequantized
 
 BLOCKS_FILE = "gguf_blocks.safetensors"  # written by checkpoint/gguf.py
 TOKENIZER_FILES = (
@@ -33,30 +35,64 @@ class Checkpoint:
     config: dict
     weight_files: list[Path]
     tokenizer_files: list[Path]
+    # a GPTQ/AWQ checkpoint's float weights and blocks (checkpoint/prequantized.py), read once
+    _quantized: tuple[dict, dict] | None = field(default=None, repr=False)
 
     def load_weights(self) -> dict[str, torch.Tensor]:
-        """All tensors, as fp32 CPU tensors (the build's reference precision)."""
-        weights: dict[str, torch.Tensor] = {}
+        """All tensors, as fp32 CPU tensors (the build's reference precision); a GPTQ or AWQ
+        checkpoint's packed linears dequantized."""
+        if self.quant_scheme is not None:
+            return dict(self._read_quantized()[0])
+        return {name: t.float() for name, t in self._read_tensors().items()}
+
+    @property
+    def quant_scheme(self) -> prequantized.Scheme | None:
+        return _quant_scheme(self.path, self.config)
+
+    def _read_tensors(self) -> dict[str, torch.Tensor]:
+        tensors: dict[str, torch.Tensor] = {}
         for f in self.weight_files:
             try:
                 with safe_open(str(f), framework="pt") as sf:
                     for name in sf.keys():
-                        weights[name] = sf.get_tensor(name).float()
+                        tensors[name] = sf.get_tensor(name)
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(
                     f"cannot read {f}: {e}. The file is truncated or corrupt: re-create it "
                     "(e.g. `aotgen import-gguf` again)"
                 ) from None
-        return weights
+        return tensors
+
+    def _read_quantized(self) -> tuple[dict, dict]:
+        if self._quantized is None:
+            scheme = self.quant_scheme
+            assert scheme is not None
+            try:
+                self._quantized = prequantized.read_quantized(self._read_tensors(), scheme)
+            except prequantized.QuantConfigError as e:
+                raise CheckpointError(f"{self.path}: {e}") from None
+        return self._quantized
 
     def load_gguf_blocks(self) -> dict[str, tuple[str, np.ndarray]]:
-        """The GGUF blocks `aotgen import-gguf` kept: name -> (block type, uint8 [rows, bytes])."""
+        """The GGUF blocks `aotgen import-gguf` kept: name -> (block type, uint8 [rows, bytes]);
+        for a GPTQ or AWQ checkpoint, its codes as blocks."""
+        if self.quant_scheme is not None:
+            blocks = self._read_quantized()[1]
+            if not blocks:
+                raise CheckpointError(
+                    f"{self.path}: no linear's codes fit a GGUF block type (act-order, groups "
+                    "not a multiple of 32 inputs, or 8-bit with zero points), so "
+                    "`quantize: {gguf: keep}` has nothing to keep: leave it out to build the "
+                    "dequantized weights, or quantize them again (`quantize: {linear: int4}`)"
+                )
+            return blocks
         path = self.path / BLOCKS_FILE
         if not path.is_file():
             raise CheckpointError(
                 f"{self.path} holds no GGUF blocks ({BLOCKS_FILE}): `quantize: {{gguf: keep}}` "
-                "needs a checkpoint imported from a quantized GGUF by this version; run "
-                "`aotgen import-gguf FILE.gguf DIR` again or point the recipe at the .gguf file"
+                "needs a GPTQ or AWQ checkpoint, or one imported from a quantized GGUF by this "
+                "version; run `aotgen import-gguf FILE.gguf DIR` again or point the recipe at "
+                "the .gguf file"
             )
         try:
             with safe_open(str(path), framework="np") as sf:
@@ -66,6 +102,13 @@ class Checkpoint:
             raise CheckpointError(
                 f"cannot read {path}: {e}. Re-create it with `aotgen import-gguf`"
             ) from None
+
+
+def _quant_scheme(path: Path, config: dict) -> prequantized.Scheme | None:
+    try:
+        return prequantized.scheme(config)
+    except prequantized.QuantConfigError as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def _read_json(path: Path) -> dict:
@@ -101,6 +144,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if not (path / "tokenizer.json").is_file():
         raise CheckpointError(f"{path} has no tokenizer.json; the package needs the tokenizer")
     tokenizer_files = [path / f for f in TOKENIZER_FILES if (path / f).is_file()]
+    _quant_scheme(path, config)  # an unreadable quantization_config: an error before any work
     return Checkpoint(path, config, weight_files, tokenizer_files)
 
 

@@ -85,6 +85,14 @@ def bad_config_checkpoint(env: Env) -> None:
     (ckpt / "config.json").write_text(json.dumps(config | {"rope_theta": "abc"}))
 
 
+def quantized_config_checkpoint(env: Env) -> None:
+    """A copy of the tiny checkpoint whose config.json says bitsandbytes quantized it."""
+    ckpt = Path(shutil.copytree(env.checkpoint, env.project / "bnbckpt"))
+    config = json.loads((ckpt / "config.json").read_text())
+    qc = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (ckpt / "config.json").write_text(json.dumps(config | {"quantization_config": qc}))
+
+
 def write_gguf(path: Path) -> bytes:
     """A small valid llama GGUF (metadata, byte-level vocab, a few tensors); returns its bytes."""
     w = gguf.GGUFWriter(str(path), "llama")
@@ -173,6 +181,12 @@ ROWS = [
         "checkpoint: badckpt\n",
         "rope_theta must be a positive number, got 'abc'",
         setup=bad_config_checkpoint,
+    ),
+    recipe(
+        "checkpoint-bitsandbytes",
+        "checkpoint: bnbckpt\n",
+        "checkpoint quantized with 'bitsandbytes': aotgen reads GPTQ",
+        setup=quantized_config_checkpoint,
     ),
     # ---- aotgen.toml, in each command that reads it
     toml("toml-unknown-key-build", "foo = 1\n", ("build", "recipes/r.yaml"), "unknown key(s) foo"),

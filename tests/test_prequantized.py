@@ -1,0 +1,218 @@
+"""GPTQ and AWQ checkpoints (checkpoint/prequantized.py). Each is written here as its quantizer
+writes it (the packers follow AutoGPTQ's `QuantLinear.pack` and AutoAWQ's
+`WQLinear_GEMM.from_linear`: codes along the inputs for GPTQ, along the outputs in AWQ's nibble
+order, GPTQ's zero points stored minus one), from codes chosen here. Reading must give back the
+weights those codes stand for, (q - z) * s; the model must compute what transformers computes on
+those weights; and a `gguf: keep` package must run the codes themselves as blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY_RECIPE
+from families import load_reference, reference_logits
+from reference import EagerModel
+from safetensors.torch import load_file, save_file
+from tiny import make_tiny_checkpoint
+
+from aotgen.checkpoint.hf import CheckpointError, open_checkpoint
+from aotgen.package.build import build
+from aotgen.recipe import parse_recipe
+from aotgen.runtime.engine import Engine, GenerationConfig
+
+pytest.importorskip("transformers")
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order_map: the column packed at nibble i
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _codes(w: torch.Tensor, bits: int, group: int, sym: bool, min_zero: int):
+    """Round-to-nearest codes of w [N, K] in groups of consecutive inputs: q [N, K],
+    zero points and float16 scales [N, K / group]. Asymmetric codes get both extreme zero
+    points the format stores (GPTQ's original format stores z - 1 unsigned: z >= 1)."""
+    n, k = w.shape
+    wg = w.reshape(n, k // group, group)
+    top = (1 << bits) - 1
+    if sym:
+        scale = (wg.abs().amax(-1) / (top // 2)).half().float()
+        zero = torch.full_like(scale, (top + 1) // 2, dtype=torch.int32)
+    else:
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        scale = ((hi - lo) / top).half().float()
+        zero = (-lo / scale).round().clamp(0, top).int()
+        zero[0, 0], zero[-1, -1] = min_zero, top
+    q = ((wg / scale[..., None]).round() + zero[..., None]).clamp(0, top).int()
+    return q.reshape(n, k), zero, scale
+
+
+def _pack_rows(values: np.ndarray, bits: int) -> np.ndarray:
+    """[R, C] codes -> int32 [R / per_word, C]: AutoGPTQ's qweight (row j of each run of
+    32 / bits at bits * j)."""
+    per = 32 // bits
+    words = np.zeros((values.shape[0] // per, values.shape[1]), dtype=np.uint32)
+    for j in range(per):
+        words |= values[j::per].astype(np.uint32) << np.uint32(bits * j)
+    return words.view(np.int32)
+
+
+def _pack_columns(values: np.ndarray, bits: int, order: tuple[int, ...] = ()) -> np.ndarray:
+    """[R, C] codes -> int32 [R, C / per_word]: column order[i] of each run at bits * i
+    (AutoGPTQ's qzeros in natural order; AutoAWQ's qweight and qzeros in AWQ_ORDER)."""
+    per = 32 // bits
+    order = order or tuple(range(per))
+    words = np.zeros((values.shape[0], values.shape[1] // per), dtype=np.uint32)
+    for i in range(per):
+        words |= values[:, order[i] :: per].astype(np.uint32) << np.uint32(bits * i)
+    return words.view(np.int32)
+
+
+# id -> (method, bits, group, symmetric, act-order, GPTQ checkpoint_format, block type kept)
+SCHEMES = {
+    "gptq-sym4-g32": ("gptq", 4, 32, True, False, "gptq", "Q4_0"),
+    "gptq-asym4-g64-v2": ("gptq", 4, 64, False, False, "gptq_v2", "Q4_1"),
+    "gptq-sym8-g32": ("gptq", 8, 32, True, False, "gptq", "Q8_0"),
+    "gptq-sym4-act-order": ("gptq", 4, 32, True, True, "gptq", None),
+    "gptq-asym8-per-row": ("gptq", 8, -1, False, False, "gptq", None),
+    "awq-g32": ("awq", 4, 32, False, False, None, "Q4_1"),
+}
+
+
+def write_quantized(src: Path, out: Path, scheme: str) -> dict[str, torch.Tensor]:
+    """src's checkpoint with its linears quantized and packed by `scheme` into out; returns
+    the float32 weights the codes stand for, by the linear's weight name."""
+    method, bits, group, sym, act_order, fmt, _ = SCHEMES[scheme]
+    shutil.copytree(src, out)
+    tensors = load_file(str(src / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    meant: dict[str, torch.Tensor] = {}
+    for name in [n for n in tensors if n.rsplit(".", 2)[-2] in LINEARS]:
+        w = tensors.pop(name)
+        n, k = w.shape
+        size = k if group == -1 else group
+        perm = torch.randperm(k, generator=g) if act_order else torch.arange(k)
+        # groups of permuted inputs with act-order
+        q, zero, scale = _codes(w[:, perm], bits, size, sym, 1 if fmt == "gptq" else 0)
+        inv = torch.argsort(perm)
+        q, g_idx = q[:, inv], (torch.arange(k) // size)[inv]
+        meant[name] = (q - zero[:, g_idx]).float() * scale[:, g_idx]
+        prefix = name.removesuffix(".weight")
+        stored = zero - (1 if fmt == "gptq" else 0)
+        if method == "gptq":
+            tensors[prefix + ".qweight"] = torch.from_numpy(_pack_rows(q.t().numpy(), bits))
+            tensors[prefix + ".qzeros"] = torch.from_numpy(_pack_columns(stored.t().numpy(), bits))
+            tensors[prefix + ".g_idx"] = g_idx.int()
+        else:
+            tensors[prefix + ".qweight"] = torch.from_numpy(
+                _pack_columns(q.t().numpy(), bits, AWQ_ORDER)
+            )
+            tensors[prefix + ".qzeros"] = torch.from_numpy(
+                _pack_columns(stored.t().numpy(), bits, AWQ_ORDER)
+            )
+        tensors[prefix + ".scales"] = scale.t().half().contiguous()
+    save_file(tensors, str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    qc = {"quant_method": method, "bits": bits, "group_size": group}
+    if method == "gptq":
+        qc |= {"sym": sym, "desc_act": act_order, "checkpoint_format": fmt}
+    else:
+        qc |= {"zero_point": True, "version": "gemm"}
+    (out / "config.json").write_text(json.dumps(config | {"quantization_config": qc}))
+    return meant
+
+
+def write_float(quantized: Path, out: Path) -> Path:
+    """The float checkpoint of what aotgen reads from `quantized`, for transformers."""
+    ckpt = open_checkpoint(quantized)
+    shutil.copytree(quantized, out)
+    save_file(ckpt.load_weights(), str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    del config["quantization_config"]
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("float") / "tiny", tie=True)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_reads_the_weights_the_codes_stand_for(source, tmp_path, scheme):
+    meant = write_quantized(source, tmp_path / "q", scheme)
+    ckpt = open_checkpoint(tmp_path / "q")
+    weights = ckpt.load_weights()
+    floats = load_file(str(source / "model.safetensors"))
+    assert set(weights) == set(floats)
+    for name, w in weights.items():
+        if name not in meant:
+            assert torch.equal(w, floats[name]), name
+        elif SCHEMES[scheme][6] == "Q4_1":  # offsets -z * s rounded to float16 in the blocks
+            # |z * s| <= |group minimum| + s <= 1.2 max |w|, rounded by at most 2^-11 of itself
+            bound = 2**-11 * 1.2 * meant[name].abs().max()
+            assert 0 < (w - meant[name]).abs().max() <= bound, name
+        else:
+            assert torch.equal(w, meant[name]), name
+    kept = SCHEMES[scheme][6]
+    if kept is None:
+        with pytest.raises(CheckpointError, match="no linear's codes fit a GGUF block type"):
+            ckpt.load_gguf_blocks()
+        return
+    blocks = ckpt.load_gguf_blocks()
+    assert set(blocks) == set(meant)
+    assert {qtype for qtype, _ in blocks.values()} == {kept}
+
+
+@pytest.mark.parametrize("scheme", ["gptq-sym4-act-order", "awq-g32"])
+def test_model_computes_what_transformers_computes(source, tmp_path, scheme):
+    write_quantized(source, tmp_path / "q", scheme)
+    reference = load_reference(write_float(tmp_path / "q", tmp_path / "f"))
+    ids = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    want = reference_logits(reference, ids)
+    got = EagerModel(tmp_path / "q", 64).forward(ids, 0)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "config, phrase",
+    [
+        ({"quant_method": "bitsandbytes"}, "checkpoint quantized with 'bitsandbytes'"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "AWQ version"),
+        ({"quant_method": "gptq", "bits": 3, "group_size": 32}, "GPTQ with 3 bits"),
+    ],
+)
+def test_unread_schemes_are_one_line_errors(source, tmp_path, config, phrase):
+    ckpt = Path(shutil.copytree(source, tmp_path / "q"))
+    cfg = json.loads((ckpt / "config.json").read_text()) | {"quantization_config": config}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=phrase) as e:
+        open_checkpoint(ckpt)
+    assert "\n" not in str(e.value)
+
+
+def test_kept_package_runs_the_codes(source, tmp_path, project):
+    """GPTQ symmetric 4-bit as Q4_0 blocks: the package's logits are transformers' on the
+    weights the codes stand for, and greedy decoding gives its tokens."""
+    write_quantized(source, tmp_path / "q", "gptq-sym4-g32")
+    raw = {"checkpoint": str(tmp_path / "q"), **TINY_RECIPE, "quantize": {"gguf": "keep"}}
+    report = build(parse_recipe(raw, "gptq-keep", Path(".")), project)
+    manifest = json.loads((report.path / "manifest.json").read_text())
+    kept = manifest["models"]["target"]["quantization"]["weights"]
+    assert set(kept.values()) == {"Q4_0"}  # every linear, q/k/v and gate/up fused
+    assert {name.split(".")[2] for name in kept} == {"0", "1"}
+    reference = load_reference(write_float(tmp_path / "q", tmp_path / "f"))
+    engine = Engine.load(report.path)
+    ids = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(2)).tolist()
+    want = reference_logits(reference, ids)
+    got = engine.target.forward(ids, 0, all_logits=True)  # verify graph calls, then decode
+    assert ((got - want).norm() / want.norm()).item() < 1e-4
+    out = engine.generate(ids, GenerationConfig(max_new_tokens=12, ignore_eos=True))
+    expected = list(ids)
+    for _ in range(12):
+        expected.append(int(reference_logits(reference, expected)[-1].argmax()))
+    assert out.token_ids == expected[len(ids) :]
