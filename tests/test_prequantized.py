@@ -1,9 +1,13 @@
-"""GPTQ and AWQ checkpoints (checkpoint/prequantized.py). Each is written here as its quantizer
-writes it (the packers follow AutoGPTQ's `QuantLinear.pack` and AutoAWQ's
-`WQLinear_GEMM.from_linear`: codes along the inputs for GPTQ, along the outputs in AWQ's nibble
-order, GPTQ's zero points stored minus one), from codes chosen here. Reading must give back the
-weights those codes stand for, (q - z) * s; the model must compute what transformers computes on
-those weights; and a `gguf: keep` package must run the codes themselves as blocks.
+"""GPTQ, AWQ and compressed-tensors checkpoints (checkpoint/prequantized.py).
+
+GPTQ and AWQ checkpoints are written here as their quantizers write them (the packers follow
+AutoGPTQ's `QuantLinear.pack` and AutoAWQ's `WQLinear_GEMM.from_linear`: codes along the inputs
+for GPTQ, along the outputs in AWQ's nibble order, GPTQ's zero points stored minus one), from
+codes chosen here; reading must give back the weights those codes stand for, (q - z) * s.
+compressed-tensors checkpoints are packed by the compressed-tensors library itself, or converted
+by it from the AWQ checkpoint, and its own dequantization is the reference. The model must
+compute what transformers computes on the weights read, and a `gguf: keep` package must run the
+codes themselves as blocks.
 """
 
 from __future__ import annotations
@@ -137,6 +141,57 @@ def write_float(quantized: Path, out: Path) -> Path:
     return out
 
 
+def write_compressed(src: Path, out: Path, fmt: str, bits: int, group: int, sym: bool) -> None:
+    """src's checkpoint with its linears quantized as llm-compressor writes them: by group,
+    or by channel (group 0); weight-only `pack-quantized`, or `int-quantized` int8 weights
+    for int8 activations (W8A8)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    shutil.copytree(src, out)
+    tensors = load_file(str(src / "model.safetensors"))
+    half = 1 << (bits - 1)  # compressed-tensors' codes are signed: q - 2^(bits - 1)
+    for name in [n for n in tensors if n.rsplit(".", 2)[-2] in LINEARS]:
+        w = tensors.pop(name)
+        q, zero, scale = _codes(w, bits, group or w.shape[1], sym, 0)
+        prefix = name.removesuffix(".weight")
+        signed, zero_signed = (q - half).to(torch.int8), (zero - half).to(torch.int8)
+        if fmt == "pack-quantized":
+            tensors[prefix + ".weight_packed"] = pack_to_int32(signed, bits)
+            tensors[prefix + ".weight_shape"] = torch.tensor(w.shape)
+            if not sym:
+                tensors[prefix + ".weight_zero_point"] = pack_to_int32(zero_signed, bits, 0)
+        else:
+            tensors[prefix + ".weight"] = signed
+            if not sym:
+                tensors[prefix + ".weight_zero_point"] = zero_signed
+        tensors[prefix + ".weight_scale"] = scale.half()
+    save_file(tensors, str(out / "model.safetensors"))
+    weights = {"num_bits": bits, "type": "int", "symmetric": sym, "dynamic": False}
+    weights |= {"strategy": "group", "group_size": group} if group else {"strategy": "channel"}
+    activations = None
+    if fmt == "int-quantized":
+        activations = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True}
+        activations["strategy"] = "token"
+    # the library's dequantizer matches by name: the linears, not the embedding
+    group_0 = {"targets": ["re:.*_proj$"], "weights": weights, "input_activations": activations}
+    qc = {"quant_method": "compressed-tensors", "format": fmt, "config_groups": {"g": group_0}}
+    qc |= {"ignore": ["lm_head"], "quantization_status": "compressed"}
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"quantization_config": qc}))
+
+
+def dequantized_by_compressed_tensors(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
+    """compressed-tensors' own dequantization of a checkpoint in its format."""
+    from compressed_tensors.entrypoints.convert.convert_checkpoint import convert_checkpoint
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import (
+        CompressedTensorsDequantizer,
+    )
+
+    dequantizer = CompressedTensorsDequantizer(str(ckpt), dtype=torch.float32)
+    convert_checkpoint(str(ckpt), str(out), dequantizer, max_workers=1, device="cpu")
+    return load_file(str(out / "model.safetensors"))
+
+
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("float") / "tiny", tie=True)
@@ -216,3 +271,54 @@ def test_kept_package_runs_the_codes(source, tmp_path, project):
     for _ in range(12):
         expected.append(int(reference_logits(reference, expected)[-1].argmax()))
     assert out.token_ids == expected[len(ids) :]
+
+
+# id -> (format, bits, group, symmetric, block type kept)
+COMPRESSED = {
+    "w4a16-g32": ("pack-quantized", 4, 32, True, "Q4_0"),
+    "w4a16-asym-g64": ("pack-quantized", 4, 64, False, "Q4_1"),
+    "w8a16-channel": ("pack-quantized", 8, 0, True, "Q8_0"),
+    "w8a16-asym-g32": ("pack-quantized", 8, 32, False, None),
+    "w8a8-channel": ("int-quantized", 8, 0, True, "Q8_0"),
+}
+
+
+@pytest.mark.parametrize("case", COMPRESSED)
+def test_compressed_tensors_read_as_the_library_dequantizes(source, tmp_path, case):
+    """Against compressed-tensors' own dequantization, which multiplies in the scales' float16
+    (so within float16 rounding: 2^-11 of a weight), and the Q4_1 offsets' rounding."""
+    fmt, bits, group, sym, kept = COMPRESSED[case]
+    pytest.importorskip("compressed_tensors")
+    write_compressed(source, tmp_path / "ct", fmt, bits, group, sym)
+    want = dequantized_by_compressed_tensors(tmp_path / "ct", tmp_path / "deq")
+    ckpt = open_checkpoint(tmp_path / "ct")
+    got = ckpt.load_weights()
+    assert set(got) == set(want)
+    for name, w in want.items():
+        tol = 2**-10 * w.abs().max() if name.rsplit(".", 2)[-2] in LINEARS else 0
+        assert (got[name] - w).abs().max() <= tol, name
+    if kept is None:
+        with pytest.raises(CheckpointError, match="no linear's codes fit"):
+            ckpt.load_gguf_blocks()
+    else:
+        assert {qtype for qtype, _ in ckpt.load_gguf_blocks().values()} == {kept}
+
+
+def test_awq_read_as_compressed_tensors_converts_it(source, tmp_path):
+    """The AWQ checkpoint converted by compressed-tensors (its AutoAWQ converter, an
+    independent reading of AWQ's packing): the same weights as the AWQ checkpoint read
+    directly, and the library's dequantization of them."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.entrypoints.convert.convert_checkpoint import convert_checkpoint
+    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+
+    write_quantized(source, tmp_path / "awq", "awq-g32")
+    converter = AutoAWQConverter.from_pretrained(str(tmp_path / "awq"))
+    convert_checkpoint(str(tmp_path / "awq"), str(tmp_path / "ct"), converter, 1, "cpu")
+    direct = open_checkpoint(tmp_path / "awq").load_weights()
+    converted = open_checkpoint(tmp_path / "ct").load_weights()
+    want = dequantized_by_compressed_tensors(tmp_path / "ct", tmp_path / "deq")
+    for name, w in want.items():
+        assert torch.equal(direct[name], converted[name]), name
+        tol = 2**-10 * w.abs().max() if name.rsplit(".", 2)[-2] in LINEARS else 0
+        assert (direct[name] - w).abs().max() <= tol, name

@@ -1,19 +1,22 @@
-"""Checkpoints quantized by GPTQ or AWQ (a `quantization_config` in config.json).
+"""Checkpoints quantized by GPTQ, AWQ or llm-compressor (a `quantization_config` in
+config.json: `quant_method` gptq, awq or compressed-tensors).
 
-Their linears hold integer codes packed into int32 words, with a float16 scale and a zero point
-per group of inputs: w = (q - z) * s. The build reads them as float32 weights, and, where the
-codes fit a GGUF block type, also as blocks, so that `quantize: {gguf: keep}` runs the
+Their linears hold integer codes packed into int32 words (or int8), with a scale and a zero
+point per group of inputs: w = (q - z) * s. The build reads them as float32 weights, and, where
+the codes fit a GGUF block type, also as blocks, so that `quantize: {gguf: keep}` runs the
 checkpoint's own codes with the block kernels (passes/gguf_keep.py):
 
 - symmetric 4-bit (z = 8) as Q4_0 and symmetric 8-bit (z = 128) as Q8_0: exact, since every
-  32-input block lies in one group and keeps that group's float16 scale;
+  32-input block lies in one group and keeps that group's scale as a float16;
 - asymmetric 4-bit (AWQ, GPTQ `sym: false`) as Q4_1, whose offset -z * s is a float16: the
   product of a 4-bit integer and a float16 scale rounds to it, by at most 2^-11 of itself (under
   1 % of one quantization step). The float weights are read from those same blocks, so a
   package with or without `gguf: keep` computes one model.
 
-A linear whose codes fit no block (8-bit asymmetric, GPTQ's act-order, groups not a multiple
-of 32 inputs) is read as float32 exactly, (q - z) * s, and stays float under `gguf: keep`.
+A linear whose codes fit no block (8-bit asymmetric, act-order, groups not a multiple of 32
+inputs, scales a float16 does not hold) is read as float32 exactly, (q - z) * s, and stays float
+under `gguf: keep`. Activation quantization a checkpoint asks for (W8A8) is not applied: the
+package multiplies float activations into the weights.
 """
 
 from __future__ import annotations
@@ -25,8 +28,27 @@ import numpy as np
 import torch
 from torch import Tensor
 
-PACKED = ("qweight", "qzeros", "scales", "g_idx")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column of each nibble in an AWQ (GEMM) word
+# a packed linear's tensors, by method; the first marks one
+LEAVES = {
+    "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+    "awq": ("qweight", "qzeros", "scales"),
+    "compressed-tensors": (
+        "weight_scale",
+        "weight_packed",
+        "weight",
+        "weight_zero_point",
+        "weight_shape",
+        "weight_g_idx",
+        "input_scale",  # static activation scales: activations stay float here
+        "input_zero_point",
+    ),
+}
+CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
+READS = (
+    "aotgen reads GPTQ (4/8-bit), AWQ (4-bit, GEMM) and compressed-tensors integer "
+    f"({', '.join(CT_FORMATS)}) checkpoints; use the float checkpoint"
+)
 
 
 class QuantConfigError(ValueError):
@@ -35,16 +57,13 @@ class QuantConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Scheme:
-    """How a checkpoint's codes are packed (config.json `quantization_config`)."""
+    """How a checkpoint's codes are packed (config.json `quantization_config`);
+    compressed-tensors' bits and groups are read off each linear's tensors."""
 
-    method: str  # gptq | awq
-    bits: int
-    groupsize: int  # inputs per group; 0: a whole row
-    zero_offset: int  # added to a stored zero point: GPTQ's original format stores z - 1
-
-    @property
-    def per_word(self) -> int:
-        return 32 // self.bits
+    method: str  # gptq | awq | compressed-tensors
+    bits: int = 0
+    groupsize: int = 0  # inputs per group; 0: a whole row
+    zero_offset: int = 0  # added to a stored zero point: GPTQ's original format stores z - 1
 
 
 def scheme(config: dict) -> Scheme | None:
@@ -52,13 +71,16 @@ def scheme(config: dict) -> Scheme | None:
     qc = config.get("quantization_config")
     if qc is None:
         return None
+    if not isinstance(qc, dict):
+        raise QuantConfigError(f"quantization_config must be an object, got {qc!r}")
     method = str(qc.get("quant_method", "")).lower()
-    read = "aotgen reads GPTQ (4/8-bit) and AWQ (4-bit, GEMM) checkpoints; use the float one"
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc)
     if method == "gptq":
         bits, group = qc.get("bits"), qc.get("group_size", -1)
         fmt = str(qc.get("checkpoint_format", "gptq")).lower()
         if fmt not in ("gptq", "gptq_v2"):
-            raise QuantConfigError(f"GPTQ checkpoint_format {fmt!r} is not read: {read}")
+            raise QuantConfigError(f"GPTQ checkpoint_format {fmt!r} is not read: {READS}")
         offset = 1 if fmt == "gptq" else 0
     elif method == "awq":
         bits, group = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size"))
@@ -66,16 +88,39 @@ def scheme(config: dict) -> Scheme | None:
         if version != "gemm" or qc.get("zero_point", True) is not True:
             raise QuantConfigError(
                 f"AWQ version {version!r} (zero_point {qc.get('zero_point', True)}) is not "
-                f"read: {read}"
+                f"read: {READS}"
             )
         offset = 0
     else:
-        raise QuantConfigError(f"checkpoint quantized with {method or '?'!r}: {read}")
+        raise QuantConfigError(f"checkpoint quantized with {method or '?'!r}: {READS}")
     if bits not in ((4, 8) if method == "gptq" else (4,)):
-        raise QuantConfigError(f"{method.upper()} with {bits} bits is not read: {read}")
+        raise QuantConfigError(f"{method.upper()} with {bits} bits is not read: {READS}")
     if not isinstance(group, int) or group == 0 or group < -1:
         raise QuantConfigError(f"{method.upper()} group_size {group!r} is not valid")
     return Scheme(method, bits, 0 if group == -1 else group, offset)
+
+
+def _compressed_tensors(qc: dict) -> Scheme:
+    """Integer weights of 4 or 8 bits in every config group; a KV-cache scheme is refused."""
+    groups = qc.get("config_groups") or {}
+    for name, group in groups.items():
+        weights = (group or {}).get("weights") or {}
+        fmt = (group or {}).get("format") or qc.get("format")
+        if fmt not in CT_FORMATS or weights.get("type") != "int":
+            raise QuantConfigError(
+                f"compressed-tensors group {name}: format {fmt!r}, weights of type "
+                f"{weights.get('type')!r}: {READS}"
+            )
+        if weights.get("num_bits") not in (4, 8):
+            raise QuantConfigError(
+                f"compressed-tensors group {name}: {weights.get('num_bits')}-bit weights: {READS}"
+            )
+    if qc.get("kv_cache_scheme"):
+        raise QuantConfigError(
+            "compressed-tensors kv_cache_scheme is not read (the package keeps its own KV "
+            "cache: `kv_cache_dtype` in the recipe); use a checkpoint without it"
+        )
+    return Scheme("compressed-tensors")
 
 
 @dataclass
@@ -83,6 +128,7 @@ class PackedLinear:
     """One linear's codes [N, K] (0 .. 2^bits - 1), zero points and scales [N, groups], and
     the group of each input [K]."""
 
+    bits: int
     codes: Tensor
     zeros: Tensor
     scales: Tensor
@@ -119,8 +165,7 @@ def _awq_columns(codes: Tensor) -> Tensor:
     return out
 
 
-def unpack_linear(parts: dict[str, Tensor], s: Scheme, name: str) -> PackedLinear:
-    """A linear's packed tensors (PACKED) -> its codes, zero points, scales and groups."""
+def _gptq_awq(parts: dict[str, Tensor], s: Scheme) -> PackedLinear:
     scales = parts["scales"].float().t().contiguous()  # [N, G]
     n = scales.shape[0]
     if s.method == "gptq":
@@ -134,27 +179,73 @@ def unpack_linear(parts: dict[str, Tensor], s: Scheme, name: str) -> PackedLinea
         groups = parts["g_idx"].long()
     else:
         groups = torch.arange(k) // (s.groupsize or k)
-    if zeros.shape != scales.shape or groups.shape != (k,) or int(groups.max()) >= scales.shape[1]:
-        raise QuantConfigError(
-            f"{name}: packed tensors of inconsistent shapes (codes {tuple(codes.shape)}, zeros "
-            f"{tuple(zeros.shape)}, scales {tuple(scales.shape)}); the checkpoint is damaged"
+    return PackedLinear(s.bits, codes, zeros, scales, groups)
+
+
+def _compressed(parts: dict[str, Tensor]) -> PackedLinear:
+    """pack-quantized: codes + 2^(bits - 1) packed along the inputs (zero points along the
+    outputs); int-quantized: signed int8 codes. Bits and groups follow from the shapes."""
+    if "weight_packed" in parts:
+        n, k = (int(v) for v in parts["weight_shape"])
+        bits = 32 * parts["weight_packed"].shape[1] // max(k, 1)
+        if bits not in (4, 8):
+            raise QuantConfigError(f"weight_packed holds {bits}-bit codes: {READS}")
+        codes = _unpack(parts["weight_packed"], bits, dim=1)[:, :k]
+        zp = parts.get("weight_zero_point")
+        zeros = None if zp is None else _unpack(zp.int(), bits, dim=0)[:n]
+    else:
+        bits, codes = 8, parts["weight"].int() + 128
+        zp = parts.get("weight_zero_point")
+        zeros = None if zp is None else zp.int() + 128
+    n, k = codes.shape
+    scale = parts["weight_scale"].float()  # [N, G] by group, [N, 1] by channel, [1] by tensor
+    scales = scale.reshape(-1, scale.shape[-1] if scale.dim() == 2 else 1).expand(n, -1)
+    if zeros is None:
+        zeros = torch.full(scales.shape, 1 << (bits - 1), dtype=torch.int32)
+    zeros = zeros.reshape(-1, scales.shape[1]).expand(n, -1)
+    size, rest = divmod(k, scales.shape[1])
+    if rest:
+        raise ValueError(f"{k} inputs in {scales.shape[1]} groups")
+    groups = parts["weight_g_idx"].long() if "weight_g_idx" in parts else torch.arange(k) // size
+    return PackedLinear(bits, codes, zeros, scales, groups)
+
+
+def unpack_linear(parts: dict[str, Tensor], s: Scheme, name: str) -> PackedLinear:
+    """A linear's packed tensors (LEAVES) -> its codes, zero points, scales and groups."""
+    try:
+        p = _compressed(parts) if s.method == "compressed-tensors" else _gptq_awq(parts, s)
+        n, k = p.codes.shape
+        consistent = (
+            p.zeros.shape == p.scales.shape == (n, p.scales.shape[1])
+            and p.groups.shape == (k,)
+            and 0 <= int(p.groups.min()) <= int(p.groups.max()) < p.scales.shape[1]
         )
-    return PackedLinear(codes.contiguous(), zeros.contiguous(), scales, groups)
+    except (RuntimeError, ValueError, KeyError) as e:
+        if isinstance(e, QuantConfigError):
+            raise QuantConfigError(f"{name}: {e}") from None
+        consistent = False
+    if not consistent:
+        shapes = ", ".join(f"{leaf} {tuple(t.shape)}" for leaf, t in parts.items())
+        raise QuantConfigError(
+            f"{name}: packed tensors of inconsistent shapes ({shapes}); the checkpoint is damaged"
+        )
+    return PackedLinear(p.bits, p.codes.contiguous(), p.zeros.contiguous(), p.scales, p.groups)
 
 
-def as_blocks(p: PackedLinear, bits: int) -> tuple[str, np.ndarray] | None:
+def as_blocks(p: PackedLinear) -> tuple[str, np.ndarray] | None:
     """The linear's codes as GGUF blocks (type, uint8 [N, bytes]), or None where they fit none."""
     size = p.contiguous_groups()
     if not size or size % 32:
         return None
     n, k = p.codes.shape
     codes = p.codes.reshape(n, k // 32, 32)
-    scale = p.scales.repeat_interleave(size // 32, dim=1).half()  # [N, K/32]
-    if not torch.equal(scale.float(), p.scales.repeat_interleave(size // 32, dim=1)):
+    exact = p.scales.repeat_interleave(size // 32, dim=1)  # [N, K/32]
+    scale = exact.half()
+    if not torch.equal(scale.float(), exact):
         return None  # scales a float16 does not hold (bfloat16 ones out of its range)
     zero = p.zeros.repeat_interleave(size // 32, dim=1)
     d = scale.numpy().view(np.uint8).reshape(n, k // 32, 2)
-    if bits == 8:
+    if p.bits == 8:
         if not bool((zero == 128).all()):
             return None
         qs = (codes - 128).to(torch.int8).numpy().view(np.uint8)
@@ -162,7 +253,7 @@ def as_blocks(p: PackedLinear, bits: int) -> tuple[str, np.ndarray] | None:
     nibbles = (codes[..., :16] | (codes[..., 16:] << 4)).to(torch.uint8).numpy()
     if bool((zero == 8).all()):
         return "Q4_0", np.concatenate([d, nibbles], axis=2).reshape(n, -1)
-    m = (-(zero.float() * scale.float())).half().numpy().view(np.uint8).reshape(n, k // 32, 2)
+    m = (-(zero.float() * exact)).half().numpy().view(np.uint8).reshape(n, k // 32, 2)
     return "Q4_1", np.concatenate([d, m, nibbles], axis=2).reshape(n, -1)
 
 
@@ -171,29 +262,24 @@ def read_quantized(
 ) -> tuple[dict[str, Tensor], dict[str, tuple[str, np.ndarray]]]:
     """The checkpoint's tensors with every packed linear as a float32 `.weight`, and the
     blocks of those whose codes fit a block type (keyed by the weight's name)."""
+    leaves = LEAVES[s.method]
+    marker = "." + leaves[0]
+    prefixes = {name.removesuffix(marker) for name in tensors if name.endswith(marker)}
     weights: dict[str, Tensor] = {}
-    prefixes = {name.rsplit(".", 1)[0] for name in tensors if name.endswith(".qweight")}
     for name, t in tensors.items():
         prefix, _, leaf = name.rpartition(".")
-        if not (prefix in prefixes and leaf in PACKED):
+        if not (prefix in prefixes and leaf in leaves):
             weights[name] = t.float()
     blocks: dict[str, tuple[str, np.ndarray]] = {}
     for prefix in sorted(prefixes):
-        names = {leaf: f"{prefix}.{leaf}" for leaf in PACKED}
+        names = {leaf: f"{prefix}.{leaf}" for leaf in leaves}
         parts = {leaf: tensors[name] for leaf, name in names.items() if name in tensors}
-        missing = {"qweight", "qzeros", "scales"} - parts.keys()
-        if missing:
-            raise QuantConfigError(
-                f"{prefix}: packed linear without {', '.join(sorted(missing))}; the checkpoint "
-                "is damaged"
-            )
         packed = unpack_linear(parts, s, prefix)
-        kept = as_blocks(packed, s.bits)
+        kept = as_blocks(packed)
         if kept is None:
             weights[f"{prefix}.weight"] = packed.dequantize()
             continue
-        qtype, raw = kept
         blocks[f"{prefix}.weight"] = kept
-        values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
+        values = gguf.quants.dequantize(kept[1], gguf.GGMLQuantizationType[kept[0]])
         weights[f"{prefix}.weight"] = torch.from_numpy(values.reshape(packed.codes.shape).copy())
     return weights, blocks
