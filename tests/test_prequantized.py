@@ -260,6 +260,10 @@ def test_kept_package_runs_the_codes(source, tmp_path, project):
     kept = manifest["models"]["target"]["quantization"]["weights"]
     assert set(kept.values()) == {"Q4_0"}  # every linear, q/k/v and gate/up fused
     assert {name.split(".")[2] for name in kept} == {"0", "1"}
+    assert (
+        "14 packed linears read as float32; their codes as GGUF blocks: Q4_0 x14"
+        in (report.notes[0])
+    )
     reference = load_reference(write_float(tmp_path / "q", tmp_path / "f"))
     engine = Engine.load(report.path)
     ids = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(2)).tolist()

@@ -35,14 +35,14 @@ class Checkpoint:
     config: dict
     weight_files: list[Path]
     tokenizer_files: list[Path]
-    # a GPTQ/AWQ checkpoint's float weights and blocks (checkpoint/prequantized.py), read once
-    _quantized: tuple[dict, dict] | None = field(default=None, repr=False)
+    # a quantized checkpoint's float weights and blocks (checkpoint/prequantized.py), read once
+    _quantized: prequantized.QuantizedRead | None = field(default=None, repr=False)
 
     def load_weights(self) -> dict[str, torch.Tensor]:
-        """All tensors, as fp32 CPU tensors (the build's reference precision); a GPTQ or AWQ
+        """All tensors, as fp32 CPU tensors (the build's reference precision); a quantized
         checkpoint's packed linears dequantized."""
         if self.quant_scheme is not None:
-            return dict(self._read_quantized()[0])
+            return dict(self._read_quantized().weights)
         return {name: t.float() for name, t in self._read_tensors().items()}
 
     @property
@@ -63,7 +63,12 @@ class Checkpoint:
                 ) from None
         return tensors
 
-    def _read_quantized(self) -> tuple[dict, dict]:
+    def quant_note(self) -> str | None:
+        """What a quantized checkpoint was read as, for the build's report."""
+        scheme = self.quant_scheme
+        return None if scheme is None else self._read_quantized().note(scheme)
+
+    def _read_quantized(self) -> prequantized.QuantizedRead:
         if self._quantized is None:
             scheme = self.quant_scheme
             assert scheme is not None
@@ -75,9 +80,9 @@ class Checkpoint:
 
     def load_gguf_blocks(self) -> dict[str, tuple[str, np.ndarray]]:
         """The GGUF blocks `aotgen import-gguf` kept: name -> (block type, uint8 [rows, bytes]);
-        for a GPTQ or AWQ checkpoint, its codes as blocks."""
+        for a GPTQ, AWQ or compressed-tensors checkpoint, its codes as blocks."""
         if self.quant_scheme is not None:
-            blocks = self._read_quantized()[1]
+            blocks = self._read_quantized().blocks
             if not blocks:
                 raise CheckpointError(
                     f"{self.path}: no linear's codes fit a GGUF block type (act-order, groups "
@@ -90,9 +95,9 @@ class Checkpoint:
         if not path.is_file():
             raise CheckpointError(
                 f"{self.path} holds no GGUF blocks ({BLOCKS_FILE}): `quantize: {{gguf: keep}}` "
-                "needs a GPTQ or AWQ checkpoint, or one imported from a quantized GGUF by this "
-                "version; run `aotgen import-gguf FILE.gguf DIR` again or point the recipe at "
-                "the .gguf file"
+                "needs a GPTQ, AWQ or compressed-tensors checkpoint, or one imported from a "
+                "quantized GGUF by this version; run `aotgen import-gguf FILE.gguf DIR` again or "
+                "point the recipe at the .gguf file"
             )
         try:
             with safe_open(str(path), framework="np") as sf:

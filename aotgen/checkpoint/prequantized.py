@@ -21,6 +21,7 @@ package multiplies float activations into the weights.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import gguf
@@ -64,6 +65,31 @@ class Scheme:
     bits: int = 0
     groupsize: int = 0  # inputs per group; 0: a whole row
     zero_offset: int = 0  # added to a stored zero point: GPTQ's original format stores z - 1
+
+    def describe(self) -> str:
+        if self.method == "compressed-tensors":
+            return "compressed-tensors"
+        groups = f"groups of {self.groupsize}" if self.groupsize else "one group a row"
+        return f"{self.method.upper()} {self.bits}-bit, {groups}"
+
+
+@dataclass
+class QuantizedRead:
+    """What a quantized checkpoint reads as: every tensor in float32 (packed linears
+    dequantized), and the blocks of the linears whose codes fit a block type."""
+
+    weights: dict[str, Tensor]
+    blocks: dict[str, tuple[str, np.ndarray]]
+    linears: int  # packed linears
+
+    def note(self, s: Scheme) -> str:
+        kinds = Counter(qtype for qtype, _ in self.blocks.values())
+        fit = ", ".join(f"{t} x{n}" for t, n in sorted(kinds.items())) or "none"
+        keep = " (`quantize: {gguf: keep}` runs them)" if self.blocks else ""
+        return (
+            f"checkpoint {s.describe()}: {self.linears} packed linears read as float32; "
+            f"their codes as GGUF blocks: {fit}{keep}"
+        )
 
 
 def scheme(config: dict) -> Scheme | None:
@@ -257,9 +283,7 @@ def as_blocks(p: PackedLinear) -> tuple[str, np.ndarray] | None:
     return "Q4_1", np.concatenate([d, m, nibbles], axis=2).reshape(n, -1)
 
 
-def read_quantized(
-    tensors: dict[str, Tensor], s: Scheme
-) -> tuple[dict[str, Tensor], dict[str, tuple[str, np.ndarray]]]:
+def read_quantized(tensors: dict[str, Tensor], s: Scheme) -> QuantizedRead:
     """The checkpoint's tensors with every packed linear as a float32 `.weight`, and the
     blocks of those whose codes fit a block type (keyed by the weight's name)."""
     leaves = LEAVES[s.method]
@@ -282,4 +306,4 @@ def read_quantized(
         blocks[f"{prefix}.weight"] = kept
         values = gguf.quants.dequantize(kept[1], gguf.GGMLQuantizationType[kept[0]])
         weights[f"{prefix}.weight"] = torch.from_numpy(values.reshape(packed.codes.shape).copy())
-    return weights, blocks
+    return QuantizedRead(weights, blocks, len(prefixes))

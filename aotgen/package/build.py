@@ -146,6 +146,8 @@ def _build(
         graphs_cache = project.cache_dir / "graphs"
         compiled = _compile_models(plan, inputs.recipe, progress, graphs_cache, force)
         report.graphs, report.notes = compiled.graphs, compiled.notes
+        if quantized := inputs.ckpt.quant_note():
+            report.notes.insert(0, quantized)
         manifest, report.weight_bytes = _write_package(tmp, inputs, plan, compiled)
         report.perplexity, notes = measure_perplexity(
             tmp,
