@@ -239,6 +239,15 @@ def test_model_computes_what_transformers_computes(source, tmp_path, scheme):
         ({"quant_method": "bitsandbytes"}, "checkpoint quantized with 'bitsandbytes'"),
         ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "AWQ version"),
         ({"quant_method": "gptq", "bits": 3, "group_size": 32}, "GPTQ with 3 bits"),
+        ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "nvfp4-pack-quantized",
+                "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float"}}},
+            },
+            "format 'nvfp4-pack-quantized'",
+        ),
     ],
 )
 def test_unread_schemes_are_one_line_errors(source, tmp_path, config, phrase):
@@ -261,7 +270,7 @@ def test_kept_package_runs_the_codes(source, tmp_path, project):
     assert set(kept.values()) == {"Q4_0"}  # every linear, q/k/v and gate/up fused
     assert {name.split(".")[2] for name in kept} == {"0", "1"}
     assert (
-        "14 packed linears read as float32; their codes as GGUF blocks: Q4_0 x14"
+        "14 quantized linears read as float32; their codes as GGUF blocks: Q4_0 x14"
         in (report.notes[0])
     )
     reference = load_reference(write_float(tmp_path / "q", tmp_path / "f"))
@@ -326,3 +335,112 @@ def test_awq_read_as_compressed_tensors_converts_it(source, tmp_path):
         assert torch.equal(direct[name], converted[name]), name
         tol = 2**-10 * w.abs().max() if name.rsplit(".", 2)[-2] in LINEARS else 0
         assert (direct[name] - w).abs().max() <= tol, name
+
+
+E4M3_MAX = 448.0
+# id -> (quant_method, scales: "tensor" | "channel" | (rows, inputs) a block)
+FP8 = {
+    "fp8-blocks": ("fp8", (48, 48)),  # cut short at 64, 32 and 128: the last block is partial
+    "fp8-blocks-32": ("fp8", (32, 32)),
+    "fp8-tensor": ("fp8", "tensor"),  # AutoFP8 and vLLM: weight_scale, as one number
+    "ct-fp8-channel": ("compressed-tensors", "channel"),
+    "ct-fp8-blocks": ("compressed-tensors", (48, 32)),
+}
+
+
+def write_fp8(src: Path, out: Path, case: str) -> dict[str, torch.Tensor]:
+    """src's checkpoint with its linears as float8 e4m3 values and scales, as Qwen's and
+    DeepSeek's FP8 releases (`quant_method: fp8`) or llm-compressor (`float-quantized`) write
+    them; returns the float32 weights they stand for."""
+    method, layout = FP8[case]
+    shutil.copytree(src, out)
+    tensors = load_file(str(src / "model.safetensors"))
+    meant: dict[str, torch.Tensor] = {}
+    for name in [n for n in tensors if n.rsplit(".", 2)[-2] in LINEARS]:
+        w = tensors.pop(name)
+        n, k = w.shape
+        rows, cols = {"tensor": (n, k), "channel": (1, k)}.get(layout, layout)
+        grid = -(-n // rows), -(-k // cols)
+        padded = torch.zeros(grid[0] * rows, grid[1] * cols)
+        padded[:n, :k] = w
+        amax = padded.reshape(grid[0], rows, grid[1], cols).abs().amax(dim=(1, 3))
+        scale = amax / E4M3_MAX
+        if method == "compressed-tensors":  # llm-compressor keeps the weight's dtype for scales
+            scale = scale.to(torch.bfloat16).float()
+        full = scale.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
+        q = (w / full).to(torch.float8_e4m3fn)
+        meant[name] = q.float() * full
+        prefix = name.removesuffix(".weight")
+        tensors[name] = q
+        if method == "fp8" and layout == "tensor":  # AutoFP8's layout: one scale, and the input's
+            tensors[prefix + ".weight_scale"] = scale.reshape(())
+            tensors[prefix + ".input_scale"] = torch.tensor(0.05)
+        elif method == "fp8":
+            tensors[prefix + ".weight_scale_inv"] = scale
+        else:
+            tensors[prefix + ".weight_scale"] = scale.to(torch.bfloat16)
+    save_file(tensors, str(out / "model.safetensors"))
+    if method == "fp8":
+        qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+        if layout != "tensor":
+            qc["weight_block_size"] = list(layout)
+    else:
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
+        weights |= (
+            {"strategy": "channel"}
+            if layout == "channel"
+            else {"strategy": "block", "block_structure": list(layout)}
+        )
+        group_0 = {"targets": ["re:.*_proj$"], "weights": weights, "input_activations": None}
+        qc = {"quant_method": "compressed-tensors", "format": "float-quantized"}
+        qc |= {"config_groups": {"g": group_0}, "quantization_status": "compressed"}
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"quantization_config": qc}))
+    return meant
+
+
+@pytest.mark.parametrize("case", FP8)
+def test_fp8_read_as_the_libraries_dequantize(source, tmp_path, case):
+    """Exactly the weights the float8 values and scales stand for; blocks cut short at the
+    edges as compressed-tensors' FP8 block dequantizer cuts them; compressed-tensors'
+    float-quantized as its own dequantizer reads it (which rounds to its bfloat16 scales'
+    dtype: 2^-8 of a weight)."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import (
+        FP8BlockDequantizer,
+    )
+
+    method, layout = FP8[case]
+    meant = write_fp8(source, tmp_path / "fp8", case)
+    ckpt = open_checkpoint(tmp_path / "fp8")
+    got = ckpt.load_weights()
+    assert set(got) == set(load_file(str(source / "model.safetensors")))
+    for name, w in meant.items():
+        assert torch.equal(got[name], w), name
+    if method == "fp8" and layout != "tensor":
+        dequantizer = FP8BlockDequantizer.from_pretrained(
+            str(tmp_path / "fp8"), weight_block_size=layout, dtype=torch.float32
+        )
+        # its process(), not convert_checkpoint(), which cannot save a cut-short block's view
+        want, tol = dequantizer.process(load_file(str(tmp_path / "fp8" / "model.safetensors"))), 0
+    elif method == "compressed-tensors":
+        want = dequantized_by_compressed_tensors(tmp_path / "fp8", tmp_path / "deq")
+        tol = 2**-8
+    else:
+        want, tol = {}, 0
+    for name, w in want.items():
+        assert (got[name] - w).abs().max() <= tol * w.abs().max(), name
+    with pytest.raises(CheckpointError, match="no linear's codes fit a GGUF block type"):
+        ckpt.load_gguf_blocks()
+
+
+@pytest.mark.parametrize("case", ["fp8-blocks-32", "ct-fp8-channel"])
+def test_fp8_model_computes_what_transformers_computes(source, tmp_path, case):
+    """transformers loads FP8 checkpoints on a CPU by dequantizing them to the scales'
+    dtype (float32 here); its blocks must divide the weight."""
+    write_fp8(source, tmp_path / "fp8", case)
+    reference = load_reference(tmp_path / "fp8")
+    ids = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    want = reference_logits(reference, ids)
+    got = EagerModel(tmp_path / "fp8", 64).forward(ids, 0)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5

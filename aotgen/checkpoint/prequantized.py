@@ -1,5 +1,5 @@
-"""Checkpoints quantized by GPTQ, AWQ or llm-compressor (a `quantization_config` in
-config.json: `quant_method` gptq, awq or compressed-tensors).
+"""Checkpoints quantized by GPTQ, AWQ, llm-compressor or to FP8 (a `quantization_config` in
+config.json: `quant_method` gptq, awq, compressed-tensors or fp8).
 
 Their linears hold integer codes packed into int32 words (or int8), with a scale and a zero
 point per group of inputs: w = (q - z) * s. The build reads them as float32 weights, and, where
@@ -17,6 +17,11 @@ A linear whose codes fit no block (8-bit asymmetric, act-order, groups not a mul
 inputs, scales a float16 does not hold) is read as float32 exactly, (q - z) * s, and stays float
 under `gguf: keep`. Activation quantization a checkpoint asks for (W8A8) is not applied: the
 package multiplies float activations into the weights.
+
+FP8 weights (`quant_method: fp8`, as in Qwen3's and DeepSeek's FP8 releases, and
+compressed-tensors `float-quantized`) are float8 values times a scale per tensor, channel,
+group or block of weight_block_size; they are read as float32, exactly. No GGUF block holds
+them; `quantize: {linear: int8}` quantizes them again.
 """
 
 from __future__ import annotations
@@ -44,11 +49,14 @@ LEAVES = {
         "input_scale",  # static activation scales: activations stay float here
         "input_zero_point",
     ),
+    "fp8": ("weight_scale_inv", "weight_scale", "weight", "input_scale"),
 }
-CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
+# the leaves that mark a linear as quantized, by method
+MARKERS = {"compressed-tensors": ("weight_scale",), "fp8": ("weight_scale_inv", "weight_scale")}
+CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 READS = (
-    "aotgen reads GPTQ (4/8-bit), AWQ (4-bit, GEMM) and compressed-tensors integer "
-    f"({', '.join(CT_FORMATS)}) checkpoints; use the float checkpoint"
+    "aotgen reads GPTQ (4/8-bit), AWQ (4-bit, GEMM), FP8 and compressed-tensors integer and "
+    f"FP8 ({', '.join(CT_FORMATS)}) checkpoints; use the float checkpoint"
 )
 
 
@@ -65,10 +73,13 @@ class Scheme:
     bits: int = 0
     groupsize: int = 0  # inputs per group; 0: a whole row
     zero_offset: int = 0  # added to a stored zero point: GPTQ's original format stores z - 1
+    block: tuple[int, int] | None = None  # FP8 scales by block of [outputs, inputs]
 
     def describe(self) -> str:
         if self.method == "compressed-tensors":
             return "compressed-tensors"
+        if self.method == "fp8":
+            return "FP8" + (f", blocks of {self.block[0]}x{self.block[1]}" if self.block else "")
         groups = f"groups of {self.groupsize}" if self.groupsize else "one group a row"
         return f"{self.method.upper()} {self.bits}-bit, {groups}"
 
@@ -84,11 +95,10 @@ class QuantizedRead:
 
     def note(self, s: Scheme) -> str:
         kinds = Counter(qtype for qtype, _ in self.blocks.values())
-        fit = ", ".join(f"{t} x{n}" for t, n in sorted(kinds.items())) or "none"
-        keep = " (`quantize: {gguf: keep}` runs them)" if self.blocks else ""
-        return (
-            f"checkpoint {s.describe()}: {self.linears} packed linears read as float32; "
-            f"their codes as GGUF blocks: {fit}{keep}"
+        fit = ", ".join(f"{t} x{n}" for t, n in sorted(kinds.items()))
+        kept = f"their codes as GGUF blocks: {fit} (`quantize: {{gguf: keep}}` runs them)"
+        return f"checkpoint {s.describe()}: {self.linears} quantized linears read as float32; " + (
+            kept if self.blocks else "no GGUF block type holds their codes"
         )
 
 
@@ -102,6 +112,8 @@ def scheme(config: dict) -> Scheme | None:
     method = str(qc.get("quant_method", "")).lower()
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
+    if method == "fp8":
+        return Scheme("fp8", 8, block=_block(qc.get("weight_block_size"), "weight_block_size"))
     if method == "gptq":
         bits, group = qc.get("bits"), qc.get("group_size", -1)
         fmt = str(qc.get("checkpoint_format", "gptq")).lower()
@@ -126,27 +138,42 @@ def scheme(config: dict) -> Scheme | None:
     return Scheme(method, bits, 0 if group == -1 else group, offset)
 
 
+def _block(size: object, what: str) -> tuple[int, int] | None:
+    if size is None:
+        return None
+    pair = isinstance(size, list) and len(size) == 2
+    if not (pair and all(isinstance(v, int) and v > 0 for v in size)):
+        raise QuantConfigError(f"{what} {size!r} is not [outputs, inputs]")
+    return size[0], size[1]
+
+
 def _compressed_tensors(qc: dict) -> Scheme:
-    """Integer weights of 4 or 8 bits in every config group; a KV-cache scheme is refused."""
+    """Integer weights of 4 or 8 bits, or 8-bit float ones, in every config group; a KV-cache
+    scheme is refused."""
     groups = qc.get("config_groups") or {}
+    block = None
     for name, group in groups.items():
         weights = (group or {}).get("weights") or {}
         fmt = (group or {}).get("format") or qc.get("format")
-        if fmt not in CT_FORMATS or weights.get("type") != "int":
+        kind = weights.get("type")
+        if fmt not in CT_FORMATS or kind not in ("int", "float"):
             raise QuantConfigError(
-                f"compressed-tensors group {name}: format {fmt!r}, weights of type "
-                f"{weights.get('type')!r}: {READS}"
+                f"compressed-tensors group {name}: format {fmt!r}, weights of type {kind!r}: "
+                f"{READS}"
             )
-        if weights.get("num_bits") not in (4, 8):
+        if weights.get("num_bits") not in ((4, 8) if kind == "int" else (8,)):
             raise QuantConfigError(
-                f"compressed-tensors group {name}: {weights.get('num_bits')}-bit weights: {READS}"
+                f"compressed-tensors group {name}: {weights.get('num_bits')}-bit {kind} "
+                f"weights: {READS}"
             )
+        if weights.get("strategy") == "block":
+            block = _block(weights.get("block_structure"), f"group {name} block_structure")
     if qc.get("kv_cache_scheme"):
         raise QuantConfigError(
             "compressed-tensors kv_cache_scheme is not read (the package keeps its own KV "
             "cache: `kv_cache_dtype` in the recipe); use a checkpoint without it"
         )
-    return Scheme("compressed-tensors")
+    return Scheme("compressed-tensors", block=block)
 
 
 @dataclass
@@ -236,6 +263,26 @@ def _compressed(parts: dict[str, Tensor]) -> PackedLinear:
     return PackedLinear(bits, codes, zeros, scales, groups)
 
 
+def scaled_float(parts: dict[str, Tensor], block: tuple[int, int] | None) -> Tensor:
+    """float8 weights [N, K] times their scales: one, one per output, per group of inputs
+    ([N, G]) or per block ([ceil(N / rows), ceil(K / cols)], the last block cut short)."""
+    w = parts["weight"].float()
+    n, k = w.shape
+    scale = parts.get("weight_scale_inv", parts.get("weight_scale"))
+    if not scale.is_floating_point():
+        raise ValueError(f"{scale.dtype} scales (E8M0 exponents stored as integers) are not read")
+    scale = scale.float().reshape(-1, 1) if scale.dim() < 2 else scale.float()
+    g_rows, g_cols = scale.shape
+    if block and (g_rows, g_cols) == (-(-n // block[0]), -(-k // block[1])):
+        rows, cols = block
+    elif n % g_rows == 0 and k % g_cols == 0:
+        rows, cols = n // g_rows, k // g_cols
+    else:
+        raise ValueError(f"scales {tuple(scale.shape)} for a [{n}, {k}] weight")
+    scale = scale.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
+    return w * scale
+
+
 def unpack_linear(parts: dict[str, Tensor], s: Scheme, name: str) -> PackedLinear:
     """A linear's packed tensors (LEAVES) -> its codes, zero points, scales and groups."""
     try:
@@ -256,6 +303,17 @@ def unpack_linear(parts: dict[str, Tensor], s: Scheme, name: str) -> PackedLinea
             f"{name}: packed tensors of inconsistent shapes ({shapes}); the checkpoint is damaged"
         )
     return PackedLinear(p.bits, p.codes.contiguous(), p.zeros.contiguous(), p.scales, p.groups)
+
+
+def _read_float(parts: dict[str, Tensor], block: tuple[int, int] | None, name: str) -> Tensor:
+    if parts["weight"].element_size() != 1 or parts["weight"].dim() != 2:
+        raise QuantConfigError(
+            f"{name}: {parts['weight'].dtype} weights with scales: 8-bit float ones are read"
+        )
+    try:
+        return scaled_float(parts, block)
+    except (RuntimeError, ValueError) as e:
+        raise QuantConfigError(f"{name}: {e}; the checkpoint is damaged") from None
 
 
 def as_blocks(p: PackedLinear) -> tuple[str, np.ndarray] | None:
@@ -287,8 +345,8 @@ def read_quantized(tensors: dict[str, Tensor], s: Scheme) -> QuantizedRead:
     """The checkpoint's tensors with every packed linear as a float32 `.weight`, and the
     blocks of those whose codes fit a block type (keyed by the weight's name)."""
     leaves = LEAVES[s.method]
-    marker = "." + leaves[0]
-    prefixes = {name.removesuffix(marker) for name in tensors if name.endswith(marker)}
+    markers = MARKERS.get(s.method, leaves[:1])
+    prefixes = {name.rpartition(".")[0] for name in tensors if name.rpartition(".")[2] in markers}
     weights: dict[str, Tensor] = {}
     for name, t in tensors.items():
         prefix, _, leaf = name.rpartition(".")
@@ -298,6 +356,9 @@ def read_quantized(tensors: dict[str, Tensor], s: Scheme) -> QuantizedRead:
     for prefix in sorted(prefixes):
         names = {leaf: f"{prefix}.{leaf}" for leaf in leaves}
         parts = {leaf: tensors[name] for leaf, name in names.items() if name in tensors}
+        if parts.get("weight") is not None and parts["weight"].is_floating_point():
+            weights[f"{prefix}.weight"] = _read_float(parts, s.block, prefix)
+            continue
         packed = unpack_linear(parts, s, prefix)
         kept = as_blocks(packed)
         if kept is None:
