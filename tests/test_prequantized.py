@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import TINY_RECIPE
-from families import load_reference, reference_logits
+from families import load_reference, make_family_checkpoint, reference_logits
 from reference import EagerModel
 from safetensors.torch import load_file, save_file
 from tiny import make_tiny_checkpoint
@@ -34,6 +34,12 @@ pytest.importorskip("transformers")
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order_map: the column packed at nibble i
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS += ("w1", "w2", "w3", "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
+
+
+def _linear_weights(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The weights a quantizer packs: the linears', not the norms', embedding's or routers'."""
+    return [n for n in tensors if n.endswith(".weight") and n.rsplit(".", 2)[-2] in LINEARS]
 
 
 def _codes(w: torch.Tensor, bits: int, group: int, sym: bool, min_zero: int):
@@ -82,6 +88,7 @@ SCHEMES = {
     "gptq-asym4-g64-v2": ("gptq", 4, 64, False, False, "gptq_v2", "Q4_1"),
     "gptq-sym8-g32": ("gptq", 8, 32, True, False, "gptq", "Q8_0"),
     "gptq-sym4-act-order": ("gptq", 4, 32, True, True, "gptq", None),
+    "gptq-sym4-g16": ("gptq", 4, 16, True, False, "gptq", None),  # groups a block cannot hold
     "gptq-asym8-per-row": ("gptq", 8, -1, False, False, "gptq", None),
     "awq-g32": ("awq", 4, 32, False, False, None, "Q4_1"),
 }
@@ -95,7 +102,7 @@ def write_quantized(src: Path, out: Path, scheme: str) -> dict[str, torch.Tensor
     tensors = load_file(str(src / "model.safetensors"))
     g = torch.Generator().manual_seed(0)
     meant: dict[str, torch.Tensor] = {}
-    for name in [n for n in tensors if n.rsplit(".", 2)[-2] in LINEARS]:
+    for name in _linear_weights(tensors):
         w = tensors.pop(name)
         n, k = w.shape
         size = k if group == -1 else group
@@ -150,7 +157,7 @@ def write_compressed(src: Path, out: Path, fmt: str, bits: int, group: int, sym:
     shutil.copytree(src, out)
     tensors = load_file(str(src / "model.safetensors"))
     half = 1 << (bits - 1)  # compressed-tensors' codes are signed: q - 2^(bits - 1)
-    for name in [n for n in tensors if n.rsplit(".", 2)[-2] in LINEARS]:
+    for name in _linear_weights(tensors):
         w = tensors.pop(name)
         q, zero, scale = _codes(w, bits, group or w.shape[1], sym, 0)
         prefix = name.removesuffix(".weight")
@@ -223,9 +230,20 @@ def test_reads_the_weights_the_codes_stand_for(source, tmp_path, scheme):
     assert {qtype for qtype, _ in blocks.values()} == {kept}
 
 
-@pytest.mark.parametrize("scheme", ["gptq-sym4-act-order", "awq-g32"])
-def test_model_computes_what_transformers_computes(source, tmp_path, scheme):
-    write_quantized(source, tmp_path / "q", scheme)
+@pytest.mark.parametrize(
+    "family, scheme",
+    [
+        ("llama", "gptq-sym4-act-order"),
+        ("llama", "awq-g32"),
+        ("qwen2-tied", "gptq-sym4-g32"),  # biases beside the packed tensors
+        ("gptneox-parallel", "gptq-asym4-g64-v2"),
+        ("qwen3-moe", "gptq-sym4-g16"),  # every expert packed, the router float
+        ("mixtral", "awq-g32"),
+    ],
+)
+def test_model_computes_what_transformers_computes(source, tmp_path, family, scheme):
+    src = source if family == "llama" else make_family_checkpoint(tmp_path / "float", family)
+    write_quantized(src, tmp_path / "q", scheme)
     reference = load_reference(write_float(tmp_path / "q", tmp_path / "f"))
     ids = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(1)).tolist()
     want = reference_logits(reference, ids)
@@ -356,7 +374,7 @@ def write_fp8(src: Path, out: Path, case: str) -> dict[str, torch.Tensor]:
     shutil.copytree(src, out)
     tensors = load_file(str(src / "model.safetensors"))
     meant: dict[str, torch.Tensor] = {}
-    for name in [n for n in tensors if n.rsplit(".", 2)[-2] in LINEARS]:
+    for name in _linear_weights(tensors):
         w = tensors.pop(name)
         n, k = w.shape
         rows, cols = {"tensor": (n, k), "channel": (1, k)}.get(layout, layout)

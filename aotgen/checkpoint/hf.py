@@ -85,8 +85,8 @@ class Checkpoint:
             blocks = self._read_quantized().blocks
             if not blocks:
                 raise CheckpointError(
-                    f"{self.path}: no linear's codes fit a GGUF block type (act-order, groups "
-                    "not a multiple of 32 inputs, or 8-bit with zero points), so "
+                    f"{self.path}: no linear's codes fit a GGUF block type (FP8, act-order, "
+                    "groups not a multiple of 32 inputs, or 8-bit with zero points), so "
                     "`quantize: {gguf: keep}` has nothing to keep: leave it out to build the "
                     "dequantized weights, or quantize them again (`quantize: {linear: int4}`)"
                 )
