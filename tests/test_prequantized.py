@@ -254,7 +254,8 @@ def test_model_computes_what_transformers_computes(source, tmp_path, family, sch
 @pytest.mark.parametrize(
     "config, phrase",
     [
-        ({"quant_method": "bitsandbytes"}, "checkpoint quantized with 'bitsandbytes'"),
+        ({"quant_method": "hqq"}, "checkpoint quantized with 'hqq'"),
+        ({"quant_method": "bitsandbytes"}, "bitsandbytes config loads neither 4 nor 8 bits"),
         ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "AWQ version"),
         ({"quant_method": "gptq", "bits": 3, "group_size": 32}, "GPTQ with 3 bits"),
         ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
@@ -461,4 +462,81 @@ def test_fp8_model_computes_what_transformers_computes(source, tmp_path, case):
     ids = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(3)).tolist()
     want = reference_logits(reference, ids)
     got = EagerModel(tmp_path / "fp8", 64).forward(ids, 0)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+# id -> transformers' BitsAndBytesConfig arguments
+BNB = {
+    "nf4-double": dict(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True
+    ),
+    "fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4"),
+    "int8": dict(load_in_8bit=True),
+}
+
+
+def write_bnb(src: Path, out: Path, case: str) -> Path:
+    """src's checkpoint quantized by bitsandbytes through transformers and saved by it."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(**BNB[case], bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        src, quantization_config=config, dtype=torch.float32, device_map="cpu"
+    )
+    model.save_pretrained(out)
+    for f in src.glob("tokenizer*"):
+        shutil.copy(f, out)
+    return out
+
+
+def dequantized_by_bitsandbytes(ckpt: Path) -> dict[str, torch.Tensor]:
+    """bitsandbytes' own dequantization of every quantized linear in a saved checkpoint."""
+    from bitsandbytes import functional as bnb
+
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    out = {}
+    for name in _linear_weights(tensors):
+        if name + ".absmax" in tensors:
+            state = {
+                k.removeprefix(name + "."): v
+                for k, v in tensors.items()
+                if k.startswith(name + ".")
+            }
+            quant_state = bnb.QuantState.from_dict(state, device=torch.device("cpu"))
+            out[name] = bnb.dequantize_4bit(tensors[name], quant_state)
+        elif name.removesuffix(".weight") + ".SCB" in tensors:
+            scb = tensors[name.removesuffix(".weight") + ".SCB"]
+            out[name] = bnb.int8_vectorwise_dequant(tensors[name], scb)
+    return out
+
+
+@pytest.mark.parametrize("case", BNB)
+def test_bitsandbytes_read_as_the_library_dequantizes(source, tmp_path, case):
+    """Checkpoints quantized and saved by transformers with bitsandbytes: every linear reads
+    as bitsandbytes itself dequantizes it, bit for bit; the rest as saved."""
+    pytest.importorskip("bitsandbytes")
+    ckpt = open_checkpoint(write_bnb(source, tmp_path / "bnb", case))
+    got = ckpt.load_weights()
+    want = dequantized_by_bitsandbytes(tmp_path / "bnb")
+    floats = load_file(str(source / "model.safetensors"))
+    assert set(got) == set(floats) and len(want) == 14
+    for name, w in got.items():
+        assert torch.equal(w, want.get(name, floats[name])), name
+    assert "bitsandbytes" in ckpt.quant_note() and "14 quantized linears" in ckpt.quant_note()
+    with pytest.raises(CheckpointError, match="no linear's codes fit a GGUF block type"):
+        ckpt.load_gguf_blocks()
+
+
+@pytest.mark.parametrize("case", ["nf4-double", "fp4"])
+def test_bitsandbytes_model_computes_what_transformers_computes(source, tmp_path, case):
+    """transformers runs a 4-bit bitsandbytes model on a CPU by dequantizing each linear (on a
+    CPU with AVX512-BF16 bitsandbytes would repack them to compute in bfloat16: turned off)."""
+    pytest.importorskip("bitsandbytes")
+    reference = load_reference(write_bnb(source, tmp_path / "bnb", case))
+    for module in reference.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    ids = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(4)).tolist()
+    want = reference_logits(reference, ids)
+    got = EagerModel(tmp_path / "bnb", 64).forward(ids, 0)
     assert ((got - want).norm() / want.norm()).item() < 1e-5

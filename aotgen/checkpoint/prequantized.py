@@ -1,5 +1,6 @@
-"""Checkpoints quantized by GPTQ, AWQ, llm-compressor or to FP8 (a `quantization_config` in
-config.json: `quant_method` gptq, awq, compressed-tensors or fp8).
+"""Checkpoints quantized by GPTQ, AWQ, llm-compressor, bitsandbytes or to FP8 (a
+`quantization_config` in config.json: `quant_method` gptq, awq, compressed-tensors,
+bitsandbytes (checkpoint/bnb.py) or fp8).
 
 Their linears hold integer codes packed into int32 words (or int8), with a scale and a zero
 point per group of inputs: w = (q - z) * s. The build reads them as float32 weights, and, where
@@ -34,6 +35,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from aotgen.checkpoint import bnb
+
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column of each nibble in an AWQ (GEMM) word
 # a packed linear's tensors, by method; the first marks one
 LEAVES = {
@@ -55,8 +58,9 @@ LEAVES = {
 MARKERS = {"compressed-tensors": ("weight_scale",), "fp8": ("weight_scale_inv", "weight_scale")}
 CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 READS = (
-    "aotgen reads GPTQ (4/8-bit), AWQ (4-bit, GEMM), FP8 and compressed-tensors integer and "
-    f"FP8 ({', '.join(CT_FORMATS)}) checkpoints; use the float checkpoint"
+    "aotgen reads GPTQ (4/8-bit), AWQ (4-bit, GEMM), FP8, bitsandbytes (NF4, FP4, LLM.int8) and "
+    f"compressed-tensors integer and FP8 ({', '.join(CT_FORMATS)}) checkpoints; use the float "
+    "checkpoint"
 )
 
 
@@ -78,6 +82,8 @@ class Scheme:
     def describe(self) -> str:
         if self.method == "compressed-tensors":
             return "compressed-tensors"
+        if self.method == "bitsandbytes":
+            return f"bitsandbytes {self.bits}-bit"
         if self.method == "fp8":
             return "FP8" + (f", blocks of {self.block[0]}x{self.block[1]}" if self.block else "")
         groups = f"groups of {self.groupsize}" if self.groupsize else "one group a row"
@@ -114,6 +120,10 @@ def scheme(config: dict) -> Scheme | None:
         return _compressed_tensors(qc)
     if method == "fp8":
         return Scheme("fp8", 8, block=_block(qc.get("weight_block_size"), "weight_block_size"))
+    if method == "bitsandbytes":
+        if not (qc.get("load_in_4bit") or qc.get("load_in_8bit")):
+            raise QuantConfigError(f"bitsandbytes config loads neither 4 nor 8 bits: {READS}")
+        return Scheme("bitsandbytes", 4 if qc.get("load_in_4bit") else 8)
     if method == "gptq":
         bits, group = qc.get("bits"), qc.get("group_size", -1)
         fmt = str(qc.get("checkpoint_format", "gptq")).lower()
@@ -344,6 +354,12 @@ def as_blocks(p: PackedLinear) -> tuple[str, np.ndarray] | None:
 def read_quantized(tensors: dict[str, Tensor], s: Scheme) -> QuantizedRead:
     """The checkpoint's tensors with every packed linear as a float32 `.weight`, and the
     blocks of those whose codes fit a block type (keyed by the weight's name)."""
+    if s.method == "bitsandbytes":
+        try:
+            weights, linears = bnb.read(tensors)
+        except ValueError as e:
+            raise QuantConfigError(f"{e}; the checkpoint is damaged") from None
+        return QuantizedRead(weights, {}, linears)
     leaves = LEAVES[s.method]
     markers = MARKERS.get(s.method, leaves[:1])
     prefixes = {name.rpartition(".")[0] for name in tensors if name.rpartition(".")[2] in markers}

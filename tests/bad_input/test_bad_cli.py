@@ -86,10 +86,10 @@ def bad_config_checkpoint(env: Env) -> None:
 
 
 def quantized_config_checkpoint(env: Env) -> None:
-    """A copy of the tiny checkpoint whose config.json says bitsandbytes quantized it."""
-    ckpt = Path(shutil.copytree(env.checkpoint, env.project / "bnbckpt"))
+    """A copy of the tiny checkpoint whose config.json says HQQ quantized it."""
+    ckpt = Path(shutil.copytree(env.checkpoint, env.project / "hqqckpt"))
     config = json.loads((ckpt / "config.json").read_text())
-    qc = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    qc = {"quant_method": "hqq", "quant_config": {"nbits": 4}}
     (ckpt / "config.json").write_text(json.dumps(config | {"quantization_config": qc}))
 
 
@@ -183,9 +183,9 @@ ROWS = [
         setup=bad_config_checkpoint,
     ),
     recipe(
-        "checkpoint-bitsandbytes",
-        "checkpoint: bnbckpt\n",
-        "checkpoint quantized with 'bitsandbytes': aotgen reads GPTQ",
+        "checkpoint-hqq",
+        "checkpoint: hqqckpt\n",
+        "checkpoint quantized with 'hqq': aotgen reads GPTQ",
         setup=quantized_config_checkpoint,
     ),
     # ---- aotgen.toml, in each command that reads it
