@@ -38,7 +38,7 @@ from torch import Tensor
 from aotgen.checkpoint import bnb
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column of each nibble in an AWQ (GEMM) word
-# a packed linear's tensors, by method; the first marks one
+# a quantized linear's tensors, by method; the first marks one (MARKERS where several may)
 LEAVES = {
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
     "awq": ("qweight", "qzeros", "scales"),
@@ -54,7 +54,7 @@ LEAVES = {
     ),
     "fp8": ("weight_scale_inv", "weight_scale", "weight", "input_scale"),
 }
-# the leaves that mark a linear as quantized, by method
+# the leaves that mark a linear as quantized, where not LEAVES' first
 MARKERS = {"compressed-tensors": ("weight_scale",), "fp8": ("weight_scale_inv", "weight_scale")}
 CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 READS = (
