@@ -1,11 +1,14 @@
-"""GPTQ, AWQ and compressed-tensors checkpoints (checkpoint/prequantized.py).
+"""GPTQ, AWQ, compressed-tensors, FP8 and bitsandbytes checkpoints (checkpoint/prequantized.py,
+checkpoint/bnb.py).
 
 GPTQ and AWQ checkpoints are written here as their quantizers write them (the packers follow
 AutoGPTQ's `QuantLinear.pack` and AutoAWQ's `WQLinear_GEMM.from_linear`: codes along the inputs
 for GPTQ, along the outputs in AWQ's nibble order, GPTQ's zero points stored minus one), from
 codes chosen here; reading must give back the weights those codes stand for, (q - z) * s.
 compressed-tensors checkpoints are packed by the compressed-tensors library itself, or converted
-by it from the AWQ checkpoint, and its own dequantization is the reference. The model must
+by it from the AWQ checkpoint, and its own dequantization is the reference. FP8 checkpoints are
+checked against compressed-tensors' FP8 block dequantizer and transformers; bitsandbytes ones
+are quantized and saved by transformers with bitsandbytes, whose dequantization is the reference. The model must
 compute what transformers computes on the weights read, and a `gguf: keep` package must run the
 codes themselves as blocks.
 """
