@@ -8,9 +8,9 @@ codes chosen here; reading must give back the weights those codes stand for, (q 
 compressed-tensors checkpoints are packed by the compressed-tensors library itself, or converted
 by it from the AWQ checkpoint, and its own dequantization is the reference. FP8 checkpoints are
 checked against compressed-tensors' FP8 block dequantizer and transformers; bitsandbytes ones
-are quantized and saved by transformers with bitsandbytes, whose dequantization is the reference. The model must
-compute what transformers computes on the weights read, and a `gguf: keep` package must run the
-codes themselves as blocks.
+are quantized and saved by transformers with bitsandbytes, whose dequantization is the
+reference. The model must compute what transformers computes on the weights read, and a
+`gguf: keep` package must run the codes themselves as blocks.
 """
 
 from __future__ import annotations
