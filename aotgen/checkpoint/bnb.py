@@ -21,8 +21,13 @@ import torch
 from torch import Tensor
 
 STATE = ".weight.quant_state.bitsandbytes__"  # + nf4 | fp4: the JSON layout of a 4-bit linear
-FOUR_BIT = ("weight", "weight.absmax", "weight.quant_map", "weight.nested_absmax")
-FOUR_BIT += ("weight.nested_quant_map",)
+FOUR_BIT = (
+    "weight",
+    "weight.absmax",
+    "weight.quant_map",
+    "weight.nested_absmax",
+    "weight.nested_quant_map",
+)
 EIGHT_BIT = ("weight", "SCB", "weight_format")
 
 
@@ -59,7 +64,7 @@ def _checked(prefix: str, dequantize: Callable[..., Tensor], *args: object) -> T
 
 
 def _four_bit(parts: dict[str, Tensor], state: Tensor) -> Tensor:
-    layout = json.loads(bytes(state.numpy().astype("uint8")).decode())
+    layout = json.loads(bytes(state.numpy()).decode())
     shape, blocksize = [int(v) for v in layout["shape"]], int(layout["blocksize"])
     n = math.prod(shape)
     packed = parts["weight"].contiguous().view(torch.uint8).reshape(-1).long()
