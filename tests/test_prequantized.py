@@ -19,6 +19,7 @@ import json
 import shutil
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -30,6 +31,7 @@ from tiny import make_tiny_checkpoint
 
 from aotgen.checkpoint.hf import CheckpointError, open_checkpoint
 from aotgen.package.build import build
+from aotgen.passes.gguf_keep import BlockIndex
 from aotgen.recipe import parse_recipe
 from aotgen.runtime.engine import Engine, GenerationConfig
 
@@ -43,6 +45,13 @@ LINEARS += ("w1", "w2", "w3", "query_key_value", "dense", "dense_h_to_4h", "dens
 def _linear_weights(tensors: dict[str, torch.Tensor]) -> list[str]:
     """The weights a quantizer packs: the linears', not the norms', embedding's or routers'."""
     return [n for n in tensors if n.endswith(".weight") and n.rsplit(".", 2)[-2] in LINEARS]
+
+
+def _input_of(name: str) -> str:
+    """The linears reading one input share a name here: q/k/v, gate/up, w1/w3."""
+    prefix, linear = name.rsplit(".", 2)[:2]
+    shared = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj", "w3": "w1"}
+    return f"{prefix}.{shared.get(linear, linear)}"
 
 
 def _codes(w: torch.Tensor, bits: int, group: int, sym: bool, min_zero: int):
@@ -85,12 +94,16 @@ def _pack_columns(values: np.ndarray, bits: int, order: tuple[int, ...] = ()) ->
     return words.view(np.int32)
 
 
-# id -> (method, bits, group, symmetric, act-order, GPTQ checkpoint_format, block type kept)
+# id -> (method, bits, group, symmetric, act-order, GPTQ checkpoint_format, block type kept);
+# act-order "input": one order of the inputs per input (GPTQ sorts by the activations' Hessian,
+# which q/k/v and gate/up share), "linear": one of its own for every linear
 SCHEMES = {
     "gptq-sym4-g32": ("gptq", 4, 32, True, False, "gptq", "Q4_0"),
     "gptq-asym4-g64-v2": ("gptq", 4, 64, False, False, "gptq_v2", "Q4_1"),
     "gptq-sym8-g32": ("gptq", 8, 32, True, False, "gptq", "Q8_0"),
-    "gptq-sym4-act-order": ("gptq", 4, 32, True, True, "gptq", None),
+    "gptq-sym4-act-order": ("gptq", 4, 32, True, "input", "gptq", "Q4_0"),
+    "gptq-asym4-g32-act-order": ("gptq", 4, 32, False, "linear", "gptq", "Q4_1"),
+    "gptq-sym8-act-order": ("gptq", 8, 32, True, "input", "gptq_v2", "Q8_0"),
     "gptq-sym4-g16": ("gptq", 4, 16, True, False, "gptq", None),  # groups a block cannot hold
     "gptq-asym8-per-row": ("gptq", 8, -1, False, False, "gptq", None),
     "awq-g32": ("awq", 4, 32, False, False, None, "Q4_1"),
@@ -105,11 +118,15 @@ def write_quantized(src: Path, out: Path, scheme: str) -> dict[str, torch.Tensor
     tensors = load_file(str(src / "model.safetensors"))
     g = torch.Generator().manual_seed(0)
     meant: dict[str, torch.Tensor] = {}
+    perms: dict[str, torch.Tensor] = {}
     for name in _linear_weights(tensors):
         w = tensors.pop(name)
         n, k = w.shape
         size = k if group == -1 else group
-        perm = torch.randperm(k, generator=g) if act_order else torch.arange(k)
+        key = _input_of(name) if act_order == "input" else name
+        if key not in perms:
+            perms[key] = torch.randperm(k, generator=g) if act_order else torch.arange(k)
+        perm = perms[key]
         # groups of permuted inputs with act-order
         q, zero, scale = _codes(w[:, perm], bits, size, sym, 1 if fmt == "gptq" else 0)
         inv = torch.argsort(perm)
@@ -133,7 +150,7 @@ def write_quantized(src: Path, out: Path, scheme: str) -> dict[str, torch.Tensor
     config = json.loads((out / "config.json").read_text())
     qc = {"quant_method": method, "bits": bits, "group_size": group}
     if method == "gptq":
-        qc |= {"sym": sym, "desc_act": act_order, "checkpoint_format": fmt}
+        qc |= {"sym": sym, "desc_act": bool(act_order), "checkpoint_format": fmt}
     else:
         qc |= {"zero_point": True, "version": "gemm"}
     (out / "config.json").write_text(json.dumps(config | {"quantization_config": qc}))
@@ -281,20 +298,51 @@ def test_unread_schemes_are_one_line_errors(source, tmp_path, config, phrase):
     assert "\n" not in str(e.value)
 
 
-def test_kept_package_runs_the_codes(source, tmp_path, project):
-    """GPTQ symmetric 4-bit as Q4_0 blocks: the package's logits are transformers' on the
-    weights the codes stand for, and greedy decoding gives its tokens."""
-    write_quantized(source, tmp_path / "q", "gptq-sym4-g32")
+@pytest.mark.parametrize(
+    "scheme, gathers", [("gptq-sym4-act-order", 1), ("gptq-asym4-g32-act-order", 3)]
+)
+def test_act_order_blocks_hold_the_rows(source, tmp_path, scheme, gathers):
+    """A fused q/k/v weight of act-order linears is found in their blocks: one segment (one
+    gather of the activations) where q/k/v share the input order, one each where they do not;
+    each segment's blocks, taken back to the weight's input order, are its rows."""
+    write_quantized(source, tmp_path / "q", scheme)
+    ckpt = open_checkpoint(tmp_path / "q")
+    index = BlockIndex(ckpt.load_gguf_blocks(), ckpt.block_input_orders())
+    weights = ckpt.load_weights()
+    qkv = torch.cat([weights[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    segments = index.segments(qkv)
+    assert len(segments) == gathers
+    assert [s.stop - s.start for s in segments] == [len(qkv)] if gathers == 1 else [64, 32, 32]
+    for seg in segments:
+        values = gguf.quants.dequantize(seg.raw, gguf.GGMLQuantizationType[seg.qtype])
+        rows = torch.empty(seg.stop - seg.start, qkv.shape[1])
+        rows[:, torch.from_numpy(seg.order)] = torch.from_numpy(values.reshape(rows.shape))
+        assert torch.equal(rows, qkv[seg.start : seg.stop])
+        assert not np.array_equal(seg.order, np.arange(qkv.shape[1]))
+
+
+@pytest.mark.parametrize(
+    "scheme, note",
+    [
+        ("gptq-sym4-g32", "their codes as GGUF blocks: Q4_0 x14 ("),
+        (  # q/k/v and gate/up each in an order of its own: one gather per linear
+            "gptq-asym4-g32-act-order",
+            "their codes as GGUF blocks: Q4_1 x14; 14 in act-order, their inputs permuted",
+        ),
+    ],
+)
+def test_kept_package_runs_the_codes(source, tmp_path, project, scheme, note):
+    """GPTQ 4-bit as Q4_0 blocks, act-order asymmetric 4-bit as Q4_1 blocks run on activations
+    gathered in each linear's order: the package's logits are transformers' on the weights the codes stand for, and
+    greedy decoding gives its tokens."""
+    write_quantized(source, tmp_path / "q", scheme)
     raw = {"checkpoint": str(tmp_path / "q"), **TINY_RECIPE, "quantize": {"gguf": "keep"}}
     report = build(parse_recipe(raw, "gptq-keep", Path(".")), project)
     manifest = json.loads((report.path / "manifest.json").read_text())
     kept = manifest["models"]["target"]["quantization"]["weights"]
-    assert set(kept.values()) == {"Q4_0"}  # every linear, q/k/v and gate/up fused
+    assert set(kept.values()) == {SCHEMES[scheme][6]}  # every linear, q/k/v and gate/up fused
     assert {name.split(".")[2] for name in kept} == {"0", "1"}
-    assert (
-        "14 quantized linears read as float32; their codes as GGUF blocks: Q4_0 x14"
-        in (report.notes[0])
-    )
+    assert "14 quantized linears read as float32; " + note in report.notes[0]
     reference = load_reference(write_float(tmp_path / "q", tmp_path / "f"))
     engine = Engine.load(report.path)
     ids = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(2)).tolist()

@@ -78,15 +78,21 @@ class Checkpoint:
                 raise CheckpointError(f"{self.path}: {e}") from None
         return self._quantized
 
+    def block_input_orders(self) -> dict[str, np.ndarray]:
+        """For a quantized checkpoint's act-order linears kept as blocks: the weight's input
+        behind each block input (load_gguf_blocks)."""
+        return self._read_quantized().orders if self.quant_scheme is not None else {}
+
     def load_gguf_blocks(self) -> dict[str, tuple[str, np.ndarray]]:
         """The GGUF blocks `aotgen import-gguf` kept: name -> (block type, uint8 [rows, bytes]);
-        for a GPTQ, AWQ or compressed-tensors checkpoint, its codes as blocks."""
+        for a GPTQ, AWQ or compressed-tensors checkpoint, its codes as blocks (of its inputs
+        in block_input_orders where it names the weight)."""
         if self.quant_scheme is not None:
             blocks = self._read_quantized().blocks
             if not blocks:
                 raise CheckpointError(
-                    f"{self.path}: no linear's codes fit a GGUF block type (FP8, act-order, "
-                    "groups not a multiple of 32 inputs, or 8-bit with zero points), so "
+                    f"{self.path}: no linear's codes fit a GGUF block type (FP8, groups "
+                    "not a multiple of 32 inputs, or 8-bit with zero points), so "
                     "`quantize: {gguf: keep}` has nothing to keep: leave it out to build the "
                     "dequantized weights, or quantize them again (`quantize: {linear: int4}`)"
                 )

@@ -14,10 +14,13 @@ checkpoint's own codes with the block kernels (passes/gguf_keep.py):
   1 % of one quantization step). The float weights are read from those same blocks, so a
   package with or without `gguf: keep` computes one model.
 
-A linear whose codes fit no block (8-bit asymmetric, act-order, groups not a multiple of 32
-inputs, scales a float16 does not hold) is read as float32 exactly, (q - z) * s, and stays float
-under `gguf: keep`. Activation quantization a checkpoint asks for (W8A8) is not applied: the
-package multiplies float activations into the weights.
+Act-order codes (GPTQ `desc_act`: groups of inputs taken in the order of their activations'
+size, `g_idx`) become blocks of the inputs sorted by group; the kept linear gathers its
+activations in that order first (passes/pack.py), as ExLlama's kernels do. A linear whose codes
+fit no block (8-bit asymmetric, groups not a multiple of 32 inputs, scales a float16 does not
+hold) is read as float32 exactly, (q - z) * s, and stays float under `gguf: keep`.
+Activation quantization a checkpoint asks for (W8A8) is not applied: the package multiplies
+float activations into the weights.
 
 FP8 weights (`quant_method: fp8`, as in Qwen3's and DeepSeek's FP8 releases, and
 compressed-tensors `float-quantized`) are float8 values times a scale per tensor, channel,
@@ -28,7 +31,7 @@ them; `quantize: {linear: int8}` quantizes them again.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import gguf
 import numpy as np
@@ -98,10 +101,14 @@ class QuantizedRead:
     weights: dict[str, Tensor]
     blocks: dict[str, tuple[str, np.ndarray]]
     linears: int  # packed linears
+    # the blocks' inputs in the weight's input order, where not the identity (act-order)
+    orders: dict[str, np.ndarray] = field(default_factory=dict)
 
     def note(self, s: Scheme) -> str:
         kinds = Counter(qtype for qtype, _ in self.blocks.values())
         fit = ", ".join(f"{t} x{n}" for t, n in sorted(kinds.items()))
+        if self.orders:
+            fit += f"; {len(self.orders)} in act-order, their inputs permuted in the graph"
         kept = f"their codes as GGUF blocks: {fit} (`quantize: {{gguf: keep}}` runs them)"
         return f"checkpoint {s.describe()}: {self.linears} quantized linears read as float32; " + (
             kept if self.blocks else "no GGUF block type holds their codes"
@@ -200,13 +207,6 @@ class PackedLinear:
     def dequantize(self) -> Tensor:
         g = self.groups
         return (self.codes - self.zeros[:, g]).float() * self.scales[:, g]
-
-    def contiguous_groups(self) -> int:
-        """The group size when groups are runs of consecutive inputs (no act-order), else 0."""
-        k, n_groups = self.codes.shape[1], self.scales.shape[1]
-        size = k // n_groups
-        ok = k % n_groups == 0 and torch.equal(self.groups, torch.arange(k) // size)
-        return size if ok else 0
 
 
 def _unpack(words: Tensor, bits: int, dim: int) -> Tensor:
@@ -326,29 +326,36 @@ def _read_float(parts: dict[str, Tensor], block: tuple[int, int] | None, name: s
         raise QuantConfigError(f"{name}: {e}; the checkpoint is damaged") from None
 
 
-def as_blocks(p: PackedLinear) -> tuple[str, np.ndarray] | None:
-    """The linear's codes as GGUF blocks (type, uint8 [N, bytes]), or None where they fit none."""
-    size = p.contiguous_groups()
-    if not size or size % 32:
-        return None
+def as_blocks(p: PackedLinear) -> tuple[str, np.ndarray, Tensor] | None:
+    """The linear's codes as GGUF blocks (type, uint8 [N, bytes]) of its inputs taken in
+    `order`, or None where they fit none. The order sorts the inputs by group: the identity
+    for groups of consecutive inputs, a permutation for act-order ones (GPTQ `desc_act`),
+    whose blocks then need the activations in that order too."""
     n, k = p.codes.shape
-    codes = p.codes.reshape(n, k // 32, 32)
-    exact = p.scales.repeat_interleave(size // 32, dim=1)  # [N, K/32]
+    if k % 32:
+        return None
+    order = torch.argsort(p.groups, stable=True)
+    by_block = p.groups[order].view(-1, 32)
+    if not bool((by_block == by_block[:, :1]).all()):
+        return None  # a block of 32 inputs across two groups
+    group = by_block[:, 0]
+    codes = p.codes[:, order].reshape(n, k // 32, 32)
+    exact = p.scales[:, group]  # [N, K/32]
     scale = exact.half()
     if not torch.equal(scale.float(), exact):
         return None  # scales a float16 does not hold (bfloat16 ones out of its range)
-    zero = p.zeros.repeat_interleave(size // 32, dim=1)
+    zero = p.zeros[:, group]
     d = scale.numpy().view(np.uint8).reshape(n, k // 32, 2)
     if p.bits == 8:
         if not bool((zero == 128).all()):
             return None
         qs = (codes - 128).to(torch.int8).numpy().view(np.uint8)
-        return "Q8_0", np.concatenate([d, qs], axis=2).reshape(n, -1)
+        return "Q8_0", np.concatenate([d, qs], axis=2).reshape(n, -1), order
     nibbles = (codes[..., :16] | (codes[..., 16:] << 4)).to(torch.uint8).numpy()
     if bool((zero == 8).all()):
-        return "Q4_0", np.concatenate([d, nibbles], axis=2).reshape(n, -1)
+        return "Q4_0", np.concatenate([d, nibbles], axis=2).reshape(n, -1), order
     m = (-(zero.float() * exact)).half().numpy().view(np.uint8).reshape(n, k // 32, 2)
-    return "Q4_1", np.concatenate([d, m, nibbles], axis=2).reshape(n, -1)
+    return "Q4_1", np.concatenate([d, m, nibbles], axis=2).reshape(n, -1), order
 
 
 def read_quantized(tensors: dict[str, Tensor], s: Scheme) -> QuantizedRead:
@@ -369,6 +376,7 @@ def read_quantized(tensors: dict[str, Tensor], s: Scheme) -> QuantizedRead:
         if not (prefix in prefixes and leaf in leaves):
             weights[name] = t.float()
     blocks: dict[str, tuple[str, np.ndarray]] = {}
+    orders: dict[str, np.ndarray] = {}
     for prefix in sorted(prefixes):
         names = {leaf: f"{prefix}.{leaf}" for leaf in leaves}
         parts = {leaf: tensors[name] for leaf, name in names.items() if name in tensors}
@@ -380,7 +388,13 @@ def read_quantized(tensors: dict[str, Tensor], s: Scheme) -> QuantizedRead:
         if kept is None:
             weights[f"{prefix}.weight"] = packed.dequantize()
             continue
-        blocks[f"{prefix}.weight"] = kept
-        values = gguf.quants.dequantize(kept[1], gguf.GGMLQuantizationType[kept[0]])
-        weights[f"{prefix}.weight"] = torch.from_numpy(values.reshape(packed.codes.shape).copy())
-    return QuantizedRead(weights, blocks, len(prefixes))
+        qtype, raw, order = kept
+        name = f"{prefix}.weight"
+        blocks[name] = qtype, raw
+        values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
+        weight = torch.empty(packed.codes.shape)
+        weight[:, order] = torch.from_numpy(values.reshape(packed.codes.shape))
+        weights[name] = weight
+        if not torch.equal(order, torch.arange(len(order))):
+            orders[name] = order.numpy()
+    return QuantizedRead(weights, blocks, len(prefixes), orders)

@@ -133,7 +133,7 @@ def keep_gguf(
         if problem:
             raise RecipeError(f"quantize.gguf: keep cannot build this recipe: {why}")
     if ckpt.path not in indexes:
-        indexes[ckpt.path] = BlockIndex(ckpt.load_gguf_blocks())
+        indexes[ckpt.path] = BlockIndex(ckpt.load_gguf_blocks(), ckpt.block_input_orders())
     return KeepGGUF(indexes[ckpt.path], integer_dot=options.activations == "int8")
 
 

@@ -8,7 +8,9 @@ found row by row from its values: every kept row is indexed by a digest of its d
 float32 bytes, which are the bytes the checkpoint holds, and, for a row-wise shard, every
 block-aligned slice of that width. A weight whose rows are all found runs on their blocks, in
 segments of one block type (Gemma's fused q/k/v mixes Q5_0 and Q8_0); any other weight (a
-shard that cuts a block) stays float.
+shard that cuts a block) stays float. A quantized checkpoint's act-order linear holds blocks of
+its inputs in another order: its rows are indexed in the weight's order, and its segments carry
+the order the activations are gathered in (q/k/v quantized on one input share one).
 
 The rewrite itself is done by passes/pack.py, with the tiles the build's autotune picks.
 """
@@ -28,12 +30,14 @@ from aotgen.kernels import gguf_blocks as gb
 
 @dataclass(frozen=True)
 class Segment:
-    """Rows start..stop of a weight, all of one block type; `raw` their blocks in that order."""
+    """Rows start..stop of a weight, all of one block type; `raw` their blocks in that order,
+    each row's blocks of the weight's inputs taken in `order` (None: as they come)."""
 
     qtype: str
     start: int
     stop: int
     raw: np.ndarray
+    order: np.ndarray | None = None
 
 
 def _digest(row: np.ndarray) -> bytes:
@@ -44,8 +48,13 @@ class BlockIndex:
     """The kept blocks of one checkpoint, indexed by row: built once per checkpoint and shared
     by the models that keep them (a draft made of the target's layers)."""
 
-    def __init__(self, blocks: dict[str, tuple[str, np.ndarray]]):
+    def __init__(
+        self,
+        blocks: dict[str, tuple[str, np.ndarray]],
+        orders: dict[str, np.ndarray] | None = None,
+    ):
         self.blocks = blocks
+        self.orders = orders or {}  # name -> the input behind each block input (act-order)
         # digest of a row (or, by width, of a block-aligned slice of one) -> (name, row, column)
         self._rows = self._index(None)
         self._slices: dict[int, dict[bytes, tuple[str, int, int]]] = {}
@@ -61,6 +70,10 @@ class BlockIndex:
             k = values.shape[1]
             if width is not None and (width >= k or k % width or width % gb.QTYPES[qtype].block):
                 continue
+            if name in self.orders:  # rows as the weight has them; a shard's slice has no blocks
+                if width is not None:
+                    continue
+                values = values[:, np.argsort(self.orders[name])]
             for col in range(0, k, width or k):
                 for i, row in enumerate(values[:, col : col + (width or k)]):
                     index.setdefault(_digest(row), (name, i, col))
@@ -87,12 +100,22 @@ class BlockIndex:
         segments: list[Segment] = []
         start = 0
         for i in range(1, len(hits) + 1):
-            qtype = self.blocks[hits[start][0]][0]
-            if i == len(hits) or self.blocks[hits[i][0]][0] != qtype:
+            qtype, order = self._kind(hits[start][0])
+            if i == len(hits) or not self._same(self._kind(hits[i][0]), (qtype, order)):
                 raw = np.stack([self._raw(*hit, weight.shape[1]) for hit in hits[start:i]])
-                segments.append(Segment(qtype, start, i, raw))
+                segments.append(Segment(qtype, start, i, raw, order))
                 start = i
         return segments
+
+    def _kind(self, name: str) -> tuple[str, np.ndarray | None]:
+        """What rows of one segment share: the block type and the input order."""
+        return self.blocks[name][0], self.orders.get(name)
+
+    @staticmethod
+    def _same(a: tuple[str, np.ndarray | None], b: tuple[str, np.ndarray | None]) -> bool:
+        if a[0] != b[0] or (a[1] is None) != (b[1] is None):
+            return False
+        return a[1] is None or np.array_equal(a[1], b[1])
 
     def _raw(self, name: str, row: int, col: int, width: int) -> np.ndarray:
         """The blocks of `width` inputs from column `col` of a kept row."""

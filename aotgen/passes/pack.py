@@ -14,7 +14,9 @@ for prefill).
 
 With `quantize: {gguf: keep}` a float32 weight whose rows are a GGUF file's kept blocks
 (passes/gguf_keep.py) runs on those blocks instead (kernels/gguf_blocks.py), one op per
-segment of one block type; a tied Q8_0 embedding gathers and dequantizes its rows from them.
+segment of one block type, on its activations gathered in the segment's input order where it
+has one (an act-order checkpoint's); a tied Q8_0 embedding gathers and dequantizes its rows
+from them.
 
 The int8-activation block linears of `quantize: {activations: int8}` (kernels/block_dot.py, the
 drafts') run on `gguf_dot`'s panels as well: their weights are Q4_1 / Q8_0 blocks
@@ -214,7 +216,10 @@ class PackLinears:
                 for name, tensor in zip(names, tensors, strict=True)
                 if tensor is not None
             ]
-            out.append((seg, gb.QTYPES[seg.qtype], nodes))
+            order = None
+            if seg.order is not None:
+                order = edit.add(f"{target}_gguf{i}_order", torch.from_numpy(seg.order))
+            out.append((seg, gb.QTYPES[seg.qtype], nodes, order))
         return out
 
     def _rewrite_on_blocks(
@@ -232,7 +237,7 @@ class PackLinears:
                 add = partial(emit, edit.graph, user)
                 if user.target != aten.embedding.default:
                     out = self._block_linear(add, user, pieces, rows)
-                elif len(pieces) == 1 and pieces[0][1].name == "Q8_0":
+                elif len(pieces) == 1 and pieces[0][1].name == "Q8_0" and pieces[0][3] is None:
                     out = _gather_q8_0(add, user, *pieces[0][2])
                 else:  # the embedding keeps reading the float weight
                     self.gguf.left_float.add(target)
@@ -252,10 +257,16 @@ class PackLinears:
         integer = self.gguf.integer_dot  # llama.cpp's numerics, else exact float ones
         ops, kind = (gguf_dot.OPS, "gguf-dot-") if integer else (gb.OPS, "gguf-")
         outs = []
-        for seg, q, tensors in pieces:
+        gathered: dict[Node, Node] = {}  # an act-order segment's inputs, by its order
+        for seg, q, tensors, order in pieces:
             size = seg.stop - seg.start
             tile = self.choose_tile(f"{kind}{q.name}", size, k, _rows(lead, rows))
-            out = add(ops[1] if q.n_supers else ops[0], flat, *tensors, q.index, *tile)
+            x_seg = flat
+            if order is not None:
+                if order not in gathered:
+                    gathered[order] = add(aten.index_select.default, flat, 1, order)
+                x_seg = gathered[order]
+            out = add(ops[1] if q.n_supers else ops[0], x_seg, *tensors, q.index, *tile)
             if pk.padded_outputs(size) != size:
                 out = add(aten.slice.Tensor, out, 1, 0, size)
             outs.append(out)
