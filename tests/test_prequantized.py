@@ -248,6 +248,9 @@ def test_reads_the_weights_the_codes_stand_for(source, tmp_path, scheme):
     blocks = ckpt.load_gguf_blocks()
     assert set(blocks) == set(meant)
     assert {qtype for qtype, _ in blocks.values()} == {kept}
+    note = f"{len(meant)} quantized linears read as float32; their codes as GGUF blocks: {kept}"
+    assert note + f" x{len(meant)}" in ckpt.quant_note()
+    assert bool(SCHEMES[scheme][4]) == ("in act-order" in ckpt.quant_note())
 
 
 @pytest.mark.parametrize(
@@ -321,28 +324,18 @@ def test_act_order_blocks_hold_the_rows(source, tmp_path, scheme, gathers):
         assert not np.array_equal(seg.order, np.arange(qkv.shape[1]))
 
 
-@pytest.mark.parametrize(
-    "scheme, note",
-    [
-        ("gptq-sym4-g32", "their codes as GGUF blocks: Q4_0 x14 ("),
-        (  # q/k/v and gate/up each in an order of its own: one gather per linear
-            "gptq-asym4-g32-act-order",
-            "their codes as GGUF blocks: Q4_1 x14; 14 in act-order, their inputs permuted",
-        ),
-    ],
-)
-def test_kept_package_runs_the_codes(source, tmp_path, project, scheme, note):
-    """GPTQ 4-bit as Q4_0 blocks, act-order asymmetric 4-bit as Q4_1 blocks run on activations
-    gathered in each linear's order: the package's logits are transformers' on the weights the codes stand for, and
-    greedy decoding gives its tokens."""
-    write_quantized(source, tmp_path / "q", scheme)
+def test_kept_package_runs_the_codes(source, tmp_path, project):
+    """Act-order asymmetric GPTQ 4-bit as Q4_1 blocks, run on activations gathered in each
+    linear's input order (q/k/v and gate/up in orders of their own): the package's logits are
+    transformers' on the weights the codes stand for, and greedy decoding gives its tokens."""
+    write_quantized(source, tmp_path / "q", "gptq-asym4-g32-act-order")
     raw = {"checkpoint": str(tmp_path / "q"), **TINY_RECIPE, "quantize": {"gguf": "keep"}}
     report = build(parse_recipe(raw, "gptq-keep", Path(".")), project)
     manifest = json.loads((report.path / "manifest.json").read_text())
     kept = manifest["models"]["target"]["quantization"]["weights"]
-    assert set(kept.values()) == {SCHEMES[scheme][6]}  # every linear, q/k/v and gate/up fused
+    assert set(kept.values()) == {"Q4_1"}  # every linear, q/k/v and gate/up fused
     assert {name.split(".")[2] for name in kept} == {"0", "1"}
-    assert "14 quantized linears read as float32; " + note in report.notes[0]
+    assert "Q4_1 x14; 14 in act-order, their inputs permuted" in report.notes[0]
     reference = load_reference(write_float(tmp_path / "q", tmp_path / "f"))
     engine = Engine.load(report.path)
     ids = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(2)).tolist()
