@@ -193,6 +193,24 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             },
         ),
     ),
+    # GLM-4: four norms a layer, q/k/v biases, half of each head rotated by adjacent pairs.
+    "glm4": (
+        "Glm4Config",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+        ),
+    ),
+    # ERNIE 4.5: the Llama layout, whole heads rotated by adjacent pairs, a tied head.
+    "ernie4_5": (
+        "Ernie4_5Config",
+        dict(num_hidden_layers=2, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+    ),
     # Layers 1 and 3 without RoPE (NoPE), a tied head.
     "smollm3": (
         "SmolLM3Config",
@@ -338,7 +356,7 @@ PARITY = [
 # built.
 EAGER_PARITY = [
     "smollm3", "granite", "qwen3-yarn", "olmo2", "olmo3", "mixtral", "qwen2-moe", "olmoe",
-    "granite-moe", "granite4", "granite4-moe", "lfm2-moe",
+    "granite-moe", "granite4", "granite4-moe", "lfm2-moe", "glm4", "ernie4_5",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

@@ -33,11 +33,16 @@ LLAMA_LAYOUT = (
     "GraniteForCausalLM",
     "Olmo2ForCausalLM",
     "Olmo3ForCausalLM",
+    "Glm4ForCausalLM",
+    "Ernie4_5ForCausalLM",
     *MOE_ARCHITECTURES,
 )
 LFM2 = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
 SUPPORTED_ARCHITECTURES = (*LLAMA_LAYOUT, "GPTNeoXForCausalLM", *LFM2)
 GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Checkpoints whose RoPE rotates adjacent pairs of dims (GPT-J's layout): their q/k rows are
+# put in rotate-half order at load (llama.py: `rotate_half_rows`).
+INTERLEAVED_ROPE = ("Glm4ForCausalLM", "Ernie4_5ForCausalLM")
 # Configs that carry a sliding_window which `use_sliding_window` (refused when true) turns on.
 WINDOW_SWITCHED = (
     "Qwen2ForCausalLM",
@@ -115,6 +120,11 @@ class ModelConfig:
     def gemma(self) -> bool:
         """Gemma's switches: (1 + w) RMSNorm, four norms a layer, embeddings × √hidden."""
         return self.architecture in GEMMAS
+
+    @property
+    def four_norms(self) -> bool:
+        """A norm after attention and on both sides of the MLP (Gemma, GLM-4)."""
+        return self.gemma or self.architecture == "Glm4ForCausalLM"
 
     def is_moe(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]

@@ -113,9 +113,11 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
     if act not in ACTIVATIONS:
         raise ValueError(f"config.json: hidden_act={act!r} is not supported; {ACTIVATIONS}")
     _refuse(hf, "mlp_bias", False, "MLP biases")
+    _refuse(hf, "use_bias", False, "biases on every linear")  # ERNIE 4.5
     out: dict[str, Any] = {"hidden_act": act, "rms_norm_eps": hf.get("rms_norm_eps", 1e-6)}
     rotary = _rotary_factor(hf)
-    if arch == "Phi3ForCausalLM" and rotary != 1.0:  # Phi-4-mini rotates 3/4 of each head
+    # Phi-4-mini rotates 3/4 of each head, GLM-4 half
+    if arch in ("Phi3ForCausalLM", "Glm4ForCausalLM") and rotary != 1.0:
         out["rotary_dim"] = int(common["head_dim"] * rotary)
         if out["rotary_dim"] % 2 or not out["rotary_dim"]:
             raise ValueError(f"config.json: partial_rotary_factor={rotary}: an odd or empty dim")
@@ -139,6 +141,8 @@ def _attention(hf: dict, arch: str) -> dict[str, Any]:
         out["attention_bias"] = True  # Qwen2 always has q/k/v biases
     elif arch == "Qwen2MoeForCausalLM":
         out["attention_bias"] = bool(hf.get("qkv_bias", True))
+    elif arch == "Glm4ForCausalLM":
+        out["attention_bias"] = bool(hf.get("attention_bias", True))
     else:
         _refuse(hf, "attention_bias", False, f"attention biases on {arch}")
     if arch in WINDOW_SWITCHED:

@@ -1,6 +1,6 @@
 """The Llama-layout decoders: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text), Phi-3,
-SmolLM3, Granite, OLMo 2 and the mixtures of experts, driven by an HF config through a few
-switches (`ModelConfig`); GPT-NeoX lives in gptneox.py.
+SmolLM3, Granite, OLMo 2, GLM-4, ERNIE 4.5 and the mixtures of experts, driven by an HF config
+through a few switches (`ModelConfig`); GPT-NeoX lives in gptneox.py.
 
 One flat file in the spirit of gpt-fast. Module names follow the HF checkpoint
 (`model.layers.0.self_attn.q_proj`, ...) so weights load without a name map and
@@ -18,8 +18,12 @@ quantization/TP plans can match HF parameter names. The switches:
 - Granite's multipliers on the embeddings, each block's output and the attention scale, and
   its logits divisor; Granite 4's fused `shared_mlp` is split at load (`split_fused`).
 - OLMo 2: q/k norms across all heads, and the norms after attention and the MLP, not before.
-- Phi-3's fused `qkv_proj` / `gate_up_proj` checkpoint tensors are split at load into the
-  layout above (`split_fused`).
+- Phi-3's fused `qkv_proj` / `gate_up_proj` checkpoint tensors (GLM-4's `gate_up_proj`)
+  are split at load into the layout above (`split_fused`).
+- GLM-4: Gemma's four norms a layer, plain RMSNorms (`cfg.four_norms`), q/k/v biases, half
+  of each head rotated.
+- GLM-4 and ERNIE 4.5 rotate adjacent pairs of dims: their q/k rows are reordered at load
+  (`rotate_half_rows`), so the model's one RoPE serves them.
 - Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE): a sparse MLP
   (moe.py) on the layers `moe_layers` marks.
 
@@ -32,7 +36,13 @@ import torch
 from torch import Tensor, nn
 
 from aotgen.kernels.cache_rows import row_width
-from aotgen.model.config import GRANITE_SHARED_MLP, LFM2, SUPPORTED_ARCHITECTURES, ModelConfig
+from aotgen.model.config import (
+    GRANITE_SHARED_MLP,
+    INTERLEAVED_ROPE,
+    LFM2,
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+)
 from aotgen.model.layers import (
     CausalLM,
     GatedMLP,
@@ -104,10 +114,10 @@ class DecoderLayer(nn.Module):
         if not cfg.norm_after:
             self.input_layernorm = RMSNorm(d, eps, gemma)
         self.post_attention_layernorm = RMSNorm(d, eps, gemma)
-        self.gemma = gemma
-        if gemma:
+        self.four_norms = cfg.four_norms
+        if cfg.four_norms:
             self.pre_feedforward_layernorm = RMSNorm(d, eps, gemma)
-        if gemma or cfg.norm_after:
+        if cfg.four_norms or cfg.norm_after:
             self.post_feedforward_layernorm = RMSNorm(d, eps, gemma)
 
     def forward(self, x, cos, sin, write_at, mask, k_cache, v_cache, span) -> Tensor:
@@ -118,7 +128,7 @@ class DecoderLayer(nn.Module):
         a = self.self_attn(
             self.input_layernorm(x), cos, sin, write_at, mask, k_cache, v_cache, span
         )
-        if self.gemma:  # norms on both sides of attention and of the MLP
+        if self.four_norms:  # norms on both sides of attention and of the MLP
             h = x + self.post_attention_layernorm(a)
             return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         m = self.residual_multiplier
@@ -228,13 +238,24 @@ def new_kv_cache(
     ]
 
 
+# GLM-4's norms by the Llama layout's names: after attention, before and after the MLP.
+GLM4_NORMS = {
+    "post_self_attn_layernorm": "post_attention_layernorm",
+    "post_attention_layernorm": "pre_feedforward_layernorm",
+    "post_mlp_layernorm": "post_feedforward_layernorm",
+}
+
+
 def split_fused(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Phi-3's fused projections as the Llama layout's: `qkv_proj` rows are q, then k, then
-    v; `gate_up_proj` rows are gate, then up. Granite 4's `shared_mlp` (input_linear: gate
-    rows, then up) is the MLP, or with experts the shared expert. Other families: unchanged."""
+    """Phi-3's and GLM-4's fused projections as the Llama layout's: `qkv_proj` rows are q,
+    then k, then v; `gate_up_proj` rows are gate, then up (GLM-4's norms renamed: GLM4_NORMS).
+    Granite 4's `shared_mlp` (input_linear: gate rows, then up) is the MLP, or with experts
+    the shared expert. Other families: unchanged."""
     if cfg.architecture in GRANITE_SHARED_MLP:
         return _granite_shared_mlp(cfg, weights)
-    if cfg.architecture != "Phi3ForCausalLM":
+    if cfg.architecture == "Glm4ForCausalLM":
+        weights = {_glm4_name(name): t for name, t in weights.items()}
+    elif cfg.architecture != "Phi3ForCausalLM":
         return weights
     q_rows = cfg.num_attention_heads * cfg.head_dim
     kv_rows = cfg.num_key_value_heads * cfg.head_dim
@@ -250,6 +271,31 @@ def split_fused(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tenso
             out |= {f"{stem}gate_proj.weight": gate, f"{stem}up_proj.weight": up}
         else:
             out[name] = tensor
+    return out
+
+
+def _glm4_name(name: str) -> str:
+    stem, _, leaf = name.rpartition(".")
+    stem, _, norm = stem.rpartition(".")
+    return f"{stem}.{GLM4_NORMS[norm]}.{leaf}" if norm in GLM4_NORMS else name
+
+
+def rotate_half_rows(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """q/k projections (weights and biases) of a checkpoint whose RoPE rotates adjacent pairs
+    of dims (GLM-4, ERNIE 4.5) with each head's rotated dims reordered, evens then odds: the
+    model's rotate-half RoPE then turns the same pairs by the same angles, and q·k is the
+    same sum in another order."""
+    if cfg.architecture not in INTERLEAVED_ROPE:
+        return weights
+    rot = cfg.rotary_dim or cfg.head_dim
+    head = torch.cat([torch.arange(0, rot, 2), torch.arange(1, rot, 2)])
+    head = torch.cat([head, torch.arange(rot, cfg.head_dim)])
+    out = dict(weights)
+    for name, t in weights.items():
+        if name.rpartition(".")[0].endswith(("self_attn.q_proj", "self_attn.k_proj")):
+            heads = t.shape[0] // cfg.head_dim
+            rows = (head + cfg.head_dim * torch.arange(heads)[:, None]).flatten()
+            out[name] = t[rows]
     return out
 
 
@@ -278,7 +324,7 @@ def load_model(
     """Instantiate on the meta device and adopt the checkpoint tensors (no random init)."""
     cls = model_class(cfg)
     weights = {k: v for k, v in weights.items() if not k.endswith(IGNORED_SUFFIXES)}
-    weights = stack_experts(cfg, split_fused(cfg, weights))
+    weights = stack_experts(cfg, rotate_half_rows(cfg, split_fused(cfg, weights)))
     tied = cfg.tie_word_embeddings
     if tied:
         weights.pop(cls.HEAD, None)
