@@ -137,7 +137,8 @@ def test_greedy_matches_transformers(family_engines, checkpoints, family):
 
 @pytest.mark.parametrize("family", EAGER_PARITY)
 def test_eager_model_matches_transformers(checkpoints, family):
-    """SmolLM3 (NoPE layers), Granite (multipliers), YaRN, OLMo 2/3 and the mixtures of
+    """SmolLM3 (NoPE layers), Granite (multipliers), YaRN, OLMo 2/3, GLM-4 and ERNIE 4.5
+    (RoPE on adjacent pairs) and the mixtures of
     experts (Mixtral, Qwen2-MoE's shared expert and dense layers, OLMoE, Granite MoE, LFM2-MoE's
     sigmoid routing) and Granite 4.0 with attention layers (dense, and experts with no
     positions): the model's logits
@@ -374,7 +375,9 @@ def test_gptneox_tp_shards_whole_heads(checkpoints):
         resolve_plan(model, parse_parallel({"tensor": 3}))
 
 
-@pytest.mark.parametrize("family", ["qwen2-tied", "qwen3", "gemma2", "gemma3", "phi3", "granite"])
+@pytest.mark.parametrize(
+    "family", ["qwen2-tied", "qwen3", "gemma2", "gemma3", "phi3", "granite", "glm4", "ernie4_5"]
+)
 def test_llama_layout_families_have_default_tp_plans(checkpoints, family):
     model = _eager(checkpoints, family)
     styles = resolve_plan(model, parse_parallel({"tensor": 2}))
@@ -436,6 +439,27 @@ def test_transformers4_gemma3_config():
     assert cfg.tie_word_embeddings  # Gemma's default
 
 
+def test_transformers4_glm4_config():
+    """GLM-4-0414's config.json as transformers 4.x saved it."""
+    cfg = ModelConfig.from_hf(
+        {
+            **BASE_HF,
+            "architectures": ["Glm4ForCausalLM"],
+            "head_dim": 32,
+            "partial_rotary_factor": 0.5,
+            "rope_theta": 10000.0,
+            "attention_bias": True,
+            "rms_norm_eps": 1e-5,
+        }
+    )
+    assert (cfg.rotary_dim, cfg.attention_bias, cfg.four_norms, cfg.gemma) == (
+        16,
+        True,
+        True,
+        False,
+    )
+
+
 @pytest.mark.parametrize(
     "arch,extra,key",
     [
@@ -460,6 +484,8 @@ def test_transformers4_gemma3_config():
         ("Qwen2MoeForCausalLM", {**MOE, "use_sliding_window": True}, "use_sliding_window"),
         ("GraniteMoeHybridForCausalLM", {"layer_types": ["mamba"] * 6}, "Mamba layers"),
         ("GraniteMoeHybridForCausalLM", {}, "Mamba layers"),
+        ("Ernie4_5ForCausalLM", {"use_bias": True}, "use_bias=True"),
+        ("Ernie4_5ForCausalLM", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ],
 )
 def test_unhonoured_config_keys_are_errors(arch, extra, key):

@@ -80,6 +80,8 @@ DEFAULT_PLANS: dict[str, dict[str, str]] = {
     "SmolLM3ForCausalLM": LLAMA_PLAN,
     "GraniteForCausalLM": LLAMA_PLAN,
     "GraniteMoeHybridForCausalLM": LLAMA_PLAN,  # Granite 4.0 without experts
+    "Glm4ForCausalLM": LLAMA_PLAN,
+    "Ernie4_5ForCausalLM": LLAMA_PLAN,
     "GPTNeoXForCausalLM": GPT_NEOX_PLAN,
 }
 # (column-parallel inputs, row-parallel output) of each block: both sharded or neither.
