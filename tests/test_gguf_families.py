@@ -1,7 +1,8 @@
 """GGUF import of the non-Llama families: a tiny `transformers` checkpoint is written as a GGUF
 the way llama.cpp's converter writes it (its tensor names, Gemma's norms stored as 1 + w,
 GPT-NeoX's fused qkv regrouped as [q; k; v], Granite's and SmolLM3's q/k permuted, Phi-3's
-LongRoPE factors as tensors, OLMo 3 as olmo2 with a sliding-window pattern, a mixture of
+LongRoPE factors as tensors, ERNIE 4.5's q/k as they are, OLMo 3 as olmo2 with a
+sliding-window pattern, a mixture of
 experts' experts stacked per block (Mixtral as llama), some weights quantized), imported back,
 and the imported checkpoint must compute what the original computes in `transformers`, in
 `transformers` and in aotgen's model.
@@ -93,6 +94,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     "olmo2": FAMILIES["olmo2"],
+    "ernie4_5": FAMILIES["ernie4_5"],  # stored as HF has it: llama.cpp rotates adjacent pairs
     # Written by llama.cpp as olmo2 with a window and one sliding flag per layer.
     "olmo3": ("Olmo3Config", dict(num_hidden_layers=4, num_key_value_heads=2, sliding_window=4)),
     # llama.cpp's SmolLM3: NoPE on every fourth layer.

@@ -114,6 +114,8 @@ ARCHS: dict[str, Arch] = {
     "olmo2": Arch("Olmo2ForCausalLM", "olmo2", _OLMO2_LAYER),
     "smollm3": Arch("SmolLM3ForCausalLM", "smollm3", _LLAMA_LAYER),
     "granite": Arch("GraniteForCausalLM", "granite", _LLAMA_LAYER),
+    # q/k rows as HF has them (adjacent pairs rotated: llama.cpp's NORM RoPE, no permutation)
+    "ernie4_5": Arch("Ernie4_5ForCausalLM", "ernie4_5", _LLAMA_LAYER),
     "qwen2moe": Arch("Qwen2MoeForCausalLM", "qwen2_moe", {**_LLAMA_LAYER, **_MOE_LAYER}),
     "qwen3moe": Arch(
         "Qwen3MoeForCausalLM", "qwen3_moe", {**_LLAMA_LAYER, **_QK_NORM, **_MOE_LAYER}
