@@ -2,9 +2,8 @@
 the way llama.cpp's converter writes it (its tensor names, Gemma's norms stored as 1 + w,
 GPT-NeoX's fused qkv regrouped as [q; k; v], Granite's and SmolLM3's q/k permuted, Phi-3's
 LongRoPE factors as tensors, ERNIE 4.5's q/k as they are, OLMo 3 as olmo2 with a
-sliding-window pattern, a mixture of
-experts' experts stacked per block (Mixtral as llama), some weights quantized), imported back,
-and the imported checkpoint must compute what the original computes in `transformers`, in
+sliding-window pattern, a mixture of experts' experts stacked per block (Mixtral as llama), some
+weights quantized), imported back, and the imported checkpoint must compute what the original computes in `transformers`, in
 `transformers` and in aotgen's model.
 """
 
