@@ -1,10 +1,10 @@
 """GGUF import of the non-Llama families: a tiny `transformers` checkpoint is written as a GGUF
 the way llama.cpp's converter writes it (its tensor names, Gemma's norms stored as 1 + w,
 GPT-NeoX's fused qkv regrouped as [q; k; v], Granite's and SmolLM3's q/k permuted, Phi-3's
-LongRoPE factors as tensors, ERNIE 4.5's q/k as they are, OLMo 3 as olmo2 with a
+LongRoPE factors as tensors, GLM-4's and ERNIE 4.5's q/k as they are, OLMo 3 as olmo2 with a
 sliding-window pattern, a mixture of experts' experts stacked per block (Mixtral as llama), some
-weights quantized), imported back, and the imported checkpoint must compute what the original computes in `transformers`, in
-`transformers` and in aotgen's model.
+weights quantized), imported back, and the imported checkpoint must compute what the original
+computes in `transformers`, in `transformers` and in aotgen's model.
 """
 
 from __future__ import annotations
@@ -93,7 +93,9 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     "olmo2": FAMILIES["olmo2"],
-    "ernie4_5": FAMILIES["ernie4_5"],  # stored as HF has it: llama.cpp rotates adjacent pairs
+    # q/k stored as HF has them: llama.cpp rotates adjacent pairs for both
+    "ernie4_5": FAMILIES["ernie4_5"],
+    "glm4": FAMILIES["glm4"],
     # Written by llama.cpp as olmo2 with a window and one sliding flag per layer.
     "olmo3": ("Olmo3Config", dict(num_hidden_layers=4, num_key_value_heads=2, sliding_window=4)),
     # llama.cpp's SmolLM3: NoPE on every fourth layer.
@@ -176,6 +178,13 @@ PHI3_NAMES = {
     "self_attn.qkv_proj": "attn_qkv",
     "mlp.gate_up_proj": "ffn_up",
 }
+GLM4_NAMES = {
+    **LAYER_NAMES["llama"],
+    "post_self_attn_layernorm": "post_attention_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "post_mlp_layernorm": "post_ffw_norm",
+    "mlp.gate_up_proj": "ffn_up",
+}
 GEMMA_NAMES = {
     **LAYER_NAMES["llama"],
     "post_attention_layernorm": "post_attention_norm",
@@ -231,6 +240,7 @@ def _gguf_name(arch: str, hf: str) -> str:
         "gemma3": GEMMA_NAMES,
         "gptneox": LAYER_NAMES["gptneox"],
         "phi3": PHI3_NAMES,
+        "glm4": GLM4_NAMES,
         "lfm2": LAYER_NAMES["lfm2"],
         "lfm2moe": LAYER_NAMES["lfm2"],
     }.get(arch, LAYER_NAMES["llama"])
@@ -265,6 +275,9 @@ def _llama_variant_meta(w: gguf.GGUFWriter, arch: str, cfg: dict[str, Any], head
         w.add_embedding_scale(cfg["embedding_multiplier"])
         w.add_residual_scale(cfg["residual_multiplier"])
         w.add_logit_scale(cfg["logits_scaling"])
+    if arch == "glm4":
+        rope = cfg["rope_parameters"]
+        w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * head_dim))
     if arch != "phi3":
         return
     rope = cfg["rope_parameters"]
@@ -475,6 +488,27 @@ def test_experts_not_matching_metadata_are_one_line(tmp_path: Path, key: str) ->
     with pytest.raises(CheckpointError, match=r"tensor 'blk\.0\.ffn_\w+\.weight' has shape"):
         import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
     assert not (tmp_path / "imported").exists()
+
+
+def test_glm4_rows_are_found_in_the_blocks(tmp_path: Path) -> None:
+    """GLM-4's fused gate/up rows split at load and its q/k rows reordered for rotate-half RoPE
+    move whole rows: `gguf: keep` finds every linear of the loaded model in the file's blocks."""
+    from aotgen.checkpoint.hf import open_checkpoint
+    from aotgen.model.config import ModelConfig
+    from aotgen.model.llama import load_model
+    from aotgen.passes.gguf_keep import BlockIndex
+
+    ckpt = _checkpoint(tmp_path / "hf", "glm4")
+    _write_gguf(ckpt, tmp_path / "m.gguf", "glm4", qtypes=("Q8_0",))
+    imported = open_checkpoint(import_gguf(tmp_path / "m.gguf", tmp_path / "imported"))
+    index = BlockIndex(imported.load_gguf_blocks())
+    cfg = ModelConfig.from_hf(imported.config)
+    model = load_model(cfg, imported.load_weights(), 32, torch.float32)
+    linears = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert len(linears) == 2 * 7 + 1  # q, k, v, o, gate, up, down a layer; the head
+    for name, weight in linears.items():
+        segments = index.segments(weight)
+        assert segments is not None and [s.qtype for s in segments] == ["Q8_0"], name
 
 
 def test_phi3_blocks_are_not_kept(tmp_path: Path) -> None:

@@ -45,6 +45,12 @@ _OLMO2_LAYER = {  # norms after attention and the MLP; q/k norms across heads
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_GLM4_LAYER = {  # a norm after attention and on both sides of the MLP; gate/up fused
+    **{k: v for k, v in _LLAMA_LAYER.items() if k not in ("ffn_gate", "ffn_up")},
+    "post_attention_norm": "post_self_attn_layernorm",
+    "ffn_up": "mlp.gate_up_proj",
+    "post_ffw_norm": "post_mlp_layernorm",
+}
 # Mixture-of-experts blocks: the router, each projection's experts stacked [E, out, in] (split
 # into HF's one tensor per expert at import), Qwen2-MoE's shared expert and its gate.
 _MOE_LAYER = {
@@ -116,6 +122,7 @@ ARCHS: dict[str, Arch] = {
     "granite": Arch("GraniteForCausalLM", "granite", _LLAMA_LAYER),
     # q/k rows as HF has them (adjacent pairs rotated: llama.cpp's NORM RoPE, no permutation)
     "ernie4_5": Arch("Ernie4_5ForCausalLM", "ernie4_5", _LLAMA_LAYER),
+    "glm4": Arch("Glm4ForCausalLM", "glm4", _GLM4_LAYER),  # q/k rows as HF has them, too
     "qwen2moe": Arch("Qwen2MoeForCausalLM", "qwen2_moe", {**_LLAMA_LAYER, **_MOE_LAYER}),
     "qwen3moe": Arch(
         "Qwen3MoeForCausalLM", "qwen3_moe", {**_LLAMA_LAYER, **_QK_NORM, **_MOE_LAYER}
@@ -225,6 +232,12 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     )
     if arch in ("phi3", "smollm3", "granite", "granitemoe"):
         config.update(_llama_variant(reader, arch, config["head_dim"]))
+    if arch == "glm4":
+        rot = int(meta_value(reader, f"{arch}.rope.dimension_count", config["head_dim"]))
+        config.update(
+            partial_rotary_factor=rot / config["head_dim"],
+            attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
+        )
     if meta_value(reader, f"{arch}.expert_count"):
         config.update(_experts(reader, arch))
     if arch == "olmo2" and (window := meta_value(reader, f"{arch}.attention.sliding_window")):
