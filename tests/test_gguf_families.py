@@ -490,36 +490,29 @@ def test_experts_not_matching_metadata_are_one_line(tmp_path: Path, key: str) ->
     assert not (tmp_path / "imported").exists()
 
 
-def test_glm4_rows_are_found_in_the_blocks(tmp_path: Path) -> None:
-    """GLM-4's fused gate/up rows split at load and its q/k rows reordered for rotate-half RoPE
-    move whole rows: `gguf: keep` finds every linear of the loaded model in the file's blocks."""
+@pytest.mark.parametrize("arch", ["glm4", "phi3"])
+def test_rows_moved_at_load_are_found_in_the_blocks(tmp_path: Path, arch: str) -> None:
+    """GLM-4's and Phi-3's fused tensors split at load, GLM-4's q/k rows reordered for
+    rotate-half RoPE: whole rows move, so `gguf: keep` (which these recipes pass) finds every
+    linear of the loaded model in the file's blocks."""
     from aotgen.checkpoint.hf import open_checkpoint
     from aotgen.model.config import ModelConfig
     from aotgen.model.llama import load_model
+    from aotgen.package.models import keep_gguf
     from aotgen.passes.gguf_keep import BlockIndex
+    from aotgen.recipe import parse_recipe
 
-    ckpt = _checkpoint(tmp_path / "hf", "glm4")
-    _write_gguf(ckpt, tmp_path / "m.gguf", "glm4", qtypes=("Q8_0",))
-    imported = open_checkpoint(import_gguf(tmp_path / "m.gguf", tmp_path / "imported"))
+    ckpt = _checkpoint(tmp_path / "hf", arch)
+    _write_gguf(ckpt, tmp_path / "m.gguf", arch, qtypes=("Q8_0",))
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
+    recipe = parse_recipe({"checkpoint": str(out), "quantize": {"gguf": "keep"}}, "r", tmp_path)
+    imported = open_checkpoint(out)
+    assert keep_gguf(recipe, recipe.quantize, imported, {}) is not None
     index = BlockIndex(imported.load_gguf_blocks())
     cfg = ModelConfig.from_hf(imported.config)
     model = load_model(cfg, imported.load_weights(), 32, torch.float32)
     linears = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    assert len(linears) == 2 * 7 + 1  # q, k, v, o, gate, up, down a layer; the head
+    assert len(linears) == 2 * 7 + (not cfg.tie_word_embeddings)  # 7 a layer; the head
     for name, weight in linears.items():
         segments = index.segments(weight)
         assert segments is not None and [s.qtype for s in segments] == ["Q8_0"], name
-
-
-def test_phi3_blocks_are_not_kept(tmp_path: Path) -> None:
-    """`quantize: {gguf: keep}` refuses Phi-3: its fused tensors are split at load."""
-    from aotgen.checkpoint.hf import open_checkpoint
-    from aotgen.package.models import keep_gguf
-    from aotgen.recipe import RecipeError, parse_recipe
-
-    ckpt = _checkpoint(tmp_path / "hf", "phi3")
-    _write_gguf(ckpt, tmp_path / "m.gguf", "phi3")
-    out = import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
-    recipe = parse_recipe({"checkpoint": str(out), "quantize": {"gguf": "keep"}}, "r", tmp_path)
-    with pytest.raises(RecipeError, match="Phi-3's fused qkv and gate-up tensors are split"):
-        keep_gguf(recipe, recipe.quantize, open_checkpoint(out), {})

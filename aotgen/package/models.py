@@ -124,10 +124,6 @@ def keep_gguf(
         (recipe.dtype != "float32", f"dtype {recipe.dtype}: the blocks dequantize to float32"),
         (not recipe.compile.packed_linears, "compile.packed_linears is off: they run the blocks"),
         ("onnx" in recipe.formats, "formats onnx: ONNX has no operator for GGUF blocks"),
-        (
-            "Phi3ForCausalLM" in (ckpt.config.get("architectures") or ()),
-            "Phi-3's fused qkv and gate-up tensors are split at load, their blocks with them",
-        ),
     ]
     for problem, why in problems:
         if problem:
