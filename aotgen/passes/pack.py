@@ -209,6 +209,7 @@ class PackLinears:
             self._blocks[id(t)] = (t, packed)
         self.packed_names.add(target)
         out = []
+        orders: dict[bytes, Node] = {}  # one placeholder per input order, however many segments
         for i, (seg, tensors) in enumerate(self._blocks[id(t)][1]):
             names = ("codes", "groups", "supers")
             nodes = [
@@ -216,9 +217,10 @@ class PackLinears:
                 for name, tensor in zip(names, tensors, strict=True)
                 if tensor is not None
             ]
-            order = None
-            if seg.order is not None:
-                order = edit.add(f"{target}_gguf{i}_order", torch.from_numpy(seg.order))
+            key = None if seg.order is None else seg.order.tobytes()
+            if key is not None and key not in orders:
+                orders[key] = edit.add(f"{target}_gguf{i}_order", torch.from_numpy(seg.order))
+            order = None if key is None else orders[key]
             out.append((seg, gb.QTYPES[seg.qtype], nodes, order))
         return out
 
