@@ -211,6 +211,57 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "Ernie4_5Config",
         dict(num_hidden_layers=2, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
     ),
+    # Phi: one LayerNorm feeding attention and the MLP side by side, biases on every linear
+    # and the head, half of each head rotated.
+    "phi": (
+        "PhiConfig",
+        dict(
+            num_hidden_layers=2,
+            hidden_act="gelu_new",
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+        ),
+    ),
+    # Phi with its q/k LayerNorms (one over every head's dims).
+    "phi-qk": (
+        "PhiConfig",
+        dict(
+            num_hidden_layers=2,
+            qk_layernorm=True,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.4,
+            },
+        ),
+    ),
+    # StableLM: the parallel residual with one LayerNorm, q/k/v biases, a LayerNorm per head
+    # on q and k, a quarter of each head rotated, grouped KV heads.
+    "stablelm": (
+        "StableLmConfig",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            use_qkv_bias=True,
+            qk_layernorm=True,
+            use_parallel_residual=True,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
+            },
+        ),
+    ),
+    # StarCoder2: biases everywhere, a plain GELU MLP, a window of 8 on every layer, tied head.
+    "starcoder2": (
+        "Starcoder2Config",
+        dict(num_hidden_layers=2, num_key_value_heads=2, sliding_window=8),
+    ),
+    # Gemma (1): (1 + w) norms, two a layer, embeddings x sqrt(hidden), one KV head.
+    "gemma": ("GemmaConfig", dict(num_hidden_layers=2, num_key_value_heads=1, head_dim=32)),
     # Layers 1 and 3 without RoPE (NoPE), a tied head.
     "smollm3": (
         "SmolLM3Config",
@@ -349,6 +400,7 @@ PARITY = [
     "gptneox-sequential",
     "qwen3-moe",
     "lfm2",
+    "phi",
 ]
 # Families whose differences from the Llama layout are switches outside the compiled graphs'
 # concerns (NoPE layers, scalar multipliers, RoPE tables, norms in other places, the MoE
@@ -356,7 +408,8 @@ PARITY = [
 # built.
 EAGER_PARITY = [
     "smollm3", "granite", "qwen3-yarn", "olmo2", "olmo3", "mixtral", "qwen2-moe", "olmoe",
-    "granite-moe", "granite4", "granite4-moe", "lfm2-moe", "glm4", "ernie4_5",
+    "granite-moe", "granite4", "granite4-moe", "lfm2-moe", "glm4", "ernie4_5", "phi-qk",
+    "stablelm", "starcoder2", "gemma",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

@@ -6,6 +6,7 @@ separate-checkpoint drafts, the tensor-parallel plans, and config errors."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from aotgen.checkpoint.hf import open_checkpoint
 from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
 from aotgen.model.rope import for_context
 from aotgen.package.build import build
+from aotgen.passes import tp
 from aotgen.passes.tp import parse_parallel, resolve_plan, shard_model
 from aotgen.recipe import RecipeError, parse_recipe
 from aotgen.runtime.batch_engine import BatchEngine
@@ -376,7 +378,8 @@ def test_gptneox_tp_shards_whole_heads(checkpoints):
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen2-tied", "qwen3", "gemma2", "gemma3", "phi3", "granite", "glm4", "ernie4_5"]
+    "family",
+    ["qwen2-tied", "qwen3", "gemma2", "gemma3", "phi3", "granite", "glm4", "ernie4_5"],
 )
 def test_llama_layout_families_have_default_tp_plans(checkpoints, family):
     model = _eager(checkpoints, family)
@@ -384,6 +387,49 @@ def test_llama_layout_families_have_default_tp_plans(checkpoints, family):
     assert styles["model.layers.0.self_attn.q_proj"] == "colwise"
     with pytest.raises(RecipeError, match="does not divide"):
         resolve_plan(model, parse_parallel({"tensor": 3}))
+
+
+@pytest.mark.parametrize("family", ["phi", "phi-qk", "starcoder2"])
+def test_layernorm_decoders_shard_to_the_same_logits(checkpoints, family, monkeypatch):
+    """Phi and StarCoder2 sharded two ways by their default plans (biases added once, after
+    the row-parallel sums): the two ranks, run in lockstep on threads whose all-reduces meet
+    at a barrier, give the unsharded model's logits."""
+    model = _eager(checkpoints, family)
+    styles = resolve_plan(model, parse_parallel({"tensor": 2}))
+    assert styles["model.layers.0.self_attn.q_proj"] == "colwise"
+    ranks = [shard_model(model, styles, r, 2, "0") for r in range(2)]
+    barrier, parts, local = threading.Barrier(2), [None, None], threading.local()
+
+    def all_reduce(t: torch.Tensor, op: str, group: str) -> torch.Tensor:
+        parts[local.rank] = t
+        barrier.wait()
+        total = parts[0] + parts[1]
+        barrier.wait()  # both have read before either writes again
+        return total
+
+    monkeypatch.setattr(tp.funcol, "all_reduce", all_reduce)
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator())
+    pos = torch.arange(12)
+    out: list[torch.Tensor | None] = [None, None]
+
+    def run(rank: int) -> None:
+        local.rank = rank
+        cache = new_kv_cache(tp.rank_config(model.config, 2), 32)
+        out[rank] = ranks[rank](ids, pos, cache)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    want = model(ids, pos, new_kv_cache(model.config, 32))
+    assert torch.equal(out[0], out[1])
+    assert _rel_err(out[0][0], want[0]) < FP32_TOL
+
+
+def test_stablelm_head_norms_refuse_tensor_parallel(checkpoints):
+    with pytest.raises(RecipeError, match="weight per head"):
+        resolve_plan(_eager(checkpoints, "stablelm"), parse_parallel({"tensor": 2}))
 
 
 def test_olmo2_refuses_tensor_parallel(checkpoints):
@@ -477,7 +523,11 @@ def test_transformers4_glm4_config():
         ("SmolLM3ForCausalLM", {"use_sliding_window": True}, "use_sliding_window"),
         ("SmolLM3ForCausalLM", {"no_rope_layers": [1]}, "no_rope_layers must name every"),
         ("GraniteForCausalLM", {"logits_scaling": 0}, "logits_scaling must be a positive"),
-        ("PhiForCausalLM", {}, "unsupported architecture 'PhiForCausalLM'"),
+        ("FalconForCausalLM", {}, "unsupported architecture 'FalconForCausalLM'"),
+        ("PhiForCausalLM", {"hidden_act": "relu"}, "hidden_act='relu'"),
+        ("StableLmForCausalLM", {"partial_rotary_factor": 0.1}, "odd or empty dim"),
+        ("Starcoder2ForCausalLM", {"norm_epsilon": 0}, "norm_epsilon must be a positive"),
+        ("GemmaForCausalLM", {"use_bidirectional_attention": True}, "causal attention only"),
         ("MixtralForCausalLM", {**MOE, "num_experts_per_tok": 9}, "num_experts_per_tok=9"),
         ("Qwen3MoeForCausalLM", {**MOE, "hidden_act": "gelu"}, "SwiGLU"),
         ("OlmoeForCausalLM", {**MOE, "clip_qkv": 8.0}, "clip_qkv"),

@@ -23,6 +23,7 @@ GRANITE_SHARED_MLP = ("GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalL
 GRANITES = ("GraniteForCausalLM", "GraniteMoeForCausalLM", *GRANITE_SHARED_MLP)  # multipliers
 LLAMA_LAYOUT = (
     "LlamaForCausalLM",
+    "GemmaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
@@ -38,8 +39,13 @@ LLAMA_LAYOUT = (
     *MOE_ARCHITECTURES,
 )
 LFM2 = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
-SUPPORTED_ARCHITECTURES = (*LLAMA_LAYOUT, "GPTNeoXForCausalLM", *LFM2)
-GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# LayerNorms, biases, partial rotary (layernorm_decoders.py).
+PHI, STABLELM, STARCODER2 = "PhiForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM"
+LAYERNORM_LAYOUT = (PHI, STABLELM, STARCODER2)
+SUPPORTED_ARCHITECTURES = (*LLAMA_LAYOUT, "GPTNeoXForCausalLM", *LAYERNORM_LAYOUT, *LFM2)
+GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Gemma 2 and 3: sliding and global layers, softcaps, a norm after attention and the MLP.
+LATER_GEMMAS = GEMMAS[1:]
 # Checkpoints whose RoPE rotates adjacent pairs of dims (GPT-J's layout): their q/k rows are
 # put in rotate-half order at load (llama.py: `rotate_half_rows`).
 INTERLEAVED_ROPE = ("Glm4ForCausalLM", "Ernie4_5ForCausalLM")
@@ -64,7 +70,7 @@ class ModelConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float = 1e-5  # the norms' epsilon (LayerNorm's for GPT-NeoX)
+    rms_norm_eps: float = 1e-5  # the norms' epsilon (LayerNorm's for GPT-NeoX, Phi, ...)
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     tie_word_embeddings: bool = False
@@ -72,13 +78,14 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
     hidden_act: str = "silu"
     attention_bias: bool = False  # q/k/v biases (Qwen2); GPT-NeoX: qkv and dense
-    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    linear_bias: bool = False  # biases on the output projection and the MLP (Phi, StarCoder2)
+    qk_norm: bool = False  # per-head norm of q and k before RoPE (Qwen3, Gemma 3, StableLM)
     # OLMo 2: q and k normalised across all heads (the whole projection), and each block's
     # norm after it instead of before.
     qk_norm_across_heads: bool = False
     norm_after: bool = False
     rotary_dim: int | None = None  # partial rotary: the first rotary_dim dims of a head
-    use_parallel_residual: bool = False  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x))
+    use_parallel_residual: bool = False  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x)); Phi: ln1 both
     sliding_window: int | None = None  # keys within this many positions, on sliding layers
     layer_types: tuple[str, ...] | None = None  # "sliding_attention" / "full_attention"
     rope_local_theta: float | None = None  # the sliding layers' RoPE base (Gemma 3)
@@ -118,13 +125,13 @@ class ModelConfig:
 
     @property
     def gemma(self) -> bool:
-        """Gemma's switches: (1 + w) RMSNorm, four norms a layer, embeddings × √hidden."""
+        """Gemma's switches: (1 + w) RMSNorm, embeddings × √hidden."""
         return self.architecture in GEMMAS
 
     @property
     def four_norms(self) -> bool:
-        """A norm after attention and on both sides of the MLP (Gemma, GLM-4)."""
-        return self.gemma or self.architecture == "Glm4ForCausalLM"
+        """A norm after attention and on both sides of the MLP (Gemma 2 and 3, GLM-4)."""
+        return self.architecture in (*LATER_GEMMAS, "Glm4ForCausalLM")
 
     def is_moe(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]

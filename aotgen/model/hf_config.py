@@ -14,8 +14,13 @@ from aotgen.model.config import (
     GEMMAS,
     GRANITE_SHARED_MLP,
     GRANITES,
+    LATER_GEMMAS,
+    LAYERNORM_LAYOUT,
     LFM2,
     MOE_ARCHITECTURES,
+    PHI,
+    STABLELM,
+    STARCODER2,
     SUPPORTED_ARCHITECTURES,
     WINDOW_SWITCHED,
 )
@@ -30,7 +35,13 @@ def hf_fields(hf: dict) -> dict[str, Any]:
         raise ValueError(
             f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    for key in ("rope_theta", "rms_norm_eps", "layer_norm_eps", "rope_local_base_freq"):
+    for key in (
+        "rope_theta",
+        "rms_norm_eps",
+        "layer_norm_eps",
+        "norm_epsilon",
+        "rope_local_base_freq",
+    ):
         _positive(hf, key)
     heads = hf["num_attention_heads"]
     theta, scaling, local = _rope(hf, arch)
@@ -46,7 +57,7 @@ def hf_fields(hf: dict) -> dict[str, Any]:
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         rope_theta=theta,
         rope_scaling=scaling,
-        tie_word_embeddings=hf.get("tie_word_embeddings", arch in GEMMAS),
+        tie_word_embeddings=hf.get("tie_word_embeddings", arch in (*GEMMAS, STARCODER2)),
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         architecture=arch,
     )
@@ -62,6 +73,7 @@ def hf_fields(hf: dict) -> dict[str, Any]:
         common["rope_scaling"] = {**scaling, "original_max_position_embeddings": original}
     family = _gpt_neox if arch == "GPTNeoXForCausalLM" else _llama_layout
     family = _lfm2 if arch in LFM2 else family
+    family = _layernorm_layout if arch in LAYERNORM_LAYOUT else family
     return {**common, **family(hf, arch, common, local)}
 
 
@@ -114,6 +126,8 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
         raise ValueError(f"config.json: hidden_act={act!r} is not supported; {ACTIVATIONS}")
     _refuse(hf, "mlp_bias", False, "MLP biases")
     _refuse(hf, "use_bias", False, "biases on every linear")  # ERNIE 4.5
+    if arch in GEMMAS:
+        _refuse(hf, "use_bidirectional_attention", False, "causal attention only")
     out: dict[str, Any] = {"hidden_act": act, "rms_norm_eps": hf.get("rms_norm_eps", 1e-6)}
     rotary = _rotary_factor(hf)
     # Phi-4-mini rotates 3/4 of each head, GLM-4 half
@@ -160,12 +174,15 @@ def _attention(hf: dict, arch: str) -> dict[str, Any]:
 def _windows(hf: dict, arch: str, layers: int, local: float | None) -> dict[str, Any]:
     """Which layers attend through a sliding window, and how wide it is."""
     out: dict[str, Any] = {}
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM") and hf.get(
-        "sliding_window"
-    ):
+    if arch in (
+        "MistralForCausalLM",
+        "MixtralForCausalLM",
+        "Phi3ForCausalLM",
+        STARCODER2,
+    ) and hf.get("sliding_window"):
         out["sliding_window"] = hf["sliding_window"]
         out["layer_types"] = ("sliding_attention",) * layers
-    elif arch in GEMMAS:
+    elif arch in LATER_GEMMAS:
         out.update(_gemma(hf, arch, layers, local))
     elif arch == "Olmo3ForCausalLM":  # three sliding-window layers in four
         types = hf.get("layer_types") or [
@@ -178,7 +195,7 @@ def _windows(hf: dict, arch: str, layers: int, local: float | None) -> dict[str,
         arch in WINDOW_SWITCHED and not hf.get("use_sliding_window")
     ):
         raise ValueError(f"config.json: sliding_window is not supported on {arch}")
-    if arch not in GEMMAS:
+    if arch not in LATER_GEMMAS:
         _refuse(hf, "final_logit_softcapping", None, f"not part of {arch}")
         _refuse(hf, "attn_logit_softcapping", None, f"not part of {arch}")
     types = out.get("layer_types") or hf.get("layer_types") or ()
@@ -196,7 +213,6 @@ def _gemma(hf: dict, arch: str, layers: int, local: float | None) -> dict[str, A
     """Gemma 2 and 3: sliding and global layers (Gemma 2 alternates them, Gemma 3 has one
     global in six, with its own RoPE base), softcapped logits; Gemma 2 caps the attention
     scores too, Gemma 3 normalises q and k instead."""
-    _refuse(hf, "use_bidirectional_attention", False, "causal attention only")
     gemma3 = arch == "Gemma3ForCausalLM"
     if gemma3:
         _refuse(hf, "attn_logit_softcapping", None, "transformers' Gemma 3 does not apply it")
@@ -365,3 +381,35 @@ def _gpt_neox(hf: dict, arch: str, common: dict, local: float | None) -> dict[st
         "rotary_dim": rotary_dim,
         "use_parallel_residual": hf.get("use_parallel_residual", True),
     }
+
+
+def _layernorm_layout(hf: dict, arch: str, common: dict, local: float | None) -> dict[str, Any]:
+    """Phi, StableLM and StarCoder2: LayerNorms, biases, the first dims of each head rotated."""
+    act = hf.get("hidden_act", "gelu_new")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"config.json: hidden_act={act!r} is not supported; {ACTIVATIONS}")
+    rotary = _rotary_factor(hf)
+    rotary_dim = int(common["head_dim"] * rotary) if rotary != 1.0 else None
+    if rotary_dim is not None and (rotary_dim % 2 or rotary_dim == 0):
+        raise ValueError(f"config.json: partial_rotary_factor={rotary}: an odd or empty dim")
+    if (
+        arch == STABLELM
+        and common["head_dim"] * common["num_attention_heads"] != common["hidden_size"]
+    ):
+        raise ValueError("config.json: StableLM's hidden_size must be heads x head_dim")
+    bias = {
+        PHI: (True, True),
+        STABLELM: (bool(hf.get("use_qkv_bias", False)), False),
+        STARCODER2: (bool(hf.get("use_bias", True)),) * 2,
+    }[arch]
+    eps = hf.get("norm_epsilon") if arch == STARCODER2 else hf.get("layer_norm_eps")
+    out = {
+        "hidden_act": act,
+        "rms_norm_eps": eps or 1e-5,
+        "rotary_dim": rotary_dim,
+        "attention_bias": bias[0],
+        "linear_bias": bias[1],
+        "qk_norm": bool(hf.get("qk_layernorm", False)),
+        "use_parallel_residual": arch == PHI or bool(hf.get("use_parallel_residual", False)),
+    }
+    return out | _windows(hf, arch, common["num_hidden_layers"], local)

@@ -1,6 +1,7 @@
 """The Llama-layout decoders: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text), Phi-3,
-SmolLM3, Granite, OLMo 2, GLM-4, ERNIE 4.5 and the mixtures of experts, driven by an HF config
-through a few switches (`ModelConfig`); GPT-NeoX lives in gptneox.py.
+SmolLM3, Granite, OLMo 2, GLM-4, ERNIE 4.5, Gemma (1) and the mixtures of experts, driven by an
+HF config through a few switches (`ModelConfig`); GPT-NeoX lives in gptneox.py, the LayerNorm
+decoders (Phi, StableLM, StarCoder2) in layernorm_decoders.py.
 
 One flat file in the spirit of gpt-fast. Module names follow the HF checkpoint
 (`model.layers.0.self_attn.q_proj`, ...) so weights load without a name map and
@@ -8,9 +9,9 @@ quantization/TP plans can match HF parameter names. The switches:
 
 - `attention_bias`: q/k/v biases (Qwen2).
 - `qk_norm`: per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3).
-- `cfg.gemma`: (1 + w) RMSNorms, a norm after attention and around the MLP (four a
-  layer), embeddings × √hidden, attention scaled by `query_pre_attn_scalar`; Gemma 2's
-  `attn_logit_softcapping` caps the attention scores.
+- `cfg.gemma`: (1 + w) RMSNorms, embeddings × √hidden; Gemma 2 and 3 add a norm after
+  attention and around the MLP (four a layer) and scale attention by
+  `query_pre_attn_scalar`; Gemma 2's `attn_logit_softcapping` caps the attention scores.
 - `layer_types` / `sliding_window`: local layers attend to the last `sliding_window`
   positions with their own RoPE base (`rope_local_theta`); see layers.py for the cache.
 - `rotary_dim`: RoPE on the first dims of a head (Phi-4-mini); `rope_layers`: the layers
@@ -39,6 +40,7 @@ from aotgen.kernels.cache_rows import row_width
 from aotgen.model.config import (
     GRANITE_SHARED_MLP,
     INTERLEAVED_ROPE,
+    LAYERNORM_LAYOUT,
     LFM2,
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
@@ -194,6 +196,10 @@ def model_class(cfg: ModelConfig) -> type[CausalLM]:
         from aotgen.model.lfm2 import Lfm2ForCausalLM
 
         return Lfm2ForCausalLM
+    if cfg.architecture in LAYERNORM_LAYOUT:
+        from aotgen.model.layernorm_decoders import LayerNormDecoder
+
+        return LayerNormDecoder
     return Transformer
 
 

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import _functional_collectives as funcol
 
+from aotgen.model.config import PHI, STABLELM, STARCODER2
 from aotgen.model.llama import ModelConfig, Transformer
 from aotgen.recipe import RecipeError, check_keys
 
@@ -69,8 +70,30 @@ GPT_NEOX_PLAN: dict[str, str] = {
     "*.dense_4h_to_h": "rowwise",
     "embed_out": "replicate",
 }
+# Phi's output projection is `dense`, its MLP `fc1` / `fc2`; StarCoder2's MLP `c_fc` / `c_proj`.
+PHI_PLAN: dict[str, str] = {
+    "model.embed_tokens": "replicate",
+    "*.q_proj": "colwise",
+    "*.k_proj": "colwise",
+    "*.v_proj": "colwise",
+    "*.self_attn.dense": "rowwise",
+    "*.fc1": "colwise",
+    "*.fc2": "rowwise",
+    "lm_head": "replicate",
+}
+STARCODER2_PLAN: dict[str, str] = {
+    "model.embed_tokens": "replicate",
+    "*.q_proj": "colwise",
+    "*.k_proj": "colwise",
+    "*.v_proj": "colwise",
+    "*.o_proj": "rowwise",
+    "*.c_fc": "colwise",
+    "*.c_proj": "rowwise",
+    "lm_head": "replicate",
+}
 DEFAULT_PLANS: dict[str, dict[str, str]] = {
     "LlamaForCausalLM": LLAMA_PLAN,
+    "GemmaForCausalLM": LLAMA_PLAN,
     "MistralForCausalLM": LLAMA_PLAN,
     "Qwen2ForCausalLM": LLAMA_PLAN,
     "Qwen3ForCausalLM": LLAMA_PLAN,
@@ -83,15 +106,29 @@ DEFAULT_PLANS: dict[str, dict[str, str]] = {
     "Glm4ForCausalLM": LLAMA_PLAN,
     "Ernie4_5ForCausalLM": LLAMA_PLAN,
     "GPTNeoXForCausalLM": GPT_NEOX_PLAN,
+    PHI: PHI_PLAN,
+    STABLELM: LLAMA_PLAN,
+    STARCODER2: STARCODER2_PLAN,
 }
 # (column-parallel inputs, row-parallel output) of each block: both sharded or neither.
 BLOCKS = {
     "self_attn": (("q_proj", "k_proj", "v_proj"), "o_proj"),
     "mlp": (("gate_proj", "up_proj"), "down_proj"),
 }
-GPT_NEOX_BLOCKS = {
-    "attention": (("query_key_value",), "dense"),
-    "mlp": (("dense_h_to_4h",), "dense_4h_to_h"),
+# Per architecture whose names differ: (the layers' module path, its blocks).
+ARCH_BLOCKS = {
+    "GPTNeoXForCausalLM": (
+        "gpt_neox.layers",
+        {
+            "attention": (("query_key_value",), "dense"),
+            "mlp": (("dense_h_to_4h",), "dense_4h_to_h"),
+        },
+    ),
+    PHI: (
+        "model.layers",
+        {"self_attn": (("q_proj", "k_proj", "v_proj"), "dense"), "mlp": (("fc1",), "fc2")},
+    ),
+    STARCODER2: ("model.layers", {"self_attn": BLOCKS["self_attn"], "mlp": (("c_fc",), "c_proj")}),
 }
 
 
@@ -178,6 +215,11 @@ def resolve_plan(model: Transformer, tp: TensorParallel) -> dict[str, str]:
             f"{model.config.architecture} normalises q and k across all heads, which a rank "
             "holding some heads cannot do alone: build it without `parallel`"
         )
+    if model.config.qk_norm and model.config.architecture == STABLELM:
+        raise RecipeError(
+            "StableLM's q/k LayerNorms have a weight per head, which aotgen does not shard: "
+            "build it without `parallel`"
+        )
     if model.config.conv_kernel:
         raise RecipeError(
             f"{model.config.architecture}'s convolution layers are not sharded: build it "
@@ -202,10 +244,10 @@ def validate_plan(model: Transformer, plan: dict[str, str], world_size: int) -> 
                     f"parallel.plan: {name} must be replicate (vocab-parallel embedding/head "
                     f"is not supported), got {styles[name]}"
                 )
+    layers, blocks = ARCH_BLOCKS.get(cfg.architecture, ("model.layers", BLOCKS))
     for i in range(cfg.num_hidden_layers):
-        neox = cfg.architecture == "GPTNeoXForCausalLM"
-        for block, (cols, row) in (GPT_NEOX_BLOCKS if neox else BLOCKS).items():
-            prefix = f"{'gpt_neox' if neox else 'model'}.layers.{i}.{block}."
+        for block, (cols, row) in blocks.items():
+            prefix = f"{layers}.{i}.{block}."
             got = tuple(styles[prefix + c] for c in cols) + (styles[prefix + row],)
             sharded = ("colwise",) * len(cols) + ("rowwise",)
             if got not in (sharded, ("replicate",) * len(got)):
