@@ -416,7 +416,7 @@ SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}
 INT8 = {"quantize": {"linear": "int8"}}
 # The biased ones, a mixture of experts (its experts int8, its routers float), and LFM2 (its
 # convolutions float, their projections int8).
-INT8_FAMILIES = ["qwen2-tied", "gptneox-parallel", "qwen3-moe", "lfm2"]
+INT8_FAMILIES = ["qwen2-tied", "gptneox-parallel", "qwen3-moe", "lfm2", "phi"]
 # Gemma 3's tree and batched graphs (its window shorter than their rows' histories), and a
 # draft of its first two layers on its cache: every kind of call on a ring cache.
 WINDOWED = {"max_batch": 2, "tree_nodes": 4, "speculative": {"draft": {"layers": 2}, "k": 4}}

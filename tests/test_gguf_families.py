@@ -2,8 +2,9 @@
 the way llama.cpp's converter writes it (its tensor names, Gemma's norms stored as 1 + w,
 GPT-NeoX's fused qkv regrouped as [q; k; v], Granite's and SmolLM3's q/k permuted, Phi-3's
 LongRoPE factors as tensors, GLM-4's and ERNIE 4.5's q/k as they are, OLMo 3 as olmo2 with a
-sliding-window pattern, a mixture of experts' experts stacked per block (Mixtral as llama), some
-weights quantized), imported back, and the imported checkpoint must compute what the original
+sliding-window pattern, a mixture of experts' experts stacked per block (Mixtral as llama),
+StableLM's per-head q/k norms stacked, Phi-2's q/k/v apart or fused, some weights quantized),
+imported back, and the imported checkpoint must compute what the original
 computes in `transformers`, in `transformers` and in aotgen's model.
 """
 
@@ -111,6 +112,30 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "lfm2": FAMILIES["lfm2"],
     # llama.cpp's converter does not store routed_scaling_factor: 1 here.
     "lfm2moe": ("Lfm2MoeConfig", {**FAMILIES["lfm2-moe"][1], "routed_scaling_factor": 1.0}),
+    # Gemma (1): no RoPE base stored (llama.cpp's 10000), no output tensor (a tied head).
+    "gemma": FAMILIES["gemma"],
+    # llama.cpp's converter writes Phi's MLP as 4 x hidden wide (Phi-1/1.5/2's own), KV heads
+    # as heads, no RoPE base; its phi2 has no q/k norms, so FAMILIES["phi-qk"] does not convert.
+    "phi2": ("PhiConfig", {**FAMILIES["phi"][1], "intermediate_size": 256}),
+    "phi2-qkv": ("PhiConfig", {**FAMILIES["phi"][1], "intermediate_size": 256}),  # fused qkv
+    "stablelm": FAMILIES["stablelm"],  # parallel residual: no ffn_norm
+    "stablelm-sequential": ("StableLmConfig", dict(num_hidden_layers=2, num_key_value_heads=2)),
+    # llama.cpp neither stores nor applies StarCoder2's sliding window.
+    "starcoder2": (
+        "Starcoder2Config",
+        {
+            **FAMILIES["starcoder2"][1],
+            "sliding_window": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e5},
+        },
+    ),
+}
+# The GGUF architecture of the test cases named otherwise.
+GGUF_ARCH = {
+    "olmo3": "olmo2",
+    "mixtral": "llama",
+    "phi2-qkv": "phi2",
+    "stablelm-sequential": "stablelm",
 }
 MOE_NAMES = {
     "mlp.gate": "ffn_gate_inp",
@@ -128,6 +153,9 @@ EXPERT = re.compile(
     r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.experts\.(\d+)\.(\w+)\.weight$"
 )
 STACKED = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down"}
+# StableLM's per-head q/k norm (stacked [heads, head_dim] per block) and Phi-2's q/k/v (fused).
+HEAD_NORM = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qk])_layernorm\.norms\.(\d+)\.weight$")
+QKV = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)$")
 # HF module name → llama.cpp's (gguf-py tensor_mapping.py), per architecture.
 LAYER_NAMES = {
     "llama": {
@@ -191,8 +219,19 @@ GEMMA_NAMES = {
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }
+PHI2_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.dense": "attn_output",
+    "mlp.fc1": "ffn_up",
+    "mlp.fc2": "ffn_down",
+}
+STARCODER2_NAMES = {**LAYER_NAMES["llama"], "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
 GLOBAL_NAMES = {
     "model.embed_tokens": "token_embd",
+    "model.final_layernorm": "output_norm",  # Phi's
     "model.norm": "output_norm",
     "lm_head": "output",
     "gpt_neox.embed_in": "token_embd",
@@ -243,13 +282,16 @@ def _gguf_name(arch: str, hf: str) -> str:
         "glm4": GLM4_NAMES,
         "lfm2": LAYER_NAMES["lfm2"],
         "lfm2moe": LAYER_NAMES["lfm2"],
+        "phi2": PHI2_NAMES,
+        "phi2-qkv": PHI2_NAMES,
+        "starcoder2": STARCODER2_NAMES,
     }.get(arch, LAYER_NAMES["llama"])
     return f"blk.{i}.{names[rest]}.{kind}"
 
 
 def _converted(arch: str, hf: str, w: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf.py stores for an HF tensor."""
-    if arch in ("gemma2", "gemma3") and hf.endswith("norm.weight"):
+    if arch in ("gemma", "gemma2", "gemma3") and hf.endswith("norm.weight"):
         return w + np.float32(1.0)
     permuted = ("smollm3", "granite", "mixtral", "granitemoe")  # llama.cpp's LlamaModel kin
     if arch in permuted and hf.endswith(("q_proj.weight", "k_proj.weight")):
@@ -289,6 +331,28 @@ def _llama_variant_meta(w: gguf.GGUFWriter, arch: str, cfg: dict[str, Any], head
     w.add_rope_scaling_attn_factors(gain if scale > 1 else 1.0)
     w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
     w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
+
+
+def _layernorm_meta(w: gguf.GGUFWriter, arch: str, cfg: dict[str, Any], head_dim: int) -> None:
+    """What llama.cpp's converter writes of Phi-2 and StableLM (conversion/phi.py,
+    stablelm.py: no RoPE base) and of StarCoder2 (base.py's TextModel keys: no rotated dims,
+    no window)."""
+    rope = cfg["rope_parameters"]
+    if arch == "starcoder2":
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_rope_freq_base(rope["rope_theta"])
+        w.add_layer_norm_eps(cfg["norm_epsilon"])
+        return
+    w.add_layer_norm_eps(cfg["layer_norm_eps"])
+    if arch == "phi2":
+        heads = cfg["num_attention_heads"]
+        w.add_feed_forward_length(4 * cfg["hidden_size"])
+        w.add_head_count_kv(heads)
+        w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * cfg["hidden_size"]) // heads)
+        return
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * head_dim))
+    w.add_parallel_residual(cfg["use_parallel_residual"])
 
 
 def _moe_meta(w: gguf.GGUFWriter, cfg: dict[str, Any]) -> None:
@@ -344,11 +408,12 @@ def _write_gguf(
     matrices are Q8_0, or with `qtypes` every matrix takes the next of them its rows fit."""
     cfg = json.loads((ckpt / "config.json").read_text())
     tok = json.loads((ckpt / "tokenizer.json").read_text())
-    w = gguf.GGUFWriter(str(path), {"olmo3": "olmo2", "mixtral": "llama"}.get(arch, arch))
+    kind = GGUF_ARCH.get(arch, arch)
+    w = gguf.GGUFWriter(str(path), kind)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
-    if arch != "lfm2":  # its derived width: _lfm2_meta
+    if kind not in ("lfm2", "phi2"):  # their own widths: _lfm2_meta, _layernorm_meta
         w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -361,6 +426,8 @@ def _write_gguf(
         w.add_parallel_residual(cfg["use_parallel_residual"])
     elif arch.startswith("lfm2"):
         _lfm2_meta(w, cfg)
+    elif kind in ("phi2", "stablelm", "starcoder2"):
+        _layernorm_meta(w, kind, cfg, head_dim)
     else:
         w.add_head_count_kv(cfg["num_key_value_heads"])
         w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
@@ -374,7 +441,8 @@ def _write_gguf(
             w.add_sliding_window(cfg["sliding_window"])
             w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
             w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
-        w.add_rope_freq_base(theta)
+        if arch != "gemma":  # Gemma (1): none stored
+            w.add_rope_freq_base(theta)
         _llama_variant_meta(w, arch, cfg, head_dim)
         _moe_meta(w, cfg)
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
@@ -392,6 +460,8 @@ def _write_gguf(
     w.add_pad_token_id(cfg["pad_token_id"])
     written: dict[str, np.ndarray] = {}
     experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    head_norms: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    fused: dict[tuple[str, str], dict[str, np.ndarray]] = {}
     with safe_open(ckpt / "model.safetensors", "np") as f:
         for n, hf in enumerate(sorted(f.keys())):
             x = f.get_tensor(hf).astype(np.float32)
@@ -399,6 +469,14 @@ def _write_gguf(
             if match := EXPERT.match(hf):  # stacked per block and projection, as llama.cpp does
                 layer, e, proj = match.groups()
                 experts.setdefault((layer, STACKED.get(proj, "down")), {})[int(e)] = x
+                continue
+            if match := HEAD_NORM.match(hf):
+                layer, qk, head = match.groups()
+                head_norms.setdefault((layer, qk), {})[int(head)] = x
+                continue
+            if arch == "phi2-qkv" and (match := QKV.match(hf)):
+                layer, proj, part = match.groups()
+                fused.setdefault((layer, part), {})[proj] = x
                 continue
             if hf.endswith("block_sparse_moe.input_linear.weight"):  # Granite MoE: split
                 layer = hf.split(".")[2]
@@ -425,6 +503,11 @@ def _write_gguf(
     for (layer, proj), per_expert in experts.items():
         stacked = np.stack([per_expert[e] for e in sorted(per_expert)])
         w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", stacked)
+    for (layer, qk), per_head in head_norms.items():
+        stacked = np.stack([per_head[h] for h in sorted(per_head)])
+        w.add_tensor(f"blk.{layer}.attn_{qk}_norm.weight", stacked)
+    for (layer, part), qkv in fused.items():
+        w.add_tensor(f"blk.{layer}.attn_qkv.{part}", np.concatenate([qkv[p] for p in "qkv"]))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -455,7 +538,7 @@ def test_family_gguf_imports_to_the_same_model(tmp_path: Path, arch: str) -> Non
         assert new.encode(text) == old.encode(text)
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "gptneox"])
+@pytest.mark.parametrize("arch", ["gemma3", "gptneox", "phi2"])
 def test_quantized_blocks_dequantize(tmp_path: Path, arch: str) -> None:
     """Q8_0 blocks on half the matrices; the importer gives back their dequantized values."""
     ckpt = _checkpoint(tmp_path / "hf", arch)

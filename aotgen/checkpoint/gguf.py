@@ -145,19 +145,39 @@ def read_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict[str, n
             w = unpermute_qk(w, config["num_attention_heads"])
         elif arch in PERMUTED_QK and t.name.endswith("attn_k.weight"):
             w = unpermute_qk(w, config["num_key_value_heads"])
-        elif arch in ("gemma2", "gemma3") and t.name.endswith("norm.weight"):
+        elif arch in ("gemma", "gemma2", "gemma3") and t.name.endswith("norm.weight"):
             w = w - np.float32(1.0)  # llama.cpp stores Gemma's (1 + w) RMSNorm scale
         elif arch == "gptneox" and ".attn_qkv." in t.name:
             w = _gptneox_qkv(w, config["num_attention_heads"])
         elif arch.startswith("lfm2") and ".shortconv.conv." in t.name:
             w = w[:, None]  # HF's depthwise Conv1d weight [d, 1, kernel]
-        if arch == "lfm2moe" and (".experts." in name or name.endswith("expert_bias.bias")):
+        if arch == "phi2" and ".attn_qkv." in t.name:
+            out.update(_split_qkv(name, w, config))
+        elif arch == "stablelm" and name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+            stem = name.removesuffix(".weight")  # [heads, head_dim]: HF's one norm per head
+            out.update(
+                {f"{stem}.norms.{h}.weight": np.ascontiguousarray(x) for h, x in enumerate(w)}
+            )
+        elif arch == "lfm2moe" and (".experts." in name or name.endswith("expert_bias.bias")):
             out.update(_lfm2_moe_tensors(name, w))
         elif ".mlp.experts." in name or name.endswith(("mlp.gate.weight", "expert_gate.weight")):
             out.update(_moe_tensors(name, w, config["architectures"][0]))
         else:
             out[name] = np.ascontiguousarray(w)
     return _granite_moe(out) if arch == "granitemoe" else out
+
+
+def _split_qkv(name: str, w: np.ndarray, config: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Phi-2's fused q/k/v (weight or bias) as HF's three projections: rows [q; k; v], as
+    llama.cpp slices them."""
+    head_dim = config["head_dim"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    module, kind = name.rsplit(".", 1)
+    stem = module.removesuffix("qkv_proj")
+    parts = np.split(w, [q, q + kv])
+    return {
+        f"{stem}{p}_proj.{kind}": np.ascontiguousarray(x) for p, x in zip("qkv", parts, strict=True)
+    }
 
 
 _MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}

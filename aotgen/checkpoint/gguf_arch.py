@@ -97,6 +97,31 @@ _LLAMA_GLOBAL = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
+# Gemma (1): llama.cpp always runs the embeddings as the head and loads no `output`.
+_GEMMA_GLOBAL = {k: v for k, v in _LLAMA_GLOBAL.items() if k != "output"}
+_PHI2_LAYER = {  # q/k/v apart, or fused (attn_qkv: Phi-2 converted before its HF port)
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.dense",
+    "ffn_up": "mlp.fc1",
+    "ffn_down": "mlp.fc2",
+}
+_PHI2_GLOBAL = {**_LLAMA_GLOBAL, "output_norm": "model.final_layernorm"}
+# StableLM's q/k norms: one [heads, head_dim] tensor, a norm per head in HF (split at import).
+_STABLELM_LAYER = {
+    **_LLAMA_LAYER,
+    "attn_q_norm": "self_attn.q_layernorm",
+    "attn_k_norm": "self_attn.k_layernorm",
+}
+_STARCODER2_LAYER = {
+    **{k: v for k, v in _LLAMA_LAYER.items() if not k.startswith("ffn_")},
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_up": "mlp.c_fc",
+    "ffn_down": "mlp.c_proj",
+}
 
 
 @dataclass(frozen=True)
@@ -114,6 +139,7 @@ ARCHS: dict[str, Arch] = {
     "llama": Arch("LlamaForCausalLM", "llama", {**_LLAMA_LAYER, **_MOE_LAYER}),  # and Mixtral
     "qwen2": Arch("Qwen2ForCausalLM", "qwen2", _LLAMA_LAYER),
     "qwen3": Arch("Qwen3ForCausalLM", "qwen3", {**_LLAMA_LAYER, **_QK_NORM}),
+    "gemma": Arch("GemmaForCausalLM", "gemma", _LLAMA_LAYER, _GEMMA_GLOBAL),
     "gemma2": Arch("Gemma2ForCausalLM", "gemma2", _GEMMA3_LAYER),  # no q/k norm tensors
     "gemma3": Arch("Gemma3ForCausalLM", "gemma3_text", _GEMMA3_LAYER),
     "phi3": Arch("Phi3ForCausalLM", "phi3", _PHI3_LAYER),
@@ -131,6 +157,10 @@ ARCHS: dict[str, Arch] = {
     "granitemoe": Arch("GraniteMoeForCausalLM", "granitemoe", {**_LLAMA_LAYER, **_MOE_LAYER}),
     "lfm2": Arch("Lfm2ForCausalLM", "lfm2", _LFM2_LAYER, _LFM2_GLOBAL),
     "lfm2moe": Arch("Lfm2MoeForCausalLM", "lfm2_moe", _LFM2_MOE_LAYER, _LFM2_GLOBAL),
+    # LayerNorms with biases; q/k rows as HF has them (NEOX RoPE, no permutation).
+    "phi2": Arch("PhiForCausalLM", "phi", _PHI2_LAYER, _PHI2_GLOBAL),
+    "stablelm": Arch("StableLmForCausalLM", "stablelm", _STABLELM_LAYER),
+    "starcoder2": Arch("Starcoder2ForCausalLM", "starcoder2", _STARCODER2_LAYER),
     "gptneox": Arch(
         "GPTNeoXForCausalLM",
         "gpt_neox",
@@ -151,6 +181,7 @@ ARCHS: dict[str, Arch] = {
     ),
 }
 SUPPORTED_ARCHS = tuple(ARCHS)
+LAYERNORM_ARCHS = ("phi2", "stablelm", "starcoder2")
 # Architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and subclasses).
 PERMUTED_QK = ("llama", "smollm3", "granite", "granitemoe")
 # LongRoPE's factors (Phi-3): config, not weights.
@@ -225,6 +256,8 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         return _gptneox_config(reader, arch, config)
     if arch in ("lfm2", "lfm2moe"):
         return _lfm2_config(reader, arch, config)
+    if arch in LAYERNORM_ARCHS:
+        return _layernorm_config(reader, arch, config)
     config.update(
         rms_norm_eps=_f32(require_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_theta=_f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0)),
@@ -249,6 +282,8 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
             sliding_window=int(window),
             layer_types=_layer_types(reader, arch, pattern, config["num_hidden_layers"]),
         )
+    if arch == "gemma":  # llama.cpp's GELU is the tanh one; attention by head_dim ** -0.5
+        config["hidden_act"] = "gelu_pytorch_tanh"
     if arch in ("gemma2", "gemma3"):
         config.update(_gemma_config(reader, arch, config))
     return config
@@ -295,6 +330,43 @@ def _gptneox_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) 
         "use_parallel_residual": bool(meta_value(reader, f"{arch}.use_parallel_residual", True)),
         "hidden_act": "gelu",
         "attention_bias": any(t.name.endswith("attn_qkv.bias") for t in reader.tensors),
+    }
+
+
+def _has_tensor(reader: gguf.GGUFReader, suffix: str) -> bool:
+    return any(t.name.endswith(f".{suffix}") for t in reader.tensors)
+
+
+def _layernorm_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Phi-2, StableLM and StarCoder2 as llama.cpp runs them. Its converter stores no RoPE
+    base for Phi-2 and StableLM (llama.cpp's default 10000 applies) and no StarCoder2 window
+    (llama.cpp attends to the whole context); llama.cpp's StableLM runs the parallel residual
+    exactly where a block has no ffn_norm, whatever `use_parallel_residual` says."""
+    head_dim = config["head_dim"]
+    rot = int(meta_value(reader, f"{arch}.rope.dimension_count", head_dim))
+    eps = _f32(require_meta(reader, f"{arch}.attention.layer_norm_epsilon"))
+    config["rope_theta"] = _f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0))
+    if arch == "starcoder2":
+        if rot != head_dim:
+            raise CheckpointError(
+                f"GGUF {arch}.rope.dimension_count is {rot}: llama.cpp's StarCoder2 rotates "
+                f"whole heads ({head_dim})"
+            )
+        return config | {
+            "norm_epsilon": eps,
+            "hidden_act": "gelu_pytorch_tanh",
+            "use_bias": _has_tensor(reader, "attn_output.bias"),
+            "sliding_window": None,
+        }
+    # Written even when 1: transformers' Phi defaults to 0.5, StableLM to 0.25.
+    config |= {"layer_norm_eps": eps, "partial_rotary_factor": rot / head_dim}
+    if arch == "phi2":  # gelu_new: GELU's tanh approximation, as llama.cpp's
+        return config | {"hidden_act": "gelu_new", "qk_layernorm": False}
+    return config | {
+        "hidden_act": "silu",
+        "use_qkv_bias": _has_tensor(reader, "attn_q.bias"),
+        "qk_layernorm": _has_tensor(reader, "attn_q_norm.weight"),
+        "use_parallel_residual": not _has_tensor(reader, "ffn_norm.weight"),
     }
 
 

@@ -41,6 +41,10 @@ def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
         "dense": (d, d),
         "dense_h_to_4h": (f, d),
         "dense_4h_to_h": (d, f),
+        "fc1": (f, d),
+        "fc2": (d, f),
+        "c_fc": (f, d),
+        "c_proj": (d, f),
         "q_norm": (q,) if across_heads else (hd,),
         "k_norm": (kv,) if across_heads else (hd,),
     }
@@ -49,6 +53,9 @@ def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
         lfm2 = {"in_proj": (3 * d, d), "out_proj": out_proj, "conv": (d, c["conv_L_cache"])}
         lfm2 |= {"w1": (f, d), "w3": (f, d), "w2": (d, f), "q_layernorm": (hd,)}
         shapes |= {**lfm2, "k_layernorm": (hd,)}  # conv as llama.cpp stores it: [d, kernel]
+    if c["architectures"][0] == "StableLmForCausalLM":  # a norm per head, stacked
+        shapes |= {"q_layernorm": (c["num_attention_heads"], hd)}
+        shapes |= {"k_layernorm": (c["num_key_value_heads"], hd)}
     shape = shapes.get(leaf, (d,) if "norm" in leaf else None)
     if shape is None or v is None and leaf in ("embed_tokens", "embed_in", "lm_head", "embed_out"):
         return None
