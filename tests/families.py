@@ -260,6 +260,23 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "Starcoder2Config",
         dict(num_hidden_layers=2, num_key_value_heads=2, sliding_window=8),
     ),
+    # Cohere: one bias-free LayerNorm feeding attention and the MLP side by side, adjacent
+    # pairs rotated, a LayerNorm weight per head on q and k, q/k/v/o biases, logits x 0.25.
+    "cohere": (
+        "CohereConfig",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            use_qk_norm=True,
+            attention_bias=True,
+            logit_scale=0.25,
+        ),
+    ),
+    # Cohere2: three sliding-window layers (8) in four, only they rotated.
+    "cohere2": (
+        "Cohere2Config",
+        dict(num_hidden_layers=4, num_key_value_heads=2, sliding_window=8, logit_scale=0.5),
+    ),
     # Gemma (1): (1 + w) norms, two a layer, embeddings x sqrt(hidden), one KV head.
     "gemma": ("GemmaConfig", dict(num_hidden_layers=2, num_key_value_heads=1, head_dim=32)),
     # Layers 1 and 3 without RoPE (NoPE), a tied head.
@@ -409,7 +426,7 @@ PARITY = [
 EAGER_PARITY = [
     "smollm3", "granite", "qwen3-yarn", "olmo2", "olmo3", "mixtral", "qwen2-moe", "olmoe",
     "granite-moe", "granite4", "granite4-moe", "lfm2-moe", "glm4", "ernie4_5", "phi-qk",
-    "stablelm", "starcoder2", "gemma",
+    "stablelm", "starcoder2", "gemma", "cohere", "cohere2",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

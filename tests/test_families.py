@@ -389,10 +389,10 @@ def test_llama_layout_families_have_default_tp_plans(checkpoints, family):
         resolve_plan(model, parse_parallel({"tensor": 3}))
 
 
-@pytest.mark.parametrize("family", ["phi", "phi-qk", "starcoder2"])
+@pytest.mark.parametrize("family", ["phi", "phi-qk", "starcoder2", "cohere2"])
 def test_layernorm_decoders_shard_to_the_same_logits(checkpoints, family, monkeypatch):
-    """Phi and StarCoder2 sharded two ways by their default plans (biases added once, after
-    the row-parallel sums): the two ranks, run in lockstep on threads whose all-reduces meet
+    """Phi, StarCoder2 and Cohere2 sharded two ways by their default plans (a row-parallel
+    bias on rank 0 only): the two ranks, run in lockstep on threads whose all-reduces meet
     at a barrier, give the unsharded model's logits."""
     model = _eager(checkpoints, family)
     styles = resolve_plan(model, parse_parallel({"tensor": 2}))
@@ -427,9 +427,10 @@ def test_layernorm_decoders_shard_to_the_same_logits(checkpoints, family, monkey
     assert _rel_err(out[0][0], want[0]) < FP32_TOL
 
 
-def test_stablelm_head_norms_refuse_tensor_parallel(checkpoints):
+@pytest.mark.parametrize("family", ["stablelm", "cohere"])
+def test_per_head_qk_norms_refuse_tensor_parallel(checkpoints, family):
     with pytest.raises(RecipeError, match="weight per head"):
-        resolve_plan(_eager(checkpoints, "stablelm"), parse_parallel({"tensor": 2}))
+        resolve_plan(_eager(checkpoints, family), parse_parallel({"tensor": 2}))
 
 
 def test_olmo2_refuses_tensor_parallel(checkpoints):
@@ -528,6 +529,8 @@ def test_transformers4_glm4_config():
         ("StableLmForCausalLM", {"partial_rotary_factor": 0.1}, "odd or empty dim"),
         ("Starcoder2ForCausalLM", {"norm_epsilon": 0}, "norm_epsilon must be a positive"),
         ("GemmaForCausalLM", {"use_bidirectional_attention": True}, "causal attention only"),
+        ("CohereForCausalLM", {"logit_scale": -1}, "logit_scale must be a positive"),
+        ("Cohere2ForCausalLM", {"layer_types": ["chunked"] * 6}, "layer_types"),
         ("MixtralForCausalLM", {**MOE, "num_experts_per_tok": 9}, "num_experts_per_tok=9"),
         ("Qwen3MoeForCausalLM", {**MOE, "hidden_act": "gelu"}, "SwiGLU"),
         ("OlmoeForCausalLM", {**MOE, "clip_qkv": 8.0}, "clip_qkv"),

@@ -41,14 +41,17 @@ LLAMA_LAYOUT = (
 LFM2 = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
 # LayerNorms, biases, partial rotary (layernorm_decoders.py).
 PHI, STABLELM, STARCODER2 = "PhiForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM"
-LAYERNORM_LAYOUT = (PHI, STABLELM, STARCODER2)
+COHERE, COHERE2 = "CohereForCausalLM", "Cohere2ForCausalLM"
+LAYERNORM_LAYOUT = (PHI, STABLELM, STARCODER2, COHERE, COHERE2)
+# q/k norms with a weight of their own per head (no tensor parallelism).
+PER_HEAD_QK_NORMS = (STABLELM, COHERE)
 SUPPORTED_ARCHITECTURES = (*LLAMA_LAYOUT, "GPTNeoXForCausalLM", *LAYERNORM_LAYOUT, *LFM2)
 GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Gemma 2 and 3: sliding and global layers, softcaps, a norm after attention and the MLP.
 LATER_GEMMAS = GEMMAS[1:]
 # Checkpoints whose RoPE rotates adjacent pairs of dims (GPT-J's layout): their q/k rows are
 # put in rotate-half order at load (llama.py: `rotate_half_rows`).
-INTERLEAVED_ROPE = ("Glm4ForCausalLM", "Ernie4_5ForCausalLM")
+INTERLEAVED_ROPE = ("Glm4ForCausalLM", "Ernie4_5ForCausalLM", COHERE, COHERE2)
 # Configs that carry a sliding_window which `use_sliding_window` (refused when true) turns on.
 WINDOW_SWITCHED = (
     "Qwen2ForCausalLM",

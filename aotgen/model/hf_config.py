@@ -11,6 +11,8 @@ from typing import Any
 
 from aotgen.model.config import (
     ACTIVATIONS,
+    COHERE,
+    COHERE2,
     GEMMAS,
     GRANITE_SHARED_MLP,
     GRANITES,
@@ -57,7 +59,9 @@ def hf_fields(hf: dict) -> dict[str, Any]:
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         rope_theta=theta,
         rope_scaling=scaling,
-        tie_word_embeddings=hf.get("tie_word_embeddings", arch in (*GEMMAS, STARCODER2)),
+        tie_word_embeddings=hf.get(
+            "tie_word_embeddings", arch in (*GEMMAS, STARCODER2, COHERE, COHERE2)
+        ),
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         architecture=arch,
     )
@@ -184,6 +188,13 @@ def _windows(hf: dict, arch: str, layers: int, local: float | None) -> dict[str,
         out["layer_types"] = ("sliding_attention",) * layers
     elif arch in LATER_GEMMAS:
         out.update(_gemma(hf, arch, layers, local))
+    elif arch == COHERE2:  # three sliding layers in four; only they rotate
+        period = hf.get("sliding_window_pattern", 4)
+        types = hf.get("layer_types") or [
+            "sliding_attention" if (i + 1) % period else "full_attention" for i in range(layers)
+        ]
+        out.update(sliding_window=hf.get("sliding_window", 4096), layer_types=tuple(types))
+        out["rope_layers"] = tuple(t == "sliding_attention" for t in types)
     elif arch == "Olmo3ForCausalLM":  # three sliding-window layers in four
         types = hf.get("layer_types") or [
             "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)
@@ -384,7 +395,8 @@ def _gpt_neox(hf: dict, arch: str, common: dict, local: float | None) -> dict[st
 
 
 def _layernorm_layout(hf: dict, arch: str, common: dict, local: float | None) -> dict[str, Any]:
-    """Phi, StableLM and StarCoder2: LayerNorms, biases, the first dims of each head rotated."""
+    """Phi, StableLM, StarCoder2, Cohere and Cohere2: LayerNorms, biases, the first dims of
+    each head rotated."""
     act = hf.get("hidden_act", "gelu_new")
     if act not in ACTIVATIONS:
         raise ValueError(f"config.json: hidden_act={act!r} is not supported; {ACTIVATIONS}")
@@ -401,6 +413,8 @@ def _layernorm_layout(hf: dict, arch: str, common: dict, local: float | None) ->
         PHI: (True, True),
         STABLELM: (bool(hf.get("use_qkv_bias", False)), False),
         STARCODER2: (bool(hf.get("use_bias", True)),) * 2,
+        COHERE: (bool(hf.get("attention_bias", False)),) * 2,
+        COHERE2: (bool(hf.get("attention_bias", False)),) * 2,
     }[arch]
     eps = hf.get("norm_epsilon") if arch == STARCODER2 else hf.get("layer_norm_eps")
     out = {
@@ -409,7 +423,11 @@ def _layernorm_layout(hf: dict, arch: str, common: dict, local: float | None) ->
         "rotary_dim": rotary_dim,
         "attention_bias": bias[0],
         "linear_bias": bias[1],
-        "qk_norm": bool(hf.get("qk_layernorm", False)),
-        "use_parallel_residual": arch == PHI or bool(hf.get("use_parallel_residual", False)),
+        "qk_norm": bool(hf.get("qk_layernorm", hf.get("use_qk_norm", False))),
+        "use_parallel_residual": arch in (PHI, COHERE, COHERE2)
+        or bool(hf.get("use_parallel_residual", False)),
     }
+    if arch in (COHERE, COHERE2):
+        _positive(hf, "logit_scale")
+        out["logits_scaling"] = 1.0 / hf.get("logit_scale", 0.0625)
     return out | _windows(hf, arch, common["num_hidden_layers"], local)

@@ -1,5 +1,6 @@
-"""Decoders with LayerNorms and biases: Phi-1 / 1.5 / 2 (`PhiForCausalLM`), StableLM
-(`StableLmForCausalLM`) and StarCoder2 (`Starcoder2ForCausalLM`).
+"""Decoders with LayerNorms: Phi-1 / 1.5 / 2 (`PhiForCausalLM`), StableLM
+(`StableLmForCausalLM`), StarCoder2 (`Starcoder2ForCausalLM`) and Cohere's Command R
+(`CohereForCausalLM`, `Cohere2ForCausalLM`).
 
 Module names follow the HF checkpoints, so weights load without a name map:
 - Phi: one LayerNorm a layer feeding attention and the MLP side by side, biases on every
@@ -10,6 +11,11 @@ Module names follow the HF checkpoints, so weights load without a name map:
   LayerNorm of its own per head (`q_layernorm.norms.{h}`).
 - StarCoder2: two LayerNorms a layer, biases on every linear (`use_bias`),
   `mlp.c_fc` / `c_proj`, a sliding window on every layer (`sliding_window`).
+- Cohere: one LayerNorm without a bias feeding attention and a gated MLP side by side, the
+  logits x `logit_scale`, with `use_qk_norm` a LayerNorm weight per head (`q_norm.weight`
+  `[heads, head_dim]`); it rotates adjacent pairs of dims (q/k rows reordered at load:
+  llama.py `rotate_half_rows`). Cohere2: three sliding-window layers in four, and only they
+  rotate.
 
 All rotate the first `rotary_dim` dims of each head in the rotate-half layout; the shared
 forward and the runtime-owned KV cache are layers.py's.
@@ -21,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aotgen.model.config import PHI, STABLELM, ModelConfig
+from aotgen.model.config import COHERE, COHERE2, PHI, STABLELM, ModelConfig
 from aotgen.model.layers import ACT_FNS, CausalLM, GatedMLP, apply_rope, cached_attention
 
 
@@ -38,9 +44,31 @@ class HeadNorms(nn.Module):
         return F.layer_norm(x, x.shape[-1:], eps=self.eps) * weight
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+class HeadNorm(nn.Module):
+    """Cohere's q or k LayerNorm: one `[heads, dim]` weight, no bias."""
+
+    def __init__(self, heads: int, dim: int, eps: float):
         super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(heads, dim))
+
+    def forward(self, x: Tensor) -> Tensor:  # [b, heads, t, d]
+        return F.layer_norm(x, x.shape[-1:], eps=self.eps) * self.weight.unsqueeze(1)
+
+
+def _head_norm(cfg: ModelConfig, heads: int, dim: int) -> nn.Module:
+    """The q or k norm: Cohere's and StableLM's with a weight per head, Phi's one for all."""
+    if cfg.architecture == COHERE:
+        return HeadNorm(heads, dim, cfg.rms_norm_eps)
+    if cfg.architecture == STABLELM:
+        return HeadNorms(heads, dim, cfg.rms_norm_eps)
+    return nn.LayerNorm(dim, eps=cfg.rms_norm_eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotates: bool):
+        super().__init__()
+        self.rotates = rotates
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         d, heads, kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
@@ -53,12 +81,11 @@ class Attention(nn.Module):
         self.out_name = "dense" if cfg.architecture == PHI else "o_proj"
         self.add_module(self.out_name, out)
         self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm and cfg.architecture == STABLELM:
-            self.q_layernorm = HeadNorms(heads, self.head_dim, cfg.rms_norm_eps)
-            self.k_layernorm = HeadNorms(kv_heads, self.head_dim, cfg.rms_norm_eps)
-        elif cfg.qk_norm:
-            self.q_layernorm = nn.LayerNorm(self.head_dim, eps=cfg.rms_norm_eps)
-            self.k_layernorm = nn.LayerNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        if cfg.qk_norm:
+            cohere = cfg.architecture == COHERE
+            self.norm_names = ("q_norm", "k_norm") if cohere else ("q_layernorm", "k_layernorm")
+            for name, n in zip(self.norm_names, (heads, kv_heads), strict=True):
+                self.add_module(name, _head_norm(cfg, n, self.head_dim))
 
     def forward(self, x, cos, sin, write_at, mask, k_cache, v_cache, span) -> Tensor:
         b, t, _ = x.shape
@@ -67,8 +94,10 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         if self.qk_norm:
-            q, k = self.q_layernorm(q), self.k_layernorm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q_norm, k_norm = (getattr(self, name) for name in self.norm_names)
+            q, k = q_norm(q), k_norm(k)
+        if self.rotates:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = cached_attention(q, k, v, write_at, mask, k_cache, v_cache, span, self.scale)
         return getattr(self, self.out_name)(y)
 
@@ -90,19 +119,24 @@ class MLP(nn.Module):
 
 
 def _mlp(cfg: ModelConfig) -> nn.Module:
-    if cfg.architecture == STABLELM:
+    if cfg.architecture in (STABLELM, COHERE, COHERE2):
         return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
     return MLP(cfg, ("fc1", "fc2") if cfg.architecture == PHI else ("c_fc", "c_proj"))
 
 
+def _norm(cfg: ModelConfig) -> nn.LayerNorm:
+    bias = cfg.architecture not in (COHERE, COHERE2)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, bias=bias)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.parallel = cfg.use_parallel_residual
-        self.input_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.input_layernorm = _norm(cfg)
         if not self.parallel:
-            self.post_attention_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+            self.post_attention_layernorm = _norm(cfg)
+        self.self_attn = Attention(cfg, cfg.rope_layers is None or cfg.rope_layers[index])
         self.mlp = _mlp(cfg)
 
     def forward(self, x, cos, sin, write_at, mask, k_cache, v_cache, span) -> Tensor:
@@ -118,14 +152,13 @@ class Model(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm_name = "final_layernorm" if cfg.architecture == PHI else "norm"
-        self.add_module(self.norm_name, norm)
+        self.add_module(self.norm_name, _norm(cfg))
 
 
 class LayerNormDecoder(CausalLM):
-    """Phi, StableLM or StarCoder2 with an external, position-overwrite KV cache."""
+    """Phi, StableLM, StarCoder2 or Cohere with an external, position-overwrite KV cache."""
 
     EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -145,4 +178,6 @@ class LayerNormDecoder(CausalLM):
         return self.model.embed_tokens(tokens)
 
     def logits(self, x: Tensor) -> Tensor:
-        return self.lm_head(getattr(self.model, self.model.norm_name)(x))
+        logits = self.lm_head(getattr(self.model, self.model.norm_name)(x))
+        scaling = self.config.logits_scaling  # Cohere: x logit_scale
+        return logits / scaling if scaling != 1.0 else logits

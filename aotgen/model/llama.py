@@ -1,7 +1,7 @@
 """The Llama-layout decoders: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text), Phi-3,
 SmolLM3, Granite, OLMo 2, GLM-4, ERNIE 4.5, Gemma (1) and the mixtures of experts, driven by an
 HF config through a few switches (`ModelConfig`); GPT-NeoX lives in gptneox.py, the LayerNorm
-decoders (Phi, StableLM, StarCoder2) in layernorm_decoders.py.
+decoders (Phi, StableLM, StarCoder2, Cohere) in layernorm_decoders.py.
 
 One flat file in the spirit of gpt-fast. Module names follow the HF checkpoint
 (`model.layers.0.self_attn.q_proj`, ...) so weights load without a name map and
@@ -288,7 +288,7 @@ def _glm4_name(name: str) -> str:
 
 def rotate_half_rows(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
     """q/k projections (weights and biases) of a checkpoint whose RoPE rotates adjacent pairs
-    of dims (GLM-4, ERNIE 4.5) with each head's rotated dims reordered, evens then odds: the
+    of dims (GLM-4, ERNIE 4.5, Cohere) with each head's rotated dims reordered, evens then odds: the
     model's rotate-half RoPE then turns the same pairs by the same angles, and q·k is the
     same sum in another order."""
     if cfg.architecture not in INTERLEAVED_ROPE:
@@ -302,6 +302,8 @@ def rotate_half_rows(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, 
             heads = t.shape[0] // cfg.head_dim
             rows = (head + cfg.head_dim * torch.arange(heads)[:, None]).flatten()
             out[name] = t[rows]
+        elif name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+            out[name] = t[..., head]  # Cohere's per-head norm weights follow their dims
     return out
 
 

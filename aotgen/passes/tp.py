@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import _functional_collectives as funcol
 
-from aotgen.model.config import PHI, STABLELM, STARCODER2
+from aotgen.model.config import COHERE, COHERE2, PER_HEAD_QK_NORMS, PHI, STABLELM, STARCODER2
 from aotgen.model.llama import ModelConfig, Transformer
 from aotgen.recipe import RecipeError, check_keys
 
@@ -109,6 +109,8 @@ DEFAULT_PLANS: dict[str, dict[str, str]] = {
     PHI: PHI_PLAN,
     STABLELM: LLAMA_PLAN,
     STARCODER2: STARCODER2_PLAN,
+    COHERE: LLAMA_PLAN,
+    COHERE2: LLAMA_PLAN,
 }
 # (column-parallel inputs, row-parallel output) of each block: both sharded or neither.
 BLOCKS = {
@@ -215,10 +217,10 @@ def resolve_plan(model: Transformer, tp: TensorParallel) -> dict[str, str]:
             f"{model.config.architecture} normalises q and k across all heads, which a rank "
             "holding some heads cannot do alone: build it without `parallel`"
         )
-    if model.config.qk_norm and model.config.architecture == STABLELM:
+    if model.config.qk_norm and model.config.architecture in PER_HEAD_QK_NORMS:
         raise RecipeError(
-            "StableLM's q/k LayerNorms have a weight per head, which aotgen does not shard: "
-            "build it without `parallel`"
+            f"{model.config.architecture}'s q/k norms have a weight per head, which aotgen does "
+            "not shard: build it without `parallel`"
         )
     if model.config.conv_kernel:
         raise RecipeError(
