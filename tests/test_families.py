@@ -486,6 +486,16 @@ def test_transformers4_gemma3_config():
     assert cfg.tie_word_embeddings  # Gemma's default
 
 
+@pytest.mark.parametrize(
+    "arch, rotary_dim",
+    [("PhiForCausalLM", 8), ("StableLmForCausalLM", 4), ("Starcoder2ForCausalLM", None)],
+)
+def test_layernorm_decoders_default_rotary_factor(arch, rotary_dim):
+    """Without partial_rotary_factor, transformers rotates half of Phi's head (16 dims here),
+    a quarter of StableLM's, all of StarCoder2's."""
+    assert ModelConfig.from_hf({**BASE_HF, "architectures": [arch]}).rotary_dim == rotary_dim
+
+
 def test_transformers4_glm4_config():
     """GLM-4-0414's config.json as transformers 4.x saved it."""
     cfg = ModelConfig.from_hf(

@@ -400,7 +400,11 @@ def _layernorm_layout(hf: dict, arch: str, common: dict, local: float | None) ->
     act = hf.get("hidden_act", "gelu_new")
     if act not in ACTIVATIONS:
         raise ValueError(f"config.json: hidden_act={act!r} is not supported; {ACTIVATIONS}")
-    rotary = _rotary_factor(hf)
+    has_factor = "partial_rotary_factor" in hf or "partial_rotary_factor" in (
+        hf.get("rope_parameters") or {}
+    )
+    # transformers' defaults where config.json leaves the factor out
+    rotary = _rotary_factor(hf) if has_factor else {PHI: 0.5, STABLELM: 0.25}.get(arch, 1.0)
     rotary_dim = int(common["head_dim"] * rotary) if rotary != 1.0 else None
     if rotary_dim is not None and (rotary_dim % 2 or rotary_dim == 0):
         raise ValueError(f"config.json: partial_rotary_factor={rotary}: an odd or empty dim")
