@@ -277,6 +277,25 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "Cohere2Config",
         dict(num_hidden_layers=4, num_key_value_heads=2, sliding_window=8, logit_scale=0.5),
     ),
+    # EXAONE 4: norms after attention and the MLP, q/k norms per head, three sliding-window
+    # layers (8) in four and only they rotated.
+    "exaone4": (
+        "Exaone4Config",
+        dict(
+            num_hidden_layers=4, num_key_value_heads=2, sliding_window=8, sliding_window_pattern=4
+        ),
+    ),
+    # EXAONE 4 without a window (the 1.2B's kind): every layer global and rotated, a tied head.
+    "exaone4-global": (
+        "Exaone4Config",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            sliding_window=None,
+            layer_types=["full_attention"] * 2,
+            tie_word_embeddings=True,
+        ),
+    ),
     # Gemma (1): (1 + w) norms, two a layer, embeddings x sqrt(hidden), one KV head.
     "gemma": ("GemmaConfig", dict(num_hidden_layers=2, num_key_value_heads=1, head_dim=32)),
     # Layers 1 and 3 without RoPE (NoPE), a tied head.
@@ -426,7 +445,7 @@ PARITY = [
 EAGER_PARITY = [
     "smollm3", "granite", "qwen3-yarn", "olmo2", "olmo3", "mixtral", "qwen2-moe", "olmoe",
     "granite-moe", "granite4", "granite4-moe", "lfm2-moe", "glm4", "ernie4_5", "phi-qk",
-    "stablelm", "starcoder2", "gemma", "cohere", "cohere2",
+    "stablelm", "starcoder2", "gemma", "cohere", "cohere2", "exaone4", "exaone4-global",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

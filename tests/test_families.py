@@ -496,6 +496,23 @@ def test_layernorm_decoders_default_rotary_factor(arch, rotary_dim):
     assert ModelConfig.from_hf({**BASE_HF, "architectures": [arch]}).rotary_dim == rotary_dim
 
 
+@pytest.mark.parametrize("pattern, last", [(4, "sliding_attention"), ("LLLG", "full_attention")])
+def test_exaone4_window_pattern(pattern, last):
+    """EXAONE 4's pattern as a period or as letters (then the last layer is global, as
+    transformers 4.x read it): three sliding layers in four, only they rotated."""
+    cfg = ModelConfig.from_hf(
+        {
+            **BASE_HF,
+            "architectures": ["Exaone4ForCausalLM"],
+            "sliding_window": 16,
+            "sliding_window_pattern": pattern,
+        }
+    )
+    local = [True, True, True, False, True, last == "sliding_attention"]
+    assert [cfg.is_sliding(i) for i in range(6)] == local
+    assert cfg.rope_layers == tuple(local)
+
+
 def test_transformers4_glm4_config():
     """GLM-4-0414's config.json as transformers 4.x saved it."""
     cfg = ModelConfig.from_hf(

@@ -36,6 +36,7 @@ LLAMA_LAYOUT = (
     "Olmo3ForCausalLM",
     "Glm4ForCausalLM",
     "Ernie4_5ForCausalLM",
+    "Exaone4ForCausalLM",
     *MOE_ARCHITECTURES,
 )
 LFM2 = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")

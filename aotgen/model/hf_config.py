@@ -169,6 +169,8 @@ def _attention(hf: dict, arch: str) -> dict[str, Any]:
         out["qk_norm"] = True
     if arch in ("Olmo2ForCausalLM", "Olmo3ForCausalLM"):
         out.update(qk_norm=True, qk_norm_across_heads=True, norm_after=True)
+    if arch == "Exaone4ForCausalLM":  # OLMo 2's norms after each block, q/k norms per head
+        out.update(qk_norm=True, norm_after=True)
     if arch == "OlmoeForCausalLM":  # OLMo 2's q/k norms, the norms before each block
         out.update(qk_norm=True, qk_norm_across_heads=True)
         _refuse(hf, "clip_qkv", None, "clipping q, k and v")
@@ -188,6 +190,8 @@ def _windows(hf: dict, arch: str, layers: int, local: float | None) -> dict[str,
         out["layer_types"] = ("sliding_attention",) * layers
     elif arch in LATER_GEMMAS:
         out.update(_gemma(hf, arch, layers, local))
+    elif arch == "Exaone4ForCausalLM" and hf.get("sliding_window"):
+        out.update(_exaone4_layers(hf, layers))
     elif arch == COHERE2:  # three sliding layers in four; only they rotate
         period = hf.get("sliding_window_pattern", 4)
         types = hf.get("layer_types") or [
@@ -218,6 +222,27 @@ def _windows(hf: dict, arch: str, layers: int, local: float | None) -> dict[str,
     if out.get("layer_types") is not None and len(out["layer_types"]) != layers:
         raise ValueError("config.json: layer_types must name every one of num_hidden_layers")
     return out
+
+
+def _exaone4_layers(hf: dict, layers: int) -> dict[str, Any]:
+    """EXAONE 4's local and global layers (a period, or "L"/"G" letters repeated with the last
+    layer global); with a window only the local layers rotate."""
+    pattern = hf.get("sliding_window_pattern", 4)
+    types = hf.get("layer_types")
+    if not types and isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:
+        local = [pattern[i % len(pattern)] == "L" and i < layers - 1 for i in range(layers)]
+        types = ["sliding_attention" if s else "full_attention" for s in local]
+    elif not types and isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
+        types = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ]
+    elif not types:
+        raise ValueError(f"config.json: sliding_window_pattern={pattern!r} is not supported")
+    return {
+        "sliding_window": hf["sliding_window"],
+        "layer_types": tuple(types),
+        "rope_layers": tuple(t == "sliding_attention" for t in types),
+    }
 
 
 def _gemma(hf: dict, arch: str, layers: int, local: float | None) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """The Llama-layout decoders: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text), Phi-3,
-SmolLM3, Granite, OLMo 2, GLM-4, ERNIE 4.5, Gemma (1) and the mixtures of experts, driven by an
+SmolLM3, Granite, OLMo 2, GLM-4, ERNIE 4.5, Gemma (1), EXAONE 4 and the mixtures of experts, driven by an
 HF config through a few switches (`ModelConfig`); GPT-NeoX lives in gptneox.py, the LayerNorm
 decoders (Phi, StableLM, StarCoder2, Cohere) in layernorm_decoders.py.
 
@@ -18,7 +18,8 @@ quantization/TP plans can match HF parameter names. The switches:
   that rotate at all (SmolLM3 leaves every fourth without).
 - Granite's multipliers on the embeddings, each block's output and the attention scale, and
   its logits divisor; Granite 4's fused `shared_mlp` is split at load (`split_fused`).
-- OLMo 2: q/k norms across all heads, and the norms after attention and the MLP, not before.
+- OLMo 2: q/k norms across all heads, and the norms after attention and the MLP, not before;
+  EXAONE 4 the same norms with q/k norms per head.
 - Phi-3's fused `qkv_proj` / `gate_up_proj` checkpoint tensors (GLM-4's `gate_up_proj`)
   are split at load into the layout above (`split_fused`).
 - GLM-4: Gemma's four norms a layer, plain RMSNorms (`cfg.four_norms`), q/k/v biases, half

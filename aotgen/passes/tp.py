@@ -105,6 +105,7 @@ DEFAULT_PLANS: dict[str, dict[str, str]] = {
     "GraniteMoeHybridForCausalLM": LLAMA_PLAN,  # Granite 4.0 without experts
     "Glm4ForCausalLM": LLAMA_PLAN,
     "Ernie4_5ForCausalLM": LLAMA_PLAN,
+    "Exaone4ForCausalLM": LLAMA_PLAN,
     "GPTNeoXForCausalLM": GPT_NEOX_PLAN,
     PHI: PHI_PLAN,
     STABLELM: LLAMA_PLAN,
