@@ -558,6 +558,8 @@ def test_transformers4_glm4_config():
         ("GemmaForCausalLM", {"use_bidirectional_attention": True}, "causal attention only"),
         ("CohereForCausalLM", {"logit_scale": -1}, "logit_scale must be a positive"),
         ("Cohere2ForCausalLM", {"layer_types": ["chunked"] * 6}, "layer_types"),
+        ("Cohere2ForCausalLM", {"sliding_window_pattern": "every 4"}, "sliding_window_pattern"),
+        ("Cohere2ForCausalLM", {"use_qk_norm": True}, "use_qk_norm"),
         ("MixtralForCausalLM", {**MOE, "num_experts_per_tok": 9}, "num_experts_per_tok=9"),
         ("Qwen3MoeForCausalLM", {**MOE, "hidden_act": "gelu"}, "SwiGLU"),
         ("OlmoeForCausalLM", {**MOE, "clip_qkv": 8.0}, "clip_qkv"),

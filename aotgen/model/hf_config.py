@@ -190,15 +190,8 @@ def _windows(hf: dict, arch: str, layers: int, local: float | None) -> dict[str,
         out["layer_types"] = ("sliding_attention",) * layers
     elif arch in LATER_GEMMAS:
         out.update(_gemma(hf, arch, layers, local))
-    elif arch == "Exaone4ForCausalLM" and hf.get("sliding_window"):
-        out.update(_exaone4_layers(hf, layers))
-    elif arch == COHERE2:  # three sliding layers in four; only they rotate
-        period = hf.get("sliding_window_pattern", 4)
-        types = hf.get("layer_types") or [
-            "sliding_attention" if (i + 1) % period else "full_attention" for i in range(layers)
-        ]
-        out.update(sliding_window=hf.get("sliding_window", 4096), layer_types=tuple(types))
-        out["rope_layers"] = tuple(t == "sliding_attention" for t in types)
+    elif arch in ("Exaone4ForCausalLM", COHERE2) and hf.get("sliding_window", 4096):
+        out.update(_local_layers_rotate(hf, layers))
     elif arch == "Olmo3ForCausalLM":  # three sliding-window layers in four
         types = hf.get("layer_types") or [
             "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)
@@ -224,9 +217,10 @@ def _windows(hf: dict, arch: str, layers: int, local: float | None) -> dict[str,
     return out
 
 
-def _exaone4_layers(hf: dict, layers: int) -> dict[str, Any]:
-    """EXAONE 4's local and global layers (a period, or "L"/"G" letters repeated with the last
-    layer global); with a window only the local layers rotate."""
+def _local_layers_rotate(hf: dict, layers: int) -> dict[str, Any]:
+    """EXAONE 4's and Cohere2's sliding and global layers (`layer_types`, or a pattern: a
+    period, three sliding layers in four by default, or EXAONE's "L"/"G" letters repeated
+    with the last layer global); only the sliding layers rotate."""
     pattern = hf.get("sliding_window_pattern", 4)
     types = hf.get("layer_types")
     if not types and isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:
@@ -239,7 +233,7 @@ def _exaone4_layers(hf: dict, layers: int) -> dict[str, Any]:
     elif not types:
         raise ValueError(f"config.json: sliding_window_pattern={pattern!r} is not supported")
     return {
-        "sliding_window": hf["sliding_window"],
+        "sliding_window": hf.get("sliding_window", 4096),
         "layer_types": tuple(types),
         "rope_layers": tuple(t == "sliding_attention" for t in types),
     }
@@ -422,7 +416,7 @@ def _gpt_neox(hf: dict, arch: str, common: dict, local: float | None) -> dict[st
 def _layernorm_layout(hf: dict, arch: str, common: dict, local: float | None) -> dict[str, Any]:
     """Phi, StableLM, StarCoder2, Cohere and Cohere2: LayerNorms, biases, the first dims of
     each head rotated."""
-    act = hf.get("hidden_act", "gelu_new")
+    act = hf.get("hidden_act", {PHI: "gelu_new", STARCODER2: "gelu_pytorch_tanh"}.get(arch, "silu"))
     if act not in ACTIVATIONS:
         raise ValueError(f"config.json: hidden_act={act!r} is not supported; {ACTIVATIONS}")
     has_factor = "partial_rotary_factor" in hf or "partial_rotary_factor" in (
@@ -456,6 +450,8 @@ def _layernorm_layout(hf: dict, arch: str, common: dict, local: float | None) ->
         "use_parallel_residual": arch in (PHI, COHERE, COHERE2)
         or bool(hf.get("use_parallel_residual", False)),
     }
+    if arch == COHERE2:
+        _refuse(hf, "use_qk_norm", False, "not part of Cohere2")
     if arch in (COHERE, COHERE2):
         _positive(hf, "logit_scale")
         out["logits_scaling"] = 1.0 / hf.get("logit_scale", 0.0625)

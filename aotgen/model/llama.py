@@ -1,5 +1,5 @@
-"""The Llama-layout decoders: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text), Phi-3,
-SmolLM3, Granite, OLMo 2, GLM-4, ERNIE 4.5, Gemma (1), EXAONE 4 and the mixtures of experts, driven by an
+"""The Llama-layout decoders: Llama, Mistral, Qwen2, Qwen3, Gemma (1, 2, 3 text), Phi-3,
+SmolLM3, Granite, OLMo 2, GLM-4, ERNIE 4.5, EXAONE 4 and the mixtures of experts, driven by an
 HF config through a few switches (`ModelConfig`); GPT-NeoX lives in gptneox.py, the LayerNorm
 decoders (Phi, StableLM, StarCoder2, Cohere) in layernorm_decoders.py.
 
