@@ -296,6 +296,22 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    # Nemotron: LayerNorms stored minus one, relu² MLP without a gate, half of each head
+    # rotated.
+    "nemotron": (
+        "NemotronConfig",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+        ),
+    ),
+    # Arcee (AFM): the Llama layout with a relu² MLP without a gate.
+    "arcee": ("ArceeConfig", dict(num_hidden_layers=2, num_key_value_heads=2)),
     # Gemma (1): (1 + w) norms, two a layer, embeddings x sqrt(hidden), one KV head.
     "gemma": ("GemmaConfig", dict(num_hidden_layers=2, num_key_value_heads=1, head_dim=32)),
     # Layers 1 and 3 without RoPE (NoPE), a tied head.
@@ -446,6 +462,7 @@ EAGER_PARITY = [
     "smollm3", "granite", "qwen3-yarn", "olmo2", "olmo3", "mixtral", "qwen2-moe", "olmoe",
     "granite-moe", "granite4", "granite4-moe", "lfm2-moe", "glm4", "ernie4_5", "phi-qk",
     "stablelm", "starcoder2", "gemma", "cohere", "cohere2", "exaone4", "exaone4-global",
+    "nemotron", "arcee",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

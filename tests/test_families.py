@@ -389,11 +389,11 @@ def test_llama_layout_families_have_default_tp_plans(checkpoints, family):
         resolve_plan(model, parse_parallel({"tensor": 3}))
 
 
-@pytest.mark.parametrize("family", ["phi", "phi-qk", "starcoder2", "cohere2"])
-def test_layernorm_decoders_shard_to_the_same_logits(checkpoints, family, monkeypatch):
-    """Phi, StarCoder2 and Cohere2 sharded two ways by their default plans (a row-parallel
-    bias on rank 0 only): the two ranks, run in lockstep on threads whose all-reduces meet
-    at a barrier, give the unsharded model's logits."""
+@pytest.mark.parametrize("family", ["phi", "phi-qk", "starcoder2", "cohere2", "nemotron", "arcee"])
+def test_sharded_ranks_give_the_unsharded_logits(checkpoints, family, monkeypatch):
+    """Phi, StarCoder2, Cohere2, Nemotron and Arcee sharded two ways by their default plans
+    (a row-parallel bias on rank 0 only): the two ranks, run in lockstep on threads whose
+    all-reduces meet at a barrier, give the unsharded model's logits."""
     model = _eager(checkpoints, family)
     styles = resolve_plan(model, parse_parallel({"tensor": 2}))
     assert styles["model.layers.0.self_attn.q_proj"] == "colwise"
@@ -560,6 +560,8 @@ def test_transformers4_glm4_config():
         ("Cohere2ForCausalLM", {"layer_types": ["chunked"] * 6}, "layer_types"),
         ("Cohere2ForCausalLM", {"sliding_window_pattern": "every 4"}, "sliding_window_pattern"),
         ("Cohere2ForCausalLM", {"use_qk_norm": True}, "use_qk_norm"),
+        ("NemotronForCausalLM", {"mlp_bias": True}, "mlp_bias"),
+        ("ArceeForCausalLM", {"mlp_bias": True}, "mlp_bias"),
         ("MixtralForCausalLM", {**MOE, "num_experts_per_tok": 9}, "num_experts_per_tok=9"),
         ("Qwen3MoeForCausalLM", {**MOE, "hidden_act": "gelu"}, "SwiGLU"),
         ("OlmoeForCausalLM", {**MOE, "clip_qkv": 8.0}, "clip_qkv"),

@@ -37,13 +37,15 @@ LLAMA_LAYOUT = (
     "Glm4ForCausalLM",
     "Ernie4_5ForCausalLM",
     "Exaone4ForCausalLM",
+    "ArceeForCausalLM",
     *MOE_ARCHITECTURES,
 )
 LFM2 = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
 # LayerNorms, biases, partial rotary (layernorm_decoders.py).
 PHI, STABLELM, STARCODER2 = "PhiForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM"
 COHERE, COHERE2 = "CohereForCausalLM", "Cohere2ForCausalLM"
-LAYERNORM_LAYOUT = (PHI, STABLELM, STARCODER2, COHERE, COHERE2)
+NEMOTRON = "NemotronForCausalLM"
+LAYERNORM_LAYOUT = (PHI, STABLELM, STARCODER2, COHERE, COHERE2, NEMOTRON)
 # q/k norms with a weight of their own per head (no tensor parallelism).
 PER_HEAD_QK_NORMS = (STABLELM, COHERE)
 SUPPORTED_ARCHITECTURES = (*LLAMA_LAYOUT, "GPTNeoXForCausalLM", *LAYERNORM_LAYOUT, *LFM2)
@@ -61,8 +63,8 @@ WINDOW_SWITCHED = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
 )
-# hidden_act values → torch; gelu_new is the tanh approximation written out.
-ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh")
+# hidden_act values → torch; gelu_new is the tanh approximation written out, relu2 relu(x)².
+ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu2")
 
 
 @dataclass(frozen=True)

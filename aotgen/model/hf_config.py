@@ -20,6 +20,7 @@ from aotgen.model.config import (
     LAYERNORM_LAYOUT,
     LFM2,
     MOE_ARCHITECTURES,
+    NEMOTRON,
     PHI,
     STABLELM,
     STARCODER2,
@@ -42,6 +43,7 @@ def hf_fields(hf: dict) -> dict[str, Any]:
         "rms_norm_eps",
         "layer_norm_eps",
         "norm_epsilon",
+        "norm_eps",
         "rope_local_base_freq",
     ):
         _positive(hf, key)
@@ -414,16 +416,18 @@ def _gpt_neox(hf: dict, arch: str, common: dict, local: float | None) -> dict[st
 
 
 def _layernorm_layout(hf: dict, arch: str, common: dict, local: float | None) -> dict[str, Any]:
-    """Phi, StableLM, StarCoder2, Cohere and Cohere2: LayerNorms, biases, the first dims of
-    each head rotated."""
-    act = hf.get("hidden_act", {PHI: "gelu_new", STARCODER2: "gelu_pytorch_tanh"}.get(arch, "silu"))
+    """Phi, StableLM, StarCoder2, Cohere, Cohere2 and Nemotron: LayerNorms, biases, the first
+    dims of each head rotated."""
+    default_act = {PHI: "gelu_new", STARCODER2: "gelu_pytorch_tanh", NEMOTRON: "relu2"}
+    act = hf.get("hidden_act", default_act.get(arch, "silu"))
     if act not in ACTIVATIONS:
         raise ValueError(f"config.json: hidden_act={act!r} is not supported; {ACTIVATIONS}")
     has_factor = "partial_rotary_factor" in hf or "partial_rotary_factor" in (
         hf.get("rope_parameters") or {}
     )
     # transformers' defaults where config.json leaves the factor out
-    rotary = _rotary_factor(hf) if has_factor else {PHI: 0.5, STABLELM: 0.25}.get(arch, 1.0)
+    default_rotary = {PHI: 0.5, STABLELM: 0.25, NEMOTRON: 0.5}
+    rotary = _rotary_factor(hf) if has_factor else default_rotary.get(arch, 1.0)
     rotary_dim = int(common["head_dim"] * rotary) if rotary != 1.0 else None
     if rotary_dim is not None and (rotary_dim % 2 or rotary_dim == 0):
         raise ValueError(f"config.json: partial_rotary_factor={rotary}: an odd or empty dim")
@@ -438,8 +442,12 @@ def _layernorm_layout(hf: dict, arch: str, common: dict, local: float | None) ->
         STARCODER2: (bool(hf.get("use_bias", True)),) * 2,
         COHERE: (bool(hf.get("attention_bias", False)),) * 2,
         COHERE2: (bool(hf.get("attention_bias", False)),) * 2,
+        NEMOTRON: (bool(hf.get("attention_bias", False)),) * 2,
     }[arch]
-    eps = hf.get("norm_epsilon") if arch == STARCODER2 else hf.get("layer_norm_eps")
+    if arch == NEMOTRON:  # one switch for the output projection's and the MLP's biases here
+        _refuse(hf, "mlp_bias", bias[1], "MLP biases apart from attention_bias")
+    eps_key = {STARCODER2: "norm_epsilon", NEMOTRON: "norm_eps"}.get(arch, "layer_norm_eps")
+    eps = hf.get(eps_key)
     out = {
         "hidden_act": act,
         "rms_norm_eps": eps or 1e-5,

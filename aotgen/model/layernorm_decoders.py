@@ -1,6 +1,6 @@
 """Decoders with LayerNorms: Phi-1 / 1.5 / 2 (`PhiForCausalLM`), StableLM
-(`StableLmForCausalLM`), StarCoder2 (`Starcoder2ForCausalLM`) and Cohere's Command R
-(`CohereForCausalLM`, `Cohere2ForCausalLM`).
+(`StableLmForCausalLM`), StarCoder2 (`Starcoder2ForCausalLM`), Cohere's Command R
+(`CohereForCausalLM`, `Cohere2ForCausalLM`) and Nemotron (`NemotronForCausalLM`).
 
 Module names follow the HF checkpoints, so weights load without a name map:
 - Phi: one LayerNorm a layer feeding attention and the MLP side by side, biases on every
@@ -16,6 +16,8 @@ Module names follow the HF checkpoints, so weights load without a name map:
   `[heads, head_dim]`); it rotates adjacent pairs of dims (q/k rows reordered at load:
   llama.py `rotate_half_rows`). Cohere2: three sliding-window layers in four, and only they
   rotate.
+- Nemotron: two LayerNorms a layer whose weights are stored minus one, an MLP without a gate
+  (`up_proj`, relu², `down_proj`).
 
 All rotate the first `rotary_dim` dims of each head in the rotate-half layout; the shared
 forward and the runtime-owned KV cache are layers.py's.
@@ -27,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aotgen.model.config import COHERE, COHERE2, PHI, STABLELM, ModelConfig
-from aotgen.model.layers import ACT_FNS, CausalLM, GatedMLP, apply_rope, cached_attention
+from aotgen.model.config import COHERE, COHERE2, NEMOTRON, PHI, STABLELM, STARCODER2, ModelConfig
+from aotgen.model.layers import CausalLM, GatedMLP, UpDownMLP, apply_rope, cached_attention
 
 
 class HeadNorms(nn.Module):
@@ -102,31 +104,28 @@ class Attention(nn.Module):
         return getattr(self, self.out_name)(y)
 
 
-class MLP(nn.Module):
-    """Up, activation, down (Phi's `fc1` / `fc2`, StarCoder2's `c_fc` / `c_proj`)."""
+def _mlp(cfg: ModelConfig) -> nn.Module:
+    d, f, act = cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act
+    if cfg.architecture in (STABLELM, COHERE, COHERE2):
+        return GatedMLP(d, f, act)
+    names = {PHI: ("fc1", "fc2"), STARCODER2: ("c_fc", "c_proj")}
+    return UpDownMLP(
+        d, f, act, names.get(cfg.architecture, ("up_proj", "down_proj")), cfg.linear_bias
+    )
 
-    def __init__(self, cfg: ModelConfig, names: tuple[str, str]):
-        super().__init__()
-        self.names = names
-        d, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.linear_bias
-        self.add_module(names[0], nn.Linear(d, f, bias=bias))
-        self.add_module(names[1], nn.Linear(f, d, bias=bias))
-        self.act = ACT_FNS[cfg.hidden_act]
+
+class LayerNorm1P(nn.LayerNorm):
+    """Nemotron's LayerNorm, whose weight is stored minus one."""
 
     def forward(self, x: Tensor) -> Tensor:
-        up, down = (getattr(self, name) for name in self.names)
-        return down(self.act(up(x)))
-
-
-def _mlp(cfg: ModelConfig) -> nn.Module:
-    if cfg.architecture in (STABLELM, COHERE, COHERE2):
-        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
-    return MLP(cfg, ("fc1", "fc2") if cfg.architecture == PHI else ("c_fc", "c_proj"))
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1.0, self.bias, self.eps)
 
 
 def _norm(cfg: ModelConfig) -> nn.LayerNorm:
-    bias = cfg.architecture not in (COHERE, COHERE2)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, bias=bias)
+    d, eps = cfg.hidden_size, cfg.rms_norm_eps
+    if cfg.architecture == NEMOTRON:
+        return LayerNorm1P(d, eps=eps)
+    return nn.LayerNorm(d, eps=eps, bias=cfg.architecture not in (COHERE, COHERE2))
 
 
 class DecoderLayer(nn.Module):
@@ -158,7 +157,7 @@ class Model(nn.Module):
 
 
 class LayerNormDecoder(CausalLM):
-    """Phi, StableLM, StarCoder2 or Cohere with an external, position-overwrite KV cache."""
+    """A LayerNorm decoder with an external, position-overwrite KV cache."""
 
     EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 

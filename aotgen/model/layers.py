@@ -67,6 +67,7 @@ ACT_FNS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu2": lambda x: F.relu(x).square(),
 }
 
 
@@ -100,6 +101,22 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class UpDownMLP(nn.Module):
+    """Up, activation, down, no gate, under the checkpoint's names (Phi's `fc1` / `fc2`,
+    StarCoder2's `c_fc` / `c_proj`, Nemotron's and Arcee's `up_proj` / `down_proj`)."""
+
+    def __init__(self, d: int, f: int, act: str, names: tuple[str, str], bias: bool = False):
+        super().__init__()
+        self.names = names  # looked up at each call: tensor parallelism replaces the modules
+        self.add_module(names[0], nn.Linear(d, f, bias=bias))
+        self.add_module(names[1], nn.Linear(f, d, bias=bias))
+        self.act = ACT_FNS[act]
+
+    def forward(self, x: Tensor) -> Tensor:
+        up, down = (getattr(self, name) for name in self.names)
+        return down(self.act(up(x)))
 
 
 def rotate_half(x: Tensor) -> Tensor:

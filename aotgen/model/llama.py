@@ -1,7 +1,7 @@
 """The Llama-layout decoders: Llama, Mistral, Qwen2, Qwen3, Gemma (1, 2, 3 text), Phi-3,
-SmolLM3, Granite, OLMo 2, GLM-4, ERNIE 4.5, EXAONE 4 and the mixtures of experts, driven by an
-HF config through a few switches (`ModelConfig`); GPT-NeoX lives in gptneox.py, the LayerNorm
-decoders (Phi, StableLM, StarCoder2, Cohere) in layernorm_decoders.py.
+SmolLM3, Granite, OLMo 2, GLM-4, ERNIE 4.5, EXAONE 4, Arcee and the mixtures of experts, driven by
+an HF config through a few switches (`ModelConfig`); GPT-NeoX lives in gptneox.py, the
+LayerNorm decoders (Phi, StableLM, StarCoder2, Cohere, Nemotron) in layernorm_decoders.py.
 
 One flat file in the spirit of gpt-fast. Module names follow the HF checkpoint
 (`model.layers.0.self_attn.q_proj`, ...) so weights load without a name map and
@@ -26,6 +26,7 @@ quantization/TP plans can match HF parameter names. The switches:
   of each head rotated.
 - GLM-4 and ERNIE 4.5 rotate adjacent pairs of dims: their q/k rows are reordered at load
   (`rotate_half_rows`), so the model's one RoPE serves them.
+- Arcee: the MLP without a gate (`up_proj`, relu², `down_proj`).
 - Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE): a sparse MLP
   (moe.py) on the layers `moe_layers` marks.
 
@@ -50,6 +51,7 @@ from aotgen.model.layers import (
     CausalLM,
     GatedMLP,
     RMSNorm,
+    UpDownMLP,
     apply_rope,
     cached_attention,
     softcap,
@@ -112,7 +114,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, cfg.rope_layers is None or cfg.rope_layers[index])
         self.residual_multiplier = cfg.residual_multiplier
         dense = (cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
-        self.mlp = SparseMoE(cfg) if cfg.is_moe(index) else GatedMLP(*dense)
+        if cfg.is_moe(index):
+            self.mlp = SparseMoE(cfg)
+        elif cfg.architecture == "ArceeForCausalLM":  # no gate: down(relu(up(x))²)
+            self.mlp = UpDownMLP(*dense, ("up_proj", "down_proj"))
+        else:
+            self.mlp = GatedMLP(*dense)
         self.norm_after = cfg.norm_after
         if not cfg.norm_after:
             self.input_layernorm = RMSNorm(d, eps, gemma)

@@ -42,7 +42,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import _functional_collectives as funcol
 
-from aotgen.model.config import COHERE, COHERE2, PER_HEAD_QK_NORMS, PHI, STABLELM, STARCODER2
+from aotgen.model.config import (
+    COHERE,
+    COHERE2,
+    NEMOTRON,
+    PER_HEAD_QK_NORMS,
+    PHI,
+    STABLELM,
+    STARCODER2,
+)
 from aotgen.model.llama import ModelConfig, Transformer
 from aotgen.recipe import RecipeError, check_keys
 
@@ -91,6 +99,8 @@ STARCODER2_PLAN: dict[str, str] = {
     "*.c_proj": "rowwise",
     "lm_head": "replicate",
 }
+# Arcee's and Nemotron's MLP has no gate.
+UP_DOWN_PLAN = {k: v for k, v in LLAMA_PLAN.items() if k != "*.gate_proj"}
 DEFAULT_PLANS: dict[str, dict[str, str]] = {
     "LlamaForCausalLM": LLAMA_PLAN,
     "GemmaForCausalLM": LLAMA_PLAN,
@@ -112,6 +122,8 @@ DEFAULT_PLANS: dict[str, dict[str, str]] = {
     STARCODER2: STARCODER2_PLAN,
     COHERE: LLAMA_PLAN,
     COHERE2: LLAMA_PLAN,
+    NEMOTRON: UP_DOWN_PLAN,
+    "ArceeForCausalLM": UP_DOWN_PLAN,
 }
 # (column-parallel inputs, row-parallel output) of each block: both sharded or neither.
 BLOCKS = {
@@ -132,7 +144,12 @@ ARCH_BLOCKS = {
         {"self_attn": (("q_proj", "k_proj", "v_proj"), "dense"), "mlp": (("fc1",), "fc2")},
     ),
     STARCODER2: ("model.layers", {"self_attn": BLOCKS["self_attn"], "mlp": (("c_fc",), "c_proj")}),
+    NEMOTRON: (
+        "model.layers",
+        {"self_attn": BLOCKS["self_attn"], "mlp": (("up_proj",), "down_proj")},
+    ),
 }
+ARCH_BLOCKS["ArceeForCausalLM"] = ARCH_BLOCKS[NEMOTRON]
 
 
 @dataclass(frozen=True)
