@@ -3,9 +3,10 @@ the way llama.cpp's converter writes it (its tensor names, Gemma's norms stored 
 GPT-NeoX's fused qkv regrouped as [q; k; v], Granite's and SmolLM3's q/k permuted, Phi-3's
 LongRoPE factors as tensors, GLM-4's and ERNIE 4.5's q/k as they are, OLMo 3 as olmo2 with a
 sliding-window pattern, a mixture of experts' experts stacked per block (Mixtral as llama),
-StableLM's per-head q/k norms stacked, Phi-2's q/k/v apart or fused, some weights quantized),
-imported back, and the imported checkpoint must compute what the original
-computes in `transformers`, in `transformers` and in aotgen's model.
+StableLM's per-head q/k norms stacked, Phi-2's q/k/v apart or fused, Command R, Cohere2 and
+EXAONE 4 with their q/k rows as HF has them, some weights quantized), imported back, and the
+imported checkpoint must compute what the original computes in `transformers`, in
+`transformers` and in aotgen's model.
 """
 
 from __future__ import annotations
@@ -129,6 +130,14 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 1e5},
         },
     ),
+    # Command R: q/k norms [heads, head_dim] (llama.cpp loads them at 64 layers or more only),
+    # q/k/v/o biases, logits x 0.25, a tied head.
+    "command-r": FAMILIES["cohere"],
+    # Cohere2: llama.cpp's three sliding-window layers in four, only they rotated.
+    "cohere2": FAMILIES["cohere2"],
+    # EXAONE 4: llama.cpp windows its 64-layer model only; any other depth attends globally.
+    "exaone4": FAMILIES["exaone4-global"],
+    "exaone4-swa": ("Exaone4Config", {**FAMILIES["exaone4"][1], "num_hidden_layers": 64}),
 }
 # The GGUF architecture of the test cases named otherwise.
 GGUF_ARCH = {
@@ -136,6 +145,7 @@ GGUF_ARCH = {
     "mixtral": "llama",
     "phi2-qkv": "phi2",
     "stablelm-sequential": "stablelm",
+    "exaone4-swa": "exaone4",
 }
 MOE_NAMES = {
     "mlp.gate": "ffn_gate_inp",
@@ -285,6 +295,8 @@ def _gguf_name(arch: str, hf: str) -> str:
         "phi2": PHI2_NAMES,
         "phi2-qkv": PHI2_NAMES,
         "starcoder2": STARCODER2_NAMES,
+        "exaone4": OLMO2_NAMES,
+        "exaone4-swa": OLMO2_NAMES,
     }.get(arch, LAYER_NAMES["llama"])
     return f"blk.{i}.{names[rest]}.{kind}"
 
@@ -312,6 +324,11 @@ def _llama_variant_meta(w: gguf.GGUFWriter, arch: str, cfg: dict[str, Any], head
     if arch == "olmo3":
         w.add_sliding_window(cfg["sliding_window"])
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+    if arch.startswith("exaone4"):  # conversion/exaone.py: a window only where one is set
+        w.add_vocab_size(cfg["vocab_size"])
+        if cfg.get("sliding_window") is not None:
+            w.add_sliding_window(cfg["sliding_window"])
+            w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
     if arch in ("granite", "granitemoe"):
         w.add_attention_scale(cfg["attention_multiplier"])
         w.add_embedding_scale(cfg["embedding_multiplier"])
@@ -353,6 +370,24 @@ def _layernorm_meta(w: gguf.GGUFWriter, arch: str, cfg: dict[str, Any], head_dim
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * head_dim))
     w.add_parallel_residual(cfg["use_parallel_residual"])
+
+
+def _cohere_meta(w: gguf.GGUFWriter, kind: str, cfg: dict[str, Any], head_dim: int) -> None:
+    """What llama.cpp's converter writes of Command R and Cohere2 (conversion/command_r.py):
+    base.py's keys, the logit scale, no RoPE scaling; Cohere2's window, rotated dims and
+    vocabulary size (no window pattern: llama.cpp's is fixed)."""
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_eps(cfg["layer_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    if cfg.get("head_dim"):
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_logit_scale(cfg["logit_scale"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+    if kind == "cohere2":
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_vocab_size(cfg["vocab_size"])
+        w.add_rope_dimension_count(int(cfg.get("rotary_pct", 1.0) * head_dim))
 
 
 def _moe_meta(w: gguf.GGUFWriter, cfg: dict[str, Any]) -> None:
@@ -428,6 +463,8 @@ def _write_gguf(
         _lfm2_meta(w, cfg)
     elif kind in ("phi2", "stablelm", "starcoder2"):
         _layernorm_meta(w, kind, cfg, head_dim)
+    elif kind in ("command-r", "cohere2"):
+        _cohere_meta(w, kind, cfg, head_dim)
     else:
         w.add_head_count_kv(cfg["num_key_value_heads"])
         w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
@@ -549,6 +586,21 @@ def test_quantized_blocks_dequantize(tmp_path: Path, arch: str) -> None:
             np.testing.assert_allclose(g.get_tensor(name), want, atol=1e-6, err_msg=name)
 
 
+def test_exaone4_below_64_layers_imports_without_its_window(tmp_path: Path) -> None:
+    """llama.cpp windows EXAONE 4 at 64 layers only: a shallower GGUF storing a window and a
+    pattern imports with every layer global and rotated, as llama.cpp runs it."""
+    ckpt = _checkpoint(tmp_path / "hf", "exaone4-swa", num_hidden_layers=4)
+    _write_gguf(ckpt, tmp_path / "m.gguf", "exaone4-swa", quantize=False)
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
+    config = json.loads((out / "config.json").read_text())
+    assert config["sliding_window"] is None
+    assert config["layer_types"] == ["full_attention"] * 4
+    ids = Tokenizer.from_dir(ckpt).encode(TEXTS[0])
+    ref = reference_logits(load_reference(out), ids)
+    ours = EagerModel(out, 96).forward(ids, 0)
+    assert ((ours - ref).norm() / ref.norm()).item() < 1e-5
+
+
 def test_tensor_not_matching_metadata_is_one_line(tmp_path: Path) -> None:
     ckpt = _checkpoint(tmp_path / "hf", "qwen3")
     cfg = json.loads((ckpt / "config.json").read_text())
@@ -573,11 +625,13 @@ def test_experts_not_matching_metadata_are_one_line(tmp_path: Path, key: str) ->
     assert not (tmp_path / "imported").exists()
 
 
-@pytest.mark.parametrize("arch", ["glm4", "phi3"])
+@pytest.mark.parametrize(
+    "arch", ["glm4", "phi3", "phi2", "stablelm", "starcoder2", "command-r", "exaone4", "gemma"]
+)
 def test_rows_moved_at_load_are_found_in_the_blocks(tmp_path: Path, arch: str) -> None:
-    """GLM-4's and Phi-3's fused tensors split at load, GLM-4's q/k rows reordered for
-    rotate-half RoPE: whole rows move, so `gguf: keep` (which these recipes pass) finds every
-    linear of the loaded model in the file's blocks."""
+    """GLM-4's and Phi-3's fused tensors split at load, GLM-4's and Command R's q/k rows
+    reordered for rotate-half RoPE: whole rows move, so `gguf: keep` (which these recipes
+    pass) finds every linear of the loaded model in the file's blocks."""
     from aotgen.checkpoint.hf import open_checkpoint
     from aotgen.model.config import ModelConfig
     from aotgen.model.llama import load_model
@@ -595,7 +649,8 @@ def test_rows_moved_at_load_are_found_in_the_blocks(tmp_path: Path, arch: str) -
     cfg = ModelConfig.from_hf(imported.config)
     model = load_model(cfg, imported.load_weights(), 32, torch.float32)
     linears = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    assert len(linears) == 2 * 7 + (not cfg.tie_word_embeddings)  # 7 a layer; the head
+    per_layer = 6 if arch in ("phi2", "starcoder2") else 7  # their MLPs: no gate
+    assert len(linears) == 2 * per_layer + 1  # and the head, tied to the embeddings or not
     for name, weight in linears.items():
         segments = index.segments(weight)
         assert segments is not None and [s.qtype for s in segments] == ["Q8_0"], name

@@ -116,6 +116,9 @@ _STABLELM_LAYER = {
     "attn_q_norm": "self_attn.q_layernorm",
     "attn_k_norm": "self_attn.k_layernorm",
 }
+# Cohere's block: one LayerNorm feeding attention and the MLP side by side; Command R's q/k
+# norms (_QK_NORM) [heads, head_dim] as HF has them, Cohere2 without.
+_COHERE_LAYER = {k: v for k, v in _LLAMA_LAYER.items() if k != "ffn_norm"}
 _STARCODER2_LAYER = {
     **{k: v for k, v in _LLAMA_LAYER.items() if not k.startswith("ffn_")},
     "ffn_norm": "post_attention_layernorm",
@@ -161,6 +164,10 @@ ARCHS: dict[str, Arch] = {
     "phi2": Arch("PhiForCausalLM", "phi", _PHI2_LAYER, _PHI2_GLOBAL),
     "stablelm": Arch("StableLmForCausalLM", "stablelm", _STABLELM_LAYER),
     "starcoder2": Arch("Starcoder2ForCausalLM", "starcoder2", _STARCODER2_LAYER),
+    # q/k rows as HF has them (NORM RoPE); no `output`: llama.cpp runs the embeddings as head.
+    "command-r": Arch("CohereForCausalLM", "cohere", {**_COHERE_LAYER, **_QK_NORM}, _GEMMA_GLOBAL),
+    "cohere2": Arch("Cohere2ForCausalLM", "cohere2", _COHERE_LAYER, _GEMMA_GLOBAL),
+    "exaone4": Arch("Exaone4ForCausalLM", "exaone4", _OLMO2_LAYER),  # NEOX RoPE: as HF has them
     "gptneox": Arch(
         "GPTNeoXForCausalLM",
         "gpt_neox",
@@ -181,7 +188,6 @@ ARCHS: dict[str, Arch] = {
     ),
 }
 SUPPORTED_ARCHS = tuple(ARCHS)
-LAYERNORM_ARCHS = ("phi2", "stablelm", "starcoder2")
 # Architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and subclasses).
 PERMUTED_QK = ("llama", "smollm3", "granite", "granitemoe")
 # LongRoPE's factors (Phi-3): config, not weights.
@@ -256,8 +262,11 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         return _gptneox_config(reader, arch, config)
     if arch in ("lfm2", "lfm2moe"):
         return _lfm2_config(reader, arch, config)
+    # Imported here: that module builds on this one's helpers.
+    from aotgen.checkpoint.gguf_arch_layernorm import LAYERNORM_ARCHS, layernorm_config
+
     if arch in LAYERNORM_ARCHS:
-        return _layernorm_config(reader, arch, config)
+        return layernorm_config(reader, arch, config)
     config.update(
         rms_norm_eps=_f32(require_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_theta=_f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0)),
@@ -282,6 +291,8 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
             sliding_window=int(window),
             layer_types=_layer_types(reader, arch, pattern, config["num_hidden_layers"]),
         )
+    if arch == "exaone4":
+        config.update(_exaone4_windows(reader, arch, config["num_hidden_layers"]))
     if arch == "gemma":  # llama.cpp's GELU is the tanh one; attention by head_dim ** -0.5
         config["hidden_act"] = "gelu_pytorch_tanh"
     if arch in ("gemma2", "gemma3"):
@@ -337,39 +348,6 @@ def _has_tensor(reader: gguf.GGUFReader, suffix: str) -> bool:
     return any(t.name.endswith(f".{suffix}") for t in reader.tensors)
 
 
-def _layernorm_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
-    """Phi-2, StableLM and StarCoder2 as llama.cpp runs them. Its converter stores no RoPE
-    base for Phi-2 and StableLM (llama.cpp's default 10000 applies) and no StarCoder2 window
-    (llama.cpp attends to the whole context); llama.cpp's StableLM runs the parallel residual
-    exactly where a block has no ffn_norm, whatever `use_parallel_residual` says."""
-    head_dim = config["head_dim"]
-    rot = int(meta_value(reader, f"{arch}.rope.dimension_count", head_dim))
-    eps = _f32(require_meta(reader, f"{arch}.attention.layer_norm_epsilon"))
-    config["rope_theta"] = _f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0))
-    if arch == "starcoder2":
-        if rot != head_dim:
-            raise CheckpointError(
-                f"GGUF {arch}.rope.dimension_count is {rot}: llama.cpp's StarCoder2 rotates "
-                f"whole heads ({head_dim})"
-            )
-        return config | {
-            "norm_epsilon": eps,
-            "hidden_act": "gelu_pytorch_tanh",
-            "use_bias": _has_tensor(reader, "attn_output.bias"),
-            "sliding_window": None,
-        }
-    # Written even when 1: transformers' Phi defaults to 0.5, StableLM to 0.25.
-    config |= {"layer_norm_eps": eps, "partial_rotary_factor": rot / head_dim}
-    if arch == "phi2":  # gelu_new: GELU's tanh approximation, as llama.cpp's
-        return config | {"hidden_act": "gelu_new", "qk_layernorm": False}
-    return config | {
-        "hidden_act": "silu",
-        "use_qkv_bias": _has_tensor(reader, "attn_q.bias"),
-        "qk_layernorm": _has_tensor(reader, "attn_q_norm.weight"),
-        "use_parallel_residual": not _has_tensor(reader, "ffn_norm.weight"),
-    }
-
-
 def _lfm2_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
     """LFM2 (-MoE): the blocks with KV heads attend, the others are short convolutions."""
     n_layer = config["num_hidden_layers"]
@@ -404,6 +382,25 @@ def _layer_types(reader: gguf.GGUFReader, arch: str, pattern: Any, n_layer: int)
     else:
         sliding = [(i + 1) % int(pattern) != 0 for i in range(n_layer)]
     return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
+def swa_period(reader: gguf.GGUFReader, arch: str) -> int:
+    """llama.cpp's window period for Cohere2 and EXAONE 4: the pattern key read as a number
+    only (a per-layer list, which its converter writes for EXAONE 4, leaves the default 4)."""
+    pattern = meta_value(reader, f"{arch}.attention.sliding_window_pattern")
+    return int(pattern) if isinstance(pattern, int) and pattern > 0 else 4
+
+
+def _exaone4_windows(reader: gguf.GGUFReader, arch: str, n_layer: int) -> dict[str, Any]:
+    """llama.cpp windows EXAONE 4 at 64 layers only (the 32B): three layers in four (or the
+    period stored), the window stored or 4096, only those layers rotated. At any other depth
+    it attends to the whole context and rotates every layer, whatever window is stored."""
+    if n_layer != 64:
+        return {"sliding_window": None, "layer_types": ["full_attention"] * n_layer}
+    return {
+        "sliding_window": int(meta_value(reader, f"{arch}.attention.sliding_window", 4096)),
+        "layer_types": _layer_types(reader, arch, swa_period(reader, arch), n_layer),
+    }
 
 
 def _gemma_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -> dict[str, Any]:

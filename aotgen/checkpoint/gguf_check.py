@@ -56,6 +56,9 @@ def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
     if c["architectures"][0] == "StableLmForCausalLM":  # a norm per head, stacked
         shapes |= {"q_layernorm": (c["num_attention_heads"], hd)}
         shapes |= {"k_layernorm": (c["num_key_value_heads"], hd)}
+    if c["architectures"][0] == "CohereForCausalLM":  # a LayerNorm weight per head
+        shapes |= {"q_norm": (c["num_attention_heads"], hd)}
+        shapes |= {"k_norm": (c["num_key_value_heads"], hd)}
     shape = shapes.get(leaf, (d,) if "norm" in leaf else None)
     if shape is None or v is None and leaf in ("embed_tokens", "embed_in", "lm_head", "embed_out"):
         return None
