@@ -138,6 +138,23 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # EXAONE 4: llama.cpp windows its 64-layer model only; any other depth attends globally.
     "exaone4": FAMILIES["exaone4-global"],
     "exaone4-swa": ("Exaone4Config", {**FAMILIES["exaone4"][1], "num_hidden_layers": 64}),
+    # Llama 3.1's RoPE scaling (its slow dims divided by 8 from an original context of 32):
+    # llama.cpp's converter stores each pair's divisor as `rope_freqs`.
+    "llama3": (
+        "LlamaConfig",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
 }
 # The GGUF architecture of the test cases named otherwise.
 GGUF_ARCH = {
@@ -146,6 +163,7 @@ GGUF_ARCH = {
     "phi2-qkv": "phi2",
     "stablelm-sequential": "stablelm",
     "exaone4-swa": "exaone4",
+    "llama3": "llama",
 }
 MOE_NAMES = {
     "mlp.gate": "ffn_gate_inp",
@@ -305,7 +323,7 @@ def _converted(arch: str, hf: str, w: np.ndarray, heads: int, kv_heads: int) -> 
     """What llama.cpp's convert_hf_to_gguf.py stores for an HF tensor."""
     if arch in ("gemma", "gemma2", "gemma3") and hf.endswith("norm.weight"):
         return w + np.float32(1.0)
-    permuted = ("smollm3", "granite", "mixtral", "granitemoe")  # llama.cpp's LlamaModel kin
+    permuted = ("smollm3", "granite", "mixtral", "granitemoe", "llama3")  # its LlamaModel kin
     if arch in permuted and hf.endswith(("q_proj.weight", "k_proj.weight")):
         return permute_qk(w, heads if "q_proj" in hf else kv_heads)
     if arch.startswith("lfm2") and hf.endswith("conv.conv.weight"):  # [d, 1, kernel] -> [d, kernel]
@@ -318,9 +336,30 @@ def _converted(arch: str, hf: str, w: np.ndarray, heads: int, kv_heads: int) -> 
     return w
 
 
+def _llama3_divisors(cfg: dict[str, Any], head_dim: int) -> np.ndarray:
+    """llama.cpp's `rope_freqs` for Llama 3.1 scaling (LlamaModel.generate_extra_tensors)."""
+    rope = cfg["rope_parameters"]
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    old = rope["original_max_position_embeddings"]
+    low, high, factor = rope["low_freq_factor"], rope["high_freq_factor"], rope["factor"]
+    divisors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            divisors.append(1.0)
+        elif wavelen > old / low:
+            divisors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, np.float32)
+
+
 def _llama_variant_meta(w: gguf.GGUFWriter, arch: str, cfg: dict[str, Any], head_dim: int) -> None:
     """What llama.cpp's converter writes of Phi-3's and Granite's own keys (conversion/phi.py,
     granite.py); LongRoPE's factors as tensors."""
+    if arch == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama3_divisors(cfg, head_dim))
     if arch == "olmo3":
         w.add_sliding_window(cfg["sliding_window"])
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])

@@ -195,6 +195,9 @@ ROPE_FACTORS = {
     "rope_factors_long.weight": "long_factor",
     "rope_factors_short.weight": "short_factor",
 }
+# Llama 3.1's RoPE scaling as llama.cpp's converter stores it: each rotated pair's frequency
+# divisor (1 for the fast dims, the factor for the slow ones, a smooth ramp between).
+ROPE_FREQS = "rope_freqs.weight"
 
 
 def meta_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
@@ -224,8 +227,8 @@ def arch_spec(reader: gguf.GGUFReader) -> tuple[str, Arch]:
 
 
 def model_tensors(reader: gguf.GGUFReader) -> list[Any]:
-    """The tensors that are weights (not LongRoPE's factors)."""
-    return [t for t in reader.tensors if t.name not in ROPE_FACTORS]
+    """The tensors that are weights (not LongRoPE's factors or Llama 3.1's divisors)."""
+    return [t for t in reader.tensors if t.name not in ROPE_FACTORS and t.name != ROPE_FREQS]
 
 
 def hf_name(spec: Arch, name: str) -> str:
@@ -236,7 +239,7 @@ def hf_name(spec: Arch, name: str) -> str:
         parts = base.split(".", 2)
         if len(parts) == 3 and parts[0] == "blk" and parts[2] in spec.layers:
             return f"{spec.layer_prefix}.{int(parts[1])}.{spec.layers[parts[2]]}.{kind}"
-    # e.g. rope_freqs.weight (Llama 3.1 scaling): silently dropping it would change the model.
+    # e.g. an unknown per-model tensor: silently dropping it would change the model.
     raise CheckpointError(f"unsupported GGUF tensor {name!r}")
 
 
@@ -256,21 +259,27 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
 
 def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     """The HF config.json of the GGUF's architecture, from its metadata."""
+    # Imported here: that module builds on this one's helpers.
+    from aotgen.checkpoint.gguf_arch_layernorm import LAYERNORM_ARCHS, layernorm_config
+
     arch, spec = arch_spec(reader)
     config = _common_config(reader, arch, spec)
+    divisors = _frequency_divisors(reader, config)
+    own_rope = ("gptneox", "lfm2", "lfm2moe", *LAYERNORM_ARCHS)
+    if divisors and (arch in own_rope or _rope_scaling(reader, arch)):
+        raise CheckpointError(
+            f"GGUF {ROPE_FREQS} on {arch} (or with a rope.scaling.type) is not supported"
+        )
     if arch == "gptneox":
         return _gptneox_config(reader, arch, config)
     if arch in ("lfm2", "lfm2moe"):
         return _lfm2_config(reader, arch, config)
-    # Imported here: that module builds on this one's helpers.
-    from aotgen.checkpoint.gguf_arch_layernorm import LAYERNORM_ARCHS, layernorm_config
-
     if arch in LAYERNORM_ARCHS:
         return layernorm_config(reader, arch, config)
     config.update(
         rms_norm_eps=_f32(require_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_theta=_f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(reader, arch),
+        rope_scaling=_rope_scaling(reader, arch) or divisors,
     )
     if arch in ("phi3", "smollm3", "granite", "granitemoe"):
         config.update(_llama_variant(reader, arch, config["head_dim"]))
@@ -298,6 +307,23 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     if arch in ("gemma2", "gemma3"):
         config.update(_gemma_config(reader, arch, config))
     return config
+
+
+def _frequency_divisors(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict | None:
+    """`rope_freqs` as the config of the same rotation: LongRoPE with the divisors as both
+    factor lists, its original context the whole context and no attention gain, so every
+    position rotates by the base frequencies over the divisors, as in llama.cpp."""
+    t = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if t is None:
+        return None
+    divisors = [_f32(x) for x in np.asarray(t.data, np.float32).reshape(-1).tolist()]
+    return {
+        "rope_type": "longrope",
+        "short_factor": divisors,
+        "long_factor": divisors,
+        "original_max_position_embeddings": config["max_position_embeddings"],
+        "attention_factor": 1.0,
+    }
 
 
 def _common_config(reader: gguf.GGUFReader, arch: str, spec: Arch) -> dict[str, Any]:
