@@ -1,12 +1,13 @@
 """GGUF import of the non-Llama families: a tiny `transformers` checkpoint is written as a GGUF
 the way llama.cpp's converter writes it (its tensor names, Gemma's norms stored as 1 + w,
-GPT-NeoX's fused qkv regrouped as [q; k; v], Granite's and SmolLM3's q/k permuted, Phi-3's
-LongRoPE factors as tensors, GLM-4's and ERNIE 4.5's q/k as they are, OLMo 3 as olmo2 with a
+Nemotron's LayerNorm1P weights as w + 1, GPT-NeoX's fused qkv regrouped as [q; k; v],
+Granite's, SmolLM3's and Arcee's q/k permuted, Phi-3's LongRoPE factors and Llama 3.1's
+divisors as tensors, GLM-4's and ERNIE 4.5's q/k as they are, OLMo 3 as olmo2 with a
 sliding-window pattern, a mixture of experts' experts stacked per block (Mixtral as llama),
-StableLM's per-head q/k norms stacked, Phi-2's q/k/v apart or fused, Command R, Cohere2 and
-EXAONE 4 with their q/k rows as HF has them, some weights quantized), imported back, and the
-imported checkpoint must compute what the original computes in `transformers`, in
-`transformers` and in aotgen's model.
+StableLM's per-head q/k norms stacked, Phi-2's q/k/v apart or fused, Command R, Cohere2,
+EXAONE 4 and Nemotron with their q/k rows as HF has them, some weights quantized), imported
+back, and the imported checkpoint must compute what the original computes in `transformers`,
+in `transformers` and in aotgen's model.
 """
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ pytest.importorskip("transformers")
 BASE: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=128, num_attention_heads=4, max_position_embeddings=256
 )
+LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", dict(num_hidden_layers=2, num_key_value_heads=2)),
     "qwen3": (
@@ -142,19 +151,13 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # llama.cpp's converter stores each pair's divisor as `rope_freqs`.
     "llama3": (
         "LlamaConfig",
-        dict(
-            num_hidden_layers=2,
-            num_key_value_heads=2,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 32,
-            },
-        ),
+        dict(num_hidden_layers=2, num_key_value_heads=2, rope_parameters=LLAMA3),
     ),
+    # Nemotron: LayerNorm1P weights stored plus one, half of each head rotated, an untied head.
+    "nemotron": FAMILIES["nemotron"],
+    # Arcee: q/k permuted (its converter is LlamaModel's), Llama 3.1's rope_freqs read too.
+    "arcee": FAMILIES["arcee"],
+    "arcee-llama3": ("ArceeConfig", {**FAMILIES["arcee"][1], "rope_parameters": LLAMA3}),
 }
 # The GGUF architecture of the test cases named otherwise.
 GGUF_ARCH = {
@@ -164,6 +167,7 @@ GGUF_ARCH = {
     "stablelm-sequential": "stablelm",
     "exaone4-swa": "exaone4",
     "llama3": "llama",
+    "arcee-llama3": "arcee",
 }
 MOE_NAMES = {
     "mlp.gate": "ffn_gate_inp",
@@ -321,9 +325,10 @@ def _gguf_name(arch: str, hf: str) -> str:
 
 def _converted(arch: str, hf: str, w: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf.py stores for an HF tensor."""
-    if arch in ("gemma", "gemma2", "gemma3") and hf.endswith("norm.weight"):
+    if arch in ("gemma", "gemma2", "gemma3", "nemotron") and hf.endswith("norm.weight"):
         return w + np.float32(1.0)
-    permuted = ("smollm3", "granite", "mixtral", "granitemoe", "llama3")  # its LlamaModel kin
+    # its LlamaModel kin
+    permuted = ("smollm3", "granite", "mixtral", "granitemoe", "llama3", "arcee", "arcee-llama3")
     if arch in permuted and hf.endswith(("q_proj.weight", "k_proj.weight")):
         return permute_qk(w, heads if "q_proj" in hf else kv_heads)
     if arch.startswith("lfm2") and hf.endswith("conv.conv.weight"):  # [d, 1, kernel] -> [d, kernel]
@@ -356,10 +361,14 @@ def _llama3_divisors(cfg: dict[str, Any], head_dim: int) -> np.ndarray:
 
 
 def _llama_variant_meta(w: gguf.GGUFWriter, arch: str, cfg: dict[str, Any], head_dim: int) -> None:
-    """What llama.cpp's converter writes of Phi-3's and Granite's own keys (conversion/phi.py,
-    granite.py); LongRoPE's factors as tensors."""
-    if arch == "llama3":
+    """What llama.cpp's converter writes of Phi-3's, Granite's and Arcee's own keys
+    (conversion/phi.py, granite.py, arcee.py); LongRoPE's factors and Llama 3.1's divisors
+    (LlamaModel.generate_extra_tensors, Arcee's too) as tensors."""
+    if (cfg.get("rope_parameters") or {}).get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_divisors(cfg, head_dim))
+    if arch.startswith("arcee"):  # LlamaModel's keys
+        w.add_vocab_size(cfg["vocab_size"])
+        w.add_rope_dimension_count(head_dim)
     if arch == "olmo3":
         w.add_sliding_window(cfg["sliding_window"])
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
@@ -409,6 +418,23 @@ def _layernorm_meta(w: gguf.GGUFWriter, arch: str, cfg: dict[str, Any], head_dim
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * head_dim))
     w.add_parallel_residual(cfg["use_parallel_residual"])
+
+
+def _nemotron_meta(w: gguf.GGUFWriter, cfg: dict[str, Any], head_dim: int) -> None:
+    """What llama.cpp's converter writes of Nemotron (conversion/nemotron.py NemotronModel on
+    base.py's keys): norm_eps as both epsilons, the vocabulary size, hidden_size x the rotary
+    factor / heads rotated dims, no RoPE scaling."""
+    rope = cfg["rope_parameters"]
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["norm_eps"])
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_layer_norm_eps(cfg["norm_eps"])
+    rot = int(rope["partial_rotary_factor"] * cfg["hidden_size"]) // cfg["num_attention_heads"]
+    w.add_rope_dimension_count(rot)
+    w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
 
 
 def _cohere_meta(w: gguf.GGUFWriter, kind: str, cfg: dict[str, Any], head_dim: int) -> None:
@@ -476,10 +502,16 @@ def _blocks(stored: np.ndarray, qtype: str, seed: int) -> np.ndarray:
 
 
 def _write_gguf(
-    ckpt: Path, path: Path, arch: str, quantize: bool = True, qtypes: tuple[str, ...] = ()
+    ckpt: Path,
+    path: Path,
+    arch: str,
+    quantize: bool = True,
+    qtypes: tuple[str, ...] = (),
+    extra: dict[str, np.ndarray] | None = None,
 ) -> dict[str, Any]:
-    """The checkpoint as llama.cpp would convert it; returns the HF tensors written. Half the
-    matrices are Q8_0, or with `qtypes` every matrix takes the next of them its rows fit."""
+    """The checkpoint as llama.cpp would convert it, with `extra` tensors as given; returns the
+    HF tensors written. Half the matrices are Q8_0, or with `qtypes` every matrix takes the
+    next of them its rows fit."""
     cfg = json.loads((ckpt / "config.json").read_text())
     tok = json.loads((ckpt / "tokenizer.json").read_text())
     kind = GGUF_ARCH.get(arch, arch)
@@ -504,6 +536,8 @@ def _write_gguf(
         _layernorm_meta(w, kind, cfg, head_dim)
     elif kind in ("command-r", "cohere2"):
         _cohere_meta(w, kind, cfg, head_dim)
+    elif kind == "nemotron":
+        _nemotron_meta(w, cfg, head_dim)
     else:
         w.add_head_count_kv(cfg["num_key_value_heads"])
         w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
@@ -584,6 +618,8 @@ def _write_gguf(
         w.add_tensor(f"blk.{layer}.attn_{qk}_norm.weight", stacked)
     for (layer, part), qkv in fused.items():
         w.add_tensor(f"blk.{layer}.attn_qkv.{part}", np.concatenate([qkv[p] for p in "qkv"]))
+    for name, x in (extra or {}).items():
+        w.add_tensor(name, x)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -651,6 +687,18 @@ def test_tensor_not_matching_metadata_is_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "imported").exists()
 
 
+def test_rope_freqs_where_llama_cpp_reads_none_is_one_line(tmp_path: Path) -> None:
+    """Llama 3.1's divisors on an architecture whose llama.cpp graph does not apply them: the
+    model would differ from llama.cpp's either way, so nothing is written."""
+    ckpt = _checkpoint(tmp_path / "hf", "gptneox")
+    divisors = {"rope_freqs.weight": np.full(4, 2.0, np.float32)}
+    _write_gguf(ckpt, tmp_path / "m.gguf", "gptneox", quantize=False, extra=divisors)
+    with pytest.raises(CheckpointError, match=r"rope_freqs\.weight on gptneox") as e:
+        import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "imported").exists()
+
+
 @pytest.mark.parametrize("key", ["moe_intermediate_size", "num_local_experts"])
 def test_experts_not_matching_metadata_are_one_line(tmp_path: Path, key: str) -> None:
     """Expert tensors whose shape the metadata (expert count, expert width) does not imply."""
@@ -665,12 +713,24 @@ def test_experts_not_matching_metadata_are_one_line(tmp_path: Path, key: str) ->
 
 
 @pytest.mark.parametrize(
-    "arch", ["glm4", "phi3", "phi2", "stablelm", "starcoder2", "command-r", "exaone4", "gemma"]
+    "arch",
+    [
+        "glm4",
+        "phi3",
+        "phi2",
+        "stablelm",
+        "starcoder2",
+        "command-r",
+        "exaone4",
+        "gemma",
+        "nemotron",
+        "arcee",
+    ],
 )
 def test_rows_moved_at_load_are_found_in_the_blocks(tmp_path: Path, arch: str) -> None:
     """GLM-4's and Phi-3's fused tensors split at load, GLM-4's and Command R's q/k rows
-    reordered for rotate-half RoPE: whole rows move, so `gguf: keep` (which these recipes
-    pass) finds every linear of the loaded model in the file's blocks."""
+    reordered for rotate-half RoPE, Arcee's unpermuted: whole rows move, so `gguf: keep`
+    (which these recipes pass) finds every linear of the loaded model in the file's blocks."""
     from aotgen.checkpoint.hf import open_checkpoint
     from aotgen.model.config import ModelConfig
     from aotgen.model.llama import load_model
@@ -688,7 +748,7 @@ def test_rows_moved_at_load_are_found_in_the_blocks(tmp_path: Path, arch: str) -
     cfg = ModelConfig.from_hf(imported.config)
     model = load_model(cfg, imported.load_weights(), 32, torch.float32)
     linears = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    per_layer = 6 if arch in ("phi2", "starcoder2") else 7  # their MLPs: no gate
+    per_layer = 6 if arch in ("phi2", "starcoder2", "nemotron", "arcee") else 7  # no gate
     assert len(linears) == 2 * per_layer + 1  # and the head, tied to the embeddings or not
     for name, weight in linears.items():
         segments = index.segments(weight)

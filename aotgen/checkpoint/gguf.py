@@ -145,8 +145,9 @@ def read_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict[str, n
             w = unpermute_qk(w, config["num_attention_heads"])
         elif arch in PERMUTED_QK and t.name.endswith("attn_k.weight"):
             w = unpermute_qk(w, config["num_key_value_heads"])
-        elif arch in ("gemma", "gemma2", "gemma3") and t.name.endswith("norm.weight"):
-            w = w - np.float32(1.0)  # llama.cpp stores Gemma's (1 + w) RMSNorm scale
+        elif arch in ("gemma", "gemma2", "gemma3", "nemotron") and t.name.endswith("norm.weight"):
+            # llama.cpp stores Gemma's (1 + w) RMSNorm scale, Nemotron's LayerNorm1P's w + 1
+            w = w - np.float32(1.0)
         elif arch == "gptneox" and ".attn_qkv." in t.name:
             w = _gptneox_qkv(w, config["num_attention_heads"])
         elif arch.startswith("lfm2") and ".shortconv.conv." in t.name:

@@ -119,6 +119,8 @@ _STABLELM_LAYER = {
 # Cohere's block: one LayerNorm feeding attention and the MLP side by side; Command R's q/k
 # norms (_QK_NORM) [heads, head_dim] as HF has them, Cohere2 without.
 _COHERE_LAYER = {k: v for k, v in _LLAMA_LAYER.items() if k != "ffn_norm"}
+# Nemotron's and Arcee's MLP: no gate (up, relu², down); an ffn_gate is refused.
+_UP_DOWN_LAYER = {k: v for k, v in _LLAMA_LAYER.items() if k != "ffn_gate"}
 _STARCODER2_LAYER = {
     **{k: v for k, v in _LLAMA_LAYER.items() if not k.startswith("ffn_")},
     "ffn_norm": "post_attention_layernorm",
@@ -168,6 +170,8 @@ ARCHS: dict[str, Arch] = {
     "command-r": Arch("CohereForCausalLM", "cohere", {**_COHERE_LAYER, **_QK_NORM}, _GEMMA_GLOBAL),
     "cohere2": Arch("Cohere2ForCausalLM", "cohere2", _COHERE_LAYER, _GEMMA_GLOBAL),
     "exaone4": Arch("Exaone4ForCausalLM", "exaone4", _OLMO2_LAYER),  # NEOX RoPE: as HF has them
+    "nemotron": Arch("NemotronForCausalLM", "nemotron", _UP_DOWN_LAYER),  # NEOX: as HF has them
+    "arcee": Arch("ArceeForCausalLM", "arcee", _UP_DOWN_LAYER),
     "gptneox": Arch(
         "GPTNeoXForCausalLM",
         "gpt_neox",
@@ -189,7 +193,7 @@ ARCHS: dict[str, Arch] = {
 }
 SUPPORTED_ARCHS = tuple(ARCHS)
 # Architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and subclasses).
-PERMUTED_QK = ("llama", "smollm3", "granite", "granitemoe")
+PERMUTED_QK = ("llama", "smollm3", "granite", "granitemoe", "arcee")
 # LongRoPE's factors (Phi-3): config, not weights.
 ROPE_FACTORS = {
     "rope_factors_long.weight": "long_factor",
@@ -281,7 +285,7 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         rope_theta=_f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=_rope_scaling(reader, arch) or divisors,
     )
-    if arch in ("phi3", "smollm3", "granite", "granitemoe"):
+    if arch in ("phi3", "smollm3", "granite", "granitemoe", "arcee"):
         config.update(_llama_variant(reader, arch, config["head_dim"]))
     if arch == "glm4":
         rot = int(meta_value(reader, f"{arch}.rope.dimension_count", config["head_dim"]))
@@ -500,6 +504,14 @@ def _llama_variant(reader: gguf.GGUFReader, arch: str, head_dim: int) -> dict[st
     """The config keys of the Llama variants, from what llama.cpp stores of them."""
     if arch == "smollm3":  # llama.cpp rotates all but every fourth layer, as the HF default
         return {"no_rope_layer_interval": 4}
+    if arch == "arcee":  # llama.cpp runs relu² whatever the config said, and whole heads
+        rot = int(meta_value(reader, f"{arch}.rope.dimension_count", head_dim))
+        if rot != head_dim:
+            raise CheckpointError(
+                f"GGUF {arch}.rope.dimension_count is {rot}: llama.cpp's Arcee rotates whole "
+                f"heads ({head_dim})"
+            )
+        return {"hidden_act": "relu2"}
     if arch in ("granite", "granitemoe"):
         keys = {
             "attention.scale": "attention_multiplier",

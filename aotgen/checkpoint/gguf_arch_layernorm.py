@@ -1,5 +1,5 @@
-"""The config.json of the LayerNorm architectures (Phi-2, StableLM, StarCoder2, Command R and
-Cohere2) from a GGUF's metadata, as llama.cpp runs them."""
+"""The config.json of the LayerNorm architectures (Phi-2, StableLM, StarCoder2, Command R,
+Cohere2 and Nemotron) from a GGUF's metadata, as llama.cpp runs them."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ from aotgen.checkpoint.gguf_arch import (
     _f32,
     _has_tensor,
     _layer_types,
+    _rope_scaling,
     meta_value,
     require_meta,
     swa_period,
 )
 from aotgen.checkpoint.hf import CheckpointError
 
-LAYERNORM_ARCHS = ("phi2", "stablelm", "starcoder2", "command-r", "cohere2")
+LAYERNORM_ARCHS = ("phi2", "stablelm", "starcoder2", "command-r", "cohere2", "nemotron")
 
 
 def layernorm_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -28,6 +29,8 @@ def layernorm_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any])
     whatever `use_parallel_residual` says."""
     if arch in ("command-r", "cohere2"):
         return _cohere_config(reader, arch, config)
+    if arch == "nemotron":
+        return _nemotron_config(reader, arch, config)
     head_dim = config["head_dim"]
     rot = int(meta_value(reader, f"{arch}.rope.dimension_count", head_dim))
     eps = _f32(require_meta(reader, f"{arch}.attention.layer_norm_epsilon"))
@@ -83,4 +86,22 @@ def _cohere_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -
     return config | {
         "sliding_window": int(require_meta(reader, f"{arch}.attention.sliding_window")),
         "layer_types": _layer_types(reader, arch, swa_period(reader, arch), n_layer),
+    }
+
+
+def _nemotron_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Nemotron as llama.cpp runs it: relu² whatever the config said, rope.dimension_count
+    dims of each head rotated (NEOX RoPE: q/k rows as HF has them), RoPE scaled linearly
+    where a factor is stored. Its converter counts those dims as hidden_size x the factor /
+    heads, not HF's head_dim x the factor where head_dim is not hidden_size / heads: the count
+    stored is kept. The LayerNorm1P weights are stored plus one (undone in gguf.py)."""
+    rot = int(meta_value(reader, f"{arch}.rope.dimension_count", config["head_dim"]))
+    return config | {
+        "hidden_act": "relu2",
+        "norm_eps": _f32(require_meta(reader, f"{arch}.attention.layer_norm_epsilon")),
+        "partial_rotary_factor": rot / config["head_dim"],  # written: transformers' default 0.5
+        "rope_theta": _f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(reader, arch),
+        "attention_bias": _has_tensor(reader, "attn_q.bias"),
+        "mlp_bias": _has_tensor(reader, "ffn_up.bias"),
     }
