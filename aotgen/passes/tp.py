@@ -78,53 +78,6 @@ GPT_NEOX_PLAN: dict[str, str] = {
     "*.dense_4h_to_h": "rowwise",
     "embed_out": "replicate",
 }
-# Phi's output projection is `dense`, its MLP `fc1` / `fc2`; StarCoder2's MLP `c_fc` / `c_proj`.
-PHI_PLAN: dict[str, str] = {
-    "model.embed_tokens": "replicate",
-    "*.q_proj": "colwise",
-    "*.k_proj": "colwise",
-    "*.v_proj": "colwise",
-    "*.self_attn.dense": "rowwise",
-    "*.fc1": "colwise",
-    "*.fc2": "rowwise",
-    "lm_head": "replicate",
-}
-STARCODER2_PLAN: dict[str, str] = {
-    "model.embed_tokens": "replicate",
-    "*.q_proj": "colwise",
-    "*.k_proj": "colwise",
-    "*.v_proj": "colwise",
-    "*.o_proj": "rowwise",
-    "*.c_fc": "colwise",
-    "*.c_proj": "rowwise",
-    "lm_head": "replicate",
-}
-# Arcee's and Nemotron's MLP has no gate.
-UP_DOWN_PLAN = {k: v for k, v in LLAMA_PLAN.items() if k != "*.gate_proj"}
-DEFAULT_PLANS: dict[str, dict[str, str]] = {
-    "LlamaForCausalLM": LLAMA_PLAN,
-    "GemmaForCausalLM": LLAMA_PLAN,
-    "MistralForCausalLM": LLAMA_PLAN,
-    "Qwen2ForCausalLM": LLAMA_PLAN,
-    "Qwen3ForCausalLM": LLAMA_PLAN,
-    "Gemma2ForCausalLM": LLAMA_PLAN,
-    "Gemma3ForCausalLM": LLAMA_PLAN,
-    "Phi3ForCausalLM": LLAMA_PLAN,
-    "SmolLM3ForCausalLM": LLAMA_PLAN,
-    "GraniteForCausalLM": LLAMA_PLAN,
-    "GraniteMoeHybridForCausalLM": LLAMA_PLAN,  # Granite 4.0 without experts
-    "Glm4ForCausalLM": LLAMA_PLAN,
-    "Ernie4_5ForCausalLM": LLAMA_PLAN,
-    "Exaone4ForCausalLM": LLAMA_PLAN,
-    "GPTNeoXForCausalLM": GPT_NEOX_PLAN,
-    PHI: PHI_PLAN,
-    STABLELM: LLAMA_PLAN,
-    STARCODER2: STARCODER2_PLAN,
-    COHERE: LLAMA_PLAN,
-    COHERE2: LLAMA_PLAN,
-    NEMOTRON: UP_DOWN_PLAN,
-    "ArceeForCausalLM": UP_DOWN_PLAN,
-}
 # (column-parallel inputs, row-parallel output) of each block: both sharded or neither.
 BLOCKS = {
     "self_attn": (("q_proj", "k_proj", "v_proj"), "o_proj"),
@@ -150,6 +103,40 @@ ARCH_BLOCKS = {
     ),
 }
 ARCH_BLOCKS["ArceeForCausalLM"] = ARCH_BLOCKS[NEMOTRON]
+
+
+def _blocks_plan(blocks: dict[str, tuple[tuple[str, ...], str]]) -> dict[str, str]:
+    """The default plan of a family named by its blocks: each block's inputs colwise, its
+    output rowwise, the embeddings and the head replicated."""
+    plan = {"model.embed_tokens": "replicate", "lm_head": "replicate"}
+    for block, (cols, row) in blocks.items():
+        plan |= {f"*.{block}.{col}": "colwise" for col in cols}
+        plan[f"*.{block}.{row}"] = "rowwise"
+    return plan
+
+
+DEFAULT_PLANS: dict[str, dict[str, str]] = {
+    "LlamaForCausalLM": LLAMA_PLAN,
+    "GemmaForCausalLM": LLAMA_PLAN,
+    "MistralForCausalLM": LLAMA_PLAN,
+    "Qwen2ForCausalLM": LLAMA_PLAN,
+    "Qwen3ForCausalLM": LLAMA_PLAN,
+    "Gemma2ForCausalLM": LLAMA_PLAN,
+    "Gemma3ForCausalLM": LLAMA_PLAN,
+    "Phi3ForCausalLM": LLAMA_PLAN,
+    "SmolLM3ForCausalLM": LLAMA_PLAN,
+    "GraniteForCausalLM": LLAMA_PLAN,
+    "GraniteMoeHybridForCausalLM": LLAMA_PLAN,  # Granite 4.0 without experts
+    "Glm4ForCausalLM": LLAMA_PLAN,
+    "Ernie4_5ForCausalLM": LLAMA_PLAN,
+    "Exaone4ForCausalLM": LLAMA_PLAN,
+    "GPTNeoXForCausalLM": GPT_NEOX_PLAN,
+    STABLELM: LLAMA_PLAN,
+    COHERE: LLAMA_PLAN,
+    COHERE2: LLAMA_PLAN,
+    # Phi, StarCoder2, Nemotron, Arcee: the Llama layout's paths, their own block names.
+    **{arch: _blocks_plan(b) for arch, (path, b) in ARCH_BLOCKS.items() if path == "model.layers"},
+}
 
 
 @dataclass(frozen=True)
