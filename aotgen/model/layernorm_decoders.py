@@ -8,7 +8,7 @@ Module names follow the HF checkpoints, so weights load without a name map:
   `qk_layernorm`, one LayerNorm over each head's q (and k).
 - StableLM: the Llama layout with LayerNorms (one shared by attention and the MLP when
   `use_parallel_residual`), optional q/k/v biases, a gated MLP, with `qk_layernorm` a
-  LayerNorm of its own per head (`q_layernorm.norms.{h}`).
+  LayerNorm of its own per head (`q_layernorm.norms.{h}`, stacked at load).
 - StarCoder2: two LayerNorms a layer, biases on every linear (`use_bias`),
   `mlp.c_fc` / `c_proj`, a sliding window on every layer (`sliding_window`).
 - Cohere: one LayerNorm without a bias feeding attention and a gated MLP side by side, the
@@ -33,21 +33,9 @@ from aotgen.model.config import COHERE, COHERE2, NEMOTRON, PHI, STABLELM, STARCO
 from aotgen.model.layers import CausalLM, GatedMLP, UpDownMLP, apply_rope, cached_attention
 
 
-class HeadNorms(nn.Module):
-    """StableLM's q or k LayerNorm: its own weight per head, no bias."""
-
-    def __init__(self, heads: int, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.norms = nn.ModuleList(nn.LayerNorm(dim, eps=eps, bias=False) for _ in range(heads))
-
-    def forward(self, x: Tensor) -> Tensor:  # [b, heads, t, d]
-        weight = torch.stack([norm.weight for norm in self.norms]).unsqueeze(1)
-        return F.layer_norm(x, x.shape[-1:], eps=self.eps) * weight
-
-
 class HeadNorm(nn.Module):
-    """Cohere's q or k LayerNorm: one `[heads, dim]` weight, no bias."""
+    """Cohere's and StableLM's q or k LayerNorm: a weight per head (`[heads, dim]`), no bias.
+    StableLM's checkpoints hold one LayerNorm per head (`norms.{h}`): `stack_head_norms`."""
 
     def __init__(self, heads: int, dim: int, eps: float):
         super().__init__()
@@ -60,11 +48,24 @@ class HeadNorm(nn.Module):
 
 def _head_norm(cfg: ModelConfig, heads: int, dim: int) -> nn.Module:
     """The q or k norm: Cohere's and StableLM's with a weight per head, Phi's one for all."""
-    if cfg.architecture == COHERE:
+    if cfg.architecture in (COHERE, STABLELM):
         return HeadNorm(heads, dim, cfg.rms_norm_eps)
-    if cfg.architecture == STABLELM:
-        return HeadNorms(heads, dim, cfg.rms_norm_eps)
     return nn.LayerNorm(dim, eps=cfg.rms_norm_eps)
+
+
+def stack_head_norms(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """StableLM's per-head q/k LayerNorms (`q_layernorm.norms.{h}.weight`) as one `[heads,
+    dim]` weight each, read at once by `HeadNorm`; other checkpoints unchanged."""
+    if cfg.architecture != STABLELM:
+        return weights
+    out, heads = {}, {}
+    for name, t in weights.items():
+        stem, sep, rest = name.partition(".norms.")
+        if sep and stem.endswith(("q_layernorm", "k_layernorm")):
+            heads.setdefault(f"{stem}.weight", {})[int(rest.split(".")[0])] = t
+        else:
+            out[name] = t
+    return out | {name: torch.stack([h[i] for i in sorted(h)]) for name, h in heads.items()}
 
 
 class Attention(nn.Module):
@@ -168,13 +169,6 @@ class LayerNormDecoder(CausalLM):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=bias)
         self.tie_weights()
         self.init_buffers()
-
-    @property
-    def decoder_layers(self) -> nn.ModuleList:
-        return self.model.layers
-
-    def embed(self, tokens: Tensor) -> Tensor:
-        return self.model.embed_tokens(tokens)
 
     def logits(self, x: Tensor) -> Tensor:
         logits = self.lm_head(getattr(self.model, self.model.norm_name)(x))

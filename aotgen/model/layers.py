@@ -249,7 +249,8 @@ def cached_attention(
 
 
 class CausalLM(nn.Module):
-    """The shared forward. A family provides `decoder_layers`, `embed(tokens)`, `logits(x)`,
+    """The shared forward. A family provides `logits(x)` (and, where its modules are not under
+    `model` as in HF's layout, `decoder_layers` and `embed(tokens)`),
     the names of its embedding and head weights (`EMBED`, `HEAD`);
     each layer is called as `layer(x, cos, sin, write_at, mask, k_cache, v_cache,
     span)` with its own RoPE rows, mask and span of cache positions (sliding or global)."""
@@ -296,10 +297,11 @@ class CausalLM(nn.Module):
 
     @property
     def decoder_layers(self) -> nn.ModuleList:
-        raise NotImplementedError
+        """The layers; HF's layout keeps them at `model.layers` (GPT-NeoX overrides)."""
+        return self.model.layers
 
     def embed(self, tokens: Tensor) -> Tensor:
-        raise NotImplementedError
+        return self.model.embed_tokens(tokens)
 
     def logits(self, x: Tensor) -> Tensor:
         raise NotImplementedError

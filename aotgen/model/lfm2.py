@@ -164,12 +164,5 @@ class Lfm2ForCausalLM(CausalLM):
         self.tie_weights()
         self.init_buffers()
 
-    @property
-    def decoder_layers(self) -> nn.ModuleList:
-        return self.model.layers
-
-    def embed(self, tokens: Tensor) -> Tensor:
-        return self.model.embed_tokens(tokens)
-
     def logits(self, x: Tensor) -> Tensor:
         return self.lm_head(self.model.embedding_norm(x))

@@ -47,6 +47,7 @@ from aotgen.model.config import (
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
 )
+from aotgen.model.layernorm_decoders import LayerNormDecoder, stack_head_norms
 from aotgen.model.layers import (
     CausalLM,
     GatedMLP,
@@ -177,10 +178,6 @@ class Transformer(CausalLM):
             torch.tensor(self.config.hidden_size**0.5, dtype=dtype, device="cpu")
         )
 
-    @property
-    def decoder_layers(self) -> nn.ModuleList:
-        return self.model.layers
-
     def embed(self, tokens: Tensor) -> Tensor:
         x = self.model.embed_tokens(tokens)
         if self.config.gemma:
@@ -205,8 +202,6 @@ def model_class(cfg: ModelConfig) -> type[CausalLM]:
 
         return Lfm2ForCausalLM
     if cfg.architecture in LAYERNORM_LAYOUT:
-        from aotgen.model.layernorm_decoders import LayerNormDecoder
-
         return LayerNormDecoder
     return Transformer
 
@@ -340,7 +335,8 @@ def load_model(
     """Instantiate on the meta device and adopt the checkpoint tensors (no random init)."""
     cls = model_class(cfg)
     weights = {k: v for k, v in weights.items() if not k.endswith(IGNORED_SUFFIXES)}
-    weights = stack_experts(cfg, rotate_half_rows(cfg, split_fused(cfg, weights)))
+    weights = rotate_half_rows(cfg, split_fused(cfg, weights))
+    weights = stack_experts(cfg, stack_head_norms(cfg, weights))
     tied = cfg.tie_word_embeddings
     if tied:
         weights.pop(cls.HEAD, None)
