@@ -5,7 +5,8 @@ Granite's, SmolLM3's and Arcee's q/k permuted, Phi-3's LongRoPE factors and Llam
 divisors as tensors, GLM-4's and ERNIE 4.5's q/k as they are, OLMo 3 as olmo2 with a
 sliding-window pattern, a mixture of experts' experts stacked per block (Mixtral as llama),
 StableLM's per-head q/k norms stacked, Phi-2's q/k/v apart or fused, Command R, Cohere2,
-EXAONE 4 and Nemotron with their q/k rows as HF has them, some weights quantized), imported
+EXAONE 4 and Nemotron with their q/k rows as HF has them, gpt-oss's interleaved gate/up
+experts split and their biases apart, float or MXFP4, some weights quantized), imported
 back, and the imported checkpoint must compute what the original computes in `transformers`,
 in `transformers` and in aotgen's model.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +27,11 @@ import torch
 from families import FAMILIES, load_reference, randomize, reference_logits
 from reference import EagerModel
 from safetensors import safe_open
-from tiny import make_tokenizer
+from tiny import CHATML, CORPUS, make_tokenizer
+from tokenizers import Regex, decoders, models, pre_tokenizers, processors, trainers
 
-from aotgen.checkpoint.gguf import import_gguf, permute_qk
+from aotgen.checkpoint.gguf import import_gguf, open_gguf, permute_qk
+from aotgen.checkpoint.gguf_arch import read_config
 from aotgen.checkpoint.hf import CheckpointError
 from aotgen.kernels import gguf_blocks
 from aotgen.runtime.tokenizer import Tokenizer
@@ -45,6 +49,27 @@ LLAMA3 = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32,
 }
+GPT_OSS_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": True,  # HF's gpt-oss configs say false; llama.cpp truncates
+    "original_max_position_embeddings": 4096,
+}
+GPT_OSS: dict[str, Any] = dict(
+    num_hidden_layers=3,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=48,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=8,
+    swiglu_limit=7.0,
+    rope_parameters=GPT_OSS_YARN,
+    max_position_embeddings=32 * 4096,  # YaRN's context, as its factor says
+)
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", dict(num_hidden_layers=2, num_key_value_heads=2)),
     "qwen3": (
@@ -158,6 +183,11 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # Arcee: q/k permuted (its converter is LlamaModel's), Llama 3.1's rope_freqs read too.
     "arcee": FAMILIES["arcee"],
     "arcee-llama3": ("ArceeConfig", {**FAMILIES["arcee"][1], "rope_parameters": LLAMA3}),
+    # gpt-oss: sinks, biased q/k/v/o, router and experts, its window on layers 0 and 2, YaRN
+    # with the ramp's ends floored and ceiled (`truncate`) as ggml does, llama.cpp's fixed
+    # clamp of 7 (its experts scaled up in _checkpoint so that the clamp cuts).
+    "gpt-oss": ("GptOssConfig", GPT_OSS),
+    "gpt-oss-qkv": ("GptOssConfig", GPT_OSS),  # q/k/v fused (the converter's --fuse-qkv)
 }
 # The GGUF architecture of the test cases named otherwise.
 GGUF_ARCH = {
@@ -168,6 +198,7 @@ GGUF_ARCH = {
     "exaone4-swa": "exaone4",
     "llama3": "llama",
     "arcee-llama3": "arcee",
+    "gpt-oss-qkv": "gpt-oss",
 }
 MOE_NAMES = {
     "mlp.gate": "ffn_gate_inp",
@@ -179,6 +210,7 @@ MOE_NAMES = {
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
     "feed_forward.gate": "ffn_gate_inp",  # LFM2-MoE
+    "mlp.router": "ffn_gate_inp",  # gpt-oss
 }
 # One expert's projection in an HF checkpoint, and the stacked GGUF tensor it goes into.
 EXPERT = re.compile(
@@ -260,6 +292,7 @@ PHI2_NAMES = {
     "mlp.fc1": "ffn_up",
     "mlp.fc2": "ffn_down",
 }
+GPT_OSS_NAMES = {**LAYER_NAMES["llama"], "post_attention_layernorm": "post_attention_norm"}
 STARCODER2_NAMES = {**LAYER_NAMES["llama"], "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
 GLOBAL_NAMES = {
     "model.embed_tokens": "token_embd",
@@ -272,24 +305,199 @@ GLOBAL_NAMES = {
     "model.embedding_norm": "token_embd_norm",  # LFM2's final norm
 }
 TEXTS = ["Hello world, the capital of France is Paris.", "  two  spaces\nand 12345 digits ✓"]
+# OpenAI's harmony format: gpt-oss's special tokens, its end-of-generation ones <|return|> and
+# <|call|> (<|end|> ends a message).
+HARMONY = [
+    "<|startoftext|>",
+    "<|endoftext|>",
+    "<|return|>",
+    "<|constrain|>",
+    "<|channel|>",
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "<|call|>",
+]
+# o200k's split as its tokenizer.json holds it (llama.cpp's `gpt-4o` rewrites the case classes).
+O200K = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
+    r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Contractions stay on their word in o200k (llama3's split cuts them off): learnt as merges.
+HARMONY_CORPUS = CORPUS + ["Don't say it's what we'd do; they'll see/CamelCase.\n"] * 20
+HARMONY_TEXTS = [
+    "CamelCase HELLOworld it'S we'd don't a/b/c 1234567 Ünïcode",
+    "<|start|>assistant<|channel|>final<|message|>Paris.<|return|>",
+]
+# E2M1, the 4-bit floats of an MXFP4 block (code 8 is -0).
+FP4 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
-def _checkpoint(out: Path, arch: str, **sizes: Any) -> Path:
+def _harmony_tokenizer(out: Path) -> Any:
+    """A tiny BPE with gpt-oss's pre-tokenizer and harmony special tokens (<|return|> the eos,
+    as in its GGUFs)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(O200K), "isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=360, special_tokens=HARMONY, initial_alphabet=alphabet)
+    tok.train_from_iterator(HARMONY_CORPUS, trainer)
+    tok.save(str(out / "tokenizer.json"))
+    config = {"chat_template": CHATML, "bos_token": "<|startoftext|>", "eos_token": "<|return|>"}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return tok
+
+
+def _mxfp4_blocks(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """OpenAI's MXFP4 of float rows [E, R, C]: blocks uint8 [E, R, C / 32, 16] (two E2M1 codes a
+    byte, the first in the low nibble) and scales uint8 [E, R, C / 32] (exponent + 127), each
+    32 values the nearest codes times a power of two that puts the largest near 6."""
+    groups = rows.reshape(*rows.shape[:-1], -1, 32)
+    top = np.abs(groups).max(-1)
+    exp = np.where(top > 0, np.floor(np.log2(np.maximum(top, 1e-30))) - 2, -127).astype(np.int32)
+    grid = FP4 * np.ldexp(np.float32(1), exp)[..., None, None]  # [E, R, G, 1, 16]
+    codes = np.abs(grid - groups[..., None]).argmin(-1).astype(np.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exp + 127).astype(np.uint8)
+
+
+def _mxfp4_values(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The float rows [E, R, C] OpenAI's MXFP4 blocks and scales stand for."""
+    codes = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    values = FP4[codes] * np.ldexp(np.float32(1), scales.astype(np.int32) - 127)[..., None]
+    return values.reshape(*values.shape[:-2], -1)
+
+
+def _repack_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """conversion/gpt_oss.py GptOssModel.repack_mxfp4 and transform_nibble_layout, as written:
+    each block's bytes rearranged for ggml's block_mxfp4 (byte j: values j and j + 16) after
+    its scale byte, [E, R, C / 32 * 17]."""
+    tensor = torch.from_numpy(np.ascontiguousarray(blocks))
+    tensor = ((tensor & 0x0F) << 4) | ((tensor & 0xF0) >> 4)
+    blk_a, blk_b = tensor.chunk(2, dim=-1)
+    blk_a0, blk_a1 = (blk_a & 0xF0).view(-1, 1), (blk_a << 4).view(-1, 1)
+    blk_a = torch.stack((blk_a0, blk_a1), dim=2).view(tensor.shape)
+    blk_b0, blk_b1 = (blk_b >> 4).view(-1, 1), (blk_b & 0x0F).view(-1, 1)
+    blk_b = torch.stack((blk_b0, blk_b1), dim=2).view(tensor.shape)
+    out = blk_a | blk_b
+    out = ((out & 0xF0) >> 4) | ((out & 0x0F) << 4)
+    new = torch.concat((torch.from_numpy(np.ascontiguousarray(scales)).unsqueeze(-1), out), -1)
+    return new.view(new.shape[0], new.shape[1], -1).numpy()
+
+
+def _gpt_oss_tensors(hf: str, x: np.ndarray, mxfp4: bool) -> list[tuple[str, Any]] | None:
+    """What conversion/gpt_oss.py writes for a GptOss sink or expert tensor (None for the
+    others): the sinks as attn_sinks.weight; gate_up_proj's columns (or its MXFP4 blocks'
+    rows) split evens to gate, odds to up, [E, out, in]; down_proj as [E, d, f]; the biases
+    split alike. MXFP4 tensors come as (bytes, quantization type)."""
+    match = re.match(r"^model\.layers\.(\d+)\.(self_attn\.sinks|mlp\.experts\.\w+)$", hf)
+    if match is None:
+        return None
+    blk, rest = f"blk.{match[1]}", match[2].rsplit(".", 1)[-1]
+    if rest == "sinks":
+        return [(f"{blk}.attn_sinks.weight", x)]
+    if rest == "gate_up_proj_bias":
+        return [
+            (f"{blk}.ffn_gate_exps.bias", x[..., ::2]),
+            (f"{blk}.ffn_up_exps.bias", x[..., 1::2]),
+        ]
+    if rest == "down_proj_bias":
+        return [(f"{blk}.ffn_down_exps.bias", x)]
+    rows = np.ascontiguousarray(x.transpose(0, 2, 1))  # [E, out, in]
+    # gate_up_proj: its rows (blocks) split evens to gate, odds to up; down_proj whole
+    parts = {"gate": slice(0, None, 2), "up": slice(1, None, 2)}
+    parts = parts if rest == "gate_up_proj" else {"down": slice(None)}
+    blocks, scales = _mxfp4_blocks(rows) if mxfp4 else (None, None)
+    out: list[tuple[str, Any]] = []
+    for proj, cut in parts.items():
+        if blocks is None:
+            out.append((f"{blk}.ffn_{proj}_exps.weight", np.ascontiguousarray(rows[:, cut])))
+        else:
+            packed = _repack_mxfp4(blocks[:, cut], scales[:, cut])
+            out.append((f"{blk}.ffn_{proj}_exps.weight", (packed, gguf.GGMLQuantizationType.MXFP4)))
+    return out
+
+
+def _gpt_oss_meta(w: gguf.GGUFWriter, cfg: dict[str, Any]) -> None:
+    """What llama.cpp's converter writes of gpt-oss beyond base.py's keys (conversion/gpt_oss.py:
+    the window, the experts' width) and of its YaRN (base.py: type, factor, original context,
+    beta_fast / beta_slow as given; no window pattern)."""
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    rope = cfg["rope_parameters"]
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if rope.get("attention_factor") is not None:
+            w.add_rope_scaling_yarn_attn_factor(rope["attention_factor"])
+        if rope.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        if rope.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+
+
+class _Writer(gguf.GGUFWriter):
+    """gguf's writer, leaving out the tensors named in `drop` (a damaged file)."""
+
+    def __init__(self, path: str, arch: str, drop: tuple[str, ...] = ()) -> None:
+        super().__init__(path, arch)
+        self.drop = drop
+
+    def add_tensor(self, name: str, *args: Any, **kwargs: Any) -> None:
+        if name not in self.drop:
+            super().add_tensor(name, *args, **kwargs)
+
+
+def _aotgen_runs_gpt_oss() -> bool:
+    """Whether aotgen's own model of gpt-oss is built (its config fields are there)."""
+    from dataclasses import fields
+
+    from aotgen.model.config import ModelConfig
+
+    names = {f.name for f in fields(ModelConfig)}
+    return {"expert_biases", "swiglu_limit", "swiglu_alpha"} <= names
+
+
+def _checkpoint(out: Path, arch: str, mxfp4: bool = False, **sizes: Any) -> Path:
+    """The family's tiny checkpoint; gpt-oss's with `mxfp4` has experts MXFP4 can hold
+    exactly (their values rounded to it, as OpenAI ships them)."""
     import transformers
 
     out.mkdir(parents=True)
-    tok = make_tokenizer(out)
+    gpt_oss = arch.startswith("gpt-oss")
+    tok = _harmony_tokenizer(out) if gpt_oss else make_tokenizer(out)
+    bos, eos = ("<|startoftext|>", "<|return|>") if gpt_oss else ("<|im_start|>", "<|im_end|>")
     cls_name, kwargs = CONFIGS[arch]
     config = getattr(transformers, cls_name)(
         **{**BASE, **kwargs, **sizes},
         vocab_size=tok.get_vocab_size(),
-        bos_token_id=tok.token_to_id("<|im_start|>"),
-        eos_token_id=tok.token_to_id("<|im_end|>"),
+        bos_token_id=tok.token_to_id(bos),
+        eos_token_id=tok.token_to_id(eos),
         pad_token_id=tok.token_to_id("<|endoftext|>"),
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize(model, gemma=arch.startswith("gemma"))
+    with torch.no_grad():
+        for name, p in model.named_parameters() if gpt_oss else ():
+            if name.endswith(".sinks"):  # as large as the scores, so that they matter
+                p.normal_(0, 1.0)
+            elif name.endswith("experts.gate_up_proj"):  # |gate|, |up| past 7 for some
+                p.normal_(0, 0.6)
+            if mxfp4 and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                rows = p.detach().numpy().transpose(0, 2, 1)  # [E, out, in], as stored
+                held = _mxfp4_values(*_mxfp4_blocks(rows)).transpose(0, 2, 1)
+                p.copy_(torch.from_numpy(np.ascontiguousarray(held)))
     model.save_pretrained(out)
     return out
 
@@ -319,6 +527,8 @@ def _gguf_name(arch: str, hf: str) -> str:
         "starcoder2": STARCODER2_NAMES,
         "exaone4": OLMO2_NAMES,
         "exaone4-swa": OLMO2_NAMES,
+        "gpt-oss": GPT_OSS_NAMES,
+        "gpt-oss-qkv": GPT_OSS_NAMES,
     }.get(arch, LAYER_NAMES["llama"])
     return f"blk.{i}.{names[rest]}.{kind}"
 
@@ -508,14 +718,18 @@ def _write_gguf(
     quantize: bool = True,
     qtypes: tuple[str, ...] = (),
     extra: dict[str, np.ndarray] | None = None,
+    mxfp4: bool = False,
+    drop: tuple[str, ...] = (),
+    keys: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> dict[str, Any]:
-    """The checkpoint as llama.cpp would convert it, with `extra` tensors as given; returns the
-    HF tensors written. Half the matrices are Q8_0, or with `qtypes` every matrix takes the
-    next of them its rows fit."""
+    """The checkpoint as llama.cpp would convert it, with `extra` tensors as given, those in
+    `drop` left out and metadata `keys` adds; returns the HF tensors written. Half the
+    matrices are Q8_0, or with `qtypes` every matrix takes the next of them its rows fit;
+    gpt-oss's experts are MXFP4 with `mxfp4`."""
     cfg = json.loads((ckpt / "config.json").read_text())
     tok = json.loads((ckpt / "tokenizer.json").read_text())
     kind = GGUF_ARCH.get(arch, arch)
-    w = gguf.GGUFWriter(str(path), kind)
+    w = _Writer(str(path), kind, drop)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -555,11 +769,15 @@ def _write_gguf(
             w.add_rope_freq_base(theta)
         _llama_variant_meta(w, arch, cfg, head_dim)
         _moe_meta(w, cfg)
+        if kind == "gpt-oss":
+            _gpt_oss_meta(w, cfg)
+    if keys is not None:
+        keys(w)
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     added = {t["id"]: t["content"] for t in tok["added_tokens"]}
     tokens = [added.get(i, t) for t, i in vocab]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
+    w.add_tokenizer_pre("gpt-4o" if kind == "gpt-oss" else "gpt-2")
     w.add_token_list(tokens)
     w.add_token_types(
         [gguf.TokenType.CONTROL if i in added else gguf.TokenType.NORMAL for _, i in vocab]
@@ -576,6 +794,13 @@ def _write_gguf(
         for n, hf in enumerate(sorted(f.keys())):
             x = f.get_tensor(hf).astype(np.float32)
             written[hf] = x
+            if kind == "gpt-oss" and (pairs := _gpt_oss_tensors(hf, x, mxfp4)) is not None:
+                for name, t in pairs:
+                    if isinstance(t, tuple):  # MXFP4 bytes
+                        w.add_tensor(name, t[0], raw_dtype=t[1])
+                    else:
+                        w.add_tensor(name, np.ascontiguousarray(t))
+                continue
             if match := EXPERT.match(hf):  # stacked per block and projection, as llama.cpp does
                 layer, e, proj = match.groups()
                 experts.setdefault((layer, STACKED.get(proj, "down")), {})[int(e)] = x
@@ -584,7 +809,7 @@ def _write_gguf(
                 layer, qk, head = match.groups()
                 head_norms.setdefault((layer, qk), {})[int(head)] = x
                 continue
-            if arch == "phi2-qkv" and (match := QKV.match(hf)):
+            if arch in ("phi2-qkv", "gpt-oss-qkv") and (match := QKV.match(hf)):
                 layer, proj, part = match.groups()
                 fused.setdefault((layer, part), {})[proj] = x
                 continue
@@ -643,11 +868,13 @@ def test_family_gguf_imports_to_the_same_model(tmp_path: Path, arch: str) -> Non
     ref = reference_logits(load_reference(ckpt), ids)
     got = reference_logits(load_reference(out), ids)
     assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+    new, old = Tokenizer.from_dir(out), Tokenizer.from_dir(ckpt)
+    for text in TEXTS + (HARMONY_TEXTS if arch.startswith("gpt-oss") else []):
+        assert new.encode(text) == old.encode(text)
+    if arch.startswith("gpt-oss") and not _aotgen_runs_gpt_oss():
+        pytest.skip("aotgen's gpt-oss model is not built yet: compared in transformers only")
     ours = EagerModel(out, 96).forward(ids, 0)  # aotgen's model on the imported checkpoint
     assert ((ours - ref).norm() / ref.norm()).item() < 1e-5
-    new, old = Tokenizer.from_dir(out), Tokenizer.from_dir(ckpt)
-    for text in TEXTS:
-        assert new.encode(text) == old.encode(text)
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "gptneox", "phi2"])
@@ -753,3 +980,112 @@ def test_rows_moved_at_load_are_found_in_the_blocks(tmp_path: Path, arch: str) -
     for name, weight in linears.items():
         segments = index.segments(weight)
         assert segments is not None and [s.qtype for s in segments] == ["Q8_0"], name
+
+
+def _relative(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got - ref).norm() / ref.norm()).item()
+
+
+def test_gpt_oss_mxfp4_experts_import_exactly(tmp_path: Path) -> None:
+    """gpt-oss's experts as OpenAI ships them (MXFP4 blocks of 32 inputs: hidden and expert
+    widths multiples of 32), written as the converter's repack_mxfp4 writes them: the import
+    gives back every expert value exactly, and the same logits."""
+    sizes = dict(num_hidden_layers=2, intermediate_size=64)
+    ckpt = _checkpoint(tmp_path / "hf", "gpt-oss", mxfp4=True, **sizes)
+    _write_gguf(ckpt, tmp_path / "m.gguf", "gpt-oss", quantize=False, mxfp4=True)
+    reader = open_gguf(tmp_path / "m.gguf")
+    types = {t.name: t.tensor_type.name for t in reader.tensors if "_exps.weight" in t.name}
+    assert len(types) == 6 and set(types.values()) == {"MXFP4"}
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
+    with (
+        safe_open(ckpt / "model.safetensors", "np") as f,
+        safe_open(out / "model.safetensors", "np") as g,
+    ):
+        assert set(g.keys()) == set(f.keys())
+        for name in f.keys():
+            assert np.array_equal(g.get_tensor(name), f.get_tensor(name)), name
+    ids = Tokenizer.from_dir(ckpt).encode(TEXTS[0] + TEXTS[1])
+    ref = reference_logits(load_reference(ckpt), ids)
+    assert _relative(reference_logits(load_reference(out), ids), ref) < 1e-6
+    if not _aotgen_runs_gpt_oss():
+        pytest.skip("aotgen's gpt-oss model is not built yet: compared in transformers only")
+    assert _relative(EagerModel(out, 96).forward(ids, 0), ref) < 1e-5
+
+
+def test_gpt_oss_config_is_what_llama_cpp_runs(tmp_path: Path) -> None:
+    """llama.cpp's YaRN whatever the converter stored (ramp ends floored and ceiled, beta_fast
+    32 and beta_slow 1: openai-moe reads neither key), its fixed SwiGLU clamp (which cuts here),
+    its end-of-generation tokens (<|return|> and <|call|>, not <|end|>)."""
+    rope = {**GPT_OSS_YARN, "beta_fast": 16.0, "truncate": False}  # as an HF config may say
+    ckpt = _checkpoint(tmp_path / "hf", "gpt-oss", rope_parameters=rope)
+    _write_gguf(ckpt, tmp_path / "m.gguf", "gpt-oss", quantize=False)
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_parameters"] == {
+        **GPT_OSS_YARN,
+        "attention_factor": pytest.approx(1 + 0.1 * math.log(32)),
+    }
+    assert config["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert (config["swiglu_limit"], config["swiglu_alpha"]) == (7.0, 1.702)
+    assert (config["intermediate_size"], config["sliding_window"]) == (48, 8)
+    tok = Tokenizer.from_dir(out)
+    eog = json.loads((out / "generation_config.json").read_text())["eos_token_id"]
+    assert sorted(eog) == sorted(tok.encode(t)[0] for t in ("<|return|>", "<|call|>", HARMONY[1]))
+    # the clamp cuts: without it the original's logits move
+    ids = Tokenizer.from_dir(ckpt).encode(TEXTS[0])
+    ref = reference_logits(load_reference(out), ids)
+    config["swiglu_limit"] = 1e4
+    (out / "config.json").write_text(json.dumps(config))
+    assert _relative(reference_logits(load_reference(out), ids), ref) > 0.05
+
+
+@pytest.mark.parametrize(
+    ("pattern", "sliding"),
+    [(None, "sfs"), (3, "ssf"), (0, "sss"), ([False, True, True], "fss")],
+)
+def test_gpt_oss_window_pattern_as_llama_cpp_reads_it(
+    tmp_path: Path, pattern: Any, sliding: str
+) -> None:
+    """attention.sliding_window_pattern: absent (llama.cpp's period 2), a period (layer i
+    slides iff i % period < period - 1; 0: all), or a flag per layer."""
+    ckpt = _checkpoint(tmp_path / "hf", "gpt-oss")
+    keys = None if pattern is None else (lambda w: w.add_sliding_window_pattern(pattern))
+    _write_gguf(ckpt, tmp_path / "m.gguf", "gpt-oss", quantize=False, keys=keys)
+    config = read_config(open_gguf(tmp_path / "m.gguf"))
+    kinds = {"s": "sliding_attention", "f": "full_attention"}
+    assert config["layer_types"] == [kinds[c] for c in sliding]
+
+
+@pytest.mark.parametrize(
+    ("drop", "message"),
+    [
+        (("blk.1.attn_sinks.weight",), r"block 1 lacks attn_sinks\.weight"),
+        (("blk.0.ffn_down_exps.bias",), r"block 0 lacks ffn_down_exps\.bias"),
+        (("blk.2.attn_output.bias",), r"block 2 lacks attn_output\.bias"),
+        (("output.weight",), r"no output\.weight"),
+    ],
+)
+def test_gpt_oss_without_what_llama_cpp_requires_is_one_line(
+    tmp_path: Path, drop: tuple[str, ...], message: str
+) -> None:
+    ckpt = _checkpoint(tmp_path / "hf", "gpt-oss")
+    _write_gguf(ckpt, tmp_path / "m.gguf", "gpt-oss", quantize=False, drop=drop)
+    with pytest.raises(CheckpointError, match=message) as e:
+        import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
+    assert "\n" not in str(e.value) and "llama.cpp's gpt-oss requires it" in str(e.value)
+    assert not (tmp_path / "imported").exists()
+
+
+def test_gpt_oss_without_qkv_biases_imports_them_as_zeros(tmp_path: Path) -> None:
+    """q/k/v biases are optional in llama.cpp (it runs without them): zeros, so that
+    transformers' one attention_bias holds for every block."""
+    ckpt = _checkpoint(tmp_path / "hf", "gpt-oss")
+    drop = tuple(f"blk.{i}.attn_{p}.bias" for i in range(3) for p in "qkv")
+    _write_gguf(ckpt, tmp_path / "m.gguf", "gpt-oss", quantize=False, drop=drop)
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
+    with safe_open(out / "model.safetensors", "np") as g:
+        for p, rows in (("q", 64), ("k", 32), ("v", 32)):
+            for i in range(3):
+                bias = g.get_tensor(f"model.layers.{i}.self_attn.{p}_proj.bias")
+                assert bias.shape == (rows,) and not bias.any()
+    load_reference(out)  # transformers loads it

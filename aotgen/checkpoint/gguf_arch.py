@@ -121,6 +121,20 @@ _STABLELM_LAYER = {
 _COHERE_LAYER = {k: v for k, v in _LLAMA_LAYER.items() if k != "ffn_norm"}
 # Nemotron's and Arcee's MLP: no gate (up, relu², down); an ffn_gate is refused.
 _UP_DOWN_LAYER = {k: v for k, v in _LLAMA_LAYER.items() if k != "ffn_gate"}
+# gpt-oss: q/k/v (or fused attn_qkv, split at import) and o with biases, a sink logit per head,
+# the norm after attention stored as post_attention_norm; the router and the experts (each
+# projection stacked [E, out, in] with a bias [E, out]) regrouped into transformers' GptOss
+# layout at import (gguf_arch_gpt_oss.py).
+_GPT_OSS_LAYER = {
+    **{k: v for k, v in _LLAMA_LAYER.items() if not k.startswith("ffn_")},
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_sinks": "self_attn.sinks",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.router",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
 _STARCODER2_LAYER = {
     **{k: v for k, v in _LLAMA_LAYER.items() if not k.startswith("ffn_")},
     "ffn_norm": "post_attention_layernorm",
@@ -172,6 +186,8 @@ ARCHS: dict[str, Arch] = {
     "exaone4": Arch("Exaone4ForCausalLM", "exaone4", _OLMO2_LAYER),  # NEOX RoPE: as HF has them
     "nemotron": Arch("NemotronForCausalLM", "nemotron", _UP_DOWN_LAYER),  # NEOX: as HF has them
     "arcee": Arch("ArceeForCausalLM", "arcee", _UP_DOWN_LAYER),
+    # q/k rows as HF has them (NEOX RoPE, no permutation)
+    "gpt-oss": Arch("GptOssForCausalLM", "gpt_oss", _GPT_OSS_LAYER),
     "gptneox": Arch(
         "GPTNeoXForCausalLM",
         "gpt_neox",
@@ -264,12 +280,13 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> dict[str, Any] | None:
 def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     """The HF config.json of the GGUF's architecture, from its metadata."""
     # Imported here: that module builds on this one's helpers.
+    from aotgen.checkpoint.gguf_arch_gpt_oss import gpt_oss_config
     from aotgen.checkpoint.gguf_arch_layernorm import LAYERNORM_ARCHS, layernorm_config
 
     arch, spec = arch_spec(reader)
     config = _common_config(reader, arch, spec)
     divisors = _frequency_divisors(reader, config)
-    own_rope = ("gptneox", "lfm2", "lfm2moe", *LAYERNORM_ARCHS)
+    own_rope = ("gptneox", "lfm2", "lfm2moe", "gpt-oss", *LAYERNORM_ARCHS)
     if divisors and (arch in own_rope or _rope_scaling(reader, arch)):
         raise CheckpointError(
             f"GGUF {ROPE_FREQS} on {arch} (or with a rope.scaling.type) is not supported"
@@ -280,6 +297,8 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         return _lfm2_config(reader, arch, config)
     if arch in LAYERNORM_ARCHS:
         return layernorm_config(reader, arch, config)
+    if arch == "gpt-oss":
+        return gpt_oss_config(reader, arch, config)
     config.update(
         rms_norm_eps=_f32(require_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_theta=_f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0)),
@@ -332,8 +351,11 @@ def _frequency_divisors(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict
 
 def _common_config(reader: gguf.GGUFReader, arch: str, spec: Arch) -> dict[str, Any]:
     """What every architecture's config holds. `num_key_value_heads` is the largest of a
-    per-block list (LFM2: 0 on convolution layers), kept as `kv_heads_per_layer`."""
+    per-block list (LFM2: 0 on convolution layers), kept as `kv_heads_per_layer`. gpt-oss's
+    MLP width is its experts' (llama.cpp reads no feed_forward_length for it)."""
     hidden = int(require_meta(reader, f"{arch}.embedding_length"))
+    ff_key = "expert_feed_forward_length" if arch == "gpt-oss" else "feed_forward_length"
+    ff = require_meta(reader, f"{arch}.{ff_key}")
     n_head = int(require_meta(reader, f"{arch}.attention.head_count"))
     n_kv = meta_value(reader, f"{arch}.attention.head_count_kv", n_head)
     tokens = meta_value(reader, "tokenizer.ggml.tokens")
@@ -345,7 +367,7 @@ def _common_config(reader: gguf.GGUFReader, arch: str, spec: Arch) -> dict[str, 
         "architectures": [spec.hf_arch],
         "model_type": spec.model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(require_meta(reader, f"{arch}.feed_forward_length")),
+        "intermediate_size": int(max(ff) if isinstance(ff, list) else ff),
         "num_hidden_layers": int(require_meta(reader, f"{arch}.block_count")),
         "num_attention_heads": n_head,
         "num_key_value_heads": int(max(n_kv) if isinstance(n_kv, list) else n_kv),
@@ -401,7 +423,8 @@ def _lfm2_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -> 
 
 def _layer_types(reader: gguf.GGUFReader, arch: str, pattern: Any, n_layer: int) -> list[str]:
     """Sliding or full attention per layer from a sliding-window pattern: one flag per layer
-    (true where sliding), or a period (every period-th layer full)."""
+    (true where sliding), or a period (every period-th layer full; 0: every layer sliding, as
+    llama.cpp's set_swa_pattern reads it)."""
     if isinstance(pattern, list):
         if len(pattern) != n_layer:
             raise CheckpointError(
@@ -410,7 +433,8 @@ def _layer_types(reader: gguf.GGUFReader, arch: str, pattern: Any, n_layer: int)
             )
         sliding = [bool(p) for p in pattern]
     else:
-        sliding = [(i + 1) % int(pattern) != 0 for i in range(n_layer)]
+        period = int(pattern)
+        sliding = [period == 0 or (i + 1) % period != 0 for i in range(n_layer)]
     return ["sliding_attention" if s else "full_attention" for s in sliding]
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import gguf
 
 from aotgen.checkpoint.gguf_arch import arch_spec, hf_name, model_tensors
+from aotgen.checkpoint.gguf_arch_gpt_oss import check_gpt_oss_tensors
 from aotgen.checkpoint.hf import CheckpointError
 
 
@@ -47,6 +48,7 @@ def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
         "c_proj": (d, f),
         "q_norm": (q,) if across_heads else (hd,),
         "k_norm": (kv,) if across_heads else (hd,),
+        "sinks": (c["num_attention_heads"],),  # gpt-oss: a logit per head
     }
     if c["architectures"][0].startswith("Lfm2"):
         out_proj = (d, q) if ".self_attn." in name else (d, d)
@@ -72,9 +74,13 @@ def _moe_shape(name: str, kind: str, c: dict[str, Any], experts: int) -> tuple[i
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "expert_bias":
         return (experts,)
+    if kind == "bias" and name.endswith("mlp.router"):  # gpt-oss's router and experts
+        return (experts,)
+    if kind == "bias" and ".experts." in name:
+        return (experts, d) if leaf == "down_proj" else (experts, f)
     if kind != "weight" or leaf == "shared_expert_gate":  # stored as [d] or [1, d]
         return None
-    if name.endswith(("mlp.gate", "feed_forward.gate")):
+    if name.endswith(("mlp.gate", "feed_forward.gate", "mlp.router")):
         return (experts, d)
     if ".shared_expert." in name:
         return (d, shared) if leaf == "down_proj" else (shared, d)
@@ -95,9 +101,11 @@ def check_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
                 f"{list(want)}"
             )
         names.add(hf)
+    n_layer = config["num_hidden_layers"]
+    if spec.hf_arch == "GptOssForCausalLM":
+        check_gpt_oss_tensors({t.name for t in reader.tensors}, n_layer)
     # Blocks of one kind (LFM2: attention or convolution, dense or experts) have the same
     # tensors.
-    n_layer = config["num_hidden_layers"]
     dense = config.get("num_dense_layers", n_layer)
     kinds = [f"{t}-{i < dense}" for i, t in enumerate(config.get("layer_types") or [])]
     kinds = kinds if spec.hf_arch.startswith("Lfm2") else ["block"] * n_layer

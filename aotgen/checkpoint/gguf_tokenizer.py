@@ -44,6 +44,15 @@ _QWEN2 = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _DEFAULT = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"]
+# o200k (gpt-oss, `gpt-4o`), as llama.cpp writes it: the original's case classes as letters
+# other than a-z, then letters other than A-Z (its regex engine has no \p{Lu} / \p{Ll}).
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+    r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 PRE_TOKENIZERS: dict[str, list[str]] = {
     "default": _DEFAULT,
     "gpt-2": [_GPT2],
@@ -61,6 +70,7 @@ PRE_TOKENIZERS: dict[str, list[str]] = {
     "dbrx": [_LLAMA3],
     "smaug-bpe": [_LLAMA3],
     "lfm2": [_LLAMA3],
+    "gpt-4o": [_GPT4O],
     "qwen2": [_QWEN2],
     "stablelm2": [_QWEN2],
     "starcoder": [r"\p{N}", _GPT2],
