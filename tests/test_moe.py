@@ -1,18 +1,21 @@
 """Mixture-of-experts pieces the family tests (test_families.py: Qwen3-MoE compiled, Mixtral,
 Qwen2-MoE and OLMoE eager, all against transformers) do not reach: the experts' fixed-shape
-formulations against the op's eager definition, int8 experts, and what aotgen refuses."""
+formulations against the op's eager definition, int8 experts, gpt-oss's biased experts and
+clamped SwiGLU against transformers, and what aotgen refuses."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from families import make_family_checkpoint
+from torch import Tensor
 
 from aotgen.checkpoint.hf import open_checkpoint
 from aotgen.kernels.moe import experts_without_kernel, moe_experts, moe_experts_int8
 from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
+from aotgen.model.moe import Experts
 from aotgen.package.build import build
-from aotgen.passes.quantize_experts import int8_rows
+from aotgen.passes.quantize_experts import Int8Experts, int8_rows
 from aotgen.passes.tp import parse_parallel, resolve_plan
 from aotgen.recipe import Project, RecipeError, parse_recipe
 from aotgen.runtime.engine import Engine
@@ -40,6 +43,145 @@ def test_fixed_shape_experts_equal_the_routed_loop(tokens, gather):
     want = moe_experts(*args)
     assert want.abs().max() > 0.1
     torch.testing.assert_close(experts_without_kernel(*args, gather=gather), want)
+
+
+def _gpt_oss(tokens: int, dtype=torch.float32, experts: int = 8, k: int = 2, d=16, f=12):
+    """transformers' `GptOssExperts` (limit 7, alpha 1.702) with random weights and biases
+    large enough that the clamp acts on many gates and ups, `tokens` routed rows, and its
+    experts in aotgen's layout: (module, (x, weights, ids, gate_up, down), (gate_up_bias,
+    down_bias, limit, alpha)). Its `gate_up_proj [E, d, 2f]` interleaves gate and up columns:
+    gate = ::2, up = 1::2, transposed into `[E, 2f, d]` gate rows then up rows."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    hf = GptOssConfig(
+        hidden_size=d, intermediate_size=f, num_local_experts=experts, num_experts_per_tok=k
+    )
+    hf._experts_implementation = "eager"
+    module = GptOssExperts(hf)
+    g = torch.Generator().manual_seed(tokens)
+    with torch.no_grad():
+        module.gate_up_proj.copy_(torch.randn(experts, d, 2 * f, generator=g) * 1.5 / d**0.5)
+        module.gate_up_proj_bias.copy_(torch.randn(experts, 2 * f, generator=g))
+        module.down_proj.copy_(torch.randn(experts, f, d, generator=g) / f**0.5)
+        module.down_proj_bias.copy_(torch.randn(experts, d, generator=g))
+    module.to(dtype).requires_grad_(False)
+    x = (torch.randn(tokens, d, generator=g) * 3).to(dtype)
+    weights, ids = torch.randn(tokens, experts, generator=g).softmax(-1).topk(k, dim=-1)
+    w, b = module.gate_up_proj, module.gate_up_proj_bias
+    gate_up = torch.cat([w[..., ::2], w[..., 1::2]], dim=-1).transpose(1, 2).contiguous()
+    gate_up_bias = torch.cat([b[:, ::2], b[:, 1::2]], dim=-1)
+    down = module.down_proj.transpose(1, 2).contiguous()
+    extra = (gate_up_bias, module.down_proj_bias, hf.swiglu_limit, hf.swiglu_alpha)
+    return module, (x, weights, ids, gate_up, down), extra
+
+
+def _gpt_oss_experts_config(d: int = 16, f: int = 12, experts: int = 8) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=32, hidden_size=d, intermediate_size=f, num_hidden_layers=1,
+        num_attention_heads=1, num_key_value_heads=1, head_dim=d, num_experts=experts,
+        num_experts_per_tok=2, moe_intermediate_size=f, expert_biases=True,
+        swiglu_limit=7.0, swiglu_alpha=1.702,
+    )  # fmt: skip
+
+
+def _close(got: Tensor, want: Tensor, dtype: torch.dtype) -> None:
+    """float32: assert_close's tolerances; bfloat16: within 2% of the largest output (its
+    rounding, in different places than transformers')."""
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want)
+    else:
+        assert got.dtype == dtype
+        assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["op", "gather", "every expert"])
+def test_biased_clamped_experts_equal_gpt_oss(dtype, path):
+    """gpt-oss's experts (biases, clamped SwiGLU) through the op's eager definition and both
+    fixed-shape formulations equal transformers' GptOssExperts on the same weights and
+    routing; without the clamp these inputs give a far different sum."""
+    module, args, extra = _gpt_oss(40, dtype)
+    x, weights, ids = args[:3]
+    want = module(x, ids, weights)
+    if path == "op":
+        got = moe_experts(*args, *extra)
+    else:
+        got = experts_without_kernel(*args, path == "gather", None, *extra)
+    _close(got, want, dtype)
+    unclamped = moe_experts(*args, *extra[:2], 1e4, extra[3])
+    assert (unclamped.float() - want.float()).abs().max() > 0.5 * want.float().abs().max()
+
+
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_gpt_oss_experts_module_and_its_int8_form(tokens):
+    """`Experts` built from a gpt-oss config holds the biases and the activation and equals
+    GptOssExperts (1 row gathered, 40 through the op); `Int8Experts` keeps the biases float
+    and the activation, lands within int8's error of it, and its three formulations agree."""
+    module, (x, weights, ids, gate_up, down), (gub, db, limit, alpha) = _gpt_oss(tokens)
+    experts = Experts(_gpt_oss_experts_config())
+    experts.load_state_dict(
+        {"gate_up_proj": gate_up, "down_proj": down, "gate_up_proj_bias": gub,
+         "down_proj_bias": db}
+    )  # fmt: skip
+    assert (experts.limit, experts.alpha) == (7.0, 1.702)
+    want = module(x, ids, weights)
+    with torch.no_grad():
+        torch.testing.assert_close(experts(x, weights, ids), want)
+        int8 = Int8Experts(experts)
+        assert int8.gate_up_proj.dtype == torch.int8
+        assert torch.equal(int8.gate_up_proj_bias, gub) and torch.equal(int8.down_proj_bias, db)
+        assert (int8.limit, int8.alpha) == (limit, alpha)
+        got = int8(x, weights, ids)
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    q = (int8.gate_up_proj, int8.gate_up_scale, int8.down_proj, int8.down_scale)
+    op = moe_experts_int8(x, weights, ids, *q, gub, db, limit, alpha)
+    torch.testing.assert_close(got, op)
+    for gather in (True, False):
+        fixed = experts_without_kernel(
+            x, weights, ids, q[0], q[2], gather, (q[1], q[3]), gub, db, limit, alpha
+        )
+        torch.testing.assert_close(fixed, op)
+
+
+class BiasedExperts(torch.nn.Module):
+    """The experts' ops as a graph calls them: with both biases and the clamp in float32,
+    bfloat16 and int8, with only the down projection's bias, and with neither (AOTInductor
+    passes the shim a pointer to each optional bias' handle, null for None)."""
+
+    def forward(self, x, weights, ids, gate_up, down, gub, db, x16, gate_up16, down16, gub16,
+                db16, q, q_scale, qd, qd_scale):  # fmt: skip
+        ops = torch.ops.aotgen
+        return (
+            ops.moe_experts(x, weights, ids, gate_up, down, gub, db, 7.0, 1.702),
+            ops.moe_experts(x16, weights, ids, gate_up16, down16, gub16, db16, 7.0, 1.702),
+            ops.moe_experts_int8(x, weights, ids, q, q_scale, qd, qd_scale, gub, db, 7.0, 1.702),
+            ops.moe_experts(x, weights, ids, gate_up, down, None, db),
+            ops.moe_experts(x, weights, ids, gate_up, down),
+        )
+
+
+def test_compiled_graph_runs_biased_clamped_experts(project, tmp_path):
+    """An AOTInductor graph calling the ops through the kernel's C shims gives their eager
+    results (float32 and int8 to float32 precision, bfloat16 within its rounding)."""
+    from torch._inductor.package import load_package
+
+    from aotgen.export.aoti import compile_graph, package_graphs
+
+    _, (x, weights, ids, gate_up, down), (gub, db, _, _) = _gpt_oss(40)
+    bf16 = [t.to(torch.bfloat16) for t in (x, gate_up, down, gub, db)]
+    q, q_scale = int8_rows(gate_up)
+    qd, qd_scale = int8_rows(down)
+    args = (x, weights, ids, gate_up, down, gub, db, *bf16, q, q_scale, qd, qd_scale)
+    ep = torch.export.export(BiasedExperts(), args)
+    files, _ = compile_graph(ep, args, max_autotune=False, cache=project.cache_dir / "graphs")
+    package_graphs(tmp_path / "experts.pt2", {"model": files})
+    compiled = load_package(str(tmp_path / "experts.pt2"), "model")
+    eager = BiasedExperts()(*args)
+    dtypes = (torch.float32, torch.bfloat16, torch.float32, torch.float32, torch.float32)
+    for out, expect, dtype in zip(compiled(*args), eager, dtypes, strict=True):
+        _close(out, expect, dtype)
+    assert (eager[3] - eager[4]).abs().max() > 0.1  # the bias counts
 
 
 def test_bfloat16_model_runs_without_the_kernel(tmp_path):

@@ -1,7 +1,7 @@
 // The experts of a mixture-of-experts layer on CPU: out [T, d] = sum over each token's k routed
-// experts e of w * down_e(silu(gate_e(x)) * up_e(x)). Compiled into each graph's .so by
-// AOTInductor as the C shim of `aotgen::moe_experts` (kernels/moe.py, whose eager reference
-// defines it).
+// experts e of w * down_e(act(gate_e(x), up_e(x))), each projection optionally biased (gpt-oss).
+// Compiled into each graph's .so by AOTInductor as the C shim of `aotgen::moe_experts`
+// (kernels/moe.py, whose eager reference defines it).
 //
 // Why: an exported graph has fixed shapes, so without a kernel it must either run every expert
 // on every token (E / k times the work) or gather k weight matrices per token (one weight read
@@ -16,6 +16,13 @@
 // call into a float32 buffer, and every product and sum is float32. The matmuls go to ATen's CPU mm
 // (MKL / oneDNN) through the C shim API; the grouping, SwiGLU and weighted sum are plain loops.
 // Each token's output sums its experts in ascending order, as transformers does.
+//
+// Biases (optional, each on its own): gate_up_bias [E, 2f] (gate, then up) and down_bias [E, d],
+// contiguous, float32 or bfloat16 whatever the weights are (int8 experts keep theirs float);
+// each is added in float32 to its matmul's output (a bfloat16 matmul's rounded output). The
+// activation act(g, u) is silu(g) * u with limit 0, else gpt-oss's clamped SwiGLU:
+// (min(max(u, -limit), limit) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit). Without
+// biases and with limit 0 every value is computed as before they existed.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -84,12 +91,25 @@ static float* expert_weights(const void* all, Kind kind, const float* scales, in
   return buffer.data();
 }
 
+// One bias tensor ([E, width] float32 or bfloat16), or none (data null).
+struct Bias {
+  const void* data;
+  bool bf16;
+  // v plus element i of the bias (v itself when there is none).
+  float plus(float v, int64_t i) const {
+    if (!data) return v;
+    return v + (bf16 ? bf16_to_float(((const uint16_t*)data)[i]) : ((const float*)data)[i]);
+  }
+};
+
 struct Expert {  // what every routed expert's run reads
   const void *x;
   bool x_bf16;
   const void *gate_up, *down;
   Kind kind;
   const float *gate_up_scale, *down_scale;
+  Bias gate_up_bias, down_bias;
+  float limit, alpha;  // the activation's
   int64_t k, d, f;
 };
 
@@ -99,6 +119,14 @@ struct Scratch {  // one thread's buffers, reused across its experts
 };
 
 inline float silu_mul(float g, float u) { return g / (1.f + std::exp(-g)) * u; }
+
+// The activation of gate g and up u (kernels/moe.py, `swiglu`, in its order of operations).
+inline float activate(float g, float u, float limit, float alpha) {
+  if (limit <= 0.f) return silu_mul(g, u);
+  g = std::min(g, limit);  // std::min / std::max keep a NaN g or u, as torch.clamp does
+  u = std::min(std::max(u, -limit), limit);
+  return (u + 1.f) * (g * (1.f / (1.f + std::exp(-(g * alpha)))));
+}
 
 // Expert e on its n rows (pairs: token * k + slot) in float32: out_rows [n, d].
 static AOTITorchError run_f32(const Expert& job, int64_t e, const int64_t* pairs, int64_t n,
@@ -119,16 +147,25 @@ static AOTITorchError run_f32(const Expert& job, int64_t e, const int64_t* pairs
   }
   float* w = expert_weights(job.gate_up, job.kind, job.gate_up_scale, e, 2 * f, d, s.gate_up);
   AOTI_TORCH_ERROR_CODE_CHECK(matmul_t(s.rows.data(), n, d, w, 2 * f, s.hidden.data(), f32));
+  const Bias& gb = job.gate_up_bias;
   for (int64_t r = 0; r < n; r++) {
     const float* g = s.hidden.data() + r * 2 * f;
-    for (int64_t j = 0; j < f; j++) s.act[r * f + j] = silu_mul(g[j], g[f + j]);
+    for (int64_t j = 0; j < f; j++) {
+      const float gate = gb.plus(g[j], e * 2 * f + j), up = gb.plus(g[f + j], e * 2 * f + f + j);
+      s.act[r * f + j] = activate(gate, up, job.limit, job.alpha);
+    }
   }
   w = expert_weights(job.down, job.kind, job.down_scale, e, d, f, s.down);
-  return matmul_t(s.act.data(), n, f, w, d, out_rows, f32);
+  AOTI_TORCH_ERROR_CODE_CHECK(matmul_t(s.act.data(), n, f, w, d, out_rows, f32));
+  if (job.down_bias.data)
+    for (int64_t i = 0; i < n * d; i++)
+      out_rows[i] = job.down_bias.plus(out_rows[i], e * d + i % d);
+  return AOTI_TORCH_SUCCESS;
 }
 
 // The same in bfloat16 (activations and weights both): ATen's bfloat16 matmuls on the weights
-// in place, the SwiGLU in float32 rounded back, as an eager bfloat16 model computes it.
+// in place, the biases and SwiGLU in float32 rounded back, as an eager bfloat16 model computes
+// it (within its roundings).
 static AOTITorchError run_bf16(const Expert& job, int64_t e, const int64_t* pairs, int64_t n,
                                float* out_rows, Scratch& s) {
   const int64_t d = job.d, f = job.f;
@@ -143,22 +180,28 @@ static AOTITorchError run_bf16(const Expert& job, int64_t e, const int64_t* pair
   }
   uint16_t* w = (uint16_t*)job.gate_up + e * 2 * f * d;
   AOTI_TORCH_ERROR_CODE_CHECK(matmul_t(s.rows16.data(), n, d, w, 2 * f, s.hidden16.data(), bf16));
+  const Bias& gb = job.gate_up_bias;
   for (int64_t r = 0; r < n; r++) {
     const uint16_t* g = s.hidden16.data() + r * 2 * f;
-    for (int64_t j = 0; j < f; j++)
-      s.act16[r * f + j] = float_to_bf16(silu_mul(bf16_to_float(g[j]), bf16_to_float(g[f + j])));
+    for (int64_t j = 0; j < f; j++) {
+      const float gate = gb.plus(bf16_to_float(g[j]), e * 2 * f + j);
+      const float up = gb.plus(bf16_to_float(g[f + j]), e * 2 * f + f + j);
+      s.act16[r * f + j] = float_to_bf16(activate(gate, up, job.limit, job.alpha));
+    }
   }
   w = (uint16_t*)job.down + e * d * f;
   AOTI_TORCH_ERROR_CODE_CHECK(matmul_t(s.act16.data(), n, f, w, d, s.y16.data(), bf16));
-  for (int64_t i = 0; i < n * d; i++) out_rows[i] = bf16_to_float(s.y16[i]);
+  for (int64_t i = 0; i < n * d; i++)
+    out_rows[i] = job.down_bias.plus(bf16_to_float(s.y16[i]), e * d + i % d);
   return AOTI_TORCH_SUCCESS;
 }
 
 // x and out are bfloat16 when x_bf16, else float32; the weighted sum is float32.
 static AOTITorchError experts(const void* x, bool x_bf16, const float* weights,
                               const int64_t* ids, const void* gate_up, const void* down, Kind kind,
-                              const float* gate_up_scale, const float* down_scale, void* out,
-                              int64_t T, int64_t k, int64_t E, int64_t d, int64_t f) {
+                              const float* gate_up_scale, const float* down_scale,
+                              Bias gate_up_bias, Bias down_bias, float limit, float alpha,
+                              void* out, int64_t T, int64_t k, int64_t E, int64_t d, int64_t f) {
   // Counting sort of the (token, slot) pairs by expert.
   std::vector<int64_t> start(E + 1, 0), order(T * k);
   for (int64_t i = 0; i < T * k; i++) {
@@ -175,7 +218,8 @@ static AOTITorchError experts(const void* x, bool x_bf16, const float* weights,
   for (int64_t e = 0; e < E; e++)
     if (start[e + 1] > start[e]) hit.push_back(e);
   std::vector<float> y(T * k * d);
-  const Expert job{x, x_bf16, gate_up, down, kind, gate_up_scale, down_scale, k, d, f};
+  const Expert job{x, x_bf16, gate_up, down, kind, gate_up_scale, down_scale,
+                   gate_up_bias, down_bias, limit, alpha, k, d, f};
   AOTITorchError rc = AOTI_TORCH_SUCCESS;
 #pragma omp parallel
   {
@@ -213,13 +257,38 @@ static AOTITorchError experts(const void* x, bool x_bf16, const float* weights,
 
 // Hidden: the shims stay inside the graph's .so (export/shims.py links them in).
 #pragma GCC visibility push(hidden)
+// An optional bias (AOTInductor passes a `Tensor?` as a pointer to its handle, null for None):
+// [E, width], contiguous, float32 or bfloat16.
+static AOTITorchError aotgen_moe_bias(AtenTensorHandle* handle, int64_t E, int64_t width,
+                                      aotgen_moe::Bias* out) {
+  *out = {nullptr, false};
+  if (!handle || !*handle) return AOTI_TORCH_SUCCESS;
+  int64_t dim, *sizes;
+  int32_t dtype;
+  bool contiguous = false;
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dim(*handle, &dim));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(*handle, &sizes));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(*handle, &dtype));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_is_contiguous(*handle, &contiguous));
+  const int32_t f32 = aoti_torch_dtype_float32(), bf16 = aoti_torch_dtype_bfloat16();
+  if (dim != 2 || sizes[0] != E || sizes[1] != width || !contiguous ||
+      (dtype != f32 && dtype != bf16))
+    return AOTI_TORCH_FAILURE;
+  void* data;
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(*handle, &data));
+  *out = {data, dtype == bf16};
+  return AOTI_TORCH_SUCCESS;
+}
+
 // x [T, d] float32 or bfloat16, weights [T, k] float32, ids [T, k] int64, gate_up [E, 2f, d],
 // down [E, d, f]: float32, bfloat16, or int8 with float32 row scales gate_up_scale [E, 2f],
-// down_scale [E, d] (else null).
+// down_scale [E, d] (else null); the optional biases and the activation's limit and alpha.
 static AOTITorchError aotgen_moe_shim(AtenTensorHandle x, AtenTensorHandle weights,
                                       AtenTensorHandle ids, AtenTensorHandle gate_up,
                                       AtenTensorHandle gate_up_scale, AtenTensorHandle down,
-                                      AtenTensorHandle down_scale, AtenTensorHandle* ret0) {
+                                      AtenTensorHandle down_scale, AtenTensorHandle* gate_up_bias,
+                                      AtenTensorHandle* down_bias, double limit, double alpha,
+                                      AtenTensorHandle* ret0) {
   int64_t *x_sizes, *w_sizes, *gu_sizes, *down_sizes;
   void *x_data, *w_data, *id_data, *gu_data, *down_data, *out_data;
   void *gu_scale = nullptr, *down_scale_data = nullptr;
@@ -237,6 +306,9 @@ static AOTITorchError aotgen_moe_shim(AtenTensorHandle x, AtenTensorHandle weigh
   const int64_t f = down_sizes[2];
   if (gu_sizes[1] != 2 * f || gu_sizes[2] != d || down_sizes[0] != E || down_sizes[1] != d)
     return AOTI_TORCH_FAILURE;
+  aotgen_moe::Bias gu_bias, down_bias_of;
+  AOTI_TORCH_ERROR_CODE_CHECK(aotgen_moe_bias(gate_up_bias, E, 2 * f, &gu_bias));
+  AOTI_TORCH_ERROR_CODE_CHECK(aotgen_moe_bias(down_bias, E, d, &down_bias_of));
   int32_t x_dtype, w_dtype;
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(x, &x_dtype));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(gate_up, &w_dtype));
@@ -262,7 +334,8 @@ static AOTITorchError aotgen_moe_shim(AtenTensorHandle x, AtenTensorHandle weigh
   }
   const AOTITorchError rc = aotgen_moe::experts(
       x_data, x_dtype == bf16, (const float*)w_data, (const int64_t*)id_data, gu_data, down_data,
-      kind, (const float*)gu_scale, (const float*)down_scale_data, out_data, T, k, E, d, f);
+      kind, (const float*)gu_scale, (const float*)down_scale_data, gu_bias, down_bias_of,
+      float(limit), float(alpha), out_data, T, k, E, d, f);
   if (rc != AOTI_TORCH_SUCCESS) {
     aoti_torch_delete_tensor_object(out);
     return rc;
@@ -271,17 +344,25 @@ static AOTITorchError aotgen_moe_shim(AtenTensorHandle x, AtenTensorHandle weigh
   return AOTI_TORCH_SUCCESS;
 }
 
+// The ops' schemas (kernels/moe.py) in order: `Tensor?` as AtenTensorHandle* and `float` as
+// double, as AOTInductor's C++ wrapper passes them.
 AOTITorchError aoti_torch_cpu_moe_experts(AtenTensorHandle x, AtenTensorHandle weights,
                                           AtenTensorHandle ids, AtenTensorHandle gate_up,
-                                          AtenTensorHandle down, AtenTensorHandle* ret0) {
-  return aotgen_moe_shim(x, weights, ids, gate_up, nullptr, down, nullptr, ret0);
+                                          AtenTensorHandle down, AtenTensorHandle* gate_up_bias,
+                                          AtenTensorHandle* down_bias, double limit,
+                                          double alpha, AtenTensorHandle* ret0) {
+  return aotgen_moe_shim(x, weights, ids, gate_up, nullptr, down, nullptr, gate_up_bias,
+                         down_bias, limit, alpha, ret0);
 }
 
 AOTITorchError aoti_torch_cpu_moe_experts_int8(AtenTensorHandle x, AtenTensorHandle weights,
                                                AtenTensorHandle ids, AtenTensorHandle gate_up,
                                                AtenTensorHandle gate_up_scale,
                                                AtenTensorHandle down, AtenTensorHandle down_scale,
-                                               AtenTensorHandle* ret0) {
-  return aotgen_moe_shim(x, weights, ids, gate_up, gate_up_scale, down, down_scale, ret0);
+                                               AtenTensorHandle* gate_up_bias,
+                                               AtenTensorHandle* down_bias, double limit,
+                                               double alpha, AtenTensorHandle* ret0) {
+  return aotgen_moe_shim(x, weights, ids, gate_up, gate_up_scale, down, down_scale,
+                         gate_up_bias, down_bias, limit, alpha, ret0);
 }
 #pragma GCC visibility pop

@@ -20,16 +20,41 @@ from torch import Tensor
 SOURCE = Path(__file__).with_name("moe.cpp")
 
 
+def swiglu(gate: Tensor, up: Tensor, limit: float = 0.0, alpha: float = 1.702) -> Tensor:
+    """The experts' activation. `limit` 0: SwiGLU, silu(gate) * up. `limit` > 0: gpt-oss's
+    clamped SwiGLU, gate clamped above and up to +-limit, then (up + 1) * gate *
+    sigmoid(alpha * gate), in transformers' order of operations (GptOssExperts)."""
+    if limit <= 0:
+        return F.silu(gate) * up
+    gate = gate.clamp(max=limit)
+    up = up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 @torch.library.custom_op("aotgen::moe_experts", mutates_args=())
-def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+def moe_experts(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    gate_up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
+    limit: float = 0.0,
+    alpha: float = 1.702,
+) -> Tensor:
     """x [T, d]; weights / ids [T, k]: each token's routing weights and experts; gate_up
-    [E, 2f, d] (gate rows, then up); down [E, d, f]. Returns [T, d]."""
+    [E, 2f, d] (gate rows, then up); down [E, d, f]; optional biases gate_up_bias [E, 2f]
+    (gate, then up) and down_bias [E, d], added after each matmul; `limit` / `alpha`: the
+    activation (`swiglu`). Returns [T, d]."""
     out = torch.zeros_like(x)
     f = down.shape[2]
     for e in ids.unique().tolist():
         token, slot = (ids == e).nonzero(as_tuple=True)
         h = F.linear(x[token], gate_up[e])
-        y = F.linear(F.silu(h[:, :f]) * h[:, f:], down[e])
+        h = h if gate_up_bias is None else h + gate_up_bias[e].to(h.dtype)
+        y = F.linear(swiglu(h[:, :f], h[:, f:], limit, alpha), down[e])
+        y = y if down_bias is None else y + down_bias[e].to(y.dtype)
         out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
     return out
 
@@ -43,20 +68,47 @@ def moe_experts_int8(
     gate_up_scale: Tensor,
     down: Tensor,
     down_scale: Tensor,
+    gate_up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
+    limit: float = 0.0,
+    alpha: float = 1.702,
 ) -> Tensor:
     """`moe_experts` on int8 experts, each row scaled: gate_up_scale [E, 2f], down_scale
-    [E, d] (weight-only, per output channel)."""
+    [E, d] (weight-only, per output channel); the biases stay float."""
     gate_up = (gate_up * gate_up_scale[..., None]).to(x.dtype)
-    return moe_experts(x, weights, ids, gate_up, (down * down_scale[..., None]).to(x.dtype))
+    down = (down * down_scale[..., None]).to(x.dtype)
+    return moe_experts(x, weights, ids, gate_up, down, gate_up_bias, down_bias, limit, alpha)
 
 
 @moe_experts.register_fake
-def _(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+def _(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    gate_up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
+    limit: float = 0.0,
+    alpha: float = 1.702,
+) -> Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @moe_experts_int8.register_fake
-def _(x: Tensor, weights: Tensor, ids: Tensor, *experts: Tensor) -> Tensor:
+def _(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    gate_up: Tensor,
+    gate_up_scale: Tensor,
+    down: Tensor,
+    down_scale: Tensor,
+    gate_up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
+    limit: float = 0.0,
+    alpha: float = 1.702,
+) -> Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -81,8 +133,14 @@ def run_experts(
     gate_up: Tensor,
     down: Tensor,
     scales: tuple[Tensor, Tensor] | None = None,
+    gate_up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
+    limit: float = 0.0,
+    alpha: float = 1.702,
 ) -> Tensor:
-    """x [T, d] through each row's routed experts; `scales`: int8 experts' row scales.
+    """x [T, d] through each row's routed experts; `scales`: int8 experts' row scales;
+    `gate_up_bias` [E, 2f] / `down_bias` [E, d]: the experts' biases (gpt-oss);
+    `limit` / `alpha`: the activation (`swiglu`).
 
     Fewer routed weight matrices than experts (decode, verify): each row's experts are
     gathered, which Inductor fuses into the multiply-sums (faster than the kernel there,
@@ -90,13 +148,14 @@ def run_experts(
     elsewhere every expert on every row (ONNX, GPU, autograd)."""
     t = x.shape[0]
     few = isinstance(t, int) and t * ids.shape[1] < gate_up.shape[0]
+    act = (gate_up_bias, down_bias, limit, alpha)
     if not few and applies(x):
         if scales is None:
-            return torch.ops.aotgen.moe_experts(x, weights, ids, gate_up, down)
+            return torch.ops.aotgen.moe_experts(x, weights, ids, gate_up, down, *act)
         return torch.ops.aotgen.moe_experts_int8(
-            x, weights, ids, gate_up, scales[0], down, scales[1]
+            x, weights, ids, gate_up, scales[0], down, scales[1], *act
         )
-    return experts_without_kernel(x, weights, ids, gate_up, down, few, scales)
+    return experts_without_kernel(x, weights, ids, gate_up, down, few, scales, *act)
 
 
 def experts_without_kernel(
@@ -107,21 +166,30 @@ def experts_without_kernel(
     down: Tensor,
     gather: bool,
     scales: tuple[Tensor, Tensor] | None = None,
+    gate_up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
+    limit: float = 0.0,
+    alpha: float = 1.702,
 ) -> Tensor:
-    """The same sum with fixed shapes. `gather`: each row's k experts' weights are gathered;
-    otherwise every expert runs on every row and the router's weights, zero off each row's k
-    experts, pick the sum."""
+    """The same sum with fixed shapes. `gather`: each row's k experts' weights (and biases)
+    are gathered; otherwise every expert runs on every row and the router's weights, zero off
+    each row's k experts, pick the sum."""
     f = down.shape[2]
     if gather:
         h = torch.einsum("td,tkfd->tkf", x, gate_up[ids].to(x.dtype))
         h = h if scales is None else h * scales[0][ids].to(x.dtype)
-        y = torch.einsum("tkf,tkdf->tkd", F.silu(h[..., :f]) * h[..., f:], down[ids].to(x.dtype))
+        h = h if gate_up_bias is None else h + gate_up_bias[ids].to(x.dtype)
+        act = swiglu(h[..., :f], h[..., f:], limit, alpha)
+        y = torch.einsum("tkf,tkdf->tkd", act, down[ids].to(x.dtype))
         y = y if scales is None else y * scales[1][ids].to(x.dtype)
+        y = y if down_bias is None else y + down_bias[ids].to(x.dtype)
         return (y * weights[..., None].to(y.dtype)).sum(1)
     route = torch.zeros(x.shape[0], gate_up.shape[0], dtype=x.dtype, device=x.device)
     route = route.scatter(1, ids, weights.to(x.dtype))
     h = torch.einsum("td,efd->tef", x, gate_up.to(x.dtype))
     h = h if scales is None else h * scales[0].to(x.dtype)
-    y = torch.einsum("tef,edf->ted", F.silu(h[..., :f]) * h[..., f:], down.to(x.dtype))
+    h = h if gate_up_bias is None else h + gate_up_bias.to(x.dtype)
+    y = torch.einsum("tef,edf->ted", swiglu(h[..., :f], h[..., f:], limit, alpha), down.to(x.dtype))
     y = y if scales is None else y * scales[1].to(x.dtype)
+    y = y if down_bias is None else y + down_bias.to(x.dtype)
     return (y * route[..., None]).sum(1)

@@ -118,6 +118,13 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     shared_expert_gated: bool = False  # Qwen2-MoE scales it by a sigmoid gate, Granite does not
     moe_layers: tuple[bool, ...] = ()
+    # gpt-oss's experts: biases on both projections (`experts.gate_up_proj_bias [E, 2f]`,
+    # gate then up, `experts.down_proj_bias [E, d]`), and with `swiglu_limit` > 0 the
+    # clamped SwiGLU (up + 1) * g * sigmoid(alpha * g), g = gate clamped above at the limit,
+    # up to +-limit; 0 is the plain SwiGLU silu(gate) * up.
+    expert_biases: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
     # LFM2-MoE: experts picked by sigmoid score plus a per-expert bias, weighted by the score
     # (renormalised, then x routed_scaling_factor).
     router_sigmoid: bool = False

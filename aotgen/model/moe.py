@@ -26,14 +26,33 @@ from aotgen.model.layers import GatedMLP
 
 
 class Experts(nn.Module):
+    """The stacked experts: `gate_up_proj [E, 2f, d]`, `down_proj [E, d, f]`, with
+    `cfg.expert_biases` their biases `gate_up_proj_bias [E, 2f]` (gate, then up) and
+    `down_proj_bias [E, d]`; the activation is SwiGLU, gpt-oss's clamped form where
+    `cfg.swiglu_limit` > 0 (kernels/moe.py, `swiglu`)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * f, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, f))
+        biased = cfg.expert_biases
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * f)) if biased else None
+        self.down_proj_bias = nn.Parameter(torch.empty(e, d)) if biased else None
+        self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
-        return moe.run_experts(x, weights, ids, self.gate_up_proj, self.down_proj)
+        return moe.run_experts(
+            x,
+            weights,
+            ids,
+            self.gate_up_proj,
+            self.down_proj,
+            gate_up_bias=self.gate_up_proj_bias,
+            down_bias=self.down_proj_bias,
+            limit=self.limit,
+            alpha=self.alpha,
+        )
 
 
 class SparseMoE(nn.Module):

@@ -31,7 +31,8 @@ def int8_rows(w: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class Int8Experts(nn.Module):
-    """`Experts` with int8 weights and their per-row float32 scales."""
+    """`Experts` with int8 weights and their per-row float32 scales; the biases (gpt-oss) stay
+    float, as they were, and the activation's limit and alpha carry over."""
 
     def __init__(self, experts: Experts):
         super().__init__()
@@ -41,10 +42,24 @@ class Int8Experts(nn.Module):
         self.register_buffer("gate_up_scale", gate_up_scale)
         self.register_buffer("down_proj", down)
         self.register_buffer("down_scale", down_scale)
+        for name in ("gate_up_proj_bias", "down_proj_bias"):  # None: not in the state dict
+            bias = getattr(experts, name)
+            self.register_buffer(name, None if bias is None else bias.detach())
+        self.limit, self.alpha = experts.limit, experts.alpha
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
-        scales = (self.gate_up_scale, self.down_scale)
-        return moe.run_experts(x, weights, ids, self.gate_up_proj, self.down_proj, scales)
+        return moe.run_experts(
+            x,
+            weights,
+            ids,
+            self.gate_up_proj,
+            self.down_proj,
+            (self.gate_up_scale, self.down_scale),
+            self.gate_up_proj_bias,
+            self.down_proj_bias,
+            self.limit,
+            self.alpha,
+        )
 
 
 def quantize_experts(model: nn.Module) -> int:
