@@ -155,6 +155,41 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     "olmoe": ("OlmoeConfig", dict(num_hidden_layers=2, num_key_value_heads=2, **MOE)),
+    # gpt-oss: sinks, a window of 8 on layers 0 and 2, YaRN on every layer, biased router and
+    # experts; the clamp at 1.0 (7.0 in the released models) cuts these small activations.
+    "gpt-oss": (
+        "GptOssConfig",
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=48,
+            sliding_window=8,
+            swiglu_limit=1.0,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 128,
+            },
+            **MOE,
+        ),
+    ),
+    # MXFP4's blocks of 32 inputs: hidden and intermediate sizes a multiple of 32.
+    "gpt-oss-mxfp4": (
+        "GptOssConfig",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=64,
+            sliding_window=8,
+            **MOE,
+        ),
+    ),
     # Granite MoE: its experts stored stacked, its multipliers.
     "granite-moe": (
         "GraniteMoeConfig",
@@ -403,6 +438,8 @@ def randomize(model: torch.nn.Module, gemma: bool, std: float = 0.08) -> None:
             p.normal_(0, std * (1.5 if gemma else 10))
         elif name.endswith("lm_head.weight"):
             p.normal_(0, std * 4)
+        elif name.endswith(".sinks"):  # gpt-oss: as large as the scores, so that they matter
+            p.normal_(0, 1.0)
         else:
             p.normal_(0, std)
     for name, b in model.named_buffers():
@@ -462,7 +499,7 @@ EAGER_PARITY = [
     "smollm3", "granite", "qwen3-yarn", "olmo2", "olmo3", "mixtral", "qwen2-moe", "olmoe",
     "granite-moe", "granite4", "granite4-moe", "lfm2-moe", "glm4", "ernie4_5", "phi-qk",
     "stablelm", "starcoder2", "gemma", "cohere", "cohere2", "exaone4", "exaone4-global",
-    "nemotron", "arcee",
+    "nemotron", "arcee", "gpt-oss",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

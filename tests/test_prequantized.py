@@ -584,3 +584,61 @@ def test_bitsandbytes_model_computes_what_transformers_computes(source, tmp_path
     want = reference_logits(reference, ids)
     got = EagerModel(tmp_path / "bnb", 64).forward(ids, 0)
     assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def write_mxfp4(out: Path, seed: int = 0) -> Path:
+    """A tiny gpt-oss checkpoint whose experts are MXFP4 as OpenAI releases them: random codes
+    and block exponents (2^-9 to 2^-5, weights up to 0.19) in `*_blocks` / `*_scales`, the
+    rest float."""
+    import transformers
+
+    make_family_checkpoint(out, "gpt-oss-mxfp4", seed=seed)
+    tensors = load_file(str(out / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, cols, rows = tensors.pop(name).shape  # [E, in, out] as transformers holds it
+        tensors[f"{name}_blocks"] = torch.randint(
+            0, 256, (e, rows, cols // 32, 16), dtype=torch.uint8, generator=g
+        )
+        tensors[f"{name}_scales"] = torch.randint(
+            118, 123, (e, rows, cols // 32), dtype=torch.uint8, generator=g
+        )
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = transformers.Mxfp4Config().to_dict()
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_mxfp4_experts_read_as_transformers_dequantizes(tmp_path):
+    """gpt-oss's MXFP4 experts: aotgen reads each `_blocks` / `_scales` pair as the tensor
+    transformers' own conversion gives, exactly; the model then computes what transformers,
+    which dequantizes MXFP4 on a CPU, computes."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    ckpt_dir = write_mxfp4(tmp_path / "mxfp4")
+    tensors = load_file(str(ckpt_dir / "model.safetensors"))
+    ckpt = open_checkpoint(ckpt_dir)
+    got = ckpt.load_weights()
+    stems = [n.removesuffix("_blocks") for n in tensors if n.endswith("_blocks")]
+    assert len(stems) == 4 and "MXFP4" in ckpt.quant_note()
+    for stem in stems:
+        want = convert_moe_packed_tensors(
+            tensors[f"{stem}_blocks"], tensors[f"{stem}_scales"], dtype=torch.float32
+        )
+        assert torch.equal(got[stem], want), stem
+    ids = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    want = reference_logits(load_reference(ckpt_dir), ids)
+    got_logits = EagerModel(ckpt_dir, 64).forward(ids, 0)
+    assert ((got_logits - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_damaged_mxfp4_blocks_are_one_line(tmp_path):
+    ckpt_dir = write_mxfp4(tmp_path / "mxfp4")
+    tensors = load_file(str(ckpt_dir / "model.safetensors"))
+    tensors["model.layers.0.mlp.experts.down_proj_scales"] = tensors[
+        "model.layers.0.mlp.experts.down_proj_scales"
+    ][..., :1].contiguous()
+    save_file(tensors, str(ckpt_dir / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"down_proj: MXFP4 blocks .* do not fit"):
+        open_checkpoint(ckpt_dir).load_weights()

@@ -1,6 +1,6 @@
-"""Checkpoints quantized by GPTQ, AWQ, llm-compressor, bitsandbytes or to FP8 (a
+"""Checkpoints quantized by GPTQ, AWQ, llm-compressor, bitsandbytes, to FP8 or MXFP4 (a
 `quantization_config` in config.json: `quant_method` gptq, awq, compressed-tensors,
-bitsandbytes (checkpoint/bnb.py) or fp8).
+bitsandbytes (checkpoint/bnb.py), fp8 or mxfp4 (gpt-oss's experts, checkpoint/mxfp4.py)).
 
 Their linears hold integer codes packed into int32 words (or int8), with a scale and a zero
 point per group of inputs: w = (q - z) * s. The build reads them as float32 weights, and, where
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from aotgen.checkpoint import bnb
+from aotgen.checkpoint import bnb, mxfp4
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column of each nibble in an AWQ (GEMM) word
 # a quantized linear's tensors, by method; the first marks one (MARKERS where several may)
@@ -61,7 +61,8 @@ LEAVES = {
 MARKERS = {"compressed-tensors": ("weight_scale",), "fp8": ("weight_scale_inv", "weight_scale")}
 CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 READS = (
-    "aotgen reads GPTQ (4/8-bit), AWQ (4-bit, GEMM), FP8, bitsandbytes (NF4, FP4, LLM.int8) and "
+    "aotgen reads GPTQ (4/8-bit), AWQ (4-bit, GEMM), FP8, MXFP4, bitsandbytes (NF4, FP4, "
+    "LLM.int8) and "
     f"compressed-tensors integer and FP8 ({', '.join(CT_FORMATS)}) checkpoints; use the float "
     "checkpoint"
 )
@@ -87,6 +88,8 @@ class Scheme:
             return "compressed-tensors"
         if self.method == "bitsandbytes":
             return f"bitsandbytes {self.bits}-bit"
+        if self.method == "mxfp4":
+            return "MXFP4 experts"
         if self.method == "fp8":
             return "FP8" + (f", blocks of {self.block[0]}x{self.block[1]}" if self.block else "")
         groups = f"groups of {self.groupsize}" if self.groupsize else "one group a row"
@@ -127,6 +130,8 @@ def scheme(config: dict) -> Scheme | None:
         return _compressed_tensors(qc)
     if method == "fp8":
         return Scheme("fp8", 8, block=_block(qc.get("weight_block_size"), "weight_block_size"))
+    if method == "mxfp4":
+        return Scheme("mxfp4", 4)
     if method == "bitsandbytes":
         if not (qc.get("load_in_4bit") or qc.get("load_in_8bit")):
             raise QuantConfigError(f"bitsandbytes config loads neither 4 nor 8 bits: {READS}")
@@ -361,9 +366,9 @@ def as_blocks(p: PackedLinear) -> tuple[str, np.ndarray, Tensor] | None:
 def read_quantized(tensors: dict[str, Tensor], s: Scheme) -> QuantizedRead:
     """The checkpoint's tensors with every packed linear as a float32 `.weight`, and the
     blocks of those whose codes fit a block type (keyed by the weight's name)."""
-    if s.method == "bitsandbytes":
+    if s.method in ("bitsandbytes", "mxfp4"):
         try:
-            weights, linears = bnb.read(tensors)
+            weights, linears = (bnb if s.method == "bitsandbytes" else mxfp4).read(tensors)
         except ValueError as e:
             raise QuantConfigError(f"{e}; the checkpoint is damaged") from None
         return QuantizedRead(weights, {}, linears)

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 from aotgen.model.rope import rope_inv_freq
 
+# gpt-oss: attention sinks, a biased router and biased experts with a clamped SwiGLU.
+GPT_OSS = "GptOssForCausalLM"
 # Mixture-of-experts decoders: the Llama layout with sparse MLPs (moe.py).
 MOE_ARCHITECTURES = (
     "MixtralForCausalLM",
@@ -17,6 +19,7 @@ MOE_ARCHITECTURES = (
     "GraniteMoeForCausalLM",
     "GraniteMoeSharedForCausalLM",
     "GraniteMoeHybridForCausalLM",  # Granite 4.0 with attention layers only; dense without experts
+    GPT_OSS,
 )
 # Granites whose dense MLP (or shared expert) is `shared_mlp`, of shared_intermediate_size.
 GRANITE_SHARED_MLP = ("GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")
@@ -84,6 +87,10 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
     hidden_act: str = "silu"
     attention_bias: bool = False  # q/k/v biases (Qwen2); GPT-NeoX: qkv and dense
+    attention_out_bias: bool = False  # o_proj's bias (gpt-oss)
+    # gpt-oss: one learned logit per head joins each softmax as a key with a zero value
+    # (`self_attn.sinks`), so a row can attend to nothing.
+    attention_sinks: bool = False
     linear_bias: bool = False  # biases on the output projection and the MLP (Phi, StarCoder2)
     qk_norm: bool = False  # per-head norm of q and k before RoPE (Qwen3, Gemma 3, StableLM)
     # OLMo 2: q and k normalised across all heads (the whole projection), and each block's
@@ -115,6 +122,7 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    router_bias: bool = False  # the router's logits biased (gpt-oss)
     shared_expert_intermediate_size: int = 0
     shared_expert_gated: bool = False  # Qwen2-MoE scales it by a sigmoid gate, Granite does not
     moe_layers: tuple[bool, ...] = ()

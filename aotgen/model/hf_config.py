@@ -14,6 +14,7 @@ from aotgen.model.config import (
     COHERE,
     COHERE2,
     GEMMAS,
+    GPT_OSS,
     GRANITE_SHARED_MLP,
     GRANITES,
     LATER_GEMMAS,
@@ -116,6 +117,9 @@ def _rope(hf: dict, arch: str) -> tuple[float, dict | None, float | None]:
         theta = hf.get("rotary_emb_base", theta)  # GPT-NeoX 4.x
     if theta is None:
         theta = 1e6 if arch in ("Gemma3ForCausalLM", *LFM2) else 10000.0
+        theta = 150000.0 if arch == GPT_OSS else theta
+    if arch == GPT_OSS and "rope_parameters" not in hf and "rope_scaling" not in hf:
+        scaling = GPT_OSS_YARN  # transformers' default for the family
     if isinstance(hf.get("rope_parameters"), dict) and "sliding_attention" in hf["rope_parameters"]:
         kind = (hf["rope_parameters"]["sliding_attention"] or {}).get("rope_type", "default")
         if kind != "default":
@@ -163,6 +167,9 @@ def _attention(hf: dict, arch: str) -> dict[str, Any]:
         out["attention_bias"] = bool(hf.get("qkv_bias", True))
     elif arch == "Glm4ForCausalLM":
         out["attention_bias"] = bool(hf.get("attention_bias", True))
+    elif arch == GPT_OSS:  # q, k, v and o biased; a sink logit per head
+        bias = bool(hf.get("attention_bias", True))
+        out.update(attention_bias=bias, attention_out_bias=bias, attention_sinks=True)
     else:
         _refuse(hf, "attention_bias", False, f"attention biases on {arch}")
     if arch in WINDOW_SWITCHED:
@@ -177,6 +184,17 @@ def _attention(hf: dict, arch: str) -> dict[str, Any]:
         out.update(qk_norm=True, qk_norm_across_heads=True)
         _refuse(hf, "clip_qkv", None, "clipping q, k and v")
     return out
+
+
+# gpt-oss's RoPE where its config names none: YaRN from a 4,096-position original context.
+GPT_OSS_YARN = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
 
 
 def _windows(hf: dict, arch: str, layers: int, local: float | None) -> dict[str, Any]:
@@ -194,6 +212,11 @@ def _windows(hf: dict, arch: str, layers: int, local: float | None) -> dict[str,
         out.update(_gemma(hf, arch, layers, local))
     elif arch in ("Exaone4ForCausalLM", COHERE2) and hf.get("sliding_window", 4096):
         out.update(_local_layers_rotate(hf, layers))
+    elif arch == GPT_OSS and hf.get("sliding_window", 128):  # sliding and full layers alternate
+        types = hf.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)
+        ]
+        out.update(sliding_window=hf.get("sliding_window", 128), layer_types=tuple(types))
     elif arch == "Olmo3ForCausalLM":  # three sliding-window layers in four
         types = hf.get("layer_types") or [
             "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)
@@ -287,12 +310,22 @@ def _moe(hf: dict, arch: str, layers: int, act: str) -> dict[str, Any]:
         "GraniteMoeSharedForCausalLM": hf.get("shared_intermediate_size"),
         "GraniteMoeHybridForCausalLM": hf.get("shared_intermediate_size"),
     }.get(arch)
-    return dict(
+    gpt_oss = {}
+    if arch == GPT_OSS:  # biased router and experts, the experts' clamped SwiGLU
+        for key in ("swiglu_limit", "swiglu_alpha"):
+            _positive(hf, key)
+        gpt_oss = dict(
+            router_bias=True,
+            expert_biases=True,
+            swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+            swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+        )
+    return gpt_oss | dict(
         num_experts=experts,
         num_experts_per_tok=top_k,
         moe_intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
-        # Mixtral renormalises; Granite's softmax over the top-k logits is the same
-        norm_topk_prob=arch == "MixtralForCausalLM"
+        # Mixtral renormalises; Granite's and gpt-oss's softmax over the top-k logits is the same
+        norm_topk_prob=arch in ("MixtralForCausalLM", GPT_OSS)
         or arch in GRANITES
         or bool(hf.get("norm_topk_prob", False)),
         shared_expert_intermediate_size=shared or 0,

@@ -141,11 +141,31 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # 5.3 ms at position 64, 11.0 -> 9.9 ms at 1000. ONNX export keeps SDPA (MatMul + Softmax)
 # for decode too: ONNX Runtime does not fuse the broadcast multiply-sum, and materialising its
 # products took a quarter of an ORT decode step.
-def attend_one(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
+def attend_one(
+    q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, sinks: Tensor | None = None
+) -> Tensor:
     """Masked softmax attention as broadcast multiply-sums: [b, h, m, d] x [b, h, n, d]."""
     scores = (q.unsqueeze(3) * keys.unsqueeze(2)).sum(-1) * scale
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    probs = softmax_with_sinks(scores.masked_fill(~mask, float("-inf")), sinks)
     return (probs.unsqueeze(-1) * values.unsqueeze(2)).sum(3)
+
+
+def softmax_with_sinks(scores: Tensor, sinks: Tensor | None) -> Tensor:
+    """Softmax over the last dim; with `sinks` (each row's sink logit, `[..., 1]` against
+    scores `[..., n]`), gpt-oss's: the sink joins the denominator as a key whose value is zero,
+    so the probabilities sum to less than one."""
+    if sinks is None:
+        return scores.softmax(-1)
+    sinks = sinks.to(scores.dtype)
+    top = torch.maximum(scores.amax(-1, keepdim=True), sinks)
+    e = (scores - top).exp()
+    return e / (e.sum(-1, keepdim=True) + (sinks - top).exp())
+
+
+def row_sinks(sinks: Tensor, kv_heads: int, t: int) -> Tensor:
+    """Per-query-head sink logits `[heads]` as a column for the rows of q folded `[kv_heads,
+    group * t]` (row g * t + i is query head kv * group + g): `[kv_heads, group * t, 1]`."""
+    return sinks.view(kv_heads, -1, 1).repeat_interleave(t, 1)
 
 
 # A few query rows on a GPU (verify, tree, batched steps) attend with `attend_rows`: SDPA's
@@ -158,10 +178,16 @@ def rows_as_matmuls(q: Tensor) -> bool:
 
 
 def attend_rows(
-    q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, cap: float | None = None
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    scale: float,
+    cap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Masked softmax attention as matmuls: [b, h, m, d] x [b, h, n, d]; with `cap`, the
-    scores softcapped first (Gemma 2)."""
+    scores softcapped first (Gemma 2); with `sinks`, `softmax_with_sinks`."""
     b, h = q.shape[:2]
 
     # bmm on [b * h, ., .], one sequence's heads selected, not reshaped: torch.matmul's own
@@ -171,7 +197,7 @@ def attend_rows(
 
     scores = torch.bmm(heads(q), heads(keys).transpose(1, 2)).unflatten(0, (b, h)) * scale
     scores = scores if cap is None else torch.tanh(scores / cap) * cap
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    probs = softmax_with_sinks(scores.masked_fill(~mask, float("-inf")), sinks)
     return torch.bmm(heads(probs), heads(values)).unflatten(0, (b, h))
 
 
@@ -195,12 +221,14 @@ def cached_attention(
     span: slice,
     scale: float,
     cap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Write k/v `[b, kv_heads, t, d]` into the caches at `write_at`, attend q `[b, heads,
     t, d]` to the cache positions `span` (the filled prefix, or a sliding window's part of it)
     under `mask` (`[t, n]`, or `[b, t, n]` for a batch, n the span's length); returns `[b, t,
-    heads * d]`. `cap`: Gemma 2's softcap of the scores, which SDPA does not take: without the
-    cache kernel such layers attend as matmuls."""
+    heads * d]`. `cap`: Gemma 2's softcap of the scores, `sinks`: gpt-oss's sink logit per
+    head `[heads]`; SDPA takes neither: without the cache kernel such layers attend as
+    matmuls."""
     b, _, t, head_dim = q.shape
     kv_heads = k.shape[1]
     group = q.shape[1] // kv_heads
@@ -218,16 +246,20 @@ def cached_attention(
     fixed_width = isinstance(t, int) and not torch.onnx.is_in_onnx_export()
     # A narrower cache's softcapped prefill too: as matmuls on a decoded span, whose length is
     # data-dependent, it fails to compile (Inductor's bmm lowering guards on that length).
-    capped_narrow = cap is not None and k_cache.dtype != q.dtype
+    explicit = cap is not None or sinks is not None  # scores SDPA cannot take
+    capped_narrow = explicit and k_cache.dtype != q.dtype
     if (fixed_width or capped_narrow) and attention.applies(q, k_cache):  # cache read in place
         c = cap or 0.0
         if span.start is not None:  # the kernel attends from the view's first position
             k_cache, v_cache = k_cache[:, :, span.start :], v_cache[:, :, span.start :]
         scaled = q.float() * scale  # the kernel takes float32 q (a bfloat16 model's widened)
+        extra = () if sinks is None else (sinks.float(),)
         if batch:
-            y = torch.ops.aotgen.attend_cache_slots(scaled, k_cache, v_cache, mask, slots[:, 0], c)
+            y = torch.ops.aotgen.attend_cache_slots(
+                scaled, k_cache, v_cache, mask, slots[:, 0], c, *extra
+            )
         else:
-            y = torch.ops.aotgen.attend_cache(scaled, k_cache, v_cache, mask, c)
+            y = torch.ops.aotgen.attend_cache(scaled, k_cache, v_cache, mask, c, *extra)
         y = y.to(q.dtype)
     else:
         # Attend only to the span of the cache, not all of it.
@@ -235,12 +267,11 @@ def cached_attention(
         keys = decode_rows(k_cache[rows, :, span], q.dtype)
         values = decode_rows(v_cache[rows, :, span], q.dtype)
         mask = mask.repeat(1, group, 1).unsqueeze(1) if batch else mask.repeat(group, 1)
-        if cap is not None:
-            y = attend_rows(q, keys, values, mask, scale, cap)
-        elif fixed_width and t == 1:  # decode graph
-            y = attend_one(q, keys, values, mask, scale)
-        elif fixed_width and rows_as_matmuls(q):
-            y = attend_rows(q, keys, values, mask, scale)
+        sink_rows = None if sinks is None else row_sinks(sinks, kv_heads, t)
+        if fixed_width and t == 1 and cap is None:  # decode graph
+            y = attend_one(q, keys, values, mask, scale, sink_rows)
+        elif explicit or (fixed_width and rows_as_matmuls(q)):
+            y = attend_rows(q, keys, values, mask, scale, cap, sink_rows)
         else:
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     # unflatten+permute, not view(b, -1, t, d): export cannot prove the view's stride

@@ -1,7 +1,8 @@
 """The Llama-layout decoders: Llama, Mistral, Qwen2, Qwen3, Gemma (1, 2, 3 text), Phi-3,
-SmolLM3, Granite, OLMo 2, GLM-4, ERNIE 4.5, EXAONE 4, Arcee and the mixtures of experts, driven by
-an HF config through a few switches (`ModelConfig`); GPT-NeoX lives in gptneox.py, the
-LayerNorm decoders (Phi, StableLM, StarCoder2, Cohere, Nemotron) in layernorm_decoders.py.
+SmolLM3, Granite, OLMo 2, GLM-4, ERNIE 4.5, EXAONE 4, Arcee and the mixtures of experts
+(gpt-oss among them), driven by an HF config through a few switches (`ModelConfig`);
+GPT-NeoX lives in gptneox.py, the LayerNorm decoders (Phi, StableLM, StarCoder2, Cohere,
+Nemotron) in layernorm_decoders.py.
 
 One flat file in the spirit of gpt-fast. Module names follow the HF checkpoint
 (`model.layers.0.self_attn.q_proj`, ...) so weights load without a name map and
@@ -27,8 +28,10 @@ quantization/TP plans can match HF parameter names. The switches:
 - GLM-4 and ERNIE 4.5 rotate adjacent pairs of dims: their q/k rows are reordered at load
   (`rotate_half_rows`), so the model's one RoPE serves them.
 - Arcee: the MLP without a gate (`up_proj`, relu², `down_proj`).
-- Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE): a sparse MLP
-  (moe.py) on the layers `moe_layers` marks.
+- Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, gpt-oss): a sparse
+  MLP (moe.py) on the layers `moe_layers` marks.
+- gpt-oss: q/k/v/o biases, a learned sink logit per head in each attention softmax
+  (`attention_sinks`, layers.py), sliding and full layers alternating.
 
 The forward contract and the runtime-owned KV cache are described in layers.py.
 """
@@ -83,7 +86,9 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(d, heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(d, kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d, kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * self.head_dim, d, bias=False)
+        self.o_proj = nn.Linear(heads * self.head_dim, d, bias=cfg.attention_out_bias)
+        if cfg.attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(heads))
         self.qk_norm, self.across_heads = cfg.qk_norm, cfg.qk_norm_across_heads
         if cfg.qk_norm:
             q_dim, k_dim = (heads, kv_heads) if self.across_heads else (1, 1)
@@ -104,7 +109,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotates:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = cached_attention(q, k, v, write_at, mask, k_cache, v_cache, span, self.scale, self.cap)
+        sinks = getattr(self, "sinks", None)
+        y = cached_attention(
+            q, k, v, write_at, mask, k_cache, v_cache, span, self.scale, self.cap, sinks
+        )
         return self.o_proj(y)
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from aotgen.kernels import moe
-from aotgen.model.config import ModelConfig
+from aotgen.model.config import GPT_OSS, ModelConfig
 from aotgen.model.layers import GatedMLP
 
 
@@ -60,7 +60,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k, self.normalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.sigmoid, self.scale = cfg.router_sigmoid, cfg.routed_scaling_factor
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.router_bias)
         if cfg.expert_bias:  # shifts which experts are picked, not their weights
             self.expert_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
         self.experts = Experts(cfg)
@@ -119,6 +119,8 @@ def stack_experts(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Ten
     stacked layout (transformers 5 in memory) pass through."""
     if not cfg.num_experts:
         return weights
+    if cfg.architecture == GPT_OSS:
+        return _gpt_oss_experts(weights)
     out: dict[str, Tensor] = {}
     layers: dict[str, dict[str, dict[int, Tensor]]] = {}
     mlp_of: dict[str, str] = {}
@@ -149,4 +151,23 @@ def stack_experts(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Ten
         mlp = mlp_of.get(layer, "mlp")
         out[f"{layer}.{mlp}.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
         out[f"{layer}.{mlp}.experts.down_proj"] = down
+    return out
+
+
+def _gpt_oss_experts(weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """gpt-oss's experts as the others': its stacked `gate_up_proj [E, d, 2f]` holds gate and
+    up as interleaved columns (and its bias [E, 2f] likewise), its `down_proj` is `[E, f, d]`,
+    both transposed against `F.linear`'s weights; its router is `mlp.router`."""
+    out: dict[str, Tensor] = {}
+    for name, tensor in weights.items():
+        stem, sep, leaf = name.partition(".mlp.")
+        if not sep:
+            out[name] = tensor
+        elif leaf in ("experts.gate_up_proj", "experts.gate_up_proj_bias"):
+            gate_up = tensor if leaf.endswith("bias") else tensor.transpose(1, 2)
+            out[name] = torch.cat([gate_up[:, ::2], gate_up[:, 1::2]], dim=1).contiguous()
+        elif leaf == "experts.down_proj":
+            out[name] = tensor.transpose(1, 2).contiguous()
+        else:
+            out[f"{stem}.mlp.{leaf.replace('router.', 'gate.', 1)}"] = tensor
     return out
