@@ -1,13 +1,16 @@
 """Few-row attention over a KV cache prefix (kernels/attention.{py,cpp}): the kernel on every
-ISA path the CPU can run equals SDPA in float64 on the same prefix and mask, and the CPU
-graphs of a package call it for decode, verify, tree and batched steps (their logits against
-eager are checked by test_package, test_tree and test_batch).
+ISA path the CPU can run equals SDPA in float64 on the same prefix and mask (with a softcap or
+gpt-oss's sinks, the eager reference's matmuls), the CPU graphs of a package call it for
+decode, verify, tree and batched steps (their logits against eager are checked by
+test_package, test_tree and test_batch), and an AOTInductor graph passes it sinks.
 
 Bound: float32 scores and sums in another order than SDPA's, and a polynomial e^x (relative
 error ~2e-7): below 1e-5 absolute on outputs of unit scale (measured ~2e-6).
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -105,6 +108,57 @@ def test_spans_a_row_sees_nothing_of(lib, cache_dtype):
     assert (out[:, :, ~seen] == 0).all()
 
 
+# (KV heads, query heads per KV head, tokens T, keys N, cache length L, head_dim D) with
+# sinks: several query heads per KV head, most with T > 1, so that row r's query head
+# h * group + r // T is neither its KV head h nor h * group + r % T; the last two split the
+# keys into spans merged after.
+SINK_SHAPES = (
+    (2, 3, 5, 45, 64, 64),
+    (3, 2, 4, 17, 40, 32),
+    (1, 4, 3, 37, 64, 256),  # one KV head
+    (2, 4, 1, 2000, 2056, 64),  # decode: T = 1, the rows are the query heads
+    (1, 4, 3, 1100, 1200, 256),
+)
+
+
+def sink_logits(heads: int, keys: int, gen: torch.Generator) -> torch.Tensor:
+    """Distinct sink logits around log(keys), where a sink weighs about as much as the keys
+    (scores of unit scale): some above a row's scores' max (the sink sets the softmax's max),
+    some below."""
+    return math.log(keys) + torch.linspace(-4, 4, heads)[torch.randperm(heads, generator=gen)]
+
+
+@pytest.mark.parametrize("cap", [0.0, 5.0])
+@pytest.mark.parametrize("cache_dtype", at.CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SINK_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_sinks_equal_the_reference(lib, shape, cache_dtype, cap):
+    """gpt-oss's sinks: one more key per softmax, of score sinks[query head] and value zero;
+    a row that sees no key gets zeros (all its weight on the sink)."""
+    h, g, t, n, length, d = shape
+    gen = torch.Generator().manual_seed(n + d + t)
+    q = torch.randn(1, h, g * t, d, generator=gen) * d**-0.5
+    k32, v32 = (torch.randn(1, h, length, d, generator=gen) for _ in range(2))
+    k32[:, :, n:] = v32[:, :, n:] = float("nan")  # past the prefix: never read
+    k, v = encode_rows(k32, cache_dtype), encode_rows(v32, cache_dtype)
+    mask = torch.rand(t, n, generator=gen) < 0.7
+    mask[:, 0] = True
+    if t > 1:
+        mask[-1] = False  # only the sink
+    sinks = sink_logits(h * g, n, gen)
+    out = at.run_library(lib, q, k, v, mask, cap=cap, sinks=sinks)
+
+    def reference(sinks: torch.Tensor | None) -> torch.Tensor:
+        return at.attend_cache(q.double(), exact(k), exact(v), mask, cap, sinks).float()
+
+    assert (out - reference(sinks)).abs().max() <= 1e-5
+    if t > 1:
+        assert not out[:, :, t - 1 :: t].any()
+    # The negative controls: each query head of a KV head reading the KV head's sink; none.
+    by_kv_head = sinks[torch.arange(h).repeat_interleave(g)]
+    assert (out - reference(by_kv_head)).abs().max() > 1e-3
+    assert (out - reference(None)).abs().nan_to_num().max() > 1e-3
+
+
 def test_batch_reads_each_sequence_slot(lib):
     """Batched graphs: sequence b reads cache slot slots[b] under its own mask rows."""
     gen = torch.Generator().manual_seed(3)
@@ -120,6 +174,31 @@ def test_batch_reads_each_sequence_slot(lib):
     # The negative control: reading slots in batch order is another result.
     wrong = at.run_library(lib, q, k, v, mask, torch.tensor([0, 1, 2]))
     assert (wrong - expect).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("n", [45, 700], ids=["one-span", "two-spans"])
+@pytest.mark.parametrize("cap", [0.0, 5.0])
+@pytest.mark.parametrize("cache_dtype", at.CACHE_DTYPES, ids=str)
+def test_batch_sinks_equal_the_reference(lib, cache_dtype, cap, n):
+    """`attend_cache_slots` with sinks: every sequence's rows take their query head's sink."""
+    gen = torch.Generator().manual_seed(n)
+    b, h, g, t, length, d = 3, 2, 3, 4, 720, 64
+    q = torch.randn(b, h, g * t, d, generator=gen) * d**-0.5
+    k, v = (encode_rows(torch.randn(5, h, length, d, generator=gen), cache_dtype) for _ in "kv")
+    slots = torch.tensor([4, 0, 2])
+    mask = torch.rand(b, t, n, generator=gen) < 0.6
+    mask[..., 0] = True
+    mask[1, 2] = False  # only the sink
+    sinks = sink_logits(h * g, n, gen)
+    out = at.run_library(lib, q, k, v, mask, slots, cap, sinks)
+
+    def reference(sinks: torch.Tensor) -> torch.Tensor:
+        return at.attend_cache_slots(q.double(), exact(k), exact(v), mask, slots, cap, sinks)
+
+    assert (out - reference(sinks).float()).abs().max() <= 1e-5
+    assert not out[1, :, 2::t].any()
+    by_kv_head = sinks[torch.arange(h).repeat_interleave(g)]
+    assert (out - reference(by_kv_head).float()).abs().max() > 1e-3
 
 
 def test_row_that_sees_nothing_is_zero(lib):
@@ -167,3 +246,39 @@ def test_cpu_graphs_call_the_kernel(tiny_model, cache_dtype):
         "batch_decode": [0, n],
         "batch_verify": [0, n],
     }
+
+
+class SinkOps(torch.nn.Module):
+    """Both ops with sinks (AOTInductor passes the shim a pointer to the handle) and
+    `attend_cache` without (a null pointer)."""
+
+    def forward(self, q, k, v, mask, sinks, qb, kb, vb, masks, slots):
+        return (
+            torch.ops.aotgen.attend_cache(q, k, v, mask, 0.0, sinks),
+            torch.ops.aotgen.attend_cache(q, k, v, mask),
+            torch.ops.aotgen.attend_cache_slots(qb, kb, vb, masks, slots, 5.0, sinks),
+        )
+
+
+def test_compiled_graph_passes_sinks_to_the_kernel(project, tmp_path):
+    """An AOTInductor graph calling the ops through their C shims gives the eager result."""
+    from torch._inductor.package import load_package
+
+    from aotgen.export.aoti import compile_graph, package_graphs
+
+    gen = torch.Generator().manual_seed(5)
+    h, g, t, n, length, d = 2, 3, 4, 45, 64, 64
+    q, qb = (torch.randn(b, h, g * t, d, generator=gen) * d**-0.5 for b in (1, 3))
+    k, v = (torch.randn(1, h, length, d, generator=gen) for _ in "kv")
+    kb, vb = (encode_rows(torch.randn(5, h, length, d, generator=gen), torch.int8) for _ in "kv")
+    mask, masks = torch.rand(t, n, generator=gen) < 0.7, torch.rand(3, t, n, generator=gen) < 0.7
+    mask[:, 0] = masks[..., 0] = True
+    args = (q, k, v, mask, sink_logits(h * g, n, gen), qb, kb, vb, masks, torch.tensor([4, 0, 2]))
+    ep = torch.export.export(SinkOps(), args)
+    files, _ = compile_graph(ep, args, max_autotune=False, cache=project.cache_dir / "graphs")
+    package_graphs(tmp_path / "sinks.pt2", {"model": files})
+    compiled = load_package(str(tmp_path / "sinks.pt2"), "model")
+    eager = SinkOps()(*args)
+    for out, expect in zip(compiled(*args), eager, strict=True):
+        assert (out - expect).abs().max() <= 1e-5
+    assert (eager[0] - eager[1]).abs().max() > 1e-3  # the sinks count

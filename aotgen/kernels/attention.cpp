@@ -1,9 +1,10 @@
 // Attention of a few query rows (decode, verify, token trees, batched steps) over the filled
 // prefix of a KV cache: out [B, H, R, D] = softmax(q k^T + mask) v, q already scaled (with a
-// cap > 0, Gemma 2's, the scores softcapped first: cap * tanh(q k^T / cap)). Compiled
-// into each graph's .so by AOTInductor as the C shims of `aotgen::attend_cache` (one sequence)
-// and `aotgen::attend_cache_slots` (a batch), kernels/attention.py, whose eager reference
-// defines them.
+// cap > 0, Gemma 2's, the scores softcapped first: cap * tanh(q k^T / cap); with sinks,
+// gpt-oss's, each row's softmax has one more key, of score sinks[query head] and value zero:
+// `normalise`). Compiled into each graph's .so by AOTInductor as the C shims of
+// `aotgen::attend_cache` (one sequence) and `aotgen::attend_cache_slots` (a batch),
+// kernels/attention.py, whose eager reference defines them.
 //
 // Why: SDPA's CPU kernel took 44 us a layer for SmolLM2's 5-row verify over 205 keys (1.2 M
 // multiply-adds), in dispatch, blocking and MKL calls sized for many rows; a batch first
@@ -350,11 +351,27 @@ inline void scale(float* x, int64_t D, float f) {
   for (int64_t c = 0; c < D; c += kLanes) *(vf_unaligned*)(x + c) = load(x + c) * f;
 }
 
+// A row's unnormalised sums out (weights e^(s - st.max), summing to st.sum) -> its softmax.
+// With a sink (gpt-oss; -INFINITY: none), one more key of score `sink` and value zero: the
+// max becomes m = max(st.max, sink), the denominator st.sum e^(st.max - m) + e^(sink - m),
+// the sums' weight e^(st.max - m) (exactly 1 where a score reaches the sink). The tiles'
+// loops stay as they are. A row that sees no key stays zero (its sums are zero, st.max
+// -INFINITY: weight 0, denominator 1).
+inline void normalise(float* out, RowStats st, float sink, int64_t D) {
+  if (sink == -INFINITY) {
+    if (st.sum > 0.f) scale(out, D, 1.f / st.sum);
+    return;
+  }
+  const float mx = std::max(st.max, sink), f = std::exp(st.max - mx);
+  scale(out, D, f / (st.sum * f + std::exp(sink - mx)));
+}
+
 // A row's parts over `parts` spans of keys (part c's sums at o + c * R * D, its stats at
-// stats[c * R]) -> out: the softmax over all the keys, each part rescaled by e^(max_c - max).
+// stats[c * R]) -> out: the softmax over all the keys, each part rescaled by e^(max_c - max);
+// a sink (-INFINITY: none) counts once, as a part of max `sink`, sum 1 and sums zero.
 inline void merge(const float* o, const RowStats* stats, int64_t parts, int64_t R, int64_t D,
-                  float* out) {
-  float mx = -INFINITY, sum = 0.f;
+                  float sink, float* out) {
+  float mx = sink, sum = 0.f;
   for (int64_t c = 0; c < parts; c++) mx = std::max(mx, stats[c * R].max);
   std::fill(out, out + D, 0.f);
   if (mx == -INFINITY) return;
@@ -365,13 +382,16 @@ inline void merge(const float* o, const RowStats* stats, int64_t parts, int64_t 
     for (int64_t d = 0; d < D; d += kLanes)
       *(vf_unaligned*)(out + d) = load(out + d) + load(o + c * R * D + d) * f;
   }
+  if (sink != -INFINITY) sum += std::exp(sink - mx);
   scale(out, D, 1.f / sum);
 }
 
 // B sequences' rows: q [B, H, R, D], sequence b reading cache slot slots[b] (b without slots)
 // of k / v [S, H, L, D], with mask rows [B or shared, T, N] (batch stride 0: shared);
 // out [B, H, R, D] contiguous. Strides in elements; D a multiple of kLanes. The caches hold
-// float32 or bfloat16 (KV).
+// float32, bfloat16 or int8 rows (KV). sinks: one float32 logit per query head (H * R / T of
+// them, sink_stride apart), row r of head h being query head h * (R / T) + r / T; nullptr:
+// none.
 template <typename KV>
 struct Problem {
   const float* q;
@@ -382,6 +402,13 @@ struct Problem {
   int64_t B, H, R, T, N, D;
   int64_t q_b, q_h, q_r, kv_s, kv_h, kv_j, m_b, m_t, m_j, slot_stride;
   float cap;  // > 0: scores softcapped (Gemma 2)
+  const float* sinks;
+  int64_t sink_stride;
+
+  // Row r of KV head h's sink logit; -INFINITY without sinks.
+  float sink(int64_t h, int64_t r) const {
+    return sinks ? sinks[(h * (R / T) + r / T) * sink_stride] : -INFINITY;
+  }
 };
 
 // Work items: (sequence, head, group of row tiles, span of keys). A span's keys and values
@@ -460,8 +487,7 @@ inline void attend(const Problem<KV>& p) {
         tiles_of(n, qh, ldq, kh, vh, ldkv, rows, ldm, N, D, cap, t == group * per_group, sc,
                  wd, oh, st);
       if (spans == 1)
-        for (int m = 0; m < n; m++)
-          if (st[m].sum > 0.f) scale(oh + m * D, D, 1.f / st[m].sum);
+        for (int m = 0; m < n; m++) normalise(oh + m * D, st[m], p.sink(h, r0 + m), D);
     }
   }
   if (spans == 1) return;
@@ -469,7 +495,7 @@ inline void attend(const Problem<KV>& p) {
   for (int64_t row = 0; row < p.B * p.H * p.R; row++) {
     const int64_t bh = row / p.R, r = row % p.R;
     merge(parts.data() + (bh * spans * p.R + r) * p.D, part_stats.data() + bh * spans * p.R + r,
-          spans, p.R, p.D, p.out + row * p.D);
+          spans, p.R, p.D, p.sink(bh % p.H, r), p.out + row * p.D);
   }
 }
 
@@ -480,18 +506,20 @@ inline void attend(const Problem<KV>& p) {
 #ifdef AOTGEN_ATTENTION_STANDALONE
 // For tests: the kernel without AOTInductor's tensor handles, contiguous tensors: q [B, H, R,
 // D], k / v [S, H, L, row] (cache_kind 0: float32, row D; 1: bfloat16, row D; 2: int8, row
-// D + 4), mask [B, T, N] (or [T, N] shared: shared_mask), slots [B] or null.
+// D + 4), mask [B, T, N] (or [T, N] shared: shared_mask), slots [B] or null, sinks [H * R / T]
+// or null.
 extern "C" int aotgen_attend_cache(const float* q, const void* k, const void* v,
                                    const uint8_t* mask, int shared_mask, const int64_t* slots,
                                    int64_t B, int64_t H, int64_t R, int64_t T, int64_t N,
-                                   int64_t L, int64_t D, float cap, int cache_kind, float* out) {
+                                   int64_t L, int64_t D, float cap, int cache_kind,
+                                   const float* sinks, float* out) {
   if (D % aotgen_attn::kLanes) return 1;
   const int64_t row = cache_kind == 2 ? D + aotgen_attn::kScaleBytes : D;
   const auto run = [&](auto kv) {
     using KV = decltype(kv);
     aotgen_attn::attend<KV>({q, (const KV*)k, (const KV*)v, mask, slots, out, B, H, R, T, N, D,
                              H * R * D, R * D, D, H * L * row, L * row, row,
-                             shared_mask ? 0 : T * N, N, 1, 1, cap});
+                             shared_mask ? 0 : T * N, N, 1, 1, cap, sinks, 1});
   };
   if (cache_kind == 1)
     run(aotgen_attn::bf16{});
@@ -507,16 +535,18 @@ extern "C" int aotgen_attend_cache(const float* q, const void* k, const void* v,
 // The C shims AOTInductor calls: q [B, H, R, D] float32, the caches [S, H, L, D] float32 or
 // bfloat16, or [S, H, L, D + 4] int8 rows (the first N = mask.size(-1) positions of slot
 // slots[b], or of slot 0 for one sequence read), mask [T, N] (one sequence) or [B, T, N]
-// bool, cap (0: none) -> a new float32 [B, H, R, D].
+// bool, cap (0: none), sinks float32 [H * R / T] or none -> a new float32 [B, H, R, D].
+// AOTInductor passes an `Optional[Tensor]` argument as a pointer to its handle: nullptr for
+// None (cpp_wrapper_cpu.py's val_to_arg_str).
 static AOTITorchError aotgen_attend_shim(AtenTensorHandle q, AtenTensorHandle k_cache,
                                          AtenTensorHandle v_cache, AtenTensorHandle mask,
                                          AtenTensorHandle slots, double cap,
-                                         AtenTensorHandle* ret0) {
+                                         AtenTensorHandle* sinks, AtenTensorHandle* ret0) {
   int64_t *q_sizes, *q_strides, *k_sizes, *k_strides, *v_strides, *m_sizes, *m_strides;
-  int64_t* s_strides = nullptr;
-  int64_t m_dim;
-  int32_t k_dtype, v_dtype;
-  void *q_data, *k_data, *v_data, *m_data, *s_data = nullptr, *o_data;
+  int64_t *s_strides = nullptr, *sk_sizes, *sk_strides = nullptr;
+  int64_t m_dim, sk_dim;
+  int32_t k_dtype, v_dtype, sk_dtype;
+  void *q_data, *k_data, *v_data, *m_data, *s_data = nullptr, *sk_data = nullptr, *o_data;
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(q, &q_sizes));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(q, &q_strides));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(k_cache, &k_sizes));
@@ -535,6 +565,17 @@ static AOTITorchError aotgen_attend_shim(AtenTensorHandle q, AtenTensorHandle k_
       k_dtype != v_dtype || k_sizes[3] != (int8 ? D + aotgen_attn::kScaleBytes : D) ||
       (k_dtype != aoti_torch_dtype_float32() && k_dtype != aoti_torch_dtype_bfloat16() && !int8))
     return AOTI_TORCH_FAILURE;
+  if (sinks && *sinks) {  // one per query head: H * R / T
+    const int64_t T = m_sizes[m_dim - 2];
+    AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dim(*sinks, &sk_dim));
+    AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(*sinks, &sk_sizes));
+    AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(*sinks, &sk_strides));
+    AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(*sinks, &sk_dtype));
+    AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(*sinks, &sk_data));
+    if (sk_dim != 1 || sk_dtype != aoti_torch_dtype_float32() || T <= 0 || R % T ||
+        sk_sizes[0] != H * (R / T))
+      return AOTI_TORCH_FAILURE;
+  }
   int64_t out_sizes[4] = {B, H, R, D}, out_strides[4] = {H * R * D, R * D, D, 1};
   AtenTensorHandle out;
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(4, out_sizes, out_strides,
@@ -556,7 +597,8 @@ static AOTITorchError aotgen_attend_shim(AtenTensorHandle q, AtenTensorHandle k_
                              H, R, m_sizes[m_dim - 2], m_sizes[m_dim - 1], D, q_strides[0],
                              q_strides[1], q_strides[2], k_strides[0], k_strides[1],
                              k_strides[2], batched ? m_strides[0] : 0, m_strides[m_dim - 2],
-                             m_strides[m_dim - 1], s_strides ? s_strides[0] : 1, (float)cap});
+                             m_strides[m_dim - 1], s_strides ? s_strides[0] : 1, (float)cap,
+                             (const float*)sk_data, sk_strides ? sk_strides[0] : 1});
   };
   if (k_dtype == aoti_torch_dtype_bfloat16())
     run(aotgen_attn::bf16{});
@@ -570,8 +612,9 @@ static AOTITorchError aotgen_attend_shim(AtenTensorHandle q, AtenTensorHandle k_
 
 AOTITorchError aoti_torch_cpu_attend_cache(AtenTensorHandle q, AtenTensorHandle k_cache,
                                            AtenTensorHandle v_cache, AtenTensorHandle mask,
-                                           double cap, AtenTensorHandle* ret0) {
-  return aotgen_attend_shim(q, k_cache, v_cache, mask, nullptr, cap, ret0);
+                                           double cap, AtenTensorHandle* sinks,
+                                           AtenTensorHandle* ret0) {
+  return aotgen_attend_shim(q, k_cache, v_cache, mask, nullptr, cap, sinks, ret0);
 }
 
 AOTITorchError aoti_torch_cpu_attend_cache_slots(AtenTensorHandle q,
@@ -579,8 +622,9 @@ AOTITorchError aoti_torch_cpu_attend_cache_slots(AtenTensorHandle q,
                                                  AtenTensorHandle v_cache,
                                                  AtenTensorHandle mask,
                                                  AtenTensorHandle slots, double cap,
+                                                 AtenTensorHandle* sinks,
                                                  AtenTensorHandle* ret0) {
-  return aotgen_attend_shim(q, k_cache, v_cache, mask, slots, cap, ret0);
+  return aotgen_attend_shim(q, k_cache, v_cache, mask, slots, cap, sinks, ret0);
 }
 #pragma GCC visibility pop
 #endif

@@ -33,47 +33,91 @@ CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 
 @torch.library.custom_op("aotgen::attend_cache", mutates_args=())
 def attend_cache(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, cap: float = 0.0
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    mask: Tensor,
+    cap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """q [1, H, R, D] (scaled; row r = g * T + i) attends to the first N = mask.shape[1]
     positions of k_cache / v_cache [1, H, L, D], row r seeing key j iff mask[r % T, j]; with
-    cap > 0 (Gemma 2) the scores are softcapped first."""
-    return _reference(q, k_cache, v_cache, mask[None], None, cap)
+    cap > 0 (Gemma 2) the scores are softcapped first; with sinks (gpt-oss), float32
+    [H * group], one logit per query head, row r of KV head h being query head
+    h * group + r // T (group = R // T), each softmax has one more key, of score sinks[head]
+    and value zero."""
+    return _reference(q, k_cache, v_cache, mask[None], None, cap, sinks)
 
 
 @torch.library.custom_op("aotgen::attend_cache_slots", mutates_args=())
 def attend_cache_slots(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, slots: Tensor, cap: float = 0.0
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    mask: Tensor,
+    slots: Tensor,
+    cap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """A batch: q [B, H, R, D], sequence b reading cache slot slots[b] of k_cache / v_cache
     [S, H, L, D] under mask [B, T, N]."""
-    return _reference(q, k_cache, v_cache, mask, slots, cap)
+    return _reference(q, k_cache, v_cache, mask, slots, cap, sinks)
 
 
 def _reference(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, slots: Tensor | None, cap: float
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    mask: Tensor,
+    slots: Tensor | None,
+    cap: float,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """SDPA on the prefix (of each sequence's slot) in q's dtype, the mask repeated over the
-    folded heads; softcapped scores as matmuls."""
+    folded heads; softcapped scores, or sinks, as matmuls: a sink is a last column of the
+    scores (not softcapped, seen by every row), dropped after the softmax, as transformers'
+    eager gpt-oss attention does."""
+    b, h, r, _ = q.shape
     _, t, n = mask.shape
     keys, values = (decode_rows(c[:, :, :n], q.dtype) for c in (k_cache, v_cache))
     if slots is not None:
         keys, values = keys[slots], values[slots]
-    full = mask.repeat(1, q.shape[2] // t, 1).unsqueeze(1)
-    if not cap:
+    full = mask.repeat(1, r // t, 1).unsqueeze(1)
+    if not cap and sinks is None:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=full, scale=1.0)
-    scores = torch.tanh(q @ keys.transpose(-1, -2) / cap) * cap
-    return scores.masked_fill(~full, float("-inf")).softmax(-1) @ values
+    scores = q @ keys.transpose(-1, -2)
+    if cap:
+        scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~full, float("-inf"))
+    if sinks is None:
+        return scores.softmax(-1) @ values
+    # Row g * T + i of KV head h is query head h * group + g: [H * group] -> [H, R, 1].
+    column = sinks.to(q.dtype).view(h, -1, 1).repeat_interleave(t, 1)
+    combined = torch.cat([scores, column.expand(b, h, r, 1)], -1)
+    return combined.softmax(-1)[..., :-1] @ values
 
 
 @attend_cache.register_fake
-def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, cap: float = 0.0) -> Tensor:
+def _(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    mask: Tensor,
+    cap: float = 0.0,
+    sinks: Tensor | None = None,
+) -> Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 @attend_cache_slots.register_fake
 def _(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, slots: Tensor, cap: float = 0.0
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    mask: Tensor,
+    slots: Tensor,
+    cap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
@@ -109,20 +153,29 @@ def run_library(
     mask: Tensor,
     slots: Tensor | None = None,
     cap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """The C++ kernel on contiguous CPU tensors (caches float32, bfloat16 or int8 rows), as
-    `attend_cache` (mask [T, N]) or `attend_cache_slots` (mask [B, T, N], slots [B])."""
+    `attend_cache` (mask [T, N]) or `attend_cache_slots` (mask [B, T, N], slots [B]); sinks
+    float32 [H * R // T] or None."""
     b, h, r, d = q.shape
     t, n = mask.shape[-2:]
     out = torch.empty_like(q)
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     mask = mask.to(torch.bool).contiguous()
     slot_ptr = ptr(slots.data_ptr() if slots is not None else 0)
+    if sinks is not None:
+        if r % t or sinks.shape != (h * (r // t),) or sinks.dtype != torch.float32:
+            raise ValueError(
+                f"sinks {tuple(sinks.shape)} {sinks.dtype}: want float32 [{h} * {r} // {t}]"
+            )
+        sinks = sinks.contiguous()
+    sink_ptr = ptr(sinks.data_ptr() if sinks is not None else 0)
     rc = lib.aotgen_attend_cache(
         ptr(q.data_ptr()), ptr(k_cache.data_ptr()), ptr(v_cache.data_ptr()), ptr(mask.data_ptr()),
         ctypes.c_int(mask.dim() == 2), slot_ptr, i64(b), i64(h), i64(r), i64(t), i64(n),
         i64(k_cache.shape[2]), i64(d), ctypes.c_float(cap),
-        ctypes.c_int(CACHE_DTYPES.index(k_cache.dtype)), ptr(out.data_ptr()),
+        ctypes.c_int(CACHE_DTYPES.index(k_cache.dtype)), sink_ptr, ptr(out.data_ptr()),
     )  # fmt: skip
     if rc:
         raise ValueError(f"head_dim {d} is not a whole number of vectors")
