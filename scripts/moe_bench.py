@@ -2,7 +2,7 @@
 fixed-shape formulation the kernel replaces, and llama.cpp, on one random-weight Qwen3-MoE
 checkpoint (no MoE checkpoint ships offline; speed does not depend on the weights' values).
 
-    python scripts/moe_bench.py [--work DIR] [--llamacpp BIN_DIR]
+    python scripts/moe_bench.py [--work DIR] [--llamacpp BIN_DIR] [--family gpt-oss]
 
 Shape: 8 layers, hidden 1024, 16 heads / 4 KV heads, 32 experts of 512, 4 a token, SmolLM2's
 49,152-token vocabulary and tokenizer (llama.cpp's converter knows it): 478 M parameters,
@@ -10,6 +10,10 @@ Shape: 8 layers, hidden 1024, 16 heads / 4 KV heads, 32 experts of 512, 4 a toke
 the kernel, the int8 package (experts int8 per channel) and the bfloat16 one, and `llama-bench`
 on the same weights in F32, Q8_0 and BF16 (converted with llama.cpp's convert_hf_to_gguf.py,
 then llama-quantize).
+
+`--family gpt-oss`: the same shape as gpt-oss (q/k/v/o, router and expert biases, attention
+sinks, a 128-position window on every other layer, its clamped SwiGLU, an untied head): the
+fp32 and int8 packages against llama.cpp's F32 and Q8_0.
 """
 
 from __future__ import annotations
@@ -93,15 +97,37 @@ def llama_bench(work: Path, ckpt: Path, stem: str, bin_dir: Path, kinds: tuple[s
         subprocess.run([*command, "-p", "128", "-n", "64", "-r", "3"], check=True)
 
 
-def arguments(default_work: str) -> argparse.Namespace:
+def arguments(default_work: str, families: tuple[str, ...] = ()) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=REPO / default_work)
     parser.add_argument("--llamacpp", type=Path, default=LLAMACPP / "build/bin")
+    if families:
+        parser.add_argument("--family", choices=families, default=families[0])
     return parser.parse_args()
 
 
+# gpt-oss's layout at SHAPE's size (its experts as wide as moe_intermediate_size).
+GPT_OSS_SHAPE = {
+    **{k: v for k, v in SHAPE.items() if k not in ("intermediate_size", "norm_topk_prob")},
+    "intermediate_size": SHAPE["moe_intermediate_size"],
+    "num_local_experts": SHAPE["num_experts"],
+    "sliding_window": 128,
+    "tie_word_embeddings": False,
+}
+
+
 def main() -> None:
-    args = arguments("artifacts/moe-bench")
+    args = arguments("artifacts/moe-bench", ("qwen3-moe", "gpt-oss"))
+    if args.family == "gpt-oss":
+        work = args.work.resolve().with_name(args.work.name + "-gpt-oss")
+        ckpt = random_checkpoint(work / "checkpoint", "GptOssConfig", GPT_OSS_SHAPE)
+        builds = [
+            ("gpt-oss-fp32", ["-m", "aotgen", "build"], ""),
+            ("gpt-oss-int8", ["-m", "aotgen", "build"], "quantize: {linear: int8}\n"),
+        ]
+        build_and_bench(work, ckpt, builds)
+        llama_bench(work, ckpt, "gpt-oss", args.llamacpp, ("Q8_0",))
+        return
     work = args.work.resolve()
     ckpt = random_checkpoint(work / "checkpoint", "Qwen3MoeConfig", SHAPE)
     builds = [

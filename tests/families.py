@@ -487,26 +487,26 @@ PARITY = [
     "phi3",
     "gptneox-parallel",
     "gptneox-sequential",
-    "qwen3-moe",
+    "gpt-oss",
     "lfm2",
     "phi",
 ]
 # Families whose differences from the Llama layout are switches outside the compiled graphs'
 # concerns (NoPE layers, scalar multipliers, RoPE tables, norms in other places, the MoE
-# families' routing next to Qwen3-MoE's compiled one): checked on the eager model, no package
+# families' routing next to gpt-oss's compiled one): checked on the eager model, no package
 # built.
 EAGER_PARITY = [
     "smollm3", "granite", "qwen3-yarn", "olmo2", "olmo3", "mixtral", "qwen2-moe", "olmoe",
     "granite-moe", "granite4", "granite4-moe", "lfm2-moe", "glm4", "ernie4_5", "phi-qk",
     "stablelm", "starcoder2", "gemma", "cohere", "cohere2", "exaone4", "exaone4-global",
-    "nemotron", "arcee", "gpt-oss",
+    "nemotron", "arcee", "qwen3-moe",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}
 INT8 = {"quantize": {"linear": "int8"}}
 # The biased ones, a mixture of experts (its experts int8, its routers float), and LFM2 (its
 # convolutions float, their projections int8).
-INT8_FAMILIES = ["qwen2-tied", "gptneox-parallel", "qwen3-moe", "lfm2", "phi"]
+INT8_FAMILIES = ["qwen2-tied", "gptneox-parallel", "gpt-oss", "lfm2", "phi"]
 # Gemma 3's tree and batched graphs (its window shorter than their rows' histories), and a
 # draft of its first two layers on its cache: every kind of call on a ring cache.
 WINDOWED = {"max_batch": 2, "tree_nodes": 4, "speculative": {"draft": {"layers": 2}, "k": 4}}

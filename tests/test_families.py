@@ -189,7 +189,8 @@ def test_onnx_graphs_match_aoti_and_transformers(family_engines, checkpoints, pr
     aoti = family_engines(family)
     ort = Engine.load(_package(family, checkpoints, project), backend="onnxruntime")
     ring = ort.manifest["models"]["target"]["kv_cache"].get("ring")
-    assert ring == ({"cells": 24, "window": 8} if family in ("gemma2", "gemma3", "phi3") else None)
+    windowed = ("gemma2", "gemma3", "phi3", "gpt-oss")
+    assert ring == ({"cells": 24, "window": 8} if family in windowed else None)
     gen = torch.Generator().manual_seed(0)
     history = torch.randint(0, aoti.target.vocab_size, (20,), generator=gen).tolist()
     want = reference_logits(load_reference(checkpoints[family]), history)
@@ -213,7 +214,7 @@ def test_onnx_graphs_match_aoti_and_transformers(family_engines, checkpoints, pr
 @pytest.mark.slow  # three more builds, ~100 s each on 2 cores
 @pytest.mark.parametrize("family", INT8_FAMILIES)
 def test_int8_fused_build_stays_close(family_engines, checkpoints, family):
-    """int8 weights + fused linears on the biased families, Qwen3-MoE (int8 experts through
+    """int8 weights + fused linears on the biased families, gpt-oss (int8 experts through
     the kernel in prefill, gathered in decode and verify) and LFM2: logits within int8's error of
     transformers, and the same argmax at nearly every position of a teacher-forced text."""
     engine = family_engines(family, **INT8)
@@ -224,7 +225,7 @@ def test_int8_fused_build_stays_close(family_engines, checkpoints, family):
     assert _rel_err(got, want) < INT8_TOL
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert agree >= 0.9, agree
-    if family == "qwen3-moe":  # the experts int8, the routers float
+    if family == "gpt-oss":  # the experts int8 (their biases float), the routers float
         entry = engine.manifest["models"]["target"]["quantization"]
         assert entry["experts"]["scheme"] == "int8"
         assert "model.layers.0.mlp.gate" in entry["kept_float"]

@@ -165,7 +165,8 @@ def softmax_with_sinks(scores: Tensor, sinks: Tensor | None) -> Tensor:
 def row_sinks(sinks: Tensor, kv_heads: int, t: int) -> Tensor:
     """Per-query-head sink logits `[heads]` as a column for the rows of q folded `[kv_heads,
     group * t]` (row g * t + i is query head kv * group + g): `[kv_heads, group * t, 1]`."""
-    return sinks.view(kv_heads, -1, 1).repeat_interleave(t, 1)
+    column = sinks.view(kv_heads, -1, 1, 1)
+    return column.expand(-1, -1, t, 1).reshape(kv_heads, -1, 1)
 
 
 # A few query rows on a GPU (verify, tree, batched steps) attend with `attend_rows`: SDPA's
