@@ -74,10 +74,9 @@ def _reference(
     sinks: Tensor | None = None,
 ) -> Tensor:
     """SDPA on the prefix (of each sequence's slot) in q's dtype, the mask repeated over the
-    folded heads; softcapped scores, or sinks, as matmuls: a sink is a last column of the
-    scores (not softcapped, seen by every row), dropped after the softmax, as transformers'
-    eager gpt-oss attention does."""
-    b, h, r, _ = q.shape
+    folded heads; softcapped scores, or sinks (not softcapped, seen by every row:
+    `softmax_with_sinks`), as matmuls."""
+    _, h, r, _ = q.shape
     _, t, n = mask.shape
     keys, values = (decode_rows(c[:, :, :n], q.dtype) for c in (k_cache, v_cache))
     if slots is not None:
@@ -89,12 +88,27 @@ def _reference(
     if cap:
         scores = torch.tanh(scores / cap) * cap
     scores = scores.masked_fill(~full, float("-inf"))
+    column = None if sinks is None else row_sinks(sinks, h, t)
+    return softmax_with_sinks(scores, column) @ values
+
+
+def softmax_with_sinks(scores: Tensor, sinks: Tensor | None) -> Tensor:
+    """Softmax over the last dim; with `sinks` (each row's sink logit, `[..., 1]` against
+    scores `[..., n]`), gpt-oss's: the sink joins the denominator as a key whose value is zero,
+    so the probabilities sum to less than one."""
     if sinks is None:
-        return scores.softmax(-1) @ values
-    # Row g * T + i of KV head h is query head h * group + g: [H * group] -> [H, R, 1].
-    column = sinks.to(q.dtype).view(h, -1, 1).repeat_interleave(t, 1)
-    combined = torch.cat([scores, column.expand(b, h, r, 1)], -1)
-    return combined.softmax(-1)[..., :-1] @ values
+        return scores.softmax(-1)
+    sinks = sinks.to(scores.dtype)
+    top = torch.maximum(scores.amax(-1, keepdim=True), sinks)
+    e = (scores - top).exp()
+    return e / (e.sum(-1, keepdim=True) + (sinks - top).exp())
+
+
+def row_sinks(sinks: Tensor, kv_heads: int, t: int) -> Tensor:
+    """Per-query-head sink logits `[heads]` as a column for the rows of q folded `[kv_heads,
+    group * t]` (row g * t + i is query head kv * group + g): `[kv_heads, group * t, 1]`."""
+    column = sinks.view(kv_heads, -1, 1, 1)
+    return column.expand(-1, -1, t, 1).reshape(kv_heads, -1, 1)
 
 
 @attend_cache.register_fake

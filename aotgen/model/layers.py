@@ -146,27 +146,8 @@ def attend_one(
 ) -> Tensor:
     """Masked softmax attention as broadcast multiply-sums: [b, h, m, d] x [b, h, n, d]."""
     scores = (q.unsqueeze(3) * keys.unsqueeze(2)).sum(-1) * scale
-    probs = softmax_with_sinks(scores.masked_fill(~mask, float("-inf")), sinks)
+    probs = attention.softmax_with_sinks(scores.masked_fill(~mask, float("-inf")), sinks)
     return (probs.unsqueeze(-1) * values.unsqueeze(2)).sum(3)
-
-
-def softmax_with_sinks(scores: Tensor, sinks: Tensor | None) -> Tensor:
-    """Softmax over the last dim; with `sinks` (each row's sink logit, `[..., 1]` against
-    scores `[..., n]`), gpt-oss's: the sink joins the denominator as a key whose value is zero,
-    so the probabilities sum to less than one."""
-    if sinks is None:
-        return scores.softmax(-1)
-    sinks = sinks.to(scores.dtype)
-    top = torch.maximum(scores.amax(-1, keepdim=True), sinks)
-    e = (scores - top).exp()
-    return e / (e.sum(-1, keepdim=True) + (sinks - top).exp())
-
-
-def row_sinks(sinks: Tensor, kv_heads: int, t: int) -> Tensor:
-    """Per-query-head sink logits `[heads]` as a column for the rows of q folded `[kv_heads,
-    group * t]` (row g * t + i is query head kv * group + g): `[kv_heads, group * t, 1]`."""
-    column = sinks.view(kv_heads, -1, 1, 1)
-    return column.expand(-1, -1, t, 1).reshape(kv_heads, -1, 1)
 
 
 # A few query rows on a GPU (verify, tree, batched steps) attend with `attend_rows`: SDPA's
@@ -188,7 +169,7 @@ def attend_rows(
     sinks: Tensor | None = None,
 ) -> Tensor:
     """Masked softmax attention as matmuls: [b, h, m, d] x [b, h, n, d]; with `cap`, the
-    scores softcapped first (Gemma 2); with `sinks`, `softmax_with_sinks`."""
+    scores softcapped first (Gemma 2); with `sinks`, `attention.softmax_with_sinks`."""
     b, h = q.shape[:2]
 
     # bmm on [b * h, ., .], one sequence's heads selected, not reshaped: torch.matmul's own
@@ -198,7 +179,7 @@ def attend_rows(
 
     scores = torch.bmm(heads(q), heads(keys).transpose(1, 2)).unflatten(0, (b, h)) * scale
     scores = scores if cap is None else torch.tanh(scores / cap) * cap
-    probs = softmax_with_sinks(scores.masked_fill(~mask, float("-inf")), sinks)
+    probs = attention.softmax_with_sinks(scores.masked_fill(~mask, float("-inf")), sinks)
     return torch.bmm(heads(probs), heads(values)).unflatten(0, (b, h))
 
 
@@ -268,7 +249,7 @@ def cached_attention(
         keys = decode_rows(k_cache[rows, :, span], q.dtype)
         values = decode_rows(v_cache[rows, :, span], q.dtype)
         mask = mask.repeat(1, group, 1).unsqueeze(1) if batch else mask.repeat(group, 1)
-        sink_rows = None if sinks is None else row_sinks(sinks, kv_heads, t)
+        sink_rows = None if sinks is None else attention.row_sinks(sinks, kv_heads, t)
         if fixed_width and t == 1 and cap is None:  # decode graph
             y = attend_one(q, keys, values, mask, scale, sink_rows)
         elif explicit or (fixed_width and rows_as_matmuls(q)):
