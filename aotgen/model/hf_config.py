@@ -99,6 +99,17 @@ def _refuse(hf: dict, key: str, allowed: Any, why: str) -> None:
         raise ValueError(f"config.json: {key}={value!r} is not supported ({why})")
 
 
+# gpt-oss's RoPE where its config names none: YaRN from a 4,096-position original context.
+GPT_OSS_YARN = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+
+
 def _rope(hf: dict, arch: str) -> tuple[float, dict | None, float | None]:
     """(base, scaling of the global layers, base of the sliding layers) from either dialect."""
     params = hf.get("rope_parameters")
@@ -184,17 +195,6 @@ def _attention(hf: dict, arch: str) -> dict[str, Any]:
         out.update(qk_norm=True, qk_norm_across_heads=True)
         _refuse(hf, "clip_qkv", None, "clipping q, k and v")
     return out
-
-
-# gpt-oss's RoPE where its config names none: YaRN from a 4,096-position original context.
-GPT_OSS_YARN = {
-    "rope_type": "yarn",
-    "factor": 32.0,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "truncate": False,
-    "original_max_position_embeddings": 4096,
-}
 
 
 def _windows(hf: dict, arch: str, layers: int, local: float | None) -> dict[str, Any]:

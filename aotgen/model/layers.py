@@ -226,8 +226,9 @@ def cached_attention(
     # query-length axis ([b, kv, group * t, d]), so no expanded K/V copy per layer.
     q = q.reshape(b, kv_heads, group * t, head_dim)
     fixed_width = isinstance(t, int) and not torch.onnx.is_in_onnx_export()
-    # A narrower cache's softcapped prefill too: as matmuls on a decoded span, whose length is
-    # data-dependent, it fails to compile (Inductor's bmm lowering guards on that length).
+    # A narrower cache's prefill with a softcap or sinks too: as matmuls on a decoded span,
+    # whose length is data-dependent, it fails to compile (Inductor's bmm lowering guards on
+    # that length).
     explicit = cap is not None or sinks is not None  # scores SDPA cannot take
     capped_narrow = explicit and k_cache.dtype != q.dtype
     if (fixed_width or capped_narrow) and attention.applies(q, k_cache):  # cache read in place
