@@ -111,30 +111,13 @@ def row_sinks(sinks: Tensor, kv_heads: int, t: int) -> Tensor:
     return column.expand(-1, -1, t, 1).reshape(kv_heads, -1, 1)
 
 
-@attend_cache.register_fake
-def _(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    mask: Tensor,
-    cap: float = 0.0,
-    sinks: Tensor | None = None,
-) -> Tensor:
+def _output_like_q(q: Tensor, *args: object, **kwargs: object) -> Tensor:
+    """The ops' shapes for tracing: a new contiguous tensor like `q`."""
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-@attend_cache_slots.register_fake
-def _(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    mask: Tensor,
-    slots: Tensor,
-    cap: float = 0.0,
-    sinks: Tensor | None = None,
-) -> Tensor:
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
-
+attend_cache.register_fake(_output_like_q)
+attend_cache_slots.register_fake(_output_like_q)
 
 OPS = (torch.ops.aotgen.attend_cache.default, torch.ops.aotgen.attend_cache_slots.default)
 

@@ -80,37 +80,13 @@ def moe_experts_int8(
     return moe_experts(x, weights, ids, gate_up, down, gate_up_bias, down_bias, limit, alpha)
 
 
-@moe_experts.register_fake
-def _(
-    x: Tensor,
-    weights: Tensor,
-    ids: Tensor,
-    gate_up: Tensor,
-    down: Tensor,
-    gate_up_bias: Tensor | None = None,
-    down_bias: Tensor | None = None,
-    limit: float = 0.0,
-    alpha: float = 1.702,
-) -> Tensor:
+def _output_like_x(x: Tensor, *args: object, **kwargs: object) -> Tensor:
+    """The ops' shapes for tracing: a new contiguous tensor like `x`."""
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@moe_experts_int8.register_fake
-def _(
-    x: Tensor,
-    weights: Tensor,
-    ids: Tensor,
-    gate_up: Tensor,
-    gate_up_scale: Tensor,
-    down: Tensor,
-    down_scale: Tensor,
-    gate_up_bias: Tensor | None = None,
-    down_bias: Tensor | None = None,
-    limit: float = 0.0,
-    alpha: float = 1.702,
-) -> Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
+moe_experts.register_fake(_output_like_x)
+moe_experts_int8.register_fake(_output_like_x)
 
 OPS = (torch.ops.aotgen.moe_experts.default, torch.ops.aotgen.moe_experts_int8.default)
 
