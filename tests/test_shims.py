@@ -88,3 +88,22 @@ def test_graph_so_holds_its_shims_hidden(tiny_package, tmp_path):
     for shim in ("aoti_torch_cpu_packed_linear(", "aoti_torch_cpu_attend_cache("):
         assert any(shim in ln and " t " in ln for ln in symbols().splitlines()), shim
         assert shim not in symbols("-D")
+
+
+def test_objects_link_from_a_directory_whose_path_holds_a_colon(tmp_path):
+    """LIBRARY_PATH splits at `:`; the linker script names each object by its quoted path."""
+    cc = shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no gcc")
+    directory = tmp_path / "a:b"
+    directory.mkdir()
+    obj = shims.KernelObject.from_text(
+        "one", 'extern "C" int aotgen_one() { return 1; }', directory
+    )
+    with shims.linking([obj]):
+        out = tmp_path / "one.so"
+        subprocess.run([cc, "-shared", "-o", str(out), f"-l:{shims.LINK_SCRIPT}"], check=True)
+    assert (
+        "aotgen_one"
+        in subprocess.run(["nm", "-D", str(out)], capture_output=True, text=True).stdout
+    )

@@ -152,7 +152,8 @@ class KernelObject:
 @contextlib.contextmanager
 def linking(objects: list[KernelObject]) -> Iterator[None]:
     """The objects built, and while AOTInductor links, LIBRARY_PATH (where gcc looks for
-    `-l`) holding a linker script that names them and their dirs."""
+    `-l`) leading to a linker script that names them by absolute, quoted paths: a directory
+    is never put on LIBRARY_PATH itself, which splits at `:`."""
     if not objects:
         yield
         return
@@ -160,10 +161,9 @@ def linking(objects: list[KernelObject]) -> Iterator[None]:
         obj.build()
     before = os.environ.get("LIBRARY_PATH")
     with tempfile.TemporaryDirectory(prefix="aotgen-link-") as script_dir:
-        names = " ".join(obj.path.name for obj in objects)  # [-.\w]: no quoting needed
+        names = " ".join(json.dumps(str(obj.path.resolve())) for obj in objects)
         Path(script_dir, LINK_SCRIPT).write_text(f"INPUT({names})\n")
-        dirs = [script_dir, *dict.fromkeys(str(obj.path.parent) for obj in objects)]
-        os.environ["LIBRARY_PATH"] = os.pathsep.join(dirs + ([before] if before else []))
+        os.environ["LIBRARY_PATH"] = os.pathsep.join([script_dir] + ([before] if before else []))
         try:
             yield
         finally:
