@@ -1,6 +1,6 @@
 """A chat answer in OpenAI's shape, whole or streamed: its reasoning apart
-(aotgen/reasoning.py), its tool calls read back in the model's format (aotgen/tool_calls.py),
-logprobs (openai_api.py)."""
+(aotgen/reasoning.py; gpt-oss's channels, aotgen/harmony.py), its tool calls read back in the
+model's format (aotgen/tool_calls.py), logprobs (openai_api.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 import uuid
 from typing import Any
 
+from aotgen.harmony import HarmonyStream, split_harmony
 from aotgen.openai_api import chat_logprobs, finish_reason
 from aotgen.reasoning import ReasoningStream, split_reasoning
 from aotgen.runtime.engine import GenerationResult
@@ -40,14 +41,40 @@ class AnswerStream:
         return _delta(reasoning, content), calls
 
 
+class HarmonyAnswerStream:
+    """A streamed harmony answer (gpt-oss) as deltas, its calls read whole at the end (none
+    where the request took no tools: `fmt` None)."""
+
+    def __init__(self, head: str, fmt: ToolFormat | None):
+        self.split, self.fmt = HarmonyStream(head), fmt
+
+    def feed(self, piece: str) -> dict[str, Any]:
+        return _delta(*self.split.feed(piece))
+
+    def finish(self) -> tuple[dict[str, Any], list[ToolCall]]:
+        delta = _delta(*self.split.finish())
+        return delta, [ToolCall(*c) for c in self.split.calls] if self.fmt else []
+
+
 def _delta(reasoning: str, content: str) -> dict[str, Any]:
     return {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
 
 
 def chat_message(
-    text: str, thinking: bool | None, fmt: ToolFormat | None
+    text: str, thinking: bool | None, fmt: ToolFormat | None, head: str | None = None
 ) -> tuple[dict[str, Any], list[ToolCall]]:
-    """A whole chat answer as OpenAI's message (reasoning apart) and the tool calls in it."""
+    """A whole chat answer as OpenAI's message (reasoning apart) and the tool calls in it
+    (`head`: a harmony answer's, aotgen/harmony.py)."""
+    if head is not None:
+        split = split_harmony(text, head)
+        calls = [ToolCall(*c) for c in split.calls] if fmt else []
+        message = {
+            "role": "assistant",
+            "content": (split.content or None) if calls else split.content,
+        }
+        if split.reasoning:
+            message["reasoning_content"] = split.reasoning
+        return message, calls
     reasoning, content = (None, text) if thinking is None else split_reasoning(text, thinking)
     content, calls = fmt.parse(content) if fmt else (content, [])
     message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -60,12 +87,23 @@ class ChatAnswers:
     """The chunks (streamed) or choices (whole) of one chat request's `n` answers."""
 
     def __init__(
-        self, tok: Tokenizer, model: str, n: int, thinking: bool | None, fmt: ToolFormat | None
+        self,
+        tok: Tokenizer,
+        model: str,
+        n: int,
+        thinking: bool | None,
+        fmt: ToolFormat | None,
+        head: str | None = None,
     ):
-        self.tok, self.thinking, self.fmt = tok, thinking, fmt
+        """`thinking`: where a `<think>` answer starts (aotgen/reasoning.py); `head`: a harmony
+        answer's (aotgen/harmony.py)."""
+        self.tok, self.thinking, self.fmt, self.answer_head = tok, thinking, fmt, head
         self.head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk"}
         self.head |= {"created": int(time.time()), "model": model}
-        self.streams = [AnswerStream(thinking, fmt) for _ in range(n)]
+        self.streams = [
+            AnswerStream(thinking, fmt) if head is None else HarmonyAnswerStream(head, fmt)
+            for _ in range(n)
+        ]
 
     def _calls(self, calls: list[ToolCall], indexed: bool) -> list[dict[str, Any]]:
         assert self.fmt is not None
@@ -98,7 +136,7 @@ class ChatAnswers:
 
     def choice(self, index: int, result: GenerationResult) -> dict[str, Any]:
         """A whole answer's choice."""
-        message, calls = chat_message(result.text, self.thinking, self.fmt)
+        message, calls = chat_message(result.text, self.thinking, self.fmt, self.answer_head)
         choice = {"index": index, "message": message, "logprobs": None}
         choice["finish_reason"] = "tool_calls" if calls else finish_reason(result)
         if calls:

@@ -172,12 +172,16 @@ class ChatMessage(BaseModel):
         """The message as chat templates read it (transformers' shape): only the keys it
         has (Llama 3's template tests `'tool_calls' in message`), no content as "" (Qwen3's
         template searches it), each call's arguments an object rather than OpenAI's JSON
-        text, as vLLM passes them."""
+        text, as vLLM passes them. An earlier answer's reasoning goes as `reasoning_content`
+        and as `thinking`, the name gpt-oss's template reads it by (in a turn that called a
+        tool)."""
         message: dict[str, Any] = {"role": self.role, "content": self.text() or ""}
         if self.tool_calls:
             message["tool_calls"] = [_call_for_template(c) for c in self.tool_calls]
         keys = ("tool_call_id", "name", "reasoning_content")
         message |= {k: v for k in keys if (v := getattr(self, k)) is not None}
+        if self.reasoning_content is not None:
+            message["thinking"] = self.reasoning_content
         return message
 
 

@@ -30,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from aotgen.chat_answer import ChatAnswers
+from aotgen.harmony import final_answer, head_of
 from aotgen.metrics import ServeMetrics
 from aotgen.openai_api import (
     ApiError,
@@ -351,10 +352,13 @@ def _generation_routes(server: Server) -> APIRouter:
         config = server.config(req, prompt, req.max_completion_tokens or req.max_tokens)
         if forced is not None:
             config = replace(config, grammar=forced)
-        thinking = thinking_of(tok, prompt)
-        if thinking is not None and config.grammar is not None:  # the answer's, not the thinking's
-            config = replace(config, grammar=config.grammar.after_reasoning(opened=thinking))
-        answers = ChatAnswers(tok, name, req.n, thinking, fmt)
+        thinking, head = thinking_of(tok, prompt), head_of(tok, prompt)
+        if config.grammar is not None:  # the answer's, not the reasoning's
+            if thinking is not None:
+                config = replace(config, grammar=config.grammar.after_reasoning(opened=thinking))
+            elif head is not None and forced is None:  # a forced harmony call reasons first
+                config = replace(config, grammar=final_answer(config.grammar))
+        answers = ChatAnswers(tok, name, req.n, thinking, fmt, head)
         return await _respond(
             server, request, req, [prompt], config, answers.chunk, choice=answers.choice
         )

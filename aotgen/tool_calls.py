@@ -11,6 +11,8 @@ which convention from the template (vLLM's `--tool-call-parser`, chosen per mode
   after any text; call ids of 9 letters and digits, which its template checks.
 - `granite` (Granite 3.x): `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]`, Mistral's
   JSON list after Granite's own marker.
+- `harmony` (gpt-oss): a message to `functions.NAME` whose body is the arguments, one call
+  per answer (aotgen/harmony.py reads the answer's channels).
 
 Each format reads calls back from the answer's text (`parse`), says where a call may begin
 (`start`: text before it streams as content), and gives the grammar that makes the model
@@ -28,6 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from aotgen import harmony
 from aotgen.runtime.grammar import Grammar
 
 
@@ -196,13 +199,39 @@ class GraniteFormat(MistralFormat):
     call_id = staticmethod(_openai_id)
 
 
-ToolFormat = HermesFormat | Llama3JsonFormat | MistralFormat | GraniteFormat
+class HarmonyFormat:
+    """gpt-oss's calls: read by `harmony.split_harmony` with the answer's channels (a harmony
+    answer streams through `harmony.HarmonyStream`, not `ToolCallStream`)."""
+
+    name = "harmony"
+    call_id = staticmethod(_openai_id)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        split = harmony.split_harmony(text)  # after a generation prompt
+        calls = [ToolCall(*call) for call in split.calls]
+        return (split.content or None) if calls else split.content, calls
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> Grammar:
+        """A call after free reasoning: `parallel` or not, one (`<|call|>` ends the answer)."""
+        rules = [f"start: {' | '.join(f'call{i}' for i in range(len(tools)))}"]
+        for i, tool in enumerate(tools):
+            function = tool["function"]
+            head = json.dumps(f"commentary to={harmony.FUNCTIONS}{function['name']} ")
+            rules.append(f'call{i}: {head} {harmony.CONSTRAIN} "json" {harmony.MESSAGE} args{i}')
+            rules.append(f"args{i}: {_json(function.get('parameters') or {'type': 'object'})}")
+        calls = Grammar("grammar", "\n".join(rules) + "\n")
+        return harmony.after_analysis(calls, harmony.CHANNEL)
+
+
+ToolFormat = HermesFormat | Llama3JsonFormat | MistralFormat | GraniteFormat | HarmonyFormat
 
 
 def tool_format(chat_template: str | None) -> ToolFormat | None:
     """How the model of this chat template calls tools, or None if the template takes none."""
     if not chat_template or "tools" not in chat_template:
         return None
+    if harmony.takes_harmony(chat_template):
+        return HarmonyFormat()
     if MistralFormat.open in chat_template:
         return MistralFormat()
     if GraniteFormat.open in chat_template:  # before Hermes: "<tool_call>" is not in it

@@ -23,14 +23,16 @@ CHATML = (
 )
 
 
-def make_tokenizer(out: Path, vocab_size: int = 320) -> Tokenizer:
+def make_tokenizer(
+    out: Path, vocab_size: int = 320, specials: list[str] | tuple[str, ...] = tuple(SPECIALS)
+) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIALS,
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(CORPUS, trainer)

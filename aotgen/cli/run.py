@@ -26,6 +26,7 @@ from aotgen.cli.common import (
     resolve_threads,
     user_errors_exit,
 )
+from aotgen.harmony import HarmonyStream, head_of, split_harmony
 from aotgen.reasoning import ReasoningStream, split_reasoning, thinking_of
 
 if TYPE_CHECKING:
@@ -256,14 +257,22 @@ def _answer(
     engine: Engine, ids: list[int], cfg: GenerationConfig, as_json: bool, chat: bool
 ) -> str:
     """Generate from `ids`: the text streamed, then the stats (or one JSON object). A chat
-    answer's reasoning (`<think>`, aotgen/reasoning.py) comes apart from the answer, on stderr
-    and in the JSON. Returns the answer without it."""
+    answer's reasoning (`<think>`, aotgen/reasoning.py; gpt-oss's analysis channel,
+    aotgen/harmony.py) comes apart from the answer, on stderr and in the JSON. Returns the
+    answer without it."""
     thinking = thinking_of(engine.tokenizer, ids) if chat else None
-    printer = None if as_json else _Printer(thinking)
+    head = head_of(engine.tokenizer, ids) if chat else None
+    split = HarmonyStream(head) if head is not None else None
+    if split is None and thinking is not None:
+        split = ReasoningStream(thinking)
+    printer = None if as_json else _Printer(split)
     result = engine.generate(ids, cfg, on_text=printer.feed if printer else None)
     reasoning, content = (None, result.text)
     if thinking is not None:
         reasoning, content = split_reasoning(result.text, thinking)
+    elif head is not None:
+        whole = split_harmony(result.text, head)
+        reasoning, content = whole.reasoning, whole.content
     if printer is None:
         out = _run_json(engine.load_s, ids, result, cfg.speculative)
         print_json(out | {"reasoning": reasoning, "content": content})
@@ -274,11 +283,11 @@ def _answer(
 
 
 class _Printer:
-    """The answer streamed on stdout; a chat answer's reasoning (`thinking` not None) dimmed on
+    """The answer streamed on stdout; a chat answer's reasoning (`split` not None) dimmed on
     stderr before it, so that stdout holds the answer alone, on a line of its own."""
 
-    def __init__(self, thinking: bool | None):
-        self.split = None if thinking is None else ReasoningStream(thinking)
+    def __init__(self, split: ReasoningStream | HarmonyStream | None):
+        self.split = split
         self.reasoned = self.answered = False
 
     def feed(self, piece: str) -> None:
