@@ -223,6 +223,8 @@ class ChatRequest(RequestFields):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: e.g. {"enable_thinking": false}
+    # OpenAI's, which gpt-oss's template reads (as the template keyword of that name).
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     # vLLM's: the prompt ends inside the final assistant message, which the answer continues.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -240,7 +242,9 @@ class ChatRequest(RequestFields):
                 f"chat_template_kwargs: {', '.join(taken)} are set by the request itself",
                 "chat_template_kwargs",
             )
-        return self.chat_template_kwargs
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort} | (self.chat_template_kwargs or {})
 
     def prompt_ids(self, tok: Tokenizer) -> list[int]:
         """The chat rendered by the package's template (with the tools), as ids."""

@@ -170,6 +170,23 @@ def test_a_call_sent_back_keeps_its_reasoning(harmony_tok):
     assert prompt.endswith(expected + "<|end|><|start|>assistant")
 
 
+def test_reasoning_effort_reaches_the_template(harmony_tok):
+    """OpenAI's `reasoning_effort` is the template keyword gpt-oss's template reads; one given in
+    chat_template_kwargs too wins, as the more specific."""
+    from aotgen.openai_api import ChatRequest
+
+    messages = [{"role": "user", "content": "Hi"}]
+    for fields, effort in (
+        ({"reasoning_effort": "high"}, "high"),
+        ({"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "low"}}, "low"),
+    ):
+        request = ChatRequest(model="m", messages=messages, **fields)
+        prompt = harmony_tok.decode(request.prompt_ids(harmony_tok))
+        assert prompt.startswith(f"<|start|>system<|message|>Reasoning: {effort}<|end|>"), prompt
+    plain = ChatRequest(model="m", messages=messages).prompt_ids(harmony_tok)
+    assert not harmony_tok.decode(plain).startswith("<|start|>system")
+
+
 def _walk(tokens: GrammarTokens, grammar: Grammar, lead: list[int], seed: int) -> list[int]:
     """`lead`, then tokens drawn uniformly from those the grammar allows, up to eos."""
     constraint = tokens.constraint(grammar)
