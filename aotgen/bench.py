@@ -94,7 +94,7 @@ def gguf_kv_bytes(path: Path, prompt_len: int, gen_tokens: int) -> int:
     """`kv_read_bytes` of a GGUF's model in llama.cpp's default cache (f16 keys and values;
     a convolution layer's small rolling state not counted)."""
     from aotgen.checkpoint.gguf import open_gguf
-    from aotgen.checkpoint.gguf_arch import read_config
+    from aotgen.checkpoint.gguf_config import read_config
 
     cfg = read_config(open_gguf(path))
     layers = cfg["num_hidden_layers"]

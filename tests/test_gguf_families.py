@@ -31,7 +31,7 @@ from tiny import CHATML, CORPUS, make_tokenizer
 from tokenizers import Regex, decoders, models, pre_tokenizers, processors, trainers
 
 from aotgen.checkpoint.gguf import import_gguf, open_gguf, permute_qk
-from aotgen.checkpoint.gguf_arch import read_config
+from aotgen.checkpoint.gguf_config import read_config
 from aotgen.checkpoint.hf import CheckpointError
 from aotgen.kernels import gguf_blocks
 from aotgen.runtime.tokenizer import Tokenizer

@@ -22,17 +22,11 @@ import gguf
 import numpy as np
 from safetensors.numpy import save_file
 
-from aotgen.checkpoint.gguf_arch import (
-    PERMUTED_QK,
-    arch_spec,
-    hf_name,
-    meta_value,
-    model_tensors,
-    read_config,
-    require_meta,
-)
+from aotgen.checkpoint.gguf_arch import PERMUTED_QK, arch_spec, hf_name, model_tensors
 from aotgen.checkpoint.gguf_arch_gpt_oss import gpt_oss_tensors
 from aotgen.checkpoint.gguf_check import check_tensors
+from aotgen.checkpoint.gguf_config import read_config
+from aotgen.checkpoint.gguf_meta import meta_value, require_meta
 from aotgen.checkpoint.gguf_tokenizer import build_tokenizer, check_tokenizer
 from aotgen.checkpoint.hf import BLOCKS_FILE, CheckpointError, write_checkpoint_dir
 

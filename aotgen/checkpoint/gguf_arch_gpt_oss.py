@@ -19,7 +19,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from aotgen.checkpoint.gguf_arch import _f32, _layer_types, meta_value, require_meta
+from aotgen.checkpoint.gguf_meta import f32, meta_value, read_layer_types, require_meta
 from aotgen.checkpoint.hf import CheckpointError
 
 # llama-graph.cpp build_moe_ffn, LLM_FFN_SWIGLU_OAI_MOE: constants, not hyperparameters.
@@ -61,20 +61,20 @@ def gpt_oss_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -
             f"GGUF {arch}.expert_feed_forward_length differs between blocks ({sorted(set(widths))})"
             "; transformers' gpt-oss has one width"
         )
-    base = _f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0))
+    base = f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0))
     swa_base = meta_value(reader, f"{arch}.rope.freq_base_swa")
-    if swa_base is not None and _f32(swa_base) != base:
+    if swa_base is not None and f32(swa_base) != base:
         raise CheckpointError(
-            f"GGUF {arch}.rope.freq_base_swa {_f32(swa_base)} differs from rope.freq_base {base}"
+            f"GGUF {arch}.rope.freq_base_swa {f32(swa_base)} differs from rope.freq_base {base}"
             ": transformers' gpt-oss turns every layer at one base"
         )
     n_layer = config["num_hidden_layers"]
     pattern = meta_value(reader, f"{arch}.attention.sliding_window_pattern", 2)
     return config | {
-        "rms_norm_eps": _f32(require_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": f32(require_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         "rope_parameters": _rope(reader, arch, base, config["max_position_embeddings"]),
         "sliding_window": int(require_meta(reader, f"{arch}.attention.sliding_window")),
-        "layer_types": _layer_types(reader, arch, pattern, n_layer),
+        "layer_types": read_layer_types(reader, arch, pattern, n_layer),
         "num_local_experts": int(require_meta(reader, f"{arch}.expert_count")),
         "num_experts_per_tok": int(require_meta(reader, f"{arch}.expert_used_count")),
         "attention_bias": True,
@@ -96,8 +96,8 @@ def _rope(reader: gguf.GGUFReader, arch: str, base: float, n_ctx: int) -> dict[s
     factor = meta_value(reader, f"{arch}.rope.scaling.factor")
     if factor is None:  # llama.cpp's older key
         factor = meta_value(reader, f"{arch}.rope.scale_linear", 0.0)
-    factor = _f32(factor) or 1.0  # 0: unscaled
-    gain = _f32(meta_value(reader, f"{arch}.rope.scaling.attn_factor", 1.0))
+    factor = f32(factor) or 1.0  # 0: unscaled
+    gain = f32(meta_value(reader, f"{arch}.rope.scaling.attn_factor", 1.0))
     if kind == "yarn":
         original = meta_value(reader, f"{arch}.rope.scaling.original_context_length") or n_ctx
         return {

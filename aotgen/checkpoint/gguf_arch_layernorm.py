@@ -7,12 +7,12 @@ from typing import Any
 
 import gguf
 
-from aotgen.checkpoint.gguf_arch import (
-    _f32,
-    _has_tensor,
-    _layer_types,
-    _rope_scaling,
+from aotgen.checkpoint.gguf_meta import (
+    f32,
+    has_tensor,
     meta_value,
+    read_layer_types,
+    read_rope_scaling,
     require_meta,
     swa_period,
 )
@@ -33,8 +33,8 @@ def layernorm_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any])
         return _nemotron_config(reader, arch, config)
     head_dim = config["head_dim"]
     rot = int(meta_value(reader, f"{arch}.rope.dimension_count", head_dim))
-    eps = _f32(require_meta(reader, f"{arch}.attention.layer_norm_epsilon"))
-    config["rope_theta"] = _f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0))
+    eps = f32(require_meta(reader, f"{arch}.attention.layer_norm_epsilon"))
+    config["rope_theta"] = f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0))
     if arch == "starcoder2":
         if rot != head_dim:
             raise CheckpointError(
@@ -44,7 +44,7 @@ def layernorm_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any])
         return config | {
             "norm_epsilon": eps,
             "hidden_act": "gelu_pytorch_tanh",
-            "use_bias": _has_tensor(reader, "attn_output.bias"),
+            "use_bias": has_tensor(reader, "attn_output.bias"),
             "sliding_window": None,
         }
     # Written even when 1: transformers' Phi defaults to 0.5, StableLM to 0.25.
@@ -53,9 +53,9 @@ def layernorm_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any])
         return config | {"hidden_act": "gelu_new", "qk_layernorm": False}
     return config | {
         "hidden_act": "silu",
-        "use_qkv_bias": _has_tensor(reader, "attn_q.bias"),
-        "qk_layernorm": _has_tensor(reader, "attn_q_norm.weight"),
-        "use_parallel_residual": not _has_tensor(reader, "ffn_norm.weight"),
+        "use_qkv_bias": has_tensor(reader, "attn_q.bias"),
+        "qk_layernorm": has_tensor(reader, "attn_q_norm.weight"),
+        "use_parallel_residual": not has_tensor(reader, "ffn_norm.weight"),
     }
 
 
@@ -75,17 +75,17 @@ def _cohere_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -
         )
     config |= {
         "hidden_act": "silu",
-        "layer_norm_eps": _f32(require_meta(reader, f"{arch}.attention.layer_norm_epsilon")),
-        "rope_theta": _f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "logit_scale": _f32(require_meta(reader, f"{arch}.logit_scale")),
-        "attention_bias": _has_tensor(reader, "attn_q.bias"),
+        "layer_norm_eps": f32(require_meta(reader, f"{arch}.attention.layer_norm_epsilon")),
+        "rope_theta": f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "logit_scale": f32(require_meta(reader, f"{arch}.logit_scale")),
+        "attention_bias": has_tensor(reader, "attn_q.bias"),
     }
     if arch == "command-r":
-        return config | {"use_qk_norm": _has_tensor(reader, "attn_q_norm.weight")}
+        return config | {"use_qk_norm": has_tensor(reader, "attn_q_norm.weight")}
     n_layer = config["num_hidden_layers"]
     return config | {
         "sliding_window": int(require_meta(reader, f"{arch}.attention.sliding_window")),
-        "layer_types": _layer_types(reader, arch, swa_period(reader, arch), n_layer),
+        "layer_types": read_layer_types(reader, arch, swa_period(reader, arch), n_layer),
     }
 
 
@@ -98,10 +98,10 @@ def _nemotron_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any])
     rot = int(meta_value(reader, f"{arch}.rope.dimension_count", config["head_dim"]))
     return config | {
         "hidden_act": "relu2",
-        "norm_eps": _f32(require_meta(reader, f"{arch}.attention.layer_norm_epsilon")),
+        "norm_eps": f32(require_meta(reader, f"{arch}.attention.layer_norm_epsilon")),
         "partial_rotary_factor": rot / config["head_dim"],  # written: transformers' default 0.5
-        "rope_theta": _f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(reader, arch),
-        "attention_bias": _has_tensor(reader, "attn_q.bias"),
-        "mlp_bias": _has_tensor(reader, "ffn_up.bias"),
+        "rope_theta": f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rope_scaling": read_rope_scaling(reader, arch),
+        "attention_bias": has_tensor(reader, "attn_q.bias"),
+        "mlp_bias": has_tensor(reader, "ffn_up.bias"),
     }
