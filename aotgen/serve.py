@@ -354,10 +354,10 @@ def _generation_routes(server: Server) -> APIRouter:
             config = replace(config, grammar=forced)
         thinking, head = thinking_of(tok, prompt), head_of(tok, prompt)
         if config.grammar is not None:  # the answer's, not the reasoning's
-            if thinking is not None:
+            if head is not None:  # a forced harmony call reasons first already
+                config = replace(config, grammar=forced or final_answer(config.grammar))
+            elif thinking is not None:
                 config = replace(config, grammar=config.grammar.after_reasoning(opened=thinking))
-            elif head is not None and forced is None:  # a forced harmony call reasons first
-                config = replace(config, grammar=final_answer(config.grammar))
         answers = ChatAnswers(tok, name, req.n, thinking, fmt, head)
         return await _respond(
             server, request, req, [prompt], config, answers.chunk, choice=answers.choice

@@ -18,6 +18,7 @@ import torch
 from cpp_build import cmake_cache_value, require_cpp_build
 from reference import r1_thinking_template, with_chat_template
 
+from aotgen.harmony import split_harmony
 from aotgen.reasoning import split_reasoning
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.engine import Engine, GenerationConfig
@@ -198,6 +199,22 @@ def test_chat_reasoning_comes_apart(batch_bin, tiny_package, tmp_path):
         None,
         got[1]["text"],
     )
+
+
+def test_chat_harmony_comes_apart(batch_bin, tiny_package, tmp_path):
+    """Under a harmony template a chat request's answer is split as Python's `split_harmony`
+    splits its text, the reasoning a string (empty: the random model writes no harmony); a
+    plain prompt's stays whole."""
+    package = with_chat_template(tiny_package, tmp_path / "harmony", "compact-harmony.jinja")
+    request = {"max_new_tokens": 6, "ignore_eos": True, "temperature": 0}
+    got, _ = cpp_results(
+        run_batch(
+            batch_bin, package, [{"chat": "Hi"} | request, {"prompt": "Hi"} | request], tmp_path
+        )
+    )
+    split = split_harmony(got[0]["text"])
+    assert (got[0]["reasoning"], got[0]["content"]) == (split.reasoning, split.content)
+    assert (got[1]["reasoning"], got[1]["content"]) == (None, got[1]["text"])
 
 
 def _both_runtimes(

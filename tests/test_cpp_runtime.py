@@ -22,6 +22,7 @@ import torch
 from cpp_build import REPO_ROOT
 from reference import check_conversation, r1_thinking_template, with_chat_template
 
+from aotgen.harmony import head_of, split_harmony
 from aotgen.package.manifest import PackageError
 from aotgen.reasoning import split_reasoning, thinking_of
 from aotgen.runtime.engine import Engine, GenerationConfig
@@ -522,6 +523,34 @@ def test_reasoning_comes_apart_from_the_answer_like_python(run_bin, r1_chat_pack
     lines = ["Hi", "and?", "1 2"]  # three turns in the context: R1's tags take ~20 tokens each
     printed = run_interactive(run_bin, r1_chat_package, lines, 4)
     check_conversation(printed, r1_chat_package, lines, GenerationConfig(4, ignore_eos=True))
+
+
+@pytest.fixture(scope="module")
+def harmony_chat_package(tiny_package: Path, tmp_path_factory) -> Path:
+    """The tiny package with a compact gpt-oss (harmony) template: the answer's head is
+    `assistant`."""
+    dest = tmp_path_factory.mktemp("harmony") / "pkg"
+    return with_chat_template(tiny_package, dest, "compact-harmony.jinja")
+
+
+def test_harmony_answer_comes_apart_like_python(run_bin, harmony_chat_package):
+    """Under a harmony template a chat answer is split as Python's `split_harmony` splits
+    C++'s text: the JSON's `reasoning` (a string) and `content`, the streamed content alone on
+    stdout, any reasoning on stderr before the stats. The C++ tool takes no grammar, so the
+    random model writes no harmony of its own: test_cpp_tokenizer.py's
+    test_harmony_split_equals_pythons checks the split on harmony answers."""
+    engine = Engine.load(harmony_chat_package)
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    head = head_of(engine.tokenizer, ids)
+    assert head == "assistant"
+    args = ["--chat", "Hi", "--max-new-tokens", "8", "--ignore-eos"]
+    got = json.loads(run(run_bin, harmony_chat_package, *args, "--json").stdout)
+    assert got["prompt_ids"] == ids
+    split = split_harmony(got["text"], head)
+    assert (got["reasoning"], got["content"]) == (split.reasoning, split.content)
+    proc = run(run_bin, harmony_chat_package, *args)
+    assert proc.stdout == split.content + "\n"
+    assert proc.stderr.startswith(f"{split.reasoning}\n" if split.reasoning else "load ")
 
 
 # ---- bad input: one clear message, exit status 1, no crash -------------------------------

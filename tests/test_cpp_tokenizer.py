@@ -617,6 +617,50 @@ def test_reasoning_split_equals_pythons(tokenize_bin: Path):
         }, (text, thinking)
 
 
+# Harmony answers past tests/test_harmony.py's cases: markers cut short, empty and Unicode
+# bodies, a recipient ending at Unicode whitespace, `to=` inside a word, prompt tails.
+HARMONY_TEXTS = [
+    "",
+    "<",
+    "a<|",
+    "<|message|>x <|",
+    "<|channel|>analysis<|message|><|end|><|start|>assistant<|channel|>analysis<|message|>b",
+    " to=x<|message|> {a} ",
+    "é to=functions.f\u00a0y<|message|>\u3000{}\u3000",
+    "xto=a<|message|>b",
+    "to=<|message|>b",
+    "<|channel|><|channel|>analysis<|message|>日本<|end|>",
+    "<|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>final",
+    "<|start|>user<|message|>Hi<|end|>",
+]
+
+
+def test_harmony_split_equals_pythons(tokenize_bin: Path):
+    """harmony.h against aotgen/harmony.py on the same answers and heads: the whole split, the
+    deltas and calls of the answer streamed a character at a time (HarmonyStream), and the
+    text read as a prompt (answer_head) and as a template (takes_harmony)."""
+    from test_harmony import CASES
+
+    from aotgen.harmony import HarmonyStream, answer_head, split_harmony, takes_harmony
+
+    texts = [text for text, *_ in CASES] + HARMONY_TEXTS
+    cases = [
+        [text, head] for text in texts for head in ("assistant", "", "assistant<|channel|>final")
+    ]
+    for (text, head), got in zip(cases, run_cli(tokenize_bin, ["--harmony"], cases), strict=True):
+        whole, stream = split_harmony(text, head), HarmonyStream(head)
+        deltas = [list(stream.feed(c)) for c in text] + [list(stream.finish())]
+        assert got == {
+            "reasoning": whole.reasoning,
+            "content": whole.content,
+            "calls": [list(call) for call in whole.calls],
+            "deltas": deltas,
+            "streamed_calls": [list(call) for call in stream.calls],
+            "head": answer_head(text),
+            "takes": takes_harmony(text),
+        }, (text, head)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

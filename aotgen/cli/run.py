@@ -268,11 +268,11 @@ def _answer(
     printer = None if as_json else _Printer(split)
     result = engine.generate(ids, cfg, on_text=printer.feed if printer else None)
     reasoning, content = (None, result.text)
-    if thinking is not None:
-        reasoning, content = split_reasoning(result.text, thinking)
-    elif head is not None:
+    if head is not None:
         whole = split_harmony(result.text, head)
         reasoning, content = whole.reasoning, whole.content
+    elif thinking is not None:
+        reasoning, content = split_reasoning(result.text, thinking)
     if printer is None:
         out = _run_json(engine.load_s, ids, result, cfg.speculative)
         print_json(out | {"reasoning": reasoning, "content": content})

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "chat.h"
+#include "harmony.h"
 #include "reasoning.h"
 #include "tokenizer.h"
 
@@ -209,6 +210,10 @@ class Engine {
   // to open one (false), or with none (nullopt: the template has no reasoning, or the prompt
   // closed it). Split the answer with split_reasoning / ReasoningStream.
   std::optional<bool> thinking(const std::vector<int64_t>& prompt_ids) const;
+  // The head of the answer to a chat prompt in gpt-oss's harmony format (harmony.h
+  // answer_head: `assistant` after a generation prompt), or nullopt: the template is not
+  // harmony. Split the answer with split_harmony / HarmonyStream.
+  std::optional<std::string> harmony_head(const std::vector<int64_t>& prompt_ids) const;
 
   // A plain-text prompt's ids, led by bos when the checkpoint says so (`add_bos_token` in
   // tokenizer_config.json, e.g. Gemma), as the Python runtime's Tokenizer.prompt_ids.

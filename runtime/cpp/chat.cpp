@@ -12,6 +12,7 @@
 
 #include <minja/minja.hpp>
 
+#include "harmony.h"
 #include "reasoning.h"
 
 namespace aotgen {
@@ -140,6 +141,8 @@ bool ChatTemplate::is_chatml() const {
 }
 
 bool ChatTemplate::takes_reasoning() const { return aotgen::takes_reasoning(impl_->source); }
+
+bool ChatTemplate::takes_harmony() const { return aotgen::takes_harmony(impl_->source); }
 
 std::string chat_prompt(const ChatTemplate& tmpl, const std::vector<ChatMessage>& messages,
                         bool add_generation_prompt) {

@@ -39,6 +39,9 @@ class ChatTemplate {
   bool is_chatml() const;
   // The model reasons before it answers (the template holds "<think>", reasoning.h).
   bool takes_reasoning() const;
+  // gpt-oss's harmony format: the answer's channels (the template holds "<|channel|>" and
+  // "<|message|>", harmony.h).
+  bool takes_harmony() const;
 
  private:
   struct Impl;

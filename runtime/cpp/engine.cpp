@@ -5,6 +5,7 @@
 #include <chrono>
 #include <fstream>
 #include <future>
+#include <iterator>
 #include <mutex>
 #include <set>
 
@@ -480,6 +481,17 @@ std::optional<bool> Engine::thinking(const std::vector<int64_t>& prompt_ids) con
   // The last 32 ids: enough for the tags, even spelled byte by byte.
   const auto tail = prompt_ids.size() > 32 ? prompt_ids.end() - 32 : prompt_ids.begin();
   return opens_reasoning(impl_->tokenizer->decode({tail, prompt_ids.end()}));
+}
+
+std::optional<std::string> Engine::harmony_head(const std::vector<int64_t>& prompt_ids) const {
+  if (!impl_->chat_template || !impl_->chat_template->takes_harmony()) return std::nullopt;
+  // From the last message's start (a long one included), as aotgen/harmony.py head_of.
+  auto tail = prompt_ids.size() > 64 ? prompt_ids.end() - 64 : prompt_ids.begin();
+  if (const auto start = impl_->tokenizer->token_id("<|start|>")) {
+    const auto last = std::find(prompt_ids.rbegin(), prompt_ids.rend(), *start);
+    if (last != prompt_ids.rend()) tail = std::prev(last.base());
+  }
+  return answer_head(impl_->tokenizer->decode({tail, prompt_ids.end()}));
 }
 
 std::vector<int64_t> Engine::prompt_ids(const std::string& text) const {

@@ -17,6 +17,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <c10/util/Exception.h>
@@ -55,8 +56,9 @@ options (defaults for every request):
   --threads N            intra-op threads
   --no-verify            skip the sha256 check of the package files
 Output: one JSON line per finished request (request, prompt_ids, ids, text, reasoning and
-content (a chat answer's <think> reasoning apart; null and the text otherwise), finish_reason,
-step, spec, error), then {"summary": {...}}.
+content (a chat answer's <think> reasoning or harmony analysis channel apart; null and the
+text where the template has neither), finish_reason, step, spec, error), then
+{"summary": {...}}.
 )";
 
 struct UsageError : std::invalid_argument {
@@ -144,19 +146,33 @@ Args parse_args(int argc, char** argv) {
 }
 
 // One line's request: its prompt ids, its config, when to cancel it (if ever), and for a
-// chat, where its answer starts (Engine::thinking: its reasoning comes apart).
+// chat, where its answer starts (Engine::thinking, Engine::harmony_head: its reasoning comes
+// apart).
 struct Line {
   std::vector<int64_t> prompt_ids;
   aotgen::GenerationConfig config;
   std::optional<int64_t> cancel_after;
   std::optional<bool> thinking;
+  std::optional<std::string> head;
+
+  void read_answer_start(const aotgen::Engine& engine) {
+    thinking = engine.thinking(prompt_ids);
+    head = engine.harmony_head(prompt_ids);
+  }
+  // The answer's reasoning and content, as aotgen/cli/run.py splits them: harmony first,
+  // then `<think>` (reasoning a string, not null).
+  aotgen::ReasoningSplit split(const std::string& text) const {
+    if (!head) return aotgen::split_answer(text, thinking);
+    auto whole = aotgen::split_harmony(text, *head);
+    return {std::move(whole.reasoning), std::move(whole.content)};
+  }
 };
 
 Line parse_line(const std::string& text, const Args& args, const aotgen::Engine& engine) {
-  Line line{{}, args.config, std::nullopt, std::nullopt};
+  Line line{{}, args.config, std::nullopt, std::nullopt, std::nullopt};
   if (!text.starts_with("{")) {
     line.prompt_ids = args.chat ? engine.chat_ids(text) : engine.prompt_ids(text);
-    if (args.chat) line.thinking = engine.thinking(line.prompt_ids);
+    if (args.chat) line.read_answer_start(engine);
     return line;
   }
   const json r = json::parse(text);  // json::exception: reported with the line number
@@ -177,7 +193,7 @@ Line parse_line(const std::string& text, const Args& args, const aotgen::Engine&
     const auto system = r.contains("system") ? std::optional(r["system"].get<std::string>())
                                              : std::nullopt;
     line.prompt_ids = engine.chat_ids(r["chat"].get<std::string>(), system);
-    line.thinking = engine.thinking(line.prompt_ids);
+    line.read_answer_start(engine);
   } else if (r.contains("prompt")) {
     line.prompt_ids = engine.prompt_ids(r["prompt"].get<std::string>());
   } else {
@@ -270,7 +286,7 @@ int run(Args args) {
         [&](int64_t id, const aotgen::GenerationResult& r) {
           const std::size_t n = line_of.at(id);
           tokens += static_cast<int64_t>(r.token_ids.size());
-          const auto split = aotgen::split_answer(r.text, lines[n].thinking);
+          const auto split = lines[n].split(r.text);
           const json out = {{"request", n},           {"prompt_ids", lines[n].prompt_ids},
                             {"ids", r.token_ids},     {"text", r.text},
                             {"reasoning", split.reasoning ? json(*split.reasoning) : json(nullptr)},

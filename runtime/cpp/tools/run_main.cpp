@@ -4,9 +4,10 @@
 //                       | --interactive) [options]
 //
 // Streams the text to stdout, then prints load / first-token / decode timings on stderr.
-// A chat answer's reasoning (`<think> ... </think>`) streams on stderr, the answer alone on
-// stdout. With --json (or --ids), prints one JSON object on stdout instead: prompt_ids, ids
-// (generated), text, reasoning (or null) and content (the text without it), finish_reason,
+// A chat answer's reasoning (`<think> ... </think>`, or gpt-oss's harmony analysis channel)
+// streams on stderr, the answer alone on stdout. With --json (or --ids), prints one JSON
+// object on stdout instead: prompt_ids, ids (generated), text, reasoning (null where the
+// template has none) and content (the text without it), finish_reason,
 // spec (or null), logprobs (with --logprobs N, or null) and timings. Errors: one message on
 // stderr, exit status 1 (2 for a command line that cannot be parsed at all). Option values
 // are checked as the Python CLI (`aotgen run`) checks them, with the same messages.
@@ -21,6 +22,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 #include <unistd.h>  // isatty, access
@@ -352,32 +354,35 @@ void write(std::FILE* file, std::string_view text) {
   std::fflush(file);
 }
 
-// The answer streamed on stdout; a chat answer's reasoning (`thinking` set) on stderr before
-// it, dimmed on a terminal, so that stdout holds the answer alone (aotgen/cli/run.py _Printer).
+// The answer streamed on stdout; a chat answer's reasoning (a harmony `head` or `thinking`
+// set) on stderr before it, dimmed on a terminal, so that stdout holds the answer alone
+// (aotgen/cli/run.py _Printer).
 class Printer {
  public:
-  explicit Printer(std::optional<bool> thinking) {
-    if (thinking) split_.emplace(*thinking);
+  Printer(std::optional<bool> thinking, const std::optional<std::string>& head) {
+    if (head) {
+      harmony_.emplace(*head);
+    } else if (thinking) {
+      reasoning_.emplace(*thinking);
+    }
   }
   void feed(std::string_view piece) {
-    if (!split_) return show("", piece);
-    const auto [reasoning, content] = split_->feed(piece);
-    show(reasoning, content);
+    if (harmony_) return show(harmony_->feed(piece));
+    if (reasoning_) return show(reasoning_->feed(piece));
+    show({"", std::string(piece)});
   }
   void finish() {
-    if (split_) {
-      const auto [reasoning, content] = split_->finish();
-      show(reasoning, content);
-    }
+    if (harmony_) show(harmony_->finish());
+    if (reasoning_) show(reasoning_->finish());
     if (reasoned_ && !answered_) write(stderr, "\n");  // the stats start a line of their own
     write(stdout, "\n");
   }
 
  private:
-  void show(std::string_view reasoning, std::string_view content) {
+  void show(const std::pair<std::string, std::string>& deltas) {
+    const auto& [reasoning, content] = deltas;
     if (!reasoning.empty()) {
-      const std::string text(reasoning);
-      write(stderr, dim_ ? "\x1b[2m" + text + "\x1b[0m" : text);
+      write(stderr, dim_ ? "\x1b[2m" + reasoning + "\x1b[0m" : reasoning);
       reasoned_ = true;
     }
     if (!content.empty()) {
@@ -387,29 +392,41 @@ class Printer {
     }
   }
 
-  std::optional<aotgen::ReasoningStream> split_;
+  std::optional<aotgen::HarmonyStream> harmony_;
+  std::optional<aotgen::ReasoningStream> reasoning_;
   bool dim_ = isatty(fileno(stderr));
   bool reasoned_ = false, answered_ = false;
 };
 
 // Generates from ids: the text streamed (or one JSON object), then the stats on stderr. A
-// chat answer's reasoning (`<think>`, reasoning.h) comes apart from the answer, on stderr and
-// in the JSON. `since` is when the command started or the turn's message arrived. Returns the
-// answer without its reasoning.
+// chat answer's reasoning (`<think>`, reasoning.h; gpt-oss's analysis channel, harmony.h)
+// comes apart from the answer, on stderr and in the JSON. `since` is when the command started
+// or the turn's message arrived. Returns the answer without its reasoning.
 std::string answer(aotgen::Engine& engine, const std::vector<int64_t>& ids, const Args& args,
                    bool chat, Clock::time_point since) {
   const auto t_generate = Clock::now();
   std::optional<bool> thinking;
-  if (chat) thinking = engine.thinking(ids);
+  std::optional<std::string> head;
+  if (chat) {
+    thinking = engine.thinking(ids);
+    head = engine.harmony_head(ids);
+  }
   std::optional<Printer> printer;
   aotgen::TextCallback stream;
   if (!args.print_ids) {
-    stream = [&printer = printer.emplace(thinking)](std::string_view text) { printer.feed(text); };
+    stream = [&printer = printer.emplace(thinking, head)](std::string_view text) {
+      printer.feed(text);
+    };
   }
   const auto result = engine.generate(ids, args.config, stream);
   const double to_first_token =
       std::chrono::duration<double>(t_generate - since).count() + result.prefill_s;
+  // As aotgen/cli/run.py _answer: harmony first, then `<think>` (reasoning a string, not null).
   auto split = aotgen::split_answer(result.text, thinking);
+  if (head) {
+    auto whole = aotgen::split_harmony(result.text, *head);
+    split = {std::move(whole.reasoning), std::move(whole.content)};
+  }
 
   if (args.print_ids) {
     json out = {{"prompt_ids", ids},

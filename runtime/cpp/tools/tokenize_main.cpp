@@ -16,6 +16,11 @@
 //                                           "deltas", "opens"}       ReasoningStream fed one
 //                                                                 character at a time, then
 //                                                                 finish(); opens_reasoning
+//   --harmony       [text, head]         -> {"reasoning", "content", split_harmony (harmony.h),
+//                                           "calls", "deltas",       HarmonyStream fed one
+//                                           "streamed_calls",        character at a time, then
+//                                           "head", "takes"}         finish(); answer_head and
+//                                                                 takes_harmony of `text`
 // Exits 1 with a message on stderr at the first bad line or tokenizer error; --chat reports
 // a template that fails on a conversation as that line's "error" and goes on.
 #include <cstdlib>
@@ -29,6 +34,7 @@
 #include <nlohmann/json.hpp>
 
 #include "chat.h"
+#include "harmony.h"
 #include "reasoning.h"
 #include "tokenizer.h"
 
@@ -36,11 +42,11 @@ namespace {
 
 using json = nlohmann::json;
 
-enum class Mode { Encode, Decode, Stream, PreTokenize, ChatML, Chat, Reasoning };
+enum class Mode { Encode, Decode, Stream, PreTokenize, ChatML, Chat, Reasoning, Harmony };
 
 int usage() {
   std::cerr << "usage: aotgen-tokenize TOKENIZER_JSON [--decode | --stream | --pre-tokenize | "
-               "--chatml | --chat | --reasoning] [--skip-special-tokens] "
+               "--chatml | --chat | --reasoning | --harmony] [--skip-special-tokens] "
                "[--no-generation-prompt]\n"
                "  reads one JSON value per stdin line, writes one JSON value per line\n";
   return 2;
@@ -92,6 +98,29 @@ json reasoning(const json& input) {
           {"opens", optional_json(aotgen::opens_reasoning(text))}};
 }
 
+// --harmony: the whole split of the answer `text` after `head`, the streamed deltas (one
+// UTF-8 character a piece) and calls, and `text` read as a prompt (answer_head) and as a
+// chat template (takes_harmony).
+json harmony(const json& input) {
+  const std::string text = parse_text(input.at(0));
+  const std::string head = parse_text(input.at(1));
+  const auto whole = aotgen::split_harmony(text, head);
+  aotgen::HarmonyStream stream(head);
+  json deltas = json::array();
+  for (std::size_t i = 0, n = 1; i < text.size(); i += n) {
+    const auto lead = static_cast<unsigned char>(text[i]);
+    n = lead < 0xc0 ? 1 : lead < 0xe0 ? 2 : lead < 0xf0 ? 3 : 4;
+    const auto [r, c] = stream.feed(std::string_view(text).substr(i, n));
+    deltas.push_back({r, c});
+  }
+  const auto [r, c] = stream.finish();
+  deltas.push_back({r, c});
+  return {{"reasoning", whole.reasoning}, {"content", whole.content},
+          {"calls", whole.calls},         {"deltas", deltas},
+          {"streamed_calls", stream.calls()}, {"head", aotgen::answer_head(text)},
+          {"takes", aotgen::takes_harmony(text)}};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -113,6 +142,8 @@ int main(int argc, char** argv) {
       mode = Mode::Chat;
     } else if (arg == "--reasoning") {
       mode = Mode::Reasoning;
+    } else if (arg == "--harmony") {
+      mode = Mode::Harmony;
     } else if (arg == "--skip-special-tokens") {
       skip_special = true;
     } else if (arg == "--no-generation-prompt") {
@@ -126,7 +157,9 @@ int main(int argc, char** argv) {
       path = arg;
     }
   }
-  if (path.empty() && mode != Mode::ChatML && mode != Mode::Reasoning) return usage();
+  if (path.empty() && mode != Mode::ChatML && mode != Mode::Reasoning && mode != Mode::Harmony) {
+    return usage();
+  }
 
   std::size_t line_no = 0;
   try {
@@ -164,6 +197,9 @@ int main(int argc, char** argv) {
           break;
         case Mode::Reasoning:
           output = reasoning(input);
+          break;
+        case Mode::Harmony:
+          output = harmony(input);
           break;
         case Mode::Chat: {
           const auto messages = parse_messages(input);

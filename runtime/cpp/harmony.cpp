@@ -1,0 +1,180 @@
+#include "harmony.h"
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <optional>
+
+namespace aotgen {
+namespace {
+
+constexpr std::string_view kStart = "<|start|>", kChannel = "<|channel|>",
+                           kMessage = "<|message|>", kConstrain = "<|constrain|>";
+constexpr std::array<std::string_view, 3> kEnds = {"<|end|>", "<|call|>", "<|return|>"};
+constexpr std::array<std::string_view, 7> kMarkers = {kStart,   kChannel, kMessage, kConstrain,
+                                                      kEnds[0], kEnds[1], kEnds[2]};
+constexpr std::string_view kFunctions = "functions.", kTo = "to=";
+
+// Length of the UTF-8 character at text[i] when it is whitespace by Python's str.isspace
+// (what `\s` matches and str.strip() drops), else 0.
+std::size_t space_at(std::string_view text, std::size_t i) {
+  const auto byte = static_cast<unsigned char>(text[i]);
+  if ((byte >= 0x09 && byte <= 0x0d) || (byte >= 0x1c && byte <= 0x20)) return 1;
+  if (byte < 0xc2) return 0;
+  const std::size_t n = byte < 0xe0 ? 2 : byte < 0xf0 ? 3 : 4;
+  if (i + n > text.size()) return 0;
+  uint32_t cp = byte & (0xff >> (n + 1));
+  for (std::size_t k = 1; k < n; ++k) {
+    cp = cp << 6 | (static_cast<unsigned char>(text[i + k]) & 0x3f);
+  }
+  static constexpr std::array<uint32_t, 8> kSingles = {0x85,   0xa0,   0x1680, 0x2028,
+                                                       0x2029, 0x202f, 0x205f, 0x3000};
+  if (std::find(kSingles.begin(), kSingles.end(), cp) != kSingles.end()) return n;
+  return cp >= 0x2000 && cp <= 0x200a ? n : 0;
+}
+
+// Python's str.strip().
+std::string_view strip(std::string_view text) {
+  while (!text.empty()) {
+    const auto n = space_at(text, 0);
+    if (n == 0) break;
+    text.remove_prefix(n);
+  }
+  while (!text.empty()) {  // back to the last character's first byte
+    std::size_t start = text.size() - 1;
+    while (start > 0 && (static_cast<unsigned char>(text[start]) & 0xc0) == 0x80) --start;
+    if (space_at(text, start) != text.size() - start) break;
+    text.remove_suffix(text.size() - start);
+  }
+  return text;
+}
+
+// `\w`, ASCII only (harmony.h).
+bool is_word(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+}
+
+// The first `\bto=([^\s<]+)` in a header: the recipient.
+std::optional<std::string_view> recipient(std::string_view header) {
+  for (auto at = header.find(kTo); at != std::string_view::npos; at = header.find(kTo, at + 1)) {
+    if (at > 0 && is_word(header[at - 1])) continue;
+    std::size_t end = at + kTo.size();
+    while (end < header.size() && header[end] != '<' && space_at(header, end) == 0) ++end;
+    if (end > at + kTo.size()) return header.substr(at + kTo.size(), end - at - kTo.size());
+  }
+  return std::nullopt;
+}
+
+// The first `<|channel|>(\w+)` in a header: the channel's name.
+std::optional<std::string_view> channel(std::string_view header) {
+  for (auto at = header.find(kChannel); at != std::string_view::npos;
+       at = header.find(kChannel, at + 1)) {
+    std::size_t end = at + kChannel.size();
+    while (end < header.size() && is_word(header[end])) ++end;
+    if (end > at + kChannel.size()) {
+      return header.substr(at + kChannel.size(), end - at - kChannel.size());
+    }
+  }
+  return std::nullopt;
+}
+
+// Bytes at the end that may begin a marker (held back until they cannot). The markers are
+// ASCII, so these bytes are as many characters as Python's count.
+std::size_t pending(std::string_view text) {
+  std::size_t longest = 0;
+  for (const auto marker : kMarkers) longest = std::max(longest, marker.size());
+  for (std::size_t size = std::min(longest - 1, text.size()); size > 0; --size) {
+    const auto tail = text.substr(text.size() - size);
+    for (const auto marker : kMarkers) {
+      if (marker.starts_with(tail)) return size;
+    }
+  }
+  return 0;
+}
+
+// Python's str.split(separator): every piece, empty ones too.
+std::vector<std::string_view> split_on(std::string_view text, std::string_view separator) {
+  std::vector<std::string_view> pieces;
+  for (std::size_t from = 0;;) {
+    const auto at = text.find(separator, from);
+    if (at == std::string_view::npos) {
+      pieces.push_back(text.substr(from));
+      return pieces;
+    }
+    pieces.push_back(text.substr(from, at - from));
+    from = at + separator.size();
+  }
+}
+
+}  // namespace
+
+bool takes_harmony(std::string_view chat_template) {
+  return chat_template.find(kChannel) != std::string_view::npos &&
+         chat_template.find(kMessage) != std::string_view::npos;
+}
+
+std::string answer_head(std::string_view prompt_text) {
+  const auto start = prompt_text.rfind(kStart);
+  const auto head = start == std::string_view::npos ? prompt_text
+                                                     : prompt_text.substr(start + kStart.size());
+  for (const auto end : kEnds) {
+    if (head.find(end) != std::string_view::npos) return "";
+  }
+  return std::string(head);
+}
+
+HarmonySplit split_harmony(std::string_view text, std::string_view head, bool final) {
+  HarmonySplit split;
+  const std::string whole = std::string(head) + std::string(text);
+  const auto messages = split_on(whole, kStart);
+  for (std::size_t index = 0; index < messages.size(); ++index) {
+    const auto message = messages[index];
+    const auto body_at = message.find(kMessage);
+    if (body_at == std::string_view::npos) continue;  // a header still coming, or text between
+    const auto header = message.substr(0, body_at);
+    auto body = message.substr(body_at + kMessage.size());
+    auto end = std::string_view::npos;
+    for (const auto e : kEnds) end = std::min(end, body.find(e));
+    const bool ended = end != std::string_view::npos;
+    const bool done = ended || index + 1 < messages.size() || final;
+    if (ended) body = body.substr(0, end);
+    if (const auto to = recipient(header)) {
+      if (done) {
+        auto name = *to;
+        if (name.starts_with(kFunctions)) name.remove_prefix(kFunctions.size());
+        split.calls.emplace_back(std::string(name), std::string(strip(body)));
+      }
+      continue;
+    }
+    if (!done) body.remove_suffix(pending(body));
+    if (const auto name = channel(header); name && *name == "analysis") {
+      if (!split.reasoning.empty()) split.reasoning += '\n';
+      split.reasoning += body;
+    } else {
+      split.content += body;
+    }
+  }
+  if (final && whole.find(kMessage) == std::string::npos) split.content = std::string(text);
+  return split;
+}
+
+std::pair<std::string, std::string> HarmonyStream::feed(std::string_view piece) {
+  text_ += piece;
+  return deltas(false);
+}
+
+std::pair<std::string, std::string> HarmonyStream::finish() { return deltas(true); }
+
+std::pair<std::string, std::string> HarmonyStream::deltas(bool final) {
+  auto split = split_harmony(text_, head_, final);
+  // What went out stays a prefix of the split as the text grows: send what follows it.
+  std::pair<std::string, std::string> out{
+      split.reasoning.substr(std::min(sent_reasoning_, split.reasoning.size())),
+      split.content.substr(std::min(sent_content_, split.content.size()))};
+  sent_reasoning_ = split.reasoning.size();
+  sent_content_ = split.content.size();
+  calls_ = std::move(split.calls);
+  return out;
+}
+
+}  // namespace aotgen
