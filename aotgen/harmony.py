@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from aotgen.reasoning import SplitStream
 from aotgen.runtime.grammar import Grammar
 
 if TYPE_CHECKING:
@@ -101,30 +102,19 @@ def split_harmony(text: str, head: str = "assistant", final: bool = True) -> Spl
     return split
 
 
-class HarmonyStream:
-    """A streamed harmony answer split into (reasoning, content) deltas as the text arrives;
-    together they add up to `split_harmony` of the whole, whose calls `finish` leaves in
-    `calls`."""
+class HarmonyStream(SplitStream):
+    """A streamed harmony answer; together its deltas add up to `split_harmony` of the whole,
+    whose calls `finish` leaves in `calls`."""
 
     def __init__(self, head: str = "assistant"):
-        self.head, self.text = head, ""
-        self.sent_reasoning = self.sent_content = 0
+        super().__init__()
+        self.head = head
         self.calls: list[tuple[str, str]] = []
 
-    def _deltas(self, final: bool) -> tuple[str, str]:
+    def _split(self, final: bool) -> tuple[str, str]:
         split = split_harmony(self.text, self.head, final)
-        out = split.reasoning[self.sent_reasoning :], split.content[self.sent_content :]
-        self.sent_reasoning, self.sent_content = len(split.reasoning), len(split.content)
         self.calls = split.calls
-        return out
-
-    def feed(self, piece: str) -> tuple[str, str]:
-        """(reasoning, content) that may go out now."""
-        self.text += piece
-        return self._deltas(final=False)
-
-    def finish(self) -> tuple[str, str]:
-        return self._deltas(final=True)
+        return split.reasoning, split.content
 
 
 # Free reasoning before the answer: analysis messages of any text, each followed by the next

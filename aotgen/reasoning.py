@@ -67,16 +67,20 @@ def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str]:
     return (reasoning if opened else None), content
 
 
-class ReasoningStream:
-    """A streamed answer split into reasoning and content deltas as the text arrives;
-    together they add up to `split_reasoning` of the whole."""
+class SplitStream:
+    """A streamed answer split into (reasoning, content) deltas as the text arrives: the split
+    of all the text so far, of which only what cannot change goes out (`_split` with `final`
+    False), each part sent from where the last delta ended."""
 
-    def __init__(self, thinking: bool):
-        self.thinking, self.text = thinking, ""
+    def __init__(self) -> None:
+        self.text = ""
         self.sent_reasoning = self.sent_content = 0
 
+    def _split(self, final: bool) -> tuple[str, str]:
+        raise NotImplementedError
+
     def _deltas(self, final: bool) -> tuple[str, str]:
-        reasoning, content = _split(self.text, self.thinking, final)
+        reasoning, content = self._split(final)
         out = reasoning[self.sent_reasoning :], content[self.sent_content :]
         self.sent_reasoning, self.sent_content = len(reasoning), len(content)
         return out
@@ -88,3 +92,15 @@ class ReasoningStream:
 
     def finish(self) -> tuple[str, str]:
         return self._deltas(final=True)
+
+
+class ReasoningStream(SplitStream):
+    """A streamed `<think>` answer; together its deltas add up to `split_reasoning` of the
+    whole."""
+
+    def __init__(self, thinking: bool):
+        super().__init__()
+        self.thinking = thinking
+
+    def _split(self, final: bool) -> tuple[str, str]:
+        return _split(self.text, self.thinking, final)

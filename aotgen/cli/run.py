@@ -27,7 +27,7 @@ from aotgen.cli.common import (
     user_errors_exit,
 )
 from aotgen.harmony import HarmonyStream, head_of, split_harmony
-from aotgen.reasoning import ReasoningStream, split_reasoning, thinking_of
+from aotgen.reasoning import ReasoningStream, SplitStream, split_reasoning, thinking_of
 
 if TYPE_CHECKING:
     from aotgen.runtime.engine import Engine, GenerationConfig
@@ -262,7 +262,7 @@ def _answer(
     answer without it."""
     thinking = thinking_of(engine.tokenizer, ids) if chat else None
     head = head_of(engine.tokenizer, ids) if chat else None
-    split = HarmonyStream(head) if head is not None else None
+    split: SplitStream | None = HarmonyStream(head) if head is not None else None
     if split is None and thinking is not None:
         split = ReasoningStream(thinking)
     printer = None if as_json else _Printer(split)
@@ -286,7 +286,7 @@ class _Printer:
     """The answer streamed on stdout; a chat answer's reasoning (`split` not None) dimmed on
     stderr before it, so that stdout holds the answer alone, on a line of its own."""
 
-    def __init__(self, split: ReasoningStream | HarmonyStream | None):
+    def __init__(self, split: SplitStream | None):
         self.split = split
         self.reasoned = self.answered = False
 

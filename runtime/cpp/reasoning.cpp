@@ -1,43 +1,15 @@
 #include "reasoning.h"
 
+#include "python_text.h"
+
 #include <algorithm>
-#include <array>
-#include <cstdint>
 
 namespace aotgen {
 namespace {
 
+using python_text::lstrip;
+
 constexpr std::string_view kOpen = "<think>", kClose = "</think>";
-
-// Length of the UTF-8 character at text[i] when it is whitespace by Python's str.isspace
-// (what aotgen/reasoning.py strips with lstrip()), else 0.
-std::size_t space_at(std::string_view text, std::size_t i) {
-  const auto byte = static_cast<unsigned char>(text[i]);
-  if ((byte >= 0x09 && byte <= 0x0d) || (byte >= 0x1c && byte <= 0x20)) return 1;
-  if (byte < 0xc2) return 0;
-  const std::size_t n = byte < 0xe0 ? 2 : byte < 0xf0 ? 3 : 4;
-  if (i + n > text.size()) return 0;
-  uint32_t cp = byte & (0xff >> (n + 1));
-  for (std::size_t k = 1; k < n; ++k) {
-    cp = cp << 6 | (static_cast<unsigned char>(text[i + k]) & 0x3f);
-  }
-  static constexpr std::array<uint32_t, 8> kSingles = {0x85,   0xa0,   0x1680, 0x2028,
-                                                       0x2029, 0x202f, 0x205f, 0x3000};
-  for (const auto s : kSingles) {
-    if (cp == s) return n;
-  }
-  return cp >= 0x2000 && cp <= 0x200a ? n : 0;
-}
-
-std::string_view lstrip(std::string_view text) {
-  std::size_t i = 0;
-  while (i < text.size()) {
-    const auto n = space_at(text, i);
-    if (n == 0) break;
-    i += n;
-  }
-  return text.substr(i);
-}
 
 std::string_view strip_newlines(std::string_view text, bool left, bool right) {
   while (left && !text.empty() && text.front() == '\n') text.remove_prefix(1);
@@ -77,12 +49,7 @@ std::pair<std::string, std::string> split(std::string_view text, bool thinking, 
 }  // namespace
 
 std::optional<bool> opens_reasoning(std::string_view prompt_text) {
-  while (!prompt_text.empty()) {  // rstrip(): back to the last character's first byte
-    std::size_t start = prompt_text.size() - 1;
-    while (start > 0 && (static_cast<unsigned char>(prompt_text[start]) & 0xc0) == 0x80) --start;
-    if (space_at(prompt_text, start) != prompt_text.size() - start) break;
-    prompt_text.remove_suffix(prompt_text.size() - start);
-  }
+  prompt_text = python_text::rstrip(prompt_text);
   if (prompt_text.ends_with(kOpen)) return true;
   if (prompt_text.ends_with(kClose)) return std::nullopt;
   return false;

@@ -76,6 +76,21 @@ std::string parse_text(const json& value) {
 
 json optional_json(const auto& value) { return value ? json(*value) : json(nullptr); }
 
+// The (reasoning, content) deltas of `text` fed to `stream` one UTF-8 character a piece, and
+// its finish.
+json streamed(auto& stream, std::string_view text) {
+  json deltas = json::array();
+  for (std::size_t i = 0, n = 1; i < text.size(); i += n) {
+    const auto lead = static_cast<unsigned char>(text[i]);
+    n = lead < 0xc0 ? 1 : lead < 0xe0 ? 2 : lead < 0xf0 ? 3 : 4;
+    const auto [r, c] = stream.feed(text.substr(i, n));
+    deltas.push_back({r, c});
+  }
+  const auto [r, c] = stream.finish();
+  deltas.push_back({r, c});
+  return deltas;
+}
+
 // --reasoning: the whole split, the streamed deltas (one UTF-8 character a piece) and
 // whether `text` as a prompt opens the reasoning.
 json reasoning(const json& input) {
@@ -83,15 +98,7 @@ json reasoning(const json& input) {
   const bool thinking = input.at(1).get<bool>();
   const auto whole = aotgen::split_reasoning(text, thinking);
   aotgen::ReasoningStream stream(thinking);
-  json deltas = json::array();
-  for (std::size_t i = 0, n = 1; i < text.size(); i += n) {
-    const auto lead = static_cast<unsigned char>(text[i]);
-    n = lead < 0xc0 ? 1 : lead < 0xe0 ? 2 : lead < 0xf0 ? 3 : 4;
-    const auto [r, c] = stream.feed(std::string_view(text).substr(i, n));
-    deltas.push_back({r, c});
-  }
-  const auto [r, c] = stream.finish();
-  deltas.push_back({r, c});
+  const json deltas = streamed(stream, text);
   return {{"reasoning", optional_json(whole.reasoning)},
           {"content", whole.content},
           {"deltas", deltas},
@@ -106,15 +113,7 @@ json harmony(const json& input) {
   const std::string head = parse_text(input.at(1));
   const auto whole = aotgen::split_harmony(text, head);
   aotgen::HarmonyStream stream(head);
-  json deltas = json::array();
-  for (std::size_t i = 0, n = 1; i < text.size(); i += n) {
-    const auto lead = static_cast<unsigned char>(text[i]);
-    n = lead < 0xc0 ? 1 : lead < 0xe0 ? 2 : lead < 0xf0 ? 3 : 4;
-    const auto [r, c] = stream.feed(std::string_view(text).substr(i, n));
-    deltas.push_back({r, c});
-  }
-  const auto [r, c] = stream.finish();
-  deltas.push_back({r, c});
+  const json deltas = streamed(stream, text);
   return {{"reasoning", whole.reasoning}, {"content", whole.content},
           {"calls", whole.calls},         {"deltas", deltas},
           {"streamed_calls", stream.calls()}, {"head", aotgen::answer_head(text)},
