@@ -18,7 +18,6 @@ JSON arguments. The markers are special tokens: the answer's text keeps them
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -128,12 +127,7 @@ _ANALYSIS = (
 def after_analysis(grammar: Grammar, channel_head: str) -> Grammar:
     """`grammar` for a message after free reasoning (`Grammar.after_reasoning` for harmony),
     led by `channel_head` (Lark: the message's header up to and with its `<|message|>`)."""
-    text = grammar.text()
-    lark = not text.lstrip().startswith("{")
-    answer = [{"lark_grammar": text}] if lark else json.loads(text)["grammars"]
-    main = {"name": "main", "lark_grammar": _ANALYSIS.replace("@answer", f"{channel_head} @answer")}
-    grammars = [main, {**answer[0], "name": "answer"}, *answer[1:]]
-    return Grammar("llguidance", json.dumps({"grammars": grammars}))
+    return grammar.after(_ANALYSIS.replace("@answer", f"{channel_head} @answer"))
 
 
 def final_answer(grammar: Grammar) -> Grammar:

@@ -79,11 +79,16 @@ class Grammar:
         """This grammar for the answer after the model's reasoning, which stays free: up to
         its `</think>` when the prompt opened it (`opened`), else an optional
         `<think> ... </think>` the model may open itself (Qwen3's)."""
+        head = "start: think sep @answer\n" if opened else 'start: ("<think>" think sep)? @answer\n'
+        return self.after(head + _REASONING)
+
+    def after(self, lead: str) -> Grammar:
+        """This grammar as the `@answer` of the Lark grammar `lead`, which says what comes
+        before it (a model's free reasoning)."""
         text = self.text()  # llguidance's JSON, or Lark text (choices, grammars)
         lark = not text.lstrip().startswith("{")
         answer = [{"lark_grammar": text}] if lark else json.loads(text)["grammars"]
-        head = "start: think sep @answer\n" if opened else 'start: ("<think>" think sep)? @answer\n'
-        main = {"name": "main", "lark_grammar": head + _REASONING}
+        main = {"name": "main", "lark_grammar": lead}
         grammars = [main, {**answer[0], "name": "answer"}, *answer[1:]]
         return Grammar("llguidance", json.dumps({"grammars": grammars}))
 
