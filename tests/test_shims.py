@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._inductor.exc import CppCompileError
 
-from aotgen.export import shims
+from aotgen.export import aoti, shims
 from aotgen.kernels import gguf_blocks as gb
 from aotgen.kernels import gguf_dot as gd
 
@@ -107,3 +108,37 @@ def test_objects_link_from_a_directory_whose_path_holds_a_colon(tmp_path):
         "aotgen_one"
         in subprocess.run(["nm", "-D", str(out)], capture_output=True, text=True).stdout
     )
+
+
+@pytest.mark.parametrize("name", ["My Projects", "it's"])
+def test_objects_compile_in_a_cache_whose_path_holds_a_space_or_quote(tmp_path, name):
+    """torch's C++ builder splits its command line as a shell would: the compiler is given
+    the cache through a link whose path it can take, and the object lands in the cache."""
+    if shutil.which("g++") is None:
+        pytest.skip("no g++")
+    cache = tmp_path / name / ".aotgen-cache" / "graphs"
+    with pytest.raises((CppCompileError, ValueError)):  # what the link is for: g++ or shlex fails
+        cache.parent.mkdir(parents=True)
+        with shims.kernel_dir(cache) as directory:
+            shims.KernelObject.from_text(
+                "one", 'extern "C" int one() { return 1; }', directory
+            ).build()
+    root = aoti.compiler_path(cache.parent)
+    assert root.resolve() == cache.parent.resolve() and name not in str(root)
+    assert aoti.compiler_path(cache.parent) == root  # one link per cache, kept
+    with shims.kernel_dir(root / "graphs") as directory:
+        obj = shims.KernelObject.from_text("one", 'extern "C" int one() { return 1; }', directory)
+        obj.build()
+    assert (cache.parent / "kernels" / obj.path.name).is_file()
+    assert aoti.compiler_path(tmp_path) == tmp_path  # a path the compiler can take is kept
+
+
+def test_a_cache_the_compiler_cannot_reach_is_one_clear_error(tmp_path, monkeypatch):
+    """With the temporary directory's path unusable too, the build stops before compiling,
+    naming the cache dir and how to set another."""
+    from aotgen.recipe import ProjectError
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp dir"))
+    with pytest.raises(ProjectError, match=r"holds a space or a quote.*set cache_dir = "):
+        aoti.compiler_path(tmp_path / "My Projects" / ".aotgen-cache")
+    assert not (tmp_path / "My Projects").exists()  # nothing written

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import shutil
+import sysconfig
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -360,7 +361,57 @@ def row_reads(ep: ExportedProgram) -> tuple[set[str], set[str]]:
     return by_row, whole
 
 
+def compiler_path(cache_dir: Path) -> Path:
+    """`cache_dir` as a path the C++ compiler can be given: torch's C++ builder splits its
+    command line as a shell would (shlex) without quoting the paths in it, so a cache under
+    a directory named with a space or a quote would name no file. Such a cache is reached
+    through a link in the temporary directory, named by the cache's path (the same link for
+    every build: the compiles' cache keys stay the same)."""
+    cache_dir = Path(cache_dir).absolute()
+    if _shell_safe(cache_dir):
+        return cache_dir
+    import tempfile
+
+    from aotgen.recipe import ProjectError
+
+    headers = (
+        (Path(torch.__file__).parent, "torch"),
+        (Path(sysconfig.get_path("include")), "Python"),
+    )
+    for needed, what in headers:
+        if not _shell_safe(needed):
+            raise ProjectError(
+                f"{what} is installed under {str(needed)!r}, a path with a space or a quote, "
+                "which torch's C++ builder cannot pass to the compiler; install it under a "
+                "path without them"
+            )
+    digest = hashlib.sha256(str(cache_dir).encode()).hexdigest()[:16]
+    link = Path(tempfile.gettempdir()) / f"aotgen-cache-{os.getuid()}-{digest}"
+    if not _shell_safe(link):
+        raise ProjectError(
+            f"the cache dir {str(cache_dir)!r} holds a space or a quote, which torch's C++ "
+            'builder cannot pass to the compiler; set cache_dir = "DIR" in aotgen.toml to a '
+            "path without them"
+        )
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    if not (link.is_symlink() and link.resolve() == cache_dir.resolve()):
+        tmp = link.with_name(f"{link.name}.{os.getpid()}")
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(cache_dir, target_is_directory=True)
+        tmp.replace(link)  # atomic: a concurrent build sees the old link or the new one
+    return link
+
+
+def _shell_safe(path: Path) -> bool:
+    import shlex
+
+    try:
+        return shlex.split(str(path)) == [str(path)]
+    except ValueError:  # an unclosed quote
+        return False
+
+
 def use_cache_dir(cache_dir: Path) -> None:
     """Keep Inductor's working files in the project cache dir (compiled graphs are reused
     through `compile_graph`'s own cache there, `graphs/`)."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cache_dir).resolve() / "inductor"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cache_dir).absolute() / "inductor"))

@@ -179,7 +179,7 @@ def kernel_dir(cache: Path | None) -> Iterator[Path]:
     Absolute: the compiler runs in a directory of its own (a relative cache dir, the default
     without `aotgen.toml`, would name no file there)."""
     if cache is not None:
-        directory = (cache.parent / "kernels").resolve()
+        directory = (cache.parent / "kernels").absolute()
         directory.mkdir(parents=True, exist_ok=True)
         yield directory
         return

@@ -16,6 +16,7 @@ no-op.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from collections.abc import Callable
@@ -27,7 +28,7 @@ import torch
 from torch import Tensor
 
 from aotgen import __version__
-from aotgen.export.aoti import package_graphs, use_cache_dir
+from aotgen.export.aoti import compiler_path, package_graphs, use_cache_dir
 from aotgen.model.llama import cache_shapes
 from aotgen.package.compile import (
     CompiledModel,
@@ -127,6 +128,7 @@ def _build(
 ) -> BuildReport:
     progress = progress or BuildProgress()
     t_start = time.perf_counter()
+    project = dataclasses.replace(project, cache_dir=compiler_path(project.cache_dir))
     out = project.artifacts_dir / recipe.name
     report = BuildReport(recipe.name, out)
     inputs = read_inputs(recipe, project)
