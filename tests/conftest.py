@@ -270,7 +270,20 @@ def stop_warming(request, warmer: str) -> None:
         (builds.out / f"{warmer}.stop").touch()
 
 
+MODULE_SECONDS: dict[str, float] = {}  # test module -> seconds, its fixtures' setup included
+
+
+def pytest_runtest_logreport(report) -> None:
+    module = report.nodeid.split("::")[0]
+    MODULE_SECONDS[module] = MODULE_SECONDS.get(module, 0.0) + report.duration
+
+
 def pytest_terminal_summary(terminalreporter, config) -> None:
+    """Where the test process's time went, by module, and the background builder's steps."""
+    if MODULE_SECONDS:
+        terminalreporter.section("the busiest test modules, fixtures included (seconds)")
+        for module, total in sorted(MODULE_SECONDS.items(), key=lambda kv: -kv[1])[:15]:
+            terminalreporter.write_line(f"{total:7.0f}  {module}")
     builds = config.stash.get(BUILDS, None)
     if builds is not None:
         terminalreporter.section("background builds of the real-model packages")

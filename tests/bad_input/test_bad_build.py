@@ -58,10 +58,11 @@ def _wait_for_partial(proc: subprocess.Popen, artifacts: Path, timeout: float = 
 
 @pytest.fixture
 def cache_copy(project, tiny_package: Path, tmp_path: Path) -> Path:
-    """The session's compile cache (it holds the tiny graphs) and the tiles they were compiled
-    with (a re-measured tile would make other graphs), copied: damage stays here."""
+    """The session's compile cache (it holds the tiny graphs), the tiles they were compiled
+    with (a re-measured tile would make other graphs) and the kernel objects a compile links
+    (built once a session), copied: damage stays here."""
     cache = tmp_path / "cache"
-    for part in ("graphs", "autotune"):
+    for part in ("graphs", "autotune", "kernels"):
         shutil.copytree(project.cache_dir / part, cache / part)
     return cache
 
