@@ -142,3 +142,11 @@ def test_a_cache_the_compiler_cannot_reach_is_one_clear_error(tmp_path, monkeypa
     with pytest.raises(ProjectError, match=r"holds a space or a quote.*set cache_dir = "):
         aoti.compiler_path(tmp_path / "My Projects" / ".aotgen-cache")
     assert not (tmp_path / "My Projects").exists()  # nothing written
+
+
+def test_torch_under_a_path_the_compiler_cannot_take_is_one_clear_error(tmp_path, monkeypatch):
+    from aotgen.recipe import ProjectError
+
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "My Env" / "torch" / "__init__.py"))
+    with pytest.raises(ProjectError, match=r"torch is installed under .*My Env/torch"):
+        aoti.compiler_path(tmp_path / "cache")

@@ -367,9 +367,6 @@ def compiler_path(cache_dir: Path) -> Path:
     a directory named with a space or a quote would name no file. Such a cache is reached
     through a link in the temporary directory, named by the cache's path (the same link for
     every build: the compiles' cache keys stay the same)."""
-    cache_dir = Path(cache_dir).absolute()
-    if _shell_safe(cache_dir):
-        return cache_dir
     import tempfile
 
     from aotgen.recipe import ProjectError
@@ -385,6 +382,9 @@ def compiler_path(cache_dir: Path) -> Path:
                 "which torch's C++ builder cannot pass to the compiler; install it under a "
                 "path without them"
             )
+    cache_dir = Path(cache_dir).absolute()
+    if _shell_safe(cache_dir):
+        return cache_dir
     digest = hashlib.sha256(str(cache_dir).encode()).hexdigest()[:16]
     link = Path(tempfile.gettempdir()) / f"aotgen-cache-{os.getuid()}-{digest}"
     if not _shell_safe(link):
