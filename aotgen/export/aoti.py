@@ -18,8 +18,10 @@ import contextlib
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import sysconfig
+import tempfile
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -367,21 +369,9 @@ def compiler_path(cache_dir: Path) -> Path:
     a directory named with a space or a quote would name no file. Such a cache is reached
     through a link in the temporary directory, named by the cache's path (the same link for
     every build: the compiles' cache keys stay the same)."""
-    import tempfile
-
     from aotgen.recipe import ProjectError
 
-    headers = (
-        (Path(torch.__file__).parent, "torch"),
-        (Path(sysconfig.get_path("include")), "Python"),
-    )
-    for needed, what in headers:
-        if not _shell_safe(needed):
-            raise ProjectError(
-                f"{what} is installed under {str(needed)!r}, a path with a space or a quote, "
-                "which torch's C++ builder cannot pass to the compiler; install it under a "
-                "path without them"
-            )
+    _check_headers()
     cache_dir = Path(cache_dir).absolute()
     if _shell_safe(cache_dir):
         return cache_dir
@@ -402,9 +392,23 @@ def compiler_path(cache_dir: Path) -> Path:
     return link
 
 
-def _shell_safe(path: Path) -> bool:
-    import shlex
+def _check_headers() -> None:
+    """torch's and Python's headers are on every compile command: no link can stand in."""
+    from aotgen.recipe import ProjectError
 
+    for needed, what in (
+        (Path(torch.__file__).parent, "torch"),
+        (Path(sysconfig.get_path("include")), "Python"),
+    ):
+        if not _shell_safe(needed):
+            raise ProjectError(
+                f"{what} is installed under {str(needed)!r}, a path with a space or a quote, "
+                "which torch's C++ builder cannot pass to the compiler; install it under a "
+                "path without them"
+            )
+
+
+def _shell_safe(path: Path) -> bool:
     try:
         return shlex.split(str(path)) == [str(path)]
     except ValueError:  # an unclosed quote
