@@ -110,6 +110,9 @@ def test_objects_link_from_a_directory_whose_path_holds_a_colon(tmp_path):
     )
 
 
+ONE = 'extern "C" int one() { return 1; }'
+
+
 @pytest.mark.parametrize("name", ["My Projects", "it's"])
 def test_objects_compile_in_a_cache_whose_path_holds_a_space_or_quote(tmp_path, monkeypatch, name):
     """torch's C++ builder splits its command line as a shell would: the compiler is given
@@ -122,14 +125,12 @@ def test_objects_compile_in_a_cache_whose_path_holds_a_space_or_quote(tmp_path, 
     with pytest.raises((CppCompileError, ValueError)):  # what the link is for: g++ or shlex fails
         cache.parent.mkdir(parents=True)
         with shims.kernel_dir(cache) as directory:
-            shims.KernelObject.from_text(
-                "one", 'extern "C" int one() { return 1; }', directory
-            ).build()
+            shims.KernelObject.from_text("one", ONE, directory).build()
     root = aoti.compiler_path(cache.parent)
     assert root.parent == tmp_path / "tmp" and root.resolve() == cache.parent.resolve()
     assert aoti.compiler_path(cache.parent) == root  # one link per cache, kept
     with shims.kernel_dir(root / "graphs") as directory:
-        obj = shims.KernelObject.from_text("one", 'extern "C" int one() { return 1; }', directory)
+        obj = shims.KernelObject.from_text("one", ONE, directory)
         obj.build()
     assert (cache.parent / "kernels" / obj.path.name).is_file()
     assert aoti.compiler_path(tmp_path) == tmp_path  # a path the compiler can take is kept
