@@ -12,6 +12,7 @@ real SmolLM2 package is checked when artifacts/smollm2-135m exists (or when a
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from dataclasses import replace
@@ -456,6 +457,28 @@ def run_interactive(run_bin: Path, package: Path, lines: list[str], tokens: int)
     )
     assert proc.returncode == 0, proc.stderr
     return [json.loads(line) for line in proc.stdout.splitlines()]
+
+
+def test_killed_runtime_leaves_no_extracted_graphs(run_bin, tiny_package, tmp_path):
+    """torch's loader extracts each graph's library into the temp dir: `aotgen-run` killed with
+    its package loaded (here after its first turn) leaves none of them there."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen(
+        [str(run_bin), str(tiny_package), "--interactive", "--json", "--max-new-tokens", "4"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp)},
+    )
+    try:
+        proc.stdin.write("The quick brown fox\n")
+        proc.stdin.flush()
+        assert len(json.loads(proc.stdout.readline())["ids"]) > 0
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert sorted(p.name for p in tmp.iterdir()) == []
 
 
 @pytest.fixture(scope="module")

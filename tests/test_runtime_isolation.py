@@ -1,7 +1,10 @@
-"""The product's promise: running a package imports no model code and compiles nothing."""
+"""The product's promise: running a package imports no model code, compiles nothing and leaves
+nothing behind outside the package."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -54,3 +57,33 @@ def test_runtime_imports_no_model_code(tiny_package):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK" in proc.stdout
+
+
+KILLED = textwrap.dedent(
+    """
+    import os, signal, sys
+    from aotgen.runtime.engine import Engine, GenerationConfig
+
+    engine = Engine.load(sys.argv[1])
+    result = engine.generate([1, 2, 3], GenerationConfig(max_new_tokens=4, ignore_eos=True))
+    print("IDS", result.token_ids, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_killed_runtime_leaves_no_extracted_graphs(tiny_package, tmp_path):
+    """torch's loader extracts each graph's library into the temp dir: a process killed with
+    its package loaded (SIGKILL, or SIGTERM's default action) leaves none of them there."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED, str(tiny_package)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TMPDIR": str(tmp)},
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    assert "IDS" in proc.stdout
+    assert sorted(p.name for p in tmp.iterdir()) == []

@@ -219,7 +219,7 @@ def _check_same_code(eps: list[ExportedProgram], where: str) -> None:
 
 def bound_constant_names(pt2: Path, package_models: list[str], device: str) -> set[str]:
     """The constant names the compiled graphs will ask the runtime to bind."""
-    from aotgen.runtime.model_runner import open_loader
+    from aotgen.runtime.graph_loader import open_loader
 
     names: set[str] = set()
     for key in package_models:

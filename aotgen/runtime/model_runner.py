@@ -19,22 +19,13 @@ from aotgen.package.manifest import PackageError
 from aotgen.package.weights import is_padding
 from aotgen.runtime.cached_tokens import CachedTokens
 from aotgen.runtime.cuda_graph import ReplayedGraph
+from aotgen.runtime.graph_loader import open_loader
 from aotgen.runtime.onnx_backend import onnx_graphs
 from aotgen.runtime.tree import Tree
 
 
 class GenerationError(ValueError):
     """A request the package cannot serve (e.g. longer than its context)."""
-
-
-def open_loader(pt2: Path, package_model: str, device: torch.device) -> Any:
-    """The AOTInductor loader of one graph on `device`: the runtime binds weights and runs
-    graphs through it, and the builder reads the constant names a graph asks for."""
-    # (path, model name, run single-threaded, runners, device index): -1 is CPU. On a GPU
-    # single-threaded, so that a call can be captured as a CUDA graph (runtime/cuda_graph.py).
-    index = -1 if device.type == "cpu" else (device.index or 0)
-    gpu = device.type == "cuda"
-    return torch._C._aoti.AOTIModelPackageLoader(str(pt2), package_model, gpu, 1, index)
 
 
 class CompiledGraph:

@@ -2,7 +2,11 @@
 #include "runner.h"
 
 #include <algorithm>
+#include <fstream>
+#include <mutex>
 #include <new>
+#include <set>
+#include <system_error>
 
 #include <sys/mman.h>
 
@@ -77,6 +81,48 @@ std::pair<int64_t, int64_t> ring_of(const json& kv, const Shapes& shapes) {
   return {ring["cells"].get<int64_t>(), ring["window"].get<int64_t>()};
 }
 
+// torch's loader extracts a graph's library into a fresh $TMPDIR/aotinductor_XXXXXX/ and removes
+// it only in its destructor, so a process killed with its package loaded left it behind. On a
+// CPU nothing there is read once the library is mapped (aotgen/runtime/graph_loader.py).
+std::set<fs::path> mapped_extractions() {
+  std::set<fs::path> found;
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    const auto path = line.find(" /");
+    if (path == std::string::npos) continue;
+    for (fs::path dir = fs::path(line.substr(path + 1)).parent_path(); dir.has_relative_path();
+         dir = dir.parent_path()) {
+      const std::string name = dir.filename().string();
+      if (name.rfind("aotinductor_", 0) == 0 && name.size() == sizeof("aotinductor_XXXXXX") - 1) {
+        found.insert(dir);
+      }
+    }
+  }
+  return found;
+}
+
+std::unique_ptr<torch::inductor::AOTIModelPackageLoader> open_loader(const fs::path& pt2,
+                                                                      const std::string& name,
+                                                                      const at::Device& device) {
+  // (path, model name, run single-threaded, runners, device index): -1 is CPU. On a GPU
+  // single-threaded, so that a call can be captured as a CUDA graph (the container's
+  // multi-threaded run synchronises on an event, which a capture refuses).
+  const auto open = [&] {
+    return std::make_unique<torch::inductor::AOTIModelPackageLoader>(
+        pt2.string(), name, device.is_cuda(), 1, device.is_cuda() ? device.index() : -1);
+  };
+  if (device.is_cuda()) return open();  // its kernels' cubins are read from there at first call
+  static std::mutex opening;  // a loader's new mappings are its own, not another thread's
+  const std::lock_guard<std::mutex> lock(opening);
+  const auto before = mapped_extractions();
+  auto loader = open();
+  for (const auto& dir : mapped_extractions()) {
+    std::error_code ignored;
+    if (before.count(dir) == 0) fs::remove_all(dir, ignored);
+  }
+  return loader;
+}
+
 }  // namespace
 
 // ---- Graph -------------------------------------------------------------------------------
@@ -94,11 +140,7 @@ Graph::Graph(const fs::path& pt2, const json& signature, int64_t vocab, const at
                       ? signature["outputs"][0]["shape"][1].get<int64_t>()
                       : -1),
       device_(device),
-      // (path, model name, run single-threaded, runners, device index): -1 is CPU. On a GPU
-      // single-threaded, so that a call can be captured as a CUDA graph (the container's
-      // multi-threaded run synchronises on an event, which a capture refuses).
-      loader_(std::make_unique<torch::inductor::AOTIModelPackageLoader>(
-          pt2.string(), name_, device.is_cuda(), 1, device.is_cuda() ? device.index() : -1)) {
+      loader_(open_loader(pt2, name_, device)) {
   if (signature.value("attention", "") == "key_pos") {
     for (const auto& input : signature.at("inputs")) {
       if (input.value("name", "") == "kv_caches") {
