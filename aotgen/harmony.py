@@ -11,8 +11,10 @@ with it), a header naming its channel and perhaps a recipient, `<|message|>`, th
 
 The `analysis` channel is the model's reasoning (`reasoning_content`, as vLLM and llama-server
 send it); `final`, and `commentary` addressed to no one (a preamble), are the answer; a message
-to a recipient is a tool call, `functions.NAME` calling the request's tool NAME, the body its
-JSON arguments. The markers are special tokens: the answer's text keeps them
+to `functions.NAME` is a call of the request's tool NAME, the body its JSON arguments. Other
+recipients are gpt-oss's built-in tools (`browser.search`, `python`), which no request
+declares and aotgen does not run: such a message is reasoning, as vLLM keeps it out of the
+calls. The markers are special tokens: the answer's text keeps them
 (`Tokenizer.decode` skips none).
 """
 
@@ -85,14 +87,14 @@ def split_harmony(text: str, head: str = "assistant", final: bool = True) -> Spl
         done = bool(ends) or index + 1 < len(messages) or final
         body = body[: min(ends)] if ends else body
         recipient = _RECIPIENT.search(header)
-        if recipient is not None:
+        if recipient is not None and recipient.group(1).startswith(FUNCTIONS):
             if done:
                 split.calls.append((recipient.group(1).removeprefix(FUNCTIONS), body.strip()))
             continue
         if not done:
             body = body[: len(body) - _pending(body)]
         channel = _CHANNEL.search(header)
-        if channel is not None and channel.group(1) == "analysis":
+        if recipient is not None or (channel is not None and channel.group(1) == "analysis"):
             split.reasoning += ("\n" if split.reasoning else "") + body
         else:
             split.content += body

@@ -73,6 +73,13 @@ CASES = [
         "",
         [],
     ),
+    (  # a built-in tool no request declares: reasoning, not a call of the request's tools
+        "<|channel|>analysis<|message|>Search it.<|end|><|start|>assistant<|channel|>analysis"
+        ' to=browser.search code<|message|>{"query": "Paris"}<|call|>',
+        'Search it.\n{"query": "Paris"}',
+        "",
+        [],
+    ),
     ("<|channel|>final<|message|>a <|mess b", "", "a <|mess b", []),
     ("Hi, no harmony here.", "", "Hi, no harmony here.", []),
 ]
@@ -89,12 +96,13 @@ def test_split(text, reasoning, content, calls):
 @pytest.mark.parametrize(("text", "reasoning", "content", "calls"), CASES)
 def test_streamed_in_pieces_reads_as_whole(text, reasoning, content, calls):
     """Fed in pieces of every size, the deltas add up to the whole's split; nothing of a
-    marker or a call's arguments goes out along the way."""
+    marker, or of a call's arguments, goes out along the way."""
     for size in (1, 2, 3, 5, len(text)):
         stream = HarmonyStream()
         pieces = [stream.feed(text[i : i + size]) for i in range(0, len(text), size)]
         sent = "".join(r + c for r, c in pieces)
-        assert not any(marker in sent for marker in MARKERS) and "{" not in sent
+        assert not any(marker in sent for marker in MARKERS)
+        assert "{" not in sent or not calls
         pieces.append(stream.finish())
         assert "".join(r for r, _ in pieces) == reasoning
         assert "".join(c for _, c in pieces) == content

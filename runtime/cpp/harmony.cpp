@@ -109,16 +109,17 @@ HarmonySplit split_harmony(std::string_view text, std::string_view head, bool fi
     const bool ended = end != std::string_view::npos;
     const bool done = ended || index + 1 < messages.size() || final;
     if (ended) body = body.substr(0, end);
-    if (const auto to = recipient(header)) {
+    const auto to = recipient(header);
+    if (to && to->starts_with(kFunctions)) {
       if (done) {
-        auto name = *to;
-        if (name.starts_with(kFunctions)) name.remove_prefix(kFunctions.size());
-        split.calls.emplace_back(std::string(name), std::string(strip(body)));
+        split.calls.emplace_back(std::string(to->substr(kFunctions.size())),
+                                 std::string(strip(body)));
       }
       continue;
     }
     if (!done) body.remove_suffix(pending(body));
-    if (const auto name = channel(header); name && *name == "analysis") {
+    // A built-in tool's message (browser.search, python: no request declares one) is reasoning.
+    if (const auto name = channel(header); to || (name && *name == "analysis")) {
       if (!split.reasoning.empty()) split.reasoning += '\n';
       split.reasoning += body;
     } else {
@@ -138,14 +139,8 @@ std::pair<std::string, std::string> HarmonyStream::finish() { return deltas(true
 
 std::pair<std::string, std::string> HarmonyStream::deltas(bool final) {
   auto split = split_harmony(text_, head_, final);
-  // What went out stays a prefix of the split as the text grows: send what follows it.
-  std::pair<std::string, std::string> out{
-      split.reasoning.substr(std::min(sent_reasoning_, split.reasoning.size())),
-      split.content.substr(std::min(sent_content_, split.content.size()))};
-  sent_reasoning_ = split.reasoning.size();
-  sent_content_ = split.content.size();
   calls_ = std::move(split.calls);
-  return out;
+  return sent_.next(split.reasoning, split.content);
 }
 
 }  // namespace aotgen

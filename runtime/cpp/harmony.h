@@ -5,8 +5,9 @@
 // ends with it), a header naming its channel and perhaps a recipient, `<|message|>`, the body,
 // and `<|end|>` (more follows), `<|call|>` or `<|return|>` (generation ends). The `analysis`
 // channel is the model's reasoning; `final`, and `commentary` addressed to no one (a
-// preamble), are the answer; a message to a recipient (` to=functions.NAME`) is a tool call,
-// the body its JSON arguments. The markers are special tokens the answer's text keeps
+// preamble), are the answer; a message to ` to=functions.NAME` is a tool call, the body its
+// JSON arguments, and one to a built-in tool (` to=browser.search`, ` to=python`) reasoning.
+// The markers are special tokens the answer's text keeps
 // (Tokenizer::decode skips none).
 //
 // Python reads the header with Unicode-aware regexes (`\bto=([^\s<]+)`, `<|channel|>(\w+)`).
@@ -21,6 +22,8 @@
 #include <string_view>
 #include <utility>
 #include <vector>
+
+#include "reasoning.h"
 
 namespace aotgen {
 
@@ -59,7 +62,7 @@ class HarmonyStream {
  private:
   std::pair<std::string, std::string> deltas(bool final);
   std::string head_, text_;
-  std::size_t sent_reasoning_ = 0, sent_content_ = 0;
+  SentParts sent_;
   std::vector<std::pair<std::string, std::string>> calls_;
 };
 

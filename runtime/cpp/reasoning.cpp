@@ -78,15 +78,18 @@ std::pair<std::string, std::string> ReasoningStream::feed(std::string_view piece
 
 std::pair<std::string, std::string> ReasoningStream::finish() { return deltas(true); }
 
-std::pair<std::string, std::string> ReasoningStream::deltas(bool final) {
-  auto [reasoning, content] = split(text_, thinking_, final);
-  // What went out stays a prefix of the split as the text grows: send what follows it.
-  std::pair<std::string, std::string> out{
-      reasoning.substr(std::min(sent_reasoning_, reasoning.size())),
-      content.substr(std::min(sent_content_, content.size()))};
-  sent_reasoning_ = reasoning.size();
-  sent_content_ = content.size();
+std::pair<std::string, std::string> SentParts::next(const std::string& reasoning,
+                                                    const std::string& content) {
+  std::pair<std::string, std::string> out{reasoning.substr(std::min(reasoning_, reasoning.size())),
+                                          content.substr(std::min(content_, content.size()))};
+  reasoning_ = reasoning.size();
+  content_ = content.size();
   return out;
+}
+
+std::pair<std::string, std::string> ReasoningStream::deltas(bool final) {
+  const auto [reasoning, content] = split(text_, thinking_, final);
+  return sent_.next(reasoning, content);
 }
 
 }  // namespace aotgen

@@ -34,6 +34,17 @@ ReasoningSplit split_reasoning(std::string_view text, bool thinking);
 // Engine::thinking says): then it is all content.
 ReasoningSplit split_answer(std::string_view text, std::optional<bool> thinking);
 
+// What a stream has sent of its answer's (reasoning, content) split. What went out stays a
+// prefix of the split as the text grows: each delta is what follows it.
+class SentParts {
+ public:
+  std::pair<std::string, std::string> next(const std::string& reasoning,
+                                           const std::string& content);
+
+ private:
+  std::size_t reasoning_ = 0, content_ = 0;
+};
+
 // A streamed answer split into (reasoning, content) deltas as its text arrives; together they
 // add up to split_reasoning of the whole. Pieces are whole UTF-8 characters (StreamDecoder's).
 class ReasoningStream {
@@ -47,7 +58,7 @@ class ReasoningStream {
   std::pair<std::string, std::string> deltas(bool final);
   bool thinking_;
   std::string text_;
-  std::size_t sent_reasoning_ = 0, sent_content_ = 0;
+  SentParts sent_;
 };
 
 }  // namespace aotgen
