@@ -103,10 +103,14 @@ def test_logits_and_greedy_match_tp1(tp_package, tp1, tmp_path):
     assert got["model_modules"] == []  # the TP runtime imports no model/export/pass code
 
 
-def test_cli_run_launches_ranks_and_matches_tp1(tp_package, tp1):
-    """`aotgen run` on a TP package starts its ranks itself; only rank 0 prints."""
-    proc = _aotgen_run(tp_package, "--prompt", PROMPT, "--max-new-tokens", "32", "--threads", "2")
+def test_cli_run_launches_ranks_and_matches_tp1(tp_package, tp1, tmp_path):
+    """`aotgen run` on a TP package starts its ranks itself; only rank 0 prints. Nothing of
+    the run (the launcher's directories, the graphs' extracted libraries) stays behind in the
+    temp dir."""
+    args = ("--prompt", PROMPT, "--max-new-tokens", "32", "--threads", "2")
+    proc = _aotgen_run(tp_package, *args, TMPDIR=str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
     ids = tp1.tokenizer.encode(PROMPT)
     want = tp1.generate(ids, GenerationConfig(max_new_tokens=32)).text
     assert proc.stdout == want + "\n"  # printed once: rank 1 prints nothing
@@ -154,13 +158,14 @@ def test_speculative_draft_composes_with_tp(tiny_checkpoint, project, tp1, share
 
 
 # ---- errors ----------------------------------------------------------------------------------
-def test_dying_rank_ends_the_run_within_seconds(tp_package):
+def test_dying_rank_ends_the_run_within_seconds(tp_package, tmp_path):
     """Rank 1 exits after 3 calls: the run fails fast, naming it; no hang until a timeout."""
     t0 = time.time()
     args = ("--prompt", PROMPT, "--max-new-tokens", "120")
-    proc = _aotgen_run(tp_package, *args, timeout=90, **{TEST_EXIT_ENV: "3"})
+    proc = _aotgen_run(tp_package, *args, timeout=90, TMPDIR=str(tmp_path), **{TEST_EXIT_ENV: "3"})
     end = time.time()
     assert proc.returncode != 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
     died = float(re.search(rf"{TEST_EXIT_ENV}: rank exits at ([\d.]+)", proc.stderr)[1])
     assert t0 < died < end
     assert end - died < 10, f"the run took {end - died:.1f} s to end after rank 1 died"

@@ -114,8 +114,13 @@ def launch(
         args += ["--node-rank", str(node_rank), "--master-addr", master_addr]
         args += ["--master-port", str(master_port or 29500)]
     os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(threads, nproc))
+    # The agent makes a run directory of its own in the temp dir and leaves it there: give it
+    # one that goes when the run ends (a failure's error files are read by then).
     try:
-        elastic_run(get_args_parser().parse_args([*args, "-m", *module_args]))
+        with tempfile.TemporaryDirectory(prefix="aotgen-ranks-") as logs:
+            elastic_run(
+                get_args_parser().parse_args([*args, "--log-dir", logs, "-m", *module_args])
+            )
     except ChildFailedError as e:
         # Ranks the agent stopped (SIGTERM) after the first failure are not the cause.
         causes = {r: f for r, f in e.failures.items() if f.exitcode != -signal.SIGTERM}
