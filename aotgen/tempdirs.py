@@ -1,4 +1,5 @@
-"""Directories written beside their final place and renamed into it when complete.
+"""Directories written beside their final place and renamed into it when complete, and this
+user's private directory in the temp dir.
 
 A build writes `.NAME.partial-PID/` next to `NAME/` (packages, compile-cache entries) and
 renames it into place at the end, so a reader never sees half a directory. A process killed
@@ -14,9 +15,13 @@ import os
 import re
 import shutil
 import signal
+import stat
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+
+from aotgen.recipe import ProjectError
 
 _PARTIAL = re.compile(r"^\.(?P<name>.+)\.(?:partial|old)-(?P<pid>\d+)$")
 
@@ -78,3 +83,19 @@ def sigterm_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def private_dir() -> Path:
+    """`$TMPDIR/aotgen-UID`, this user's directory (mode 700) for what must not be planted or
+    swapped by another user of the machine: the kernel libraries a build loads, the links
+    through which the compiler reaches a cache. Refused if that path is anything else."""
+    path = Path(tempfile.gettempdir()) / f"aotgen-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise ProjectError(
+            f"{path} is not a directory of this user's alone (mode 700, not a link): remove it, "
+            "or set TMPDIR to a directory of your own"
+        )
+    return path

@@ -3,6 +3,7 @@ compiled once per source, and linked into each graph's `.so` as hidden symbols."
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import zipfile
@@ -15,6 +16,9 @@ from torch._inductor.exc import CppCompileError
 from aotgen.export import aoti, shims
 from aotgen.kernels import gguf_blocks as gb
 from aotgen.kernels import gguf_dot as gd
+from aotgen.kernels import packed as pk
+from aotgen.recipe import ProjectError
+from aotgen.tempdirs import private_dir
 
 
 def _gguf_dot_graph() -> torch.fx.Graph:
@@ -127,7 +131,8 @@ def test_objects_compile_in_a_cache_whose_path_holds_a_space_or_quote(tmp_path, 
         with shims.kernel_dir(cache) as directory:
             shims.KernelObject.from_text("one", ONE, directory).build()
     root = aoti.compiler_path(cache.parent)
-    assert root.parent == tmp_path / "tmp" and root.resolve() == cache.parent.resolve()
+    assert root.parent == private_dir() == tmp_path / "tmp" / f"aotgen-{os.getuid()}"
+    assert root.resolve() == cache.parent.resolve()
     assert aoti.compiler_path(cache.parent) == root  # one link per cache, kept
     with shims.kernel_dir(root / "graphs") as directory:
         obj = shims.KernelObject.from_text("one", ONE, directory)
@@ -153,3 +158,38 @@ def test_torch_under_a_path_the_compiler_cannot_take_is_one_clear_error(tmp_path
     monkeypatch.setattr(torch, "__file__", str(tmp_path / "My Env" / "torch" / "__init__.py"))
     with pytest.raises(ProjectError, match=r"torch is installed under .*My Env/torch"):
         aoti.compiler_path(tmp_path / "cache")
+
+
+@pytest.mark.parametrize("planted", ["open to all", "a link", "a file"])
+def test_a_private_dir_another_could_plant_in_is_refused(tmp_path, monkeypatch, planted):
+    """The kernel libraries a build loads and the links to a cache live in `aotgen-UID` in the
+    temp dir: one another user could write into, or swap, is refused with one clear line."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    path = tmp_path / f"aotgen-{os.getuid()}"
+    if planted == "open to all":
+        path.mkdir(mode=0o700)
+        path.chmod(0o777)
+    elif planted == "a link":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        path.symlink_to(tmp_path / "elsewhere")
+    else:
+        path.write_text("")
+    with pytest.raises(ProjectError, match=r"not a directory of this user's alone.*set TMPDIR"):
+        private_dir()
+    with pytest.raises(ProjectError):
+        aoti.compiler_path(tmp_path / "My Projects" / ".aotgen-cache")
+
+
+def test_kernel_libraries_live_in_the_private_dir(tmp_path, monkeypatch):
+    """Created mode 700 where missing; the standalone kernel library is built there."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    assert private_dir() == tmp_path / f"aotgen-{os.getuid()}"
+    assert private_dir().stat().st_mode & 0o777 == 0o700
+    pk.library.cache_clear()
+    try:
+        lib = pk.library()
+    finally:
+        pk.library.cache_clear()
+    if lib is None:
+        pytest.skip("no C++ compiler")
+    assert Path(lib._name).parent == private_dir()

@@ -35,7 +35,7 @@ from torch.fx.experimental import _config as fx_config
 from torch.utils import _pytree as pytree
 
 from aotgen.export import aoti_runtime, shims
-from aotgen.tempdirs import partial_dir, remove_stale
+from aotgen.tempdirs import partial_dir, private_dir, remove_stale
 
 
 @dataclass(frozen=True)
@@ -367,22 +367,22 @@ def compiler_path(cache_dir: Path) -> Path:
     """`cache_dir` as a path the C++ compiler can be given: torch's C++ builder splits its
     command line as a shell would (shlex) without quoting the paths in it, so a cache under
     a directory named with a space or a quote would name no file. Such a cache is reached
-    through a link in the temporary directory, named by the cache's path (the same link for
-    every build: the compiles' cache keys stay the same)."""
+    through a link in this user's private temp dir (`tempdirs.private_dir`), named by the
+    cache's path (the same link for every build: the compiles' cache keys stay the same)."""
     from aotgen.recipe import ProjectError
 
     _check_headers()
     cache_dir = Path(cache_dir).absolute()
     if _shell_safe(cache_dir):
         return cache_dir
-    digest = hashlib.sha256(str(cache_dir).encode()).hexdigest()[:16]
-    link = Path(tempfile.gettempdir()) / f"aotgen-cache-{os.getuid()}-{digest}"
-    if not _shell_safe(link):
+    if not _shell_safe(Path(tempfile.gettempdir())):
         raise ProjectError(
             f"the cache dir {str(cache_dir)!r} holds a space or a quote, which torch's C++ "
             'builder cannot pass to the compiler; set cache_dir = "DIR" in aotgen.toml to a '
             "path without them"
         )
+    digest = hashlib.sha256(str(cache_dir).encode()).hexdigest()[:16]
+    link = private_dir() / f"cache-{digest}"
     cache_dir.mkdir(parents=True, exist_ok=True)
     if not (link.is_symlink() and link.resolve() == cache_dir.resolve()):
         tmp = link.with_name(f"{link.name}.{os.getpid()}")

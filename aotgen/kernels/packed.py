@@ -21,12 +21,13 @@ import ctypes
 import hashlib
 import shutil
 import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from aotgen.tempdirs import private_dir
 
 PANEL = 16
 SOURCE = Path(__file__).with_name("packed.cpp")
@@ -132,13 +133,13 @@ def library(
     define: str = "AOTGEN_PACKED_STANDALONE",
 ) -> ctypes.CDLL | None:
     """A kernel source (packed.cpp by default) built with `arch_flags` and its standalone
-    `define` (None without a C++ compiler). Cached by source and flags in the temp dir: a
-    build's autotune and the tests share it."""
+    `define` (None without a C++ compiler). Cached by source and flags in this user's private
+    temp dir, where no one else can plant a library: a build's autotune and the tests share it."""
     compiler = shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         return None
     key = hashlib.sha256(source.read_bytes() + repr(arch_flags).encode()).hexdigest()[:16]
-    out = Path(tempfile.gettempdir()) / f"aotgen-{source.stem}-{key}.so"
+    out = private_dir() / f"{source.stem}-{key}.so"
     if not out.exists():
         tmp = out.with_suffix(f".{id(out)}.tmp")
         cmd = [compiler, "-shared", "-fPIC", "-std=c++17", "-O2", "-fopenmp", *arch_flags]
