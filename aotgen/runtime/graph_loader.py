@@ -39,18 +39,34 @@ def mapped_extractions() -> set[Path]:
     return found
 
 
-def open_loader(pt2: Path, package_model: str, device: torch.device) -> Any:
-    """The AOTInductor loader of one graph on `device`: the runtime binds weights and runs
-    graphs through it, and the builder reads the constant names a graph asks for."""
+class TempDirError(ValueError):
+    """The temp dir, where torch's loader extracts a graph, cannot be written."""
+
+
+def _loader(pt2: Path, package_model: str, device: torch.device) -> Any:
     # (path, model name, run single-threaded, runners, device index): -1 is CPU. On a GPU
     # single-threaded, so that a call can be captured as a CUDA graph (runtime/cuda_graph.py).
     index = -1 if device.type == "cpu" else (device.index or 0)
     gpu = device.type == "cuda"
-    if gpu:  # a CUDA graph loads its kernels' cubins from the directory at its first call
+    try:
         return torch._C._aoti.AOTIModelPackageLoader(str(pt2), package_model, gpu, 1, index)
+    except RuntimeError as e:
+        if "temporary directory" not in str(e):
+            raise
+        raise TempDirError(
+            f"cannot extract graph {package_model} of {pt2.name} into the temp dir ({e}): "
+            "set TMPDIR to a writable directory"
+        ) from None
+
+
+def open_loader(pt2: Path, package_model: str, device: torch.device) -> Any:
+    """The AOTInductor loader of one graph on `device`: the runtime binds weights and runs
+    graphs through it, and the builder reads the constant names a graph asks for."""
+    if device.type == "cuda":  # its kernels' cubins are read from the directory at first call
+        return _loader(pt2, package_model, device)
     with _OPENING:
         before = mapped_extractions()
-        loader = torch._C._aoti.AOTIModelPackageLoader(str(pt2), package_model, gpu, 1, index)
+        loader = _loader(pt2, package_model, device)
         for directory in mapped_extractions() - before:
             shutil.rmtree(directory, ignore_errors=True)
     return loader

@@ -108,8 +108,16 @@ std::unique_ptr<torch::inductor::AOTIModelPackageLoader> open_loader(const fs::p
   // single-threaded, so that a call can be captured as a CUDA graph (the container's
   // multi-threaded run synchronises on an event, which a capture refuses).
   const auto open = [&] {
-    return std::make_unique<torch::inductor::AOTIModelPackageLoader>(
-        pt2.string(), name, device.is_cuda(), 1, device.is_cuda() ? device.index() : -1);
+    try {
+      return std::make_unique<torch::inductor::AOTIModelPackageLoader>(
+          pt2.string(), name, device.is_cuda(), 1, device.is_cuda() ? device.index() : -1);
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      if (what.find("temporary directory") == std::string::npos) throw;
+      throw PackageError("cannot extract graph " + name + " of " + pt2.filename().string() +
+                         " into the temp dir (" + what.substr(0, what.find('\n')) +
+                         "): set TMPDIR to a writable directory");
+    }
   };
   if (device.is_cuda()) return open();  // its kernels' cubins are read from there at first call
   static std::mutex opening;  // a loader's new mappings are its own, not another thread's

@@ -12,6 +12,7 @@ same message.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -54,6 +55,7 @@ class Row:
     toml: str | bytes = GOOD_TOML
     setup: Callable[[Env], None] | None = None  # more preparation, in the project
     cpp: bool = False  # a `run` row: aotgen-run takes the same arguments
+    environ: dict[str, str] = field(default_factory=dict)  # set for the command
 
 
 def recipe(id: str, yaml: str | bytes, phrase: str, file: str = "r.yaml", **kw) -> Row:
@@ -226,6 +228,13 @@ ROWS = [
         "threads must be a whole number >= 0",
     ),
     # ---- run options (the C++ CLI takes the same ones)
+    run(
+        "temp-dir-missing",
+        (),
+        "into the temp dir (Error generating temporary directory: No such file or directory): "
+        "set TMPDIR to a writable directory",
+        environ={"TMPDIR": "/nonexistent-aotgen-tmp"},
+    ),
     run("max-new-tokens-zero", ("--max-new-tokens", "0"), "--max-new-tokens must be >= 1"),
     run("max-new-tokens-negative", ("--max-new-tokens", "-5"), "--max-new-tokens must be >= 1"),
     run("k-zero", ("--lookup", "ngram", "--k", "0"), "--k must be >= 1"),
@@ -416,7 +425,13 @@ def check_refused(cmd: list[str], row: Row, env: Env, error_prefix: str) -> None
         "checkpoint": snapshot(env.checkpoint),
     }
     proc = subprocess.run(
-        cmd, cwd=env.project, capture_output=True, text=True, timeout=TIMEOUT_S, check=False
+        cmd,
+        cwd=env.project,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+        env={**os.environ, **row.environ},
     )
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert "Traceback" not in proc.stderr and "terminate called" not in proc.stderr, proc.stderr
