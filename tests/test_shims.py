@@ -1,5 +1,6 @@
 """The custom kernels' C shims (export/shims.py): declared only for the ops a graph calls,
-compiled once per source, and linked into each graph's `.so` as hidden symbols."""
+compiled once per source, and linked into each graph's `.so` as hidden symbols. Where the
+compiler's files live: the project cache, or the user's private temp dir."""
 
 from __future__ import annotations
 
@@ -188,3 +189,20 @@ def test_kernel_libraries_live_in_the_private_dir():
         pytest.skip("no C++ compiler")
     assert Path(lib._name).parent == private_dir()
     assert private_dir().stat().st_mode & 0o777 == 0o700
+
+
+def test_inductor_works_in_the_project_cache(tiny_package, project, tmp_path, monkeypatch):
+    """Importing Inductor points TORCHINDUCTOR_CACHE_DIR at torch's shared default in the
+    temp dir: a build moves it into the project cache (the session's builds compiled there),
+    and keeps a directory the user chose."""
+    from torch._inductor import codecache
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    assert any((project.cache_dir / "inductor").rglob("*.wrapper.cpp"))
+    assert Path(codecache._HEADER_DIR) == private_dir() / "precompiled_headers"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    aoti.use_cache_dir(tmp_path / "cache")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    aoti.use_cache_dir(tmp_path / "cache")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

@@ -416,6 +416,21 @@ def _shell_safe(path: Path) -> bool:
 
 
 def use_cache_dir(cache_dir: Path) -> None:
-    """Keep Inductor's working files in the project cache dir (compiled graphs are reused
-    through `compile_graph`'s own cache there, `graphs/`)."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cache_dir).absolute() / "inductor"))
+    """Keep Inductor's working files in the project cache dir, `inductor/` (compiled graphs
+    are reused through `compile_graph`'s own cache there, `graphs/`), unless the user's
+    TORCHINDUCTOR_CACHE_DIR names another. Importing Inductor sets that variable to torch's
+    default, `$TMPDIR/torchinductor_USER`, a path any user of the machine may create first and
+    plant sources in that a compile takes as its own. Its precompiled headers, which torch
+    keeps there whatever the variable says, go to this user's private temp dir."""
+    from torch._inductor import codecache
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    ours = str(Path(cache_dir).absolute() / "inductor")
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir(), *_INDUCTOR_DIRS):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = ours
+        _INDUCTOR_DIRS.add(ours)
+    headers = private_dir() / "precompiled_headers"
+    codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR = str(headers), str(headers / "locks")
+
+
+_INDUCTOR_DIRS: set[str] = set()  # what use_cache_dir set: a later build's project replaces it
