@@ -415,6 +415,9 @@ def _shell_safe(path: Path) -> bool:
         return False
 
 
+_INDUCTOR_DIRS: set[str] = set()  # what use_cache_dir set: a later build's project replaces it
+
+
 def use_cache_dir(cache_dir: Path) -> None:
     """Keep Inductor's working files in the project cache dir, `inductor/` (compiled graphs
     are reused through `compile_graph`'s own cache there, `graphs/`), unless the user's
@@ -431,6 +434,3 @@ def use_cache_dir(cache_dir: Path) -> None:
         _INDUCTOR_DIRS.add(ours)
     headers = private_dir() / "precompiled_headers"
     codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR = str(headers), str(headers / "locks")
-
-
-_INDUCTOR_DIRS: set[str] = set()  # what use_cache_dir set: a later build's project replaces it

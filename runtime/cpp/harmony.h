@@ -7,8 +7,7 @@
 // channel is the model's reasoning; `final`, and `commentary` addressed to no one (a
 // preamble), are the answer; a message to ` to=functions.NAME` is a tool call, the body its
 // JSON arguments, and one to a built-in tool (` to=browser.search`, ` to=python`) reasoning.
-// The markers are special tokens the answer's text keeps
-// (Tokenizer::decode skips none).
+// The markers are special tokens the answer's text keeps (Tokenizer::decode skips none).
 //
 // Python reads the header with Unicode-aware regexes (`\bto=([^\s<]+)`, `<|channel|>(\w+)`).
 // Here a recipient ends at whitespace as Python's `\s` has it (str.isspace, Unicode
