@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,8 +57,9 @@ def _run(cmd: list[str], timeout: float, **env: str) -> subprocess.CompletedProc
 
 
 def _torchrun(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *args]
-    return _run(cmd, timeout, OMP_NUM_THREADS="1")
+    with tempfile.TemporaryDirectory() as logs:  # the agent leaves its own behind otherwise
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+        return _run([*cmd, "--log-dir", logs, *args], timeout, OMP_NUM_THREADS="1")
 
 
 def _aotgen_run(package: Path, *args: str, timeout: float = 120, **env: str):
