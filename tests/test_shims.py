@@ -200,6 +200,8 @@ def test_inductor_works_in_the_project_cache(tiny_package, project, tmp_path, mo
 
     assert any((project.cache_dir / "inductor").rglob("*.wrapper.cpp"))
     assert Path(codecache._HEADER_DIR) == private_dir() / "precompiled_headers"
+    # what torch reads the headers' dir from, at each call (a rename would leave ours unused)
+    assert "_HEADER_DIR" in codecache._precompile_header.__wrapped__.__code__.co_names
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     aoti.use_cache_dir(tmp_path / "cache")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
