@@ -89,7 +89,8 @@ std::set<fs::path> mapped_extractions() {
   std::ifstream maps("/proc/self/maps");
   for (std::string line; std::getline(maps, line);) {
     const auto path = line.find(" /");
-    if (path == std::string::npos) continue;
+    // Most lines are torch's and the system's own libraries.
+    if (path == std::string::npos || line.find("/aotinductor_") == std::string::npos) continue;
     for (fs::path dir = fs::path(line.substr(path + 1)).parent_path(); dir.has_relative_path();
          dir = dir.parent_path()) {
       const std::string name = dir.filename().string();
