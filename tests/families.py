@@ -347,6 +347,54 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # Arcee (AFM): the Llama layout with a relu² MLP without a gate.
     "arcee": ("ArceeConfig", dict(num_hidden_layers=2, num_key_value_heads=2)),
+    # Seed-OSS: q/k/v biases and an o_proj bias.
+    "seed-oss": (
+        "SeedOssConfig",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            attention_bias=True,
+            attention_out_bias=True,
+        ),
+    ),
+    # Helium: RoPE on adjacent pairs, q/k/v biases.
+    "helium": (
+        "HeliumConfig",
+        dict(num_hidden_layers=2, num_key_value_heads=2, head_dim=16, attention_bias=True),
+    ),
+    # Ministral: sliding-window (8) and full layers in turn.
+    "ministral": (
+        "MinistralConfig",
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        ),
+    ),
+    # Ministral 3: YaRN, and q scaled up with the position past every 8 (the original context
+    # here), so that the history crosses four such periods.
+    "ministral3": (
+        "Ministral3Config",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 1e6,
+                "factor": 4.0,
+                "original_max_position_embeddings": 8,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "llama_4_scaling_beta": 0.5,
+            },
+        ),
+    ),
     # Gemma (1): (1 + w) norms, two a layer, embeddings x sqrt(hidden), one KV head.
     "gemma": ("GemmaConfig", dict(num_hidden_layers=2, num_key_value_heads=1, head_dim=32)),
     # Layers 1 and 3 without RoPE (NoPE), a tied head.
@@ -499,7 +547,7 @@ EAGER_PARITY = [
     "smollm3", "granite", "qwen3-yarn", "olmo2", "olmo3", "mixtral", "qwen2-moe", "olmoe",
     "granite-moe", "granite4", "granite4-moe", "lfm2-moe", "glm4", "ernie4_5", "phi-qk",
     "stablelm", "starcoder2", "gemma", "cohere", "cohere2", "exaone4", "exaone4-global",
-    "nemotron", "arcee", "qwen3-moe",
+    "nemotron", "arcee", "qwen3-moe", "seed-oss", "helium", "ministral", "ministral3",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from cpp_build import require_cpp_build
+from tiny import CHATML
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 pytestmark = pytest.mark.cpp
@@ -573,6 +574,23 @@ def test_chat_template_errors_are_one_line(
         check=False,
     )
     assert proc.returncode == 1 and "no chat template beside" in proc.stderr
+
+
+def test_processor_chat_template_is_read(
+    tokenize_bin: Path, variants: dict[str, Path], tmp_path: Path
+):
+    """A vision-language checkpoint's template in chat_template.json (its processor's), over
+    tokenizer_config.json's: the C++ prompt is the Python runtime's."""
+    from aotgen.runtime.tokenizer import Tokenizer as RuntimeTokenizer
+
+    directory = chat_dir(tmp_path, variants["base"], "tokenizer_config's")
+    (directory / "chat_template.json").write_text(json.dumps({"chat_template": CHATML}))
+    conversation = [["system", "x"], ["user", "y"]]
+    (answer,) = run_cli(tokenize_bin, [str(directory / "tokenizer.json"), "--chat"], [conversation])
+    messages = [{"role": role, "content": content} for role, content in conversation]
+    want = RuntimeTokenizer.from_dir(directory).chat_prompt(messages)
+    assert answer["prompt"] == want
+    assert want.startswith("<|im_start|>system\nx<|im_end|>\n<|im_start|>user\ny")
 
 
 # Answers and prompt tails past tests/test_chat_answers.py's cases: Unicode whitespace before

@@ -380,7 +380,10 @@ def test_gptneox_tp_shards_whole_heads(checkpoints):
 
 @pytest.mark.parametrize(
     "family",
-    ["qwen2-tied", "qwen3", "gemma2", "gemma3", "phi3", "granite", "glm4", "ernie4_5"],
+    [
+        *("qwen2-tied", "qwen3", "gemma2", "gemma3", "phi3", "granite", "glm4", "ernie4_5"),
+        *("helium", "ministral"),
+    ],
 )
 def test_llama_layout_families_have_default_tp_plans(checkpoints, family):
     model = _eager(checkpoints, family)
@@ -390,11 +393,14 @@ def test_llama_layout_families_have_default_tp_plans(checkpoints, family):
         resolve_plan(model, parse_parallel({"tensor": 3}))
 
 
-@pytest.mark.parametrize("family", ["phi", "phi-qk", "starcoder2", "cohere2", "nemotron", "arcee"])
+@pytest.mark.parametrize(
+    "family",
+    ["phi", "phi-qk", "starcoder2", "cohere2", "nemotron", "arcee", "seed-oss", "ministral3"],
+)
 def test_sharded_ranks_give_the_unsharded_logits(checkpoints, family, monkeypatch):
-    """Phi, StarCoder2, Cohere2, Nemotron and Arcee sharded two ways by their default plans
-    (a row-parallel bias on rank 0 only): the two ranks, run in lockstep on threads whose
-    all-reduces meet at a barrier, give the unsharded model's logits."""
+    """Phi, StarCoder2, Cohere2, Nemotron, Arcee, Seed-OSS and Ministral 3 sharded two ways by
+    their default plans (a row-parallel bias on rank 0 only): the two ranks, run in lockstep on
+    threads whose all-reduces meet at a barrier, give the unsharded model's logits."""
     model = _eager(checkpoints, family)
     styles = resolve_plan(model, parse_parallel({"tensor": 2}))
     assert styles["model.layers.0.self_attn.q_proj"] == "colwise"
@@ -535,6 +541,10 @@ def test_transformers4_glm4_config():
     )
 
 
+YARN_8 = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+BETA = {"llama_4_scaling_beta": 0.1}  # Ministral 3's only
+
+
 @pytest.mark.parametrize(
     "arch,extra,key",
     [
@@ -571,6 +581,10 @@ def test_transformers4_glm4_config():
         ("GraniteMoeHybridForCausalLM", {}, "Mamba layers"),
         ("Ernie4_5ForCausalLM", {"use_bias": True}, "use_bias=True"),
         ("Ernie4_5ForCausalLM", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ("SeedOssForCausalLM", {"mlp_bias": True}, "mlp_bias"),
+        ("MinistralForCausalLM", {"attention_bias": True}, "attention_bias"),
+        ("Ministral3ForCausalLM", {"rope_parameters": YARN_8}, "llama_4_scaling_beta"),
+        ("MistralForCausalLM", {"rope_parameters": {**YARN_8, **BETA}}, "llama_4_scaling_beta"),
     ],
 )
 def test_unhonoured_config_keys_are_errors(arch, extra, key):

@@ -129,6 +129,8 @@ def test_no_template_and_named_templates(tmp_path: Path) -> None:
     named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
     assert Tokenizer.from_dir(_write_dir(tmp_path / "b", named)).apply_chat_template([]) == "D"
     d = _write_dir(tmp_path / "c", "old")
+    (d / "chat_template.json").write_text(json.dumps({"chat_template": "processor's"}))
+    assert Tokenizer.from_dir(d).apply_chat_template([]) == "processor's"
     (d / "chat_template.jinja").write_text("new")
     assert Tokenizer.from_dir(d).apply_chat_template([]) == "new"
 

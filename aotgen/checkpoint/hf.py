@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-from aotgen.checkpoint import prequantized
+from aotgen.checkpoint import multimodal, prequantized
 
 BLOCKS_FILE = "gguf_blocks.safetensors"  # written by checkpoint/gguf.py
 TOKENIZER_FILES = (
@@ -22,6 +22,7 @@ TOKENIZER_FILES = (
     "tokenizer_config.json",
     "generation_config.json",
     "chat_template.jinja",
+    "chat_template.json",  # a vision-language model's processor template
 )
 
 
@@ -35,6 +36,8 @@ class Checkpoint:
     config: dict
     weight_files: list[Path]
     tokenizer_files: list[Path]
+    # a vision-language checkpoint: its language model's tensors only, under its names
+    text_part: bool = False
     # a quantized checkpoint's float weights and blocks (checkpoint/prequantized.py), read once
     _quantized: prequantized.QuantizedRead | None = field(default=None, repr=False)
 
@@ -55,7 +58,9 @@ class Checkpoint:
             try:
                 with safe_open(str(f), framework="pt") as sf:
                     for name in sf.keys():
-                        tensors[name] = sf.get_tensor(name)
+                        key = multimodal.text_name(name) if self.text_part else name
+                        if key is not None:
+                            tensors[key] = sf.get_tensor(name)
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(
                     f"cannot read {f}: {e}. The file is truncated or corrupt: re-create it "
@@ -142,21 +147,39 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     config = _read_json(path / "config.json")
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(_read_json(index)["weight_map"].values()))
-        weight_files = [path / s for s in shards]
+        weight_map = _read_json(index)["weight_map"]
+        weight_files = [path / s for s in sorted(set(weight_map.values()))]
     else:
-        weight_files = [path / "model.safetensors"]
+        weight_map, weight_files = None, [path / "model.safetensors"]
     missing = [f.name for f in weight_files if not f.is_file()]
     if missing:
         raise CheckpointError(
             f"{path} is missing weight file(s) {', '.join(missing)}; "
             "only .safetensors weights are read (never pickles)"
         )
+    text_part = multimodal.is_multimodal(config)
+    if text_part:
+        names = weight_map or _tensor_names(weight_files[0])
+        try:
+            config = multimodal.text_config(config, names)
+        except ValueError as e:
+            raise CheckpointError(f"{path}/{e}") from None
     if not (path / "tokenizer.json").is_file():
         raise CheckpointError(f"{path} has no tokenizer.json; the package needs the tokenizer")
     tokenizer_files = [path / f for f in TOKENIZER_FILES if (path / f).is_file()]
     _quant_scheme(path, config)  # an unreadable quantization_config: an error before any work
-    return Checkpoint(path, config, weight_files, tokenizer_files)
+    return Checkpoint(path, config, weight_files, tokenizer_files, text_part)
+
+
+def _tensor_names(path: Path) -> list[str]:
+    """The tensors a safetensors file holds (its header only)."""
+    try:
+        with safe_open(str(path), framework="pt") as sf:
+            return list(sf.keys())
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(
+            f"cannot read {path}: {e}. The file is truncated or corrupt; get it again"
+        ) from None
 
 
 def write_checkpoint_dir(out_dir: Path, write: Callable[[Path], None]) -> Path:

@@ -41,6 +41,10 @@ LLAMA_LAYOUT = (
     "Ernie4_5ForCausalLM",
     "Exaone4ForCausalLM",
     "ArceeForCausalLM",
+    "SeedOssForCausalLM",
+    "HeliumForCausalLM",
+    "MinistralForCausalLM",
+    "Ministral3ForCausalLM",
     *MOE_ARCHITECTURES,
 )
 LFM2 = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
@@ -57,7 +61,13 @@ GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 LATER_GEMMAS = GEMMAS[1:]
 # Checkpoints whose RoPE rotates adjacent pairs of dims (GPT-J's layout): their q/k rows are
 # put in rotate-half order at load (llama.py: `rotate_half_rows`).
-INTERLEAVED_ROPE = ("Glm4ForCausalLM", "Ernie4_5ForCausalLM", COHERE, COHERE2)
+INTERLEAVED_ROPE = (
+    "Glm4ForCausalLM",
+    "Ernie4_5ForCausalLM",
+    COHERE,
+    COHERE2,
+    "HeliumForCausalLM",
+)
 # Configs that carry a sliding_window which `use_sliding_window` (refused when true) turns on.
 WINDOW_SWITCHED = (
     "Qwen2ForCausalLM",
@@ -106,6 +116,10 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None  # tanh cap on attention scores (Gemma 2)
     rope_layers: tuple[bool, ...] | None = None  # per layer, whether it rotates (SmolLM3's NoPE)
+    # Ministral 3 (Llama 4's attention temperature): q at position p is scaled by
+    # 1 + query_gain_beta * ln(1 + floor(p / query_gain_period)), so 1 within the first period.
+    query_gain_beta: float = 0.0
+    query_gain_period: int = 0
     # LongRoPE (Phi-3.5, Phi-4-mini): the long factors, for a package longer than the original
     # context (`for_context`), else the short ones.
     long_context: bool = False

@@ -121,6 +121,7 @@ def _rope(hf: dict, arch: str) -> tuple[float, dict | None, float | None]:
         theta = params.get("rope_theta", hf.get("rope_theta"))
         scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "rope_type")}
         scaling.pop("partial_rotary_factor", None)
+        scaling.pop("llama_4_scaling_beta", None)  # not RoPE's: _query_gain reads it
         kind = params.get("rope_type", params.get("type", "default"))
         scaling = {"rope_type": kind, **scaling} if kind != "default" else None
     else:
@@ -166,7 +167,26 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
         out.update(_moe(hf, arch, layers, act))
     out.update(_attention(hf, arch))
     out.update(_windows(hf, arch, layers, local))
+    out.update(_query_gain(hf, arch))
     return out
+
+
+def _query_gain(hf: dict, arch: str) -> dict[str, Any]:
+    """Ministral 3's growth of q with the position (Llama 4's attention temperature), from its
+    `rope_parameters`: `llama_4_scaling_beta` over periods of the original context."""
+    params = hf.get("rope_parameters") or {}
+    beta = params.get("llama_4_scaling_beta")
+    if arch != "Ministral3ForCausalLM":
+        if beta is not None:
+            raise ValueError(f"config.json: llama_4_scaling_beta is not part of {arch}")
+        return {}
+    period = params.get("original_max_position_embeddings")
+    if isinstance(beta, bool) or not isinstance(beta, int | float) or not period:
+        raise ValueError(
+            "config.json: Ministral 3 needs rope_parameters.llama_4_scaling_beta and "
+            "original_max_position_embeddings"
+        )
+    return {"query_gain_beta": float(beta), "query_gain_period": int(period)}
 
 
 def _attention(hf: dict, arch: str) -> dict[str, Any]:
@@ -181,6 +201,11 @@ def _attention(hf: dict, arch: str) -> dict[str, Any]:
     elif arch == GPT_OSS:  # q, k, v and o biased; a sink logit per head
         bias = bool(hf.get("attention_bias", True))
         out.update(attention_bias=bias, attention_out_bias=bias, attention_sinks=True)
+    elif arch == "SeedOssForCausalLM":  # q, k, v biased by default, o by its own switch
+        out["attention_bias"] = bool(hf.get("attention_bias", True))
+        out["attention_out_bias"] = bool(hf.get("attention_out_bias", False))
+    elif arch == "HeliumForCausalLM":  # q, k and v biased or not, o never
+        out["attention_bias"] = bool(hf.get("attention_bias", False))
     else:
         _refuse(hf, "attention_bias", False, f"attention biases on {arch}")
     if arch in WINDOW_SWITCHED:
@@ -202,12 +227,16 @@ def _windows(hf: dict, arch: str, layers: int, local: float | None) -> dict[str,
     out: dict[str, Any] = {}
     if arch in (
         "MistralForCausalLM",
+        "Ministral3ForCausalLM",
         "MixtralForCausalLM",
         "Phi3ForCausalLM",
         STARCODER2,
     ) and hf.get("sliding_window"):
         out["sliding_window"] = hf["sliding_window"]
         out["layer_types"] = ("sliding_attention",) * layers
+    elif arch == "MinistralForCausalLM" and hf.get("sliding_window"):  # its own layer_types
+        types = hf.get("layer_types") or ["sliding_attention"] * layers
+        out.update(sliding_window=hf["sliding_window"], layer_types=tuple(types))
     elif arch in LATER_GEMMAS:
         out.update(_gemma(hf, arch, layers, local))
     elif arch in ("Exaone4ForCausalLM", COHERE2) and hf.get("sliding_window", 4096):

@@ -60,7 +60,7 @@ from torch import Tensor, nn
 from aotgen.kernels import attention
 from aotgen.kernels.cache_rows import decode_rows, encode_rows
 from aotgen.model.config import ModelConfig
-from aotgen.model.rope import rope_tables
+from aotgen.model.rope import query_gain, rope_tables
 
 ACT_FNS: dict[str, Callable[[Tensor], Tensor]] = {
     "silu": F.silu,
@@ -301,6 +301,9 @@ class CausalLM(nn.Module):
         """RoPE tables and key positions (not in the checkpoint; after a meta init too)."""
         cfg = self.config
         cos, sin = rope_tables(cfg, self.cache_len)
+        gain = query_gain(cfg, self.cache_len)
+        if gain is not None:  # q's rows beside k's: rotating q by them scales it too
+            cos, sin = torch.cat([cos, cos * gain], -1), torch.cat([sin, sin * gain], -1)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         if cfg.rope_local_theta is not None:  # the sliding layers' base, never scaled

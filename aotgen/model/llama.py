@@ -1,5 +1,6 @@
 """The Llama-layout decoders: Llama, Mistral, Qwen2, Qwen3, Gemma (1, 2, 3 text), Phi-3,
-SmolLM3, Granite, OLMo 2, GLM-4, ERNIE 4.5, EXAONE 4, Arcee and the mixtures of experts
+SmolLM3, Granite, OLMo 2, GLM-4, ERNIE 4.5, EXAONE 4, Arcee, Seed-OSS, Helium, Ministral
+(and Ministral 3) and the mixtures of experts
 (gpt-oss among them), driven by an HF config through a few switches (`ModelConfig`);
 GPT-NeoX lives in gptneox.py, the LayerNorm decoders (Phi, StableLM, StarCoder2, Cohere,
 Nemotron) in layernorm_decoders.py.
@@ -28,6 +29,10 @@ quantization/TP plans can match HF parameter names. The switches:
 - GLM-4 and ERNIE 4.5 rotate adjacent pairs of dims: their q/k rows are reordered at load
   (`rotate_half_rows`), so the model's one RoPE serves them.
 - Arcee: the MLP without a gate (`up_proj`, relu², `down_proj`).
+- Seed-OSS: q/k/v biases and, by its own switch, an o_proj bias; Helium: adjacent-pair RoPE
+  (reordered at load, as GLM-4's); Ministral: sliding and full layers by `layer_types`.
+- Ministral 3: q grows with the position (`query_gain`): its RoPE rows, scaled, travel beside
+  k's in the tables (layers.py), so no layer reads positions.
 - Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, gpt-oss): a sparse
   MLP (moe.py) on the layers `moe_layers` marks.
 - gpt-oss: q/k/v/o biases, a learned sink logit per head in each attention softmax
@@ -80,6 +85,7 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.attention_multiplier or (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.rotates = rotates
+        self.query_gain = bool(cfg.query_gain_beta)  # q's RoPE rows follow k's (layers.py)
         self.cap = cfg.attn_logit_softcapping
         d, heads, kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
         bias = cfg.attention_bias
@@ -107,7 +113,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         if self.qk_norm and not self.across_heads:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotates:
+        if self.rotates and self.query_gain:
+            (cos, cos_q), (sin, sin_q) = cos.chunk(2, -1), sin.chunk(2, -1)
+            q, k = apply_rope(q, cos_q, sin_q), apply_rope(k, cos, sin)
+        elif self.rotates:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         sinks = getattr(self, "sinks", None)
         y = cached_attention(

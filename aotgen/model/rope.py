@@ -1,6 +1,7 @@
 """RoPE tables: the inverse frequencies of a config, scaled as it asks (linear, Llama 3,
 LongRoPE, YaRN, as transformers computes them), and the cos/sin tables the graphs index by
-position; `for_context` picks LongRoPE's factors for a package's context."""
+position (Ministral 3's q gain beside them: `query_gain`); `for_context` picks LongRoPE's
+factors for a package's context."""
 
 from __future__ import annotations
 
@@ -93,6 +94,15 @@ def rope_tables(
     emb = torch.cat([freqs, freqs], dim=-1)
     gain = _rope_gain(cfg) if scaled else 1.0
     return (emb.cos() * gain).float(), (emb.sin() * gain).float()
+
+
+def query_gain(cfg: ModelConfig, length: int) -> Tensor | None:
+    """Ministral 3's scale of q per position `[length, 1]` (transformers'
+    `get_llama_4_attn_scale`), or None where the family has none."""
+    if not cfg.query_gain_beta:
+        return None
+    periods = torch.arange(length, dtype=torch.float64) // cfg.query_gain_period
+    return (1 + cfg.query_gain_beta * torch.log1p(periods)).float().unsqueeze(-1)
 
 
 def _rope_gain(cfg: ModelConfig) -> float:

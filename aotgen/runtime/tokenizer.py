@@ -131,6 +131,9 @@ class Tokenizer:
         if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
             named = {t["name"]: t["template"] for t in template}
             template = named.get("default")
+        processor = _read_json(path / "chat_template.json")  # a vision-language model's
+        if isinstance(processor, dict) and isinstance(processor.get("chat_template"), str):
+            template = processor["chat_template"]
         if (path / "chat_template.jinja").is_file():  # newer transformers save it separately
             template = (path / "chat_template.jinja").read_text()
 

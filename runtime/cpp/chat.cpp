@@ -104,6 +104,18 @@ std::optional<ChatTemplate> ChatTemplate::from_dir(const fs::path& dir) {
       if (t.is_object() && t.value("name", "") == "default") source = t.value("template", "");
     }
   }
+  if (fs::is_regular_file(dir / "chat_template.json")) {  // a vision-language model's
+    ordered_json processor;
+    try {
+      processor = ordered_json::parse(read_text(dir / "chat_template.json"));
+    } catch (const ordered_json::exception& e) {
+      throw std::runtime_error((dir / "chat_template.json").string() +
+                               " is not valid JSON: " + e.what());
+    }
+    if (processor.is_object() && processor.value("chat_template", ordered_json()).is_string()) {
+      source = processor["chat_template"].get<std::string>();
+    }
+  }
   if (fs::is_regular_file(dir / "chat_template.jinja")) {
     source = read_text(dir / "chat_template.jinja");
   }

@@ -1,0 +1,126 @@
+"""The language model inside a vision-language checkpoint (Gemma 3 4B and up, Mistral Small
+3.x, Ministral 3): its `text_config` read as the text family's own config, and its tensors
+under the text family's names; the vision tower and projector are left out, so the package
+takes text only."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+# The vision-language architectures, and the text architecture of each `text_config`
+# model_type they hold.
+TEXT_ARCHITECTURES = {
+    "Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausalLM"},
+    "Mistral3ForConditionalGeneration": {
+        "mistral": "MistralForCausalLM",
+        "ministral": "MinistralForCausalLM",
+        "ministral3": "Ministral3ForCausalLM",
+    },
+}
+# transformers' defaults of each text config class, for the keys the model reads besides RoPE's
+# (hf_config.py's defaults are the families' own, in either dialect): a `text_config` written by
+# transformers 4.x keeps only the values that differ from them.
+TEXT_DEFAULTS: dict[str, dict] = {
+    "gemma3_text": dict(
+        vocab_size=262208,
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_hidden_layers=26,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        sliding_window=4096,
+        query_pre_attn_scalar=256,
+    ),
+    "mistral": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        hidden_act="silu",
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        sliding_window=4096,
+    ),
+    "ministral3": dict(
+        vocab_size=131072,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=34,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        hidden_act="silu",
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-5,
+        sliding_window=None,
+        rope_parameters={  # the family exists in transformers 5.x only: one dialect
+            "rope_type": "yarn",
+            "rope_theta": 1e6,
+            "factor": 16.0,
+            "original_max_position_embeddings": 16384,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": 0.1,
+        },
+    ),
+}
+TEXT_DEFAULTS["ministral"] = TEXT_DEFAULTS["mistral"]
+# Where the language model's tensors lie, in the layout saved by transformers 4.x and the
+# one 5.x builds in memory (and some checkpoints ship), → the text family's names.
+TEXT_PREFIXES = {
+    "language_model.model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+    "model.language_model.": "model.",
+    "lm_head.": "lm_head.",
+}
+VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def is_multimodal(config: dict) -> bool:
+    return (config.get("architectures") or [None])[0] in TEXT_ARCHITECTURES
+
+
+def text_config(config: dict, tensor_names: Iterable[str]) -> dict:
+    """The language model's config: `text_config` under its text architecture, over its
+    class's defaults, with the checkpoint's quantization scheme. The head is tied exactly when
+    the checkpoint holds none, as transformers loads it."""
+    arch = config["architectures"][0]
+    text = dict(config.get("text_config") or {})
+    kind = text.get("model_type")
+    text_arch = TEXT_ARCHITECTURES[arch].get(kind)
+    if text_arch is None:
+        raise ValueError(
+            f"config.json: {arch}'s text_config model_type {kind!r} is not supported; "
+            f"supported: {', '.join(TEXT_ARCHITECTURES[arch])}"
+        )
+    text = {**TEXT_DEFAULTS[kind], **text}
+    if "quantization_config" in config:  # the scheme covers the whole checkpoint
+        text["quantization_config"] = config["quantization_config"]
+    text["architectures"] = [text_arch]
+    text["tie_word_embeddings"] = not any(text_name(n) == "lm_head.weight" for n in tensor_names)
+    return text
+
+
+def text_name(name: str) -> str | None:
+    """A tensor's name in the text family's layout; None for the vision tower's and the
+    projector's. Other names are kept as they are, so that the model names any it cannot
+    place."""
+    if name.startswith(VISION_PREFIXES):
+        return None
+    for prefix, text in TEXT_PREFIXES.items():
+        if name.startswith(prefix):
+            return text + name.removeprefix(prefix)
+    return name

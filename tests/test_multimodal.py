@@ -1,0 +1,171 @@
+"""The language model of a vision-language checkpoint (Gemma 3 4B and up, Mistral Small 3.x,
+Ministral 3) against transformers' own vision-language model given text only: tiny random
+checkpoints written by transformers, in the layout and config it saves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from families import BASE, randomize, reference_greedy, reference_logits
+from reference import EagerModel
+from tiny import CHATML, make_tokenizer
+
+from aotgen.checkpoint.hf import CheckpointError, open_checkpoint
+from aotgen.checkpoint.multimodal import TEXT_DEFAULTS, text_config
+from aotgen.model.config import ModelConfig
+from aotgen.package.build import build
+from aotgen.recipe import parse_recipe
+from aotgen.runtime.engine import Engine, GenerationConfig
+
+transformers = pytest.importorskip("transformers")
+
+TEXT = dict(BASE, num_key_value_heads=2, head_dim=16)
+VISION = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=1)
+YARN_GAIN = {
+    "rope_type": "yarn",
+    "rope_theta": 1e6,
+    "factor": 4.0,
+    "original_max_position_embeddings": 8,
+    "llama_4_scaling_beta": 0.5,
+}
+# name → (config class, text_config, vision_config, top-level arguments)
+MODELS = {
+    # Gemma 3 4B's kind: window 8 on three layers in four, linear scaling on the global one.
+    "gemma3": (
+        "Gemma3Config",
+        dict(
+            TEXT,
+            model_type="gemma3_text",
+            num_hidden_layers=4,
+            sliding_window=8,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            },
+        ),
+        dict(VISION, model_type="siglip_vision_model", image_size=28, patch_size=14),
+        dict(mm_tokens_per_image=4),
+    ),
+    # Mistral Small 3.x's kind: a Mistral language model, its own head (untied).
+    "mistral3": (
+        "Mistral3Config",
+        dict(TEXT, model_type="mistral", num_hidden_layers=2, sliding_window=None),
+        dict(VISION, model_type="pixtral", image_size=28, patch_size=14, head_dim=16),
+        dict(tie_word_embeddings=False),
+    ),
+    # Ministral 3's kind: YaRN and q growing with the position, a tied head.
+    "ministral3": (
+        "Mistral3Config",
+        dict(TEXT, model_type="ministral3", num_hidden_layers=2, rope_parameters=YARN_GAIN),
+        dict(VISION, model_type="pixtral", image_size=28, patch_size=14, head_dim=16),
+        {},
+    ),
+}
+
+
+def make_checkpoint(out: Path, name: str, seed: int = 0) -> Path:
+    """A random vision-language model saved by transformers, with the test tokenizer and the
+    chat template where a processor keeps it (chat_template.json)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(out)
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (out / "chat_template.json").write_text(json.dumps({"chat_template": CHATML}))
+    cls, text, vision, top = MODELS[name]
+    ids = dict(
+        bos_token_id=tok.token_to_id("<|im_start|>"), eos_token_id=tok.token_to_id("<|im_end|>")
+    )
+    config = getattr(transformers, cls)(
+        text_config=dict(text, vocab_size=tok.get_vocab_size(), **ids),
+        vision_config=vision,
+        **top,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    randomize(model, gemma=name == "gemma3")
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("multimodal")
+    return {name: make_checkpoint(root / name, name, seed=i) for i, name in enumerate(MODELS)}
+
+
+def load_reference(path: Path) -> torch.nn.Module:
+    return transformers.AutoModelForImageTextToText.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_text_model_matches_transformers(checkpoints, name):
+    """The language model read out of the checkpoint (vision tensors left unread) gives the
+    logits over a history that crosses the window and the q-gain periods, and the 32 greedy
+    tokens, of transformers' vision-language model given the same ids."""
+    ckpt = open_checkpoint(checkpoints[name])
+    assert ckpt.text_part and not any("vision" in n for n in ckpt.load_weights())
+    eager = EagerModel(checkpoints[name], 96)
+    reference = load_reference(checkpoints[name])
+    history = torch.randint(0, eager.config.vocab_size, (40,), generator=torch.Generator()).tolist()
+    got, want = eager.forward(history, 0), reference_logits(reference, history)
+    assert ((got - want).norm() / want.norm()).item() < 1e-4
+    assert eager.greedy(history[:20], 32) == reference_greedy(reference, history[:20], 32)
+    assert eager.config.tie_word_embeddings == (name != "mistral3")
+
+
+@pytest.mark.parametrize("kind", TEXT_DEFAULTS)
+def test_sparse_text_config_reads_as_transformers(kind):
+    """A text_config as transformers 4.x writes it (only what differs from its class's
+    defaults; here nothing but the model type) reads as transformers reads it."""
+    arch = "Gemma3ForConditionalGeneration" if kind == "gemma3_text" else None
+    arch = arch or "Mistral3ForConditionalGeneration"
+    cfg = ModelConfig.from_hf(
+        text_config({"architectures": [arch], "text_config": {"model_type": kind}}, [])
+    )
+    ref = transformers.AutoConfig.for_model(kind)
+    assert cfg.hidden_act == getattr(ref, "hidden_activation", None) or ref.hidden_act
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "sliding_window",
+    ):
+        assert getattr(cfg, key) == getattr(ref, key), key
+    head_dim = getattr(ref, "head_dim", None) or ref.hidden_size // ref.num_attention_heads
+    assert cfg.head_dim == head_dim
+    if kind == "ministral3":
+        scaling = ref.rope_parameters
+        assert cfg.rope_theta == scaling["rope_theta"]
+        assert cfg.rope_scaling["factor"] == scaling["factor"]
+        assert cfg.query_gain_beta == scaling["llama_4_scaling_beta"]
+
+
+def test_unsupported_text_model_is_one_line(tmp_path):
+    d = make_checkpoint(tmp_path / "m", "mistral3")
+    config = json.loads((d / "config.json").read_text())
+    config["text_config"]["model_type"] = "llama"
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="text_config model_type 'llama' is not supported"):
+        open_checkpoint(d)
+
+
+def test_package_of_a_vision_language_checkpoint(checkpoints, project):
+    """Built into a package: its greedy tokens are transformers', and the chat template the
+    processor keeps (chat_template.json) renders the chat."""
+    recipe = {"checkpoint": str(checkpoints["gemma3"]), "max_seq_len": 64, "prefill_chunk": 16}
+    engine = Engine.load(build(parse_recipe(recipe, "vlm-gemma3", Path(".")), project).path)
+    ids = engine.tokenizer.encode("Speculative decoding drafts tokens and verifies them.")
+    got = engine.generate(ids, GenerationConfig(max_new_tokens=16, ignore_eos=True))
+    assert got.token_ids == reference_greedy(load_reference(checkpoints["gemma3"]), ids, 16)
+    prompt = engine.tokenizer.chat_prompt([{"role": "user", "content": "hi"}])
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
