@@ -13,7 +13,6 @@ TEXT_ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausalLM"},
     "Mistral3ForConditionalGeneration": {
         "mistral": "MistralForCausalLM",
-        "ministral": "MinistralForCausalLM",
         "ministral3": "Ministral3ForCausalLM",
     },
 }
@@ -72,7 +71,6 @@ TEXT_DEFAULTS: dict[str, dict] = {
         },
     ),
 }
-TEXT_DEFAULTS["ministral"] = TEXT_DEFAULTS["mistral"]
 # Where the language model's tensors lie, in the layout saved by transformers 4.x and the
 # one 5.x builds in memory (and some checkpoints ship), → the text family's names.
 TEXT_PREFIXES = {

@@ -1,9 +1,8 @@
 """The Llama-layout decoders: Llama, Mistral, Qwen2, Qwen3, Gemma (1, 2, 3 text), Phi-3,
-SmolLM3, Granite, OLMo 2, GLM-4, ERNIE 4.5, EXAONE 4, Arcee, Seed-OSS, Helium, Ministral
-(and Ministral 3) and the mixtures of experts
-(gpt-oss among them), driven by an HF config through a few switches (`ModelConfig`);
-GPT-NeoX lives in gptneox.py, the LayerNorm decoders (Phi, StableLM, StarCoder2, Cohere,
-Nemotron) in layernorm_decoders.py.
+SmolLM3, Granite, OLMo 2, GLM-4, ERNIE 4.5, EXAONE 4, Arcee, Seed-OSS, Helium, Ministral,
+Ministral 3 and the mixtures of experts (gpt-oss among them), driven by an HF config through
+a few switches (`ModelConfig`); GPT-NeoX lives in gptneox.py, the LayerNorm decoders (Phi,
+StableLM, StarCoder2, Cohere, Nemotron) in layernorm_decoders.py.
 
 One flat file in the spirit of gpt-fast. Module names follow the HF checkpoint
 (`model.layers.0.self_attn.q_proj`, ...) so weights load without a name map and
