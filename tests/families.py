@@ -374,6 +374,22 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             layer_types=["sliding_attention", "full_attention"] * 2,
         ),
     ),
+    # Hunyuan dense: q/k norms after RoPE, whose base "dynamic" alpha stretches; a tied head.
+    "hunyuan": (
+        "HunYuanDenseV1Config",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            rope_parameters={
+                "rope_type": "dynamic",
+                "rope_theta": 10000.0,
+                "alpha": 50.0,
+                "factor": 1.0,
+            },
+            tie_word_embeddings=True,
+        ),
+    ),
     # Ministral 3: YaRN, and q scaled up with the position past every 8 (the original context
     # here), so that the history crosses four such periods.
     "ministral3": (
@@ -548,6 +564,7 @@ EAGER_PARITY = [
     "granite-moe", "granite4", "granite4-moe", "lfm2-moe", "glm4", "ernie4_5", "phi-qk",
     "stablelm", "starcoder2", "gemma", "cohere", "cohere2", "exaone4", "exaone4-global",
     "nemotron", "arcee", "qwen3-moe", "seed-oss", "helium", "ministral", "ministral3",
+    "hunyuan",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

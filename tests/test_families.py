@@ -395,7 +395,10 @@ def test_llama_layout_families_have_default_tp_plans(checkpoints, family):
 
 @pytest.mark.parametrize(
     "family",
-    ["phi", "phi-qk", "starcoder2", "cohere2", "nemotron", "arcee", "seed-oss", "ministral3"],
+    [
+        *("phi", "phi-qk", "starcoder2", "cohere2", "nemotron", "arcee"),
+        *("seed-oss", "ministral3", "hunyuan"),
+    ],
 )
 def test_sharded_ranks_give_the_unsharded_logits(checkpoints, family, monkeypatch):
     """Phi, StarCoder2, Cohere2, Nemotron, Arcee, Seed-OSS and Ministral 3 sharded two ways by
@@ -585,6 +588,12 @@ BETA = {"llama_4_scaling_beta": 0.1}  # Ministral 3's only
         ("MinistralForCausalLM", {"attention_bias": True}, "attention_bias"),
         ("Ministral3ForCausalLM", {"rope_parameters": YARN_8}, "llama_4_scaling_beta"),
         ("MistralForCausalLM", {"rope_parameters": {**YARN_8, **BETA}}, "llama_4_scaling_beta"),
+        ("HunYuanDenseV1ForCausalLM", {"use_cla": True}, "use_cla"),
+        (
+            "HunYuanDenseV1ForCausalLM",
+            {"rope_scaling": {"type": "dynamic", "factor": 2}},
+            "dynamic",
+        ),
     ],
 )
 def test_unhonoured_config_keys_are_errors(arch, extra, key):

@@ -24,6 +24,7 @@ MOE_ARCHITECTURES = (
 # Granites whose dense MLP (or shared expert) is `shared_mlp`, of shared_intermediate_size.
 GRANITE_SHARED_MLP = ("GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")
 GRANITES = ("GraniteForCausalLM", "GraniteMoeForCausalLM", *GRANITE_SHARED_MLP)  # multipliers
+HUNYUAN = "HunYuanDenseV1ForCausalLM"  # q/k norms after RoPE, its base stretched by `alpha`
 LLAMA_LAYOUT = (
     "LlamaForCausalLM",
     "GemmaForCausalLM",
@@ -45,6 +46,7 @@ LLAMA_LAYOUT = (
     "HeliumForCausalLM",
     "MinistralForCausalLM",
     "Ministral3ForCausalLM",
+    HUNYUAN,
     *MOE_ARCHITECTURES,
 )
 LFM2 = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
@@ -103,6 +105,7 @@ class ModelConfig:
     attention_sinks: bool = False
     linear_bias: bool = False  # biases on the output projection and the MLP (Phi, StarCoder2)
     qk_norm: bool = False  # per-head norm of q and k before RoPE (Qwen3, Gemma 3, StableLM)
+    qk_norm_after_rope: bool = False  # Hunyuan: the per-head norms on the rotated q and k
     # OLMo 2: q and k normalised across all heads (the whole projection), and each block's
     # norm after it instead of before.
     qk_norm_across_heads: bool = False

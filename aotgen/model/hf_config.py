@@ -17,6 +17,7 @@ from aotgen.model.config import (
     GPT_OSS,
     GRANITE_SHARED_MLP,
     GRANITES,
+    HUNYUAN,
     LATER_GEMMAS,
     LAYERNORM_LAYOUT,
     LFM2,
@@ -127,6 +128,8 @@ def _rope(hf: dict, arch: str) -> tuple[float, dict | None, float | None]:
     else:
         theta, scaling = hf.get("rope_theta"), hf.get("rope_scaling")
         theta = hf.get("rotary_emb_base", theta)  # GPT-NeoX 4.x
+    if arch == HUNYUAN:
+        theta, scaling = _ntk_alpha(theta or 10000.0, scaling, hf)
     if theta is None:
         theta = 1e6 if arch in ("Gemma3ForCausalLM", *LFM2) else 10000.0
         theta = 150000.0 if arch == GPT_OSS else theta
@@ -139,6 +142,17 @@ def _rope(hf: dict, arch: str) -> tuple[float, dict | None, float | None]:
     if arch == "Gemma3ForCausalLM" and local is None:
         local = 10000.0
     return float(theta), scaling or None, local
+
+
+def _ntk_alpha(theta: float, scaling: dict | None, hf: dict) -> tuple[float, dict | None]:
+    """Hunyuan's "dynamic" RoPE with a fixed `alpha`: a static stretch of the base,
+    theta * alpha ** (d / (d - 2)), as transformers computes it; no scaling after."""
+    scaling = dict(scaling or {})
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "dynamic" or not scaling.get("alpha"):
+        return theta, scaling or None
+    dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    return theta * float(scaling["alpha"]) ** (dim / (dim - 2)), None
 
 
 def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dict[str, Any]:
@@ -216,6 +230,10 @@ def _attention(hf: dict, arch: str) -> dict[str, Any]:
         out.update(qk_norm=True, qk_norm_across_heads=True, norm_after=True)
     if arch == "Exaone4ForCausalLM":  # OLMo 2's norms after each block, q/k norms per head
         out.update(qk_norm=True, norm_after=True)
+    if arch == HUNYUAN:  # per-head q/k norms, on the rotated q and k
+        _refuse(hf, "use_cla", False, "KV caches shared across layers")
+        qk_norm = bool(hf.get("use_qk_norm", True))
+        out.update(qk_norm=qk_norm, qk_norm_after_rope=qk_norm)
     if arch == "OlmoeForCausalLM":  # OLMo 2's q/k norms, the norms before each block
         out.update(qk_norm=True, qk_norm_across_heads=True)
         _refuse(hf, "clip_qkv", None, "clipping q, k and v")

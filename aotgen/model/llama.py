@@ -1,8 +1,8 @@
 """The Llama-layout decoders: Llama, Mistral, Qwen2, Qwen3, Gemma (1, 2, 3 text), Phi-3,
 SmolLM3, Granite, OLMo 2, GLM-4, ERNIE 4.5, EXAONE 4, Arcee, Seed-OSS, Helium, Ministral,
-Ministral 3 and the mixtures of experts (gpt-oss among them), driven by an HF config through
-a few switches (`ModelConfig`); GPT-NeoX lives in gptneox.py, the LayerNorm decoders (Phi,
-StableLM, StarCoder2, Cohere, Nemotron) in layernorm_decoders.py.
+Ministral 3, Hunyuan and the mixtures of experts (gpt-oss among them), driven by an HF config
+through a few switches (`ModelConfig`); GPT-NeoX lives in gptneox.py, the LayerNorm decoders
+(Phi, StableLM, StarCoder2, Cohere, Nemotron) in layernorm_decoders.py.
 
 One flat file in the spirit of gpt-fast. Module names follow the HF checkpoint
 (`model.layers.0.self_attn.q_proj`, ...) so weights load without a name map and
@@ -30,6 +30,8 @@ quantization/TP plans can match HF parameter names. The switches:
 - Arcee: the MLP without a gate (`up_proj`, relu², `down_proj`).
 - Seed-OSS: q/k/v biases and, by its own switch, an o_proj bias; Helium: adjacent-pair RoPE
   (reordered at load, as GLM-4's); Ministral: sliding and full layers by `layer_types`.
+- Hunyuan (dense): per-head q/k norms on the rotated q and k (`qk_norm_after_rope`), its
+  RoPE base stretched by `alpha` (hf_config.py).
 - Ministral 3: q grows with the position (`query_gain`): its RoPE rows, scaled, travel beside
   k's in the tables (layers.py), so no layer reads positions.
 - Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, gpt-oss): a sparse
@@ -48,6 +50,7 @@ from torch import Tensor, nn
 from aotgen.kernels.cache_rows import row_width
 from aotgen.model.config import (
     GRANITE_SHARED_MLP,
+    HUNYUAN,
     INTERLEAVED_ROPE,
     LAYERNORM_LAYOUT,
     LFM2,
@@ -95,6 +98,7 @@ class Attention(nn.Module):
         if cfg.attention_sinks:
             self.sinks = nn.Parameter(torch.zeros(heads))
         self.qk_norm, self.across_heads = cfg.qk_norm, cfg.qk_norm_across_heads
+        self.after_rope = cfg.qk_norm_after_rope
         if cfg.qk_norm:
             q_dim, k_dim = (heads, kv_heads) if self.across_heads else (1, 1)
             self.q_norm = RMSNorm(q_dim * self.head_dim, cfg.rms_norm_eps, cfg.gemma)
@@ -110,13 +114,15 @@ class Attention(nn.Module):
         q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
         k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        if self.qk_norm and not self.across_heads:
+        if self.qk_norm and not self.across_heads and not self.after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotates and self.query_gain:
             (cos, cos_q), (sin, sin_q) = cos.chunk(2, -1), sin.chunk(2, -1)
             q, k = apply_rope(q, cos_q, sin_q), apply_rope(k, cos, sin)
         elif self.rotates:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.after_rope:  # Hunyuan
+            q, k = self.q_norm(q), self.k_norm(k)
         sinks = getattr(self, "sinks", None)
         y = cached_attention(
             q, k, v, write_at, mask, k_cache, v_cache, span, self.scale, self.cap, sinks
@@ -263,24 +269,29 @@ def new_kv_cache(
     ]
 
 
-# GLM-4's norms by the Llama layout's names: after attention, before and after the MLP.
-GLM4_NORMS = {
-    "post_self_attn_layernorm": "post_attention_layernorm",
-    "post_attention_layernorm": "pre_feedforward_layernorm",
-    "post_mlp_layernorm": "post_feedforward_layernorm",
+# Norms by the Llama layout's names: GLM-4's after attention, before and after the MLP;
+# Hunyuan's q/k norms.
+NORM_NAMES = {
+    "Glm4ForCausalLM": {
+        "post_self_attn_layernorm": "post_attention_layernorm",
+        "post_attention_layernorm": "pre_feedforward_layernorm",
+        "post_mlp_layernorm": "post_feedforward_layernorm",
+    },
+    HUNYUAN: {"query_layernorm": "q_norm", "key_layernorm": "k_norm"},
 }
 
 
 def split_fused(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
     """Phi-3's and GLM-4's fused projections as the Llama layout's: `qkv_proj` rows are q,
-    then k, then v; `gate_up_proj` rows are gate, then up (GLM-4's norms renamed: GLM4_NORMS).
-    Granite 4's `shared_mlp` (input_linear: gate rows, then up) is the MLP, or with experts
-    the shared expert. Other families: unchanged."""
+    then k, then v; `gate_up_proj` rows are gate, then up (GLM-4's and Hunyuan's norms
+    renamed: NORM_NAMES). Granite 4's `shared_mlp` (input_linear: gate rows, then up) is the
+    MLP, or with experts the shared expert. Other families: unchanged."""
     if cfg.architecture in GRANITE_SHARED_MLP:
         return _granite_shared_mlp(cfg, weights)
-    if cfg.architecture == "Glm4ForCausalLM":
-        weights = {_glm4_name(name): t for name, t in weights.items()}
-    elif cfg.architecture != "Phi3ForCausalLM":
+    if cfg.architecture in NORM_NAMES:
+        names = NORM_NAMES[cfg.architecture]
+        weights = {_norm_name(name, names): t for name, t in weights.items()}
+    if cfg.architecture not in ("Phi3ForCausalLM", "Glm4ForCausalLM"):
         return weights
     q_rows = cfg.num_attention_heads * cfg.head_dim
     kv_rows = cfg.num_key_value_heads * cfg.head_dim
@@ -299,10 +310,10 @@ def split_fused(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tenso
     return out
 
 
-def _glm4_name(name: str) -> str:
+def _norm_name(name: str, names: dict[str, str]) -> str:
     stem, _, leaf = name.rpartition(".")
     stem, _, norm = stem.rpartition(".")
-    return f"{stem}.{GLM4_NORMS[norm]}.{leaf}" if norm in GLM4_NORMS else name
+    return f"{stem}.{names[norm]}.{leaf}" if norm in names else name
 
 
 def rotate_half_rows(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:

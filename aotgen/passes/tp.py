@@ -134,6 +134,7 @@ DEFAULT_PLANS: dict[str, dict[str, str]] = {
     "HeliumForCausalLM": LLAMA_PLAN,
     "MinistralForCausalLM": LLAMA_PLAN,
     "Ministral3ForCausalLM": LLAMA_PLAN,
+    "HunYuanDenseV1ForCausalLM": LLAMA_PLAN,
     "GPTNeoXForCausalLM": GPT_NEOX_PLAN,
     STABLELM: LLAMA_PLAN,
     COHERE: LLAMA_PLAN,
