@@ -40,7 +40,8 @@ def _write_gguf(
     pre: str = "gpt2",
     model: str = "gpt2",
 ) -> None:
-    """A tiny GGUF with llama-style metadata and a byte-level vocab plus two merges."""
+    """A tiny GGUF with llama-style metadata and a byte-level vocab plus two merges; "help"
+    is in the vocabulary, but no merge makes it."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
     w.add_context_length(64)
@@ -51,7 +52,7 @@ def _write_gguf(
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens = specials + pre_tokenizers.ByteLevel.alphabet() + ["he", "hel"]
+    tokens = specials + pre_tokenizers.ByteLevel.alphabet() + ["he", "hel", "help"]
     types = [gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(tokens) - 3)
     w.add_tokenizer_model(model)
     w.add_tokenizer_pre(pre)
@@ -75,7 +76,7 @@ def _tiny_llama_tensors(rng: np.random.Generator) -> dict[str, np.ndarray]:
     def r(*shape: int) -> np.ndarray:
         return rng.standard_normal(shape).astype(np.float32)
 
-    vocab = 3 + 256 + 2
+    vocab = 3 + 256 + 3
     return {
         "token_embd.weight": r(vocab, 8),
         "output_norm.weight": r(8),
@@ -201,6 +202,7 @@ def test_unknown_architecture(tmp_path: Path) -> None:
         ("llama-bpe", ["a", " b", " ", "123", "45", "\n\n", " "]),  # digits in threes
         ("qwen2", ["a", " b", " ", "1", "2", "3", "4", "5", "\n\n", " "]),
         ("gpt-2", ["a", " b", " 12345", "\n\n "]),
+        ("tekken", ["a", " b", " ", "1", "2", "3", "4", "5", "\n\n", " "]),  # digits one by one
     ],
 )
 def test_pre_tokenizer_splits_as_llama_cpp(tmp_path: Path, pre: str, pieces: list[str]) -> None:
@@ -214,6 +216,25 @@ def test_pre_tokenizer_splits_as_llama_cpp(tmp_path: Path, pre: str, pieces: lis
     got = pre_tokenizer.pre_tokenize_str(text)
     assert [text[a:b] for _, (a, b) in got] == pieces
     assert tok.decode(tok.encode(text)) == text
+
+
+@pytest.mark.parametrize(
+    ("pre", "whole", "bos"),
+    [("llama-bpe", True, True), ("tekken", True, True), ("qwen2", False, False)],
+)
+def test_vocabulary_words_and_bos_as_llama_cpp(
+    tmp_path: Path, pre: str, whole: bool, bos: bool
+) -> None:
+    """After llama.cpp's Llama 3 and Tekken pre-tokenizers a piece that is a vocabulary entry
+    is one token whatever the merges make of it (`ignore_merges`), and bos leads a prompt
+    where the file does not say (src/llama-vocab.cpp); after Qwen2's the merges decide."""
+    _write_gguf(
+        tmp_path / "m.gguf", "llama", _tiny_llama_tensors(np.random.default_rng(0)), pre=pre
+    )
+    tok = Tokenizer.from_dir(import_gguf(tmp_path / "m.gguf", tmp_path / "out"))
+    help_id, hel_id = tok.encode("help"), tok.encode("hel")
+    assert help_id == ([3 + 256 + 2] if whole else [*hel_id, *tok.encode("p")])
+    assert tok.add_bos is bos
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ from aotgen.checkpoint.gguf_arch_gpt_oss import gpt_oss_tensors
 from aotgen.checkpoint.gguf_check import check_tensors
 from aotgen.checkpoint.gguf_config import read_config
 from aotgen.checkpoint.gguf_meta import meta_value, require_meta
-from aotgen.checkpoint.gguf_tokenizer import build_tokenizer, check_tokenizer
+from aotgen.checkpoint.gguf_tokenizer import adds_bos, build_tokenizer, check_tokenizer
 from aotgen.checkpoint.hf import BLOCKS_FILE, CheckpointError, write_checkpoint_dir
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -296,7 +296,7 @@ def write_tokenizer_files(reader: gguf.GGUFReader, out: Path) -> None:
         "eos_token": _token_text(tokens, eos),
         "unk_token": _token_text(tokens, meta_value(reader, "tokenizer.ggml.unknown_token_id")),
         "pad_token": _token_text(tokens, pad),
-        "add_bos_token": bool(meta_value(reader, "tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": adds_bos(reader),
         "add_eos_token": bool(meta_value(reader, "tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
         "model_max_length": config["max_position_embeddings"],

@@ -44,6 +44,13 @@ _QWEN2 = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _DEFAULT = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"]
+# Mistral's Tekken (Nemo, Small 3.x, Ministral 3), as llama.cpp writes it: o200k's letter
+# classes without its contractions, one digit at a time.
+_TEKKEN = (
+    r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
+    r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # o200k (gpt-oss, `gpt-4o`), as llama.cpp writes it: the original's case classes as letters
 # other than a-z, then letters other than A-Z (its regex engine has no \p{Lu} / \p{Ll}).
 _GPT4O = (
@@ -70,6 +77,8 @@ PRE_TOKENIZERS: dict[str, list[str]] = {
     "dbrx": [_LLAMA3],
     "smaug-bpe": [_LLAMA3],
     "lfm2": [_LLAMA3],
+    "pixtral": [_LLAMA3],
+    "tekken": [_TEKKEN],
     "gpt-4o": [_GPT4O],
     "qwen2": [_QWEN2],
     "stablelm2": [_QWEN2],
@@ -82,6 +91,11 @@ PRE_TOKENIZERS: dict[str, list[str]] = {
     "minerva-7b": [r"\p{N}", _GPT2],
 }
 TOKENIZER_MODELS = ("gpt2", "llama")
+# Pre-tokenizers after which llama.cpp takes a piece that is a vocabulary entry whole, whatever
+# the merges would make of it (its `ignore_merges`, as these tokenizers' own tokenizer.json
+# says), and that add bos where the file does not say (`add_bos`).
+IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3", "lfm2", "pixtral", "tekken")
+BOS_BY_DEFAULT = IGNORE_MERGES
 
 
 def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
@@ -112,6 +126,17 @@ def check_tokenizer(reader: gguf.GGUFReader) -> None:
         )
 
 
+def adds_bos(reader: gguf.GGUFReader) -> bool:
+    """Whether llama.cpp puts bos before a prompt: as the file says, else by default for
+    SentencePiece vocabularies and the pre-tokenizers of BOS_BY_DEFAULT."""
+    stored = _field(reader, "tokenizer.ggml.add_bos_token")
+    if stored is not None:
+        return bool(stored)
+    if _field(reader, "tokenizer.ggml.model") == "llama":
+        return True
+    return _field(reader, "tokenizer.ggml.pre", "default") in BOS_BY_DEFAULT
+
+
 def _add_vocab_tokens(tok: Tokenizer, tokens: list[str], types: list[int]) -> None:
     """Control tokens are matched whole (special); user-defined ones too, as llama.cpp splits
     them out of the text before the model sees it."""
@@ -124,8 +149,9 @@ def _add_vocab_tokens(tok: Tokenizer, tokens: list[str], types: list[int]) -> No
 
 def _gpt2_tokenizer(reader: gguf.GGUFReader, tokens: list[str]) -> Tokenizer:
     merges = [tuple(m.split(" ", 1)) for m in _require(reader, "tokenizer.ggml.merges")]
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
     pre = _field(reader, "tokenizer.ggml.pre", "default")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in IGNORE_MERGES))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     gpt2_split = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     # GPT-2 and [\p{N}, GPT-2] in the simpler form both runtimes' tokenizers read.
