@@ -5,7 +5,8 @@ Granite's, SmolLM3's and Arcee's q/k permuted, Phi-3's LongRoPE factors and Llam
 divisors as tensors, GLM-4's and ERNIE 4.5's q/k as they are, OLMo 3 as olmo2 with a
 sliding-window pattern, a mixture of experts' experts stacked per block (Mixtral as llama),
 StableLM's per-head q/k norms stacked, Phi-2's q/k/v apart or fused, Command R, Cohere2,
-EXAONE 4 and Nemotron with their q/k rows as HF has them, gpt-oss's interleaved gate/up
+EXAONE 4, Nemotron and Seed-OSS with their q/k rows as HF has them, Ministral 3's permuted
+with its YaRN and attention temperature, gpt-oss's interleaved gate/up
 experts split and their biases apart, float or MXFP4, some weights quantized), imported
 back, and the imported checkpoint must compute what the original computes in `transformers`,
 in `transformers` and in aotgen's model.
@@ -188,6 +189,11 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # clamp of 7 (its experts scaled up in _checkpoint so that the clamp cuts).
     "gpt-oss": ("GptOssConfig", GPT_OSS),
     "gpt-oss-qkv": ("GptOssConfig", GPT_OSS),  # q/k/v fused (the converter's --fuse-qkv)
+    # Seed-OSS: q/k/v and o biased, the MLP's norm stored as a norm after attention.
+    "seed_oss": FAMILIES["seed-oss"],
+    # Ministral 3: q/k permuted (LlamaModel's converter), YaRN with its log multiplier, and
+    # q's growth past each original context as the attention temperature.
+    "mistral3": FAMILIES["ministral3"],
 }
 # The GGUF architecture of the test cases named otherwise.
 GGUF_ARCH = {
@@ -519,6 +525,7 @@ def _gguf_name(arch: str, hf: str) -> str:
         "exaone4-swa": OLMO2_NAMES,
         "gpt-oss": GPT_OSS_NAMES,
         "gpt-oss-qkv": GPT_OSS_NAMES,
+        "seed_oss": GPT_OSS_NAMES,
     }.get(arch, LAYER_NAMES["llama"])
     return f"blk.{i}.{names[rest]}.{kind}"
 
@@ -529,6 +536,7 @@ def _converted(arch: str, hf: str, w: np.ndarray, heads: int, kv_heads: int) -> 
         return w + np.float32(1.0)
     # its LlamaModel kin
     permuted = ("smollm3", "granite", "mixtral", "granitemoe", "llama3", "arcee", "arcee-llama3")
+    permuted += ("mistral3",)
     if arch in permuted and hf.endswith(("q_proj.weight", "k_proj.weight")):
         return permute_qk(w, heads if "q_proj" in hf else kv_heads)
     if arch.startswith("lfm2") and hf.endswith("conv.conv.weight"):  # [d, 1, kernel] -> [d, kernel]
@@ -566,9 +574,18 @@ def _llama_variant_meta(w: gguf.GGUFWriter, arch: str, cfg: dict[str, Any], head
     (LlamaModel.generate_extra_tensors, Arcee's too) as tensors."""
     if (cfg.get("rope_parameters") or {}).get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_divisors(cfg, head_dim))
-    if arch.startswith("arcee"):  # LlamaModel's keys
+    if arch.startswith("arcee") or arch == "mistral3":  # LlamaModel's keys
         w.add_vocab_size(cfg["vocab_size"])
         w.add_rope_dimension_count(head_dim)
+    if arch == "mistral3":  # base.py's YaRN keys, conversion/mistral3.py's two
+        rope = cfg["rope_parameters"]
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        w.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+        w.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
     if arch == "olmo3":
         w.add_sliding_window(cfg["sliding_window"])
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
@@ -945,11 +962,13 @@ def test_experts_not_matching_metadata_are_one_line(tmp_path: Path, key: str) ->
         "gemma",
         "nemotron",
         "arcee",
+        "mistral3",
+        "seed_oss",
     ],
 )
 def test_rows_moved_at_load_are_found_in_the_blocks(tmp_path: Path, arch: str) -> None:
     """GLM-4's and Phi-3's fused tensors split at load, GLM-4's and Command R's q/k rows
-    reordered for rotate-half RoPE, Arcee's unpermuted: whole rows move, so `gguf: keep`
+    reordered for rotate-half RoPE, Arcee's and Ministral 3's unpermuted: whole rows move, so `gguf: keep`
     (which these recipes pass) finds every linear of the loaded model in the file's blocks."""
     from aotgen.checkpoint.hf import open_checkpoint
     from aotgen.model.config import ModelConfig

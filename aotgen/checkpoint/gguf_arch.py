@@ -45,6 +45,10 @@ _OLMO2_LAYER = {  # norms after attention and the MLP; q/k norms across heads
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_SEED_OSS_LAYER = {  # the MLP's norm named as a norm after attention
+    **{k: v for k, v in _LLAMA_LAYER.items() if k != "ffn_norm"},
+    "post_attention_norm": "post_attention_layernorm",
+}
 _GLM4_LAYER = {  # a norm after attention and on both sides of the MLP; gate/up fused
     **{k: v for k, v in _LLAMA_LAYER.items() if k not in ("ffn_gate", "ffn_up")},
     "post_attention_norm": "post_self_attn_layernorm",
@@ -186,6 +190,10 @@ ARCHS: dict[str, Arch] = {
     "exaone4": Arch("Exaone4ForCausalLM", "exaone4", _OLMO2_LAYER),  # NEOX RoPE: as HF has them
     "nemotron": Arch("NemotronForCausalLM", "nemotron", _UP_DOWN_LAYER),  # NEOX: as HF has them
     "arcee": Arch("ArceeForCausalLM", "arcee", _UP_DOWN_LAYER),
+    "seed_oss": Arch("SeedOssForCausalLM", "seed_oss", _SEED_OSS_LAYER),  # NEOX: as HF has them
+    # Ministral 3 (LlamaModel's converter: q/k permuted); MistralForCausalLM without its
+    # attention temperature
+    "mistral3": Arch("Ministral3ForCausalLM", "ministral3", _LLAMA_LAYER),
     # q/k rows as HF has them (NEOX RoPE, no permutation)
     "gpt-oss": Arch("GptOssForCausalLM", "gpt_oss", _GPT_OSS_LAYER),
     "gptneox": Arch(
@@ -209,7 +217,7 @@ ARCHS: dict[str, Arch] = {
 }
 SUPPORTED_ARCHS = tuple(ARCHS)
 # Architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and subclasses).
-PERMUTED_QK = ("llama", "smollm3", "granite", "granitemoe", "arcee")
+PERMUTED_QK = ("llama", "smollm3", "granite", "granitemoe", "arcee", "mistral3")
 # LongRoPE's factors (Phi-3): config, not weights.
 ROPE_FACTORS = {
     "rope_factors_long.weight": "long_factor",

@@ -11,6 +11,7 @@ import numpy as np
 from aotgen.checkpoint.gguf_arch import ROPE_FACTORS, ROPE_FREQS, Arch, arch_spec
 from aotgen.checkpoint.gguf_arch_gpt_oss import gpt_oss_config
 from aotgen.checkpoint.gguf_arch_layernorm import LAYERNORM_ARCHS, layernorm_config
+from aotgen.checkpoint.gguf_arch_mistral3 import mistral3_rope
 from aotgen.checkpoint.gguf_meta import (
     f32,
     meta_value,
@@ -47,6 +48,14 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     )
     if arch in ("phi3", "smollm3", "granite", "granitemoe", "arcee"):
         config.update(_llama_variant(reader, arch, config["head_dim"]))
+    if arch == "mistral3":
+        config.update(mistral3_rope(reader, arch, config))
+    if arch == "seed_oss":  # biases where the file has them
+        names = {t.name for t in reader.tensors}
+        config.update(
+            attention_bias="blk.0.attn_q.bias" in names,
+            attention_out_bias="blk.0.attn_output.bias" in names,
+        )
     if arch == "glm4":
         rot = int(meta_value(reader, f"{arch}.rope.dimension_count", config["head_dim"]))
         config.update(

@@ -43,6 +43,11 @@ _QWEN2 = (
     _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Seed-OSS's: Qwen2's with one digit at a time and no newlines after punctuation.
+_SEED_CODER = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DEFAULT = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"]
 # Mistral's Tekken (Nemo, Small 3.x, Ministral 3), as llama.cpp writes it: o200k's letter
 # classes without its contractions, one digit at a time.
@@ -82,6 +87,7 @@ PRE_TOKENIZERS: dict[str, list[str]] = {
     "gpt-4o": [_GPT4O],
     "qwen2": [_QWEN2],
     "stablelm2": [_QWEN2],
+    "seed-coder": [_SEED_CODER],
     "starcoder": [r"\p{N}", _GPT2],
     "refact": [r"\p{N}", _GPT2],
     "command-r": [r"\p{N}", _GPT2],
