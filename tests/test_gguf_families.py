@@ -968,8 +968,9 @@ def test_experts_not_matching_metadata_are_one_line(tmp_path: Path, key: str) ->
 )
 def test_rows_moved_at_load_are_found_in_the_blocks(tmp_path: Path, arch: str) -> None:
     """GLM-4's and Phi-3's fused tensors split at load, GLM-4's and Command R's q/k rows
-    reordered for rotate-half RoPE, Arcee's and Ministral 3's unpermuted: whole rows move, so `gguf: keep`
-    (which these recipes pass) finds every linear of the loaded model in the file's blocks."""
+    reordered for rotate-half RoPE, Arcee's and Ministral 3's unpermuted: whole rows move, so
+    `gguf: keep` (which these recipes pass) finds every linear of the loaded model in the
+    file's blocks."""
     from aotgen.checkpoint.hf import open_checkpoint
     from aotgen.model.config import ModelConfig
     from aotgen.model.llama import load_model
