@@ -22,6 +22,8 @@ from cpp_build import require_cpp_build
 from tiny import CHATML
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from aotgen.checkpoint.gguf_tokenizer import _HUNYUAN_DENSE, _TEKKEN
+
 pytestmark = pytest.mark.cpp
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -273,6 +275,18 @@ def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         },
     )
     configs["ignore_merges"] = with_changes(base, model_ignore_merges=True)
+    for name, regexes in (("hunyuan_splits", _HUNYUAN_DENSE), ("tekken_split", [_TEKKEN])):
+        splits = [
+            {"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": False}
+            for r in regexes
+        ]  # GGUF imports' pre-tokenizers (gguf_tokenizer.py): CJK ranges, lookaheads
+        configs[name] = with_changes(
+            base,
+            pre_tokenizer={
+                "type": "Sequence",
+                "pretokenizers": [*splits, byte_level(use_regex=False)],
+            },
+        )
 
     flags_tok = Tokenizer.from_str(base_tok.to_str())
     flags_tok.add_special_tokens(
@@ -329,6 +343,8 @@ ALL_VARIANTS = [
     "digits",
     "split_regex",
     "ignore_merges",
+    "hunyuan_splits",
+    "tekken_split",
     "added_flags",
     "restricted_alphabet",
     "unk",
@@ -360,7 +376,10 @@ def test_encode_matches_tokenizers(tokenize_bin: Path, variants: dict[str, Path]
     assert_same_ids(tokenize_bin, variants[variant], texts)
 
 
-@pytest.mark.parametrize("variant", ["base", "digits", "split_regex", "prefix_space"])
+@pytest.mark.parametrize(
+    "variant",
+    ["base", "digits", "split_regex", "prefix_space", "hunyuan_splits", "tekken_split"],
+)
 def test_pre_tokenize_matches_tokenizers(
     tokenize_bin: Path, variants: dict[str, Path], variant: str
 ):

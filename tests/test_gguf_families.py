@@ -6,7 +6,8 @@ divisors as tensors, GLM-4's and ERNIE 4.5's q/k as they are, OLMo 3 as olmo2 wi
 sliding-window pattern, a mixture of experts' experts stacked per block (Mixtral as llama),
 StableLM's per-head q/k norms stacked, Phi-2's q/k/v apart or fused, Command R, Cohere2,
 EXAONE 4, Nemotron and Seed-OSS with their q/k rows as HF has them, Ministral 3's permuted
-with its YaRN and attention temperature, gpt-oss's interleaved gate/up
+with its YaRN and attention temperature, Hunyuan's q/k norms and stretched base, gpt-oss's
+interleaved gate/up
 experts split and their biases apart, float or MXFP4, some weights quantized), imported
 back, and the imported checkpoint must compute what the original computes in `transformers`,
 in `transformers` and in aotgen's model.
@@ -194,6 +195,9 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # Ministral 3: q/k permuted (LlamaModel's converter), YaRN with its log multiplier, and
     # q's growth past each original context as the attention temperature.
     "mistral3": FAMILIES["ministral3"],
+    # Hunyuan (dense): its q/k norms (after RoPE) as attn_q_norm / attn_k_norm, the base its
+    # alpha stretches stored as the base, no scaling (conversion/hunyuan.py).
+    "hunyuan-dense": FAMILIES["hunyuan"],
 }
 # The GGUF architecture of the test cases named otherwise.
 GGUF_ARCH = {
@@ -299,6 +303,11 @@ PHI2_NAMES = {
     "mlp.fc2": "ffn_down",
 }
 GPT_OSS_NAMES = {**LAYER_NAMES["llama"], "post_attention_layernorm": "post_attention_norm"}
+HUNYUAN_NAMES = {
+    **LAYER_NAMES["llama"],
+    "self_attn.query_layernorm": "attn_q_norm",
+    "self_attn.key_layernorm": "attn_k_norm",
+}
 STARCODER2_NAMES = {**LAYER_NAMES["llama"], "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
 GLOBAL_NAMES = {
     "model.embed_tokens": "token_embd",
@@ -526,6 +535,7 @@ def _gguf_name(arch: str, hf: str) -> str:
         "gpt-oss": GPT_OSS_NAMES,
         "gpt-oss-qkv": GPT_OSS_NAMES,
         "seed_oss": GPT_OSS_NAMES,
+        "hunyuan-dense": HUNYUAN_NAMES,
     }.get(arch, LAYER_NAMES["llama"])
     return f"blk.{i}.{names[rest]}.{kind}"
 
@@ -772,7 +782,12 @@ def _write_gguf(
             w.add_sliding_window(cfg["sliding_window"])
             w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
             w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
-        if arch != "gemma":  # Gemma (1): none stored
+        if arch == "hunyuan-dense":  # the base alpha stretches, unscaled
+            alpha = rope["alpha"]
+            w.add_rope_freq_base(theta * alpha ** (head_dim / (head_dim - 2)))
+            w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+            w.add_rope_scaling_factor(1)
+        elif arch != "gemma":  # Gemma (1): none stored
             w.add_rope_freq_base(theta)
         _llama_variant_meta(w, arch, cfg, head_dim)
         _moe_meta(w, cfg)

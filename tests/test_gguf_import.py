@@ -204,6 +204,7 @@ def test_unknown_architecture(tmp_path: Path) -> None:
         ("gpt-2", ["a", " b", " 12345", "\n\n "]),
         ("tekken", ["a", " b", " ", "1", "2", "3", "4", "5", "\n\n", " "]),  # digits one by one
         ("seed-coder", ["a", " b", " ", "1", "2", "3", "4", "5", "\n\n", " "]),
+        ("hunyuan-dense", ["a", " b", " ", "123", "45", "\n\n", " "]),
     ],
 )
 def test_pre_tokenizer_splits_as_llama_cpp(tmp_path: Path, pre: str, pieces: list[str]) -> None:

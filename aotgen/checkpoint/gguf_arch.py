@@ -194,6 +194,16 @@ ARCHS: dict[str, Arch] = {
     # Ministral 3 (LlamaModel's converter: q/k permuted); MistralForCausalLM without its
     # attention temperature
     "mistral3": Arch("Ministral3ForCausalLM", "ministral3", _LLAMA_LAYER),
+    # q/k norms (after RoPE) under Hunyuan's names; NEOX RoPE: q/k as HF has them
+    "hunyuan-dense": Arch(
+        "HunYuanDenseV1ForCausalLM",
+        "hunyuan_v1_dense",
+        {
+            **_LLAMA_LAYER,
+            "attn_q_norm": "self_attn.query_layernorm",
+            "attn_k_norm": "self_attn.key_layernorm",
+        },
+    ),
     # q/k rows as HF has them (NEOX RoPE, no permutation)
     "gpt-oss": Arch("GptOssForCausalLM", "gpt_oss", _GPT_OSS_LAYER),
     "gptneox": Arch(

@@ -48,6 +48,8 @@ def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
         "c_proj": (d, f),
         "q_norm": (q,) if across_heads else (hd,),
         "k_norm": (kv,) if across_heads else (hd,),
+        "query_layernorm": (hd,),  # Hunyuan's q/k norms
+        "key_layernorm": (hd,),
         "sinks": (c["num_attention_heads"],),  # gpt-oss: a logit per head
     }
     if c["architectures"][0].startswith("Lfm2"):

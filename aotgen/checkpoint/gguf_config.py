@@ -50,6 +50,12 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         config.update(_llama_variant(reader, arch, config["head_dim"]))
     if arch == "mistral3":
         config.update(mistral3_rope(reader, arch, config))
+    if arch == "hunyuan-dense":  # the base llama.cpp rotates by: the stored one, x alpha's stretch
+        alpha = meta_value(reader, f"{arch}.rope.scaling.alpha")
+        if alpha:
+            dim = config["head_dim"]
+            config["rope_theta"] = f32(config["rope_theta"] * f32(alpha) ** (dim / (dim - 2)))
+        config["use_qk_norm"] = True
     if arch == "seed_oss":  # biases where the file has them
         names = {t.name for t in reader.tensors}
         config.update(

@@ -48,6 +48,13 @@ _SEED_CODER = (
     _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Hunyuan (dense)'s three splits: digits in threes, CJK runs, then words and punctuation.
+_HUNYUAN_DENSE = [
+    r"\p{N}{1,3}",
+    "[一-龥぀-ゟ゠-ヿ]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+]
 _DEFAULT = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"]
 # Mistral's Tekken (Nemo, Small 3.x, Ministral 3), as llama.cpp writes it: o200k's letter
 # classes without its contractions, one digit at a time.
@@ -88,6 +95,7 @@ PRE_TOKENIZERS: dict[str, list[str]] = {
     "qwen2": [_QWEN2],
     "stablelm2": [_QWEN2],
     "seed-coder": [_SEED_CODER],
+    "hunyuan-dense": _HUNYUAN_DENSE,
     "starcoder": [r"\p{N}", _GPT2],
     "refact": [r"\p{N}", _GPT2],
     "command-r": [r"\p{N}", _GPT2],
