@@ -390,6 +390,22 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    # Apertus: per-head q/k norms, up-xIELU-down (its learned parameters), Llama 3's RoPE.
+    "apertus": (
+        "ApertusConfig",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
     # Ministral 3: YaRN, and q scaled up with the position past every 8 (the original context
     # here), so that the history crosses four such periods.
     "ministral3": (
@@ -509,6 +525,8 @@ def randomize(model: torch.nn.Module, gemma: bool, std: float = 0.08) -> None:
     for name, b in model.named_buffers():
         if name.endswith("expert_bias"):  # LFM2-MoE: large enough to change which are picked
             b.normal_(0, 0.5)
+        elif name.endswith("act_fn.beta"):  # Apertus's xIELU: away from its 0.5 init
+            b.normal_(0.5, 0.2)
 
 
 def load_reference(path: Path) -> torch.nn.Module:
@@ -564,7 +582,7 @@ EAGER_PARITY = [
     "granite-moe", "granite4", "granite4-moe", "lfm2-moe", "glm4", "ernie4_5", "phi-qk",
     "stablelm", "starcoder2", "gemma", "cohere", "cohere2", "exaone4", "exaone4-global",
     "nemotron", "arcee", "qwen3-moe", "seed-oss", "helium", "ministral", "ministral3",
-    "hunyuan",
+    "hunyuan", "apertus",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

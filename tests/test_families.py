@@ -397,7 +397,7 @@ def test_llama_layout_families_have_default_tp_plans(checkpoints, family):
     "family",
     [
         *("phi", "phi-qk", "starcoder2", "cohere2", "nemotron", "arcee"),
-        *("seed-oss", "ministral3", "hunyuan"),
+        *("seed-oss", "ministral3", "hunyuan", "apertus"),
     ],
 )
 def test_sharded_ranks_give_the_unsharded_logits(checkpoints, family, monkeypatch):
@@ -589,6 +589,7 @@ BETA = {"llama_4_scaling_beta": 0.1}  # Ministral 3's only
         ("Ministral3ForCausalLM", {"rope_parameters": YARN_8}, "llama_4_scaling_beta"),
         ("MistralForCausalLM", {"rope_parameters": {**YARN_8, **BETA}}, "llama_4_scaling_beta"),
         ("HunYuanDenseV1ForCausalLM", {"use_cla": True}, "use_cla"),
+        ("LlamaForCausalLM", {"hidden_act": "xielu"}, "xielu"),
         (
             "HunYuanDenseV1ForCausalLM",
             {"rope_scaling": {"type": "dynamic", "factor": 2}},

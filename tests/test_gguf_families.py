@@ -6,7 +6,8 @@ divisors as tensors, GLM-4's and ERNIE 4.5's q/k as they are, OLMo 3 as olmo2 wi
 sliding-window pattern, a mixture of experts' experts stacked per block (Mixtral as llama),
 StableLM's per-head q/k norms stacked, Phi-2's q/k/v apart or fused, Command R, Cohere2,
 EXAONE 4, Nemotron and Seed-OSS with their q/k rows as HF has them, Ministral 3's permuted
-with its YaRN and attention temperature, Hunyuan's q/k norms and stretched base, gpt-oss's
+with its YaRN and attention temperature, Hunyuan's q/k norms and stretched base, Apertus's
+xIELU parameters as metadata, gpt-oss's
 interleaved gate/up
 experts split and their biases apart, float or MXFP4, some weights quantized), imported
 back, and the imported checkpoint must compute what the original computes in `transformers`,
@@ -198,6 +199,9 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # Hunyuan (dense): its q/k norms (after RoPE) as attn_q_norm / attn_k_norm, the base its
     # alpha stretches stored as the base, no scaling (conversion/hunyuan.py).
     "hunyuan-dense": FAMILIES["hunyuan"],
+    # Apertus: its norms' own names, q/k as HF has them, Llama 3.1's rope_freqs, and xIELU's
+    # parameters as one metadata array each (conversion/llama.py ApertusModel).
+    "apertus": FAMILIES["apertus"],
 }
 # The GGUF architecture of the test cases named otherwise.
 GGUF_ARCH = {
@@ -303,6 +307,11 @@ PHI2_NAMES = {
     "mlp.fc2": "ffn_down",
 }
 GPT_OSS_NAMES = {**LAYER_NAMES["llama"], "post_attention_layernorm": "post_attention_norm"}
+APERTUS_NAMES = {
+    **LAYER_NAMES["llama"],
+    "attention_layernorm": "attn_norm",
+    "feedforward_layernorm": "ffn_norm",
+}
 HUNYUAN_NAMES = {
     **LAYER_NAMES["llama"],
     "self_attn.query_layernorm": "attn_q_norm",
@@ -536,6 +545,7 @@ def _gguf_name(arch: str, hf: str) -> str:
         "gpt-oss-qkv": GPT_OSS_NAMES,
         "seed_oss": GPT_OSS_NAMES,
         "hunyuan-dense": HUNYUAN_NAMES,
+        "apertus": APERTUS_NAMES,
     }.get(arch, LAYER_NAMES["llama"])
     return f"blk.{i}.{names[rest]}.{kind}"
 
@@ -584,7 +594,7 @@ def _llama_variant_meta(w: gguf.GGUFWriter, arch: str, cfg: dict[str, Any], head
     (LlamaModel.generate_extra_tensors, Arcee's too) as tensors."""
     if (cfg.get("rope_parameters") or {}).get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_divisors(cfg, head_dim))
-    if arch.startswith("arcee") or arch == "mistral3":  # LlamaModel's keys
+    if arch.startswith("arcee") or arch in ("mistral3", "apertus"):  # LlamaModel's keys
         w.add_vocab_size(cfg["vocab_size"])
         w.add_rope_dimension_count(head_dim)
     if arch == "mistral3":  # base.py's YaRN keys, conversion/mistral3.py's two
@@ -810,6 +820,7 @@ def _write_gguf(
     w.add_pad_token_id(cfg["pad_token_id"])
     written: dict[str, np.ndarray] = {}
     experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    xielu: dict[str, dict[int, float]] = {}  # Apertus: metadata, one value per block
     head_norms: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     fused: dict[tuple[str, str], dict[str, np.ndarray]] = {}
     with safe_open(ckpt / "model.safetensors", "np") as f:
@@ -822,6 +833,9 @@ def _write_gguf(
                         w.add_tensor(name, t[0], raw_dtype=t[1])
                     else:
                         w.add_tensor(name, np.ascontiguousarray(t))
+                continue
+            if ".mlp.act_fn." in hf:
+                xielu.setdefault(hf.rsplit(".", 1)[1], {})[int(hf.split(".")[2])] = x.item()
                 continue
             if match := EXPERT.match(hf):  # stacked per block and projection, as llama.cpp does
                 layer, e, proj = match.groups()
@@ -857,6 +871,8 @@ def _write_gguf(
                 w.add_tensor(_gguf_name(arch, hf), q, raw_shape=q.shape, raw_dtype=qtype)
             else:
                 w.add_tensor(_gguf_name(arch, hf), stored)
+    for param, per_layer in xielu.items():
+        getattr(w, f"add_xielu_{param}")([per_layer[i] for i in sorted(per_layer)])
     for (layer, proj), per_expert in experts.items():
         stacked = np.stack([per_expert[e] for e in sorted(per_expert)])
         w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", stacked)
@@ -979,6 +995,7 @@ def test_experts_not_matching_metadata_are_one_line(tmp_path: Path, key: str) ->
         "arcee",
         "mistral3",
         "seed_oss",
+        "apertus",
     ],
 )
 def test_rows_moved_at_load_are_found_in_the_blocks(tmp_path: Path, arch: str) -> None:
@@ -1003,7 +1020,7 @@ def test_rows_moved_at_load_are_found_in_the_blocks(tmp_path: Path, arch: str) -
     cfg = ModelConfig.from_hf(imported.config)
     model = load_model(cfg, imported.load_weights(), 32, torch.float32)
     linears = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    per_layer = 6 if arch in ("phi2", "starcoder2", "nemotron", "arcee") else 7  # no gate
+    per_layer = 6 if arch in ("phi2", "starcoder2", "nemotron", "arcee", "apertus") else 7
     assert len(linears) == 2 * per_layer + 1  # and the head, tied to the embeddings or not
     for name, weight in linears.items():
         segments = index.segments(weight)

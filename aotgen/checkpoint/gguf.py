@@ -22,7 +22,13 @@ import gguf
 import numpy as np
 from safetensors.numpy import save_file
 
-from aotgen.checkpoint.gguf_arch import PERMUTED_QK, arch_spec, hf_name, model_tensors
+from aotgen.checkpoint.gguf_arch import (
+    PERMUTED_QK,
+    arch_spec,
+    hf_name,
+    model_tensors,
+    xielu_tensors,
+)
 from aotgen.checkpoint.gguf_arch_gpt_oss import gpt_oss_tensors
 from aotgen.checkpoint.gguf_check import check_tensors
 from aotgen.checkpoint.gguf_config import read_config
@@ -166,6 +172,8 @@ def read_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict[str, n
             out.update(_moe_tensors(name, w, config["architectures"][0]))
         else:
             out[name] = np.ascontiguousarray(w)
+    if arch == "apertus":
+        out.update(xielu_tensors(reader, config["num_hidden_layers"]))
     if arch == "gpt-oss":
         return gpt_oss_tensors(out, config)
     return _granite_moe(out) if arch == "granitemoe" else out

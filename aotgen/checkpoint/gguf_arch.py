@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import gguf
+import numpy as np
 
 from aotgen.checkpoint.gguf_meta import require_meta
 from aotgen.checkpoint.hf import CheckpointError
@@ -194,6 +195,18 @@ ARCHS: dict[str, Arch] = {
     # Ministral 3 (LlamaModel's converter: q/k permuted); MistralForCausalLM without its
     # attention temperature
     "mistral3": Arch("Ministral3ForCausalLM", "ministral3", _LLAMA_LAYER),
+    # its norms' own names, q/k as HF has them (undo_permute off); xIELU's parameters are
+    # metadata (xielu_tensors)
+    "apertus": Arch(
+        "ApertusForCausalLM",
+        "apertus",
+        {
+            **_UP_DOWN_LAYER,
+            **_QK_NORM,
+            "attn_norm": "attention_layernorm",
+            "ffn_norm": "feedforward_layernorm",
+        },
+    ),
     # q/k norms (after RoPE) under Hunyuan's names; NEOX RoPE: q/k as HF has them
     "hunyuan-dense": Arch(
         "HunYuanDenseV1ForCausalLM",
@@ -245,6 +258,28 @@ def arch_spec(reader: gguf.GGUFReader) -> tuple[str, Arch]:
             f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}"
         )
     return arch, ARCHS[arch]
+
+
+# Apertus's xIELU parameters, one value per block in the metadata (llama.cpp applies the
+# softplus itself, so they are the checkpoint's): key -> (HF name, shape).
+XIELU_KEYS = {
+    gguf.Keys.xIELU.ALPHA_P: ("alpha_p", (1,)),
+    gguf.Keys.xIELU.ALPHA_N: ("alpha_n", (1,)),
+    gguf.Keys.xIELU.BETA: ("beta", ()),
+    gguf.Keys.xIELU.EPS: ("eps", ()),
+}
+
+
+def xielu_tensors(reader: gguf.GGUFReader, n_layer: int) -> dict[str, np.ndarray]:
+    """`model.layers.I.mlp.act_fn.*` from the `xielu.*` metadata arrays."""
+    out = {}
+    for key, (name, shape) in XIELU_KEYS.items():
+        values = require_meta(reader, key)
+        if not isinstance(values, list) or len(values) != n_layer:
+            raise CheckpointError(f"GGUF {key} must list a value for each of the {n_layer} blocks")
+        for i, v in enumerate(values):
+            out[f"model.layers.{i}.mlp.act_fn.{name}"] = np.full(shape, v, np.float32)
+    return out
 
 
 def model_tensors(reader: gguf.GGUFReader) -> list[Any]:

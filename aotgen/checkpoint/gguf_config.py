@@ -48,6 +48,8 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     )
     if arch in ("phi3", "smollm3", "granite", "granitemoe", "arcee"):
         config.update(_llama_variant(reader, arch, config["head_dim"]))
+    if arch == "apertus":  # llama.cpp's Apertus runs xIELU whatever else the file says
+        config["hidden_act"] = "xielu"
     if arch == "mistral3":
         config.update(mistral3_rope(reader, arch, config))
     if arch == "hunyuan-dense":  # the base llama.cpp rotates by: the stored one, x alpha's stretch

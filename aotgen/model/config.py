@@ -25,6 +25,7 @@ MOE_ARCHITECTURES = (
 GRANITE_SHARED_MLP = ("GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")
 GRANITES = ("GraniteForCausalLM", "GraniteMoeForCausalLM", *GRANITE_SHARED_MLP)  # multipliers
 HUNYUAN = "HunYuanDenseV1ForCausalLM"  # q/k norms after RoPE, its base stretched by `alpha`
+APERTUS = "ApertusForCausalLM"  # q/k norms, an MLP without a gate and its learned xIELU
 LLAMA_LAYOUT = (
     "LlamaForCausalLM",
     "GemmaForCausalLM",
@@ -47,6 +48,7 @@ LLAMA_LAYOUT = (
     "MinistralForCausalLM",
     "Ministral3ForCausalLM",
     HUNYUAN,
+    APERTUS,
     *MOE_ARCHITECTURES,
 )
 LFM2 = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
@@ -78,8 +80,9 @@ WINDOW_SWITCHED = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
 )
-# hidden_act values → torch; gelu_new is the tanh approximation written out, relu2 relu(x)².
-ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu2")
+# hidden_act values → torch; gelu_new is the tanh approximation written out, relu2 relu(x)²,
+# xielu Apertus's learned one (layers.py: XIELU; MLPs without a gate only).
+ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu2", "xielu")
 
 
 @dataclass(frozen=True)

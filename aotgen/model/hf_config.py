@@ -11,6 +11,7 @@ from typing import Any
 
 from aotgen.model.config import (
     ACTIVATIONS,
+    APERTUS,
     COHERE,
     COHERE2,
     GEMMAS,
@@ -111,6 +112,19 @@ GPT_OSS_YARN = {
 }
 
 
+# Apertus's RoPE where its config names none (transformers' default): Llama 3's scaling.
+APERTUS_ROPE = {
+    "rope_theta": 12000000.0,
+    "scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "original_max_position_embeddings": 8192,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+    },
+}
+
+
 def _rope(hf: dict, arch: str) -> tuple[float, dict | None, float | None]:
     """(base, scaling of the global layers, base of the sliding layers) from either dialect."""
     params = hf.get("rope_parameters")
@@ -135,6 +149,8 @@ def _rope(hf: dict, arch: str) -> tuple[float, dict | None, float | None]:
         theta = 150000.0 if arch == GPT_OSS else theta
     if arch == GPT_OSS and "rope_parameters" not in hf and "rope_scaling" not in hf:
         scaling = GPT_OSS_YARN  # transformers' default for the family
+    if arch == APERTUS and "rope_parameters" not in hf and "rope_scaling" not in hf:
+        theta, scaling = APERTUS_ROPE["rope_theta"], APERTUS_ROPE["scaling"]
     if isinstance(hf.get("rope_parameters"), dict) and "sliding_attention" in hf["rope_parameters"]:
         kind = (hf["rope_parameters"]["sliding_attention"] or {}).get("rope_type", "default")
         if kind != "default":
@@ -155,11 +171,16 @@ def _ntk_alpha(theta: float, scaling: dict | None, hf: dict) -> tuple[float, dic
     return theta * float(scaling["alpha"]) ** (dim / (dim - 2)), None
 
 
+_DEFAULT_ACTS = {APERTUS: "xielu"}  # transformers' where config.json names none
+
+
 def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dict[str, Any]:
     """Llama, Mistral, Qwen2, Qwen3 and Gemma 3: one module layout, a few switches."""
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or _DEFAULT_ACTS.get(arch, "silu")
     if act not in ACTIVATIONS:
         raise ValueError(f"config.json: hidden_act={act!r} is not supported; {ACTIVATIONS}")
+    if act == "xielu" and arch != APERTUS:
+        raise ValueError(f"config.json: hidden_act='xielu' is Apertus's, not {arch}'s")
     _refuse(hf, "mlp_bias", False, "MLP biases")
     _refuse(hf, "use_bias", False, "biases on every linear")  # ERNIE 4.5
     if arch in GEMMAS:
@@ -230,6 +251,8 @@ def _attention(hf: dict, arch: str) -> dict[str, Any]:
         out.update(qk_norm=True, qk_norm_across_heads=True, norm_after=True)
     if arch == "Exaone4ForCausalLM":  # OLMo 2's norms after each block, q/k norms per head
         out.update(qk_norm=True, norm_after=True)
+    if arch == APERTUS:
+        out["qk_norm"] = True
     if arch == HUNYUAN:  # per-head q/k norms, on the rotated q and k
         _refuse(hf, "use_cla", False, "KV caches shared across layers")
         qk_norm = bool(hf.get("use_qk_norm", True))

@@ -103,16 +103,35 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
+class XIELU(nn.Module):
+    """Apertus's xIELU, with its learned parameters (transformers' `XIELUActivation`): a
+    quadratic for x > 0, an exponential below, both plus beta * x."""
+
+    def __init__(self):
+        super().__init__()
+        for name in ("alpha_p", "alpha_n"):
+            self.register_parameter(name, nn.Parameter(torch.zeros(1)))
+        for name in ("beta", "eps"):  # buffers in the checkpoint, held as parameters here
+            self.register_parameter(name, nn.Parameter(torch.zeros(())))
+
+    def forward(self, x: Tensor) -> Tensor:
+        alpha_p = F.softplus(self.alpha_p)
+        alpha_n = self.beta + F.softplus(self.alpha_n)
+        negative = (torch.expm1(torch.minimum(x, self.eps)) - x) * alpha_n
+        return torch.where(x > 0, alpha_p * x * x, negative) + self.beta * x
+
+
 class UpDownMLP(nn.Module):
     """Up, activation, down, no gate, under the checkpoint's names (Phi's `fc1` / `fc2`,
-    StarCoder2's `c_fc` / `c_proj`, Nemotron's and Arcee's `up_proj` / `down_proj`)."""
+    StarCoder2's `c_fc` / `c_proj`, Nemotron's, Arcee's and Apertus's `up_proj` /
+    `down_proj`); Apertus's activation has parameters of its own (`act`)."""
 
     def __init__(self, d: int, f: int, act: str, names: tuple[str, str], bias: bool = False):
         super().__init__()
         self.names = names  # looked up at each call: tensor parallelism replaces the modules
         self.add_module(names[0], nn.Linear(d, f, bias=bias))
         self.add_module(names[1], nn.Linear(f, d, bias=bias))
-        self.act = ACT_FNS[act]
+        self.act = XIELU() if act == "xielu" else ACT_FNS[act]
 
     def forward(self, x: Tensor) -> Tensor:
         up, down = (getattr(self, name) for name in self.names)

@@ -30,6 +30,8 @@ quantization/TP plans can match HF parameter names. The switches:
 - Arcee: the MLP without a gate (`up_proj`, relu², `down_proj`).
 - Seed-OSS: q/k/v biases and, by its own switch, an o_proj bias; Helium: adjacent-pair RoPE
   (reordered at load, as GLM-4's); Ministral: sliding and full layers by `layer_types`.
+- Apertus: the MLP without a gate, its xIELU activation with parameters of its own
+  (layers.py), per-head q/k norms.
 - Hunyuan (dense): per-head q/k norms on the rotated q and k (`qk_norm_after_rope`), its
   RoPE base stretched by `alpha` (hf_config.py).
 - Ministral 3: q grows with the position (`query_gain`): its RoPE rows, scaled, travel beside
@@ -49,6 +51,7 @@ from torch import Tensor, nn
 
 from aotgen.kernels.cache_rows import row_width
 from aotgen.model.config import (
+    APERTUS,
     GRANITE_SHARED_MLP,
     HUNYUAN,
     INTERLEAVED_ROPE,
@@ -139,7 +142,7 @@ class DecoderLayer(nn.Module):
         dense = (cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         if cfg.is_moe(index):
             self.mlp = SparseMoE(cfg)
-        elif cfg.architecture == "ArceeForCausalLM":  # no gate: down(relu(up(x))²)
+        elif cfg.architecture in ("ArceeForCausalLM", APERTUS):  # no gate: down(act(up(x)))
             self.mlp = UpDownMLP(*dense, ("up_proj", "down_proj"))
         else:
             self.mlp = GatedMLP(*dense)
@@ -269,8 +272,8 @@ def new_kv_cache(
     ]
 
 
-# Norms by the Llama layout's names: GLM-4's after attention, before and after the MLP;
-# Hunyuan's q/k norms.
+# Norms (and Apertus's activation) by the Llama layout's names: GLM-4's after attention,
+# before and after the MLP; Hunyuan's q/k norms; Apertus's two norms a layer.
 NORM_NAMES = {
     "Glm4ForCausalLM": {
         "post_self_attn_layernorm": "post_attention_layernorm",
@@ -278,6 +281,11 @@ NORM_NAMES = {
         "post_mlp_layernorm": "post_feedforward_layernorm",
     },
     HUNYUAN: {"query_layernorm": "q_norm", "key_layernorm": "k_norm"},
+    APERTUS: {
+        "attention_layernorm": "input_layernorm",
+        "feedforward_layernorm": "post_attention_layernorm",
+        "act_fn": "act",  # its xIELU's parameters
+    },
 }
 
 

@@ -102,7 +102,7 @@ ARCH_BLOCKS = {
         {"self_attn": BLOCKS["self_attn"], "mlp": (("up_proj",), "down_proj")},
     ),
 }
-ARCH_BLOCKS["ArceeForCausalLM"] = ARCH_BLOCKS[NEMOTRON]
+ARCH_BLOCKS["ArceeForCausalLM"] = ARCH_BLOCKS["ApertusForCausalLM"] = ARCH_BLOCKS[NEMOTRON]
 
 
 def _blocks_plan(blocks: dict[str, tuple[tuple[str, ...], str]]) -> dict[str, str]:
