@@ -30,6 +30,7 @@ from aotgen.model.config import (
     SUPPORTED_ARCHITECTURES,
     WINDOW_SWITCHED,
 )
+from aotgen.model.hf_rope import query_gain_fields, read_rope, rotary_factor
 
 
 def hf_fields(hf: dict) -> dict[str, Any]:
@@ -51,7 +52,7 @@ def hf_fields(hf: dict) -> dict[str, Any]:
     ):
         _positive(hf, key)
     heads = hf["num_attention_heads"]
-    theta, scaling, local = _rope(hf, arch)
+    theta, scaling, local = read_rope(hf, arch)
     common: dict[str, Any] = dict(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -101,76 +102,6 @@ def _refuse(hf: dict, key: str, allowed: Any, why: str) -> None:
         raise ValueError(f"config.json: {key}={value!r} is not supported ({why})")
 
 
-# gpt-oss's RoPE where its config names none: YaRN from a 4,096-position original context.
-GPT_OSS_YARN = {
-    "rope_type": "yarn",
-    "factor": 32.0,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "truncate": False,
-    "original_max_position_embeddings": 4096,
-}
-
-
-# Apertus's RoPE where its config names none (transformers' default): Llama 3's scaling.
-APERTUS_ROPE = {
-    "rope_theta": 12000000.0,
-    "scaling": {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "original_max_position_embeddings": 8192,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-    },
-}
-
-
-def _rope(hf: dict, arch: str) -> tuple[float, dict | None, float | None]:
-    """(base, scaling of the global layers, base of the sliding layers) from either dialect."""
-    params = hf.get("rope_parameters")
-    local = hf.get("rope_local_base_freq")
-    if isinstance(params, dict) and "full_attention" in params:  # 5.x, per layer type
-        local = (params.get("sliding_attention") or {}).get("rope_theta", local)
-        params = params["full_attention"]
-    if isinstance(params, dict):
-        theta = params.get("rope_theta", hf.get("rope_theta"))
-        scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "rope_type")}
-        scaling.pop("partial_rotary_factor", None)
-        scaling.pop("llama_4_scaling_beta", None)  # not RoPE's: _query_gain reads it
-        kind = params.get("rope_type", params.get("type", "default"))
-        scaling = {"rope_type": kind, **scaling} if kind != "default" else None
-    else:
-        theta, scaling = hf.get("rope_theta"), hf.get("rope_scaling")
-        theta = hf.get("rotary_emb_base", theta)  # GPT-NeoX 4.x
-    if arch == HUNYUAN:
-        theta, scaling = _ntk_alpha(theta or 10000.0, scaling, hf)
-    if theta is None:
-        theta = 1e6 if arch in ("Gemma3ForCausalLM", *LFM2) else 10000.0
-        theta = 150000.0 if arch == GPT_OSS else theta
-    if arch == GPT_OSS and "rope_parameters" not in hf and "rope_scaling" not in hf:
-        scaling = GPT_OSS_YARN  # transformers' default for the family
-    if arch == APERTUS and "rope_parameters" not in hf and "rope_scaling" not in hf:
-        theta, scaling = APERTUS_ROPE["rope_theta"], APERTUS_ROPE["scaling"]
-    if isinstance(hf.get("rope_parameters"), dict) and "sliding_attention" in hf["rope_parameters"]:
-        kind = (hf["rope_parameters"]["sliding_attention"] or {}).get("rope_type", "default")
-        if kind != "default":
-            raise ValueError(f"config.json: rope_parameters.sliding_attention {kind!r} scaling")
-    if arch == "Gemma3ForCausalLM" and local is None:
-        local = 10000.0
-    return float(theta), scaling or None, local
-
-
-def _ntk_alpha(theta: float, scaling: dict | None, hf: dict) -> tuple[float, dict | None]:
-    """Hunyuan's "dynamic" RoPE with a fixed `alpha`: a static stretch of the base,
-    theta * alpha ** (d / (d - 2)), as transformers computes it; no scaling after."""
-    scaling = dict(scaling or {})
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind != "dynamic" or not scaling.get("alpha"):
-        return theta, scaling or None
-    dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    return theta * float(scaling["alpha"]) ** (dim / (dim - 2)), None
-
-
 _DEFAULT_ACTS = {APERTUS: "xielu"}  # transformers' where config.json names none
 
 
@@ -186,7 +117,7 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
     if arch in GEMMAS:
         _refuse(hf, "use_bidirectional_attention", False, "causal attention only")
     out: dict[str, Any] = {"hidden_act": act, "rms_norm_eps": hf.get("rms_norm_eps", 1e-6)}
-    rotary = _rotary_factor(hf)
+    rotary = rotary_factor(hf)
     # Phi-4-mini rotates 3/4 of each head, GLM-4 half
     if arch in ("Phi3ForCausalLM", "Glm4ForCausalLM") and rotary != 1.0:
         out["rotary_dim"] = int(common["head_dim"] * rotary)
@@ -202,26 +133,8 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
         out.update(_moe(hf, arch, layers, act))
     out.update(_attention(hf, arch))
     out.update(_windows(hf, arch, layers, local))
-    out.update(_query_gain(hf, arch))
+    out.update(query_gain_fields(hf, arch))
     return out
-
-
-def _query_gain(hf: dict, arch: str) -> dict[str, Any]:
-    """Ministral 3's growth of q with the position (Llama 4's attention temperature), from its
-    `rope_parameters`: `llama_4_scaling_beta` over periods of the original context."""
-    params = hf.get("rope_parameters") or {}
-    beta = params.get("llama_4_scaling_beta")
-    if arch != "Ministral3ForCausalLM":
-        if beta is not None:
-            raise ValueError(f"config.json: llama_4_scaling_beta is not part of {arch}")
-        return {}
-    period = params.get("original_max_position_embeddings")
-    if isinstance(beta, bool) or not isinstance(beta, int | float) or not period:
-        raise ValueError(
-            "config.json: Ministral 3 needs rope_parameters.llama_4_scaling_beta and "
-            "original_max_position_embeddings"
-        )
-    return {"query_gain_beta": float(beta), "query_gain_period": int(period)}
 
 
 def _attention(hf: dict, arch: str) -> dict[str, Any]:
@@ -439,12 +352,6 @@ def _granite(hf: dict, arch: str, layers: int) -> dict[str, Any]:
     return out
 
 
-def _rotary_factor(hf: dict) -> float:
-    params = hf.get("rope_parameters")
-    factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
-    return float(factor or hf.get("rotary_pct") or hf.get("partial_rotary_factor") or 1.0)
-
-
 def _lfm2(hf: dict, arch: str, common: dict, local: float | None) -> dict[str, Any]:
     """LFM2: gated short convolutions and attention layers (q/k norms), SwiGLU MLPs whose
     width is derived from `block_ff_dim` as transformers derives it, a tied head by default.
@@ -503,7 +410,7 @@ def _gpt_neox(hf: dict, arch: str, common: dict, local: float | None) -> dict[st
     if act not in ACTIVATIONS:
         raise ValueError(f"config.json: hidden_act={act!r} is not supported; {ACTIVATIONS}")
     has_factor = "rotary_pct" in hf or "partial_rotary_factor" in (hf.get("rope_parameters") or {})
-    factor = _rotary_factor(hf) if has_factor else 0.25  # transformers' default
+    factor = rotary_factor(hf) if has_factor else 0.25  # transformers' default
     rotary_dim = int(common["head_dim"] * factor)
     if rotary_dim % 2 or rotary_dim == 0:
         raise ValueError(f"config.json: rotary_pct={factor} gives an odd or empty rotary dim")
@@ -530,7 +437,7 @@ def _layernorm_layout(hf: dict, arch: str, common: dict, local: float | None) ->
     )
     # transformers' defaults where config.json leaves the factor out
     default_rotary = {PHI: 0.5, STABLELM: 0.25, NEMOTRON: 0.5}
-    rotary = _rotary_factor(hf) if has_factor else default_rotary.get(arch, 1.0)
+    rotary = rotary_factor(hf) if has_factor else default_rotary.get(arch, 1.0)
     rotary_dim = int(common["head_dim"] * rotary) if rotary != 1.0 else None
     if rotary_dim is not None and (rotary_dim % 2 or rotary_dim == 0):
         raise ValueError(f"config.json: partial_rotary_factor={rotary}: an odd or empty dim")
