@@ -19,7 +19,13 @@ from typing import Any
 import gguf
 import numpy as np
 
-from aotgen.checkpoint.gguf_meta import f32, meta_value, read_layer_types, require_meta
+from aotgen.checkpoint.gguf_meta import (
+    f32,
+    meta_value,
+    read_layer_types,
+    require_meta,
+    require_whole_heads,
+)
 from aotgen.checkpoint.hf import CheckpointError
 
 # llama-graph.cpp build_moe_ffn, LLM_FFN_SWIGLU_OAI_MOE: constants, not hyperparameters.
@@ -50,11 +56,7 @@ def gpt_oss_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -
     layer i slides iff i % 2 == 0), one RoPE base for every layer, the experts' width as
     `intermediate_size`, the fixed SwiGLU constants."""
     head_dim = config["head_dim"]
-    rot = int(meta_value(reader, f"{arch}.rope.dimension_count", head_dim))
-    if rot != head_dim:
-        raise CheckpointError(
-            f"GGUF {arch}.rope.dimension_count is {rot}: gpt-oss rotates whole heads ({head_dim})"
-        )
+    require_whole_heads(reader, arch, head_dim, "gpt-oss")
     widths = meta_value(reader, f"{arch}.expert_feed_forward_length")
     if isinstance(widths, list) and len(set(widths)) > 1:
         raise CheckpointError(

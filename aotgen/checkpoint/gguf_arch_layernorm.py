@@ -14,9 +14,9 @@ from aotgen.checkpoint.gguf_meta import (
     read_layer_types,
     read_rope_scaling,
     require_meta,
+    require_whole_heads,
     swa_period,
 )
-from aotgen.checkpoint.hf import CheckpointError
 
 LAYERNORM_ARCHS = ("phi2", "stablelm", "starcoder2", "command-r", "cohere2", "nemotron")
 
@@ -36,11 +36,7 @@ def layernorm_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any])
     eps = f32(require_meta(reader, f"{arch}.attention.layer_norm_epsilon"))
     config["rope_theta"] = f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0))
     if arch == "starcoder2":
-        if rot != head_dim:
-            raise CheckpointError(
-                f"GGUF {arch}.rope.dimension_count is {rot}: llama.cpp's StarCoder2 rotates "
-                f"whole heads ({head_dim})"
-            )
+        require_whole_heads(reader, arch, head_dim, "llama.cpp's StarCoder2")
         return config | {
             "norm_epsilon": eps,
             "hidden_act": "gelu_pytorch_tanh",
@@ -67,12 +63,7 @@ def _cohere_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -
     llama.cpp loads Command R's q/k norms in models of 64 layers or more only (Command R+);
     elsewhere they are taken as the tensors give them."""
     head_dim = config["head_dim"]
-    rot = int(meta_value(reader, f"{arch}.rope.dimension_count", head_dim))
-    if rot != head_dim:
-        raise CheckpointError(
-            f"GGUF {arch}.rope.dimension_count is {rot}: Cohere's RoPE turns whole heads "
-            f"({head_dim})"
-        )
+    require_whole_heads(reader, arch, head_dim, "Cohere's RoPE")
     config |= {
         "hidden_act": "silu",
         "layer_norm_eps": f32(require_meta(reader, f"{arch}.attention.layer_norm_epsilon")),

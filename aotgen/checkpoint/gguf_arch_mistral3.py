@@ -8,7 +8,7 @@ from typing import Any
 
 import gguf
 
-from aotgen.checkpoint.gguf_meta import f32, meta_value, require_meta
+from aotgen.checkpoint.gguf_meta import f32, meta_value, require_meta, require_whole_heads
 from aotgen.checkpoint.hf import CheckpointError
 
 ROPE = gguf.Keys.Rope
@@ -21,13 +21,7 @@ def mistral3_rope(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) ->
     transformers' `mscale_all_dim` with `mscale` 1 (llama-context.cpp assumes it), so cos and
     sin are scaled by mscale(factor, 1) / mscale(factor, log_mul), or mscale(factor, 1) without
     it, as transformers computes. Without a temperature the model is Mistral's."""
-    head_dim = config["head_dim"]
-    rot = int(meta_value(reader, f"{arch}.rope.dimension_count", head_dim))
-    if rot != head_dim:
-        raise CheckpointError(
-            f"GGUF {arch}.rope.dimension_count is {rot}: Ministral 3 rotates whole heads "
-            f"({head_dim})"
-        )
+    require_whole_heads(reader, arch, config["head_dim"], "Ministral 3")
     scaling = config.pop("rope_scaling", None) or {"rope_type": "default"}
     params: dict[str, Any] = {**scaling, "rope_theta": config.pop("rope_theta")}
     if scaling["rope_type"] == "yarn":

@@ -14,10 +14,12 @@ from aotgen.checkpoint.gguf_arch_layernorm import LAYERNORM_ARCHS, layernorm_con
 from aotgen.checkpoint.gguf_arch_mistral3 import mistral3_rope
 from aotgen.checkpoint.gguf_meta import (
     f32,
+    has_tensor,
     meta_value,
     read_layer_types,
     read_rope_scaling,
     require_meta,
+    require_whole_heads,
     swa_period,
 )
 from aotgen.checkpoint.hf import CheckpointError
@@ -59,10 +61,9 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
             config["rope_theta"] = f32(config["rope_theta"] * f32(alpha) ** (dim / (dim - 2)))
         config["use_qk_norm"] = True
     if arch == "seed_oss":  # biases where the file has them
-        names = {t.name for t in reader.tensors}
         config.update(
-            attention_bias="blk.0.attn_q.bias" in names,
-            attention_out_bias="blk.0.attn_output.bias" in names,
+            attention_bias=has_tensor(reader, "attn_q.bias"),
+            attention_out_bias=has_tensor(reader, "attn_output.bias"),
         )
     if arch == "glm4":
         rot = int(meta_value(reader, f"{arch}.rope.dimension_count", config["head_dim"]))
@@ -259,12 +260,7 @@ def _llama_variant(reader: gguf.GGUFReader, arch: str, head_dim: int) -> dict[st
     if arch == "smollm3":  # llama.cpp rotates all but every fourth layer, as the HF default
         return {"no_rope_layer_interval": 4}
     if arch == "arcee":  # llama.cpp runs relu² whatever the config said, and whole heads
-        rot = int(meta_value(reader, f"{arch}.rope.dimension_count", head_dim))
-        if rot != head_dim:
-            raise CheckpointError(
-                f"GGUF {arch}.rope.dimension_count is {rot}: llama.cpp's Arcee rotates whole "
-                f"heads ({head_dim})"
-            )
+        require_whole_heads(reader, arch, head_dim, "llama.cpp's Arcee")
         return {"hidden_act": "relu2"}
     if arch in ("granite", "granitemoe"):
         keys = {

@@ -28,6 +28,16 @@ def require_meta(reader: gguf.GGUFReader, key: str) -> Any:
     return value
 
 
+def require_whole_heads(reader: gguf.GGUFReader, arch: str, head_dim: int, who: str) -> None:
+    """Refuse a rotated share of each head (`rope.dimension_count`) where `who` rotates whole
+    heads."""
+    rot = int(meta_value(reader, f"{arch}.rope.dimension_count", head_dim))
+    if rot != head_dim:
+        raise CheckpointError(
+            f"GGUF {arch}.rope.dimension_count is {rot}: {who} rotates whole heads ({head_dim})"
+        )
+
+
 def has_tensor(reader: gguf.GGUFReader, suffix: str) -> bool:
     return any(t.name.endswith(f".{suffix}") for t in reader.tensors)
 
