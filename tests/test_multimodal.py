@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from families import BASE, randomize, reference_greedy, reference_logits
+from families import BASE, FAMILIES, RECIPE, randomize, reference_greedy, reference_logits
 from reference import EagerModel
 from tiny import CHATML, make_tokenizer
 
@@ -33,20 +33,11 @@ YARN_GAIN = {
 }
 # name → (config class, text_config, vision_config, top-level arguments)
 MODELS = {
-    # Gemma 3 4B's kind: window 8 on three layers in four, linear scaling on the global one.
+    # Gemma 3 4B's kind: test_families' Gemma 3 text model (window 8 on three layers in four,
+    # linear scaling on the global one), so that its package's graphs are compile-cache hits.
     "gemma3": (
         "Gemma3Config",
-        dict(
-            TEXT,
-            model_type="gemma3_text",
-            num_hidden_layers=4,
-            sliding_window=8,
-            layer_types=["sliding_attention"] * 3 + ["full_attention"],
-            rope_parameters={
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
-            },
-        ),
+        dict(BASE, **FAMILIES["gemma3"][1], model_type="gemma3_text"),
         dict(VISION, model_type="siglip_vision_model", image_size=28, patch_size=14),
         dict(mm_tokens_per_image=4),
     ),
@@ -162,7 +153,7 @@ def test_unsupported_text_model_is_one_line(tmp_path):
 def test_package_of_a_vision_language_checkpoint(checkpoints, project):
     """Built into a package: its greedy tokens are transformers', and the chat template the
     processor keeps (chat_template.json) renders the chat."""
-    recipe = {"checkpoint": str(checkpoints["gemma3"]), "max_seq_len": 64, "prefill_chunk": 16}
+    recipe = {**RECIPE, "checkpoint": str(checkpoints["gemma3"]), "formats": ["aoti"]}
     engine = Engine.load(build(parse_recipe(recipe, "vlm-gemma3", Path(".")), project).path)
     ids = engine.tokenizer.encode("Speculative decoding drafts tokens and verifies them.")
     got = engine.generate(ids, GenerationConfig(max_new_tokens=16, ignore_eos=True))

@@ -105,6 +105,8 @@ def text_config(config: dict, tensor_names: Iterable[str]) -> dict:
             f"supported: {', '.join(TEXT_ARCHITECTURES[arch])}"
         )
     text = {**TEXT_DEFAULTS[kind], **text}
+    if arch == "Gemma3ForConditionalGeneration":  # its head is not softcapped (transformers')
+        text["final_logit_softcapping"] = None
     if "quantization_config" in config:  # the scheme covers the whole checkpoint
         text["quantization_config"] = config["quantization_config"]
     text["architectures"] = [text_arch]
