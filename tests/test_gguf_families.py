@@ -196,6 +196,17 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # Ministral 3: q/k permuted (LlamaModel's converter), YaRN with its log multiplier, and
     # q's growth past each original context as the attention temperature.
     "mistral3": FAMILIES["ministral3"],
+    # ... without a temperature (0 stored): imported as Mistral with YaRN.
+    "mistral3-untempered": (
+        "Ministral3Config",
+        {
+            **FAMILIES["ministral3"][1],
+            "rope_parameters": {
+                **FAMILIES["ministral3"][1]["rope_parameters"],
+                "llama_4_scaling_beta": 0.0,
+            },
+        },
+    ),
     # Hunyuan (dense): its q/k norms (after RoPE) as attn_q_norm / attn_k_norm, the base its
     # alpha stretches stored as the base, no scaling (conversion/hunyuan.py).
     "hunyuan-dense": FAMILIES["hunyuan"],
@@ -213,6 +224,7 @@ GGUF_ARCH = {
     "llama3": "llama",
     "arcee-llama3": "arcee",
     "gpt-oss-qkv": "gpt-oss",
+    "mistral3-untempered": "mistral3",
 }
 MOE_NAMES = {
     "mlp.gate": "ffn_gate_inp",
@@ -556,7 +568,7 @@ def _converted(arch: str, hf: str, w: np.ndarray, heads: int, kv_heads: int) -> 
         return w + np.float32(1.0)
     # its LlamaModel kin
     permuted = ("smollm3", "granite", "mixtral", "granitemoe", "llama3", "arcee", "arcee-llama3")
-    permuted += ("mistral3",)
+    permuted += ("mistral3", "mistral3-untempered")
     if arch in permuted and hf.endswith(("q_proj.weight", "k_proj.weight")):
         return permute_qk(w, heads if "q_proj" in hf else kv_heads)
     if arch.startswith("lfm2") and hf.endswith("conv.conv.weight"):  # [d, 1, kernel] -> [d, kernel]
@@ -594,10 +606,10 @@ def _llama_variant_meta(w: gguf.GGUFWriter, arch: str, cfg: dict[str, Any], head
     (LlamaModel.generate_extra_tensors, Arcee's too) as tensors."""
     if (cfg.get("rope_parameters") or {}).get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_divisors(cfg, head_dim))
-    if arch.startswith("arcee") or arch in ("mistral3", "apertus"):  # LlamaModel's keys
+    if arch.startswith(("arcee", "mistral3")) or arch == "apertus":  # LlamaModel's keys
         w.add_vocab_size(cfg["vocab_size"])
         w.add_rope_dimension_count(head_dim)
-    if arch == "mistral3":  # base.py's YaRN keys, conversion/mistral3.py's two
+    if arch.startswith("mistral3"):  # base.py's YaRN keys, conversion/mistral3.py's two
         rope = cfg["rope_parameters"]
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])

@@ -41,9 +41,8 @@ def mistral3_rope(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) ->
         )
     beta = f32(meta_value(reader, gguf.Keys.Attention.TEMPERATURE_SCALE.format(arch=arch), 0.0))
     if not beta:
-        return {"architectures": ["MistralForCausalLM"], "model_type": "mistral"} | {
-            "rope_parameters": params
-        }
+        mistral = {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+        return {**mistral, "rope_parameters": params}
     if "original_max_position_embeddings" not in params:
         raise CheckpointError(
             f"GGUF {arch}.attention.temperature_scale needs YaRN's original context "
