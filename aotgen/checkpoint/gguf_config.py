@@ -54,11 +54,9 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         config["hidden_act"] = "xielu"
     if arch == "mistral3":
         config.update(mistral3_rope(reader, arch, config))
-    if arch == "hunyuan-dense":  # the base llama.cpp rotates by: the stored one, x alpha's stretch
-        alpha = meta_value(reader, f"{arch}.rope.scaling.alpha")
-        if alpha:
-            dim = config["head_dim"]
-            config["rope_theta"] = f32(config["rope_theta"] * f32(alpha) ** (dim / (dim - 2)))
+    if arch == "hunyuan-dense":  # a stored alpha stretches the base, as Hunyuan's config says
+        if alpha := meta_value(reader, f"{arch}.rope.scaling.alpha"):
+            config["rope_scaling"] = {"rope_type": "dynamic", "alpha": f32(alpha), "factor": 1.0}
         config["use_qk_norm"] = True
     if arch == "seed_oss":  # biases where the file has them
         config.update(

@@ -46,38 +46,33 @@ TEXT_DEFAULTS: dict[str, dict] = {
         rms_norm_eps=1e-6,
         sliding_window=4096,
     ),
-    "ministral3": dict(
-        vocab_size=131072,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=34,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        hidden_act="silu",
-        max_position_embeddings=262144,
-        rms_norm_eps=1e-5,
-        sliding_window=None,
-        rope_parameters={  # the family exists in transformers 5.x only: one dialect
-            "rope_type": "yarn",
-            "rope_theta": 1e6,
-            "factor": 16.0,
-            "original_max_position_embeddings": 16384,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-            "llama_4_scaling_beta": 0.1,
-        },
-    ),
 }
+TEXT_DEFAULTS["ministral3"] = dict(
+    TEXT_DEFAULTS["mistral"],
+    vocab_size=131072,
+    num_hidden_layers=34,
+    head_dim=128,
+    max_position_embeddings=262144,
+    rms_norm_eps=1e-5,
+    sliding_window=None,
+    rope_parameters={  # the family exists in transformers 5.x only: one dialect
+        "rope_type": "yarn",
+        "rope_theta": 1e6,
+        "factor": 16.0,
+        "original_max_position_embeddings": 16384,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "llama_4_scaling_beta": 0.1,
+    },
+)
 # Where the language model's tensors lie, in the layout saved by transformers 4.x and the
 # one 5.x builds in memory (and some checkpoints ship), → the text family's names.
 TEXT_PREFIXES = {
     "language_model.model.": "model.",
     "language_model.lm_head.": "lm_head.",
     "model.language_model.": "model.",
-    "lm_head.": "lm_head.",
 }
 VISION_PREFIXES = (
     "vision_tower.",

@@ -102,12 +102,10 @@ def _refuse(hf: dict, key: str, allowed: Any, why: str) -> None:
         raise ValueError(f"config.json: {key}={value!r} is not supported ({why})")
 
 
-_DEFAULT_ACTS = {APERTUS: "xielu"}  # transformers' where config.json names none
-
-
 def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dict[str, Any]:
     """Llama, Mistral, Qwen2, Qwen3 and Gemma 3: one module layout, a few switches."""
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or _DEFAULT_ACTS.get(arch, "silu")
+    default_act = "xielu" if arch == APERTUS else "silu"  # transformers' where none is named
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or default_act
     if act not in ACTIVATIONS:
         raise ValueError(f"config.json: hidden_act={act!r} is not supported; {ACTIVATIONS}")
     if act == "xielu" and arch != APERTUS:
@@ -158,14 +156,12 @@ def _attention(hf: dict, arch: str) -> dict[str, Any]:
         _refuse(hf, "attention_bias", False, f"attention biases on {arch}")
     if arch in WINDOW_SWITCHED:
         _refuse(hf, "use_sliding_window", False, f"sliding-window attention on {arch}")
-    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", APERTUS):
         out["qk_norm"] = True
     if arch in ("Olmo2ForCausalLM", "Olmo3ForCausalLM"):
         out.update(qk_norm=True, qk_norm_across_heads=True, norm_after=True)
     if arch == "Exaone4ForCausalLM":  # OLMo 2's norms after each block, q/k norms per head
         out.update(qk_norm=True, norm_after=True)
-    if arch == APERTUS:
-        out["qk_norm"] = True
     if arch == HUNYUAN:  # per-head q/k norms, on the rotated q and k
         _refuse(hf, "use_cla", False, "KV caches shared across layers")
         qk_norm = bool(hf.get("use_qk_norm", True))

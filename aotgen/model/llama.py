@@ -272,9 +272,9 @@ def new_kv_cache(
     ]
 
 
-# Norms (and Apertus's activation) by the Llama layout's names: GLM-4's after attention,
-# before and after the MLP; Hunyuan's q/k norms; Apertus's two norms a layer.
-NORM_NAMES = {
+# Modules under other names than the Llama layout's: GLM-4's norms after attention, before and
+# after the MLP; Hunyuan's q/k norms; Apertus's two norms a layer and its activation.
+MODULE_NAMES = {
     "Glm4ForCausalLM": {
         "post_self_attn_layernorm": "post_attention_layernorm",
         "post_attention_layernorm": "pre_feedforward_layernorm",
@@ -289,16 +289,26 @@ NORM_NAMES = {
 }
 
 
+def rename_modules(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A family's checkpoint names of MODULE_NAMES as the Llama layout's; others unchanged."""
+    names = MODULE_NAMES.get(cfg.architecture)
+    if names is None:
+        return weights
+    out = {}
+    for name, tensor in weights.items():
+        stem, _, leaf = name.rpartition(".")
+        stem, _, module = stem.rpartition(".")
+        out[f"{stem}.{names[module]}.{leaf}" if module in names else name] = tensor
+    return out
+
+
 def split_fused(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
     """Phi-3's and GLM-4's fused projections as the Llama layout's: `qkv_proj` rows are q,
-    then k, then v; `gate_up_proj` rows are gate, then up (GLM-4's and Hunyuan's norms
-    renamed: NORM_NAMES). Granite 4's `shared_mlp` (input_linear: gate rows, then up) is the
-    MLP, or with experts the shared expert. Other families: unchanged."""
+    then k, then v; `gate_up_proj` rows are gate, then up. Granite 4's `shared_mlp`
+    (input_linear: gate rows, then up) is the MLP, or with experts the shared expert. Other
+    families: unchanged."""
     if cfg.architecture in GRANITE_SHARED_MLP:
         return _granite_shared_mlp(cfg, weights)
-    if cfg.architecture in NORM_NAMES:
-        names = NORM_NAMES[cfg.architecture]
-        weights = {_norm_name(name, names): t for name, t in weights.items()}
     if cfg.architecture not in ("Phi3ForCausalLM", "Glm4ForCausalLM"):
         return weights
     q_rows = cfg.num_attention_heads * cfg.head_dim
@@ -316,12 +326,6 @@ def split_fused(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tenso
         else:
             out[name] = tensor
     return out
-
-
-def _norm_name(name: str, names: dict[str, str]) -> str:
-    stem, _, leaf = name.rpartition(".")
-    stem, _, norm = stem.rpartition(".")
-    return f"{stem}.{names[norm]}.{leaf}" if norm in names else name
 
 
 def rotate_half_rows(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -370,7 +374,7 @@ def load_model(
     """Instantiate on the meta device and adopt the checkpoint tensors (no random init)."""
     cls = model_class(cfg)
     weights = {k: v for k, v in weights.items() if not k.endswith(IGNORED_SUFFIXES)}
-    weights = rotate_half_rows(cfg, split_fused(cfg, weights))
+    weights = rotate_half_rows(cfg, split_fused(cfg, rename_modules(cfg, weights)))
     weights = stack_experts(cfg, stack_head_norms(cfg, weights))
     tied = cfg.tie_word_embeddings
     if tied:
