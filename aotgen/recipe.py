@@ -100,6 +100,15 @@ class Recipe:
             return None
         return window + widest
 
+    def state_cells(self, conv_kernel: int) -> int:
+        """A linear-attention layer's ring length (model/qwen3_5.py): a call at p0 reads the
+        convolution inputs of the `conv_kernel - 1` positions before it and the state after
+        p0 - 1, and writes its rows' before the next call; a rejected speculative row stays
+        written. So the widest few-row call (verify block, padded prompt tail) plus the
+        kernel: every cell the next call reads is still there. A prompt chunk writes its last
+        `cells` rows' (the next call goes on after its end)."""
+        return max(self.verify_k + 1, VERIFY_ROOM) + conv_kernel
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["checkpoint"] = str(self.checkpoint)

@@ -470,6 +470,21 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             **MOE,
         ),
     ),
+    # Qwen3.5: linear attention (the gated delta rule; 2 key heads, 4 value heads, kernel 4)
+    # on layers 0, 1 and 3, gated full attention rotating a quarter of each head on layer 2.
+    "qwen3_5": (
+        "Qwen3_5TextConfig",
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            layer_types=["linear_attention"] * 2 + ["full_attention", "linear_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+        ),
+    ),
     "gptneox-draft": (
         "GPTNeoXConfig",
         dict(

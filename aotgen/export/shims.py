@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from aotgen.kernels import attention, block_dot, gguf_blocks, gguf_dot, moe, packed
+from aotgen.kernels import attention, block_dot, gated_delta, gguf_blocks, gguf_dot, moe, packed
 from aotgen.tempdirs import partial_dir, remove_stale
 
 KERNELS = (  # (the kernel source, the ops whose C shims it defines)
@@ -38,6 +38,7 @@ KERNELS = (  # (the kernel source, the ops whose C shims it defines)
     (gguf_dot.SOURCE, gguf_dot.OPS),
     (attention.SOURCE, attention.OPS),
     (moe.SOURCE, moe.OPS),
+    (gated_delta.SOURCE, gated_delta.OPS),
 )
 C_SHIMS = "aot_inductor.custom_ops_to_c_shims"
 LIBS = "aot_inductor.custom_op_libs"

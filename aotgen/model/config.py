@@ -52,6 +52,8 @@ LLAMA_LAYOUT = (
     *MOE_ARCHITECTURES,
 )
 LFM2 = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
+# Qwen3.5: gated-delta-rule linear attention beside gated full attention (qwen3_5.py).
+QWEN3_5 = "Qwen3_5ForCausalLM"
 # LayerNorms, biases, partial rotary (layernorm_decoders.py).
 PHI, STABLELM, STARCODER2 = "PhiForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM"
 COHERE, COHERE2 = "CohereForCausalLM", "Cohere2ForCausalLM"
@@ -59,7 +61,13 @@ NEMOTRON = "NemotronForCausalLM"
 LAYERNORM_LAYOUT = (PHI, STABLELM, STARCODER2, COHERE, COHERE2, NEMOTRON)
 # q/k norms with a weight of their own per head (no tensor parallelism).
 PER_HEAD_QK_NORMS = (STABLELM, COHERE)
-SUPPORTED_ARCHITECTURES = (*LLAMA_LAYOUT, "GPTNeoXForCausalLM", *LAYERNORM_LAYOUT, *LFM2)
+SUPPORTED_ARCHITECTURES = (
+    *LLAMA_LAYOUT,
+    "GPTNeoXForCausalLM",
+    *LAYERNORM_LAYOUT,
+    *LFM2,
+    QWEN3_5,
+)
 GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Gemma 2 and 3: sliding and global layers, softcaps, a norm after attention and the MLP.
 LATER_GEMMAS = GEMMAS[1:]
@@ -162,6 +170,16 @@ class ModelConfig:
     # with a gated depthwise convolution instead of attending.
     conv_kernel: int = 0
     conv_bias: bool = False
+    # Qwen3.5: layers whose `layer_types` entry is "linear_attention" run the gated delta rule
+    # (kernels/gated_delta.py) over `linear_value_heads` heads of a recurrent state, their q, k
+    # and v through a depthwise convolution of `linear_conv_kernel` positions first; the others
+    # attend, their output gated by a sigmoid of q_proj's second half.
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
+    attention_output_gate: bool = False
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -182,6 +200,14 @@ class ModelConfig:
 
     def is_conv(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "conv"
+
+    def is_linear(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layers keep a recurrent state (a ring of cells, not every position)."""
+        return self.linear_conv_kernel > 0
 
     @classmethod
     def from_hf(cls, hf: dict) -> ModelConfig:

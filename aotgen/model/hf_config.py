@@ -25,6 +25,7 @@ from aotgen.model.config import (
     MOE_ARCHITECTURES,
     NEMOTRON,
     PHI,
+    QWEN3_5,
     STABLELM,
     STARCODER2,
     SUPPORTED_ARCHITECTURES,
@@ -83,6 +84,7 @@ def hf_fields(hf: dict) -> dict[str, Any]:
         common["rope_scaling"] = {**scaling, "original_max_position_embeddings": original}
     family = _gpt_neox if arch == "GPTNeoXForCausalLM" else _llama_layout
     family = _lfm2 if arch in LFM2 else family
+    family = _qwen3_5 if arch == QWEN3_5 else family
     family = _layernorm_layout if arch in LAYERNORM_LAYOUT else family
     return {**common, **family(hf, arch, common, local)}
 
@@ -384,6 +386,55 @@ def _lfm2(hf: dict, arch: str, common: dict, local: float | None) -> dict[str, A
         "layer_types": tuple(types),
         "conv_kernel": kernel,
         "conv_bias": bool(hf.get("conv_bias", False)),
+    }
+
+
+def _qwen3_5(hf: dict, arch: str, common: dict, local: float | None) -> dict[str, Any]:
+    """Qwen3.5: gated-delta-rule linear attention (`linear_attention` layers) beside full
+    attention with per-head q/k norms, partial RoPE and a sigmoid gate on its output; every
+    norm scales by (1 + w)."""
+    layers = common["num_hidden_layers"]
+    types = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % hf.get("full_attention_interval", 4) == 0
+        else "linear_attention"
+        for i in range(layers)
+    ]  # fmt: skip
+    if len(types) != layers or any(t not in ("linear_attention", "full_attention") for t in types):
+        raise ValueError(
+            "config.json: Qwen3.5's layer_types must name linear_attention or full_attention "
+            "for every layer"
+        )
+    _refuse(hf, "attention_bias", False, "biases on q/k/v/o")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json: hidden_act={act!r} is not supported on Qwen3.5 (silu)")
+    fields = {
+        "linear_key_heads": hf.get("linear_num_key_heads", 16),
+        "linear_value_heads": hf.get("linear_num_value_heads", 32),
+        "linear_key_dim": hf.get("linear_key_head_dim", 128),
+        "linear_value_dim": hf.get("linear_value_head_dim", 128),
+        "linear_conv_kernel": hf.get("linear_conv_kernel_dim", 4),
+    }
+    for key, value in fields.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"config.json: {key} must be a positive integer, got {value!r}")
+    if fields["linear_value_heads"] % fields["linear_key_heads"]:
+        raise ValueError(
+            "config.json: linear_num_value_heads must be a multiple of linear_num_key_heads"
+        )
+    params = hf.get("rope_parameters") or {}  # transformers' default rotates a quarter
+    rotary = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)))
+    rotary_dim = int(common["head_dim"] * rotary)
+    if rotary_dim % 2 or not rotary_dim:
+        raise ValueError(f"config.json: partial_rotary_factor={rotary}: an odd or empty dim")
+    return {
+        **fields,
+        "hidden_act": act,
+        "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "qk_norm": True,
+        "rotary_dim": rotary_dim,
+        "layer_types": tuple(types),
+        "attention_output_gate": True,
     }
 
 

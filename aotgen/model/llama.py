@@ -57,6 +57,7 @@ from aotgen.model.config import (
     INTERLEAVED_ROPE,
     LAYERNORM_LAYOUT,
     LFM2,
+    QWEN3_5,
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
 )
@@ -226,6 +227,10 @@ def model_class(cfg: ModelConfig) -> type[CausalLM]:
         from aotgen.model.lfm2 import Lfm2ForCausalLM
 
         return Lfm2ForCausalLM
+    if cfg.architecture == QWEN3_5:
+        from aotgen.model.qwen3_5 import Qwen3_5ForCausalLM
+
+        return Qwen3_5ForCausalLM
     if cfg.architecture in LAYERNORM_LAYOUT:
         return LayerNormDecoder
     return Transformer
@@ -242,18 +247,28 @@ def cache_shapes(
     values `[batch, kv_heads, cache_len, head_dim]`, a sliding layer's `ring_cells` long when
     it keeps a ring (position p in cell p % ring_cells, model/layers.py); a convolution
     layer's (LFM2) its inputs' two halves of channels, `[batch, 1, cache_len, hidden / 2]`
-    each. An int8 cache's rows are 4 elements wider (kernels/cache_rows.py)."""
+    each; a linear-attention layer's (Qwen3.5) rings of `ring_cells` convolution inputs
+    `[batch, 1, cells, conv_dim]` and recurrent states `[batch, Hv, cells, Dk * Dv]`
+    (qwen3_5.py). An int8 cache's rows are 4 elements wider (kernels/cache_rows.py)."""
     width = row_width(cfg.head_dim, dtype)
     attention = [batch, cfg.num_key_value_heads, cache_len, width]
     ring = [batch, cfg.num_key_value_heads, ring_cells or cache_len, width]
     conv = [batch, 1, cache_len, row_width(cfg.hidden_size // 2, dtype)]
 
-    def shape(layer: int) -> list[int]:
+    def shape(layer: int, values: bool) -> list[int]:
         if cfg.is_conv(layer):
             return conv
+        if cfg.is_linear(layer):
+            return linear[values]
         return ring if cfg.is_sliding(layer) else attention
 
-    return [shape(i // 2) for i in range(2 * cfg.num_hidden_layers)]
+    cells = ring_cells or cache_len
+    keys = cfg.linear_key_heads * cfg.linear_key_dim
+    linear = (
+        [batch, 1, cells, 2 * keys + cfg.linear_value_heads * cfg.linear_value_dim],
+        [batch, cfg.linear_value_heads, cells, cfg.linear_key_dim * cfg.linear_value_dim],
+    )
+    return [shape(i // 2, bool(i % 2)) for i in range(2 * cfg.num_hidden_layers)]
 
 
 def new_kv_cache(

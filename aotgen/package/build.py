@@ -45,6 +45,7 @@ from aotgen.package.models import (
     prepare_models,
     recipe_kv_cache,
     ring_cells,
+    ring_window,
 )
 from aotgen.package.perplexity import measure_perplexity
 from aotgen.package.weights import save_constants
@@ -286,7 +287,8 @@ def _model_entry(
             "cache_len, head_dim] (a convolution layer's inputs [1, 1, cache_len, hidden / 2] "
             "twice; int8: each row's codes, then its float32 scale's 4 bytes), written in "
             "place at input_pos; with `ring`, sliding layers hold `cells` positions, position "
-            "p in cell p % cells",
+            "p in cell p % cells (linear-attention layers: a ring of convolution inputs [1, 1, "
+            "cells, conv_dim] and one of states [1, Hv, cells, Dk * Dv])",
             "layers": mb.config.num_hidden_layers,
             "shapes": cache_shapes(  # per rank
                 rank_config(mb.config, world),
@@ -297,7 +299,7 @@ def _model_entry(
             ),
             "dtype": recipe.kv_dtype,
             "cache_len": recipe.cache_len,
-            **({"ring": {"cells": cells, "window": mb.config.sliding_window}} if cells else {}),
+            **({"ring": {"cells": cells, "window": ring_window(mb.config)}} if cells else {}),
             **_cache_sharing(mb.role, recipe),
         },
     }

@@ -71,10 +71,43 @@ def recipe_kv_cache(cfg: ModelConfig, recipe: Recipe) -> list[Tensor]:
 
 
 def ring_cells(cfg: ModelConfig, recipe: Recipe) -> int | None:
-    """The ring length of the model's sliding layers' cache, None where it keeps none."""
+    """The ring length of the model's sliding layers' cache, or of its linear-attention
+    layers' states (model/qwen3_5.py); None where it keeps none."""
+    if cfg.recurrent:
+        return recipe.state_cells(cfg.linear_conv_kernel)
     if not any(cfg.is_sliding(i) for i in range(cfg.num_hidden_layers)):
         return None
     return recipe.ring_cells(cfg.sliding_window)
+
+
+def ring_window(cfg: ModelConfig) -> int | None:
+    """The positions before p that a ring must still hold for a sequence to go on at p: a
+    sliding layer's window, or the linear-attention layers' convolution (whose state after
+    p - 1 is among them)."""
+    return cfg.linear_conv_kernel if cfg.recurrent else cfg.sliding_window
+
+
+def check_recurrent(cfg: ModelConfig, recipe: Recipe) -> None:
+    """What a model with recurrent states (Qwen3.5's linear attention) cannot be built as:
+    its kernel is a float32 CPU kernel, and a state is the sum of a sequence, so a token
+    tree's rows or a draft writing into the target's cells would need states of their own."""
+    if not cfg.recurrent:
+        return
+    share = (recipe.speculative or {}).get("share_kv")
+    problems = [
+        (recipe.device != "cpu", f"device {recipe.device}: the gated delta rule is a CPU kernel"),
+        (recipe.kv_dtype != "float32", f"kv_cache_dtype / dtype {recipe.kv_dtype}: its states"
+         " are float32"),
+        ("onnx" in recipe.formats, "formats onnx: ONNX has no operator for the gated delta rule"),
+        (recipe.tree_nodes > 0, "tree_nodes: a tree's rows would each need their own state"),
+        (bool(share), "a draft on the target's cache: it would overwrite the target's states"),
+    ]  # fmt: skip
+    for problem, why in problems:
+        if problem:
+            raise RecipeError(
+                f"{cfg.architecture} (linear-attention layers) cannot be built with {why}; "
+                "drop it from the recipe"
+            )
 
 
 def _layer_index(name: str) -> int | None:
@@ -153,6 +186,7 @@ def prepare_models(
     made of the target's layers has its adapters too)."""
     cfg, weights = merged_weights(ckpt, adapters or [])
     cfg = for_context(cfg, recipe.max_seq_len)
+    check_recurrent(cfg, recipe)
     quantize, int8_experts = _experts_quantize(cfg, recipe.quantize)
     graphs = graph_specs(
         recipe.prefill_chunk,
@@ -182,6 +216,7 @@ def prepare_models(
         draft_graphs = [g for g in graphs if g.name not in skip]
         dcfg, dweights = _draft_weights(draft, ckpt, cfg, weights)
         dcfg = for_context(dcfg, recipe.max_seq_len)
+        check_recurrent(dcfg, recipe)
         dquantize, dint8_experts = _experts_quantize(dcfg, draft.get("quantize"))
         dckpt = open_checkpoint(draft["checkpoint"]) if "checkpoint" in draft else ckpt
         models.append(

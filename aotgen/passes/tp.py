@@ -232,7 +232,7 @@ def resolve_plan(model: Transformer, tp: TensorParallel) -> dict[str, str]:
             f"{model.config.architecture}'s q/k norms have a weight per head, which aotgen does "
             "not shard: build it without `parallel`"
         )
-    if model.config.conv_kernel:
+    if model.config.conv_kernel or model.config.recurrent:
         raise RecipeError(
             f"{model.config.architecture}'s convolution layers are not sharded: build it "
             "without `parallel`"
