@@ -94,21 +94,22 @@ def check_recurrent(cfg: ModelConfig, recipe: Recipe) -> None:
     if not cfg.recurrent:
         return
     share = (recipe.speculative or {}).get("share_kv")
-    problems = [
-        (recipe.device != "cpu", f"device {recipe.device}: the gated delta rule is a CPU kernel"),
-        (recipe.kv_dtype != "float32", f"kv_cache_dtype / dtype {recipe.kv_dtype}: its states"
-         " are float32"),
-        ("onnx" in recipe.formats, "formats onnx: ONNX has no operator for the gated delta rule"),
-        (recipe.tree_nodes > 0, "tree_nodes: a tree's rows would each need their own state"),
-        (bool(share), "a draft on the target's cache: it would overwrite the target's states"),
+    problems = [  # (the recipe asks it, why not, what to change)
+        (recipe.device != "cpu", f"device {recipe.device}: its kernel runs on CPU", "device: cpu"),
+        (recipe.kv_dtype != "float32", f"a {recipe.kv_dtype} cache: its states are float32",
+         "dtype: float32 and no kv_cache_dtype"),
+        ("onnx" in recipe.formats, "ONNX graphs: no ONNX operator runs it", "formats: [aoti]"),
+        (recipe.tree_nodes > 0, "a tree graph: each row would need a state of its own",
+         "no tree_nodes"),
+        (bool(share), "a draft on the target's cache: it would overwrite the target's states",
+         "speculative.share_kv: false"),
     ]  # fmt: skip
-    for problem, why in problems:
+    for problem, why, fix in problems:
         if problem:
             raise RecipeError(
-                f"{cfg.architecture} (linear-attention layers) cannot be built with {why}; "
-                "drop it from the recipe"
+                f"{cfg.architecture}'s linear-attention layers cannot be built with {why}; "
+                f"use {fix}"
             )
-
 
 def _layer_index(name: str) -> int | None:
     parts = name.split(".")  # model.layers.N.… (Llama layout), gpt_neox.layers.N.…

@@ -1,0 +1,172 @@
+"""Qwen3.5 (linear attention by the gated delta rule beside gated full attention) against
+transformers: the compiled graphs' logits, greedy text plain and speculative (rejected rows
+left in the rings), the next chat turn reusing the row, a branch from further back than the
+rings hold, batched sequences in their own slots, and the C++ runtime; and the recipes such
+a model refuses. The tiny checkpoint is tests/families.py's `qwen3_5`."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from families import RECIPE, load_reference, make_family_checkpoint, reference_greedy
+from families import reference_logits as _reference_logits
+from reference import reset_caches
+from test_cpp_batch import batch_bin, cpp_results, request_json, run_batch  # noqa: F401
+from test_cpp_runtime import cpp_generate
+
+from aotgen.checkpoint.hf import open_checkpoint
+from aotgen.package.build import build
+from aotgen.package.models import prepare_models
+from aotgen.passes.tp import parse_parallel, resolve_plan
+from aotgen.recipe import RecipeError, parse_recipe
+from aotgen.runtime.batch_engine import BatchEngine
+from aotgen.runtime.engine import Engine, GenerationConfig
+
+pytest.importorskip("transformers")
+
+FP32_TOL = 1e-4  # as test_families.py: compiled fp32 against transformers' eager fp32
+# Batched graphs, and a draft of the first two layers on a ring of its own.
+EXTRA = {"max_batch": 2, "speculative": {"draft": {"layers": 2}, "k": 4, "share_kv": False}}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_family_checkpoint(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5")
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return load_reference(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint, project) -> Engine:
+    data = {"checkpoint": str(checkpoint), **RECIPE, **EXTRA}
+    return Engine.load(build(parse_recipe(data, "qwen3_5", Path(".")), project).path)
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_manifest_records_the_rings(engine):
+    """Linear-attention layers keep 12 cells (the 8-row verify room + the 4-wide
+    convolution) of convolution inputs and of states; the attention layer every position."""
+    kv = engine.manifest["models"]["target"]["kv_cache"]
+    assert kv["ring"] == {"cells": 12, "window": 4}
+    assert kv["shapes"][:2] == [[1, 1, 12, 2 * 2 * 16 + 4 * 16], [1, 4, 12, 16 * 16]]
+    assert kv["shapes"][4] == [1, 2, kv["cache_len"], 32]
+
+
+@pytest.mark.parametrize(
+    "graph,start,length",
+    [("prefill", 0, 14), ("prefill", 7, 16), ("decode", 21, 1), ("verify", 17, 5)],
+)
+def test_graph_logits_match_transformers(engine, reference, graph, start, length):
+    """Each graph after the package's own prefill of the prefix: transformers' logits. The
+    16-row prefill is longer than the rings (12 cells), so its first rows' states are not
+    kept and the next call still reads the right ones."""
+    runner = engine.target
+    g = torch.Generator().manual_seed(start + length)
+    history = torch.randint(0, runner.vocab_size, (start + length,), generator=g).tolist()
+    want = _reference_logits(reference, history)[start:]
+    reset_caches(runner)
+    if start:
+        runner.forward(history[:start], 0)
+    tokens = torch.tensor([history[start:]])
+    got = runner.graphs[graph](tokens, torch.arange(start, start + length), runner.caches)[0]
+    want = want[-1:] if graph == "prefill" else want
+    assert got.shape == want.shape
+    assert _rel_err(got, want) < FP32_TOL
+
+
+def test_generates_and_reuses_like_transformers(engine, reference):
+    """Greedy text, plain, with n-gram speculation and with the draft (rejected rows'
+    states left in the rings) equals transformers'; the next chat turn reuses the row; a
+    prompt that branches further back than the rings hold runs from the start."""
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, engine.target.vocab_size, (30,), generator=g).tolist()
+    prompt += prompt[:12]  # something for n-gram proposals to find
+    want = reference_greedy(reference, prompt, 40)
+    accepted = 0
+    for lookup in (None, "ngram", "draft"):
+        cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True, speculative=lookup)
+        got = engine.generate(prompt, cfg)
+        assert got.token_ids == want, lookup
+        accepted += got.spec.accepted if lookup else 0
+        turn = [*prompt, *want, 5, 6, 7]
+        got = engine.generate(turn, replace(cfg, max_new_tokens=8))
+        assert got.cached_tokens >= len(prompt) + len(want) - 1
+        assert got.token_ids == reference_greedy(reference, turn, 8)
+        branch = prompt[:20] + [9]
+        got = engine.generate(branch, replace(cfg, max_new_tokens=8))
+        assert got.cached_tokens == 0  # the rings no longer hold positions 17..19
+        assert got.token_ids == reference_greedy(reference, branch, 8)
+    assert accepted > 0  # speculation did run, rows were accepted
+
+
+def test_batch_engine_matches_transformers(engine, reference):
+    """Three requests through the batched graphs, two slots: each sequence's rings in its
+    own row; the second request shares the first's prefix, copied with its rings."""
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(3, engine.target.vocab_size, (26,), generator=g).tolist()
+    prompts = [prompt, prompt[:18], prompt[5:]]
+    batch = BatchEngine.load(engine.root)
+    results = batch.generate_many(prompts, GenerationConfig(max_new_tokens=24, ignore_eos=True))
+    assert [r.token_ids for r in results] == [reference_greedy(reference, p, 24) for p in prompts]
+
+
+@pytest.mark.cpp
+def test_cpp_runtime_matches_python(run_bin, batch_bin, engine, tmp_path):  # noqa: F811
+    """aotgen-run's greedy and n-gram ids equal Python's; aotgen-batch on one slot, a chat's
+    next turn and a branch from far back, gets Python's ids and cached counts."""
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(3, engine.target.vocab_size, (30,), generator=g).tolist()
+    for args in ([], ["--lookup", "ngram"]):
+        cfg = GenerationConfig(
+            max_new_tokens=40, ignore_eos=True, speculative="ngram" if args else None
+        )
+        got = cpp_generate(
+            run_bin, engine.root, prompt, "--max-new-tokens", "40", "--ignore-eos", *args
+        )
+        assert got["ids"] == engine.generate(prompt, replace(cfg, reuse_prefix=False)).token_ids
+    first = engine.generate(prompt, GenerationConfig(max_new_tokens=40, ignore_eos=True))
+    prompts = [prompt, [*prompt, *first.token_ids, 5, 6], [*prompt[:20], 9]]
+    configs = [GenerationConfig(n, ignore_eos=True) for n in (40, 8, 8)]
+    want = BatchEngine.load(engine.root, slots=1).generate_many(prompts, configs)
+    requests = [request_json(p, c) for p, c in zip(prompts, configs, strict=True)]
+    got = cpp_results(run_batch(batch_bin, engine.root, requests, tmp_path, "--slots", "1"))[0]
+    assert [r["ids"] for r in got] == [w.token_ids for w in want]
+    assert [r["cached_tokens"] for r in got] == [w.cached_tokens for w in want]
+    assert want[1].cached_tokens >= 69 and want[2].cached_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "extra,named",
+    [
+        ({"formats": ["aoti", "onnx"]}, "ONNX"),
+        ({"tree_nodes": 4}, "tree"),
+        ({"kv_cache_dtype": "bfloat16"}, "bfloat16 cache"),
+        ({"speculative": {"draft": {"layers": 2}}}, "share_kv: false"),
+    ],
+)
+def test_refused_recipes_name_the_fix(checkpoint, extra, named):
+    """What the rings cannot serve is one line naming it and what to change."""
+    data = {"checkpoint": str(checkpoint), **RECIPE, **extra}
+    with pytest.raises(RecipeError, match=named) as err:
+        prepare_models(
+            parse_recipe(data, "qwen3_5-refused", Path(".")), open_checkpoint(checkpoint)
+        )
+    assert "\n" not in str(err.value)
+
+
+def test_tensor_parallel_is_refused(checkpoint):
+    model = prepare_models(
+        parse_recipe({"checkpoint": str(checkpoint), **RECIPE}, "q", Path(".")),
+        open_checkpoint(checkpoint),
+    )[0].model
+    with pytest.raises(RecipeError, match="not sharded"):
+        resolve_plan(model, parse_parallel({"tensor": 2}))
