@@ -22,7 +22,7 @@ from cpp_build import require_cpp_build
 from tiny import CHATML
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from aotgen.checkpoint.gguf_tokenizer import _HUNYUAN_DENSE, _TEKKEN
+from aotgen.checkpoint.gguf_tokenizer import _HUNYUAN_DENSE, _QWEN35, _TEKKEN
 
 pytestmark = pytest.mark.cpp
 
@@ -275,7 +275,11 @@ def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         },
     )
     configs["ignore_merges"] = with_changes(base, model_ignore_merges=True)
-    for name, regexes in (("hunyuan_splits", _HUNYUAN_DENSE), ("tekken_split", [_TEKKEN])):
+    for name, regexes in (
+        ("hunyuan_splits", _HUNYUAN_DENSE),
+        ("tekken_split", [_TEKKEN]),
+        ("qwen35_split", [_QWEN35]),  # combining marks inside words
+    ):
         splits = [
             {"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": False}
             for r in regexes
@@ -345,6 +349,7 @@ ALL_VARIANTS = [
     "ignore_merges",
     "hunyuan_splits",
     "tekken_split",
+    "qwen35_split",
     "added_flags",
     "restricted_alphabet",
     "unk",
@@ -378,7 +383,15 @@ def test_encode_matches_tokenizers(tokenize_bin: Path, variants: dict[str, Path]
 
 @pytest.mark.parametrize(
     "variant",
-    ["base", "digits", "split_regex", "prefix_space", "hunyuan_splits", "tekken_split"],
+    [
+        "base",
+        "digits",
+        "split_regex",
+        "prefix_space",
+        "hunyuan_splits",
+        "tekken_split",
+        "qwen35_split",
+    ],
 )
 def test_pre_tokenize_matches_tokenizers(
     tokenize_bin: Path, variants: dict[str, Path], variant: str

@@ -213,6 +213,10 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # Apertus: its norms' own names, q/k as HF has them, Llama 3.1's rope_freqs, and xIELU's
     # parameters as one metadata array each (conversion/llama.py ApertusModel).
     "apertus": FAMILIES["apertus"],
+    # Qwen3.5: linear attention (2 key heads, 4 value heads: reordered by the converter) beside
+    # gated attention; (1 + w) norms stored as 1 + w, A_log as -exp, dt_bias as ssm_dt.bias
+    # (conversion/qwen.py Qwen3_5TextModel).
+    "qwen35": FAMILIES["qwen3_5"],
 }
 # The GGUF architecture of the test cases named otherwise.
 GGUF_ARCH = {
@@ -330,6 +334,17 @@ HUNYUAN_NAMES = {
     "self_attn.key_layernorm": "attn_k_norm",
 }
 STARCODER2_NAMES = {**LAYER_NAMES["llama"], "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+QWEN35_NAMES = {
+    **LAYER_NAMES["llama"],
+    "post_attention_layernorm": "post_attention_norm",
+    "linear_attn.in_proj_qkv": "attn_qkv",
+    "linear_attn.in_proj_z": "attn_gate",
+    "linear_attn.in_proj_b": "ssm_beta",
+    "linear_attn.in_proj_a": "ssm_alpha",
+    "linear_attn.conv1d": "ssm_conv1d",
+    "linear_attn.norm": "ssm_norm",
+    "linear_attn.out_proj": "ssm_out",
+}
 GLOBAL_NAMES = {
     "model.embed_tokens": "token_embd",
     "model.final_layernorm": "output_norm",  # Phi's
@@ -529,6 +544,9 @@ def _checkpoint(out: Path, arch: str, mxfp4: bool = False, **sizes: Any) -> Path
 
 
 def _gguf_name(arch: str, hf: str) -> str:
+    if arch == "qwen35" and hf.endswith(("linear_attn.A_log", "linear_attn.dt_bias")):
+        leaf = "ssm_a" if hf.endswith("A_log") else "ssm_dt.bias"
+        return f"blk.{hf.split('.')[2]}.{leaf}"
     if hf.endswith("feed_forward.expert_bias"):  # LFM2-MoE's, a tensor of its own
         return f"blk.{hf.split('.')[2]}.exp_probs_b.bias"
     module, kind = hf.rsplit(".", 1)
@@ -558,12 +576,15 @@ def _gguf_name(arch: str, hf: str) -> str:
         "seed_oss": GPT_OSS_NAMES,
         "hunyuan-dense": HUNYUAN_NAMES,
         "apertus": APERTUS_NAMES,
+        "qwen35": QWEN35_NAMES,
     }.get(arch, LAYER_NAMES["llama"])
     return f"blk.{i}.{names[rest]}.{kind}"
 
 
 def _converted(arch: str, hf: str, w: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf.py stores for an HF tensor."""
+    if arch == "qwen35":
+        return _qwen35_converted(hf, w, CONFIGS["qwen35"][1])
     if arch in ("gemma", "gemma2", "gemma3", "nemotron") and hf.endswith("norm.weight"):
         return w + np.float32(1.0)
     # its LlamaModel kin
@@ -579,6 +600,49 @@ def _converted(arch: str, hf: str, w: np.ndarray, heads: int, kv_heads: int) -> 
             w.reshape(heads, 3, -1, *rest).swapaxes(0, 1).reshape(w.shape[0], *rest)
         )
     return w
+
+
+def _qwen35_converted(hf: str, w: np.ndarray, cfg: dict[str, Any]) -> np.ndarray:
+    """conversion/qwen.py: value heads from grouped by key head to tiled
+    (_LinearAttentionVReorderBase), then Qwen3NextModel's changes."""
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+
+    def tiled(x: np.ndarray, axis: int, width: int) -> np.ndarray:
+        shape = list(x.shape)
+        x = x.reshape(*shape[:axis], hk, hv // hk, width, *shape[axis + 1 :])
+        return np.swapaxes(x, axis, axis + 1).reshape(shape)
+
+    if "conv1d" in hf:
+        w = w[:, 0]
+    if ".in_proj_qkv." in hf or "conv1d" in hf:
+        w = np.concatenate([w[: 2 * hk * dk], tiled(w[2 * hk * dk :], 0, dv)])
+    elif ".in_proj_z." in hf:
+        w = tiled(w, 0, dv)
+    elif ".out_proj." in hf:
+        w = tiled(w, 1, dv)
+    elif hf.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
+        w = tiled(w, 0, 1)
+    if hf.endswith("A_log"):
+        return -np.exp(w)
+    if hf.endswith("norm.weight") and not hf.endswith("linear_attn.norm.weight"):
+        return w + np.float32(1.0)
+    return np.ascontiguousarray(w)
+
+
+def _qwen35_meta(w: gguf.GGUFWriter, cfg: dict[str, Any], head_dim: int) -> None:
+    """What conversion/qwen.py writes of Qwen3.5 past the common keys (Qwen3NextModel's
+    ssm.* sizes, the recurrent blocks, a quarter of each head rotated, mrope sections)."""
+    w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(cfg["linear_key_head_dim"])
+    w.add_ssm_group_count(cfg["linear_num_key_heads"])
+    w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+    w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+    w.add_array("qwen35.attention.recurrent_layers", [
+        t == "linear_attention" for t in cfg["layer_types"]])  # fmt: skip
+    w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
+    w.add_rope_dimension_count(int(head_dim * cfg["rope_parameters"]["partial_rotary_factor"]))
+    w.add_rope_dimension_sections([11, 11, 10, 0])
 
 
 def _llama3_divisors(cfg: dict[str, Any], head_dim: int) -> np.ndarray:
@@ -813,6 +877,8 @@ def _write_gguf(
             w.add_rope_freq_base(theta)
         _llama_variant_meta(w, arch, cfg, head_dim)
         _moe_meta(w, cfg)
+        if kind == "qwen35":
+            _qwen35_meta(w, cfg, head_dim)
         if kind == "gpt-oss":
             _gpt_oss_meta(w, cfg)
     if keys is not None:
@@ -939,6 +1005,28 @@ def test_quantized_blocks_dequantize(tmp_path: Path, arch: str) -> None:
     with safe_open(out / "model.safetensors", "np") as g:
         for name, want in written.items():
             np.testing.assert_allclose(g.get_tensor(name), want, atol=1e-6, err_msg=name)
+
+
+def test_qwen35_multi_token_prediction_block_is_left_out(tmp_path: Path) -> None:
+    """A Qwen3.5 GGUF converted with its MTP block (blk.4: one more block, its nextn.*
+    tensors, `nextn_predict_layers` 1) imports as the 4-block model, as transformers loads
+    the checkpoint without `mtp.*`."""
+    ckpt = _checkpoint(tmp_path / "hf", "qwen35")
+    d = 64
+    mtp = {
+        "blk.4.attn_norm.weight": np.ones(d, np.float32),
+        "blk.4.nextn.eh_proj.weight": np.zeros((d, 2 * d), np.float32),
+        "blk.4.nextn.enorm.weight": np.ones(d, np.float32),
+    }
+
+    def one_more_block(w: gguf.GGUFWriter) -> None:
+        w.add_block_count(5)
+        w.add_nextn_predict_layers(1)
+
+    _write_gguf(ckpt, tmp_path / "m.gguf", "qwen35", quantize=False, extra=mtp, keys=one_more_block)
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 4
+    _assert_same_tensors(ckpt, out, atol=1e-6)
 
 
 def test_exaone4_below_64_layers_imports_without_its_window(tmp_path: Path) -> None:

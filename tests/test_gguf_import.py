@@ -221,6 +221,21 @@ def test_pre_tokenizer_splits_as_llama_cpp(tmp_path: Path, pre: str, pieces: lis
 
 
 @pytest.mark.parametrize(
+    ("pre", "pieces"),
+    [("qwen2", ["cafe", "\u0301", " ", "1", "2"]), ("qwen35", ["cafe\u0301", " ", "1", "2"])],
+)
+def test_qwen35_keeps_combining_marks_in_words(tmp_path: Path, pre: str, pieces: list[str]):
+    """Qwen3.5's pre-tokenizer is Qwen2's with combining marks (\\p{M}) inside words."""
+    _write_gguf(
+        tmp_path / "m.gguf", "llama", _tiny_llama_tensors(np.random.default_rng(0)), pre=pre
+    )
+    import_gguf(tmp_path / "m.gguf", tmp_path / "out")
+    text = "cafe\u0301 12"
+    pre_tokenizer = HFTokenizer.from_file(str(tmp_path / "out" / "tokenizer.json")).pre_tokenizer
+    assert [text[a:b] for _, (a, b) in pre_tokenizer.pre_tokenize_str(text)] == pieces
+
+
+@pytest.mark.parametrize(
     ("pre", "whole", "bos"),
     [("llama-bpe", True, True), ("tekken", True, True), ("qwen2", False, False)],
 )

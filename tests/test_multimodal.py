@@ -14,7 +14,7 @@ from reference import EagerModel
 from tiny import CHATML, make_tokenizer
 
 from aotgen.checkpoint.hf import CheckpointError, open_checkpoint
-from aotgen.checkpoint.multimodal import TEXT_DEFAULTS, text_config
+from aotgen.checkpoint.multimodal import TEXT_ARCHITECTURES, TEXT_DEFAULTS, text_config
 from aotgen.model.config import ModelConfig
 from aotgen.package.build import build
 from aotgen.recipe import parse_recipe
@@ -55,6 +55,32 @@ MODELS = {
         dict(VISION, model_type="pixtral", image_size=28, patch_size=14, head_dim=16),
         {},
     ),
+    # Qwen3.5's kind (every released size is a vision-language checkpoint): test_families'
+    # Qwen3.5 text model, linear attention beside gated attention, an untied head.
+    "qwen3_5": (
+        "Qwen3_5Config",
+        dict(BASE, **FAMILIES["qwen3_5"][1], model_type="qwen3_5_text"),
+        dict(
+            model_type="qwen3_5_vision",
+            depth=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            num_position_embeddings=16,
+        ),
+        dict(tie_word_embeddings=False),
+    ),
+}
+
+
+# Qwen3.5's linear-attention keys → ModelConfig's fields.
+QWEN3_5_KEYS = {
+    "linear_conv_kernel": "linear_conv_kernel_dim",
+    "linear_key_dim": "linear_key_head_dim",
+    "linear_value_dim": "linear_value_head_dim",
+    "linear_key_heads": "linear_num_key_heads",
+    "linear_value_heads": "linear_num_value_heads",
 }
 
 
@@ -106,15 +132,14 @@ def test_text_model_matches_transformers(checkpoints, name):
     got, want = eager.forward(history, 0), reference_logits(reference, history)
     assert ((got - want).norm() / want.norm()).item() < 1e-4
     assert eager.greedy(history[:20], 32) == reference_greedy(reference, history[:20], 32)
-    assert eager.config.tie_word_embeddings == (name != "mistral3")
+    assert eager.config.tie_word_embeddings == (name not in ("mistral3", "qwen3_5"))
 
 
 @pytest.mark.parametrize("kind", TEXT_DEFAULTS)
 def test_sparse_text_config_reads_as_transformers(kind):
     """A text_config as transformers 4.x writes it (only what differs from its class's
     defaults; here nothing but the model type) reads as transformers reads it."""
-    arch = "Gemma3ForConditionalGeneration" if kind == "gemma3_text" else None
-    arch = arch or "Mistral3ForConditionalGeneration"
+    arch = next(a for a, kinds in TEXT_ARCHITECTURES.items() if kind in kinds)
     cfg = ModelConfig.from_hf(
         text_config({"architectures": [arch], "text_config": {"model_type": kind}}, [])
     )
@@ -131,7 +156,7 @@ def test_sparse_text_config_reads_as_transformers(kind):
         "max_position_embeddings",
         "sliding_window",
     ):
-        assert getattr(cfg, key) == getattr(ref, key), key
+        assert getattr(cfg, key) == getattr(ref, key, None), key
     head_dim = getattr(ref, "head_dim", None) or ref.hidden_size // ref.num_attention_heads
     assert cfg.head_dim == head_dim
     if kind == "ministral3":
@@ -139,6 +164,12 @@ def test_sparse_text_config_reads_as_transformers(kind):
         assert cfg.rope_theta == scaling["rope_theta"]
         assert cfg.rope_scaling["factor"] == scaling["factor"]
         assert cfg.query_gain_beta == scaling["llama_4_scaling_beta"]
+    if kind == "qwen3_5_text":
+        assert cfg.layer_types == tuple(ref.layer_types)
+        assert cfg.rope_theta == ref.rope_parameters["rope_theta"]
+        assert cfg.rotary_dim == int(head_dim * ref.rope_parameters["partial_rotary_factor"])
+        for ours, theirs in QWEN3_5_KEYS.items():
+            assert getattr(cfg, ours) == getattr(ref, theirs), theirs
 
 
 def test_unsupported_text_model_is_one_line(tmp_path):

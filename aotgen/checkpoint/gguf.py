@@ -30,6 +30,7 @@ from aotgen.checkpoint.gguf_arch import (
     xielu_tensors,
 )
 from aotgen.checkpoint.gguf_arch_gpt_oss import gpt_oss_tensors
+from aotgen.checkpoint.gguf_arch_qwen35 import qwen35_tensor
 from aotgen.checkpoint.gguf_check import check_tensors
 from aotgen.checkpoint.gguf_config import read_config
 from aotgen.checkpoint.gguf_meta import meta_value, require_meta
@@ -157,7 +158,9 @@ def read_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict[str, n
             w = _gptneox_qkv(w, config["num_attention_heads"])
         elif arch.startswith("lfm2") and ".shortconv.conv." in t.name:
             w = w[:, None]  # HF's depthwise Conv1d weight [d, 1, kernel]
-        if arch in ("phi2", "gpt-oss") and ".attn_qkv." in t.name:
+        if arch == "qwen35":
+            out[name] = qwen35_tensor(name, w, config)
+        elif arch in ("phi2", "gpt-oss") and ".attn_qkv." in t.name:
             out.update(_split_qkv(name, w, config))
         elif arch == "stablelm" and name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
             stem = name.removesuffix(".weight")  # [heads, head_dim]: HF's one norm per head

@@ -9,7 +9,8 @@ from typing import Any
 import gguf
 import numpy as np
 
-from aotgen.checkpoint.gguf_meta import require_meta
+from aotgen.checkpoint.gguf_arch_qwen35 import QWEN35_LAYER, QWEN35_PARAMS
+from aotgen.checkpoint.gguf_meta import meta_value, require_meta
 from aotgen.checkpoint.hf import CheckpointError
 
 # llama.cpp tensor names -> HF names, per architecture. "{i}" is the layer index.
@@ -157,6 +158,8 @@ class Arch:
     layers: dict[str, str]
     globals: dict[str, str] = field(default_factory=lambda: dict(_LLAMA_GLOBAL))
     layer_prefix: str = "model.layers"
+    # A block's tensors named whole (no `.weight` / `.bias` of the module's): GGUF → HF.
+    params: dict[str, str] = field(default_factory=dict)
 
 
 ARCHS: dict[str, Arch] = {
@@ -217,6 +220,8 @@ ARCHS: dict[str, Arch] = {
             "attn_k_norm": "self_attn.key_layernorm",
         },
     ),
+    # linear attention beside gated attention (gguf_arch_qwen35.py); q/k as HF has them
+    "qwen35": Arch("Qwen3_5ForCausalLM", "qwen3_5_text", QWEN35_LAYER, params=QWEN35_PARAMS),
     # q/k rows as HF has them (NEOX RoPE, no permutation)
     "gpt-oss": Arch("GptOssForCausalLM", "gpt_oss", _GPT_OSS_LAYER),
     "gptneox": Arch(
@@ -283,11 +288,33 @@ def xielu_tensors(reader: gguf.GGUFReader, n_layer: int) -> dict[str, np.ndarray
 
 
 def model_tensors(reader: gguf.GGUFReader) -> list[Any]:
-    """The tensors that are weights (not LongRoPE's factors or Llama 3.1's divisors)."""
-    return [t for t in reader.tensors if t.name not in ROPE_FACTORS and t.name != ROPE_FREQS]
+    """The tensors that are weights (not LongRoPE's factors or Llama 3.1's divisors), of the
+    blocks the model runs: not a multi-token-prediction head's (the last
+    `nextn_predict_layers` blocks)."""
+    arch = require_meta(reader, "general.architecture")
+    mtp = int(meta_value(reader, f"{arch}.nextn_predict_layers", 0))
+    first_mtp = int(meta_value(reader, f"{arch}.block_count", 0)) - mtp if mtp else None
+
+    def runs(name: str) -> bool:
+        parts = name.split(".", 2)
+        return not (
+            first_mtp is not None
+            and parts[0] == "blk"
+            and len(parts) > 1
+            and int(parts[1]) >= first_mtp
+        )
+
+    return [
+        t
+        for t in reader.tensors
+        if t.name not in ROPE_FACTORS and t.name != ROPE_FREQS and runs(t.name)
+    ]
 
 
 def hf_name(spec: Arch, name: str) -> str:
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in spec.params:
+        return f"{spec.layer_prefix}.{int(parts[1])}.{spec.params[parts[2]]}"
     base, _, kind = name.rpartition(".")
     if kind in ("weight", "bias"):
         if base in spec.globals:

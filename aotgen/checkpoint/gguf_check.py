@@ -57,6 +57,10 @@ def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
         lfm2 = {"in_proj": (3 * d, d), "out_proj": out_proj, "conv": (d, c["conv_L_cache"])}
         lfm2 |= {"w1": (f, d), "w3": (f, d), "w2": (d, f), "q_layernorm": (hd,)}
         shapes |= {**lfm2, "k_layernorm": (hd,)}  # conv as llama.cpp stores it: [d, kernel]
+    if c["architectures"][0] == "Qwen3_5ForCausalLM":
+        shapes |= _qwen3_5_shapes(c, d, q)
+        if name.endswith("linear_attn.norm"):  # each value head's output
+            return (c["linear_value_head_dim"],)
     if c["architectures"][0] == "StableLmForCausalLM":  # a norm per head, stacked
         shapes |= {"q_layernorm": (c["num_attention_heads"], hd)}
         shapes |= {"k_layernorm": (c["num_key_value_heads"], hd)}
@@ -67,6 +71,23 @@ def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
     if shape is None or v is None and leaf in ("embed_tokens", "embed_in", "lm_head", "embed_out"):
         return None
     return shape[:1] if kind == "bias" else shape
+
+
+def _qwen3_5_shapes(c: dict[str, Any], d: int, q: int) -> dict[str, tuple[int, ...]]:
+    """Qwen3.5's: q_proj holds each head's gate too; the linear attention's projections and
+    its convolution as llama.cpp stores it ([channels, kernel])."""
+    keys = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    values = c["linear_num_value_heads"] * c["linear_value_head_dim"]
+    heads, conv = c["linear_num_value_heads"], 2 * keys + values
+    return {
+        "q_proj": (2 * q, d),
+        "in_proj_qkv": (conv, d),
+        "in_proj_z": (values, d),
+        "in_proj_b": (heads, d),
+        "in_proj_a": (heads, d),
+        "conv1d": (conv, c["linear_conv_kernel_dim"]),
+        "out_proj": (d, values),
+    }
 
 
 def _moe_shape(name: str, kind: str, c: dict[str, Any], experts: int) -> tuple[int, ...] | None:
@@ -110,7 +131,8 @@ def check_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
     # tensors.
     dense = config.get("num_dense_layers", n_layer)
     kinds = [f"{t}-{i < dense}" for i, t in enumerate(config.get("layer_types") or [])]
-    kinds = kinds if spec.hf_arch.startswith("Lfm2") else ["block"] * n_layer
+    by_type = spec.hf_arch.startswith("Lfm2") or spec.hf_arch == "Qwen3_5ForCausalLM"
+    kinds = kinds if by_type else ["block"] * n_layer
     per_kind: dict[str, set[str]] = {}
     for n in names:
         if n.startswith(spec.layer_prefix + "."):

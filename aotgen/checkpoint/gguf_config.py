@@ -12,6 +12,7 @@ from aotgen.checkpoint.gguf_arch import ROPE_FACTORS, ROPE_FREQS, Arch, arch_spe
 from aotgen.checkpoint.gguf_arch_gpt_oss import gpt_oss_config
 from aotgen.checkpoint.gguf_arch_layernorm import LAYERNORM_ARCHS, layernorm_config
 from aotgen.checkpoint.gguf_arch_mistral3 import mistral3_rope
+from aotgen.checkpoint.gguf_arch_qwen35 import qwen35_config
 from aotgen.checkpoint.gguf_meta import (
     f32,
     has_tensor,
@@ -30,7 +31,7 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     arch, spec = arch_spec(reader)
     config = _common_config(reader, arch, spec)
     divisors = _frequency_divisors(reader, config)
-    own_rope = ("gptneox", "lfm2", "lfm2moe", "gpt-oss", *LAYERNORM_ARCHS)
+    own_rope = ("gptneox", "lfm2", "lfm2moe", "gpt-oss", "qwen35", *LAYERNORM_ARCHS)
     if divisors and (arch in own_rope or read_rope_scaling(reader, arch)):
         raise CheckpointError(
             f"GGUF {ROPE_FREQS} on {arch} (or with a rope.scaling.type) is not supported"
@@ -43,6 +44,8 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         return layernorm_config(reader, arch, config)
     if arch == "gpt-oss":
         return gpt_oss_config(reader, arch, config)
+    if arch == "qwen35":
+        return qwen35_config(reader, arch, config)
     config.update(
         rms_norm_eps=f32(require_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_theta=f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0)),

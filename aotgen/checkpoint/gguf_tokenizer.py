@@ -43,6 +43,11 @@ _QWEN2 = (
     _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5's: Qwen2's with combining marks (\p{M}) inside words.
+_QWEN35 = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # Seed-OSS's: Qwen2's with one digit at a time and no newlines after punctuation.
 _SEED_CODER = (
     _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+"
@@ -93,6 +98,7 @@ PRE_TOKENIZERS: dict[str, list[str]] = {
     "tekken": [_TEKKEN],
     "gpt-4o": [_GPT4O],
     "qwen2": [_QWEN2],
+    "qwen35": [_QWEN35],
     "stablelm2": [_QWEN2],
     "seed-coder": [_SEED_CODER],
     "hunyuan-dense": _HUNYUAN_DENSE,

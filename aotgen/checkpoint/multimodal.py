@@ -1,5 +1,5 @@
 """The language model inside a vision-language checkpoint (Gemma 3 4B and up, Mistral Small
-3.x, Ministral 3): its `text_config` read as the text family's own config, and its tensors
+3.x, Ministral 3, Qwen3.5): its `text_config` read as the text family's own config, and its tensors
 under the text family's names; the vision tower and projector are left out, so the package
 takes text only."""
 
@@ -15,6 +15,7 @@ TEXT_ARCHITECTURES = {
         "mistral": "MistralForCausalLM",
         "ministral3": "Ministral3ForCausalLM",
     },
+    "Qwen3_5ForConditionalGeneration": {"qwen3_5_text": "Qwen3_5ForCausalLM"},
 }
 # transformers' defaults of each text config class, for the keys the model reads besides RoPE's
 # (hf_config.py's defaults are the families' own, in either dialect): a `text_config` written by
@@ -67,6 +68,24 @@ TEXT_DEFAULTS["ministral3"] = dict(
         "llama_4_scaling_beta": 0.1,
     },
 )
+TEXT_DEFAULTS["qwen3_5_text"] = dict(  # 5.x only: one dialect
+    vocab_size=248320,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=32,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=256,
+    hidden_act="silu",
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+)
 # Where the language model's tensors lie, in the layout saved by transformers 4.x and the
 # one 5.x builds in memory (and some checkpoints ship), → the text family's names.
 TEXT_PREFIXES = {
@@ -79,6 +98,7 @@ VISION_PREFIXES = (
     "multi_modal_projector.",
     "model.vision_tower.",
     "model.multi_modal_projector.",
+    "model.visual.",  # Qwen3.5's
 )
 
 

@@ -381,6 +381,9 @@ def _granite_shared_mlp(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[st
 
 # Non-parameters some checkpoints carry: RoPE and causal-mask buffers (old GPT-NeoX).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
+# Modules the model does not run: Qwen3.5's multi-token-prediction layer (transformers skips
+# it too).
+IGNORED_PREFIXES = ("mtp.",)
 
 
 def load_model(
@@ -388,7 +391,11 @@ def load_model(
 ) -> CausalLM:
     """Instantiate on the meta device and adopt the checkpoint tensors (no random init)."""
     cls = model_class(cfg)
-    weights = {k: v for k, v in weights.items() if not k.endswith(IGNORED_SUFFIXES)}
+    weights = {
+        k: v
+        for k, v in weights.items()
+        if not k.endswith(IGNORED_SUFFIXES) and not k.startswith(IGNORED_PREFIXES)
+    }
     weights = rotate_half_rows(cfg, split_fused(cfg, rename_modules(cfg, weights)))
     weights = stack_experts(cfg, stack_head_norms(cfg, weights))
     tied = cfg.tie_word_embeddings

@@ -111,6 +111,7 @@ def check_recurrent(cfg: ModelConfig, recipe: Recipe) -> None:
                 f"use {fix}"
             )
 
+
 def _layer_index(name: str) -> int | None:
     parts = name.split(".")  # model.layers.N.… (Llama layout), gpt_neox.layers.N.…
     return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else None

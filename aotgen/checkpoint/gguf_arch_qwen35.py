@@ -1,0 +1,126 @@
+"""Qwen3.5 GGUFs (`qwen35`, llama.cpp's src/models/qwen35.cpp) as the HF checkpoint of the same
+model, undoing what llama.cpp's converter (conversion/qwen.py: Qwen3_5TextModel) changed:
+
+- its (1 + w) RMSNorms are stored as 1 + w (all but the delta rule's output norm);
+- A_log is stored as A = -exp(A_log) (`ssm_a`), dt_bias as `ssm_dt.bias`, the convolution's
+  weight squeezed to [channels, kernel];
+- where there are fewer key heads than value heads, the value heads are reordered from
+  grouped by key head to tiled (its `_LinearAttentionVReorderBase`): every tensor indexed by
+  value head (v's rows of in_proj_qkv and of the convolution, in_proj_z, in_proj_b/a, A_log,
+  dt_bias, out_proj's columns) is put back;
+- the multi-token-prediction block, if converted, is the last `nextn_predict_layers` blocks:
+  left out, as transformers leaves out `mtp.*`.
+
+Text positions are equal on every axis of its multimodal RoPE (`rope.dimension_sections`), so
+the rotation is plain RoPE on `rope.dimension_count` dims of each head.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gguf
+import numpy as np
+
+from aotgen.checkpoint.gguf_meta import f32, meta_value, require_meta
+from aotgen.checkpoint.hf import CheckpointError
+
+QWEN35_LAYER = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",  # each head's query, then its gate
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
+# Parameters stored without a `.weight` suffix, or under another module: GGUF → HF leaf.
+QWEN35_PARAMS = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
+
+
+def qwen35_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The linear-attention sizes (`ssm.*`: the converter's names), which blocks recur, the
+    partial RoPE; blocks past `nextn_predict_layers` from the end are the MTP head's."""
+    n_all = config["num_hidden_layers"]
+    n_layer = n_all - int(meta_value(reader, f"{arch}.nextn_predict_layers", 0))
+    recurrent = meta_value(reader, f"{arch}.attention.recurrent_layers")
+    if recurrent is None:
+        interval = int(meta_value(reader, f"{arch}.full_attention_interval", 4))
+        recurrent = [(i + 1) % interval != 0 for i in range(n_layer)]
+    if not isinstance(recurrent, list) or len(recurrent) < n_layer:
+        raise CheckpointError(
+            f"GGUF {arch}.attention.recurrent_layers must list each of the {n_layer} blocks"
+        )
+    value_heads = int(require_meta(reader, f"{arch}.ssm.time_step_rank"))
+    inner = int(require_meta(reader, f"{arch}.ssm.inner_size"))
+    if inner % value_heads:
+        raise CheckpointError(
+            f"GGUF {arch}.ssm.inner_size {inner} is not a multiple of ssm.time_step_rank "
+            f"{value_heads}"
+        )
+    head_dim = config["head_dim"]
+    rotary = int(meta_value(reader, f"{arch}.rope.dimension_count", head_dim // 4))
+    return config | {
+        "num_hidden_layers": n_layer,
+        "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent[:n_layer]],
+        "linear_conv_kernel_dim": int(require_meta(reader, f"{arch}.ssm.conv_kernel")),
+        "linear_key_head_dim": int(require_meta(reader, f"{arch}.ssm.state_size")),
+        "linear_num_key_heads": int(require_meta(reader, f"{arch}.ssm.group_count")),
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": inner // value_heads,
+        "rms_norm_eps": f32(require_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+            "partial_rotary_factor": rotary / head_dim,
+        },
+    }
+
+
+def qwen35_tensor(name: str, w: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+    """One tensor (HF `name`) as the HF checkpoint holds it."""
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        w = w - np.float32(1.0)
+    elif name.endswith("linear_attn.A_log"):
+        w = np.log(-w)
+    elif name.endswith("linear_attn.conv1d.weight"):
+        w = w[:, None]  # HF's depthwise Conv1d weight [channels, 1, kernel]
+    key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    if key_heads != value_heads and ".linear_attn." in name:
+        w = _grouped_value_heads(name, w, config)
+    return np.ascontiguousarray(w, np.float32)
+
+
+def _grouped_value_heads(name: str, w: np.ndarray, c: dict[str, Any]) -> np.ndarray:
+    """Value heads back from llama.cpp's tiled order [r][key head] to grouped by key head
+    [key head][r], on the axis (and part of it) each tensor indexes them by."""
+    hk, dv = c["linear_num_key_heads"], c["linear_value_head_dim"]
+    r = c["linear_num_value_heads"] // hk
+
+    def grouped(x: np.ndarray, axis: int, width: int) -> np.ndarray:
+        x = np.moveaxis(x, axis, 0)
+        rest = x.shape[1:]
+        x = x.reshape(r, hk, width, *rest).swapaxes(0, 1).reshape(-1, *rest)
+        return np.moveaxis(x, 0, axis)
+
+    keys = 2 * hk * c["linear_key_head_dim"]
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):  # only the v rows
+        return np.concatenate([w[:keys], grouped(w[keys:], 0, dv)])
+    if name.endswith("in_proj_z.weight"):
+        return grouped(w, 0, dv)
+    if name.endswith("out_proj.weight"):
+        return grouped(w, 1, dv)
+    if name.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
+        return grouped(w, 0, 1)
+    return w
