@@ -84,15 +84,17 @@ def package_kv_bytes(entry: dict, prompt_len: int, gen_tokens: int) -> int:
     cfg = entry["config"]
     per = kv_position_bytes(entry["kv_cache"])
     kinds = cfg.get("layer_types") or ["full_attention"] * len(per)
-    # A ring's layers attend every cell written (model/layers.py), a full cache's the window.
+    # A ring's layers attend every cell written (model/layers.py), a full cache's the window;
+    # a linear-attention layer reads one state (and its convolution's last inputs, a few kB).
     window = entry["kv_cache"].get("ring", {}).get("cells") or cfg.get("sliding_window")
-    caps = {"sliding_attention": window, "conv": cfg.get("conv_kernel")}
+    caps = {"sliding_attention": window, "conv": cfg.get("conv_kernel"), "linear_attention": 1}
     return kv_read_bytes(per, [caps.get(k) for k in kinds], prompt_len, gen_tokens)
 
 
 def gguf_kv_bytes(path: Path, prompt_len: int, gen_tokens: int) -> int:
     """`kv_read_bytes` of a GGUF's model in llama.cpp's default cache (f16 keys and values;
-    a convolution layer's small rolling state not counted)."""
+    a convolution layer's small rolling state not counted; a linear-attention layer's float32
+    recurrent state, read once a step)."""
     from aotgen.checkpoint.gguf import open_gguf
     from aotgen.checkpoint.gguf_config import read_config
 
@@ -102,8 +104,17 @@ def gguf_kv_bytes(path: Path, prompt_len: int, gen_tokens: int) -> int:
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kinds = cfg.get("layer_types") or ["full_attention"] * layers
     window = cfg.get("sliding_window")
-    windows = [window if k == "sliding_attention" else None for k in kinds]
-    return kv_read_bytes([2 * h * head_dim * 2 for h in heads], windows, prompt_len, gen_tokens)
+    windows = [
+        1 if k == "linear_attention" else window if k == "sliding_attention" else None
+        for k in kinds
+    ]
+    state = cfg.get("linear_num_value_heads", 0) * cfg.get("linear_key_head_dim", 0)
+    state *= cfg.get("linear_value_head_dim", 0) * 4
+    per = [
+        state if k == "linear_attention" else 2 * h * head_dim * 2
+        for h, k in zip(heads, kinds, strict=True)
+    ]
+    return kv_read_bytes(per, windows, prompt_len, gen_tokens)
 
 
 class BenchError(RuntimeError):

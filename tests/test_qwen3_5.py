@@ -17,8 +17,10 @@ from reference import reset_caches
 from test_cpp_batch import batch_bin, cpp_results, request_json, run_batch  # noqa: F401
 from test_cpp_runtime import cpp_generate
 
+from aotgen.bench import package_kv_bytes
 from aotgen.checkpoint.hf import open_checkpoint
 from aotgen.package.build import build
+from aotgen.package.manifest import kv_position_bytes
 from aotgen.package.models import prepare_models
 from aotgen.passes.tp import parse_parallel, resolve_plan
 from aotgen.recipe import RecipeError, parse_recipe
@@ -59,6 +61,16 @@ def test_manifest_records_the_rings(engine):
     assert kv["ring"] == {"cells": 12, "window": 4}
     assert kv["shapes"][:2] == [[1, 1, 12, 2 * 2 * 16 + 4 * 16], [1, 4, 12, 16 * 16]]
     assert kv["shapes"][4] == [1, 2, kv["cache_len"], 32]
+
+
+def test_bench_counts_one_state_per_linear_layer(engine):
+    """A decode step reads one state (and a few convolution inputs) of each linear-attention
+    layer however long the context: 100 more positions add only the attention layer's keys
+    and values."""
+    entry = engine.manifest["models"]["target"]
+    per_position = kv_position_bytes(entry["kv_cache"])
+    grown = package_kv_bytes(entry, 200, 10) - package_kv_bytes(entry, 100, 10)
+    assert grown == 100 * per_position[2]  # layer 2 attends
 
 
 @pytest.mark.parametrize(
