@@ -26,6 +26,16 @@ GRANITE4 = dict(
     mamba_n_heads=4,
     mamba_d_head=32,
 )
+FAMILIES_QWEN3_5 = dict(
+    num_hidden_layers=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    layer_types=["linear_attention"] * 2 + ["full_attention", "linear_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", dict(num_hidden_layers=2, num_key_value_heads=2)),
     "qwen2-tied": (
@@ -472,17 +482,16 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # Qwen3.5: linear attention (the gated delta rule; 2 key heads, 4 value heads, kernel 4)
     # on layers 0, 1 and 3, gated full attention rotating a quarter of each head on layer 2.
-    "qwen3_5": (
-        "Qwen3_5TextConfig",
+    "qwen3_5": ("Qwen3_5TextConfig", FAMILIES_QWEN3_5),
+    # Qwen3.5-MoE: the same layers with 8 experts (2 a token) and a gated shared expert.
+    "qwen3_5-moe": (
+        "Qwen3_5MoeTextConfig",
         dict(
-            num_hidden_layers=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            layer_types=["linear_attention"] * 2 + ["full_attention", "linear_attention"],
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
+            FAMILIES_QWEN3_5,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=2,
         ),
     ),
     "gptneox-draft": (
@@ -597,7 +606,7 @@ EAGER_PARITY = [
     "granite-moe", "granite4", "granite4-moe", "lfm2-moe", "glm4", "ernie4_5", "phi-qk",
     "stablelm", "starcoder2", "gemma", "cohere", "cohere2", "exaone4", "exaone4-global",
     "nemotron", "arcee", "qwen3-moe", "seed-oss", "helium", "ministral", "ministral3",
-    "hunyuan", "apertus", "qwen3_5",
+    "hunyuan", "apertus", "qwen3_5", "qwen3_5-moe",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

@@ -145,10 +145,11 @@ def test_sparse_text_config_reads_as_transformers(kind):
     )
     ref = transformers.AutoConfig.for_model(kind)
     assert cfg.hidden_act == getattr(ref, "hidden_activation", None) or ref.hidden_act
+    moe = kind == "qwen3_5_moe_text"
     for key in (
         "vocab_size",
         "hidden_size",
-        "intermediate_size",
+        "moe_intermediate_size" if moe else "intermediate_size",
         "num_hidden_layers",
         "num_attention_heads",
         "num_key_value_heads",
@@ -164,7 +165,10 @@ def test_sparse_text_config_reads_as_transformers(kind):
         assert cfg.rope_theta == scaling["rope_theta"]
         assert cfg.rope_scaling["factor"] == scaling["factor"]
         assert cfg.query_gain_beta == scaling["llama_4_scaling_beta"]
-    if kind == "qwen3_5_text":
+    if moe:
+        assert (cfg.num_experts, cfg.num_experts_per_tok) == (ref.num_experts, 8)
+        assert cfg.shared_expert_intermediate_size == ref.shared_expert_intermediate_size
+    if kind.startswith("qwen3_5"):
         assert cfg.layer_types == tuple(ref.layer_types)
         assert cfg.rope_theta == ref.rope_parameters["rope_theta"]
         assert cfg.rotary_dim == int(head_dim * ref.rope_parameters["partial_rotary_factor"])

@@ -1,5 +1,5 @@
 """The language model inside a vision-language checkpoint (Gemma 3 4B and up, Mistral Small
-3.x, Ministral 3, Qwen3.5): its `text_config` read as the text family's own config, and its tensors
+3.x, Ministral 3, Qwen3.5 and Qwen3.5-MoE): its `text_config` read as the text family's own config, and its tensors
 under the text family's names; the vision tower and projector are left out, so the package
 takes text only."""
 
@@ -16,6 +16,7 @@ TEXT_ARCHITECTURES = {
         "ministral3": "Ministral3ForCausalLM",
     },
     "Qwen3_5ForConditionalGeneration": {"qwen3_5_text": "Qwen3_5ForCausalLM"},
+    "Qwen3_5MoeForConditionalGeneration": {"qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"},
 }
 # transformers' defaults of each text config class, for the keys the model reads besides RoPE's
 # (hf_config.py's defaults are the families' own, in either dialect): a `text_config` written by
@@ -86,6 +87,16 @@ TEXT_DEFAULTS["qwen3_5_text"] = dict(  # 5.x only: one dialect
     linear_num_value_heads=32,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
 )
+TEXT_DEFAULTS["qwen3_5_moe_text"] = {
+    **{k: v for k, v in TEXT_DEFAULTS["qwen3_5_text"].items() if k != "intermediate_size"},
+    "hidden_size": 2048,
+    "num_hidden_layers": 40,
+    "num_key_value_heads": 2,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+}
 # Where the language model's tensors lie, in the layout saved by transformers 4.x and the
 # one 5.x builds in memory (and some checkpoints ship), → the text family's names.
 TEXT_PREFIXES = {

@@ -52,8 +52,10 @@ LLAMA_LAYOUT = (
     *MOE_ARCHITECTURES,
 )
 LFM2 = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
-# Qwen3.5: gated-delta-rule linear attention beside gated full attention (qwen3_5.py).
-QWEN3_5 = "Qwen3_5ForCausalLM"
+# Qwen3.5: gated-delta-rule linear attention beside gated full attention (qwen3_5.py); its
+# mixture of experts has Qwen2-MoE's sparse MLPs (a gated shared expert) on every layer.
+QWEN3_5_MOE = "Qwen3_5MoeForCausalLM"
+QWEN3_5 = ("Qwen3_5ForCausalLM", QWEN3_5_MOE)
 # LayerNorms, biases, partial rotary (layernorm_decoders.py).
 PHI, STABLELM, STARCODER2 = "PhiForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM"
 COHERE, COHERE2 = "CohereForCausalLM", "Cohere2ForCausalLM"
@@ -66,7 +68,7 @@ SUPPORTED_ARCHITECTURES = (
     "GPTNeoXForCausalLM",
     *LAYERNORM_LAYOUT,
     *LFM2,
-    QWEN3_5,
+    *QWEN3_5,
 )
 GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Gemma 2 and 3: sliding and global layers, softcaps, a norm after attention and the MLP.

@@ -26,6 +26,7 @@ from aotgen.model.config import (
     NEMOTRON,
     PHI,
     QWEN3_5,
+    QWEN3_5_MOE,
     STABLELM,
     STARCODER2,
     SUPPORTED_ARCHITECTURES,
@@ -52,6 +53,8 @@ def hf_fields(hf: dict) -> dict[str, Any]:
         "rope_local_base_freq",
     ):
         _positive(hf, key)
+    if arch == QWEN3_5_MOE:  # every MLP sparse: no dense width of its own
+        hf = {"intermediate_size": hf.get("moe_intermediate_size"), **hf}
     heads = hf["num_attention_heads"]
     theta, scaling, local = read_rope(hf, arch)
     common: dict[str, Any] = dict(
@@ -84,7 +87,7 @@ def hf_fields(hf: dict) -> dict[str, Any]:
         common["rope_scaling"] = {**scaling, "original_max_position_embeddings": original}
     family = _gpt_neox if arch == "GPTNeoXForCausalLM" else _llama_layout
     family = _lfm2 if arch in LFM2 else family
-    family = _qwen3_5 if arch == QWEN3_5 else family
+    family = _qwen3_5 if arch in QWEN3_5 else family
     family = _layernorm_layout if arch in LAYERNORM_LAYOUT else family
     return {**common, **family(hf, arch, common, local)}
 
@@ -288,6 +291,7 @@ def _moe(hf: dict, arch: str, layers: int, act: str) -> dict[str, Any]:
     qwen = arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
     shared = {
         "Qwen2MoeForCausalLM": hf.get("shared_expert_intermediate_size"),
+        QWEN3_5_MOE: hf.get("shared_expert_intermediate_size"),
         "GraniteMoeSharedForCausalLM": hf.get("shared_intermediate_size"),
         "GraniteMoeHybridForCausalLM": hf.get("shared_intermediate_size"),
     }.get(arch)
@@ -306,11 +310,11 @@ def _moe(hf: dict, arch: str, layers: int, act: str) -> dict[str, Any]:
         num_experts_per_tok=top_k,
         moe_intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
         # Mixtral renormalises; Granite's and gpt-oss's softmax over the top-k logits is the same
-        norm_topk_prob=arch in ("MixtralForCausalLM", GPT_OSS)
+        norm_topk_prob=arch in ("MixtralForCausalLM", GPT_OSS, QWEN3_5_MOE)
         or arch in GRANITES
         or bool(hf.get("norm_topk_prob", False)),
         shared_expert_intermediate_size=shared or 0,
-        shared_expert_gated=arch == "Qwen2MoeForCausalLM",
+        shared_expert_gated=arch in ("Qwen2MoeForCausalLM", QWEN3_5_MOE),
         moe_layers=tuple(
             not qwen or (i not in dense and (i + 1) % step == 0) for i in range(layers)
         ),
@@ -392,7 +396,8 @@ def _lfm2(hf: dict, arch: str, common: dict, local: float | None) -> dict[str, A
 def _qwen3_5(hf: dict, arch: str, common: dict, local: float | None) -> dict[str, Any]:
     """Qwen3.5: gated-delta-rule linear attention (`linear_attention` layers) beside full
     attention with per-head q/k norms, partial RoPE and a sigmoid gate on its output; every
-    norm scales by (1 + w)."""
+    norm scales by (1 + w). Qwen3.5-MoE: sparse MLPs on every layer, the top-k renormalised,
+    a shared expert behind a sigmoid gate."""
     layers = common["num_hidden_layers"]
     types = hf.get("layer_types") or [
         "full_attention" if (i + 1) % hf.get("full_attention_interval", 4) == 0
@@ -427,8 +432,10 @@ def _qwen3_5(hf: dict, arch: str, common: dict, local: float | None) -> dict[str
     rotary_dim = int(common["head_dim"] * rotary)
     if rotary_dim % 2 or not rotary_dim:
         raise ValueError(f"config.json: partial_rotary_factor={rotary}: an odd or empty dim")
+    experts = _moe(hf, arch, layers, act) if arch == QWEN3_5_MOE else {}
     return {
         **fields,
+        **experts,
         "hidden_act": act,
         "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
         "qk_norm": True,

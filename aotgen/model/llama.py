@@ -227,7 +227,7 @@ def model_class(cfg: ModelConfig) -> type[CausalLM]:
         from aotgen.model.lfm2 import Lfm2ForCausalLM
 
         return Lfm2ForCausalLM
-    if cfg.architecture == QWEN3_5:
+    if cfg.architecture in QWEN3_5:
         from aotgen.model.qwen3_5 import Qwen3_5ForCausalLM
 
         return Qwen3_5ForCausalLM

@@ -21,6 +21,9 @@ The attention layers are Qwen3's with a gate: q_proj gives each head's query and
 a gate; the attention output is multiplied by its sigmoid before o_proj. Text positions are
 the same on all three of Qwen3.5's multimodal RoPE axes, which makes it plain RoPE on the
 first quarter of each head.
+
+`Qwen3_5MoeForCausalLM` (Qwen3.5-MoE) is the same with sparse MLPs (moe.py: the top-k of the
+router's softmax renormalised, a shared expert behind a sigmoid gate) on every layer.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from torch import Tensor, nn
 
 from aotgen.kernels import gated_delta  # noqa: F401  (registers aotgen::gated_delta_rule)
 from aotgen.model.config import ModelConfig
+from aotgen.model.moe import SparseMoE
 from aotgen.model.layers import (
     CacheIndex,
     CausalLM,
@@ -163,7 +167,7 @@ class DecoderLayer(nn.Module):
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(d, eps, unit_offset=True)
         self.post_attention_layernorm = RMSNorm(d, eps, unit_offset=True)
-        self.mlp = GatedMLP(d, cfg.intermediate_size)
+        self.mlp = SparseMoE(cfg) if cfg.is_moe(index) else GatedMLP(d, cfg.intermediate_size)
 
     def forward(self, x, cos, sin, write_at, mask, k_cache, v_cache, span) -> Tensor:
         mixer = self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
