@@ -217,6 +217,8 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # gated attention; (1 + w) norms stored as 1 + w, A_log as -exp, dt_bias as ssm_dt.bias
     # (conversion/qwen.py Qwen3_5TextModel).
     "qwen35": FAMILIES["qwen3_5"],
+    # Qwen3.5-MoE: its experts stacked, the shared expert's gate as ffn_gate_inp_shexp.
+    "qwen35moe": FAMILIES["qwen3_5-moe"],
 }
 # The GGUF architecture of the test cases named otherwise.
 GGUF_ARCH = {
@@ -544,7 +546,7 @@ def _checkpoint(out: Path, arch: str, mxfp4: bool = False, **sizes: Any) -> Path
 
 
 def _gguf_name(arch: str, hf: str) -> str:
-    if arch == "qwen35" and hf.endswith(("linear_attn.A_log", "linear_attn.dt_bias")):
+    if arch.startswith("qwen35") and hf.endswith(("linear_attn.A_log", "linear_attn.dt_bias")):
         leaf = "ssm_a" if hf.endswith("A_log") else "ssm_dt.bias"
         return f"blk.{hf.split('.')[2]}.{leaf}"
     if hf.endswith("feed_forward.expert_bias"):  # LFM2-MoE's, a tensor of its own
@@ -577,14 +579,15 @@ def _gguf_name(arch: str, hf: str) -> str:
         "hunyuan-dense": HUNYUAN_NAMES,
         "apertus": APERTUS_NAMES,
         "qwen35": QWEN35_NAMES,
+        "qwen35moe": QWEN35_NAMES,
     }.get(arch, LAYER_NAMES["llama"])
     return f"blk.{i}.{names[rest]}.{kind}"
 
 
 def _converted(arch: str, hf: str, w: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf.py stores for an HF tensor."""
-    if arch == "qwen35":
-        return _qwen35_converted(hf, w, CONFIGS["qwen35"][1])
+    if arch.startswith("qwen35"):
+        return _qwen35_converted(hf, w, CONFIGS[arch][1])
     if arch in ("gemma", "gemma2", "gemma3", "nemotron") and hf.endswith("norm.weight"):
         return w + np.float32(1.0)
     # its LlamaModel kin
@@ -630,7 +633,7 @@ def _qwen35_converted(hf: str, w: np.ndarray, cfg: dict[str, Any]) -> np.ndarray
     return np.ascontiguousarray(w)
 
 
-def _qwen35_meta(w: gguf.GGUFWriter, cfg: dict[str, Any], head_dim: int) -> None:
+def _qwen35_meta(w: gguf.GGUFWriter, kind: str, cfg: dict[str, Any], head_dim: int) -> None:
     """What conversion/qwen.py writes of Qwen3.5 past the common keys (Qwen3NextModel's
     ssm.* sizes, the recurrent blocks, a quarter of each head rotated, mrope sections)."""
     w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
@@ -638,7 +641,7 @@ def _qwen35_meta(w: gguf.GGUFWriter, cfg: dict[str, Any], head_dim: int) -> None
     w.add_ssm_group_count(cfg["linear_num_key_heads"])
     w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
     w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
-    w.add_array("qwen35.attention.recurrent_layers", [
+    w.add_array(f"{kind}.attention.recurrent_layers", [
         t == "linear_attention" for t in cfg["layer_types"]])  # fmt: skip
     w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
     w.add_rope_dimension_count(int(head_dim * cfg["rope_parameters"]["partial_rotary_factor"]))
@@ -877,8 +880,8 @@ def _write_gguf(
             w.add_rope_freq_base(theta)
         _llama_variant_meta(w, arch, cfg, head_dim)
         _moe_meta(w, cfg)
-        if kind == "qwen35":
-            _qwen35_meta(w, cfg, head_dim)
+        if kind.startswith("qwen35"):
+            _qwen35_meta(w, kind, cfg, head_dim)
         if kind == "gpt-oss":
             _gpt_oss_meta(w, cfg)
     if keys is not None:

@@ -158,7 +158,7 @@ def read_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict[str, n
             w = _gptneox_qkv(w, config["num_attention_heads"])
         elif arch.startswith("lfm2") and ".shortconv.conv." in t.name:
             w = w[:, None]  # HF's depthwise Conv1d weight [d, 1, kernel]
-        if arch == "qwen35":
+        if arch.startswith("qwen35") and ".mlp." not in name:
             out[name] = qwen35_tensor(name, w, config)
         elif arch in ("phi2", "gpt-oss") and ".attn_qkv." in t.name:
             out.update(_split_qkv(name, w, config))

@@ -222,6 +222,12 @@ ARCHS: dict[str, Arch] = {
     ),
     # linear attention beside gated attention (gguf_arch_qwen35.py); q/k as HF has them
     "qwen35": Arch("Qwen3_5ForCausalLM", "qwen3_5_text", QWEN35_LAYER, params=QWEN35_PARAMS),
+    "qwen35moe": Arch(
+        "Qwen3_5MoeForCausalLM",
+        "qwen3_5_moe_text",
+        {**QWEN35_LAYER, **_MOE_LAYER},
+        params=QWEN35_PARAMS,
+    ),
     # q/k rows as HF has them (NEOX RoPE, no permutation)
     "gpt-oss": Arch("GptOssForCausalLM", "gpt_oss", _GPT_OSS_LAYER),
     "gptneox": Arch(

@@ -57,7 +57,7 @@ def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
         lfm2 = {"in_proj": (3 * d, d), "out_proj": out_proj, "conv": (d, c["conv_L_cache"])}
         lfm2 |= {"w1": (f, d), "w3": (f, d), "w2": (d, f), "q_layernorm": (hd,)}
         shapes |= {**lfm2, "k_layernorm": (hd,)}  # conv as llama.cpp stores it: [d, kernel]
-    if c["architectures"][0] == "Qwen3_5ForCausalLM":
+    if c["architectures"][0] in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"):
         shapes |= _qwen3_5_shapes(c, d, q)
         if name.endswith("linear_attn.norm"):  # each value head's output
             return (c["linear_value_head_dim"],)
@@ -131,7 +131,7 @@ def check_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
     # tensors.
     dense = config.get("num_dense_layers", n_layer)
     kinds = [f"{t}-{i < dense}" for i, t in enumerate(config.get("layer_types") or [])]
-    by_type = spec.hf_arch.startswith("Lfm2") or spec.hf_arch == "Qwen3_5ForCausalLM"
+    by_type = spec.hf_arch.startswith(("Lfm2", "Qwen3_5"))
     kinds = kinds if by_type else ["block"] * n_layer
     per_kind: dict[str, set[str]] = {}
     for n in names:

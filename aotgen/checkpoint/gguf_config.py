@@ -31,7 +31,7 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     arch, spec = arch_spec(reader)
     config = _common_config(reader, arch, spec)
     divisors = _frequency_divisors(reader, config)
-    own_rope = ("gptneox", "lfm2", "lfm2moe", "gpt-oss", "qwen35", *LAYERNORM_ARCHS)
+    own_rope = ("gptneox", "lfm2", "lfm2moe", "gpt-oss", "qwen35", "qwen35moe", *LAYERNORM_ARCHS)
     if divisors and (arch in own_rope or read_rope_scaling(reader, arch)):
         raise CheckpointError(
             f"GGUF {ROPE_FREQS} on {arch} (or with a rope.scaling.type) is not supported"
@@ -46,6 +46,8 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         return gpt_oss_config(reader, arch, config)
     if arch == "qwen35":
         return qwen35_config(reader, arch, config)
+    if arch == "qwen35moe":
+        return qwen35_config(reader, arch, config) | _experts(reader, arch)
     config.update(
         rms_norm_eps=f32(require_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_theta=f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0)),
@@ -231,13 +233,13 @@ def _lfm2_experts(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
 
 def _experts(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
     """A mixture of experts' config keys. llama.cpp renormalises the chosen experts' weights
-    for Mixtral (a `llama` GGUF with experts), Qwen3-MoE and Granite MoE whatever the original
-    config said,
+    for Mixtral (a `llama` GGUF with experts), Qwen3-MoE, Qwen3.5-MoE and Granite MoE whatever
+    the original config said,
     never for Qwen2-MoE and OLMoE, and runs every block as MoE."""
     out: dict[str, Any] = {
         "num_experts": int(require_meta(reader, f"{arch}.expert_count")),
         "num_experts_per_tok": int(require_meta(reader, f"{arch}.expert_used_count")),
-        "norm_topk_prob": arch in ("llama", "qwen3moe", "granitemoe"),
+        "norm_topk_prob": arch in ("llama", "qwen3moe", "granitemoe", "qwen35moe"),
     }
     for key, hf in (
         ("expert_feed_forward_length", "moe_intermediate_size"),

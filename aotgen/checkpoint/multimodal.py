@@ -1,7 +1,7 @@
 """The language model inside a vision-language checkpoint (Gemma 3 4B and up, Mistral Small
-3.x, Ministral 3, Qwen3.5 and Qwen3.5-MoE): its `text_config` read as the text family's own config, and its tensors
-under the text family's names; the vision tower and projector are left out, so the package
-takes text only."""
+3.x, Ministral 3, Qwen3.5 and Qwen3.5-MoE): its `text_config` read as the text family's own
+config, and its tensors under the text family's names; the vision tower and projector are left
+out, so the package takes text only."""
 
 from __future__ import annotations
 

@@ -34,7 +34,6 @@ from torch import Tensor, nn
 
 from aotgen.kernels import gated_delta  # noqa: F401  (registers aotgen::gated_delta_rule)
 from aotgen.model.config import ModelConfig
-from aotgen.model.moe import SparseMoE
 from aotgen.model.layers import (
     CacheIndex,
     CausalLM,
@@ -43,6 +42,7 @@ from aotgen.model.layers import (
     apply_rope,
     cached_attention,
 )
+from aotgen.model.moe import SparseMoE
 
 
 class GatedAttention(nn.Module):
