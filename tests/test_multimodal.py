@@ -31,6 +31,15 @@ YARN_GAIN = {
     "original_max_position_embeddings": 8,
     "llama_4_scaling_beta": 0.5,
 }
+QWEN3_5_VISION = dict(
+    model_type="qwen3_5_vision",
+    depth=1,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    out_hidden_size=64,
+    num_position_embeddings=16,
+)
 # name → (config class, text_config, vision_config, top-level arguments)
 MODELS = {
     # Gemma 3 4B's kind: test_families' Gemma 3 text model (window 8 on three layers in four,
@@ -60,15 +69,14 @@ MODELS = {
     "qwen3_5": (
         "Qwen3_5Config",
         dict(BASE, **FAMILIES["qwen3_5"][1], model_type="qwen3_5_text"),
-        dict(
-            model_type="qwen3_5_vision",
-            depth=1,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=64,
-            num_position_embeddings=16,
-        ),
+        QWEN3_5_VISION,
+        dict(tie_word_embeddings=False),
+    ),
+    # Qwen3.5-MoE's kind: the same with test_families' experts.
+    "qwen3_5-moe": (
+        "Qwen3_5MoeConfig",
+        dict(BASE, **FAMILIES["qwen3_5-moe"][1], model_type="qwen3_5_moe_text"),
+        dict(QWEN3_5_VISION, model_type="qwen3_5_moe_vision"),
         dict(tie_word_embeddings=False),
     ),
 }
@@ -132,7 +140,7 @@ def test_text_model_matches_transformers(checkpoints, name):
     got, want = eager.forward(history, 0), reference_logits(reference, history)
     assert ((got - want).norm() / want.norm()).item() < 1e-4
     assert eager.greedy(history[:20], 32) == reference_greedy(reference, history[:20], 32)
-    assert eager.config.tie_word_embeddings == (name not in ("mistral3", "qwen3_5"))
+    assert eager.config.tie_word_embeddings == (name in ("gemma3", "ministral3"))
 
 
 @pytest.mark.parametrize("kind", TEXT_DEFAULTS)
