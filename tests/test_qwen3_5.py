@@ -13,12 +13,13 @@ import pytest
 import torch
 from families import RECIPE, load_reference, make_family_checkpoint, reference_greedy
 from families import reference_logits as _reference_logits
-from reference import reset_caches
+from reference import EagerModel, reset_caches
 from test_cpp_batch import batch_bin, cpp_results, request_json, run_batch  # noqa: F401
 from test_cpp_runtime import cpp_generate
 
 from aotgen.bench import package_kv_bytes
 from aotgen.checkpoint.hf import open_checkpoint
+from aotgen.model.llama import new_kv_cache
 from aotgen.package.build import build
 from aotgen.package.manifest import kv_position_bytes
 from aotgen.package.models import prepare_models
@@ -154,6 +155,24 @@ def test_cpp_runtime_matches_python(run_bin, batch_bin, engine, tmp_path):  # no
     assert [r["ids"] for r in got] == [w.token_ids for w in want]
     assert [r["cached_tokens"] for r in got] == [w.cached_tokens for w in want]
     assert want[1].cached_tokens >= 69 and want[2].cached_tokens == 0
+
+
+@torch.no_grad()
+def test_eager_batch_keeps_each_sequence_in_its_row(checkpoint):
+    """An eager forward of two sequences (distillation's batches) reads and writes each one's
+    rings in its own cache row: a second call, which reads what the first left there, gives
+    each row the logits of its sequence run alone."""
+    eager = EagerModel(checkpoint, 96)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, eager.config.vocab_size, (2, 24), generator=g)
+    caches = new_kv_cache(eager.config, 96, batch=2)
+    eager.model(tokens[:, :20], torch.arange(20), caches)
+    both = eager.model(tokens[:, 20:], torch.arange(20, 24), caches)
+    for i in range(2):
+        eager.reset()
+        eager.model(tokens[i : i + 1, :20], torch.arange(20), eager.caches)
+        alone = eager.model(tokens[i : i + 1, 20:], torch.arange(20, 24), eager.caches)[0]
+        assert torch.allclose(both[i], alone, atol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -147,10 +147,13 @@ class GatedDeltaNet(nn.Module):
 
 
 def _rows(write_at: CacheIndex, b: int) -> tuple[Tensor, Tensor]:
-    """(slots [b], positions [b, t]) of a call: a batch's, or one sequence in row 0."""
+    """(slots [b], positions [b, t]) of a call: a batch's in its slots, or sequences at the
+    same positions in rows 0.. (one in a graph; several in an eager batch, as distillation
+    runs)."""
     if isinstance(write_at, tuple):
         return write_at[0][:, 0], write_at[1]
-    return torch.zeros(b, dtype=torch.long, device=write_at.device), write_at.unsqueeze(0)
+    rows = torch.arange(b, device=write_at.device)
+    return rows, write_at.unsqueeze(0).expand(b, -1)
 
 
 def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
