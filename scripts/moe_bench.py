@@ -80,12 +80,20 @@ def build_and_bench(work: Path, ckpt: Path, builds: list[tuple[str, list[str], s
     subprocess.run([*bench, "--gen-tokens", "64", "--runs", "3"], cwd=work, check=True)
 
 
-def llama_bench(work: Path, ckpt: Path, stem: str, bin_dir: Path, kinds: tuple[str, ...]) -> None:
-    """llama-bench on the checkpoint converted by llama.cpp (F32), and quantized to `kinds`."""
+def llama_bench(
+    work: Path,
+    ckpt: Path,
+    stem: str,
+    bin_dir: Path,
+    kinds: tuple[str, ...],
+    convert_args: tuple[str, ...] = (),
+) -> None:
+    """llama-bench on the checkpoint converted by llama.cpp (F32, with `convert_args`), and
+    quantized to `kinds`."""
     gguf = work / f"{stem}-f32.gguf"
     converter = LLAMACPP / "src/vendor/llama.cpp/convert_hf_to_gguf.py"
     if not gguf.exists():
-        convert = [sys.executable, str(converter), str(ckpt), "--outtype", "f32"]
+        convert = [sys.executable, str(converter), str(ckpt), "--outtype", "f32", *convert_args]
         subprocess.run([*convert, "--outfile", str(gguf)], check=True)
     quantized = {kind: work / f"{stem}-{kind.lower()}.gguf" for kind in kinds}
     for kind, path in quantized.items():

@@ -9,7 +9,7 @@ Shape: 24 layers, three of every four linear attention (16 key and 16 value head
 quarter rotated), hidden 1024, MLP 3,584, with SmolLM2's 49,152-token vocabulary and tokenizer
 (llama.cpp's converter knows it; Qwen3.5's own has 248,320): 547 M parameters. Prints `aotgen
 bench` for the fp32 and int8 packages, and `llama-bench` on the same weights in F32 and Q8_0
-(converted with llama.cpp's convert_hf_to_gguf.py, then llama-quantize).
+(converted with llama.cpp's convert_hf_to_gguf.py `--no-mtp`, then llama-quantize).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def main() -> None:
         ("qwen3_5-int8", ["-m", "aotgen", "build"], "quantize: {linear: int8}\n"),
     ]
     build_and_bench(work, ckpt, builds)
-    llama_bench(work, ckpt, "qwen3_5", args.llamacpp, ("Q8_0",))
+    # The checkpoint has no multi-token-prediction layer, which the converter otherwise expects.
+    llama_bench(work, ckpt, "qwen3_5", args.llamacpp, ("Q8_0",), ("--no-mtp",))
 
 
 if __name__ == "__main__":
