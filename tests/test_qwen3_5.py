@@ -130,12 +130,14 @@ def test_batch_engine_matches_transformers(engine, reference):
     batch = BatchEngine.load(engine.root)
     results = batch.generate_many(prompts, GenerationConfig(max_new_tokens=24, ignore_eos=True))
     assert [r.token_ids for r in results] == [reference_greedy(reference, p, 24) for p in prompts]
+    assert results[1].cached_tokens == 17  # copied from the first request's row, rings too
 
 
 @pytest.mark.cpp
 def test_cpp_runtime_matches_python(run_bin, batch_bin, engine, tmp_path):  # noqa: F811
     """aotgen-run's greedy and n-gram ids equal Python's; aotgen-batch on one slot, a chat's
-    next turn and a branch from far back, gets Python's ids and cached counts."""
+    next turn and a branch from far back, and on two slots, a prefix copied from a running
+    request's row, gets Python's ids and cached counts."""
     g = torch.Generator().manual_seed(6)
     prompt = torch.randint(3, engine.target.vocab_size, (30,), generator=g).tolist()
     for args in ([], ["--lookup", "ngram"]):
@@ -155,6 +157,15 @@ def test_cpp_runtime_matches_python(run_bin, batch_bin, engine, tmp_path):  # no
     assert [r["ids"] for r in got] == [w.token_ids for w in want]
     assert [r["cached_tokens"] for r in got] == [w.cached_tokens for w in want]
     assert want[1].cached_tokens >= 69 and want[2].cached_tokens == 0
+    # Two slots, the batched graphs: the second request copies the first one's row.
+    prompts = [prompt[:26], prompt[:18], prompt[5:26]]
+    config = GenerationConfig(24, ignore_eos=True)
+    want = BatchEngine.load(engine.root).generate_many(prompts, config)
+    requests = [request_json(p, config) for p in prompts]
+    got = cpp_results(run_batch(batch_bin, engine.root, requests, tmp_path, "--slots", "2"))[0]
+    assert [r["ids"] for r in got] == [w.token_ids for w in want]
+    assert [r["cached_tokens"] for r in got] == [w.cached_tokens for w in want]
+    assert want[1].cached_tokens == 17
 
 
 @torch.no_grad()
