@@ -347,7 +347,7 @@ def _generation_routes(server: Server) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Any:
-        fmt, forced = req.tool_calls(tool_format(tok.chat_template))
+        fmt, forced = req.tool_calls(tool_format(tok.chat_template, req.tool_dicts()))
         prompt = req.prompt_ids(tok)
         config = server.config(req, prompt, req.max_completion_tokens or req.max_tokens)
         if forced is not None:

@@ -11,6 +11,9 @@ which convention from the template (vLLM's `--tool-call-parser`, chosen per mode
   after any text; call ids of 9 letters and digits, which its template checks.
 - `granite` (Granite 3.x): `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]`, Mistral's
   JSON list after Granite's own marker.
+- `qwen3_coder` (Qwen3.5, Qwen3-Coder): `<tool_call>\n<function=NAME>\n<parameter=KEY>\n
+  VALUE\n</parameter>\n...</function>\n</tool_call>` after any text; each value is text, typed
+  by the tool's schema (a string as written, other types as JSON, as the template writes them).
 - `harmony` (gpt-oss): a message to `functions.NAME` whose body is the arguments, one call
   per answer (aotgen/harmony.py reads the answer's channels).
 
@@ -199,6 +202,99 @@ class GraniteFormat(MistralFormat):
     call_id = staticmethod(_openai_id)
 
 
+class XmlFormat(_AfterText):
+    """Qwen3.5's and Qwen3-Coder's calls (vLLM's `qwen3_coder` parser). The template writes a
+    string argument as it is and others as JSON (`tojson`, Python's `str` for numbers and
+    booleans), so the request's tools say how to read each value back."""
+
+    name = "qwen3_coder"
+    open, close = "<tool_call>", "</tool_call>"
+    _blocks = re.compile(
+        r"<tool_call>\s*<function=([^>\n]+)>\n?(.*?)</function>\s*(?:</tool_call>|$)", re.DOTALL
+    )
+    _params = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+    call_id = staticmethod(_openai_id)
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None):
+        self.schemas = {
+            t["function"]["name"]: (t["function"].get("parameters") or {}).get("properties", {})
+            for t in tools or []
+        }
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        at = self.start(text)
+        if at is None:
+            return text, []
+        blocks = list(self._blocks.finditer(text, at))
+        if not blocks or text[at : blocks[0].start()].strip():  # not calls after all
+            return text, []
+        calls = []
+        for block in blocks:
+            name, body = block.group(1).strip(), block.group(2)
+            schema = self.schemas.get(name, {})
+            args = {
+                key.strip(): _typed(value, schema.get(key.strip(), {}))
+                for key, value in self._params.findall(body)
+            }
+            calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
+        return text[:at] or None, calls
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> Grammar:
+        """Each tool's required parameters in its schema's order, then its optional ones, each
+        value as its schema says: JSON for non-strings, one of an enum's strings, or a line of
+        text (no `<`, no line break: a forced call's strings are single lines)."""
+        more = ' ("\\n" call)*' if parallel else ""  # one block a line, as the template has
+        rules = [f"start: call{more}"]
+        rules.append(f"call: {' | '.join(f'call{i}' for i in range(len(tools)))}")
+        for i, tool in enumerate(tools):
+            function = tool["function"]
+            parameters = function.get("parameters") or {}
+            properties = parameters.get("properties", {})
+            required = set(parameters.get("required", ()))
+            head = json.dumps(f"{self.open}\n<function={function['name']}>\n")
+            parts = []
+            for j, (key, spec) in enumerate(properties.items()):
+                name = f"p{i}_{j}"
+                rules.append(
+                    f"{name}: {json.dumps(f'<parameter={key}>' + chr(10))} v{i}_{j} "
+                    f"{json.dumps(chr(10) + '</parameter>' + chr(10))}"
+                )
+                rules.append(f"v{i}_{j}: {_value_rule(spec)}")
+                parts.append(name if key in required else f"{name}?")
+            tail = json.dumps(f"</function>\n{self.close}")
+            rules.append(f"call{i}: {head} {' '.join(parts)} {tail}")
+        return Grammar("grammar", "\n".join(rules) + "\n")
+
+
+def _typed(value: str, spec: dict[str, Any]) -> Any:
+    """A parameter's text as the value its schema types (vLLM's qwen3_coder rules): a string
+    as written; integers, numbers, booleans and null from their text; objects and arrays as
+    JSON; text that does not read as its type stays text."""
+    kind = spec.get("type")
+    if kind == "string" or (kind is None and "enum" in spec):
+        return value
+    if value.strip().lower() in ("null", "none") and kind != "string":
+        return None
+    if kind == "boolean":
+        return value.strip().lower() == "true"
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        return value
+    if kind == "integer" and isinstance(parsed, float) and parsed.is_integer():
+        return int(parsed)
+    return parsed
+
+
+def _value_rule(spec: dict[str, Any]) -> str:
+    """The grammar of one parameter's value as the template writes it."""
+    if spec.get("type") == "string" or (spec.get("type") is None and "enum" in spec):
+        if "enum" in spec:
+            return " | ".join(json.dumps(str(v)) for v in spec["enum"])
+        return "/[^<\\n]*/"
+    return _json(spec)
+
+
 class HarmonyFormat:
     """gpt-oss's calls: read by `harmony.split_harmony` with the answer's channels (a harmony
     answer streams through `harmony.HarmonyStream`, not `ToolCallStream`)."""
@@ -223,15 +319,22 @@ class HarmonyFormat:
         return harmony.after_analysis(calls, harmony.CHANNEL)
 
 
-ToolFormat = HermesFormat | Llama3JsonFormat | MistralFormat | GraniteFormat | HarmonyFormat
+ToolFormat = (
+    HermesFormat | Llama3JsonFormat | MistralFormat | GraniteFormat | XmlFormat | HarmonyFormat
+)
 
 
-def tool_format(chat_template: str | None) -> ToolFormat | None:
-    """How the model of this chat template calls tools, or None if the template takes none."""
+def tool_format(
+    chat_template: str | None, tools: list[dict[str, Any]] | None = None
+) -> ToolFormat | None:
+    """How the model of this chat template calls tools, or None if the template takes none;
+    `tools`: the request's, which type the arguments of a format that writes them as text."""
     if not chat_template or "tools" not in chat_template:
         return None
     if harmony.takes_harmony(chat_template):
         return HarmonyFormat()
+    if "<function=" in chat_template:  # before Hermes: its calls are in <tool_call> too
+        return XmlFormat(tools)
     if MistralFormat.open in chat_template:
         return MistralFormat()
     if GraniteFormat.open in chat_template:  # before Hermes: "<tool_call>" is not in it

@@ -28,6 +28,7 @@ from aotgen.tool_calls import (
     MistralFormat,
     ToolCall,
     ToolCallStream,
+    XmlFormat,
     tool_format,
 )
 
@@ -155,13 +156,32 @@ GRANITE_CASES = [
     ),
     ("<|tool_call|>[oops", "<|tool_call|>[oops", []),
 ]
+# vLLM's qwen3_coder parser cases: each value typed by the tool's schema (a string as written).
+XML_CASES = [
+    ("Paris is sunny.", "Paris is sunny.", []),
+    (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "</function>\n</tool_call>",
+        None,
+        [ToolCall("get_weather", '{"city": "Paris"}')],
+    ),
+    (
+        "Let me check.\n\n<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n"
+        "<parameter=b>\n-2\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+        "<function=get_weather>\n<parameter=city>\n12\n</parameter>\n</function>\n</tool_call>",
+        "Let me check.\n\n",
+        [ToolCall("add", '{"a": 1, "b": -2}'), ToolCall("get_weather", '{"city": "12"}')],
+    ),
+    ("<tool_call>\nnot a call", "<tool_call>\nnot a call", []),
+]
 FORMAT_CASES = (
     [(HermesFormat(), *c) for c in HERMES_CASES]
     + [(Llama3JsonFormat(), *c) for c in LLAMA3_CASES]
     + [(MistralFormat(), *c) for c in MISTRAL_CASES]
     + [(GraniteFormat(), *c) for c in GRANITE_CASES]
+    + [(XmlFormat(TOOLS), *c) for c in XML_CASES]
 )
-FORMATS = [HermesFormat(), Llama3JsonFormat(), MistralFormat(), GraniteFormat()]
+FORMATS = [HermesFormat(), Llama3JsonFormat(), MistralFormat(), GraniteFormat(), XmlFormat(TOOLS)]
 
 
 @pytest.mark.parametrize(("fmt", "text", "content", "calls"), FORMAT_CASES)
@@ -194,6 +214,7 @@ def test_tool_format_of_real_templates():
     assert names["meta-llama-Llama-3.1-8B-Instruct"] == "llama3_json"
     assert names["meta-llama-Llama-3.2-3B-Instruct"] == "llama3_json"
     assert names["ibm-granite-granite-3.3-2B-Instruct"] == "granite"
+    assert names["Qwen-Qwen3.5-4B"] == "qwen3_coder"
     assert (
         names["google-gemma-2-2b-it"] is None and names["microsoft-Phi-3.5-mini-instruct"] is None
     )
@@ -324,6 +345,7 @@ HISTORY = [
         "meta-llama-Llama-3.2-3B-Instruct",
         "mistralai-Mistral-Nemo-Instruct-2407",
         "ibm-granite-granite-3.3-2B-Instruct",
+        "Qwen-Qwen3.5-4B",
     ],
 )
 @pytest.mark.parametrize("history", [False, True], ids=["question", "after-a-call"])
@@ -338,6 +360,27 @@ def test_prompt_with_tools_equals_transformers(tiny_checkpoint, tmp_path, templa
     )
     assert ours == reference
     assert "get_weather" in ours and "add" in ours
+
+
+def test_calls_qwen35_template_writes_read_back(tiny_checkpoint, tmp_path):
+    """Qwen3.5's template writes an assistant's calls (a string, integers); the qwen3_coder
+    format reads the same calls back from that text."""
+    source = (TEMPLATES / "Qwen-Qwen3.5-4B.jinja").read_text()
+    tok = Tokenizer.from_dir(_with_template(tiny_checkpoint, tmp_path / "tok", source))
+    calls = [("get_weather", {"city": "Paris"}), ("add", {"a": 12, "b": -3})]
+    answer = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"type": "function", "function": {"name": name, "arguments": args}}
+            for name, args in calls
+        ],
+    }
+    rendered = tok.chat_prompt([HISTORY[1], answer], tools=TOOLS, add_generation_prompt=False)
+    text = rendered.rsplit("<|im_start|>assistant\n", 1)[1].removesuffix("<|im_end|>\n")
+    assert XmlFormat(TOOLS).parse(text)[1] == [
+        ToolCall(name, json.dumps(args)) for name, args in calls
+    ]
 
 
 # ---- an answer that continues the final assistant message --------------------------------
@@ -393,7 +436,7 @@ def test_continue_final_message_equals_transformers(tiny_checkpoint, tmp_path, t
 
 def _completed(fmt, text: str) -> str:
     """An answer cut short, up to the last call it completed."""
-    if isinstance(fmt, HermesFormat):
+    if isinstance(fmt, HermesFormat | XmlFormat):
         return text[: text.rfind(fmt.close) + len(fmt.close)]
     if isinstance(fmt, MistralFormat):
         return text[: text.rfind("}, {") + 1] + "]"
