@@ -658,10 +658,16 @@ def test_int4_and_gptq_passes_on_biased_families(checkpoints, family, quantize):
 
 @pytest.mark.cpp
 def test_cpp_runtime_on_a_ring_cache(run_bin, batch_bin, family_engines, tmp_path):  # noqa: F811
-    """The C++ runtime on Gemma 3's ring cache: aotgen-run's greedy and n-gram ids equal
-    Python's; aotgen-batch on one slot, a chat's next turn and a branch from far back, gets
-    Python's ids and cached counts (the branch runs whole in both)."""
-    engine = family_engines("gemma3", **WINDOWED)
+    """The C++ runtime on Gemma 3's ring cache (`cpp_matches_python_on_a_ring`)."""
+    cpp_matches_python_on_a_ring(run_bin, batch_bin, family_engines("gemma3", **WINDOWED), tmp_path)
+
+
+def cpp_matches_python_on_a_ring(
+    run_exe: Path, batch_exe: Path, engine: Engine, tmp_path: Path
+) -> None:
+    """aotgen-run's greedy and n-gram ids equal Python's; aotgen-batch on one slot, a chat's
+    next turn and a branch from further back than the ring holds, gets Python's ids and
+    cached counts (the branch runs whole in both)."""
     g = torch.Generator().manual_seed(6)
     prompt = torch.randint(3, engine.target.vocab_size, (30,), generator=g).tolist()
     for args in ([], ["--lookup", "ngram"]):
@@ -669,7 +675,7 @@ def test_cpp_runtime_on_a_ring_cache(run_bin, batch_bin, family_engines, tmp_pat
             max_new_tokens=40, ignore_eos=True, speculative="ngram" if args else None
         )
         got = cpp_generate(
-            run_bin, engine.root, prompt, "--max-new-tokens", "40", "--ignore-eos", *args
+            run_exe, engine.root, prompt, "--max-new-tokens", "40", "--ignore-eos", *args
         )
         assert got["ids"] == engine.generate(prompt, replace(cfg, reuse_prefix=False)).token_ids
     first = engine.generate(prompt, GenerationConfig(max_new_tokens=40, ignore_eos=True))
@@ -677,7 +683,7 @@ def test_cpp_runtime_on_a_ring_cache(run_bin, batch_bin, family_engines, tmp_pat
     configs = [GenerationConfig(n, ignore_eos=True) for n in (40, 8, 8)]
     want = BatchEngine.load(engine.root, slots=1).generate_many(prompts, configs)
     requests = [request_json(p, c) for p, c in zip(prompts, configs, strict=True)]
-    got = cpp_results(run_batch(batch_bin, engine.root, requests, tmp_path, "--slots", "1"))[0]
+    got = cpp_results(run_batch(batch_exe, engine.root, requests, tmp_path, "--slots", "1"))[0]
     assert [r["ids"] for r in got] == [w.token_ids for w in want]
     assert [r["cached_tokens"] for r in got] == [w.cached_tokens for w in want]
     assert want[1].cached_tokens >= 69 and want[2].cached_tokens == 0

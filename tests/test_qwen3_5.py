@@ -15,7 +15,7 @@ from families import RECIPE, load_reference, make_family_checkpoint, reference_g
 from families import reference_logits as _reference_logits
 from reference import EagerModel, reset_caches
 from test_cpp_batch import batch_bin, cpp_results, request_json, run_batch  # noqa: F401
-from test_cpp_runtime import cpp_generate
+from test_families import cpp_matches_python_on_a_ring
 
 from aotgen.bench import package_kv_bytes
 from aotgen.checkpoint.hf import open_checkpoint
@@ -135,28 +135,12 @@ def test_batch_engine_matches_transformers(engine, reference):
 
 @pytest.mark.cpp
 def test_cpp_runtime_matches_python(run_bin, batch_bin, engine, tmp_path):  # noqa: F811
-    """aotgen-run's greedy and n-gram ids equal Python's; aotgen-batch on one slot, a chat's
-    next turn and a branch from far back, and on two slots, a prefix copied from a running
-    request's row, gets Python's ids and cached counts."""
+    """As on Gemma 3's ring (test_families' `cpp_matches_python_on_a_ring`), and aotgen-batch
+    on two slots, a prefix copied from a running request's row, gets Python's ids and cached
+    counts."""
+    cpp_matches_python_on_a_ring(run_bin, batch_bin, engine, tmp_path)
     g = torch.Generator().manual_seed(6)
     prompt = torch.randint(3, engine.target.vocab_size, (30,), generator=g).tolist()
-    for args in ([], ["--lookup", "ngram"]):
-        cfg = GenerationConfig(
-            max_new_tokens=40, ignore_eos=True, speculative="ngram" if args else None
-        )
-        got = cpp_generate(
-            run_bin, engine.root, prompt, "--max-new-tokens", "40", "--ignore-eos", *args
-        )
-        assert got["ids"] == engine.generate(prompt, replace(cfg, reuse_prefix=False)).token_ids
-    first = engine.generate(prompt, GenerationConfig(max_new_tokens=40, ignore_eos=True))
-    prompts = [prompt, [*prompt, *first.token_ids, 5, 6], [*prompt[:20], 9]]
-    configs = [GenerationConfig(n, ignore_eos=True) for n in (40, 8, 8)]
-    want = BatchEngine.load(engine.root, slots=1).generate_many(prompts, configs)
-    requests = [request_json(p, c) for p, c in zip(prompts, configs, strict=True)]
-    got = cpp_results(run_batch(batch_bin, engine.root, requests, tmp_path, "--slots", "1"))[0]
-    assert [r["ids"] for r in got] == [w.token_ids for w in want]
-    assert [r["cached_tokens"] for r in got] == [w.cached_tokens for w in want]
-    assert want[1].cached_tokens >= 69 and want[2].cached_tokens == 0
     # Two slots, the batched graphs: the second request copies the first one's row.
     prompts = [prompt[:26], prompt[:18], prompt[5:26]]
     config = GenerationConfig(24, ignore_eos=True)
