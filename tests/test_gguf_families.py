@@ -217,6 +217,8 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # gated attention; (1 + w) norms stored as 1 + w, A_log as -exp, dt_bias as ssm_dt.bias
     # (conversion/qwen.py Qwen3_5TextModel).
     "qwen35": FAMILIES["qwen3_5"],
+    # 3 value heads a key head: the reorder is not its own inverse
+    "qwen35-r3": (FAMILIES["qwen3_5"][0], {**FAMILIES["qwen3_5"][1], "linear_num_value_heads": 6}),
     # Qwen3.5-MoE: its experts stacked, the shared expert's gate as ffn_gate_inp_shexp.
     "qwen35moe": FAMILIES["qwen3_5-moe"],
 }
@@ -231,6 +233,7 @@ GGUF_ARCH = {
     "arcee-llama3": "arcee",
     "gpt-oss-qkv": "gpt-oss",
     "mistral3-untempered": "mistral3",
+    "qwen35-r3": "qwen35",
 }
 MOE_NAMES = {
     "mlp.gate": "ffn_gate_inp",
@@ -580,14 +583,16 @@ def _gguf_name(arch: str, hf: str) -> str:
         "apertus": APERTUS_NAMES,
         "qwen35": QWEN35_NAMES,
         "qwen35moe": QWEN35_NAMES,
+        "qwen35-r3": QWEN35_NAMES,
     }.get(arch, LAYER_NAMES["llama"])
     return f"blk.{i}.{names[rest]}.{kind}"
 
 
-def _converted(arch: str, hf: str, w: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
-    """What llama.cpp's convert_hf_to_gguf.py stores for an HF tensor."""
+def _converted(arch: str, hf: str, w: np.ndarray, cfg: dict[str, Any]) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py stores for an HF tensor (of config `cfg`)."""
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads")
     if arch.startswith("qwen35"):
-        return _qwen35_converted(hf, w, CONFIGS[arch][1])
+        return _qwen35_converted(hf, w, cfg)
     if arch in ("gemma", "gemma2", "gemma3", "nemotron") and hf.endswith("norm.weight"):
         return w + np.float32(1.0)
     # its LlamaModel kin
@@ -935,8 +940,7 @@ def _write_gguf(
                 for proj, part in zip(("gate", "up"), np.split(x, 2, axis=1), strict=True):
                     w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", np.ascontiguousarray(part))
                 continue
-            heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads")
-            stored = _converted(arch, hf, x, *heads)
+            stored = _converted(arch, hf, x, cfg)
             blocks = x.ndim == 2 and x.shape[1]
             fits = [t for t in qtypes if blocks and blocks % gguf_blocks.QTYPES[t].block == 0]
             if not qtypes and quantize and x.ndim == 2 and x.shape[1] % 32 == 0 and n % 2 == 0:
@@ -1099,13 +1103,15 @@ def test_experts_not_matching_metadata_are_one_line(tmp_path: Path, key: str) ->
         "mistral3",
         "seed_oss",
         "apertus",
+        "qwen35-r3",
     ],
 )
 def test_rows_moved_at_load_are_found_in_the_blocks(tmp_path: Path, arch: str) -> None:
     """GLM-4's and Phi-3's fused tensors split at load, GLM-4's and Command R's q/k rows
-    reordered for rotate-half RoPE, Arcee's and Ministral 3's unpermuted: whole rows move, so
-    `gguf: keep` (which these recipes pass) finds every linear of the loaded model in the
-    file's blocks."""
+    reordered for rotate-half RoPE, Arcee's and Ministral 3's unpermuted, Qwen3.5's value
+    heads regrouped: whole rows move, so `gguf: keep` (which these recipes pass) finds every
+    linear of the loaded model in the file's blocks; Qwen3.5's out_proj, whose inputs moved,
+    on its blocks with its activations gathered in the file's order."""
     from aotgen.checkpoint.hf import open_checkpoint
     from aotgen.model.config import ModelConfig
     from aotgen.model.llama import load_model
@@ -1119,15 +1125,19 @@ def test_rows_moved_at_load_are_found_in_the_blocks(tmp_path: Path, arch: str) -
     recipe = parse_recipe({"checkpoint": str(out), "quantize": {"gguf": "keep"}}, "r", tmp_path)
     imported = open_checkpoint(out)
     assert keep_gguf(recipe, recipe.quantize, imported, {}) is not None
-    index = BlockIndex(imported.load_gguf_blocks())
+    index = BlockIndex(imported.load_gguf_blocks(), imported.block_input_orders())
     cfg = ModelConfig.from_hf(imported.config)
     model = load_model(cfg, imported.load_weights(), 32, torch.float32)
     linears = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     per_layer = 6 if arch in ("phi2", "starcoder2", "nemotron", "arcee", "apertus") else 7
-    assert len(linears) == 2 * per_layer + 1  # and the head, tied to the embeddings or not
+    # Qwen3.5: 3 linear-attention layers of 5 linears and the MLP's 3, 1 attention layer of 7
+    want = 3 * 8 + 7 if arch == "qwen35-r3" else 2 * per_layer
+    assert len(linears) == want + 1  # and the head, tied to the embeddings or not
     for name, weight in linears.items():
         segments = index.segments(weight)
         assert segments is not None and [s.qtype for s in segments] == ["Q8_0"], name
+        moved = arch == "qwen35-r3" and name.endswith("out_proj")
+        assert (segments[0].order is not None) == moved, name
 
 
 def _relative(got: torch.Tensor, ref: torch.Tensor) -> float:

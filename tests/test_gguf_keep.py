@@ -1,6 +1,7 @@
 """`quantize: {gguf: keep}` on tiny GGUFs written as llama.cpp writes them: every block type,
 rows moved by the fuse pass (Gemma's q/k/v of mixed types stacked) and by the import (GPT-NeoX's
-qkv regrouped), a tied embedding kept or left float. The compiled graphs must give the eager
+qkv regrouped), inputs moved by the import (Qwen3.5's value heads), a tied embedding kept or
+left float. The compiled graphs must give the eager
 model of the imported (dequantized) checkpoint's logits, and generate its tokens (float
 activations), or come near them (integer numerics, on GPT-NeoX).
 """
@@ -44,6 +45,8 @@ PACKAGES = {
     "keep-gemma3": ("gemma3", {"quantize": {"gguf": "keep"}}),  # every block type, float
     "keep-gptneox-int8": ("gptneox", {"quantize": {"gguf": "keep", "activations": "int8"}}),
     "keep-tp2": ("qwen2", {"quantize": {"gguf": "keep"}, "parallel": {"tensor": 2}}),
+    # 2 key heads, 4 value heads: the import moves out_proj's inputs
+    "keep-qwen35": ("qwen35", {"quantize": {"gguf": "keep"}}),
 }
 
 
@@ -64,7 +67,7 @@ def _kept_build(request, name: str):
     report = build(parse_recipe(raw, name, Path(".")), request.getfixturevalue("project"))
     engine = Engine.load(report.path)
     imported = Path(raw["checkpoint"])
-    qtypes = FAMILIES[PACKAGES[name][0]][1]
+    qtypes = FAMILIES.get(PACKAGES[name][0], ({}, LEGACY))[1]
     return report, engine, EagerModel(imported, engine.target.cache_len), qtypes
 
 
@@ -124,6 +127,30 @@ def test_graph_logits_equal_the_dequantized_checkpoint(kept, graph, length, star
 
 def test_greedy_equals_eager(kept):
     _, engine, eager, _ = kept
+    ids = engine.tokenizer.encode("Paris is the capital of")
+    result = engine.generate(ids, GenerationConfig(max_new_tokens=24, ignore_eos=True))
+    assert result.token_ids == eager.greedy(ids, 24)
+
+
+@pytest.fixture(scope="module")
+def kept_qwen35(request):
+    """Qwen3.5 with the legacy block types: its value heads regrouped at import."""
+    return _kept_build(request, "keep-qwen35")
+
+
+def test_inputs_moved_at_import_run_on_their_blocks(kept_qwen35):
+    """Every linear of the model runs on the file's blocks, out_proj too, whose inputs the
+    import put back in HF's order: its activations are gathered in the file's order, so the
+    graphs give the dequantized checkpoint's logits and its greedy tokens."""
+    report, engine, eager, _ = kept_qwen35
+    manifest = json.loads((report.path / "manifest.json").read_text())
+    kept = manifest["models"]["target"]["quantization"]["weights"]
+    out_projs = [name for name in kept if name.endswith("linear_attn.out_proj.weight")]
+    # fused: each linear-attention layer's 4 in-projections, out_proj, gate/up, down; the
+    # attention layer's q/k/v, o, gate/up, down; the head
+    assert len(out_projs) == 3 and len(kept) == 3 * 4 + 4 + 1
+    for graph, length, start in GRAPHS:
+        assert _graph_error(engine, eager, graph, length, start) < 5e-5, graph
     ids = engine.tokenizer.encode("Paris is the capital of")
     result = engine.generate(ids, GenerationConfig(max_new_tokens=24, ignore_eos=True))
     assert result.token_ids == eager.greedy(ids, 24)

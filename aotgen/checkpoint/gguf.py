@@ -30,12 +30,12 @@ from aotgen.checkpoint.gguf_arch import (
     xielu_tensors,
 )
 from aotgen.checkpoint.gguf_arch_gpt_oss import gpt_oss_tensors
-from aotgen.checkpoint.gguf_arch_qwen35 import qwen35_tensor
+from aotgen.checkpoint.gguf_arch_qwen35 import qwen35_block_orders, qwen35_tensor
 from aotgen.checkpoint.gguf_check import check_tensors
 from aotgen.checkpoint.gguf_config import read_config
 from aotgen.checkpoint.gguf_meta import meta_value, require_meta
 from aotgen.checkpoint.gguf_tokenizer import adds_bos, build_tokenizer, check_tokenizer
-from aotgen.checkpoint.hf import BLOCKS_FILE, CheckpointError, write_checkpoint_dir
+from aotgen.checkpoint.hf import BLOCKS_FILE, INPUT_ORDER, CheckpointError, write_checkpoint_dir
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 IMPORT_FORMAT = 2  # the imported dir's layout; 2: with the blocks file
@@ -259,7 +259,7 @@ def read_blocks(reader: gguf.GGUFReader) -> tuple[dict[str, np.ndarray], dict[st
     """The quantized tensors' blocks exactly as stored in the file, [rows, bytes per row] uint8
     under their HF names, and each one's block type: what `quantize: {gguf: keep}` builds on.
     Rows are in the file's order; the build finds each row of the (possibly reordered) float
-    weights by its dequantized values (passes/gguf_rows.py)."""
+    weights by its dequantized values (passes/gguf_keep.py)."""
     _, spec = arch_spec(reader)
     blocks: dict[str, np.ndarray] = {}
     types: dict[str, str] = {}
@@ -276,6 +276,9 @@ def _write_checkpoint(reader: gguf.GGUFReader, out: Path) -> None:
     config = read_config(reader)
     save_file(read_tensors(reader, config), str(out / "model.safetensors"), {"format": "pt"})
     blocks, types = read_blocks(reader)
+    if arch_spec(reader)[0].startswith("qwen35"):
+        for name, order in qwen35_block_orders(list(blocks), config).items():
+            blocks[name + INPUT_ORDER], types[name + INPUT_ORDER] = order, "input order"
     if blocks:
         save_file(blocks, str(out / BLOCKS_FILE), types)
     write_tokenizer_files(reader, out)

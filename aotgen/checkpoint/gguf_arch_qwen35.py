@@ -7,7 +7,9 @@ model, undoing what llama.cpp's converter (conversion/qwen.py: Qwen3_5TextModel)
 - where there are fewer key heads than value heads, the value heads are reordered from
   grouped by key head to tiled (its `_LinearAttentionVReorderBase`): every tensor indexed by
   value head (v's rows of in_proj_qkv and of the convolution, in_proj_z, in_proj_b/a, A_log,
-  dt_bias, out_proj's columns) is put back;
+  dt_bias, out_proj's columns) is put back. out_proj's kept blocks hold its inputs in the
+  file's order: `qwen35_block_orders` names the input behind each, and a `gguf: keep` package
+  gathers the activations in that order (as for act-order GPTQ);
 - the multi-token-prediction block, if converted, is the last `nextn_predict_layers` blocks:
   left out, as transformers leaves out `mtp.*`.
 
@@ -17,6 +19,7 @@ the rotation is plain RoPE on `rope.dimension_count` dims of each head.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import gguf
@@ -102,25 +105,33 @@ def qwen35_tensor(name: str, w: np.ndarray, config: dict[str, Any]) -> np.ndarra
     return np.ascontiguousarray(w, np.float32)
 
 
+def _value_head_order(c: dict[str, Any], width: int) -> np.ndarray:
+    """For each index of value heads grouped by key head ([key head][r], `width` entries a
+    head), the index llama.cpp's tiled order ([r][key head]) holds it at."""
+    hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    return np.arange(hv * width).reshape(hv // hk, hk, width).swapaxes(0, 1).reshape(-1)
+
+
 def _grouped_value_heads(name: str, w: np.ndarray, c: dict[str, Any]) -> np.ndarray:
-    """Value heads back from llama.cpp's tiled order [r][key head] to grouped by key head
-    [key head][r], on the axis (and part of it) each tensor indexes them by."""
-    hk, dv = c["linear_num_key_heads"], c["linear_value_head_dim"]
-    r = c["linear_num_value_heads"] // hk
-
-    def grouped(x: np.ndarray, axis: int, width: int) -> np.ndarray:
-        x = np.moveaxis(x, axis, 0)
-        rest = x.shape[1:]
-        x = x.reshape(r, hk, width, *rest).swapaxes(0, 1).reshape(-1, *rest)
-        return np.moveaxis(x, 0, axis)
-
-    keys = 2 * hk * c["linear_key_head_dim"]
+    """Value heads back from llama.cpp's tiled order to grouped by key head, on the axis (and
+    part of it) each tensor indexes them by."""
+    dv = c["linear_value_head_dim"]
+    keys = 2 * c["linear_num_key_heads"] * c["linear_key_head_dim"]
     if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):  # only the v rows
-        return np.concatenate([w[:keys], grouped(w[keys:], 0, dv)])
+        return np.concatenate([w[:keys], w[keys:][_value_head_order(c, dv)]])
     if name.endswith("in_proj_z.weight"):
-        return grouped(w, 0, dv)
+        return w[_value_head_order(c, dv)]
     if name.endswith("out_proj.weight"):
-        return grouped(w, 1, dv)
+        return w[:, _value_head_order(c, dv)]
     if name.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
-        return grouped(w, 0, 1)
+        return w[_value_head_order(c, 1)]
     return w
+
+
+def qwen35_block_orders(names: Iterable[str], config: dict[str, Any]) -> dict[str, np.ndarray]:
+    """For each kept out_proj among `names` whose inputs the import moved: the imported
+    weight's input behind each of its blocks' inputs."""
+    if config["linear_num_key_heads"] == config["linear_num_value_heads"]:
+        return {}
+    order = np.argsort(_value_head_order(config, config["linear_value_head_dim"]))
+    return {name: order for name in names if name.endswith("linear_attn.out_proj.weight")}

@@ -17,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 from aotgen.checkpoint import multimodal, prequantized
 
 BLOCKS_FILE = "gguf_blocks.safetensors"  # written by checkpoint/gguf.py
+INPUT_ORDER = ".input_order"  # BLOCKS_FILE: a kept weight's input behind each block input
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -84,9 +85,13 @@ class Checkpoint:
         return self._quantized
 
     def block_input_orders(self) -> dict[str, np.ndarray]:
-        """For a quantized checkpoint's act-order linears kept as blocks: the weight's input
-        behind each block input (load_gguf_blocks)."""
-        return self._read_quantized().orders if self.quant_scheme is not None else {}
+        """For the linears whose blocks hold their inputs in another order (a quantized
+        checkpoint's act-order ones, a GGUF's whose inputs the import moved): the weight's
+        input behind each block input (load_gguf_blocks)."""
+        if self.quant_scheme is not None:
+            return self._read_quantized().orders
+        orders = self._read_blocks_file(orders=True)
+        return {name.removesuffix(INPUT_ORDER): order for name, (_, order) in orders.items()}
 
     def load_gguf_blocks(self) -> dict[str, tuple[str, np.ndarray]]:
         """The GGUF blocks `aotgen import-gguf` kept: name -> (block type, uint8 [rows, bytes]);
@@ -102,18 +107,26 @@ class Checkpoint:
                     "dequantized weights, or quantize them again (`quantize: {linear: int4}`)"
                 )
             return blocks
-        path = self.path / BLOCKS_FILE
-        if not path.is_file():
+        if not (self.path / BLOCKS_FILE).is_file():
             raise CheckpointError(
                 f"{self.path} holds no GGUF blocks ({BLOCKS_FILE}): `quantize: {{gguf: keep}}` "
                 "needs a GPTQ, AWQ or compressed-tensors checkpoint, or one imported from a "
                 "quantized GGUF by this version; run `aotgen import-gguf FILE.gguf DIR` again or "
                 "point the recipe at the .gguf file"
             )
+        return self._read_blocks_file(orders=False)
+
+    def _read_blocks_file(self, orders: bool) -> dict[str, tuple[str, np.ndarray]]:
+        """BLOCKS_FILE's blocks, or its input orders (`INPUT_ORDER` names), each with its
+        metadata; none if there is no such file."""
+        path = self.path / BLOCKS_FILE
+        if not path.is_file():
+            return {}
         try:
             with safe_open(str(path), framework="np") as sf:
                 types = sf.metadata() or {}
-                return {name: (types[name], sf.get_tensor(name)) for name in sf.keys()}
+                names = [n for n in sf.keys() if n.endswith(INPUT_ORDER) == orders]
+                return {name: (types[name], sf.get_tensor(name)) for name in names}
         except (SafetensorError, OSError, KeyError) as e:
             raise CheckpointError(
                 f"cannot read {path}: {e}. Re-create it with `aotgen import-gguf`"
