@@ -15,11 +15,12 @@ from families import RECIPE, load_reference, make_family_checkpoint, reference_g
 from families import reference_logits as _reference_logits
 from reference import EagerModel, reset_caches
 from test_cpp_batch import batch_bin, cpp_results, request_json, run_batch  # noqa: F401
+from test_cpp_runtime import cpp_generate
 from test_families import cpp_matches_python_on_a_ring
 
 from aotgen.bench import package_kv_bytes
 from aotgen.checkpoint.hf import open_checkpoint
-from aotgen.model.llama import new_kv_cache
+from aotgen.model.llama import ModelConfig, load_model, new_kv_cache
 from aotgen.package.build import build
 from aotgen.package.manifest import kv_position_bytes
 from aotgen.package.models import prepare_models
@@ -152,6 +153,80 @@ def test_cpp_runtime_matches_python(run_bin, batch_bin, engine, tmp_path):  # no
     assert want[1].cached_tokens == 17
 
 
+@pytest.fixture(scope="module")
+def bf16_engine(checkpoint, project) -> Engine:
+    data = {"checkpoint": str(checkpoint), **RECIPE, "dtype": "bfloat16"}
+    return Engine.load(build(parse_recipe(data, "qwen3_5-bf16", Path(".")), project).path)
+
+
+BF16_TOL = 2e-2  # as test_moe.py's bfloat16 package against the float32 model
+
+
+def test_bfloat16_package_keeps_float32_states(bf16_engine, reference):
+    """A bfloat16 package: weights, keys, values and convolution inputs in bfloat16, the
+    recurrent states float32 (the manifest's `dtypes`, the runtime's caches). Each graph
+    within bfloat16 rounding of transformers' float32 logits; n-gram speculation gives the
+    package's own greedy text."""
+    runner = bf16_engine.target
+    kv = bf16_engine.manifest["models"]["target"]["kv_cache"]
+    state = [i % 2 == 1 and i != 5 for i in range(8)]  # layer 2 attends
+    assert kv["dtypes"] == ["float32" if s else "bfloat16" for s in state]
+    assert [c.dtype for c in runner.caches] == [
+        torch.float32 if s else torch.bfloat16 for s in state
+    ]
+    for graph, start, length in [("prefill", 0, 14), ("decode", 21, 1), ("verify", 17, 5)]:
+        g = torch.Generator().manual_seed(start + length)
+        history = torch.randint(0, runner.vocab_size, (start + length,), generator=g).tolist()
+        want = _reference_logits(reference, history)[start:]
+        reset_caches(runner)
+        if start:
+            runner.forward(history[:start], 0)
+        tokens = torch.tensor([history[start:]])
+        got = runner.graphs[graph](tokens, torch.arange(start, start + length), runner.caches)
+        want = want[-1:] if graph == "prefill" else want
+        assert _rel_err(got[0].float(), want) < BF16_TOL, graph
+    prompt = torch.randint(3, runner.vocab_size, (30,), generator=g).tolist()
+    plain = bf16_engine.generate(prompt, GenerationConfig(max_new_tokens=24, ignore_eos=True))
+    cfg = GenerationConfig(max_new_tokens=24, ignore_eos=True, speculative="ngram")
+    assert bf16_engine.generate(prompt, cfg).token_ids == plain.token_ids
+
+
+@torch.no_grad()
+def test_bfloat16_cache_of_a_float32_model(checkpoint, reference):
+    """`kv_cache_dtype: bfloat16` on a float32 model: keys, values and convolution inputs
+    rounded to bfloat16, the states float32; logits within bfloat16 rounding of
+    transformers'."""
+    ckpt = open_checkpoint(checkpoint)
+    cfg = ModelConfig.from_hf(ckpt.config)
+    model = load_model(cfg, ckpt.load_weights(), 96, torch.float32)
+    caches = new_kv_cache(cfg, 96, torch.bfloat16, ring_cells=12)
+    assert [c.dtype for c in caches][:2] == [torch.bfloat16, torch.float32]
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, cfg.vocab_size, (40,), generator=g).tolist()
+    want = _reference_logits(reference, ids)
+    got = [model(torch.tensor([ids[:32]]), torch.arange(32), caches)[0]]
+    got += [model(torch.tensor([[t]]), torch.tensor([32 + i]), caches)[0] for i, t in
+            enumerate(ids[32:])]  # fmt: skip
+    assert _rel_err(torch.cat(got), want) < BF16_TOL
+
+
+@pytest.mark.cpp
+def test_cpp_runtime_runs_a_bfloat16_package(run_bin, bf16_engine):  # noqa: F811
+    """aotgen-run allocates each cache tensor in its manifest dtype: its greedy and n-gram
+    ids on the bfloat16 package equal Python's."""
+    g = torch.Generator().manual_seed(8)
+    prompt = torch.randint(3, bf16_engine.target.vocab_size, (30,), generator=g).tolist()
+    for args in ([], ["--lookup", "ngram"]):
+        cfg = GenerationConfig(
+            max_new_tokens=24, ignore_eos=True, speculative="ngram" if args else None
+        )
+        got = cpp_generate(
+            run_bin, bf16_engine.root, prompt, "--max-new-tokens", "24", "--ignore-eos", *args
+        )
+        want = bf16_engine.generate(prompt, replace(cfg, reuse_prefix=False)).token_ids
+        assert got["ids"] == want, args
+
+
 @torch.no_grad()
 def test_eager_batch_keeps_each_sequence_in_its_row(checkpoint):
     """An eager forward of two sequences (distillation's batches) reads and writes each one's
@@ -175,7 +250,7 @@ def test_eager_batch_keeps_each_sequence_in_its_row(checkpoint):
     [
         ({"formats": ["aoti", "onnx"]}, "ONNX"),
         ({"tree_nodes": 4}, "tree"),
-        ({"kv_cache_dtype": "bfloat16"}, "bfloat16 cache"),
+        ({"kv_cache_dtype": "int8"}, "int8 cache"),
         ({"speculative": {"draft": {"layers": 2}}}, "share_kv: false"),
     ],
 )

@@ -271,6 +271,16 @@ def cache_shapes(
     return [shape(i // 2, bool(i % 2)) for i in range(2 * cfg.num_hidden_layers)]
 
 
+def cache_dtypes(cfg: ModelConfig, dtype: torch.dtype) -> list[torch.dtype]:
+    """The dtype of each tensor of the cache: `dtype`, but a linear-attention layer's states
+    are float32 whatever the cache's dtype (a state sums the whole sequence, and its kernel
+    is a float32 kernel), as llama.cpp and vLLM keep them."""
+    return [
+        torch.float32 if i % 2 and cfg.is_linear(i // 2) else dtype
+        for i in range(2 * cfg.num_hidden_layers)
+    ]
+
+
 def new_kv_cache(
     cfg: ModelConfig,
     cache_len: int,
@@ -281,9 +291,10 @@ def new_kv_cache(
 ) -> list[Tensor]:
     """The cache every graph takes, zeroed (batch 1; more rows only for eager batched runs,
     such as distillation)."""
+    shapes = cache_shapes(cfg, cache_len, batch, dtype, ring_cells)
     return [
-        torch.zeros(shape, dtype=dtype, device=device)
-        for shape in cache_shapes(cfg, cache_len, batch, dtype, ring_cells)
+        torch.zeros(shape, dtype=d, device=device)
+        for shape, d in zip(shapes, cache_dtypes(cfg, dtype), strict=True)
     ]
 
 

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from aotgen import __version__
 from aotgen.export.aoti import compiler_path, package_graphs, use_cache_dir
-from aotgen.model.llama import cache_shapes
+from aotgen.model.llama import ModelConfig, cache_dtypes, cache_shapes
 from aotgen.package.compile import (
     CompiledModel,
     GraphReport,
@@ -288,7 +288,8 @@ def _model_entry(
             "twice; int8: each row's codes, then its float32 scale's 4 bytes), written in "
             "place at input_pos; with `ring`, sliding layers hold `cells` positions, position "
             "p in cell p % cells (linear-attention layers: a ring of convolution inputs [1, 1, "
-            "cells, conv_dim] and one of states [1, Hv, cells, Dk * Dv])",
+            "cells, conv_dim] and one of states [1, Hv, cells, Dk * Dv]; `dtypes`, where "
+            "given, each tensor's)",
             "layers": mb.config.num_hidden_layers,
             "shapes": cache_shapes(  # per rank
                 rank_config(mb.config, world),
@@ -298,11 +299,19 @@ def _model_entry(
                 cells,
             ),
             "dtype": recipe.kv_dtype,
+            **_state_dtypes(mb.config, recipe.kv_dtype),
             "cache_len": recipe.cache_len,
             **({"ring": {"cells": cells, "window": ring_window(mb.config)}} if cells else {}),
             **_cache_sharing(mb.role, recipe),
         },
     }
+
+
+def _state_dtypes(cfg: ModelConfig, dtype: str) -> dict[str, list[str]]:
+    """`dtypes`, each cache tensor's, where some differ from `dtype` (a linear-attention
+    layer's float32 states in a bfloat16 cache)."""
+    dtypes = [str(d).removeprefix("torch.") for d in cache_dtypes(cfg, getattr(torch, dtype))]
+    return {"dtypes": dtypes} if set(dtypes) != {dtype} else {}
 
 
 def _cache_sharing(role: str, recipe: Recipe) -> dict[str, str]:

@@ -83,6 +83,7 @@ def graph_signature(spec: GraphSpec, cfg: ModelConfig, cache: list[Tensor]) -> d
     # "key_pos": the runtime passes the cache positions to attend, so nothing reads the
     # position back to the host and the graph can be replayed as a CUDA graph.
     replay = replayable(spec, cache[0].device)
+    dtypes = [str(c.dtype).removeprefix("torch.") for c in cache]
     key_pos = [{"name": "key_pos", "shape": ["K"], "dtype": "int64"}] if replay else []
     attention = "key_pos" if replay else "prefix"
     return {
@@ -96,7 +97,8 @@ def graph_signature(spec: GraphSpec, cfg: ModelConfig, cache: list[Tensor]) -> d
                 "name": "kv_caches",
                 "count": len(cache),
                 "shapes": [[spec.batch or 1, *c.shape[1:]] for c in cache],
-                "dtype": str(cache[0].dtype).removeprefix("torch."),
+                "dtype": dtypes[0],
+                **({"dtypes": dtypes} if len(set(dtypes)) > 1 else {}),
             },
             *tree,
             *slots,

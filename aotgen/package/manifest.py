@@ -193,6 +193,11 @@ def _check_kv_cache(kv: Any, where: str, bad: Callable[[str], PackageError]) -> 
         )
     ):
         raise bad(f"`{where}` needs `cache_len` and 4-D `shapes`")
+    dtypes = kv.get("dtypes", [dtype] * len(shapes))
+    if not (isinstance(dtypes, list) and len(dtypes) == len(shapes)) or any(
+        d not in CACHE_DTYPES for d in dtypes
+    ):
+        raise bad(f"`{where}.dtypes` must name one of {', '.join(CACHE_DTYPES)} per shape")
     ring = kv.get("ring")
     if ring is not None and not (
         isinstance(ring, dict)
@@ -208,16 +213,21 @@ def kv_cache_bytes(kv: dict[str, Any]) -> int:
     return sum(b * n for b, n in zip(kv_position_bytes(kv), lengths, strict=True))
 
 
+def kv_dtypes(kv: dict[str, Any]) -> list[str]:
+    """Each cache tensor's dtype, from a checked `kv_cache` entry: `dtype`, or `dtypes` where
+    some differ (a linear-attention layer's float32 states)."""
+    return kv.get("dtypes") or [kv["dtype"]] * len(kv["shapes"])
+
+
 def kv_position_bytes(kv: dict[str, Any]) -> list[int]:
     """Bytes one position takes in each layer's cache (its keys and values, or a convolution
     layer's inputs) for one sequence, from a checked `kv_cache` entry: `shapes` are
     `[k0, v0, k1, v1, ...]`, positions on axis 2."""
-    size = getattr(torch, kv["dtype"]).itemsize
-    shapes = kv["shapes"]
-    return [
-        (math.prod(k) // k[2] + math.prod(v) // v[2]) * size
-        for k, v in zip(shapes[::2], shapes[1::2], strict=True)
+    per_tensor = [
+        math.prod(shape) // shape[2] * getattr(torch, dtype).itemsize
+        for shape, dtype in zip(kv["shapes"], kv_dtypes(kv), strict=True)
     ]
+    return [k + v for k, v in zip(per_tensor[::2], per_tensor[1::2], strict=True)]
 
 
 def referenced_files(manifest: dict[str, Any]) -> list[str]:

@@ -89,15 +89,16 @@ def ring_window(cfg: ModelConfig) -> int | None:
 
 def check_recurrent(cfg: ModelConfig, recipe: Recipe) -> None:
     """What a model with recurrent states (Qwen3.5's linear attention) cannot be built as:
-    its kernel is a float32 CPU kernel, and a state is the sum of a sequence, so a token
-    tree's rows or a draft writing into the target's cells would need states of their own."""
+    its kernel is a CPU kernel, its convolution reads float rows of the cache, and a state is
+    the sum of a sequence, so a token tree's rows or a draft writing into the target's cells
+    would need states of their own. (The states stay float32 in a bfloat16 cache.)"""
     if not cfg.recurrent:
         return
     share = (recipe.speculative or {}).get("share_kv")
     problems = [  # (the recipe asks it, why not, what to change)
         (recipe.device != "cpu", f"device {recipe.device}: its kernel runs on CPU", "device: cpu"),
-        (recipe.kv_dtype != "float32", f"a {recipe.kv_dtype} cache: its states are float32",
-         "dtype: float32 and no kv_cache_dtype"),
+        (recipe.kv_dtype == "int8", "an int8 cache: its convolution reads float rows",
+         "kv_cache_dtype: bfloat16"),
         ("onnx" in recipe.formats, "ONNX graphs: no ONNX operator runs it", "formats: [aoti]"),
         (recipe.tree_nodes > 0, "a tree graph: each row would need a state of its own",
          "no tree_nodes"),

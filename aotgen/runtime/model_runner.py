@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from aotgen.package.manifest import PackageError
+from aotgen.package.manifest import PackageError, kv_dtypes
 from aotgen.package.weights import is_padding
 from aotgen.runtime.cached_tokens import CachedTokens
 from aotgen.runtime.cuda_graph import ReplayedGraph
@@ -118,7 +118,7 @@ def zeros_on_demand(
 
 
 def _target_cache_layers(
-    kv: dict[str, Any], dtype: torch.dtype, target_caches: list[Tensor] | None
+    kv: dict[str, Any], dtypes: list[torch.dtype], target_caches: list[Tensor] | None
 ) -> list[Tensor]:
     """The first `kv["layers"]` layers of the target's cache, checked against the draft's
     layout: a draft that shares must read exactly the tensors the target writes."""
@@ -129,7 +129,7 @@ def _target_cache_layers(
         # Per slot: the batch engine's caches hold several rows of the layout.
         or any(
             list(c.shape[1:]) != shape[1:] or c.dtype != dtype
-            for c, shape in zip(target_caches, kv["shapes"], strict=False)
+            for c, shape, dtype in zip(target_caches, kv["shapes"], dtypes, strict=False)
         )
     ):
         raise PackageError(
@@ -168,16 +168,17 @@ class ModelRunner:
             self.weights, self.graphs = self._aoti_graphs(root, pt2, entry, cuda_graphs)
         kv = entry["kv_cache"]
         self.cache_len = kv["cache_len"]
-        dtype = getattr(torch, kv["dtype"])
+        dtypes = [getattr(torch, d) for d in kv_dtypes(kv)]
         self.shares_cache = kv.get("shared_with") == "target"
         if self.shares_cache:
-            self.caches = _target_cache_layers(kv, dtype, target.caches if target else None)
+            self.caches = _target_cache_layers(kv, dtypes, target.caches if target else None)
             # What each row holds (runtime/cached_tokens.py): the draft writes its own keys
             # into the target's layers, so it only makes the target's record forget them.
             self.cached = target.cached
         else:
             self.caches = [
-                zeros_on_demand([slots, *shape[1:]], dtype, self.device) for shape in kv["shapes"]
+                zeros_on_demand([slots, *shape[1:]], dtype, self.device)
+                for shape, dtype in zip(kv["shapes"], dtypes, strict=True)
             ]
             ring = kv.get("ring")
             self.cached = CachedTokens(slots, ring and (ring["cells"], ring["window"]))

@@ -348,7 +348,16 @@ ModelRunner::ModelRunner(const fs::path& pt2, const json& entry, const ModelRunn
   // The batched graphs serve a cache of exactly their batch.max rows (engine.py _cache_slots).
   batch_decode_ = load("batch_decode", slots > 1);
   batch_verify_ = load("batch_verify", slots > 1);
-  const auto dtype = dtype_from_name(kv.at("dtype"));
+  // Each tensor's dtype: `dtype`, or `dtypes` where some differ (a linear-attention layer's
+  // float32 states in a bfloat16 cache).
+  std::vector<at::ScalarType> dtypes(shapes.size(), dtype_from_name(kv.at("dtype")));
+  if (kv.contains("dtypes")) {
+    const auto& named = kv["dtypes"];
+    if (!named.is_array() || named.size() != shapes.size()) {
+      throw PackageError("kv_cache.dtypes must name a dtype for each of its shapes");
+    }
+    for (std::size_t i = 0; i < shapes.size(); ++i) dtypes[i] = dtype_from_name(named[i]);
+  }
   shares_cache_ = kv.value("shared_with", "") == "target";
   if (shares_cache_) {
     // The first layers of the target's cache (all its slots), checked: the draft must read
@@ -360,7 +369,7 @@ ModelRunner::ModelRunner(const fs::path& pt2, const json& entry, const ModelRunn
       const auto& shape = shapes[i];
       fits = c.dim() == static_cast<int64_t>(shape.size()) && c.size(0) == slots &&
              c.sizes().slice(1).vec() == std::vector(shape.begin() + 1, shape.end()) &&
-             c.scalar_type() == dtype;
+             c.scalar_type() == dtypes[i];
     }
     if (!fits) {
       throw PackageError(
@@ -372,11 +381,12 @@ ModelRunner::ModelRunner(const fs::path& pt2, const json& entry, const ModelRunn
                      : std::make_shared<CachedTokens>(slots, ring_cells, ring_window);
   } else {
     cached_ = std::make_shared<CachedTokens>(slots, ring_cells, ring_window);
-    for (auto shape : shapes) {
+    for (std::size_t i = 0; i < shapes.size(); ++i) {
+      auto shape = shapes[i];
       shape.at(0) = slots;
-      caches_.push_back(device_.is_cpu()
-                            ? zeros_on_demand(shape, dtype)
-                            : at::zeros(shape, at::TensorOptions().dtype(dtype).device(device_)));
+      caches_.push_back(
+          device_.is_cpu() ? zeros_on_demand(shape, dtypes[i])
+                           : at::zeros(shape, at::TensorOptions().dtype(dtypes[i]).device(device_)));
     }
   }
   if (slots == 1) {
