@@ -365,12 +365,15 @@ def test_shared_cache_layout_mismatch_is_refused():
     from aotgen.runtime.model_runner import _target_cache_layers
 
     kv = {"layers": 1, "shapes": [[1, 2, 16, 8]] * 2, "dtype": "float32"}
+    dtypes = [torch.float32] * 2
     with pytest.raises(PackageError, match="share the target's KV cache"):
-        _target_cache_layers(kv, torch.float32, [torch.zeros(1, 2, 16, 4)] * 2)
+        _target_cache_layers(kv, dtypes, [torch.zeros(1, 2, 16, 4)] * 2)
     with pytest.raises(PackageError, match="share the target's KV cache"):
-        _target_cache_layers(kv, torch.float32, None)
+        _target_cache_layers(kv, dtypes, None)
+    with pytest.raises(PackageError, match="share the target's KV cache"):  # a state's dtype
+        _target_cache_layers(kv, [torch.float32, torch.bfloat16], [torch.zeros(1, 2, 16, 8)] * 2)
     target = [torch.zeros(1, 2, 16, 8) for _ in range(4)]
-    shared = _target_cache_layers(kv, torch.float32, target)
+    shared = _target_cache_layers(kv, dtypes, target)
     assert len(shared) == 2 and shared[0] is target[0] and shared[1] is target[1]
 
 
