@@ -83,7 +83,14 @@ def test_graph_logits_match_transformers(engine, reference, graph, start, length
     """Each graph after the package's own prefill of the prefix: transformers' logits. The
     16-row prefill is longer than the rings (12 cells), so its first rows' states are not
     kept and the next call still reads the right ones."""
-    runner = engine.target
+    got, want = _graph_and_reference(engine.target, reference, graph, start, length)
+    assert got.shape == want.shape
+    assert _rel_err(got, want) < FP32_TOL
+
+
+def _graph_and_reference(runner, reference, graph: str, start: int, length: int):
+    """One graph's logits on random tokens after the package's own prefill of `start` of
+    them, and transformers' logits of the same rows (the prefill graph's last row)."""
     g = torch.Generator().manual_seed(start + length)
     history = torch.randint(0, runner.vocab_size, (start + length,), generator=g).tolist()
     want = _reference_logits(reference, history)[start:]
@@ -92,9 +99,7 @@ def test_graph_logits_match_transformers(engine, reference, graph, start, length
         runner.forward(history[:start], 0)
     tokens = torch.tensor([history[start:]])
     got = runner.graphs[graph](tokens, torch.arange(start, start + length), runner.caches)[0]
-    want = want[-1:] if graph == "prefill" else want
-    assert got.shape == want.shape
-    assert _rel_err(got, want) < FP32_TOL
+    return got, want[-1:] if graph == "prefill" else want
 
 
 def test_generates_and_reuses_like_transformers(engine, reference):
@@ -175,16 +180,9 @@ def test_bfloat16_package_keeps_float32_states(bf16_engine, reference):
         torch.float32 if s else torch.bfloat16 for s in state
     ]
     for graph, start, length in [("prefill", 0, 14), ("decode", 21, 1), ("verify", 17, 5)]:
-        g = torch.Generator().manual_seed(start + length)
-        history = torch.randint(0, runner.vocab_size, (start + length,), generator=g).tolist()
-        want = _reference_logits(reference, history)[start:]
-        reset_caches(runner)
-        if start:
-            runner.forward(history[:start], 0)
-        tokens = torch.tensor([history[start:]])
-        got = runner.graphs[graph](tokens, torch.arange(start, start + length), runner.caches)
-        want = want[-1:] if graph == "prefill" else want
-        assert _rel_err(got[0].float(), want) < BF16_TOL, graph
+        got, want = _graph_and_reference(runner, reference, graph, start, length)
+        assert _rel_err(got.float(), want) < BF16_TOL, graph
+    g = torch.Generator().manual_seed(9)
     prompt = torch.randint(3, runner.vocab_size, (30,), generator=g).tolist()
     plain = bf16_engine.generate(prompt, GenerationConfig(max_new_tokens=24, ignore_eos=True))
     cfg = GenerationConfig(max_new_tokens=24, ignore_eos=True, speculative="ngram")
