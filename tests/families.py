@@ -494,6 +494,19 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             num_experts_per_tok=2,
         ),
     ),
+    # Qwen3-Next: Qwen3.5-MoE's layers, q/k/v/z and b/a fused per key head in the checkpoint,
+    # layer 1's MLP dense (`mlp_only_layers`).
+    "qwen3-next": (
+        "Qwen3NextConfig",
+        dict(
+            FAMILIES_QWEN3_5,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=2,
+            mlp_only_layers=[1],
+        ),
+    ),
     "gptneox-draft": (
         "GPTNeoXConfig",
         dict(
@@ -606,7 +619,7 @@ EAGER_PARITY = [
     "granite-moe", "granite4", "granite4-moe", "lfm2-moe", "glm4", "ernie4_5", "phi-qk",
     "stablelm", "starcoder2", "gemma", "cohere", "cohere2", "exaone4", "exaone4-global",
     "nemotron", "arcee", "qwen3-moe", "seed-oss", "helium", "ministral", "ministral3",
-    "hunyuan", "apertus", "qwen3_5", "qwen3_5-moe",
+    "hunyuan", "apertus", "qwen3_5", "qwen3_5-moe", "qwen3-next",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

@@ -54,8 +54,11 @@ LLAMA_LAYOUT = (
 LFM2 = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
 # Qwen3.5: gated-delta-rule linear attention beside gated full attention (qwen3_5.py); its
 # mixture of experts has Qwen2-MoE's sparse MLPs (a gated shared expert) on every layer.
+# Qwen3-Next is Qwen3.5-MoE with q, k, v, z (and b, a) fused per key head in its checkpoint,
+# and Qwen2-MoE's dense layers (`mlp_only_layers`, `decoder_sparse_step`).
 QWEN3_5_MOE = "Qwen3_5MoeForCausalLM"
-QWEN3_5 = ("Qwen3_5ForCausalLM", QWEN3_5_MOE)
+QWEN3_NEXT = "Qwen3NextForCausalLM"
+QWEN3_5 = ("Qwen3_5ForCausalLM", QWEN3_5_MOE, QWEN3_NEXT)
 # LayerNorms, biases, partial rotary (layernorm_decoders.py).
 PHI, STABLELM, STARCODER2 = "PhiForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM"
 COHERE, COHERE2 = "CohereForCausalLM", "Cohere2ForCausalLM"

@@ -27,6 +27,7 @@ from aotgen.model.config import (
     PHI,
     QWEN3_5,
     QWEN3_5_MOE,
+    QWEN3_NEXT,
     STABLELM,
     STARCODER2,
     SUPPORTED_ARCHITECTURES,
@@ -288,10 +289,11 @@ def _moe(hf: dict, arch: str, layers: int, act: str) -> dict[str, Any]:
         raise ValueError(f"config.json: hidden_act={act!r}: the experts are SwiGLU (silu) only")
     step = hf.get("decoder_sparse_step") or 1
     dense = set(hf.get("mlp_only_layers") or ())
-    qwen = arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+    qwen = arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", QWEN3_NEXT)
     shared = {
         "Qwen2MoeForCausalLM": hf.get("shared_expert_intermediate_size"),
         QWEN3_5_MOE: hf.get("shared_expert_intermediate_size"),
+        QWEN3_NEXT: hf.get("shared_expert_intermediate_size"),
         "GraniteMoeSharedForCausalLM": hf.get("shared_intermediate_size"),
         "GraniteMoeHybridForCausalLM": hf.get("shared_intermediate_size"),
     }.get(arch)
@@ -312,9 +314,9 @@ def _moe(hf: dict, arch: str, layers: int, act: str) -> dict[str, Any]:
         # Mixtral renormalises; Granite's and gpt-oss's softmax over the top-k logits is the same
         norm_topk_prob=arch in ("MixtralForCausalLM", GPT_OSS, QWEN3_5_MOE)
         or arch in GRANITES
-        or bool(hf.get("norm_topk_prob", False)),
+        or bool(hf.get("norm_topk_prob", arch == QWEN3_NEXT)),  # Qwen3-Next's default: True
         shared_expert_intermediate_size=shared or 0,
-        shared_expert_gated=arch in ("Qwen2MoeForCausalLM", QWEN3_5_MOE),
+        shared_expert_gated=arch in ("Qwen2MoeForCausalLM", QWEN3_5_MOE, QWEN3_NEXT),
         moe_layers=tuple(
             not qwen or (i not in dense and (i + 1) % step == 0) for i in range(layers)
         ),
@@ -397,7 +399,8 @@ def _qwen3_5(hf: dict, arch: str, common: dict, local: float | None) -> dict[str
     """Qwen3.5: gated-delta-rule linear attention (`linear_attention` layers) beside full
     attention with per-head q/k norms, partial RoPE and a sigmoid gate on its output; every
     norm scales by (1 + w). Qwen3.5-MoE: sparse MLPs on every layer, the top-k renormalised,
-    a shared expert behind a sigmoid gate."""
+    a shared expert behind a sigmoid gate. Qwen3-Next: Qwen3.5-MoE with Qwen2-MoE's dense
+    layers."""
     layers = common["num_hidden_layers"]
     types = hf.get("layer_types") or [
         "full_attention" if (i + 1) % hf.get("full_attention_interval", 4) == 0
@@ -432,7 +435,7 @@ def _qwen3_5(hf: dict, arch: str, common: dict, local: float | None) -> dict[str
     rotary_dim = int(common["head_dim"] * rotary)
     if rotary_dim % 2 or not rotary_dim:
         raise ValueError(f"config.json: partial_rotary_factor={rotary}: an odd or empty dim")
-    experts = _moe(hf, arch, layers, act) if arch == QWEN3_5_MOE else {}
+    experts = _moe(hf, arch, layers, act) if arch in (QWEN3_5_MOE, QWEN3_NEXT) else {}
     return {
         **fields,
         **experts,

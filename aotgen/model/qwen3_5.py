@@ -24,6 +24,8 @@ first quarter of each head.
 
 `Qwen3_5MoeForCausalLM` (Qwen3.5-MoE) is the same with sparse MLPs (moe.py: the top-k of the
 router's softmax renormalised, a shared expert behind a sigmoid gate) on every layer.
+`Qwen3NextForCausalLM` (Qwen3-Next) is Qwen3.5-MoE whose checkpoint fuses each key head's
+projections (`split_qkvz` unfuses them at load), with dense MLPs on its `mlp_only_layers`.
 """
 
 from __future__ import annotations
@@ -144,6 +146,31 @@ class GatedDeltaNet(nn.Module):
         kept = cache[slots, 0]
         cache[slots, 0] = torch.where((source >= 0).unsqueeze(-1), taken.to(cache.dtype), kept)
         return out
+
+
+def split_qkvz(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Qwen3-Next's `in_proj_qkvz` and `in_proj_ba` as Qwen3.5's `in_proj_qkv`, `in_proj_z`,
+    `in_proj_b`, `in_proj_a`. Qwen3-Next groups rows by key head: each key head's q and k rows,
+    then the v rows and the z rows of its value heads; b and a likewise. Qwen3.5 lays out all
+    q, all k, all v (value heads in the same order: key head h's are h * r .. h * r + r - 1)."""
+    dk, dv, hk = cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_key_heads
+    per_key = cfg.linear_value_heads // hk  # r value heads to a key head
+    out = {}
+    for name, tensor in weights.items():
+        stem, _, leaf = name.rpartition(".in_proj_")
+        if leaf == "qkvz.weight":
+            grouped = tensor.view(hk, -1, tensor.shape[-1])
+            q, k, v, z = grouped.split([dk, dk, per_key * dv, per_key * dv], dim=1)
+            rows = [part.reshape(-1, tensor.shape[-1]) for part in (q, k, v, z)]
+            out[f"{stem}.in_proj_qkv.weight"] = torch.cat(rows[:3])
+            out[f"{stem}.in_proj_z.weight"] = rows[3]
+        elif leaf == "ba.weight":
+            b, a = tensor.view(hk, 2 * per_key, -1).chunk(2, dim=1)
+            out[f"{stem}.in_proj_b.weight"] = b.reshape(-1, tensor.shape[-1])
+            out[f"{stem}.in_proj_a.weight"] = a.reshape(-1, tensor.shape[-1])
+        else:
+            out[name] = tensor
+    return out
 
 
 def _rows(write_at: CacheIndex, b: int) -> tuple[Tensor, Tensor]:
