@@ -507,6 +507,40 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             mlp_only_layers=[1],
         ),
     ),
+    # GLM-4.5: DeepSeek-V3's routing (8 experts in 2 groups, the best group kept, 2 experts a
+    # token, sigmoid + bias, x 2.5) and a shared expert after a dense layer 0; q/k/v biased,
+    # half of each head rotated.
+    "glm4-moe": (
+        "Glm4MoeConfig",
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=2,
+            head_dim=32,
+            attention_bias=True,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=1,
+        ),
+    ),
+    # dots.llm1: the same routing in one group, two shared experts, Qwen3's q/k norms.
+    "dots1": (
+        "Dots1Config",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=2,
+            routed_scaling_factor=1.5,
+            norm_topk_prob=True,
+        ),
+    ),
     "gptneox-draft": (
         "GPTNeoXConfig",
         dict(
@@ -539,8 +573,19 @@ def make_family_checkpoint(out: Path, family: str, seed: int = 0) -> Path:
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize(model, gemma=cls_name.startswith("Gemma"))
     model.save_pretrained(out)
+    if family == "glm4-moe":  # its multi-token-prediction layer follows the last, not run
+        _add_tensors(out, {f"model.layers.{config.num_hidden_layers}.eh_proj.weight": (64, 128)})
     assert json.loads((out / "config.json").read_text())["architectures"]
     return out
+
+
+def _add_tensors(out: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Random tensors of `shapes` added to the checkpoint's one safetensors file."""
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(path) | {name: torch.randn(shape) for name, shape in shapes.items()}
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 @torch.no_grad()
@@ -560,7 +605,8 @@ def randomize(model: torch.nn.Module, gemma: bool, std: float = 0.08) -> None:
         else:
             p.normal_(0, std)
     for name, b in model.named_buffers():
-        if name.endswith("expert_bias"):  # LFM2-MoE: large enough to change which are picked
+        # LFM2-MoE's, DeepSeek-V3's: large enough to change which are picked
+        if name.endswith(("expert_bias", "e_score_correction_bias")):
             b.normal_(0, 0.5)
         elif name.endswith("act_fn.beta"):  # Apertus's xIELU: away from its 0.5 init
             b.normal_(0.5, 0.2)
@@ -619,7 +665,7 @@ EAGER_PARITY = [
     "granite-moe", "granite4", "granite4-moe", "lfm2-moe", "glm4", "ernie4_5", "phi-qk",
     "stablelm", "starcoder2", "gemma", "cohere", "cohere2", "exaone4", "exaone4-global",
     "nemotron", "arcee", "qwen3-moe", "seed-oss", "helium", "ministral", "ministral3",
-    "hunyuan", "apertus", "qwen3_5", "qwen3_5-moe", "qwen3-next",
+    "hunyuan", "apertus", "qwen3_5", "qwen3_5-moe", "qwen3-next", "glm4-moe", "dots1",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

@@ -142,7 +142,7 @@ def test_eager_model_matches_transformers(checkpoints, family):
     """SmolLM3 (NoPE layers), Granite (multipliers), YaRN, OLMo 2/3, GLM-4 and ERNIE 4.5
     (RoPE on adjacent pairs) and the mixtures of
     experts (Mixtral, Qwen2-MoE's shared expert and dense layers, OLMoE, Granite MoE, LFM2-MoE's
-    sigmoid routing) and Granite 4.0 with attention layers (dense, and experts with no
+    sigmoid routing, GLM-4.5's and dots.llm1's DeepSeek-V3 routing by groups) and Granite 4.0 with attention layers (dense, and experts with no
     positions): the model's logits
     over a history and its 32 greedy tokens, decoded step by step on its KV cache, equal
     transformers'."""
@@ -546,6 +546,8 @@ def test_transformers4_glm4_config():
 
 YARN_8 = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
 BETA = {"llama_4_scaling_beta": 0.1}  # Ministral 3's only
+# DeepSeek-V3's routing: 8 experts, 2 a token.
+DEEPSEEK = {"n_routed_experts": 8, "num_experts_per_tok": 2}
 
 
 @pytest.mark.parametrize(
@@ -589,6 +591,11 @@ BETA = {"llama_4_scaling_beta": 0.1}  # Ministral 3's only
         ("Ministral3ForCausalLM", {"rope_parameters": YARN_8}, "llama_4_scaling_beta"),
         ("MistralForCausalLM", {"rope_parameters": {**YARN_8, **BETA}}, "llama_4_scaling_beta"),
         ("HunYuanDenseV1ForCausalLM", {"use_cla": True}, "use_cla"),
+        ("Glm4MoeForCausalLM", {**DEEPSEEK, "n_group": 3}, "split the experts evenly"),
+        ("Glm4MoeForCausalLM", {**DEEPSEEK, "n_group": 4, "topk_group": 5}, "topk_group"),
+        ("Dots1ForCausalLM", {**DEEPSEEK, "n_group": 4, "num_experts_per_tok": 3}, "kept groups"),
+        ("Dots1ForCausalLM", {**DEEPSEEK, "scoring_func": "softmax"}, "scoring_func"),
+        ("Glm4MoeForCausalLM", {**DEEPSEEK, "routed_scaling_factor": 0}, "routed_scaling"),
         ("LlamaForCausalLM", {"hidden_act": "xielu"}, "xielu"),
         (
             "HunYuanDenseV1ForCausalLM",

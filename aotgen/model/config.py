@@ -10,6 +10,11 @@ from aotgen.model.rope import rope_inv_freq
 
 # gpt-oss: attention sinks, a biased router and biased experts with a clamped SwiGLU.
 GPT_OSS = "GptOssForCausalLM"
+# DeepSeek-V3's mixture of experts on standard attention: experts picked by sigmoid score plus
+# a per-expert bias within the best groups, an ungated shared expert, the first layers dense.
+GLM4_MOE = "Glm4MoeForCausalLM"  # GLM-4.5 / 4.6 / 4.7: q/k/v biases, half of each head rotated
+DOTS1 = "Dots1ForCausalLM"  # dots.llm1: Qwen3's per-head q/k norms
+DEEPSEEK_MOE = (GLM4_MOE, DOTS1)
 # Mixture-of-experts decoders: the Llama layout with sparse MLPs (moe.py).
 MOE_ARCHITECTURES = (
     "MixtralForCausalLM",
@@ -20,6 +25,7 @@ MOE_ARCHITECTURES = (
     "GraniteMoeSharedForCausalLM",
     "GraniteMoeHybridForCausalLM",  # Granite 4.0 with attention layers only; dense without experts
     GPT_OSS,
+    *DEEPSEEK_MOE,
 )
 # Granites whose dense MLP (or shared expert) is `shared_mlp`, of shared_intermediate_size.
 GRANITE_SHARED_MLP = ("GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")
@@ -166,11 +172,15 @@ class ModelConfig:
     expert_biases: bool = False
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.702
-    # LFM2-MoE: experts picked by sigmoid score plus a per-expert bias, weighted by the score
-    # (renormalised, then x routed_scaling_factor).
+    # LFM2-MoE and DeepSeek-V3's routing: experts picked by sigmoid score plus a per-expert
+    # bias, weighted by the score (renormalised, then x routed_scaling_factor); DeepSeek-V3's
+    # picks only within the `router_top_groups` of `router_groups` groups of experts whose
+    # two best scores sum highest.
     router_sigmoid: bool = False
     expert_bias: bool = False
     routed_scaling_factor: float = 1.0
+    router_groups: int = 1
+    router_top_groups: int = 1
     # LFM2: layers whose `layer_types` entry is "conv" mix the last `conv_kernel` positions
     # with a gated depthwise convolution instead of attending.
     conv_kernel: int = 0

@@ -14,7 +14,10 @@ from aotgen.model.config import (
     APERTUS,
     COHERE,
     COHERE2,
+    DEEPSEEK_MOE,
+    DOTS1,
     GEMMAS,
+    GLM4_MOE,
     GPT_OSS,
     GRANITE_SHARED_MLP,
     GRANITES,
@@ -122,8 +125,8 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
         _refuse(hf, "use_bidirectional_attention", False, "causal attention only")
     out: dict[str, Any] = {"hidden_act": act, "rms_norm_eps": hf.get("rms_norm_eps", 1e-6)}
     rotary = rotary_factor(hf)
-    # Phi-4-mini rotates 3/4 of each head, GLM-4 half
-    if arch in ("Phi3ForCausalLM", "Glm4ForCausalLM") and rotary != 1.0:
+    # Phi-4-mini rotates 3/4 of each head, GLM-4 and GLM-4.5 half
+    if arch in ("Phi3ForCausalLM", "Glm4ForCausalLM", GLM4_MOE) and rotary != 1.0:
         out["rotary_dim"] = int(common["head_dim"] * rotary)
         if out["rotary_dim"] % 2 or not out["rotary_dim"]:
             raise ValueError(f"config.json: partial_rotary_factor={rotary}: an odd or empty dim")
@@ -133,7 +136,9 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
     out.update(_smollm3(hf, layers) if arch == "SmolLM3ForCausalLM" else {})
     out.update(_granite(hf, arch, layers) if arch in GRANITES else {})
     dense_granite = arch == "GraniteMoeHybridForCausalLM" and not hf.get("num_local_experts")
-    if arch in MOE_ARCHITECTURES and not dense_granite:
+    if arch in DEEPSEEK_MOE:
+        out.update(_deepseek_moe(hf, arch, layers, act))
+    elif arch in MOE_ARCHITECTURES and not dense_granite:
         out.update(_moe(hf, arch, layers, act))
     out.update(_attention(hf, arch))
     out.update(_windows(hf, arch, layers, local))
@@ -150,6 +155,8 @@ def _attention(hf: dict, arch: str) -> dict[str, Any]:
         out["attention_bias"] = bool(hf.get("qkv_bias", True))
     elif arch == "Glm4ForCausalLM":
         out["attention_bias"] = bool(hf.get("attention_bias", True))
+    elif arch in DEEPSEEK_MOE:  # q, k and v biased or not (GLM-4.5: biased), o never
+        out["attention_bias"] = bool(hf.get("attention_bias", False))
     elif arch == GPT_OSS:  # q, k, v and o biased; a sink logit per head
         bias = bool(hf.get("attention_bias", True))
         out.update(attention_bias=bias, attention_out_bias=bias, attention_sinks=True)
@@ -162,8 +169,10 @@ def _attention(hf: dict, arch: str) -> dict[str, Any]:
         _refuse(hf, "attention_bias", False, f"attention biases on {arch}")
     if arch in WINDOW_SWITCHED:
         _refuse(hf, "use_sliding_window", False, f"sliding-window attention on {arch}")
-    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", APERTUS):
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", APERTUS, DOTS1):
         out["qk_norm"] = True
+    if arch == GLM4_MOE:
+        out["qk_norm"] = bool(hf.get("use_qk_norm", False))
     if arch in ("Olmo2ForCausalLM", "Olmo3ForCausalLM"):
         out.update(qk_norm=True, qk_norm_across_heads=True, norm_after=True)
     if arch == "Exaone4ForCausalLM":  # OLMo 2's norms after each block, q/k norms per head
@@ -190,7 +199,7 @@ def _windows(hf: dict, arch: str, layers: int, local: float | None) -> dict[str,
     ) and hf.get("sliding_window"):
         out["sliding_window"] = hf["sliding_window"]
         out["layer_types"] = ("sliding_attention",) * layers
-    elif arch == "MinistralForCausalLM" and hf.get("sliding_window"):  # its own layer_types
+    elif arch in ("MinistralForCausalLM", DOTS1) and hf.get("sliding_window"):  # layer_types
         types = hf.get("layer_types") or ["sliding_attention"] * layers
         out.update(sliding_window=hf["sliding_window"], layer_types=tuple(types))
     elif arch in LATER_GEMMAS:
@@ -321,6 +330,44 @@ def _moe(hf: dict, arch: str, layers: int, act: str) -> dict[str, Any]:
             not qwen or (i not in dense and (i + 1) % step == 0) for i in range(layers)
         ),
     )
+
+
+def _deepseek_moe(hf: dict, arch: str, layers: int, act: str) -> dict[str, Any]:
+    """DeepSeek-V3's mixture of experts (GLM-4.5, dots.llm1): `n_routed_experts` picked by
+    sigmoid score plus `e_score_correction_bias` within the `topk_group` best of `n_group`
+    groups, weighted by the score (renormalised where `norm_topk_prob`) times
+    `routed_scaling_factor`; `n_shared_experts` experts' width in one ungated shared MLP on
+    every token; the first `first_k_dense_replace` layers dense."""
+    for key in ("scoring_func", "topk_method"):  # DeepSeek-V3's only ones, where named
+        _refuse(hf, key, {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}[key], "routing")
+    _positive(hf, "routed_scaling_factor")
+    experts = hf.get("n_routed_experts") or 0
+    out = _moe({**hf, "num_experts": experts}, arch, layers, act)
+    groups, top_groups = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    if experts % groups or not 1 <= top_groups <= groups or (groups > 1 and experts < 2 * groups):
+        raise ValueError(
+            f"config.json: n_group={groups}, topk_group={top_groups} with {experts} experts: "
+            "the groups must split the experts evenly, two or more each, and topk_group must "
+            "be from 1 to n_group"
+        )
+    if out["num_experts_per_tok"] > top_groups * experts // groups:
+        raise ValueError(
+            f"config.json: num_experts_per_tok={out['num_experts_per_tok']} is more than the "
+            f"{top_groups} kept groups hold ({top_groups * experts // groups})"
+        )
+    dense = hf.get("first_k_dense_replace", 1 if arch == GLM4_MOE else 0)
+    return {
+        **out,
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", arch == GLM4_MOE)),
+        "router_sigmoid": True,
+        "expert_bias": True,
+        "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+        "router_groups": groups,
+        "router_top_groups": top_groups,
+        "shared_expert_intermediate_size": out["moe_intermediate_size"]
+        * (hf.get("n_shared_experts") or 0),
+        "moe_layers": tuple(i >= dense for i in range(layers)),
+    }
 
 
 def _smollm3(hf: dict, layers: int) -> dict[str, Any]:

@@ -52,6 +52,7 @@ from torch import Tensor, nn
 from aotgen.kernels.cache_rows import row_width
 from aotgen.model.config import (
     APERTUS,
+    GLM4_MOE,
     GRANITE_SHARED_MLP,
     HUNYUAN,
     INTERLEAVED_ROPE,
@@ -403,6 +404,14 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_b
 IGNORED_PREFIXES = ("mtp.",)
 
 
+def _is_mtp_layer(cfg: ModelConfig, name: str) -> bool:
+    """GLM-4.5's multi-token-prediction layers, numbered after its last layer
+    (`model.layers.{num_hidden_layers + i}`): not run, as transformers does not run them."""
+    if cfg.architecture != GLM4_MOE or not name.startswith("model.layers."):
+        return False
+    return int(name.split(".")[2]) >= cfg.num_hidden_layers
+
+
 def load_model(
     cfg: ModelConfig, weights: dict[str, Tensor], cache_len: int, dtype: torch.dtype
 ) -> CausalLM:
@@ -411,7 +420,9 @@ def load_model(
     weights = {
         k: v
         for k, v in weights.items()
-        if not k.endswith(IGNORED_SUFFIXES) and not k.startswith(IGNORED_PREFIXES)
+        if not k.endswith(IGNORED_SUFFIXES)
+        and not k.startswith(IGNORED_PREFIXES)
+        and not _is_mtp_layer(cfg, k)
     }
     weights = rotate_half_rows(cfg, split_fused(cfg, rename_modules(cfg, weights)))
     weights = stack_experts(cfg, stack_head_norms(cfg, weights))

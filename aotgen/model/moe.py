@@ -1,11 +1,13 @@
-"""The sparse MLP of mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and
-Granite MoE.
+"""The sparse MLP of mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+Granite MoE, gpt-oss, LFM2-MoE, and DeepSeek-V3's routing (GLM-4.5, dots.llm1).
 
 A router (`gate`, one logit per expert) picks each token's `num_experts_per_tok` experts by
 softmax probability; their SwiGLU MLPs' outputs are summed, weighted by those probabilities
 (renormalised over the chosen experts where the config says `norm_topk_prob`, always for
 Mixtral and Granite MoE). Qwen2-MoE adds a shared expert on every token, scaled by a sigmoid
-gate; Granite's MoE-with-shared-MLP configs add theirs ungated.
+gate; Granite's MoE-with-shared-MLP configs and DeepSeek-V3's add theirs ungated. LFM2-MoE and
+DeepSeek-V3 pick by sigmoid score plus a per-expert bias that shifts the choice, not the
+weights; DeepSeek-V3 first keeps the groups of experts whose two best scores sum highest.
 
 The experts are held stacked, as transformers 5 holds them: `experts.gate_up_proj [E, 2f, d]`
 (each expert's gate rows, then its up rows) and `experts.down_proj [E, d, f]`; checkpoints
@@ -21,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from aotgen.kernels import moe
-from aotgen.model.config import GPT_OSS, ModelConfig
+from aotgen.model.config import DEEPSEEK_MOE, GPT_OSS, LFM2, ModelConfig
 from aotgen.model.layers import GatedMLP
 
 
@@ -60,6 +62,8 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k, self.normalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.sigmoid, self.scale = cfg.router_sigmoid, cfg.routed_scaling_factor
+        self.groups, self.top_groups = cfg.router_groups, cfg.router_top_groups
+        self.eps = 1e-6 if cfg.architecture in LFM2 else 1e-20  # each one's renormalisation
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.router_bias)
         if cfg.expert_bias:  # shifts which experts are picked, not their weights
             self.expert_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
@@ -88,14 +92,25 @@ class SparseMoE(nn.Module):
             if self.normalise:
                 weights = weights / weights.sum(-1, keepdim=True)
             return weights, ids
-        scores = logits.sigmoid()  # LFM2-MoE
+        scores = logits.sigmoid()  # LFM2-MoE, DeepSeek-V3
         bias = getattr(self, "expert_bias", None)
         choice = scores if bias is None else scores + bias.float()
+        if self.groups > 1:
+            choice = self.best_groups(choice)
         ids = choice.topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, ids)
         if self.normalise:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-6)
+            weights = weights / (weights.sum(-1, keepdim=True) + self.eps)
         return weights * self.scale if self.scale != 1.0 else weights, ids
+
+    def best_groups(self, choice: Tensor) -> Tensor:
+        """`choice` with every expert outside the `top_groups` best groups at -inf; a group
+        is ranked by the sum of its two best scores."""
+        grouped = choice.unflatten(-1, (self.groups, -1))
+        rank = grouped.topk(2, dim=-1).values.sum(-1)
+        kept = rank.topk(self.top_groups, dim=-1).indices
+        keep = torch.zeros_like(rank, dtype=torch.bool).scatter(-1, kept, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
 
 
 # Checkpoint names of one expert's projections: Mixtral's w1 (gate), w3 (up), w2 (down) under
@@ -121,6 +136,8 @@ def stack_experts(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Ten
         return weights
     if cfg.architecture == GPT_OSS:
         return _gpt_oss_experts(weights)
+    if cfg.architecture in DEEPSEEK_MOE:
+        weights = _deepseek_names(weights)
     out: dict[str, Tensor] = {}
     layers: dict[str, dict[str, dict[int, Tensor]]] = {}
     mlp_of: dict[str, str] = {}
@@ -151,6 +168,16 @@ def stack_experts(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Ten
         mlp = mlp_of.get(layer, "mlp")
         out[f"{layer}.{mlp}.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
         out[f"{layer}.{mlp}.experts.down_proj"] = down
+    return out
+
+
+def _deepseek_names(weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """DeepSeek-V3's router bias (`gate.e_score_correction_bias`) and shared experts
+    (`shared_experts`) under the names SparseMoE gives them."""
+    out = {}
+    for name, tensor in weights.items():
+        name = name.replace(".mlp.gate.e_score_correction_bias", ".mlp.expert_bias")
+        out[name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")] = tensor
     return out
 
 
