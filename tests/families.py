@@ -541,6 +541,20 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             norm_topk_prob=True,
         ),
     ),
+    # ERNIE 4.5 MoE: layer 0 dense, then 8 experts (2 a token) picked by softmax + bias, two
+    # shared experts; RoPE on adjacent pairs, a tied head.
+    "ernie4_5-moe": (
+        "Ernie4_5_MoeConfig",
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=2,
+            moe_intermediate_size=32,
+            moe_num_experts=8,
+            moe_k=2,
+            moe_num_shared_experts=2,
+            moe_layer_start_index=1,
+        ),
+    ),
     "gptneox-draft": (
         "GPTNeoXConfig",
         dict(
@@ -575,6 +589,8 @@ def make_family_checkpoint(out: Path, family: str, seed: int = 0) -> Path:
     model.save_pretrained(out)
     if family == "glm4-moe":  # its multi-token-prediction layer follows the last, not run
         _add_tensors(out, {f"model.layers.{config.num_hidden_layers}.eh_proj.weight": (64, 128)})
+    if family == "ernie4_5-moe":  # its multi-token-prediction modules, not run
+        _add_tensors(out, {"model.mtp_linear_proj.0.weight": (64, 128)})
     assert json.loads((out / "config.json").read_text())["architectures"]
     return out
 
@@ -600,6 +616,8 @@ def randomize(model: torch.nn.Module, gemma: bool, std: float = 0.08) -> None:
             p.normal_(0, std * (1.5 if gemma else 10))
         elif name.endswith("lm_head.weight"):
             p.normal_(0, std * 4)
+        elif name.endswith("e_score_correction_bias"):  # ERNIE 4.5's: on probabilities
+            p.normal_(0, 0.1)
         elif name.endswith(".sinks"):  # gpt-oss: as large as the scores, so that they matter
             p.normal_(0, 1.0)
         else:
@@ -666,6 +684,7 @@ EAGER_PARITY = [
     "stablelm", "starcoder2", "gemma", "cohere", "cohere2", "exaone4", "exaone4-global",
     "nemotron", "arcee", "qwen3-moe", "seed-oss", "helium", "ministral", "ministral3",
     "hunyuan", "apertus", "qwen3_5", "qwen3_5-moe", "qwen3-next", "glm4-moe", "dots1",
+    "ernie4_5-moe",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

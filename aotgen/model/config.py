@@ -15,6 +15,9 @@ GPT_OSS = "GptOssForCausalLM"
 GLM4_MOE = "Glm4MoeForCausalLM"  # GLM-4.5 / 4.6 / 4.7: q/k/v biases, half of each head rotated
 DOTS1 = "Dots1ForCausalLM"  # dots.llm1: Qwen3's per-head q/k norms
 DEEPSEEK_MOE = (GLM4_MOE, DOTS1)
+# ERNIE 4.5's mixture of experts: softmax routing whose choice a per-expert bias shifts, an
+# ungated shared expert, RoPE on adjacent pairs.
+ERNIE4_5_MOE = "Ernie4_5_MoeForCausalLM"
 # Mixture-of-experts decoders: the Llama layout with sparse MLPs (moe.py).
 MOE_ARCHITECTURES = (
     "MixtralForCausalLM",
@@ -26,6 +29,7 @@ MOE_ARCHITECTURES = (
     "GraniteMoeHybridForCausalLM",  # Granite 4.0 with attention layers only; dense without experts
     GPT_OSS,
     *DEEPSEEK_MOE,
+    ERNIE4_5_MOE,
 )
 # Granites whose dense MLP (or shared expert) is `shared_mlp`, of shared_intermediate_size.
 GRANITE_SHARED_MLP = ("GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")
@@ -87,6 +91,7 @@ LATER_GEMMAS = GEMMAS[1:]
 INTERLEAVED_ROPE = (
     "Glm4ForCausalLM",
     "Ernie4_5ForCausalLM",
+    ERNIE4_5_MOE,
     COHERE,
     COHERE2,
     "HeliumForCausalLM",
@@ -175,9 +180,11 @@ class ModelConfig:
     # LFM2-MoE and DeepSeek-V3's routing: experts picked by sigmoid score plus a per-expert
     # bias, weighted by the score (renormalised, then x routed_scaling_factor); DeepSeek-V3's
     # picks only within the `router_top_groups` of `router_groups` groups of experts whose
-    # two best scores sum highest.
+    # two best scores sum highest. ERNIE 4.5: softmax probabilities plus the bias pick, the
+    # probabilities renormalised by their sum, at least `router_norm_min`, weigh.
     router_sigmoid: bool = False
     expert_bias: bool = False
+    router_norm_min: float = 0.0
     routed_scaling_factor: float = 1.0
     router_groups: int = 1
     router_top_groups: int = 1

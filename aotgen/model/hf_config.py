@@ -16,6 +16,7 @@ from aotgen.model.config import (
     COHERE2,
     DEEPSEEK_MOE,
     DOTS1,
+    ERNIE4_5_MOE,
     GEMMAS,
     GLM4_MOE,
     GPT_OSS,
@@ -138,6 +139,8 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
     dense_granite = arch == "GraniteMoeHybridForCausalLM" and not hf.get("num_local_experts")
     if arch in DEEPSEEK_MOE:
         out.update(_deepseek_moe(hf, arch, layers, act))
+    elif arch == ERNIE4_5_MOE:
+        out.update(_ernie_moe(hf, layers, act))
     elif arch in MOE_ARCHITECTURES and not dense_granite:
         out.update(_moe(hf, arch, layers, act))
     out.update(_attention(hf, arch))
@@ -367,6 +370,33 @@ def _deepseek_moe(hf: dict, arch: str, layers: int, act: str) -> dict[str, Any]:
         "shared_expert_intermediate_size": out["moe_intermediate_size"]
         * (hf.get("n_shared_experts") or 0),
         "moe_layers": tuple(i >= dense for i in range(layers)),
+    }
+
+
+def _ernie_moe(hf: dict, layers: int, act: str) -> dict[str, Any]:
+    """ERNIE 4.5's mixture of experts: `moe_k` of `moe_num_experts` picked by softmax
+    probability plus `e_score_correction_bias`, weighted by the probabilities renormalised
+    (their sum at least `moe_norm_min`); `moe_num_shared_experts` experts' width in one
+    ungated shared MLP; sparse from `moe_layer_start_index` to `moe_layer_end_index` (-1: the
+    last), every `moe_layer_interval`-th layer."""
+    hf = {**hf, "num_experts": hf.get("moe_num_experts", 64)}
+    out = _moe({**hf, "num_experts_per_tok": hf.get("moe_k", 6)}, ERNIE4_5_MOE, layers, act)
+    start, end = hf.get("moe_layer_start_index", 1), hf.get("moe_layer_end_index", -1)
+    end = layers - 1 if end == -1 else end
+    interval = hf.get("moe_layer_interval", 1)
+    if not isinstance(interval, int) or interval < 1:
+        raise ValueError(f"config.json: moe_layer_interval must be 1 or more, got {interval!r}")
+    norm_min = hf.get("moe_norm_min", 1e-12)
+    if not isinstance(norm_min, int | float) or norm_min < 0:
+        raise ValueError(f"config.json: moe_norm_min must be 0 or more, got {norm_min!r}")
+    return {
+        **out,
+        "norm_topk_prob": True,
+        "expert_bias": True,
+        "router_norm_min": float(norm_min),
+        "shared_expert_intermediate_size": out["moe_intermediate_size"]
+        * (hf.get("moe_num_shared_experts", 2) or 0),
+        "moe_layers": tuple((i + 1) % interval == 0 and start <= i <= end for i in range(layers)),
     }
 
 

@@ -399,9 +399,9 @@ def _granite_shared_mlp(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[st
 
 # Non-parameters some checkpoints carry: RoPE and causal-mask buffers (old GPT-NeoX).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
-# Modules the model does not run: Qwen3.5's multi-token-prediction layer (transformers skips
-# it too).
-IGNORED_PREFIXES = ("mtp.",)
+# Modules the model does not run: Qwen3.5's and ERNIE 4.5's multi-token-prediction layers
+# (transformers skips them too).
+IGNORED_PREFIXES = ("mtp.", "model.mtp_")
 
 
 def _is_mtp_layer(cfg: ModelConfig, name: str) -> bool:

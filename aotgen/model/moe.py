@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from aotgen.kernels import moe
-from aotgen.model.config import DEEPSEEK_MOE, GPT_OSS, LFM2, ModelConfig
+from aotgen.model.config import DEEPSEEK_MOE, ERNIE4_5_MOE, GPT_OSS, LFM2, ModelConfig
 from aotgen.model.layers import GatedMLP
 
 
@@ -64,6 +64,7 @@ class SparseMoE(nn.Module):
         self.sigmoid, self.scale = cfg.router_sigmoid, cfg.routed_scaling_factor
         self.groups, self.top_groups = cfg.router_groups, cfg.router_top_groups
         self.eps = 1e-6 if cfg.architecture in LFM2 else 1e-20  # each one's renormalisation
+        self.norm_min = cfg.router_norm_min
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.router_bias)
         if cfg.expert_bias:  # shifts which experts are picked, not their weights
             self.expert_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
@@ -87,13 +88,19 @@ class SparseMoE(nn.Module):
 
     def route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """Each row's experts and their weights, from the router's logits."""
+        bias = getattr(self, "expert_bias", None)
         if not self.sigmoid:
-            weights, ids = logits.softmax(-1).topk(self.top_k, dim=-1)
+            probs = logits.softmax(-1)
+            if bias is None:
+                weights, ids = probs.topk(self.top_k, dim=-1)
+            else:  # ERNIE 4.5
+                ids = (probs + bias.float()).topk(self.top_k, dim=-1).indices
+                weights = probs.gather(-1, ids)
             if self.normalise:
-                weights = weights / weights.sum(-1, keepdim=True)
+                total = weights.sum(-1, keepdim=True)
+                weights = weights / (total.clamp(min=self.norm_min) if self.norm_min else total)
             return weights, ids
         scores = logits.sigmoid()  # LFM2-MoE, DeepSeek-V3
-        bias = getattr(self, "expert_bias", None)
         choice = scores if bias is None else scores + bias.float()
         if self.groups > 1:
             choice = self.best_groups(choice)
@@ -136,8 +143,8 @@ def stack_experts(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Ten
         return weights
     if cfg.architecture == GPT_OSS:
         return _gpt_oss_experts(weights)
-    if cfg.architecture in DEEPSEEK_MOE:
-        weights = _deepseek_names(weights)
+    if cfg.architecture in (*DEEPSEEK_MOE, ERNIE4_5_MOE):
+        weights = _bias_and_shared_names(weights)
     out: dict[str, Tensor] = {}
     layers: dict[str, dict[str, dict[int, Tensor]]] = {}
     mlp_of: dict[str, str] = {}
@@ -171,12 +178,20 @@ def stack_experts(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Ten
     return out
 
 
-def _deepseek_names(weights: dict[str, Tensor]) -> dict[str, Tensor]:
-    """DeepSeek-V3's router bias (`gate.e_score_correction_bias`) and shared experts
-    (`shared_experts`) under the names SparseMoE gives them."""
+# The per-expert bias on the choice: DeepSeek-V3's, and ERNIE 4.5's `[1, E]` (under `gate.` in
+# transformers 5, not in the original checkpoints).
+_EXPERT_BIAS = re.compile(
+    r"\.mlp\.(gate\.|gate\.moe_statics\.|moe_statics\.)e_score_correction_bias$"
+)
+
+
+def _bias_and_shared_names(weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """DeepSeek-V3's and ERNIE 4.5's router bias and shared experts (`shared_experts`) under
+    the names SparseMoE gives them."""
     out = {}
     for name, tensor in weights.items():
-        name = name.replace(".mlp.gate.e_score_correction_bias", ".mlp.expert_bias")
+        if _EXPERT_BIAS.search(name):
+            name, tensor = _EXPERT_BIAS.sub(".mlp.expert_bias", name), tensor.flatten()
         out[name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")] = tensor
     return out
 
