@@ -541,6 +541,24 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             norm_topk_prob=True,
         ),
     ),
+    # Solar Open: the same routing on every layer (8 experts in 4 groups, 2 kept, 3 experts a
+    # token), q/k/v biased, the whole head rotated.
+    "solar-open": (
+        "SolarOpenConfig",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            attention_bias=True,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            routed_scaling_factor=2.0,
+        ),
+    ),
     # ERNIE 4.5 MoE: layer 0 dense, then 8 experts (2 a token) picked by softmax + bias, two
     # shared experts; RoPE on adjacent pairs, a tied head.
     "ernie4_5-moe": (
@@ -684,7 +702,7 @@ EAGER_PARITY = [
     "stablelm", "starcoder2", "gemma", "cohere", "cohere2", "exaone4", "exaone4-global",
     "nemotron", "arcee", "qwen3-moe", "seed-oss", "helium", "ministral", "ministral3",
     "hunyuan", "apertus", "qwen3_5", "qwen3_5-moe", "qwen3-next", "glm4-moe", "dots1",
-    "ernie4_5-moe",
+    "solar-open", "ernie4_5-moe",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

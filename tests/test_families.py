@@ -141,10 +141,11 @@ def test_greedy_matches_transformers(family_engines, checkpoints, family):
 def test_eager_model_matches_transformers(checkpoints, family):
     """SmolLM3 (NoPE layers), Granite (multipliers), YaRN, OLMo 2/3, GLM-4 and ERNIE 4.5
     (RoPE on adjacent pairs), the mixtures of experts (Mixtral, Qwen2-MoE's shared expert and
-    dense layers, OLMoE, Granite MoE, LFM2-MoE's sigmoid routing, GLM-4.5's and dots.llm1's
-    DeepSeek-V3 routing by groups, ERNIE 4.5's biased softmax) and Granite 4.0 with attention
-    layers (dense, and experts with no positions): the model's logits over a history and its
-    32 greedy tokens, decoded step by step on its KV cache, equal transformers'."""
+    dense layers, OLMoE, Granite MoE, LFM2-MoE's sigmoid routing, GLM-4.5's, dots.llm1's and
+    Solar Open's DeepSeek-V3 routing by groups, ERNIE 4.5's biased softmax) and Granite 4.0
+    with attention layers (dense, and experts with no positions): the model's logits over a
+    history and its 32 greedy tokens, decoded step by step on its KV cache, equal
+    transformers'."""
     eager = EagerModel(checkpoints[family], 96)
     reference = load_reference(checkpoints[family])
     history = torch.randint(0, eager.config.vocab_size, (40,), generator=torch.Generator()).tolist()

@@ -14,7 +14,8 @@ GPT_OSS = "GptOssForCausalLM"
 # a per-expert bias within the best groups, an ungated shared expert, the first layers dense.
 GLM4_MOE = "Glm4MoeForCausalLM"  # GLM-4.5 / 4.6 / 4.7: q/k/v biases, half of each head rotated
 DOTS1 = "Dots1ForCausalLM"  # dots.llm1: Qwen3's per-head q/k norms
-DEEPSEEK_MOE = (GLM4_MOE, DOTS1)
+SOLAR_OPEN = "SolarOpenForCausalLM"  # Solar Open: every layer sparse, q/k/v biased or not
+DEEPSEEK_MOE = (GLM4_MOE, DOTS1, SOLAR_OPEN)
 # ERNIE 4.5's mixture of experts: softmax routing whose choice a per-expert bias shifts, an
 # ungated shared expert, RoPE on adjacent pairs.
 ERNIE4_5_MOE = "Ernie4_5_MoeForCausalLM"

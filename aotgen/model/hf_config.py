@@ -32,6 +32,7 @@ from aotgen.model.config import (
     QWEN3_5,
     QWEN3_5_MOE,
     QWEN3_NEXT,
+    SOLAR_OPEN,
     STABLELM,
     STARCODER2,
     SUPPORTED_ARCHITECTURES,
@@ -58,7 +59,7 @@ def hf_fields(hf: dict) -> dict[str, Any]:
         "rope_local_base_freq",
     ):
         _positive(hf, key)
-    if arch == QWEN3_5_MOE:  # every MLP sparse: no dense width of its own
+    if arch in (QWEN3_5_MOE, SOLAR_OPEN):  # every MLP sparse: no dense width of its own
         hf = {"intermediate_size": hf.get("moe_intermediate_size"), **hf}
     heads = hf["num_attention_heads"]
     theta, scaling, local = read_rope(hf, arch)
