@@ -559,6 +559,24 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             routed_scaling_factor=2.0,
         ),
     ),
+    # K-EXAONE: EXAONE 4's windowed layers (window 8, three in four, only they rotated) with
+    # the norms before each block; DeepSeek-V3's routing after a dense layer 0, and a dense
+    # layer 2 by `mlp_layer_types`.
+    "exaone-moe": (
+        "ExaoneMoeConfig",
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            sliding_window=8,
+            sliding_window_pattern=4,
+            mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            routed_scaling_factor=2.5,
+        ),
+    ),
     # ERNIE 4.5 MoE: layer 0 dense, then 8 experts (2 a token) picked by softmax + bias, two
     # shared experts; RoPE on adjacent pairs, a tied head.
     "ernie4_5-moe": (
@@ -702,7 +720,7 @@ EAGER_PARITY = [
     "stablelm", "starcoder2", "gemma", "cohere", "cohere2", "exaone4", "exaone4-global",
     "nemotron", "arcee", "qwen3-moe", "seed-oss", "helium", "ministral", "ministral3",
     "hunyuan", "apertus", "qwen3_5", "qwen3_5-moe", "qwen3-next", "glm4-moe", "dots1",
-    "solar-open", "ernie4_5-moe",
+    "solar-open", "exaone-moe", "ernie4_5-moe",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

@@ -139,13 +139,11 @@ def test_greedy_matches_transformers(family_engines, checkpoints, family):
 
 @pytest.mark.parametrize("family", EAGER_PARITY)
 def test_eager_model_matches_transformers(checkpoints, family):
-    """SmolLM3 (NoPE layers), Granite (multipliers), YaRN, OLMo 2/3, GLM-4 and ERNIE 4.5
-    (RoPE on adjacent pairs), the mixtures of experts (Mixtral, Qwen2-MoE's shared expert and
-    dense layers, OLMoE, Granite MoE, LFM2-MoE's sigmoid routing, GLM-4.5's, dots.llm1's and
-    Solar Open's DeepSeek-V3 routing by groups, ERNIE 4.5's biased softmax) and Granite 4.0
-    with attention layers (dense, and experts with no positions): the model's logits over a
-    history and its 32 greedy tokens, decoded step by step on its KV cache, equal
-    transformers'."""
+    """The families whose differences are outside the compiled graphs' concerns (NoPE layers,
+    multipliers, RoPE tables and pairs, norms in other places, the mixtures of experts'
+    routers: softmax, sigmoid, DeepSeek-V3's by groups, ERNIE 4.5's biased softmax): the
+    model's logits over a history and its 32 greedy tokens, decoded step by step on its KV
+    cache, equal transformers'."""
     eager = EagerModel(checkpoints[family], 96)
     reference = load_reference(checkpoints[family])
     history = torch.randint(0, eager.config.vocab_size, (40,), generator=torch.Generator()).tolist()
@@ -596,6 +594,7 @@ DEEPSEEK = {"n_routed_experts": 8, "num_experts_per_tok": 2}
         ("Dots1ForCausalLM", {**DEEPSEEK, "n_group": 4, "num_experts_per_tok": 3}, "kept groups"),
         ("Dots1ForCausalLM", {**DEEPSEEK, "scoring_func": "softmax"}, "scoring_func"),
         ("Glm4MoeForCausalLM", {**DEEPSEEK, "routed_scaling_factor": 0}, "routed_scaling"),
+        ("ExaoneMoeForCausalLM", {**MOE, "mlp_layer_types": ["moe"] * 6}, "mlp_layer_types"),
         ("Ernie4_5_MoeForCausalLM", {"moe_layer_interval": 0}, "moe_layer_interval"),
         ("Ernie4_5_MoeForCausalLM", {"moe_k": 9, "moe_num_experts": 8}, "num_experts_per_tok=9"),
         ("Ernie4_5_MoeForCausalLM", {"use_bias": True}, "use_bias"),

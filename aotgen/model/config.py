@@ -15,7 +15,8 @@ GPT_OSS = "GptOssForCausalLM"
 GLM4_MOE = "Glm4MoeForCausalLM"  # GLM-4.5 / 4.6 / 4.7: q/k/v biases, half of each head rotated
 DOTS1 = "Dots1ForCausalLM"  # dots.llm1: Qwen3's per-head q/k norms
 SOLAR_OPEN = "SolarOpenForCausalLM"  # Solar Open: every layer sparse, q/k/v biased or not
-DEEPSEEK_MOE = (GLM4_MOE, DOTS1, SOLAR_OPEN)
+EXAONE_MOE = "ExaoneMoeForCausalLM"  # K-EXAONE: EXAONE 4's attention, the norms before
+DEEPSEEK_MOE = (GLM4_MOE, DOTS1, SOLAR_OPEN, EXAONE_MOE)
 # ERNIE 4.5's mixture of experts: softmax routing whose choice a per-expert bias shifts, an
 # ungated shared expert, RoPE on adjacent pairs.
 ERNIE4_5_MOE = "Ernie4_5_MoeForCausalLM"

@@ -17,6 +17,7 @@ from aotgen.model.config import (
     DEEPSEEK_MOE,
     DOTS1,
     ERNIE4_5_MOE,
+    EXAONE_MOE,
     GEMMAS,
     GLM4_MOE,
     GPT_OSS,
@@ -181,6 +182,8 @@ def _attention(hf: dict, arch: str) -> dict[str, Any]:
         out.update(qk_norm=True, qk_norm_across_heads=True, norm_after=True)
     if arch == "Exaone4ForCausalLM":  # OLMo 2's norms after each block, q/k norms per head
         out.update(qk_norm=True, norm_after=True)
+    if arch == EXAONE_MOE:  # EXAONE 4's attention, the norms before each block
+        out["qk_norm"] = True
     if arch == HUNYUAN:  # per-head q/k norms, on the rotated q and k
         _refuse(hf, "use_cla", False, "KV caches shared across layers")
         qk_norm = bool(hf.get("use_qk_norm", True))
@@ -208,7 +211,7 @@ def _windows(hf: dict, arch: str, layers: int, local: float | None) -> dict[str,
         out.update(sliding_window=hf["sliding_window"], layer_types=tuple(types))
     elif arch in LATER_GEMMAS:
         out.update(_gemma(hf, arch, layers, local))
-    elif arch in ("Exaone4ForCausalLM", COHERE2) and hf.get("sliding_window", 4096):
+    elif arch in ("Exaone4ForCausalLM", EXAONE_MOE, COHERE2) and hf.get("sliding_window", 4096):
         out.update(_local_layers_rotate(hf, layers))
     elif arch == GPT_OSS and hf.get("sliding_window", 128):  # sliding and full layers alternate
         types = hf.get("layer_types") or [
@@ -337,15 +340,16 @@ def _moe(hf: dict, arch: str, layers: int, act: str) -> dict[str, Any]:
 
 
 def _deepseek_moe(hf: dict, arch: str, layers: int, act: str) -> dict[str, Any]:
-    """DeepSeek-V3's mixture of experts (GLM-4.5, dots.llm1): `n_routed_experts` picked by
-    sigmoid score plus `e_score_correction_bias` within the `topk_group` best of `n_group`
-    groups, weighted by the score (renormalised where `norm_topk_prob`) times
-    `routed_scaling_factor`; `n_shared_experts` experts' width in one ungated shared MLP on
-    every token; the first `first_k_dense_replace` layers dense."""
+    """DeepSeek-V3's mixture of experts (GLM-4.5, dots.llm1, Solar Open, K-EXAONE):
+    `n_routed_experts` (K-EXAONE: `num_experts`) picked by sigmoid score plus
+    `e_score_correction_bias` within the `topk_group` best of `n_group` groups, weighted by the
+    score (renormalised where `norm_topk_prob`) times `routed_scaling_factor`;
+    `n_shared_experts` (`num_shared_experts`) experts' width in one ungated shared MLP on every
+    token; the first `first_k_dense_replace` layers dense, or those `mlp_layer_types` names."""
     for key in ("scoring_func", "topk_method"):  # DeepSeek-V3's only ones, where named
         _refuse(hf, key, {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}[key], "routing")
     _positive(hf, "routed_scaling_factor")
-    experts = hf.get("n_routed_experts") or 0
+    experts = hf.get("n_routed_experts") or hf.get("num_experts") or 0
     out = _moe({**hf, "num_experts": experts}, arch, layers, act)
     groups, top_groups = hf.get("n_group") or 1, hf.get("topk_group") or 1
     if experts % groups or not 1 <= top_groups <= groups or (groups > 1 and experts < 2 * groups):
@@ -359,7 +363,11 @@ def _deepseek_moe(hf: dict, arch: str, layers: int, act: str) -> dict[str, Any]:
             f"config.json: num_experts_per_tok={out['num_experts_per_tok']} is more than the "
             f"{top_groups} kept groups hold ({top_groups * experts // groups})"
         )
-    dense = hf.get("first_k_dense_replace", 1 if arch == GLM4_MOE else 0)
+    dense = hf.get("first_k_dense_replace", 1 if arch in (GLM4_MOE, EXAONE_MOE) else 0)
+    kinds = hf.get("mlp_layer_types") or ["dense" if i < dense else "sparse" for i in range(layers)]
+    if len(kinds) != layers or any(k not in ("dense", "sparse") for k in kinds):
+        raise ValueError("config.json: mlp_layer_types must name dense or sparse for every layer")
+    shared = hf.get("n_shared_experts", hf.get("num_shared_experts")) or 0
     return {
         **out,
         "norm_topk_prob": bool(hf.get("norm_topk_prob", arch == GLM4_MOE)),
@@ -368,9 +376,8 @@ def _deepseek_moe(hf: dict, arch: str, layers: int, act: str) -> dict[str, Any]:
         "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
         "router_groups": groups,
         "router_top_groups": top_groups,
-        "shared_expert_intermediate_size": out["moe_intermediate_size"]
-        * (hf.get("n_shared_experts") or 0),
-        "moe_layers": tuple(i >= dense for i in range(layers)),
+        "shared_expert_intermediate_size": out["moe_intermediate_size"] * shared,
+        "moe_layers": tuple(kind == "sparse" for kind in kinds),
     }
 
 

@@ -178,10 +178,10 @@ def stack_experts(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Ten
     return out
 
 
-# The per-expert bias on the choice: DeepSeek-V3's, and ERNIE 4.5's `[1, E]` (under `gate.` in
-# transformers 5, not in the original checkpoints).
+# The per-expert bias on the choice: DeepSeek-V3's (under `gate.`, or K-EXAONE's beside it), and
+# ERNIE 4.5's `[1, E]` (under `gate.` in transformers 5, not in the original checkpoints).
 _EXPERT_BIAS = re.compile(
-    r"\.mlp\.(gate\.|gate\.moe_statics\.|moe_statics\.)e_score_correction_bias$"
+    r"\.mlp\.(gate\.|gate\.moe_statics\.|moe_statics\.)?e_score_correction_bias$"
 )
 
 
