@@ -80,6 +80,19 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             final_logit_softcapping=30.0,
         ),
     ),
+    # VaultGemma: Gemma 2's layers with the norms before attention and the MLP only.
+    "vaultgemma": (
+        "VaultGemmaConfig",
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=30.0,
+        ),
+    ),
     # Pythia: rotary on a quarter of each head, parallel residual, untied embed_out.
     "gptneox-parallel": (
         "GPTNeoXConfig",
@@ -621,7 +634,7 @@ def make_family_checkpoint(out: Path, family: str, seed: int = 0) -> Path:
     )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    randomize(model, gemma=cls_name.startswith("Gemma"))
+    randomize(model, gemma=cls_name.startswith(("Gemma", "VaultGemma")))
     model.save_pretrained(out)
     if family == "glm4-moe":  # its multi-token-prediction layer follows the last, not run
         _add_tensors(out, {f"model.layers.{config.num_hidden_layers}.eh_proj.weight": (64, 128)})
@@ -720,7 +733,7 @@ EAGER_PARITY = [
     "stablelm", "starcoder2", "gemma", "cohere", "cohere2", "exaone4", "exaone4-global",
     "nemotron", "arcee", "qwen3-moe", "seed-oss", "helium", "ministral", "ministral3",
     "hunyuan", "apertus", "qwen3_5", "qwen3_5-moe", "qwen3-next", "glm4-moe", "dots1",
-    "solar-open", "exaone-moe", "ernie4_5-moe",
+    "solar-open", "exaone-moe", "ernie4_5-moe", "vaultgemma",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

@@ -38,6 +38,7 @@ GRANITE_SHARED_MLP = ("GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalL
 GRANITES = ("GraniteForCausalLM", "GraniteMoeForCausalLM", *GRANITE_SHARED_MLP)  # multipliers
 HUNYUAN = "HunYuanDenseV1ForCausalLM"  # q/k norms after RoPE, its base stretched by `alpha`
 APERTUS = "ApertusForCausalLM"  # q/k norms, an MLP without a gate and its learned xIELU
+VAULTGEMMA = "VaultGemmaForCausalLM"  # Gemma 2 with the norms before attention and the MLP only
 LLAMA_LAYOUT = (
     "LlamaForCausalLM",
     "GemmaForCausalLM",
@@ -61,6 +62,7 @@ LLAMA_LAYOUT = (
     "Ministral3ForCausalLM",
     HUNYUAN,
     APERTUS,
+    VAULTGEMMA,
     *MOE_ARCHITECTURES,
 )
 LFM2 = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
@@ -85,8 +87,8 @@ SUPPORTED_ARCHITECTURES = (
     *LFM2,
     *QWEN3_5,
 )
-GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-# Gemma 2 and 3: sliding and global layers, softcaps, a norm after attention and the MLP.
+GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", VAULTGEMMA)
+# Gemma 2 and 3 (and VaultGemma): sliding and global layers, softcaps.
 LATER_GEMMAS = GEMMAS[1:]
 # Checkpoints whose RoPE rotates adjacent pairs of dims (GPT-J's layout): their q/k rows are
 # put in rotate-half order at load (llama.py: `rotate_half_rows`).
@@ -214,7 +216,7 @@ class ModelConfig:
     @property
     def four_norms(self) -> bool:
         """A norm after attention and on both sides of the MLP (Gemma 2 and 3, GLM-4)."""
-        return self.architecture in (*LATER_GEMMAS, "Glm4ForCausalLM")
+        return self.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Glm4ForCausalLM")
 
     def is_moe(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]

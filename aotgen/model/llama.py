@@ -61,6 +61,7 @@ from aotgen.model.config import (
     QWEN3_5,
     QWEN3_NEXT,
     SUPPORTED_ARCHITECTURES,
+    VAULTGEMMA,
     ModelConfig,
 )
 from aotgen.model.layernorm_decoders import LayerNormDecoder, stack_head_norms
@@ -301,7 +302,8 @@ def new_kv_cache(
 
 
 # Modules under other names than the Llama layout's: GLM-4's norms after attention, before and
-# after the MLP; Hunyuan's q/k norms; Apertus's two norms a layer and its activation.
+# after the MLP; Hunyuan's q/k norms; VaultGemma's norm before the MLP; Apertus's two norms a
+# layer and its activation.
 MODULE_NAMES = {
     "Glm4ForCausalLM": {
         "post_self_attn_layernorm": "post_attention_layernorm",
@@ -309,6 +311,7 @@ MODULE_NAMES = {
         "post_mlp_layernorm": "post_feedforward_layernorm",
     },
     HUNYUAN: {"query_layernorm": "q_norm", "key_layernorm": "k_norm"},
+    VAULTGEMMA: {"pre_feedforward_layernorm": "post_attention_layernorm"},
     APERTUS: {
         "attention_layernorm": "input_layernorm",
         "feedforward_layernorm": "post_attention_layernorm",

@@ -123,6 +123,7 @@ DEFAULT_PLANS: dict[str, dict[str, str]] = {
     "Qwen3ForCausalLM": LLAMA_PLAN,
     "Gemma2ForCausalLM": LLAMA_PLAN,
     "Gemma3ForCausalLM": LLAMA_PLAN,
+    "VaultGemmaForCausalLM": LLAMA_PLAN,
     "Phi3ForCausalLM": LLAMA_PLAN,
     "SmolLM3ForCausalLM": LLAMA_PLAN,
     "GraniteForCausalLM": LLAMA_PLAN,
