@@ -26,6 +26,7 @@ MOE_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
     "OlmoeForCausalLM",
+    "FlexOlmoForCausalLM",  # OLMo 2's layers with OLMoE's experts
     "GraniteMoeForCausalLM",
     "GraniteMoeSharedForCausalLM",
     "GraniteMoeHybridForCausalLM",  # Granite 4.0 with attention layers only; dense without experts

@@ -178,7 +178,7 @@ def _attention(hf: dict, arch: str) -> dict[str, Any]:
         out["qk_norm"] = True
     if arch == GLM4_MOE:
         out["qk_norm"] = bool(hf.get("use_qk_norm", False))
-    if arch in ("Olmo2ForCausalLM", "Olmo3ForCausalLM"):
+    if arch in ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "FlexOlmoForCausalLM"):
         out.update(qk_norm=True, qk_norm_across_heads=True, norm_after=True)
     if arch == "Exaone4ForCausalLM":  # OLMo 2's norms after each block, q/k norms per head
         out.update(qk_norm=True, norm_after=True)
