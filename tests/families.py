@@ -415,6 +415,25 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    # Hunyuan MoE: Hunyuan's attention (q/k norms after RoPE, alpha-stretched base); 8 experts
+    # of intermediate_size, 2 a token, and an ungated shared MLP on every layer.
+    "hunyuan-moe": (
+        "HunYuanMoEV1Config",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=32,
+            num_experts=8,
+            moe_topk=2,
+            rope_parameters={
+                "rope_type": "dynamic",
+                "rope_theta": 10000.0,
+                "alpha": 50.0,
+                "factor": 1.0,
+            },
+        ),
+    ),
     # Apertus: per-head q/k norms, up-xIELU-down (its learned parameters), Llama 3's RoPE.
     "apertus": (
         "ApertusConfig",
@@ -736,7 +755,7 @@ EAGER_PARITY = [
     "nemotron", "arcee", "qwen3-moe", "seed-oss", "helium", "ministral", "ministral3",
     "hunyuan", "apertus", "qwen3_5", "qwen3_5-moe", "qwen3-next", "glm4-moe", "dots1",
     "solar-open", "exaone-moe", "ernie4_5-moe", "vaultgemma",
-    "flex-olmo",
+    "flex-olmo", "hunyuan-moe",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

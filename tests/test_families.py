@@ -596,6 +596,13 @@ DEEPSEEK = {"n_routed_experts": 8, "num_experts_per_tok": 2}
         ("Glm4MoeForCausalLM", {**DEEPSEEK, "routed_scaling_factor": 0}, "routed_scaling"),
         ("ExaoneMoeForCausalLM", {**MOE, "mlp_layer_types": ["moe"] * 6}, "mlp_layer_types"),
         ("Ernie4_5_MoeForCausalLM", {"moe_layer_interval": 0}, "moe_layer_interval"),
+        ("HunYuanMoEV1ForCausalLM", {"num_experts": 8, "moe_topk": [2, 3]}, "moe_topk differs"),
+        ("HunYuanMoEV1ForCausalLM", {"num_experts": 8, "moe_topk": 2, "use_cla": True}, "use_cla"),
+        (
+            "HunYuanMoEV1ForCausalLM",
+            {"num_experts": 8, "moe_topk": 2, "moe_intermediate_size": [64] * 6},
+            "intermediate_size wide",
+        ),
         ("Ernie4_5_MoeForCausalLM", {"moe_k": 9, "moe_num_experts": 8}, "num_experts_per_tok=9"),
         ("Ernie4_5_MoeForCausalLM", {"use_bias": True}, "use_bias"),
         ("LlamaForCausalLM", {"hidden_act": "xielu"}, "xielu"),

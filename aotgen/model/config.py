@@ -10,6 +10,9 @@ from aotgen.model.rope import rope_inv_freq
 
 # gpt-oss: attention sinks, a biased router and biased experts with a clamped SwiGLU.
 GPT_OSS = "GptOssForCausalLM"
+HUNYUAN = "HunYuanDenseV1ForCausalLM"  # q/k norms after RoPE, its base stretched by `alpha`
+HUNYUAN_MOE = "HunYuanMoEV1ForCausalLM"  # its attention; softmax routing, an ungated shared MLP
+HUNYUANS = (HUNYUAN, HUNYUAN_MOE)
 # DeepSeek-V3's mixture of experts on standard attention: experts picked by sigmoid score plus
 # a per-expert bias within the best groups, an ungated shared expert, the first layers dense.
 GLM4_MOE = "Glm4MoeForCausalLM"  # GLM-4.5 / 4.6 / 4.7: q/k/v biases, half of each head rotated
@@ -33,11 +36,11 @@ MOE_ARCHITECTURES = (
     GPT_OSS,
     *DEEPSEEK_MOE,
     ERNIE4_5_MOE,
+    HUNYUAN_MOE,
 )
 # Granites whose dense MLP (or shared expert) is `shared_mlp`, of shared_intermediate_size.
 GRANITE_SHARED_MLP = ("GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")
 GRANITES = ("GraniteForCausalLM", "GraniteMoeForCausalLM", *GRANITE_SHARED_MLP)  # multipliers
-HUNYUAN = "HunYuanDenseV1ForCausalLM"  # q/k norms after RoPE, its base stretched by `alpha`
 APERTUS = "ApertusForCausalLM"  # q/k norms, an MLP without a gate and its learned xIELU
 VAULTGEMMA = "VaultGemmaForCausalLM"  # Gemma 2 with the norms before attention and the MLP only
 LLAMA_LAYOUT = (

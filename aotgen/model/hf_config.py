@@ -23,7 +23,8 @@ from aotgen.model.config import (
     GPT_OSS,
     GRANITE_SHARED_MLP,
     GRANITES,
-    HUNYUAN,
+    HUNYUAN_MOE,
+    HUNYUANS,
     LATER_GEMMAS,
     LAYERNORM_LAYOUT,
     LFM2,
@@ -143,6 +144,8 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
         out.update(_deepseek_moe(hf, arch, layers, act))
     elif arch == ERNIE4_5_MOE:
         out.update(_ernie_moe(hf, layers, act))
+    elif arch == HUNYUAN_MOE:
+        out.update(_hunyuan_moe(hf, layers, act))
     elif arch in MOE_ARCHITECTURES and not dense_granite:
         out.update(_moe(hf, arch, layers, act))
     out.update(_attention(hf, arch))
@@ -184,7 +187,7 @@ def _attention(hf: dict, arch: str) -> dict[str, Any]:
         out.update(qk_norm=True, norm_after=True)
     if arch == EXAONE_MOE:  # EXAONE 4's attention, the norms before each block
         out["qk_norm"] = True
-    if arch == HUNYUAN:  # per-head q/k norms, on the rotated q and k
+    if arch in HUNYUANS:  # per-head q/k norms, on the rotated q and k
         _refuse(hf, "use_cla", False, "KV caches shared across layers")
         qk_norm = bool(hf.get("use_qk_norm", True))
         out.update(qk_norm=qk_norm, qk_norm_after_rope=qk_norm)
@@ -405,6 +408,35 @@ def _ernie_moe(hf: dict, layers: int, act: str) -> dict[str, Any]:
         "shared_expert_intermediate_size": out["moe_intermediate_size"]
         * (hf.get("moe_num_shared_experts", 2) or 0),
         "moe_layers": tuple((i + 1) % interval == 0 and start <= i <= end for i in range(layers)),
+    }
+
+
+def _hunyuan_moe(hf: dict, layers: int, act: str) -> dict[str, Any]:
+    """Hunyuan's mixture of experts: `moe_topk` of `num_experts` experts of
+    `intermediate_size` picked by softmax, renormalised, and one ungated shared MLP of the same
+    width, on every layer. Per-layer lists are read where every layer's entry is the same."""
+    same: dict[str, Any] = {}
+    for key in ("num_experts", "moe_topk", "moe_intermediate_size", "num_shared_expert"):
+        value = hf.get(key)
+        values = set(value) if isinstance(value, list) else {value}
+        if len(values) > 1:
+            raise ValueError(f"config.json: {key} differs between layers, which is not supported")
+        same[key] = values.pop()
+    width = hf["intermediate_size"]
+    if same["moe_intermediate_size"] not in (None, width) or same["num_shared_expert"] not in (
+        None,
+        1,
+    ):
+        raise ValueError(
+            "config.json: Hunyuan's experts and shared MLP are intermediate_size wide, one "
+            "shared MLP (moe_intermediate_size and num_shared_expert say otherwise)"
+        )
+    hf = {**hf, "num_experts": same["num_experts"], "num_experts_per_tok": same["moe_topk"]}
+    return {
+        **_moe(hf, HUNYUAN_MOE, layers, act),
+        "norm_topk_prob": True,
+        "moe_intermediate_size": width,
+        "shared_expert_intermediate_size": width,
     }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from aotgen.model.config import APERTUS, GPT_OSS, HUNYUAN, LFM2
+from aotgen.model.config import APERTUS, GPT_OSS, HUNYUANS, LFM2
 
 # gpt-oss's RoPE where its config names none: YaRN from a 4,096-position original context.
 GPT_OSS_YARN = {
@@ -49,7 +49,7 @@ def read_rope(hf: dict, arch: str) -> tuple[float, dict | None, float | None]:
     else:
         theta, scaling = hf.get("rope_theta"), hf.get("rope_scaling")
         theta = hf.get("rotary_emb_base", theta)  # GPT-NeoX 4.x
-    if arch == HUNYUAN:
+    if arch in HUNYUANS:
         theta, scaling = _ntk_alpha(theta or 10000.0, scaling, hf)
     if theta is None:
         theta = 1e6 if arch in ("Gemma3ForCausalLM", *LFM2) else 10000.0

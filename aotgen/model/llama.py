@@ -54,7 +54,7 @@ from aotgen.model.config import (
     APERTUS,
     GLM4_MOE,
     GRANITE_SHARED_MLP,
-    HUNYUAN,
+    HUNYUANS,
     INTERLEAVED_ROPE,
     LAYERNORM_LAYOUT,
     LFM2,
@@ -310,7 +310,7 @@ MODULE_NAMES = {
         "post_attention_layernorm": "pre_feedforward_layernorm",
         "post_mlp_layernorm": "post_feedforward_layernorm",
     },
-    HUNYUAN: {"query_layernorm": "q_norm", "key_layernorm": "k_norm"},
+    **{arch: {"query_layernorm": "q_norm", "key_layernorm": "k_norm"} for arch in HUNYUANS},
     VAULTGEMMA: {"pre_feedforward_layernorm": "post_attention_layernorm"},
     APERTUS: {
         "attention_layernorm": "input_layernorm",

@@ -23,7 +23,14 @@ import torch
 from torch import Tensor, nn
 
 from aotgen.kernels import moe
-from aotgen.model.config import DEEPSEEK_MOE, ERNIE4_5_MOE, GPT_OSS, LFM2, ModelConfig
+from aotgen.model.config import (
+    DEEPSEEK_MOE,
+    ERNIE4_5_MOE,
+    GPT_OSS,
+    HUNYUAN_MOE,
+    LFM2,
+    ModelConfig,
+)
 from aotgen.model.layers import GatedMLP
 
 
@@ -143,8 +150,8 @@ def stack_experts(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Ten
         return weights
     if cfg.architecture == GPT_OSS:
         return _gpt_oss_experts(weights)
-    if cfg.architecture in (*DEEPSEEK_MOE, ERNIE4_5_MOE):
-        weights = _bias_and_shared_names(weights)
+    if cfg.architecture in (*DEEPSEEK_MOE, ERNIE4_5_MOE, HUNYUAN_MOE):
+        weights = _router_and_shared_names(weights)
     out: dict[str, Tensor] = {}
     layers: dict[str, dict[str, dict[int, Tensor]]] = {}
     mlp_of: dict[str, str] = {}
@@ -185,14 +192,18 @@ _EXPERT_BIAS = re.compile(
 )
 
 
-def _bias_and_shared_names(weights: dict[str, Tensor]) -> dict[str, Tensor]:
-    """DeepSeek-V3's and ERNIE 4.5's router bias and shared experts (`shared_experts`) under
-    the names SparseMoE gives them."""
+def _router_and_shared_names(weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """DeepSeek-V3's and ERNIE 4.5's router bias and shared experts (`shared_experts`), and
+    Hunyuan's router (`gate.wg`) and shared MLP (`shared_mlp`), under the names SparseMoE gives
+    them."""
     out = {}
     for name, tensor in weights.items():
         if _EXPERT_BIAS.search(name):
             name, tensor = _EXPERT_BIAS.sub(".mlp.expert_bias", name), tensor.flatten()
-        out[name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")] = tensor
+        name = name.replace(".mlp.gate.wg.", ".mlp.gate.")
+        for shared in (".mlp.shared_experts.", ".mlp.shared_mlp."):
+            name = name.replace(shared, ".mlp.shared_expert.")
+        out[name] = tensor
     return out
 
 
