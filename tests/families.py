@@ -611,6 +611,25 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             routed_scaling_factor=2.5,
         ),
     ),
+    # Mellum: Qwen3-MoE's layers, sliding (window 8) on layers 0 and 2 with their own RoPE base,
+    # layer 1's MLP dense (`mlp_layer_types`).
+    "mellum": (
+        "MellumConfig",
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            mlp_layer_types=["sparse", "dense", "sparse", "sparse"],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+            moe_intermediate_size=32,
+            **MOE,
+        ),
+    ),
     # ERNIE 4.5 MoE: layer 0 dense, then 8 experts (2 a token) picked by softmax + bias, two
     # shared experts; RoPE on adjacent pairs, a tied head.
     "ernie4_5-moe": (
@@ -755,7 +774,7 @@ EAGER_PARITY = [
     "nemotron", "arcee", "qwen3-moe", "seed-oss", "helium", "ministral", "ministral3",
     "hunyuan", "apertus", "qwen3_5", "qwen3_5-moe", "qwen3-next", "glm4-moe", "dots1",
     "solar-open", "exaone-moe", "ernie4_5-moe", "vaultgemma",
-    "flex-olmo", "hunyuan-moe",
+    "flex-olmo", "hunyuan-moe", "mellum",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

@@ -596,6 +596,18 @@ DEEPSEEK = {"n_routed_experts": 8, "num_experts_per_tok": 2}
         ("Glm4MoeForCausalLM", {**DEEPSEEK, "routed_scaling_factor": 0}, "routed_scaling"),
         ("ExaoneMoeForCausalLM", {**MOE, "mlp_layer_types": ["moe"] * 6}, "mlp_layer_types"),
         ("Ernie4_5_MoeForCausalLM", {"moe_layer_interval": 0}, "moe_layer_interval"),
+        (
+            "MellumForCausalLM",
+            {
+                **MOE,
+                "sliding_window": 8,
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "default", "rope_theta": 5e5},
+                    "sliding_attention": {"rope_type": "linear", "factor": 2.0},
+                },
+            },
+            "sliding layers",
+        ),
         ("HunYuanMoEV1ForCausalLM", {"num_experts": 8, "moe_topk": [2, 3]}, "moe_topk differs"),
         ("HunYuanMoEV1ForCausalLM", {"num_experts": 8, "moe_topk": 2, "use_cla": True}, "use_cla"),
         (

@@ -23,6 +23,7 @@ DEEPSEEK_MOE = (GLM4_MOE, DOTS1, SOLAR_OPEN, EXAONE_MOE)
 # ERNIE 4.5's mixture of experts: softmax routing whose choice a per-expert bias shifts, an
 # ungated shared expert, RoPE on adjacent pairs.
 ERNIE4_5_MOE = "Ernie4_5_MoeForCausalLM"
+MELLUM = "MellumForCausalLM"  # Qwen3-MoE with sliding layers of their own RoPE base
 # Mixture-of-experts decoders: the Llama layout with sparse MLPs (moe.py).
 MOE_ARCHITECTURES = (
     "MixtralForCausalLM",
@@ -37,6 +38,7 @@ MOE_ARCHITECTURES = (
     *DEEPSEEK_MOE,
     ERNIE4_5_MOE,
     HUNYUAN_MOE,
+    MELLUM,
 )
 # Granites whose dense MLP (or shared expert) is `shared_mlp`, of shared_intermediate_size.
 GRANITE_SHARED_MLP = ("GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")

@@ -28,6 +28,7 @@ from aotgen.model.config import (
     LATER_GEMMAS,
     LAYERNORM_LAYOUT,
     LFM2,
+    MELLUM,
     MOE_ARCHITECTURES,
     NEMOTRON,
     PHI,
@@ -177,7 +178,7 @@ def _attention(hf: dict, arch: str) -> dict[str, Any]:
         _refuse(hf, "attention_bias", False, f"attention biases on {arch}")
     if arch in WINDOW_SWITCHED:
         _refuse(hf, "use_sliding_window", False, f"sliding-window attention on {arch}")
-    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", APERTUS, DOTS1):
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", APERTUS, DOTS1, MELLUM):
         out["qk_norm"] = True
     if arch == GLM4_MOE:
         out["qk_norm"] = bool(hf.get("use_qk_norm", False))
@@ -221,6 +222,16 @@ def _windows(hf: dict, arch: str, layers: int, local: float | None) -> dict[str,
             "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)
         ]
         out.update(sliding_window=hf.get("sliding_window", 128), layer_types=tuple(types))
+    elif arch == MELLUM and hf.get("sliding_window"):  # sliding layers of their own base
+        types = hf.get("layer_types") or ["full_attention"] * layers
+        out.update(sliding_window=hf["sliding_window"], layer_types=tuple(types))
+        sliding = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
+        if sliding.get("rope_type", "default") != "default":
+            raise ValueError(
+                "config.json: RoPE scaling on Mellum's sliding layers is not supported"
+            )
+        if local is not None:
+            out["rope_local_theta"] = float(local)
     elif arch == "Olmo3ForCausalLM":  # three sliding-window layers in four
         types = hf.get("layer_types") or [
             "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)
@@ -336,10 +347,20 @@ def _moe(hf: dict, arch: str, layers: int, act: str) -> dict[str, Any]:
         or bool(hf.get("norm_topk_prob", arch == QWEN3_NEXT)),  # Qwen3-Next's default: True
         shared_expert_intermediate_size=shared or 0,
         shared_expert_gated=arch in ("Qwen2MoeForCausalLM", QWEN3_5_MOE, QWEN3_NEXT),
-        moe_layers=tuple(
-            not qwen or (i not in dense and (i + 1) % step == 0) for i in range(layers)
-        ),
+        moe_layers=_mlp_layer_types(hf, layers)
+        or tuple(not qwen or (i not in dense and (i + 1) % step == 0) for i in range(layers)),
     )
+
+
+def _mlp_layer_types(hf: dict, layers: int) -> tuple[bool, ...]:
+    """Which layers are sparse by `mlp_layer_types` ("dense" / "sparse" a layer: K-EXAONE,
+    Mellum); () where the config has none."""
+    kinds = hf.get("mlp_layer_types")
+    if kinds is None:
+        return ()
+    if len(kinds) != layers or any(k not in ("dense", "sparse") for k in kinds):
+        raise ValueError("config.json: mlp_layer_types must name dense or sparse for every layer")
+    return tuple(kind == "sparse" for kind in kinds)
 
 
 def _deepseek_moe(hf: dict, arch: str, layers: int, act: str) -> dict[str, Any]:
@@ -367,9 +388,6 @@ def _deepseek_moe(hf: dict, arch: str, layers: int, act: str) -> dict[str, Any]:
             f"{top_groups} kept groups hold ({top_groups * experts // groups})"
         )
     dense = hf.get("first_k_dense_replace", 1 if arch in (GLM4_MOE, EXAONE_MOE) else 0)
-    kinds = hf.get("mlp_layer_types") or ["dense" if i < dense else "sparse" for i in range(layers)]
-    if len(kinds) != layers or any(k not in ("dense", "sparse") for k in kinds):
-        raise ValueError("config.json: mlp_layer_types must name dense or sparse for every layer")
     shared = hf.get("n_shared_experts", hf.get("num_shared_experts")) or 0
     return {
         **out,
@@ -380,7 +398,7 @@ def _deepseek_moe(hf: dict, arch: str, layers: int, act: str) -> dict[str, Any]:
         "router_groups": groups,
         "router_top_groups": top_groups,
         "shared_expert_intermediate_size": out["moe_intermediate_size"] * shared,
-        "moe_layers": tuple(kind == "sparse" for kind in kinds),
+        "moe_layers": _mlp_layer_types(hf, layers) or tuple(i >= dense for i in range(layers)),
     }
 
 
