@@ -606,7 +606,7 @@ DEEPSEEK = {"n_routed_experts": 8, "num_experts_per_tok": 2}
                     "sliding_attention": {"rope_type": "linear", "factor": 2.0},
                 },
             },
-            "sliding layers",
+            "sliding_attention 'linear'",
         ),
         ("HunYuanMoEV1ForCausalLM", {"num_experts": 8, "moe_topk": [2, 3]}, "moe_topk differs"),
         ("HunYuanMoEV1ForCausalLM", {"num_experts": 8, "moe_topk": 2, "use_cla": True}, "use_cla"),

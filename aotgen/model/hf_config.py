@@ -225,11 +225,6 @@ def _windows(hf: dict, arch: str, layers: int, local: float | None) -> dict[str,
     elif arch == MELLUM and hf.get("sliding_window"):  # sliding layers of their own base
         types = hf.get("layer_types") or ["full_attention"] * layers
         out.update(sliding_window=hf["sliding_window"], layer_types=tuple(types))
-        sliding = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
-        if sliding.get("rope_type", "default") != "default":
-            raise ValueError(
-                "config.json: RoPE scaling on Mellum's sliding layers is not supported"
-            )
         if local is not None:
             out["rope_local_theta"] = float(local)
     elif arch == "Olmo3ForCausalLM":  # three sliding-window layers in four
