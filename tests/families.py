@@ -178,6 +178,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     "olmoe": ("OlmoeConfig", dict(num_hidden_layers=2, num_key_value_heads=2, **MOE)),
+    # OLMo 1: LayerNorms without weight or bias, q/k/v clamped to +-0.5.
+    "olmo": ("OlmoConfig", dict(num_hidden_layers=2, num_key_value_heads=2, clip_qkv=0.5)),
+    # OLMoE with q/k/v clamped after its q/k norms.
+    "olmoe-clip": (
+        "OlmoeConfig",
+        dict(num_hidden_layers=2, num_key_value_heads=2, clip_qkv=0.5, **MOE),
+    ),
     # FlexOlmo: OLMo 2's norms (after each block, q/k across heads) with OLMoE's experts.
     "flex-olmo": ("FlexOlmoConfig", dict(num_hidden_layers=2, num_key_value_heads=2, **MOE)),
     # gpt-oss: sinks, a window of 8 on layers 0 and 2, YaRN on every layer, biased router and
@@ -774,7 +781,7 @@ EAGER_PARITY = [
     "nemotron", "arcee", "qwen3-moe", "seed-oss", "helium", "ministral", "ministral3",
     "hunyuan", "apertus", "qwen3_5", "qwen3_5-moe", "qwen3-next", "glm4-moe", "dots1",
     "solar-open", "exaone-moe", "ernie4_5-moe", "vaultgemma",
-    "flex-olmo", "hunyuan-moe", "mellum",
+    "flex-olmo", "hunyuan-moe", "mellum", "olmo", "olmoe-clip",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

@@ -578,7 +578,7 @@ DEEPSEEK = {"n_routed_experts": 8, "num_experts_per_tok": 2}
         ("ArceeForCausalLM", {"mlp_bias": True}, "mlp_bias"),
         ("MixtralForCausalLM", {**MOE, "num_experts_per_tok": 9}, "num_experts_per_tok=9"),
         ("Qwen3MoeForCausalLM", {**MOE, "hidden_act": "gelu"}, "SwiGLU"),
-        ("OlmoeForCausalLM", {**MOE, "clip_qkv": 8.0}, "clip_qkv"),
+        ("OlmoeForCausalLM", {**MOE, "clip_qkv": -8.0}, "clip_qkv must be a positive"),
         ("Qwen2MoeForCausalLM", {**MOE, "use_sliding_window": True}, "use_sliding_window"),
         ("GraniteMoeHybridForCausalLM", {"layer_types": ["mamba"] * 6}, "Mamba layers"),
         ("GraniteMoeHybridForCausalLM", {}, "Mamba layers"),

@@ -44,6 +44,7 @@ MOE_ARCHITECTURES = (
 GRANITE_SHARED_MLP = ("GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")
 GRANITES = ("GraniteForCausalLM", "GraniteMoeForCausalLM", *GRANITE_SHARED_MLP)  # multipliers
 APERTUS = "ApertusForCausalLM"  # q/k norms, an MLP without a gate and its learned xIELU
+OLMO = "OlmoForCausalLM"  # OLMo 1: LayerNorms without parameters, q/k/v clipped
 VAULTGEMMA = "VaultGemmaForCausalLM"  # Gemma 2 with the norms before attention and the MLP only
 LLAMA_LAYOUT = (
     "LlamaForCausalLM",
@@ -56,6 +57,7 @@ LLAMA_LAYOUT = (
     "Phi3ForCausalLM",
     "SmolLM3ForCausalLM",
     "GraniteForCausalLM",
+    OLMO,
     "Olmo2ForCausalLM",
     "Olmo3ForCausalLM",
     "Glm4ForCausalLM",
@@ -147,6 +149,9 @@ class ModelConfig:
     # norm after it instead of before.
     qk_norm_across_heads: bool = False
     norm_after: bool = False
+    # OLMo 1 and OLMoE: q, k and v clamped to +-clip_qkv after their projections (and OLMoE's
+    # q/k norms). OLMo 1's norms are LayerNorms without weight or bias (`plain_layer_norms`).
+    clip_qkv: float | None = None
     rotary_dim: int | None = None  # partial rotary: the first rotary_dim dims of a head
     use_parallel_residual: bool = False  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x)); Phi: ln1 both
     sliding_window: int | None = None  # keys within this many positions, on sliding layers
@@ -218,6 +223,11 @@ class ModelConfig:
     def gemma(self) -> bool:
         """Gemma's switches: (1 + w) RMSNorm, embeddings × √hidden."""
         return self.architecture in GEMMAS
+
+    @property
+    def plain_layer_norms(self) -> bool:
+        """OLMo 1: every norm a LayerNorm without weight or bias."""
+        return self.architecture == OLMO
 
     @property
     def four_norms(self) -> bool:

@@ -31,6 +31,7 @@ from aotgen.model.config import (
     MELLUM,
     MOE_ARCHITECTURES,
     NEMOTRON,
+    OLMO,
     PHI,
     QWEN3_5,
     QWEN3_5_MOE,
@@ -128,7 +129,8 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
     _refuse(hf, "use_bias", False, "biases on every linear")  # ERNIE 4.5
     if arch in GEMMAS:
         _refuse(hf, "use_bidirectional_attention", False, "causal attention only")
-    out: dict[str, Any] = {"hidden_act": act, "rms_norm_eps": hf.get("rms_norm_eps", 1e-6)}
+    eps = 1e-5 if arch == OLMO else hf.get("rms_norm_eps", 1e-6)  # OLMo 1's LayerNorms: fixed
+    out: dict[str, Any] = {"hidden_act": act, "rms_norm_eps": eps}
     rotary = rotary_factor(hf)
     # Phi-4-mini rotates 3/4 of each head, GLM-4 and GLM-4.5 half
     if arch in ("Phi3ForCausalLM", "Glm4ForCausalLM", GLM4_MOE) and rotary != 1.0:
@@ -194,7 +196,9 @@ def _attention(hf: dict, arch: str) -> dict[str, Any]:
         out.update(qk_norm=qk_norm, qk_norm_after_rope=qk_norm)
     if arch == "OlmoeForCausalLM":  # OLMo 2's q/k norms, the norms before each block
         out.update(qk_norm=True, qk_norm_across_heads=True)
-        _refuse(hf, "clip_qkv", None, "clipping q, k and v")
+    if arch in (OLMO, "OlmoeForCausalLM") and hf.get("clip_qkv") is not None:
+        _positive(hf, "clip_qkv")
+        out["clip_qkv"] = float(hf["clip_qkv"])
     return out
 
 

@@ -88,6 +88,24 @@ class RMSNorm(nn.Module):
         return xf.to(x.dtype) * self.weight.to(x.dtype)
 
 
+class PlainLayerNorm(nn.Module):
+    """LayerNorm without weight or bias, in float32 (OLMo 1)."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+def block_norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    """The norm around a Llama-layout block: RMSNorm ((1 + w) for Gemma), or OLMo 1's."""
+    if cfg.plain_layer_norms:
+        return PlainLayerNorm(cfg.rms_norm_eps)
+    return RMSNorm(dim, cfg.rms_norm_eps, cfg.gemma)
+
+
 class GatedMLP(nn.Module):
     """Gated MLP: SwiGLU (silu) for Llama and Qwen (and MoE shared experts), GeGLU (tanh GELU)
     for Gemma."""

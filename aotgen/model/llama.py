@@ -71,6 +71,7 @@ from aotgen.model.layers import (
     RMSNorm,
     UpDownMLP,
     apply_rope,
+    block_norm,
     cached_attention,
     softcap,
 )
@@ -106,6 +107,7 @@ class Attention(nn.Module):
             self.sinks = nn.Parameter(torch.zeros(heads))
         self.qk_norm, self.across_heads = cfg.qk_norm, cfg.qk_norm_across_heads
         self.after_rope = cfg.qk_norm_after_rope
+        self.clip = cfg.clip_qkv
         if cfg.qk_norm:
             q_dim, k_dim = (heads, kv_heads) if self.across_heads else (1, 1)
             self.q_norm = RMSNorm(q_dim * self.head_dim, cfg.rms_norm_eps, cfg.gemma)
@@ -115,12 +117,14 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         # Heads are sized from the weights, not the config, so a tensor-parallel shard
         # (fewer heads per rank) runs through the same code.
-        q, k = self.q_proj(x), self.k_proj(x)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.across_heads:  # OLMo 2: over the whole projection
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:  # OLMo 1, OLMoE
+            q, k, v = (proj.clamp(-self.clip, self.clip) for proj in (q, k, v))
         q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
         k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
         if self.qk_norm and not self.across_heads and not self.after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotates and self.query_gain:
@@ -140,7 +144,7 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
-        d, eps, gemma = cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma
+        d = cfg.hidden_size
         self.self_attn = Attention(cfg, cfg.rope_layers is None or cfg.rope_layers[index])
         self.residual_multiplier = cfg.residual_multiplier
         dense = (cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
@@ -152,13 +156,13 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(*dense)
         self.norm_after = cfg.norm_after
         if not cfg.norm_after:
-            self.input_layernorm = RMSNorm(d, eps, gemma)
-        self.post_attention_layernorm = RMSNorm(d, eps, gemma)
+            self.input_layernorm = block_norm(cfg, d)
+        self.post_attention_layernorm = block_norm(cfg, d)
         self.four_norms = cfg.four_norms
         if cfg.four_norms:
-            self.pre_feedforward_layernorm = RMSNorm(d, eps, gemma)
+            self.pre_feedforward_layernorm = block_norm(cfg, d)
         if cfg.four_norms or cfg.norm_after:
-            self.post_feedforward_layernorm = RMSNorm(d, eps, gemma)
+            self.post_feedforward_layernorm = block_norm(cfg, d)
 
     def forward(self, x, cos, sin, write_at, mask, k_cache, v_cache, span) -> Tensor:
         if self.norm_after:  # OLMo 2: each block's output normalised, its input not
@@ -184,7 +188,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+        self.norm = block_norm(cfg, cfg.hidden_size)
 
 
 class Transformer(CausalLM):
