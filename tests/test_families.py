@@ -395,13 +395,14 @@ def test_llama_layout_families_have_default_tp_plans(checkpoints, family):
     "family",
     [
         *("phi", "phi-qk", "starcoder2", "cohere2", "nemotron", "arcee"),
-        *("seed-oss", "ministral3", "hunyuan", "apertus"),
+        *("seed-oss", "ministral3", "hunyuan", "apertus", "olmo", "vaultgemma"),
     ],
 )
 def test_sharded_ranks_give_the_unsharded_logits(checkpoints, family, monkeypatch):
-    """Phi, StarCoder2, Cohere2, Nemotron, Arcee, Seed-OSS and Ministral 3 sharded two ways by
-    their default plans (a row-parallel bias on rank 0 only): the two ranks, run in lockstep on
-    threads whose all-reduces meet at a barrier, give the unsharded model's logits."""
+    """Phi, StarCoder2, Cohere2, Nemotron, Arcee, Seed-OSS, Ministral 3, Hunyuan, Apertus,
+    OLMo 1 (clipped q/k/v) and VaultGemma sharded two ways by their default plans (a
+    row-parallel bias on rank 0 only): the two ranks, run in lockstep on threads whose
+    all-reduces meet at a barrier, give the unsharded model's logits."""
     model = _eager(checkpoints, family)
     styles = resolve_plan(model, parse_parallel({"tensor": 2}))
     assert styles["model.layers.0.self_attn.q_proj"] == "colwise"

@@ -124,6 +124,7 @@ DEFAULT_PLANS: dict[str, dict[str, str]] = {
     "Gemma2ForCausalLM": LLAMA_PLAN,
     "Gemma3ForCausalLM": LLAMA_PLAN,
     "VaultGemmaForCausalLM": LLAMA_PLAN,
+    "OlmoForCausalLM": LLAMA_PLAN,
     "Phi3ForCausalLM": LLAMA_PLAN,
     "SmolLM3ForCausalLM": LLAMA_PLAN,
     "GraniteForCausalLM": LLAMA_PLAN,
