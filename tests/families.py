@@ -651,6 +651,20 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             moe_layer_start_index=1,
         ),
     ),
+    # OLMo Hybrid: Qwen3.5's linear-attention layers (as many value heads as key heads, beta
+    # doubled, projections apart in the checkpoint) beside OLMo 3's attention on layer 2.
+    "olmo-hybrid": (
+        "OlmoHybridConfig",
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            layer_types=["linear_attention"] * 2 + ["full_attention", "linear_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=32,
+        ),
+    ),
     "gptneox-draft": (
         "GPTNeoXConfig",
         dict(
@@ -781,7 +795,7 @@ EAGER_PARITY = [
     "nemotron", "arcee", "qwen3-moe", "seed-oss", "helium", "ministral", "ministral3",
     "hunyuan", "apertus", "qwen3_5", "qwen3_5-moe", "qwen3-next", "glm4-moe", "dots1",
     "solar-open", "exaone-moe", "ernie4_5-moe", "vaultgemma",
-    "flex-olmo", "hunyuan-moe", "mellum", "olmo", "olmoe-clip",
+    "flex-olmo", "hunyuan-moe", "mellum", "olmo", "olmoe-clip", "olmo-hybrid",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

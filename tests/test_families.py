@@ -598,6 +598,11 @@ DEEPSEEK = {"n_routed_experts": 8, "num_experts_per_tok": 2}
         ("ExaoneMoeForCausalLM", {**MOE, "mlp_layer_types": ["moe"] * 6}, "mlp_layer_types"),
         ("Ernie4_5_MoeForCausalLM", {"moe_layer_interval": 0}, "moe_layer_interval"),
         (
+            "OlmoHybridForCausalLM",
+            {"linear_num_key_heads": 2, "linear_num_value_heads": 4},
+            "must equal linear_num_key_heads",
+        ),
+        (
             "MellumForCausalLM",
             {
                 **MOE,

@@ -80,7 +80,10 @@ LFM2 = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
 # and Qwen2-MoE's dense layers (`mlp_only_layers`, `decoder_sparse_step`).
 QWEN3_5_MOE = "Qwen3_5MoeForCausalLM"
 QWEN3_NEXT = "Qwen3NextForCausalLM"
-QWEN3_5 = ("Qwen3_5ForCausalLM", QWEN3_5_MOE, QWEN3_NEXT)
+# OLMo Hybrid: the same gated-delta-rule layers (q, k, v, a, b and the gate apart in its
+# checkpoint, beta doubled) beside OLMo 3's attention layers; plain RMSNorms.
+OLMO_HYBRID = "OlmoHybridForCausalLM"
+QWEN3_5 = ("Qwen3_5ForCausalLM", QWEN3_5_MOE, QWEN3_NEXT, OLMO_HYBRID)
 # LayerNorms, biases, partial rotary (layernorm_decoders.py).
 PHI, STABLELM, STARCODER2 = "PhiForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM"
 COHERE, COHERE2 = "CohereForCausalLM", "Cohere2ForCausalLM"
@@ -216,6 +219,8 @@ class ModelConfig:
     linear_key_dim: int = 0
     linear_value_dim: int = 0
     linear_conv_kernel: int = 0
+    linear_beta_scale: float = 1.0  # OLMo Hybrid: 2, so that the state's eigenvalues can be < 0
+    linear_norm_eps: float = 1e-6  # the eps of the gated norm of the rule's output
     attention_output_gate: bool = False
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -223,6 +228,11 @@ class ModelConfig:
     def gemma(self) -> bool:
         """Gemma's switches: (1 + w) RMSNorm, embeddings × √hidden."""
         return self.architecture in GEMMAS
+
+    @property
+    def unit_offset_norms(self) -> bool:
+        """Qwen3.5's RMSNorms scale by (1 + w); OLMo Hybrid's by w."""
+        return self.architecture in QWEN3_5 and self.architecture != OLMO_HYBRID
 
     @property
     def plain_layer_norms(self) -> bool:

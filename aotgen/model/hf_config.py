@@ -32,6 +32,7 @@ from aotgen.model.config import (
     MOE_ARCHITECTURES,
     NEMOTRON,
     OLMO,
+    OLMO_HYBRID,
     PHI,
     QWEN3_5,
     QWEN3_5_MOE,
@@ -550,11 +551,16 @@ def _qwen3_5(hf: dict, arch: str, common: dict, local: float | None) -> dict[str
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"config.json: hidden_act={act!r} is not supported on Qwen3.5 (silu)")
+    olmo = arch == OLMO_HYBRID  # its defaults: as many key and value heads as attention heads
+    key_heads = hf.get("linear_num_key_heads") or (common["num_attention_heads"] if olmo else 16)
+    key_dim = hf.get("linear_key_head_dim") or (
+        int(0.75 * common["hidden_size"] / key_heads) if olmo else 128
+    )
     fields = {
-        "linear_key_heads": hf.get("linear_num_key_heads", 16),
-        "linear_value_heads": hf.get("linear_num_value_heads", 32),
-        "linear_key_dim": hf.get("linear_key_head_dim", 128),
-        "linear_value_dim": hf.get("linear_value_head_dim", 128),
+        "linear_key_heads": key_heads,
+        "linear_value_heads": hf.get("linear_num_value_heads") or (key_heads if olmo else 32),
+        "linear_key_dim": key_dim,
+        "linear_value_dim": hf.get("linear_value_head_dim") or (2 * key_dim if olmo else 128),
         "linear_conv_kernel": hf.get("linear_conv_kernel_dim", 4),
     }
     for key, value in fields.items():
@@ -564,6 +570,8 @@ def _qwen3_5(hf: dict, arch: str, common: dict, local: float | None) -> dict[str
         raise ValueError(
             "config.json: linear_num_value_heads must be a multiple of linear_num_key_heads"
         )
+    if olmo:
+        return {**fields, **_olmo_hybrid(hf, fields, types), "hidden_act": act}
     params = hf.get("rope_parameters") or {}  # transformers' default rotates a quarter
     rotary = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)))
     rotary_dim = int(common["head_dim"] * rotary)
@@ -575,10 +583,34 @@ def _qwen3_5(hf: dict, arch: str, common: dict, local: float | None) -> dict[str
         **experts,
         "hidden_act": act,
         "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "linear_norm_eps": hf.get("rms_norm_eps", 1e-6),
         "qk_norm": True,
         "rotary_dim": rotary_dim,
         "layer_types": tuple(types),
         "attention_output_gate": True,
+    }
+
+
+def _olmo_hybrid(hf: dict, fields: dict[str, int], types: list[str]) -> dict[str, Any]:
+    """OLMo Hybrid: OLMo 3's attention layers (q/k norms across heads, each block's norm after
+    it, the whole head rotated, or no RoPE where the config names no base) beside the
+    linear-attention layers, whose beta is doubled where `linear_allow_neg_eigval`; plain
+    RMSNorms, the rule's output norm at eps 1e-5."""
+    if fields["linear_value_heads"] != fields["linear_key_heads"]:
+        raise ValueError(
+            "config.json: OLMo Hybrid's linear_num_value_heads must equal linear_num_key_heads"
+        )
+    params = hf.get("rope_parameters") or {}
+    nope = params.get("rope_theta", hf.get("rope_theta")) is None
+    return {
+        "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "linear_norm_eps": 1e-5,  # transformers' (FLA's gated norm default)
+        "linear_beta_scale": 2.0 if hf.get("linear_allow_neg_eigval", True) else 1.0,
+        "qk_norm": True,
+        "qk_norm_across_heads": True,
+        "norm_after": True,
+        "layer_types": tuple(types),
+        "rope_layers": (False,) * len(types) if nope else None,
     }
 
 

@@ -58,6 +58,7 @@ from aotgen.model.config import (
     INTERLEAVED_ROPE,
     LAYERNORM_LAYOUT,
     LFM2,
+    OLMO_HYBRID,
     QWEN3_5,
     QWEN3_NEXT,
     SUPPORTED_ARCHITECTURES,
@@ -341,14 +342,18 @@ def split_fused(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tenso
     """Phi-3's and GLM-4's fused projections as the Llama layout's: `qkv_proj` rows are q,
     then k, then v; `gate_up_proj` rows are gate, then up. Granite 4's `shared_mlp`
     (input_linear: gate rows, then up) is the MLP, or with experts the shared expert.
-    Qwen3-Next's `in_proj_qkvz` / `in_proj_ba` as Qwen3.5's four projections. Other
-    families: unchanged."""
+    Qwen3-Next's `in_proj_qkvz` / `in_proj_ba` as Qwen3.5's four projections, OLMo Hybrid's
+    apart ones joined. Other families: unchanged."""
     if cfg.architecture in GRANITE_SHARED_MLP:
         return _granite_shared_mlp(cfg, weights)
     if cfg.architecture == QWEN3_NEXT:
         from aotgen.model.qwen3_5 import split_qkvz
 
         return split_qkvz(cfg, weights)
+    if cfg.architecture == OLMO_HYBRID:
+        from aotgen.model.qwen3_5 import olmo_hybrid_names
+
+        return olmo_hybrid_names(weights)
     if cfg.architecture not in ("Phi3ForCausalLM", "Glm4ForCausalLM"):
         return weights
     q_rows = cfg.num_attention_heads * cfg.head_dim

@@ -26,6 +26,11 @@ first quarter of each head.
 router's softmax renormalised, a shared expert behind a sigmoid gate) on every layer.
 `Qwen3NextForCausalLM` (Qwen3-Next) is Qwen3.5-MoE whose checkpoint fuses each key head's
 projections (`split_qkvz` unfuses them at load), with dense MLPs on its `mlp_only_layers`.
+
+`OlmoHybridForCausalLM` (OLMo Hybrid) has the same linear-attention layers, their beta doubled
+and their projections and convolutions apart in the checkpoint (`olmo_hybrid_names` joins
+them), beside OLMo 3's attention layers (llama.py's: q/k norms across heads, each block's norm
+after it); its RMSNorms scale by w.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from aotgen.model.layers import (
     apply_rope,
     cached_attention,
 )
+from aotgen.model.llama import Attention
 from aotgen.model.moe import SparseMoE
 
 
@@ -104,8 +110,9 @@ class GatedDeltaNet(nn.Module):
                                 bias=False, padding=kernel - 1)  # fmt: skip
         self.dt_bias = nn.Parameter(torch.ones(self.value_heads))
         self.A_log = nn.Parameter(torch.zeros(self.value_heads))
-        self.norm = GatedRMSNorm(self.value_dim, cfg.rms_norm_eps)
+        self.norm = GatedRMSNorm(self.value_dim, cfg.linear_norm_eps)
         self.out_proj = nn.Linear(values, d, bias=False)
+        self.beta_scale = cfg.linear_beta_scale
 
     def forward(self, x, cos, sin, write_at, mask, conv_cache, state, span) -> Tensor:
         """`conv_cache [slots, 1, cells, conv_dim]` and `state [slots, Hv, cells, Dk * Dv]`:
@@ -119,6 +126,8 @@ class GatedDeltaNet(nn.Module):
         k = _l2norm(k.view(b, t, self.key_heads, self.key_dim))
         v = v.view(b, t, self.value_heads, self.value_dim)
         beta = torch.sigmoid(self.in_proj_b(x).float())
+        if self.beta_scale != 1.0:  # OLMo Hybrid
+            beta = beta * self.beta_scale
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         y = torch.ops.aotgen.gated_delta_rule(q, k, v, g, beta, state, slots, positions)
         z = self.in_proj_z(x).view(b, t, self.value_heads, self.value_dim)
@@ -173,6 +182,47 @@ def split_qkvz(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor
     return out
 
 
+# OLMo Hybrid's linear-attention modules under Qwen3.5's names; q, k and v (and their
+# convolutions) are joined into one projection (one convolution).
+_OLMO_HYBRID_NAMES = {
+    "g_proj": "in_proj_z",
+    "a_proj": "in_proj_a",
+    "b_proj": "in_proj_b",
+    "o_proj": "out_proj",
+    "o_norm": "norm",
+}
+_OLMO_HYBRID_NORMS = {
+    "attention_layer_norm": "input_layernorm",
+    "feedforward_layer_norm": "post_attention_layernorm",
+}
+
+
+def olmo_hybrid_names(weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """OLMo Hybrid's checkpoint names as Qwen3.5's: `linear_attn.{q,k,v}_proj` joined into
+    `in_proj_qkv`, `{q,k,v}_conv1d` into `conv1d` (q, k, v: the order the convolution's
+    channels take), the gate `g_proj` as `in_proj_z`; OLMo-core's norm names as the
+    Llama layout's."""
+    out: dict[str, Tensor] = {}
+    joined: dict[str, dict[str, Tensor]] = {}
+    for name, tensor in weights.items():
+        stem, sep, leaf = name.partition(".linear_attn.")
+        module, _, kind = leaf.partition(".")
+        if sep and module in ("q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d"):
+            target = "in_proj_qkv" if module.endswith("proj") else "conv1d"
+            joined.setdefault(f"{stem}.linear_attn.{target}.{kind}", {})[module[0]] = tensor
+        elif sep:
+            renamed = ".".join([_OLMO_HYBRID_NAMES.get(module, module), kind]).rstrip(".")
+            out[f"{stem}.linear_attn.{renamed}"] = tensor
+        else:
+            parts = name.split(".")
+            out[".".join(_OLMO_HYBRID_NORMS.get(part, part) for part in parts)] = tensor
+    for name, parts in joined.items():
+        if sorted(parts) != ["k", "q", "v"]:
+            raise ValueError(f"checkpoint: {name} needs q, k and v parts, found {sorted(parts)}")
+        out[name] = torch.cat([parts["q"], parts["k"], parts["v"]])
+    return out
+
+
 def _rows(write_at: CacheIndex, b: int) -> tuple[Tensor, Tensor]:
     """(slots [b], positions [b, t]) of a call: a batch's in its slots, or sequences at the
     same positions in rows 0.. (one in a graph; several in an eager batch, as distillation
@@ -190,17 +240,30 @@ def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
+        d, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, cfg.unit_offset_norms
+        # OLMo Hybrid's attention layers: OLMo 3's, each block's norm after it
+        self.norm_after = not cfg.is_linear(index) and cfg.norm_after
         if cfg.is_linear(index):
             self.linear_attn = GatedDeltaNet(cfg)
-        else:
+        elif cfg.attention_output_gate:
             self.self_attn = GatedAttention(cfg)
-        d, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(d, eps, unit_offset=True)
-        self.post_attention_layernorm = RMSNorm(d, eps, unit_offset=True)
+        else:
+            rotates = cfg.rope_layers is None or cfg.rope_layers[index]
+            self.self_attn = Attention(cfg, rotates)
+        if not self.norm_after:
+            self.input_layernorm = RMSNorm(d, eps, unit_offset=offset)
+        self.post_attention_layernorm = RMSNorm(d, eps, unit_offset=offset)
+        if self.norm_after:
+            self.post_feedforward_layernorm = RMSNorm(d, eps, unit_offset=offset)
         self.mlp = SparseMoE(cfg) if cfg.is_moe(index) else GatedMLP(d, cfg.intermediate_size)
 
     def forward(self, x, cos, sin, write_at, mask, k_cache, v_cache, span) -> Tensor:
         mixer = self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
+        if self.norm_after:
+            h = x + self.post_attention_layernorm(
+                mixer(x, cos, sin, write_at, mask, k_cache, v_cache, span)
+            )
+            return h + self.post_feedforward_layernorm(self.mlp(h))
         h = x + mixer(self.input_layernorm(x), cos, sin, write_at, mask, k_cache, v_cache, span)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -210,7 +273,7 @@ class Qwen3_5Model(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=cfg.unit_offset_norms)
 
 
 class Qwen3_5ForCausalLM(CausalLM):
