@@ -1,13 +1,15 @@
 """The sparse MLP of mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-Granite MoE, gpt-oss, LFM2-MoE, and DeepSeek-V3's routing (GLM-4.5, dots.llm1).
+FlexOlmo, Granite MoE, gpt-oss, LFM2-MoE, ERNIE 4.5, Hunyuan, Mellum, and DeepSeek-V3's routing
+(GLM-4.5, dots.llm1, Solar Open, K-EXAONE).
 
 A router (`gate`, one logit per expert) picks each token's `num_experts_per_tok` experts by
 softmax probability; their SwiGLU MLPs' outputs are summed, weighted by those probabilities
 (renormalised over the chosen experts where the config says `norm_topk_prob`, always for
 Mixtral and Granite MoE). Qwen2-MoE adds a shared expert on every token, scaled by a sigmoid
-gate; Granite's MoE-with-shared-MLP configs and DeepSeek-V3's add theirs ungated. LFM2-MoE and
-DeepSeek-V3 pick by sigmoid score plus a per-expert bias that shifts the choice, not the
-weights; DeepSeek-V3 first keeps the groups of experts whose two best scores sum highest.
+gate; Granite's, Hunyuan's, ERNIE 4.5's and DeepSeek-V3's add theirs ungated. A per-expert
+bias shifts the choice, not the weights: added to the softmax probabilities (ERNIE 4.5) or to
+sigmoid scores (LFM2-MoE, DeepSeek-V3); DeepSeek-V3 first keeps the groups of experts whose two
+best scores sum highest.
 
 The experts are held stacked, as transformers 5 holds them: `experts.gate_up_proj [E, 2f, d]`
 (each expert's gate rows, then its up rows) and `experts.down_proj [E, d, f]`; checkpoints
