@@ -178,6 +178,19 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     "olmoe": ("OlmoeConfig", dict(num_hidden_layers=2, num_key_value_heads=2, **MOE)),
+    # Granite SWA: Granite's multipliers, a sink logit per head; layer 0 full without RoPE,
+    # layers 1-3 sliding (window 8) at base 100, layer 4 full at base 10000.
+    "granite-swa": (
+        "GraniteSWAConfig",
+        dict(
+            num_hidden_layers=5,
+            num_key_value_heads=2,
+            sliding_window=8,
+            layer_types=["full_attention"] + ["sliding_attention"] * 3 + ["full_attention"],
+            layer_rope_theta=[0, 100.0, 100.0, 100.0, 10000.0],
+            **MULTIPLIERS,
+        ),
+    ),
     # OLMo 1: LayerNorms without weight or bias, q/k/v clamped to +-0.5.
     "olmo": ("OlmoConfig", dict(num_hidden_layers=2, num_key_value_heads=2, clip_qkv=0.5)),
     # OLMoE with q/k/v clamped after its q/k norms.
@@ -796,6 +809,7 @@ EAGER_PARITY = [
     "hunyuan", "apertus", "qwen3_5", "qwen3_5-moe", "qwen3-next", "glm4-moe", "dots1",
     "solar-open", "exaone-moe", "ernie4_5-moe", "vaultgemma",
     "flex-olmo", "hunyuan-moe", "mellum", "olmo", "olmoe-clip", "olmo-hybrid",
+    "granite-swa",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

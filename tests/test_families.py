@@ -598,6 +598,15 @@ DEEPSEEK = {"n_routed_experts": 8, "num_experts_per_tok": 2}
         ("ExaoneMoeForCausalLM", {**MOE, "mlp_layer_types": ["moe"] * 6}, "mlp_layer_types"),
         ("Ernie4_5_MoeForCausalLM", {"moe_layer_interval": 0}, "moe_layer_interval"),
         (
+            "GraniteSWAForCausalLM",
+            {
+                "layer_types": ["full_attention"] * 6,
+                "layer_rope_theta": [1e4, 2e4, 1e4, 1e4, 1e4, 1e4],
+            },
+            "more than one base",
+        ),
+        ("GraniteSWAForCausalLM", {"layer_rope_theta": [1e4] * 3}, "layer_rope_theta must name"),
+        (
             "OlmoHybridForCausalLM",
             {"linear_num_key_heads": 2, "linear_num_value_heads": 4},
             "must equal linear_num_key_heads",

@@ -42,7 +42,9 @@ MOE_ARCHITECTURES = (
 )
 # Granites whose dense MLP (or shared expert) is `shared_mlp`, of shared_intermediate_size.
 GRANITE_SHARED_MLP = ("GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")
-GRANITES = ("GraniteForCausalLM", "GraniteMoeForCausalLM", *GRANITE_SHARED_MLP)  # multipliers
+# Granite SWA: Granite with sliding layers, attention sinks and a RoPE base per layer (0: none).
+GRANITE_SWA = "GraniteSWAForCausalLM"
+GRANITES = ("GraniteForCausalLM", "GraniteMoeForCausalLM", *GRANITE_SHARED_MLP, GRANITE_SWA)
 APERTUS = "ApertusForCausalLM"  # q/k norms, an MLP without a gate and its learned xIELU
 OLMO = "OlmoForCausalLM"  # OLMo 1: LayerNorms without parameters, q/k/v clipped
 VAULTGEMMA = "VaultGemmaForCausalLM"  # Gemma 2 with the norms before attention and the MLP only
@@ -57,6 +59,7 @@ LLAMA_LAYOUT = (
     "Phi3ForCausalLM",
     "SmolLM3ForCausalLM",
     "GraniteForCausalLM",
+    GRANITE_SWA,
     OLMO,
     "Olmo2ForCausalLM",
     "Olmo3ForCausalLM",

@@ -22,6 +22,7 @@ from aotgen.model.config import (
     GLM4_MOE,
     GPT_OSS,
     GRANITE_SHARED_MLP,
+    GRANITE_SWA,
     GRANITES,
     HUNYUAN_MOE,
     HUNYUANS,
@@ -232,6 +233,8 @@ def _windows(hf: dict, arch: str, layers: int, local: float | None) -> dict[str,
         out.update(sliding_window=hf["sliding_window"], layer_types=tuple(types))
         if local is not None:
             out["rope_local_theta"] = float(local)
+    elif arch == GRANITE_SWA:
+        out.update(_granite_swa(hf, layers))
     elif arch == "Olmo3ForCausalLM":  # three sliding-window layers in four
         types = hf.get("layer_types") or [
             "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)
@@ -255,6 +258,44 @@ def _windows(hf: dict, arch: str, layers: int, local: float | None) -> dict[str,
     if out.get("layer_types") is not None and len(out["layer_types"]) != layers:
         raise ValueError("config.json: layer_types must name every one of num_hidden_layers")
     return out
+
+
+def _granite_swa(hf: dict, layers: int) -> dict[str, Any]:
+    """Granite SWA: three sliding layers in four by default (the first of each four full),
+    a sink logit per head, and `layer_rope_theta`, a RoPE base per layer (0: no RoPE), read as
+    one base for the full layers and one for the sliding ones."""
+    types = hf.get("layer_types") or [
+        "full_attention" if i % 4 == 0 else "sliding_attention" for i in range(layers)
+    ]
+    thetas = hf.get("layer_rope_theta")
+    if thetas is not None and len(thetas) != layers:
+        raise ValueError("config.json: layer_rope_theta must name every one of num_hidden_layers")
+    bases = {kind: {t for t, k in zip(thetas or [], types, strict=False) if t and k == kind}
+             for kind in ("full_attention", "sliding_attention")}  # fmt: skip
+    if any(len(b) > 1 for b in bases.values()):
+        raise ValueError(
+            "config.json: layer_rope_theta with more than one base among the full or the "
+            "sliding layers is not supported"
+        )
+    out: dict[str, Any] = {
+        "sliding_window": hf.get("sliding_window", 128),
+        "layer_types": tuple(types),
+        "attention_sinks": True,
+    }
+    if thetas is None:
+        return out
+    full, sliding = (next(iter(bases[k]), None) for k in ("full_attention", "sliding_attention"))
+    if full is not None and sliding is not None and full != sliding:
+        if (hf.get("rope_parameters") or {}).get("rope_type", "default") != "default":
+            raise ValueError(
+                "config.json: layer_rope_theta with two bases and RoPE scaling is not supported"
+            )
+        out["rope_local_theta"] = float(sliding)
+    return {
+        **out,
+        "rope_theta": float(full or sliding or 10000.0),
+        "rope_layers": tuple(bool(t) for t in thetas),
+    }
 
 
 def _local_layers_rotate(hf: dict, layers: int) -> dict[str, Any]:
