@@ -442,6 +442,13 @@ def test_per_head_qk_norms_refuse_tensor_parallel(checkpoints, family):
         resolve_plan(_eager(checkpoints, family), parse_parallel({"tensor": 2}))
 
 
+def test_attention_sinks_refuse_tensor_parallel(checkpoints):
+    """Granite SWA's sink logits are per head; a plan the user gives cannot shard them."""
+    plan = {"tensor": 2, "plan": {"*.q_proj": "colwise"}}
+    with pytest.raises(RecipeError, match="attention sinks"):
+        resolve_plan(_eager(checkpoints, "granite-swa"), parse_parallel(plan))
+
+
 def test_olmo2_refuses_tensor_parallel(checkpoints):
     """OLMo 2 normalises q and k across all heads: a rank with some of them cannot."""
     with pytest.raises(RecipeError, match="normalises q and k across all heads"):
