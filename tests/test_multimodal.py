@@ -5,6 +5,7 @@ checkpoints written by transformers, in the layout and config it saves."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,12 @@ QWEN3_5_VISION = dict(
     out_hidden_size=64,
     num_position_embeddings=16,
 )
+# Qwen2.5-VL's and Qwen3-VL's vision towers, small; their text models' multimodal RoPE sections
+# (a head of 16: 8 frequencies over the time, height and width axes).
+QWEN_VL_VISION = dict(
+    depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64
+)
+MROPE = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
 # name → (config class, text_config, vision_config, top-level arguments)
 MODELS = {
     # Gemma 3 4B's kind: test_families' Gemma 3 text model (window 8 on three layers in four,
@@ -63,6 +70,26 @@ MODELS = {
         dict(TEXT, model_type="ministral3", num_hidden_layers=2, rope_parameters=YARN_GAIN),
         dict(VISION, model_type="pixtral", image_size=28, patch_size=14, head_dim=16),
         {},
+    ),
+    # Qwen2.5-VL's kind: a Qwen2 language model (q/k/v biases) whose multimodal RoPE gives
+    # text one position on all three axes; its tensors as transformers 4.x laid them out.
+    "qwen2_5_vl": (
+        "Qwen2_5_VLConfig",
+        dict(TEXT, model_type="qwen2_5_vl_text", num_hidden_layers=2, rope_parameters=MROPE),
+        dict(QWEN_VL_VISION, fullatt_block_indexes=[0]),
+        dict(tie_word_embeddings=False),
+    ),
+    # Qwen3-VL's kind: a Qwen3 language model (q/k norms), its RoPE sections interleaved.
+    "qwen3_vl": (
+        "Qwen3VLConfig",
+        dict(
+            TEXT,
+            model_type="qwen3_vl_text",
+            num_hidden_layers=2,
+            rope_parameters=dict(MROPE, mrope_interleaved=True),
+        ),
+        dict(QWEN_VL_VISION, num_position_embeddings=16, deepstack_visual_indexes=[0]),
+        dict(tie_word_embeddings=False),
     ),
     # Qwen3.5's kind (every released size is a vision-language checkpoint): test_families'
     # Qwen3.5 text model, linear attention beside gated attention, an untied head.
@@ -182,6 +209,23 @@ def test_sparse_text_config_reads_as_transformers(kind):
         assert cfg.rotary_dim == int(head_dim * ref.rope_parameters["partial_rotary_factor"])
         for ours, theirs in QWEN3_5_KEYS.items():
             assert getattr(cfg, ours) == getattr(ref, theirs), theirs
+
+
+def test_qwen2_5_vl_config_of_transformers_4(checkpoints, tmp_path):
+    """Qwen2.5-VL as transformers 4.x wrote it (and most of its checkpoints ship): no
+    text_config, the language model's keys at the top level, RoPE as `rope_scaling` of type
+    "mrope". Read as the nested config is: the same logits."""
+    flat = tmp_path / "flat"
+    shutil.copytree(checkpoints["qwen2_5_vl"], flat)
+    config = json.loads((flat / "config.json").read_text())
+    text = config.pop("text_config")
+    rope = text.pop("rope_parameters")
+    sections = {"type": "mrope", "mrope_section": rope["mrope_section"]}
+    config = {**text, **config, "model_type": "qwen2_5_vl", "rope_theta": rope["rope_theta"]}
+    (flat / "config.json").write_text(json.dumps({**config, "rope_scaling": sections}))
+    history = torch.randint(0, 300, (24,), generator=torch.Generator()).tolist()
+    want = EagerModel(checkpoints["qwen2_5_vl"], 64).forward(history, 0)
+    assert torch.equal(EagerModel(flat, 64).forward(history, 0), want)
 
 
 def test_unsupported_text_model_is_one_line(tmp_path):

@@ -1,7 +1,9 @@
 """The language model inside a vision-language checkpoint (Gemma 3 4B and up, Mistral Small
-3.x, Ministral 3, Qwen3.5 and Qwen3.5-MoE): its `text_config` read as the text family's own
-config, and its tensors under the text family's names; the vision tower and projector are left
-out, so the package takes text only."""
+3.x, Ministral 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and Qwen3.5-MoE): its `text_config`
+(Qwen2-VL's and Qwen2.5-VL's: the top-level keys, in transformers 4.x's checkpoints) read as the
+text family's own config, and its tensors under the text family's names; the vision tower and
+projector are left out, so the package takes text only. The Qwen VL models' multimodal RoPE
+gives text the same position on all its axes, which is plain RoPE."""
 
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ TEXT_ARCHITECTURES = {
         "mistral": "MistralForCausalLM",
         "ministral3": "Ministral3ForCausalLM",
     },
+    "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": "Qwen2ForCausalLM"},
+    "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": "Qwen2ForCausalLM"},
+    "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": "Qwen3ForCausalLM"},
     "Qwen3_5ForConditionalGeneration": {"qwen3_5_text": "Qwen3_5ForCausalLM"},
     "Qwen3_5MoeForConditionalGeneration": {"qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"},
 }
@@ -69,6 +74,35 @@ TEXT_DEFAULTS["ministral3"] = dict(
         "llama_4_scaling_beta": 0.1,
     },
 )
+TEXT_DEFAULTS["qwen2_vl_text"] = dict(
+    vocab_size=152064,
+    hidden_size=8192,
+    intermediate_size=29568,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    hidden_act="silu",
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-5,
+    rope_theta=1e6,
+)
+TEXT_DEFAULTS["qwen2_5_vl_text"] = TEXT_DEFAULTS["qwen2_vl_text"]
+TEXT_DEFAULTS["qwen3_vl_text"] = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=22016,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    head_dim=128,
+    hidden_act="silu",
+    max_position_embeddings=128000,
+    rms_norm_eps=1e-6,
+    rope_theta=5e5,
+)
+# transformers 4.x's Qwen2-VL and Qwen2.5-VL configs: no `text_config`, the language model's
+# keys at the top level, beside `vision_config`.
+FLAT_TEXT_KINDS = {"qwen2_vl": "qwen2_vl_text", "qwen2_5_vl": "qwen2_5_vl_text"}
 TEXT_DEFAULTS["qwen3_5_text"] = dict(  # 5.x only: one dialect
     vocab_size=248320,
     hidden_size=4096,
@@ -109,7 +143,8 @@ VISION_PREFIXES = (
     "multi_modal_projector.",
     "model.vision_tower.",
     "model.multi_modal_projector.",
-    "model.visual.",  # Qwen3.5's
+    "model.visual.",  # Qwen3-VL's, Qwen3.5's
+    "visual.",  # Qwen2-VL's, Qwen2.5-VL's
 )
 
 
@@ -123,6 +158,9 @@ def text_config(config: dict, tensor_names: Iterable[str]) -> dict:
     the checkpoint holds none, as transformers loads it."""
     arch = config["architectures"][0]
     text = dict(config.get("text_config") or {})
+    if not text and config.get("model_type") in FLAT_TEXT_KINDS:
+        text = {k: v for k, v in config.items() if k not in ("vision_config", "architectures")}
+        text["model_type"] = FLAT_TEXT_KINDS[config["model_type"]]
     kind = text.get("model_type")
     text_arch = TEXT_ARCHITECTURES[arch].get(kind)
     if text_arch is None:

@@ -48,6 +48,9 @@ def read_rope(hf: dict, arch: str) -> tuple[float, dict | None, float | None]:
         scaling = {"rope_type": kind, **scaling} if kind != "default" else None
     else:
         theta, scaling = hf.get("rope_theta"), hf.get("rope_scaling")
+        if scaling:
+            scaling = dict(scaling)
+            _text_positions(scaling)
         theta = hf.get("rotary_emb_base", theta)  # GPT-NeoX 4.x
     if arch in HUNYUANS:
         theta, scaling = _ntk_alpha(theta or 10000.0, scaling, hf)
@@ -65,6 +68,17 @@ def read_rope(hf: dict, arch: str) -> tuple[float, dict | None, float | None]:
     if arch == "Gemma3ForCausalLM" and local is None:
         local = 10000.0
     return float(theta), scaling or None, local
+
+
+def _text_positions(scaling: dict) -> None:
+    """The Qwen VL models' multimodal RoPE (`mrope_section`, interleaved or not) without its
+    keys: text has the same position on every axis, where it is plain RoPE."""
+    if scaling.pop("mrope_section", None) is not None:
+        scaling.pop("mrope_interleaved", None)
+        if scaling.get("type") == "mrope":  # Qwen2-VL's name in transformers 4.x
+            scaling["type"] = "default"
+        if scaling.get("rope_type") == "mrope":
+            scaling["rope_type"] = "default"
 
 
 def _ntk_alpha(theta: float, scaling: dict | None, hf: dict) -> tuple[float, dict | None]:
