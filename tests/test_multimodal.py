@@ -12,6 +12,7 @@ import pytest
 import torch
 from families import BASE, FAMILIES, RECIPE, randomize, reference_greedy, reference_logits
 from reference import EagerModel
+from safetensors.torch import load_file, save_file
 from tiny import CHATML, make_tokenizer
 
 from aotgen.checkpoint.hf import CheckpointError, open_checkpoint
@@ -91,6 +92,22 @@ MODELS = {
         dict(QWEN_VL_VISION, num_position_embeddings=16, deepstack_visual_indexes=[0]),
         dict(tie_word_embeddings=False),
     ),
+    # Qwen3-VL-MoE's kind: a Qwen3-MoE language model (8 experts, 2 a token, renormalised),
+    # its stacked experts stored transposed; a tied head.
+    "qwen3_vl_moe": (
+        "Qwen3VLMoeConfig",
+        dict(
+            TEXT,
+            model_type="qwen3_vl_moe_text",
+            num_hidden_layers=2,
+            rope_parameters=dict(MROPE, mrope_interleaved=True),
+            moe_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=2,
+        ),
+        dict(QWEN_VL_VISION, num_position_embeddings=16, deepstack_visual_indexes=[0]),
+        dict(tie_word_embeddings=True),
+    ),
     # Qwen3.5's kind (every released size is a vision-language checkpoint): test_families'
     # Qwen3.5 text model, linear attention beside gated attention, an untied head.
     "qwen3_5": (
@@ -167,7 +184,7 @@ def test_text_model_matches_transformers(checkpoints, name):
     got, want = eager.forward(history, 0), reference_logits(reference, history)
     assert ((got - want).norm() / want.norm()).item() < 1e-4
     assert eager.greedy(history[:20], 32) == reference_greedy(reference, history[:20], 32)
-    assert eager.config.tie_word_embeddings == (name in ("gemma3", "ministral3"))
+    assert eager.config.tie_word_embeddings == (name in ("gemma3", "ministral3", "qwen3_vl_moe"))
 
 
 @pytest.mark.parametrize("kind", TEXT_DEFAULTS)
@@ -226,6 +243,22 @@ def test_qwen2_5_vl_config_of_transformers_4(checkpoints, tmp_path):
     history = torch.randint(0, 300, (24,), generator=torch.Generator()).tolist()
     want = EagerModel(checkpoints["qwen2_5_vl"], 64).forward(history, 0)
     assert torch.equal(EagerModel(flat, 64).forward(history, 0), want)
+
+
+def test_qwen3_vl_moe_experts_as_released(checkpoints, tmp_path):
+    """Qwen3-VL-MoE's released checkpoints hold the stacked experts transposed against
+    transformers 5's saves (`gate_up_proj [E, d, 2f]`, `down_proj [E, f, d]`): both read to the
+    same model."""
+    released = tmp_path / "released"
+    shutil.copytree(checkpoints["qwen3_vl_moe"], released)
+    path = released / "model.safetensors"
+    tensors = load_file(path)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+    history = torch.randint(0, 300, (24,), generator=torch.Generator()).tolist()
+    want = EagerModel(checkpoints["qwen3_vl_moe"], 64).forward(history, 0)
+    assert torch.equal(EagerModel(released, 64).forward(history, 0), want)
 
 
 def test_unsupported_text_model_is_one_line(tmp_path):

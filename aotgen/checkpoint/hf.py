@@ -60,8 +60,12 @@ class Checkpoint:
                 with safe_open(str(f), framework="pt") as sf:
                     for name in sf.keys():
                         key = multimodal.text_name(name) if self.text_part else name
-                        if key is not None:
-                            tensors[key] = sf.get_tensor(name)
+                        if key is None:
+                            continue
+                        tensor = sf.get_tensor(name)
+                        if self.text_part:
+                            tensor = multimodal.text_tensor(self.config, key, tensor)
+                        tensors[key] = tensor
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(
                     f"cannot read {f}: {e}. The file is truncated or corrupt: re-create it "

@@ -1,5 +1,5 @@
 """The language model inside a vision-language checkpoint (Gemma 3 4B and up, Mistral Small
-3.x, Ministral 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and Qwen3.5-MoE): its `text_config`
+3.x, Ministral 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL (-MoE), Qwen3.5 and Qwen3.5-MoE): its `text_config`
 (Qwen2-VL's and Qwen2.5-VL's: the top-level keys, in transformers 4.x's checkpoints) read as the
 text family's own config, and its tensors under the text family's names; the vision tower and
 projector are left out, so the package takes text only. The Qwen VL models' multimodal RoPE
@@ -8,6 +8,8 @@ gives text the same position on all its axes, which is plain RoPE."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+from torch import Tensor
 
 # The vision-language architectures, and the text architecture of each `text_config`
 # model_type they hold.
@@ -20,6 +22,7 @@ TEXT_ARCHITECTURES = {
     "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": "Qwen2ForCausalLM"},
     "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": "Qwen2ForCausalLM"},
     "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": "Qwen3ForCausalLM"},
+    "Qwen3VLMoeForConditionalGeneration": {"qwen3_vl_moe_text": "Qwen3MoeForCausalLM"},
     "Qwen3_5ForConditionalGeneration": {"qwen3_5_text": "Qwen3_5ForCausalLM"},
     "Qwen3_5MoeForConditionalGeneration": {"qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"},
 }
@@ -100,6 +103,17 @@ TEXT_DEFAULTS["qwen3_vl_text"] = dict(
     rms_norm_eps=1e-6,
     rope_theta=5e5,
 )
+TEXT_DEFAULTS["qwen3_vl_moe_text"] = {
+    **TEXT_DEFAULTS["qwen3_vl_text"],
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "moe_intermediate_size": 1408,
+    "num_local_experts": 60,
+    "num_experts_per_tok": 4,
+}
 # transformers 4.x's Qwen2-VL and Qwen2.5-VL configs: no `text_config`, the language model's
 # keys at the top level, beside `vision_config`.
 FLAT_TEXT_KINDS = {"qwen2_vl": "qwen2_vl_text", "qwen2_5_vl": "qwen2_5_vl_text"}
@@ -171,11 +185,28 @@ def text_config(config: dict, tensor_names: Iterable[str]) -> dict:
     text = {**TEXT_DEFAULTS[kind], **text}
     if arch == "Gemma3ForConditionalGeneration":  # its head is not softcapped (transformers')
         text["final_logit_softcapping"] = None
+    if kind == "qwen3_vl_moe_text":  # its router always renormalises the top k
+        text["norm_topk_prob"] = True
     if "quantization_config" in config:  # the scheme covers the whole checkpoint
         text["quantization_config"] = config["quantization_config"]
     text["architectures"] = [text_arch]
     text["tie_word_embeddings"] = not any(text_name(n) == "lm_head.weight" for n in tensor_names)
     return text
+
+
+def text_tensor(text: dict, name: str, tensor: Tensor) -> Tensor:
+    """A language-model tensor as its text family holds it (`text`: the text config):
+    Qwen3-VL-MoE's released checkpoints store each layer's stacked experts transposed
+    (`gate_up_proj [E, d, 2f]`, `down_proj [E, f, d]`), transformers 5's saves as it holds
+    them; as transformers does, those not in the held shape are transposed."""
+    if text.get("model_type") != "qwen3_vl_moe_text":
+        return tensor
+    d, f = text["hidden_size"], text["moe_intermediate_size"]
+    held = {"mlp.experts.gate_up_proj": (2 * f, d), "mlp.experts.down_proj": (d, f)}
+    for leaf, shape in held.items():
+        if name.endswith(leaf) and tuple(tensor.shape[1:]) != shape:
+            return tensor.transpose(1, 2).contiguous()
+    return tensor
 
 
 def text_name(name: str) -> str | None:
