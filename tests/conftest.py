@@ -123,6 +123,7 @@ WARM_USERS = {
     "families": {"family_engines"},
     "gguf_keep": {"kept", "integer"},
     "kv_dtype": {"kv_build"},
+    "qwen3_5": {"qwen3_5_build"},
 }
 # Recipe -> the bundled GGUF (`aotgen import-gguf` short name) its checkpoint comes from.
 REAL_PACKAGE_GGUF = {"gemma3-270m": "gemma3-270m"}

@@ -74,7 +74,22 @@ def warm_kv_dtype(out: Path) -> Iterator[tuple[str, dict]]:
         yield name, {"checkpoint": str(checkpoints[checkpoint]), **keys}
 
 
-WARMERS = {"families": warm_families, "gguf_keep": warm_gguf_keep, "kv_dtype": warm_kv_dtype}
+def warm_qwen3_5(out: Path) -> Iterator[tuple[str, dict]]:
+    """test_qwen3_5.py's packages, on the checkpoint it builds on."""
+    from families import make_family_checkpoint
+    from test_qwen3_5 import PACKAGES
+
+    checkpoint = make_family_checkpoint(out / "qwen3_5", "qwen3_5")
+    for name, keys in PACKAGES.items():
+        yield name, {"checkpoint": str(checkpoint), **keys}
+
+
+WARMERS = {
+    "families": warm_families,
+    "gguf_keep": warm_gguf_keep,
+    "kv_dtype": warm_kv_dtype,
+    "qwen3_5": warm_qwen3_5,
+}
 
 
 def main(out: Path, names: list[str]) -> None:

@@ -6,11 +6,13 @@ a model refuses. The tiny checkpoint is tests/families.py's `qwen3_5`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import stop_warming
 from families import RECIPE, load_reference, make_family_checkpoint, reference_greedy
 from families import reference_logits as _reference_logits
 from reference import EagerModel, reset_caches
@@ -34,6 +36,8 @@ pytest.importorskip("transformers")
 FP32_TOL = 1e-4  # as test_families.py: compiled fp32 against transformers' eager fp32
 # Batched graphs, and a draft of the first two layers on a ring of its own.
 EXTRA = {"max_batch": 2, "speculative": {"draft": {"layers": 2}, "k": 4, "share_kv": False}}
+# The packages this module builds (tests/real_builds.py compiles them ahead: `qwen3_5_build`).
+PACKAGES = {"qwen3_5": {**RECIPE, **EXTRA}, "qwen3_5-bf16": {**RECIPE, "dtype": "bfloat16"}}
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +51,20 @@ def reference(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoint, project) -> Engine:
-    data = {"checkpoint": str(checkpoint), **RECIPE, **EXTRA}
-    return Engine.load(build(parse_recipe(data, "qwen3_5", Path(".")), project).path)
+def qwen3_5_build(request, checkpoint, project) -> Callable[[str], Engine]:
+    """One of PACKAGES, built and loaded; the builds take what the background compiled."""
+    stop_warming(request, "qwen3_5")
+
+    def build_package(name: str) -> Engine:
+        data = {"checkpoint": str(checkpoint), **PACKAGES[name]}
+        return Engine.load(build(parse_recipe(data, name, Path(".")), project).path)
+
+    return build_package
+
+
+@pytest.fixture(scope="module")
+def engine(qwen3_5_build) -> Engine:
+    return qwen3_5_build("qwen3_5")
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -159,9 +174,8 @@ def test_cpp_runtime_matches_python(run_bin, batch_bin, engine, tmp_path):  # no
 
 
 @pytest.fixture(scope="module")
-def bf16_engine(checkpoint, project) -> Engine:
-    data = {"checkpoint": str(checkpoint), **RECIPE, "dtype": "bfloat16"}
-    return Engine.load(build(parse_recipe(data, "qwen3_5-bf16", Path(".")), project).path)
+def bf16_engine(qwen3_5_build) -> Engine:
+    return qwen3_5_build("qwen3_5-bf16")
 
 
 BF16_TOL = 2e-2  # as test_moe.py's bfloat16 package against the float32 model
