@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from aotgen.reasoning import SplitStream
-from aotgen.runtime.grammar import Grammar
 
 if TYPE_CHECKING:
+    from aotgen.runtime.grammar import Grammar
     from aotgen.runtime.tokenizer import Tokenizer
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"

@@ -27,6 +27,7 @@ from aotgen.cli.common import (
     user_errors_exit,
 )
 from aotgen.harmony import HarmonyStream, head_of, split_harmony
+from aotgen.package.manifest import read_manifest
 from aotgen.reasoning import ReasoningStream, SplitStream, split_reasoning, thinking_of
 
 if TYPE_CHECKING:
@@ -182,6 +183,7 @@ def run(
         raise CliError("--logprobs N (0..20) goes with --json, which prints them")
     if seed is not None and not 0 <= seed <= SEED_MAX:
         raise CliError(f"--seed must be an integer in 0..{SEED_MAX}, got {seed}")
+    read_manifest(package)  # a path that holds no package, too
     # After the checks above: a mistyped option is refused without the seconds torch takes.
     from aotgen.runtime.engine import GenerationConfig
     from aotgen.runtime.lookup_cache import LookupCache
@@ -538,10 +540,6 @@ def serve(
     ] = None,
 ) -> None:
     """Serve a package over an OpenAI-compatible HTTP API, many requests at once."""
-    from aotgen.runtime import distributed
-    from aotgen.runtime.batch_engine import BatchEngine
-    from aotgen.runtime.lookup_cache import SAVE_EVERY_S, LookupCache
-
     if lookup not in (None, "ngram"):
         raise CliError(f"--lookup {lookup!r}: the only lookup is 'ngram'")
     check_lookup_cache(lookup_cache, lookup)
@@ -551,6 +549,11 @@ def serve(
     check_lookup_cache_every(lookup_cache_every, lookup_cache)
     if not 0 < port < 65536:
         raise CliError(f"--port must be in 1..65535, got {port}")
+    read_manifest(package)  # a path that holds no package, before the seconds torch takes
+    from aotgen.runtime import distributed
+    from aotgen.runtime.batch_engine import BatchEngine
+    from aotgen.runtime.lookup_cache import SAVE_EVERY_S, LookupCache
+
     if distributed.needs_launch(package):
         raise CliError(f"{package} is tensor-parallel: `aotgen serve` runs single-process packages")
     try:

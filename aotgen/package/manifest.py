@@ -1,7 +1,8 @@
 """The package manifest: what was built, with what, and the sha256 of every file.
 
 Shared by the builder (writes it) and the runtime (checks it before any `.so` is loaded),
-so it imports nothing but the standard library and torch's version/ISA queries.
+so it imports nothing but the standard library, and torch only inside the functions that ask
+its version or ISA: reading a manifest (the CLI's first check of a package) loads no torch.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
-
-import torch
 
 FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
@@ -54,6 +53,8 @@ def sha256_chunks(path: Path, chunk_bytes: int = HASH_CHUNK_BYTES) -> list[str]:
 def target_info(device: str = "cpu") -> dict[str, str]:
     """Where compiled code built now can run: the ISA Inductor compiled the host code for,
     the OS, and for CUDA the GPU architecture its kernels were compiled for."""
+    import torch
+
     info = {
         "device": device,
         "isa": torch.backends.cpu.get_cpu_capability(),
@@ -71,6 +72,8 @@ def target_info(device: str = "cpu") -> dict[str, str]:
 
 def cuda_problem() -> str | None:
     """Why CUDA packages cannot be built or run here, or None if they can."""
+    import torch
+
     if torch.version.cuda is None:
         return f"this torch ({torch.__version__}) is built without CUDA"
     if not torch.cuda.is_available():
@@ -223,6 +226,8 @@ def kv_position_bytes(kv: dict[str, Any]) -> list[int]:
     """Bytes one position takes in each layer's cache (its keys and values, or a convolution
     layer's inputs) for one sequence, from a checked `kv_cache` entry: `shapes` are
     `[k0, v0, k1, v1, ...]`, positions on axis 2."""
+    import torch
+
     per_tensor = [
         math.prod(shape) // shape[2] * getattr(torch, dtype).itemsize
         for shape, dtype in zip(kv["shapes"], kv_dtypes(kv), strict=True)
@@ -280,6 +285,8 @@ def check_paths(manifest: dict[str, Any], root: Path) -> None:
 
 def check_compatible(manifest: dict[str, Any], root: Path) -> None:
     """Refuse packages whose native code was built for another torch or a larger ISA."""
+    import torch
+
     built = manifest["torch_version"]
     if built != torch.__version__:
         raise PackageError(
