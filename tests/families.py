@@ -36,6 +36,8 @@ FAMILIES_QWEN3_5 = dict(
     linear_key_head_dim=16,
     linear_value_head_dim=16,
 )
+# Hunyuan's "dynamic" RoPE with a fixed alpha: a static base, stretched.
+HUNYUAN_ROPE = {"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 50.0, "factor": 1.0}
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", dict(num_hidden_layers=2, num_key_value_heads=2)),
     "qwen2-tied": (
@@ -426,12 +428,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             num_hidden_layers=2,
             num_key_value_heads=2,
             head_dim=16,
-            rope_parameters={
-                "rope_type": "dynamic",
-                "rope_theta": 10000.0,
-                "alpha": 50.0,
-                "factor": 1.0,
-            },
+            rope_parameters=HUNYUAN_ROPE,
             tie_word_embeddings=True,
         ),
     ),
@@ -446,12 +443,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             intermediate_size=32,
             num_experts=8,
             moe_topk=2,
-            rope_parameters={
-                "rope_type": "dynamic",
-                "rope_theta": 10000.0,
-                "alpha": 50.0,
-                "factor": 1.0,
-            },
+            rope_parameters=HUNYUAN_ROPE,
         ),
     ),
     # Apertus: per-head q/k norms, up-xIELU-down (its learned parameters), Llama 3's RoPE.
