@@ -48,6 +48,13 @@ QWEN_VL_VISION = dict(
     depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64
 )
 MROPE = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
+QWEN3_VL_TEXT = dict(
+    TEXT,
+    model_type="qwen3_vl_text",
+    num_hidden_layers=2,
+    rope_parameters=dict(MROPE, mrope_interleaved=True),
+)
+QWEN3_VL_VISION = dict(QWEN_VL_VISION, num_position_embeddings=16, deepstack_visual_indexes=[0])
 # name → (config class, text_config, vision_config, top-level arguments)
 MODELS = {
     # Gemma 3 4B's kind: test_families' Gemma 3 text model (window 8 on three layers in four,
@@ -83,13 +90,8 @@ MODELS = {
     # Qwen3-VL's kind: a Qwen3 language model (q/k norms), its RoPE sections interleaved.
     "qwen3_vl": (
         "Qwen3VLConfig",
-        dict(
-            TEXT,
-            model_type="qwen3_vl_text",
-            num_hidden_layers=2,
-            rope_parameters=dict(MROPE, mrope_interleaved=True),
-        ),
-        dict(QWEN_VL_VISION, num_position_embeddings=16, deepstack_visual_indexes=[0]),
+        QWEN3_VL_TEXT,
+        QWEN3_VL_VISION,
         dict(tie_word_embeddings=False),
     ),
     # Qwen3-VL-MoE's kind: a Qwen3-MoE language model (8 experts, 2 a token, renormalised),
@@ -97,15 +99,13 @@ MODELS = {
     "qwen3_vl_moe": (
         "Qwen3VLMoeConfig",
         dict(
-            TEXT,
+            QWEN3_VL_TEXT,
             model_type="qwen3_vl_moe_text",
-            num_hidden_layers=2,
-            rope_parameters=dict(MROPE, mrope_interleaved=True),
             moe_intermediate_size=48,
             num_experts=8,
             num_experts_per_tok=2,
         ),
-        dict(QWEN_VL_VISION, num_position_embeddings=16, deepstack_visual_indexes=[0]),
+        QWEN3_VL_VISION,
         dict(tie_word_embeddings=True),
     ),
     # Qwen3.5's kind (every released size is a vision-language checkpoint): test_families'

@@ -267,24 +267,26 @@ def _granite_swa(hf: dict, layers: int) -> dict[str, Any]:
     types = hf.get("layer_types") or [
         "full_attention" if i % 4 == 0 else "sliding_attention" for i in range(layers)
     ]
-    thetas = hf.get("layer_rope_theta")
-    if thetas is not None and len(thetas) != layers:
-        raise ValueError("config.json: layer_rope_theta must name every one of num_hidden_layers")
-    bases = {kind: {t for t, k in zip(thetas or [], types, strict=False) if t and k == kind}
-             for kind in ("full_attention", "sliding_attention")}  # fmt: skip
-    if any(len(b) > 1 for b in bases.values()):
-        raise ValueError(
-            "config.json: layer_rope_theta with more than one base among the full or the "
-            "sliding layers is not supported"
-        )
     out: dict[str, Any] = {
         "sliding_window": hf.get("sliding_window", 128),
         "layer_types": tuple(types),
         "attention_sinks": True,
     }
+    thetas = hf.get("layer_rope_theta")
     if thetas is None:
         return out
-    full, sliding = (next(iter(bases[k]), None) for k in ("full_attention", "sliding_attention"))
+    if len(thetas) != layers:
+        raise ValueError("config.json: layer_rope_theta must name every one of num_hidden_layers")
+    full, sliding = (
+        {t for t, k in zip(thetas, types, strict=True) if t and k == kind}
+        for kind in ("full_attention", "sliding_attention")
+    )
+    if len(full) > 1 or len(sliding) > 1:
+        raise ValueError(
+            "config.json: layer_rope_theta with more than one base among the full or the "
+            "sliding layers is not supported"
+        )
+    full, sliding = (next(iter(bases), None) for bases in (full, sliding))
     if full is not None and sliding is not None and full != sliding:
         if (hf.get("rope_parameters") or {}).get("rope_type", "default") != "default":
             raise ValueError(
@@ -482,10 +484,8 @@ def _hunyuan_moe(hf: dict, layers: int, act: str) -> dict[str, Any]:
             raise ValueError(f"config.json: {key} differs between layers, which is not supported")
         same[key] = values.pop()
     width = hf["intermediate_size"]
-    if same["moe_intermediate_size"] not in (None, width) or same["num_shared_expert"] not in (
-        None,
-        1,
-    ):
+    shared = same["num_shared_expert"]
+    if same["moe_intermediate_size"] not in (None, width) or shared not in (None, 1):
         raise ValueError(
             "config.json: Hunyuan's experts and shared MLP are intermediate_size wide, one "
             "shared MLP (moe_intermediate_size and num_shared_expert say otherwise)"
