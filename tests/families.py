@@ -36,6 +36,18 @@ FAMILIES_QWEN3_5 = dict(
     linear_key_head_dim=16,
     linear_value_head_dim=16,
 )
+# Latent attention (DeepSeek-V2 / V3): a 32-dim latent and a 16-dim shared rotated key (the
+# cache's 48-dim rows), heads of 16 unrotated key dims and 24 value dims, q through a rank-24
+# bottleneck.
+LATENT = dict(
+    num_key_value_heads=4,
+    q_lora_rank=24,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=24,
+)
+LATENT_MOE = dict(moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1)
 # Hunyuan's "dynamic" RoPE with a fixed alpha: a static base, stretched.
 HUNYUAN_ROPE = {"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 50.0, "factor": 1.0}
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -670,6 +682,67 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             linear_value_head_dim=32,
         ),
     ),
+    # DeepSeek-V2-Lite: q without a bottleneck, layer 0 dense, 8 experts (2 a token) picked
+    # by softmax probability, weighted by it x 1.5 (not renormalised), two shared experts.
+    "deepseek-v2-lite": (
+        "DeepseekV2Config",
+        dict(
+            LATENT,
+            num_hidden_layers=3,
+            q_lora_rank=None,
+            first_k_dense_replace=1,
+            num_experts_per_tok=2,
+            routed_scaling_factor=1.5,
+            **{**LATENT_MOE, "n_shared_experts": 2},
+        ),
+    ),
+    # DeepSeek-V2: q/kv down-projections and o biased, experts within the 2 of 4 groups whose
+    # best probability is highest (group_limited_greedy), 3 a token.
+    "deepseek-v2": (
+        "DeepseekV2Config",
+        dict(
+            LATENT,
+            num_hidden_layers=2,
+            attention_bias=True,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=3,
+            **LATENT_MOE,
+        ),
+    ),
+    # DeepSeek-V3: YaRN (x4; mscale_all_dim scales the softmax too), its routing in 4 groups
+    # (2 kept), layer 0 dense; its multi-token-prediction layer after the last, not run.
+    "deepseek-v3": (
+        "DeepseekV3Config",
+        dict(
+            LATENT,
+            num_hidden_layers=3,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+            },
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=2,
+            routed_scaling_factor=2.5,
+            **LATENT_MOE,
+        ),
+    ),
+    # GLM-4.7-Flash: DeepSeek-V3's attention and routing in one group, layer 0 dense.
+    "glm4-moe-lite": (
+        "Glm4MoeLiteConfig",
+        dict(LATENT, num_hidden_layers=3, num_experts_per_tok=2, **LATENT_MOE),
+    ),
+    # Youtu-LLM: dense, the latent attention; its RoPE here on halves, not adjacent pairs.
+    "youtu": ("YoutuConfig", dict(LATENT, num_hidden_layers=2, rope_interleave=False)),
     "gptneox-draft": (
         "GPTNeoXConfig",
         dict(
@@ -701,8 +774,11 @@ def make_family_checkpoint(out: Path, family: str, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize(model, gemma=cls_name.startswith(("Gemma", "VaultGemma")))
+    if family == "youtu":  # its padding token's embedding is zero, as transformers loads it
+        with torch.no_grad():
+            model.model.embed_tokens.weight[config.pad_token_id] = 0
     model.save_pretrained(out)
-    if family == "glm4-moe":  # its multi-token-prediction layer follows the last, not run
+    if family in ("glm4-moe", "deepseek-v3"):  # a multi-token-prediction layer after the last
         _add_tensors(out, {f"model.layers.{config.num_hidden_layers}.eh_proj.weight": (64, 128)})
     if family == "ernie4_5-moe":  # its multi-token-prediction modules, not run
         _add_tensors(out, {"model.mtp_linear_proj.0.weight": (64, 128)})
@@ -801,7 +877,7 @@ EAGER_PARITY = [
     "hunyuan", "apertus", "qwen3_5", "qwen3_5-moe", "qwen3-next", "glm4-moe", "dots1",
     "solar-open", "exaone-moe", "ernie4_5-moe", "vaultgemma",
     "flex-olmo", "hunyuan-moe", "mellum", "olmo", "olmoe-clip", "olmo-hybrid",
-    "granite-swa",
+    "granite-swa", "deepseek-v2-lite", "deepseek-v2", "deepseek-v3", "glm4-moe-lite", "youtu",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

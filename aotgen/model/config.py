@@ -13,13 +13,22 @@ GPT_OSS = "GptOssForCausalLM"
 HUNYUAN = "HunYuanDenseV1ForCausalLM"  # q/k norms after RoPE, its base stretched by `alpha`
 HUNYUAN_MOE = "HunYuanMoEV1ForCausalLM"  # its attention; softmax routing, an ungated shared MLP
 HUNYUANS = (HUNYUAN, HUNYUAN_MOE)
-# DeepSeek-V3's mixture of experts on standard attention: experts picked by sigmoid score plus
-# a per-expert bias within the best groups, an ungated shared expert, the first layers dense.
+# Multi-head latent attention (mla.py): keys and values from one cached latent row a position.
+# DeepSeek-V2's experts are picked by softmax probability (within the best groups, each
+# ranked by its best one, under `group_limited_greedy`); DeepSeek-V3's by its routing below.
+DEEPSEEK_V2 = "DeepseekV2ForCausalLM"  # DeepSeek-V2 / V2-Lite / V2.5, DeepSeek-Coder-V2
+DEEPSEEK_V3 = "DeepseekV3ForCausalLM"  # DeepSeek-V3 / R1, Kimi K2, Moonlight
+GLM4_MOE_LITE = "Glm4MoeLiteForCausalLM"  # GLM-4.7-Flash
+YOUTU = "YoutuForCausalLM"  # Youtu-LLM: dense, the latent attention of DeepSeek-V3
+LATENT_ATTENTION = (DEEPSEEK_V2, DEEPSEEK_V3, GLM4_MOE_LITE, YOUTU)
+# DeepSeek-V3's mixture of experts (also GLM-4.7-Flash's, and these on standard attention):
+# experts picked by sigmoid score plus a per-expert bias within the best groups, an ungated
+# shared expert, the first layers dense.
 GLM4_MOE = "Glm4MoeForCausalLM"  # GLM-4.5 / 4.6 / 4.7: q/k/v biases, half of each head rotated
 DOTS1 = "Dots1ForCausalLM"  # dots.llm1: Qwen3's per-head q/k norms
 SOLAR_OPEN = "SolarOpenForCausalLM"  # Solar Open: every layer sparse, q/k/v biased or not
 EXAONE_MOE = "ExaoneMoeForCausalLM"  # K-EXAONE: EXAONE 4's attention, the norms before
-DEEPSEEK_MOE = (GLM4_MOE, DOTS1, SOLAR_OPEN, EXAONE_MOE)
+DEEPSEEK_MOE = (DEEPSEEK_V3, GLM4_MOE_LITE, GLM4_MOE, DOTS1, SOLAR_OPEN, EXAONE_MOE)
 # ERNIE 4.5's mixture of experts: softmax routing whose choice a per-expert bias shifts, an
 # ungated shared expert, RoPE on adjacent pairs.
 ERNIE4_5_MOE = "Ernie4_5_MoeForCausalLM"
@@ -39,6 +48,7 @@ MOE_ARCHITECTURES = (
     ERNIE4_5_MOE,
     HUNYUAN_MOE,
     MELLUM,
+    DEEPSEEK_V2,
 )
 # Granites whose dense MLP (or shared expert) is `shared_mlp`, of shared_intermediate_size.
 GRANITE_SHARED_MLP = ("GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")
@@ -74,6 +84,7 @@ LLAMA_LAYOUT = (
     HUNYUAN,
     APERTUS,
     VAULTGEMMA,
+    YOUTU,
     *MOE_ARCHITECTURES,
 )
 LFM2 = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
@@ -209,6 +220,7 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     router_groups: int = 1
     router_top_groups: int = 1
+    router_group_rank: int = 2  # a group ranked by its best this many (DeepSeek-V2: 1)
     # LFM2: layers whose `layer_types` entry is "conv" mix the last `conv_kernel` positions
     # with a gated depthwise convolution instead of attending.
     conv_kernel: int = 0
@@ -225,6 +237,18 @@ class ModelConfig:
     linear_beta_scale: float = 1.0  # OLMo Hybrid: 2, so that the state's eigenvalues can be < 0
     linear_norm_eps: float = 1e-6  # the eps of the gated norm of the rule's output
     attention_output_gate: bool = False
+    # Multi-head latent attention (DeepSeek-V2 / V3, mla.py): q through a `q_lora_rank`
+    # bottleneck (0: none), keys and values from one latent row of `kv_lora_rank` a position
+    # (expanded by `kv_b_proj`: `qk_nope_head_dim` key and `v_head_dim` value dims a head) and
+    # a key of `rotary_dim` dims shared by the heads. The cache keeps the latent and the shared
+    # key: `head_dim` wide, one "KV head", and no values.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    # DeepSeek's RoPE on adjacent pairs of the rotated dims (`rope_interleave`): their rows are
+    # put in rotate-half order at load (mla.py).
+    interleaved_rope: bool = False
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -246,6 +270,10 @@ class ModelConfig:
     def four_norms(self) -> bool:
         """A norm after attention and on both sides of the MLP (Gemma 2 and 3, GLM-4)."""
         return self.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Glm4ForCausalLM")
+
+    @property
+    def latent_attention(self) -> bool:
+        return self.kv_lora_rank > 0
 
     def is_moe(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]

@@ -15,6 +15,7 @@ from aotgen.model.config import (
     COHERE,
     COHERE2,
     DEEPSEEK_MOE,
+    DEEPSEEK_V2,
     DOTS1,
     ERNIE4_5_MOE,
     EXAONE_MOE,
@@ -26,6 +27,7 @@ from aotgen.model.config import (
     GRANITES,
     HUNYUAN_MOE,
     HUNYUANS,
+    LATENT_ATTENTION,
     LATER_GEMMAS,
     LAYERNORM_LAYOUT,
     LFM2,
@@ -44,6 +46,7 @@ from aotgen.model.config import (
     SUPPORTED_ARCHITECTURES,
     WINDOW_SWITCHED,
 )
+from aotgen.model.hf_latent import latent_fields, with_defaults
 from aotgen.model.hf_rope import query_gain_fields, read_rope, rotary_factor
 
 
@@ -67,6 +70,8 @@ def hf_fields(hf: dict) -> dict[str, Any]:
         _positive(hf, key)
     if arch in (QWEN3_5_MOE, SOLAR_OPEN):  # every MLP sparse: no dense width of its own
         hf = {"intermediate_size": hf.get("moe_intermediate_size"), **hf}
+    if arch in LATENT_ATTENTION:
+        hf = with_defaults(hf, arch)
     heads = hf["num_attention_heads"]
     theta, scaling, local = read_rope(hf, arch)
     common: dict[str, Any] = dict(
@@ -145,7 +150,7 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
     out.update(_smollm3(hf, layers) if arch == "SmolLM3ForCausalLM" else {})
     out.update(_granite(hf, arch, layers) if arch in GRANITES else {})
     dense_granite = arch == "GraniteMoeHybridForCausalLM" and not hf.get("num_local_experts")
-    if arch in DEEPSEEK_MOE:
+    if arch in (*DEEPSEEK_MOE, DEEPSEEK_V2):
         out.update(_deepseek_moe(hf, arch, layers, act))
     elif arch == ERNIE4_5_MOE:
         out.update(_ernie_moe(hf, layers, act))
@@ -154,6 +159,8 @@ def _llama_layout(hf: dict, arch: str, common: dict, local: float | None) -> dic
     elif arch in MOE_ARCHITECTURES and not dense_granite:
         out.update(_moe(hf, arch, layers, act))
     out.update(_attention(hf, arch))
+    if arch in LATENT_ATTENTION:
+        out.update(latent_fields(hf, arch, common["rope_scaling"]))
     out.update(_windows(hf, arch, layers, local))
     out.update(query_gain_fields(hf, arch))
     return out
@@ -168,7 +175,7 @@ def _attention(hf: dict, arch: str) -> dict[str, Any]:
         out["attention_bias"] = bool(hf.get("qkv_bias", True))
     elif arch == "Glm4ForCausalLM":
         out["attention_bias"] = bool(hf.get("attention_bias", True))
-    elif arch in DEEPSEEK_MOE:  # q, k and v biased or not (GLM-4.5: biased), o never
+    elif arch in DEEPSEEK_MOE or arch in LATENT_ATTENTION:  # biased or not (GLM-4.5: biased)
         out["attention_bias"] = bool(hf.get("attention_bias", False))
     elif arch == GPT_OSS:  # q, k, v and o biased; a sink logit per head
         bias = bool(hf.get("attention_bias", True))
@@ -407,18 +414,28 @@ def _mlp_layer_types(hf: dict, layers: int) -> tuple[bool, ...]:
 
 
 def _deepseek_moe(hf: dict, arch: str, layers: int, act: str) -> dict[str, Any]:
-    """DeepSeek-V3's mixture of experts (GLM-4.5, dots.llm1, Solar Open, K-EXAONE):
-    `n_routed_experts` (K-EXAONE: `num_experts`) picked by sigmoid score plus
+    """DeepSeek-V3's mixture of experts (its own, GLM-4.7-Flash, GLM-4.5, dots.llm1, Solar
+    Open, K-EXAONE): `n_routed_experts` (K-EXAONE: `num_experts`) picked by sigmoid score plus
     `e_score_correction_bias` within the `topk_group` best of `n_group` groups, weighted by the
     score (renormalised where `norm_topk_prob`) times `routed_scaling_factor`;
     `n_shared_experts` (`num_shared_experts`) experts' width in one ungated shared MLP on every
-    token; the first `first_k_dense_replace` layers dense, or those `mlp_layer_types` names."""
-    for key in ("scoring_func", "topk_method"):  # DeepSeek-V3's only ones, where named
-        _refuse(hf, key, {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}[key], "routing")
+    token; the first `first_k_dense_replace` layers dense, or those `mlp_layer_types` names.
+    DeepSeek-V2's picks by softmax probability, within the best groups by their best one
+    under `topk_method: group_limited_greedy`, and weighs by the probabilities as they are."""
+    v2 = arch == DEEPSEEK_V2
+    _refuse(hf, "scoring_func", "softmax" if v2 else "sigmoid", "routing")
+    method = hf.get("topk_method", "greedy" if v2 else "noaux_tc")
+    if method not in (("greedy", "group_limited_greedy") if v2 else ("noaux_tc",)):
+        raise ValueError(f"config.json: topk_method={method!r} is not supported on {arch}")
+    if v2:  # what transformers' DeepSeek-V2 runs
+        _refuse(hf, "norm_topk_prob", False, "DeepSeek-V2 weighs by the probabilities as they are")
+        _refuse(hf, "moe_layer_freq", 1, "every layer after the dense ones sparse")
     _positive(hf, "routed_scaling_factor")
     experts = hf.get("n_routed_experts") or hf.get("num_experts") or 0
     out = _moe({**hf, "num_experts": experts}, arch, layers, act)
     groups, top_groups = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    if method == "greedy":
+        groups = top_groups = 1
     if experts % groups or not 1 <= top_groups <= groups or (groups > 1 and experts < 2 * groups):
         raise ValueError(
             f"config.json: n_group={groups}, topk_group={top_groups} with {experts} experts: "
@@ -435,11 +452,12 @@ def _deepseek_moe(hf: dict, arch: str, layers: int, act: str) -> dict[str, Any]:
     return {
         **out,
         "norm_topk_prob": bool(hf.get("norm_topk_prob", arch == GLM4_MOE)),
-        "router_sigmoid": True,
-        "expert_bias": True,
+        "router_sigmoid": not v2,
+        "expert_bias": not v2,
         "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
         "router_groups": groups,
         "router_top_groups": top_groups,
+        "router_group_rank": 1 if v2 else 2,
         "shared_expert_intermediate_size": out["moe_intermediate_size"] * shared,
         "moe_layers": _mlp_layer_types(hf, layers) or tuple(i >= dense for i in range(layers)),
     }

@@ -229,6 +229,15 @@ MaskFn = Callable[[Tensor], Tensor]
 Ring = tuple[CacheIndex, Tensor, Tensor]
 
 
+def write_cache(cache: Tensor, rows: Tensor, write_at: CacheIndex) -> None:
+    """Write `rows [b, kv_heads, t, d]` into `cache` at `write_at`, encoded as its dtype."""
+    if isinstance(write_at, tuple):
+        slots, positions = write_at
+        cache[slots, :, positions] = encode_rows(rows.transpose(1, 2), cache.dtype)
+    else:
+        cache.index_copy_(2, write_at, encode_rows(rows, cache.dtype))
+
+
 def cached_attention(
     q: Tensor,
     k: Tensor,
@@ -252,13 +261,9 @@ def cached_attention(
     kv_heads = k.shape[1]
     group = q.shape[1] // kv_heads
     batch = isinstance(write_at, tuple)
-    if batch:
-        slots, positions = write_at
-        k_cache[slots, :, positions] = encode_rows(k.transpose(1, 2), k_cache.dtype)
-        v_cache[slots, :, positions] = encode_rows(v.transpose(1, 2), v_cache.dtype)
-    else:
-        k_cache.index_copy_(2, write_at, encode_rows(k, k_cache.dtype))
-        v_cache.index_copy_(2, write_at, encode_rows(v, v_cache.dtype))
+    slots = write_at[0][:, 0] if batch else None  # each sequence's cache row
+    write_cache(k_cache, k, write_at)
+    write_cache(v_cache, v, write_at)
     # GQA without repeating K/V: fold each KV head's group of query heads into the
     # query-length axis ([b, kv, group * t, d]), so no expanded K/V copy per layer.
     q = q.reshape(b, kv_heads, group * t, head_dim)
@@ -276,14 +281,14 @@ def cached_attention(
         extra = () if sinks is None else (sinks.float(),)
         if batch:
             y = torch.ops.aotgen.attend_cache_slots(
-                scaled, k_cache, v_cache, mask, slots[:, 0], c, *extra
+                scaled, k_cache, v_cache, mask, slots, c, *extra
             )
         else:
             y = torch.ops.aotgen.attend_cache(scaled, k_cache, v_cache, mask, c, *extra)
         y = y.to(q.dtype)
     else:
         # Attend only to the span of the cache, not all of it.
-        rows = slots[:, 0] if batch else slice(None)
+        rows = slots if batch else slice(None)
         keys = decode_rows(k_cache[rows, :, span], q.dtype)
         values = decode_rows(v_cache[rows, :, span], q.dtype)
         mask = mask.repeat(1, group, 1).unsqueeze(1) if batch else mask.repeat(group, 1)

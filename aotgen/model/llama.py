@@ -52,7 +52,9 @@ from torch import Tensor, nn
 from aotgen.kernels.cache_rows import row_width
 from aotgen.model.config import (
     APERTUS,
+    DEEPSEEK_V3,
     GLM4_MOE,
+    GLM4_MOE_LITE,
     GRANITE_SHARED_MLP,
     HUNYUANS,
     INTERLEAVED_ROPE,
@@ -76,6 +78,8 @@ from aotgen.model.layers import (
     cached_attention,
     softcap,
 )
+from aotgen.model.mla import LatentAttention
+from aotgen.model.mla import rotate_half_rows as rotate_latent_rows
 from aotgen.model.moe import SparseMoE, stack_experts
 from aotgen.model.rope import rope_inv_freq, rope_tables
 
@@ -146,7 +150,10 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         d = cfg.hidden_size
-        self.self_attn = Attention(cfg, cfg.rope_layers is None or cfg.rope_layers[index])
+        if cfg.latent_attention:  # DeepSeek-V2 / V3 (mla.py)
+            self.self_attn: nn.Module = LatentAttention(cfg)
+        else:
+            self.self_attn = Attention(cfg, cfg.rope_layers is None or cfg.rope_layers[index])
         self.residual_multiplier = cfg.residual_multiplier
         dense = (cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         if cfg.is_moe(index):
@@ -257,7 +264,9 @@ def cache_shapes(
     layer's (LFM2) its inputs' two halves of channels, `[batch, 1, cache_len, hidden / 2]`
     each; a linear-attention layer's (Qwen3.5) rings of `ring_cells` convolution inputs
     `[batch, 1, cells, conv_dim]` and recurrent states `[batch, Hv, cells, Dk * Dv]`
-    (qwen3_5.py). An int8 cache's rows are 4 elements wider (kernels/cache_rows.py)."""
+    (qwen3_5.py); a latent-attention layer's (mla.py) latent rows `[batch, 1, cache_len,
+    head_dim]` as its keys, no values (width 0). An int8 cache's rows are 4 elements wider
+    (kernels/cache_rows.py)."""
     width = row_width(cfg.head_dim, dtype)
     attention = [batch, cfg.num_key_value_heads, cache_len, width]
     ring = [batch, cfg.num_key_value_heads, ring_cells or cache_len, width]
@@ -268,6 +277,8 @@ def cache_shapes(
             return conv
         if cfg.is_linear(layer):
             return linear[values]
+        if cfg.latent_attention and values:
+            return [batch, 1, cache_len, 0]
         return ring if cfg.is_sliding(layer) else attention
 
     cells = ring_cells or cache_len
@@ -417,9 +428,11 @@ IGNORED_PREFIXES = ("mtp.", "model.mtp_")
 
 
 def _is_mtp_layer(cfg: ModelConfig, name: str) -> bool:
-    """GLM-4.5's multi-token-prediction layers, numbered after its last layer
-    (`model.layers.{num_hidden_layers + i}`): not run, as transformers does not run them."""
-    if cfg.architecture != GLM4_MOE or not name.startswith("model.layers."):
+    """GLM-4.5's, GLM-4.7-Flash's and DeepSeek-V3's multi-token-prediction layers, numbered
+    after the last layer (`model.layers.{num_hidden_layers + i}`): not run, as transformers
+    does not run them."""
+    mtp = (GLM4_MOE, GLM4_MOE_LITE, DEEPSEEK_V3)
+    if cfg.architecture not in mtp or not name.startswith("model.layers."):
         return False
     return int(name.split(".")[2]) >= cfg.num_hidden_layers
 
@@ -437,6 +450,7 @@ def load_model(
         and not _is_mtp_layer(cfg, k)
     }
     weights = rotate_half_rows(cfg, split_fused(cfg, rename_modules(cfg, weights)))
+    weights = rotate_latent_rows(cfg, weights)
     weights = stack_experts(cfg, stack_head_norms(cfg, weights))
     tied = cfg.tie_word_embeddings
     if tied:

@@ -1,6 +1,6 @@
 """The sparse MLP of mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-FlexOlmo, Granite MoE, gpt-oss, LFM2-MoE, ERNIE 4.5, Hunyuan, Mellum, and DeepSeek-V3's routing
-(GLM-4.5, dots.llm1, Solar Open, K-EXAONE).
+FlexOlmo, Granite MoE, gpt-oss, LFM2-MoE, ERNIE 4.5, Hunyuan, Mellum, DeepSeek-V2, and
+DeepSeek-V3's routing (DeepSeek-V3, GLM-4.7-Flash, GLM-4.5, dots.llm1, Solar Open, K-EXAONE).
 
 A router (`gate`, one logit per expert) picks each token's `num_experts_per_tok` experts by
 softmax probability; their SwiGLU MLPs' outputs are summed, weighted by those probabilities
@@ -9,7 +9,8 @@ Mixtral and Granite MoE). Qwen2-MoE adds a shared expert on every token, scaled 
 gate; Granite's, Hunyuan's, ERNIE 4.5's and DeepSeek-V3's add theirs ungated. A per-expert
 bias shifts the choice, not the weights: added to the softmax probabilities (ERNIE 4.5) or to
 sigmoid scores (LFM2-MoE, DeepSeek-V3); DeepSeek-V3 first keeps the groups of experts whose two
-best scores sum highest.
+best scores sum highest, DeepSeek-V2 (softmax) those whose best one is highest; both scale
+the weights by `routed_scaling_factor`.
 
 The experts are held stacked, as transformers 5 holds them: `experts.gate_up_proj [E, 2f, d]`
 (each expert's gate rows, then its up rows) and `experts.down_proj [E, d, f]`; checkpoints
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 from aotgen.kernels import moe
 from aotgen.model.config import (
     DEEPSEEK_MOE,
+    DEEPSEEK_V2,
     ERNIE4_5_MOE,
     GPT_OSS,
     HUNYUAN_MOE,
@@ -72,6 +74,7 @@ class SparseMoE(nn.Module):
         self.top_k, self.normalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.sigmoid, self.scale = cfg.router_sigmoid, cfg.routed_scaling_factor
         self.groups, self.top_groups = cfg.router_groups, cfg.router_top_groups
+        self.group_rank = cfg.router_group_rank
         self.eps = 1e-6 if cfg.architecture in LFM2 else 1e-20  # each one's renormalisation
         self.norm_min = cfg.router_norm_min
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.router_bias)
@@ -100,30 +103,30 @@ class SparseMoE(nn.Module):
         bias = getattr(self, "expert_bias", None)
         if not self.sigmoid:
             probs = logits.softmax(-1)
-            if bias is None:
-                weights, ids = probs.topk(self.top_k, dim=-1)
-            else:  # ERNIE 4.5
-                ids = (probs + bias.float()).topk(self.top_k, dim=-1).indices
-                weights = probs.gather(-1, ids)
+            choice = probs if bias is None else probs + bias.float()  # ERNIE 4.5's bias
+            if self.groups > 1:  # DeepSeek-V2's group_limited_greedy
+                choice = self.best_groups(choice)
+            ids = choice.topk(self.top_k, dim=-1).indices
+            weights = probs.gather(-1, ids)
             if self.normalise:
                 total = weights.sum(-1, keepdim=True)
                 weights = weights / (total.clamp(min=self.norm_min) if self.norm_min else total)
-            return weights, ids
-        scores = logits.sigmoid()  # LFM2-MoE, DeepSeek-V3
-        choice = scores if bias is None else scores + bias.float()
-        if self.groups > 1:
-            choice = self.best_groups(choice)
-        ids = choice.topk(self.top_k, dim=-1).indices
-        weights = scores.gather(-1, ids)
-        if self.normalise:
-            weights = weights / (weights.sum(-1, keepdim=True) + self.eps)
+        else:
+            scores = logits.sigmoid()  # LFM2-MoE, DeepSeek-V3
+            choice = scores if bias is None else scores + bias.float()
+            if self.groups > 1:
+                choice = self.best_groups(choice)
+            ids = choice.topk(self.top_k, dim=-1).indices
+            weights = scores.gather(-1, ids)
+            if self.normalise:
+                weights = weights / (weights.sum(-1, keepdim=True) + self.eps)
         return weights * self.scale if self.scale != 1.0 else weights, ids
 
     def best_groups(self, choice: Tensor) -> Tensor:
         """`choice` with every expert outside the `top_groups` best groups at -inf; a group
-        is ranked by the sum of its two best scores."""
+        is ranked by the sum of its `group_rank` best scores (DeepSeek-V3: two, V2: one)."""
         grouped = choice.unflatten(-1, (self.groups, -1))
-        rank = grouped.topk(2, dim=-1).values.sum(-1)
+        rank = grouped.topk(self.group_rank, dim=-1).values.sum(-1)
         kept = rank.topk(self.top_groups, dim=-1).indices
         keep = torch.zeros_like(rank, dtype=torch.bool).scatter(-1, kept, True)
         return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
@@ -152,7 +155,7 @@ def stack_experts(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Ten
         return weights
     if cfg.architecture == GPT_OSS:
         return _gpt_oss_experts(weights)
-    if cfg.architecture in (*DEEPSEEK_MOE, ERNIE4_5_MOE, HUNYUAN_MOE):
+    if cfg.architecture in (*DEEPSEEK_MOE, DEEPSEEK_V2, ERNIE4_5_MOE, HUNYUAN_MOE):
         weights = _router_and_shared_names(weights)
     out: dict[str, Tensor] = {}
     layers: dict[str, dict[str, dict[int, Tensor]]] = {}

@@ -1,0 +1,153 @@
+"""Multi-head latent attention (DeepSeek-V2 / V3, Kimi K2, Moonlight, GLM-4.7-Flash,
+Youtu-LLM): the layers' attention for `cfg.latent_attention`.
+
+Each position's keys and values come from one latent row: `kv_a_proj_with_mqa` gives
+`kv_lora_rank` latent dims (normalised by `kv_a_layernorm`) and `rotary_dim` dims of a key
+that every head shares, rotated by RoPE. `kv_b_proj` expands the latent into each head's
+`qk_nope_head_dim` key dims and `v_head_dim` value dims. A head's score is its unrotated part
+against the expanded key plus its rotated part against the shared key.
+
+The cache keeps only the latent row and the shared key: `kv_lora_rank + rotary_dim` values a
+position and layer (576 for DeepSeek-V3, against 32,768 for its 128 heads' keys and values),
+as the layer's keys cache of one KV head; its values cache is empty (width 0), so every
+runtime moves and copies rows by position as for any layer. Two ways to attend over it:
+
+- Absorbed (decode, verify, tree and batched graphs on CPU): `kv_b_proj`'s key rows are
+  folded into q, `q_nope @ W_k` (per head, [nope] -> [rank]), so each head's query is a
+  `rank + rotary_dim` row scored against the cached rows as they are, one KV head for every
+  query head (kernels/attention.py's kernel, the cache read in place, the rows themselves as
+  the values); the weighted latent is expanded by the value rows after. A step reads the
+  cache once, not an expanded copy of it.
+- Expanded (prefill, and graphs the kernel does not run: CUDA, ONNX): the cached latents of
+  the attended span are expanded into every head's keys and values and attended with SDPA, as
+  transformers does; for a chunk of many rows this costs fewer multiply-adds than the
+  absorbed form (`rank + rotary_dim` dims a score and a value, against `qk_nope + rotary_dim`
+  and `v_head_dim`).
+
+`kv_b_proj` is read as per-head matrices, not called as a linear: the quantization passes
+leave it in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from aotgen.kernels import attention
+from aotgen.kernels.cache_rows import decode_rows
+from aotgen.model.config import ModelConfig
+from aotgen.model.layers import CacheIndex, RMSNorm, apply_rope, write_cache
+
+
+class LatentAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, heads = cfg.hidden_size, cfg.num_attention_heads
+        self.rank, self.rope = cfg.kv_lora_rank, cfg.rotary_dim
+        self.nope, self.v_dim = cfg.qk_nope_head_dim, cfg.v_head_dim
+        self.scale = cfg.attention_multiplier
+        q_out = heads * (self.nope + self.rope)
+        bias = cfg.attention_bias
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, q_out, bias=False)
+        else:
+            self.q_proj = nn.Linear(d, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.rank + self.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.rank, heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(heads * self.v_dim, d, bias=cfg.attention_out_bias)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        write_at: CacheIndex,
+        mask: Tensor,
+        cache: Tensor,
+        no_values: Tensor,
+        span: slice,
+    ) -> Tensor:
+        b, t, _ = x.shape
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(b, t, -1, self.nope + self.rope).transpose(1, 2)  # [b, heads, t, nope + rope]
+        q_nope, q_rot = q.split([self.nope, self.rope], -1)
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], -1)
+        k_rot = apply_rope(k_rot.unsqueeze(1), cos, sin)  # [b, 1, t, rope]: every head's
+        row = torch.cat([self.kv_a_layernorm(latent).unsqueeze(1), k_rot], -1)
+        write_cache(cache, row, write_at)
+        q_rot = apply_rope(q_rot, cos, sin)
+        # kv_b_proj's rows per head: its key dims, then its value dims.
+        w = self.kv_b_proj.weight.view(-1, self.nope + self.v_dim, self.rank)
+        w_key, w_value = w[:, : self.nope], w[:, self.nope :]
+        slots = write_at[0][:, 0] if isinstance(write_at, tuple) else None  # a batch's rows
+        queries = torch.cat([q_nope @ w_key, q_rot], -1)  # [b, heads, t, rank + rope]
+        folded = queries.reshape(b, 1, -1, self.rank + self.rope)
+        fixed_width = isinstance(t, int) and not torch.onnx.is_in_onnx_export()
+        if fixed_width and attention.applies(folded, cache):
+            y = self._absorbed(folded, cache, mask, slots)
+            y = y.view(b, -1, t, self.rank + self.rope)[..., : self.rank] @ w_value.transpose(1, 2)
+        else:
+            rows = cache[:, :, span] if slots is None else cache[slots, :, span]
+            y = self._expanded(q_nope, q_rot, rows, mask, w_key, w_value)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+    def _absorbed(
+        self, folded: Tensor, cache: Tensor, mask: Tensor, slots: Tensor | None
+    ) -> Tensor:
+        """The folded queries `[b, 1, heads * t, rank + rope]` against the cached rows, which
+        are their own values (the kernel takes float32 q)."""
+        scaled = folded.float() * self.scale
+        if slots is None:
+            y = torch.ops.aotgen.attend_cache(scaled, cache, cache, mask)
+        else:
+            y = torch.ops.aotgen.attend_cache_slots(scaled, cache, cache, mask, slots)
+        return y.to(folded.dtype)
+
+    def _expanded(
+        self,
+        q_nope: Tensor,
+        q_rot: Tensor,
+        rows: Tensor,
+        mask: Tensor,
+        w_key: Tensor,
+        w_value: Tensor,
+    ) -> Tensor:
+        """Every head's keys and values from the cached rows `[b, 1, n, rank + rope]`, and
+        SDPA over them: `[b, heads, t, v_head_dim]`."""
+        latent, k_rot = decode_rows(rows, q_nope.dtype).split([self.rank, self.rope], -1)
+        keys = torch.cat(
+            [latent @ w_key.transpose(1, 2), k_rot.expand(-1, w_key.shape[0], -1, -1)], -1
+        )
+        values = latent @ w_value.transpose(1, 2)
+        q = torch.cat([q_nope, q_rot], -1)
+        mask = mask.unsqueeze(1) if mask.dim() == 3 else mask  # a batch's [B, T, n]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+
+
+def rotate_half_rows(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The rotated rows of q (each head's last `rotary_dim`) and of the shared key (the last
+    `rotary_dim` of `kv_a_proj_with_mqa`) of a checkpoint that rotates adjacent pairs, put
+    evens then odds: the model's rotate-half RoPE turns the same pairs by the same angles."""
+    if not cfg.interleaved_rope:
+        return weights
+    rope, head = cfg.rotary_dim, cfg.qk_nope_head_dim + cfg.rotary_dim
+    pairs = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+    out = dict(weights)
+    for name, t in weights.items():
+        stem = name.rpartition(".")[0]
+        if stem.endswith(("self_attn.q_proj", "self_attn.q_b_proj")):
+            order = torch.arange(t.shape[0]).view(-1, head)
+            order[:, -rope:] = order[:, -rope:][:, pairs]
+            out[name] = t[order.flatten()]
+        elif stem.endswith("self_attn.kv_a_proj_with_mqa"):
+            order = torch.arange(t.shape[0])
+            order[-rope:] = order[-rope:][pairs]
+            out[name] = t[order]
+    return out
