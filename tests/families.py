@@ -864,6 +864,7 @@ PARITY = [
     "gpt-oss",
     "lfm2",
     "phi",
+    "deepseek-v3",
 ]
 # Families whose differences from the Llama layout are switches outside the compiled graphs'
 # concerns (NoPE layers, scalar multipliers, RoPE tables, norms in other places, the MoE

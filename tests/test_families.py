@@ -640,6 +640,14 @@ DEEPSEEK = {"n_routed_experts": 8, "num_experts_per_tok": 2}
         ("Ernie4_5_MoeForCausalLM", {"moe_k": 9, "moe_num_experts": 8}, "num_experts_per_tok=9"),
         ("Ernie4_5_MoeForCausalLM", {"use_bias": True}, "use_bias"),
         ("LlamaForCausalLM", {"hidden_act": "xielu"}, "xielu"),
+        ("DeepseekV2ForCausalLM", {"num_experts_per_tok": 2, "topk_method": "noaux_tc"}, "noaux"),
+        ("DeepseekV2ForCausalLM", {"num_experts_per_tok": 2, "norm_topk_prob": True}, "norm_topk"),
+        ("DeepseekV2ForCausalLM", {"num_experts_per_tok": 2, "moe_layer_freq": 2}, "moe_layer_f"),
+        ("DeepseekV2ForCausalLM", {}, "num_experts_per_tok=0"),  # transformers' default: None
+        ("DeepseekV3ForCausalLM", {"topk_method": "greedy"}, "topk_method='greedy'"),
+        ("DeepseekV3ForCausalLM", {"qk_rope_head_dim": 15}, "qk_rope_head_dim=15 must be even"),
+        ("DeepseekV3ForCausalLM", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ("YoutuForCausalLM", {"kv_lora_rank": None}, "kv_lora_rank must be a positive"),
         (
             "HunYuanDenseV1ForCausalLM",
             {"rope_scaling": {"type": "dynamic", "factor": 2}},

@@ -128,7 +128,13 @@ class LatentAttention(nn.Module):
         values = latent @ w_value.transpose(1, 2)
         q = torch.cat([q_nope, q_rot], -1)
         mask = mask.unsqueeze(1) if mask.dim() == 3 else mask  # a batch's [B, T, n]
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        # One width for q, k and v (zeros added to the narrower): SDPA's fused CPU kernel
+        # takes no other, and its math form, as batched matmuls over a data-dependent number
+        # of keys, does not compile.
+        width = max(q.shape[-1], self.v_dim)
+        q, keys, values = (F.pad(x, (0, width - x.shape[-1])) for x in (q, keys, values))
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        return y[..., : self.v_dim]
 
 
 def rotate_half_rows(cfg: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:

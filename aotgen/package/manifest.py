@@ -191,7 +191,11 @@ def _check_kv_cache(kv: Any, where: str, bad: Callable[[str], PackageError]) -> 
         and isinstance(shapes, list)
         and shapes
         and all(
-            isinstance(s, list) and len(s) == 4 and all(type(n) is int and n > 0 for n in s)
+            isinstance(s, list)
+            and len(s) == 4
+            and all(type(n) is int and n > 0 for n in s[:3])
+            and type(s[3]) is int
+            and s[3] >= 0  # a latent-attention layer's values: none (model/mla.py)
             for s in shapes
         )
     ):

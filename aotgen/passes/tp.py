@@ -244,6 +244,11 @@ def resolve_plan(model: Transformer, tp: TensorParallel) -> dict[str, str]:
             f"{model.config.architecture}'s attention sinks (a logit per head) are not sharded: "
             "build it without `parallel`"
         )
+    if model.config.latent_attention:
+        raise RecipeError(
+            f"{model.config.architecture}'s latent attention (one cached row every head reads) "
+            "is not sharded: build it without `parallel`"
+        )
     if model.config.num_experts:
         raise RecipeError(
             f"{model.config.architecture} is a mixture of experts, which aotgen does not shard "

@@ -114,6 +114,8 @@ def zeros_on_demand(
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
+    if not nbytes:  # a latent-attention layer's values: nothing to view
+        return torch.zeros(shape, dtype=dtype)
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).reshape(shape)
 
 

@@ -38,6 +38,8 @@ constexpr int64_t kMinKeySpan = 128;
 at::Tensor zeros_on_demand(const std::vector<int64_t>& shape, at::ScalarType dtype) {
   std::size_t bytes = c10::elementSize(dtype);
   for (const auto d : shape) bytes *= static_cast<std::size_t>(d);
+  // A latent-attention layer's values (model/mla.py): empty, and mmap takes no zero length.
+  if (bytes == 0) return at::zeros(shape, at::TensorOptions().dtype(dtype));
   void* data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (data == MAP_FAILED) throw std::bad_alloc();
   return at::from_blob(

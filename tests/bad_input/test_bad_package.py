@@ -145,6 +145,11 @@ ROWS: list[tuple[str, Mutation, str]] = [
         "dtype float8",
     ),
     (
+        "manifest-kv-shape",  # a width of 0 is a latent layer's values; below it, nothing
+        _edit(lambda m: m["models"]["target"]["kv_cache"]["shapes"][1].__setitem__(3, -1)),
+        "4-D `shapes`",
+    ),
+    (
         "manifest-kv-ring",  # no layer of the ring's length
         _edit(lambda m: m["models"]["target"]["kv_cache"].update(ring={"cells": 7, "window": 4})),
         "needs positive",
