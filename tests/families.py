@@ -887,13 +887,15 @@ INT8 = {"quantize": {"linear": "int8"}}
 # convolutions float, their projections int8).
 INT8_FAMILIES = ["qwen2-tied", "gptneox-parallel", "gpt-oss", "lfm2", "phi"]
 # Gemma 3's tree and batched graphs (its window shorter than their rows' histories), and a
-# draft of its first two layers on its cache: every kind of call on a ring cache.
+# draft of its first two layers on its cache: every kind of call on a ring cache (and on
+# DeepSeek-V3's latent cache).
 WINDOWED = {"max_batch": 2, "tree_nodes": 4, "speculative": {"draft": {"layers": 2}, "k": 4}}
 # (family, extra recipe keys) of every package, in the order the tests first ask for them.
 PACKAGES: list[tuple[str, dict[str, Any]]] = [
     *((family, {}) for family in PARITY),
     *((family, INT8) for family in INT8_FAMILIES),
     ("gemma3", WINDOWED),
+    ("deepseek-v3", WINDOWED),  # the latent cache through trees, batches and drafts
 ]
 
 

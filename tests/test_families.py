@@ -297,6 +297,50 @@ def test_ring_cache_generates_and_reuses_like_transformers(family_engines, check
     assert results[1].cached_tokens == 19  # copied from the first request's row
 
 
+def test_latent_cache_through_every_kind_of_call(family_engines, checkpoints, project):
+    """DeepSeek-V3's latent cache (model/mla.py): the tree graph's nodes and the batched
+    graphs' sequences (cache rows by slot) give transformers' logits; greedy text plain, with
+    n-gram speculation, a draft of its first two layers on its cache and a tree of the draft's
+    proposals equals transformers', the next turn reusing the cached rows; the batch engine's
+    requests too."""
+    reference = load_reference(checkpoints["deepseek-v3"])
+    engine = family_engines("deepseek-v3", **WINDOWED)
+    runner = engine.target
+    assert [c.shape[-1] for c in runner.caches[:2]] == [48, 0]  # the latent row, no values
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, runner.vocab_size, (30,), generator=g).tolist()
+    tree = make_tree(SHAPES["bushy"][: WINDOWED["tree_nodes"] - 1], 2, runner.vocab_size)
+    reset_caches(runner)
+    runner.forward(prompt, 0)
+    got = runner.tree_forward(tree, len(prompt))
+    for node in range(len(tree)):
+        history = prompt + [tree.tokens[i] for i in path_to(tree, node)]
+        assert _rel_err(got[node], reference_logits(reference, history)[-1]) < FP32_TOL, node
+    batch = BatchEngine.load(engine.root)
+    histories = [torch.randint(0, runner.vocab_size, (n,), generator=g).tolist() for n in (41, 13)]
+    slots = torch.tensor([1, 0])
+    for graph, t in (("batch_decode", 1), ("batch_verify", 5)):
+        reset_caches(batch.target)
+        for history, slot in zip(histories, slots.tolist(), strict=True):
+            batch.target.forward(history[:-t], 0, slot=slot)
+        tokens = torch.tensor([h[-t:] for h in histories])
+        positions = torch.tensor([range(len(h) - t, len(h)) for h in histories])
+        got = batch.target.batch(graph, tokens, positions, slots)
+        for row, history in zip(got, histories, strict=True):
+            assert _rel_err(row, reference_logits(reference, history)[-t:]) < FP32_TOL, graph
+    want = reference_greedy(reference, prompt, 32)
+    for lookup, tree in ((None, None), ("ngram", None), ("draft", None), ("draft", TreeParams())):
+        cfg = GenerationConfig(max_new_tokens=32, ignore_eos=True, speculative=lookup, tree=tree)
+        assert engine.generate(prompt, cfg).token_ids == want
+        turn = [*prompt, *want, 5, 6, 7]
+        got = engine.generate(turn, replace(cfg, max_new_tokens=8))
+        assert got.cached_tokens >= len(prompt) + len(want) - 1
+        assert got.token_ids == reference_greedy(reference, turn, 8)
+    prompts = [prompt, prompt[:20], [*prompt, *want[:10]]]
+    results = batch.generate_many(prompts, GenerationConfig(max_new_tokens=16, ignore_eos=True))
+    assert [r.token_ids for r in results] == [reference_greedy(reference, p, 16) for p in prompts]
+
+
 def test_biased_q_k_v_are_fused(checkpoints, project, family_engines):
     """fuse_linears concatenates biases: Qwen2's q/k/v run as one linear."""
     family_engines("qwen2-tied")

@@ -331,6 +331,11 @@ ModelRunner::ModelRunner(const fs::path& pt2, const json& entry, const ModelRunn
   const auto layers = kv.at("layers").get<int64_t>();
   auto shapes = kv.at("shapes").get<Shapes>();
   cache_len_ = kv.at("cache_len").get<int64_t>();
+  for (const auto& s : shapes) {  // width 0: a latent-attention layer's values (model/mla.py)
+    if (s.size() != 4 || s[0] <= 0 || s[1] <= 0 || s[2] <= 0 || s[3] < 0) {
+      throw PackageError("kv_cache needs 4-D `shapes` of sizes above 0 (widths 0 or more)");
+    }
+  }
   const auto [ring_cells, ring_window] = ring_of(kv, shapes);
   const auto& graphs = entry.at("graphs");
   for (const auto& [name, signature] : graphs.items()) {
