@@ -743,6 +743,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # Youtu-LLM: dense, the latent attention; its RoPE here on halves, not adjacent pairs.
     "youtu": ("YoutuConfig", dict(LATENT, num_hidden_layers=2, rope_interleave=False)),
+    # MiniCPM3: dense latent attention (RoPE on halves), embeddings x 3, each block's output
+    # x 1.4 / sqrt(2), the logits / (64 / 32).
+    "minicpm3": (
+        "MiniCPM3Config",
+        dict(LATENT, num_hidden_layers=2, scale_emb=3.0, scale_depth=1.4, dim_model_base=32),
+    ),
     "gptneox-draft": (
         "GPTNeoXConfig",
         dict(
@@ -879,6 +885,7 @@ EAGER_PARITY = [
     "solar-open", "exaone-moe", "ernie4_5-moe", "vaultgemma",
     "flex-olmo", "hunyuan-moe", "mellum", "olmo", "olmoe-clip", "olmo-hybrid",
     "granite-swa", "deepseek-v2-lite", "deepseek-v2", "deepseek-v3", "glm4-moe-lite", "youtu",
+    "minicpm3",
 ]  # fmt: skip
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}

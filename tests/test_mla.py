@@ -13,7 +13,9 @@ from reference import EagerModel
 from aotgen.model import mla
 from aotgen.model.llama import cache_shapes
 
-LATENT_FAMILIES = ["deepseek-v2-lite", "deepseek-v2", "deepseek-v3", "glm4-moe-lite", "youtu"]
+LATENT_FAMILIES = [
+    *("deepseek-v2-lite", "deepseek-v2", "deepseek-v3", "glm4-moe-lite", "youtu", "minicpm3")
+]
 FP32_TOL = 1e-4
 
 

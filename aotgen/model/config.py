@@ -20,7 +20,8 @@ DEEPSEEK_V2 = "DeepseekV2ForCausalLM"  # DeepSeek-V2 / V2-Lite / V2.5, DeepSeek-
 DEEPSEEK_V3 = "DeepseekV3ForCausalLM"  # DeepSeek-V3 / R1, Kimi K2, Moonlight
 GLM4_MOE_LITE = "Glm4MoeLiteForCausalLM"  # GLM-4.7-Flash
 YOUTU = "YoutuForCausalLM"  # Youtu-LLM: dense, the latent attention of DeepSeek-V3
-LATENT_ATTENTION = (DEEPSEEK_V2, DEEPSEEK_V3, GLM4_MOE_LITE, YOUTU)
+MINICPM3 = "MiniCPM3ForCausalLM"  # dense; its RoPE on halves, Granite's three multipliers
+LATENT_ATTENTION = (DEEPSEEK_V2, DEEPSEEK_V3, GLM4_MOE_LITE, YOUTU, MINICPM3)
 # DeepSeek-V3's mixture of experts (also GLM-4.7-Flash's, and these on standard attention):
 # experts picked by sigmoid score plus a per-expert bias within the best groups, an ungated
 # shared expert, the first layers dense.
@@ -85,6 +86,7 @@ LLAMA_LAYOUT = (
     APERTUS,
     VAULTGEMMA,
     YOUTU,
+    MINICPM3,
     *MOE_ARCHITECTURES,
 )
 LFM2 = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")

@@ -1,13 +1,13 @@
 """The config keys of the multi-head latent attention families (DeepSeek-V2 / V3, Kimi K2,
-Moonlight, GLM-4.7-Flash, Youtu-LLM; model/mla.py): each family's defaults, as transformers'
-config classes hold them, and the attention's fields."""
+Moonlight, GLM-4.7-Flash, Youtu-LLM, MiniCPM3; model/mla.py): each family's defaults, as
+transformers' config classes hold them, and the attention's fields."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from aotgen.model.config import DEEPSEEK_V2, DEEPSEEK_V3, GLM4_MOE_LITE, YOUTU
+from aotgen.model.config import DEEPSEEK_V2, DEEPSEEK_V3, GLM4_MOE_LITE, MINICPM3, YOUTU
 
 _ATTENTION = dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64)
 # transformers writes only the keys that differ from its config class's defaults: these are
@@ -52,6 +52,16 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         norm_topk_prob=True,
     ),
     YOUTU: dict(**_ATTENTION, v_head_dim=128, tie_word_embeddings=True),
+    MINICPM3: dict(
+        q_lora_rank=768,
+        kv_lora_rank=256,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        tie_word_embeddings=True,
+        scale_emb=12,
+        scale_depth=1.4,
+        dim_model_base=256,
+    ),
 }
 
 
@@ -62,6 +72,8 @@ def with_defaults(hf: dict, arch: str) -> dict:
     out = {**DEFAULTS[arch], **hf}
     if arch == GLM4_MOE_LITE and not out.get("mlp_layer_types"):
         out["mlp_layer_types"] = ["dense"] + ["sparse"] * (hf["num_hidden_layers"] - 1)
+    if arch == MINICPM3 and out.get("v_head_dim") is None:
+        out["v_head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]
     return out
 
 
@@ -95,5 +107,21 @@ def latent_fields(hf: dict, arch: str, scaling: dict | None) -> dict[str, Any]:
         attention_bias=bias,
         attention_out_bias=bias,
         # DeepSeek rotates adjacent pairs (V2 always, the others by `rope_interleave`).
-        interleaved_rope=arch == DEEPSEEK_V2 or bool(hf.get("rope_interleave", True)),
+        interleaved_rope=arch == DEEPSEEK_V2
+        or (arch != MINICPM3 and bool(hf.get("rope_interleave", True))),
+        **(_minicpm3_multipliers(hf) if arch == MINICPM3 else {}),
+    )
+
+
+def _minicpm3_multipliers(hf: dict) -> dict[str, float]:
+    """MiniCPM3's scalings as Granite's multipliers: embeddings × `scale_emb`, each block's
+    output × `scale_depth / √layers`, the last hidden state (so the logits) ÷ `hidden_size /
+    dim_model_base`; None where given makes each a no-op, as transformers reads it."""
+    layers, hidden = hf["num_hidden_layers"], hf["hidden_size"]
+    depth = hf.get("scale_depth")
+    base = hf.get("dim_model_base") or hidden
+    return dict(
+        embedding_multiplier=float(hf.get("scale_emb", 12)),
+        residual_multiplier=1.0 if depth is None else depth / math.sqrt(layers),
+        logits_scaling=hidden / base,
     )

@@ -12,20 +12,20 @@ position and layer (576 for DeepSeek-V3, against 32,768 for its 128 heads' keys 
 as the layer's keys cache of one KV head; its values cache is empty (width 0), so every
 runtime moves and copies rows by position as for any layer. Two ways to attend over it:
 
-- Absorbed (decode, verify, tree and batched graphs on CPU): `kv_b_proj`'s key rows are
-  folded into q, `q_nope @ W_k` (per head, [nope] -> [rank]), so each head's query is a
-  `rank + rotary_dim` row scored against the cached rows as they are, one KV head for every
-  query head (kernels/attention.py's kernel, the cache read in place, the rows themselves as
-  the values); the weighted latent is expanded by the value rows after. A step reads the
-  cache once, not an expanded copy of it.
-- Expanded (prefill, and graphs the kernel does not run: CUDA, ONNX): the cached latents of
-  the attended span are expanded into every head's keys and values and attended with SDPA, as
-  transformers does; for a chunk of many rows this costs fewer multiply-adds than the
-  absorbed form (`rank + rotary_dim` dims a score and a value, against `qk_nope + rotary_dim`
-  and `v_head_dim`).
+- Absorbed (decode, verify, tree and batched graphs on CPU, and prefill over a bfloat16 or
+  int8 cache): `kv_b_proj`'s key rows are folded into q, `q_nope @ W_k` (per head, [nope] ->
+  [rank]), so each head's query is a `rank + rotary_dim` row scored against the cached rows
+  as they are, one KV head for every query head (kernels/attention.py's kernel, the cache
+  read in place, the rows themselves as the values); the weighted latent is expanded by the
+  value rows after. A step reads the cache once, not an expanded copy of it.
+- Expanded (prefill over a cache of the model's dtype, and graphs the kernel does not run:
+  CUDA, ONNX): the attended span's latents are expanded into every head's keys and values
+  and attended with SDPA, as transformers does; for a chunk of many rows this costs fewer
+  multiply-adds than the absorbed form (`rank + rotary_dim` dims a score and a value,
+  against `qk_nope + rotary_dim` and `v_head_dim`).
 
-`kv_b_proj` is read as per-head matrices, not called as a linear: the quantization passes
-leave it in the model's dtype.
+`kv_b_proj` is read as matrices, not called as a linear: the quantization passes leave it in
+the model's dtype.
 """
 
 from __future__ import annotations
@@ -90,12 +90,15 @@ class LatentAttention(nn.Module):
         queries = torch.cat([q_nope @ w_key, q_rot], -1)  # [b, heads, t, rank + rope]
         folded = queries.reshape(b, 1, -1, self.rank + self.rope)
         fixed_width = isinstance(t, int) and not torch.onnx.is_in_onnx_export()
-        if fixed_width and attention.applies(folded, cache):
+        # A narrower cache's prefill too: its span decoded for expanding has a data-dependent
+        # length, and a matmul over that does not compile (Inductor's mm lowering guards it).
+        narrow = cache.dtype != q.dtype and not torch.onnx.is_in_onnx_export()
+        if (fixed_width or narrow) and attention.applies(folded, cache):
             y = self._absorbed(folded, cache, mask, slots)
             y = y.view(b, -1, t, self.rank + self.rope)[..., : self.rank] @ w_value.transpose(1, 2)
         else:
             rows = cache[:, :, span] if slots is None else cache[slots, :, span]
-            y = self._expanded(q_nope, q_rot, rows, mask, w_key, w_value)
+            y = self._expanded(q_nope, q_rot, rows, mask)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
     def _absorbed(
@@ -110,22 +113,15 @@ class LatentAttention(nn.Module):
             y = torch.ops.aotgen.attend_cache_slots(scaled, cache, cache, mask, slots)
         return y.to(folded.dtype)
 
-    def _expanded(
-        self,
-        q_nope: Tensor,
-        q_rot: Tensor,
-        rows: Tensor,
-        mask: Tensor,
-        w_key: Tensor,
-        w_value: Tensor,
-    ) -> Tensor:
+    def _expanded(self, q_nope: Tensor, q_rot: Tensor, rows: Tensor, mask: Tensor) -> Tensor:
         """Every head's keys and values from the cached rows `[b, 1, n, rank + rope]`, and
         SDPA over them: `[b, heads, t, v_head_dim]`."""
+        b, heads = q_nope.shape[:2]
         latent, k_rot = decode_rows(rows, q_nope.dtype).split([self.rank, self.rope], -1)
-        keys = torch.cat(
-            [latent @ w_key.transpose(1, 2), k_rot.expand(-1, w_key.shape[0], -1, -1)], -1
-        )
-        values = latent @ w_value.transpose(1, 2)
+        kv = latent.reshape(-1, self.rank) @ self.kv_b_proj.weight.t()
+        kv = kv.view(b, -1, heads, self.nope + self.v_dim).transpose(1, 2)
+        keys = torch.cat([kv[..., : self.nope], k_rot.expand(-1, heads, -1, -1)], -1)
+        values = kv[..., self.nope :]
         q = torch.cat([q_nope, q_rot], -1)
         mask = mask.unsqueeze(1) if mask.dim() == 3 else mask  # a batch's [B, T, n]
         # One width for q, k and v (zeros added to the narrower): SDPA's fused CPU kernel
