@@ -87,9 +87,10 @@ def llama_bench(
     bin_dir: Path,
     kinds: tuple[str, ...],
     convert_args: tuple[str, ...] = (),
+    depths: str = "0",
 ) -> None:
     """llama-bench on the checkpoint converted by llama.cpp (F32, with `convert_args`), and
-    quantized to `kinds`."""
+    quantized to `kinds`, after `depths` tokens in the cache."""
     gguf = work / f"{stem}-f32.gguf"
     converter = LLAMACPP / "src/vendor/llama.cpp/convert_hf_to_gguf.py"
     if not gguf.exists():
@@ -102,7 +103,7 @@ def llama_bench(
             subprocess.run(quantize, check=True, capture_output=True)
     for model in (gguf, *quantized.values()):
         command = [str(bin_dir / "llama-bench"), "-m", str(model), "-t", "2"]
-        subprocess.run([*command, "-p", "128", "-n", "64", "-r", "3"], check=True)
+        subprocess.run([*command, "-p", "128", "-n", "64", "-r", "3", "-d", depths], check=True)
 
 
 def arguments(default_work: str, families: tuple[str, ...] = ()) -> argparse.Namespace:

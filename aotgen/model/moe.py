@@ -75,7 +75,8 @@ class SparseMoE(nn.Module):
         self.sigmoid, self.scale = cfg.router_sigmoid, cfg.routed_scaling_factor
         self.groups, self.top_groups = cfg.router_groups, cfg.router_top_groups
         self.group_rank = cfg.router_group_rank
-        self.eps = 1e-6 if cfg.architecture in LFM2 else 1e-20  # each one's renormalisation
+        # The renormalisation's: LFM2-MoE's, DeepSeek-V3's (nothing against a softmax's sum).
+        self.eps = 1e-6 if cfg.architecture in LFM2 else 1e-20
         self.norm_min = cfg.router_norm_min
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.router_bias)
         if cfg.expert_bias:  # shifts which experts are picked, not their weights
@@ -101,25 +102,17 @@ class SparseMoE(nn.Module):
     def route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """Each row's experts and their weights, from the router's logits."""
         bias = getattr(self, "expert_bias", None)
-        if not self.sigmoid:
-            probs = logits.softmax(-1)
-            choice = probs if bias is None else probs + bias.float()  # ERNIE 4.5's bias
-            if self.groups > 1:  # DeepSeek-V2's group_limited_greedy
-                choice = self.best_groups(choice)
-            ids = choice.topk(self.top_k, dim=-1).indices
-            weights = probs.gather(-1, ids)
-            if self.normalise:
-                total = weights.sum(-1, keepdim=True)
-                weights = weights / (total.clamp(min=self.norm_min) if self.norm_min else total)
-        else:
-            scores = logits.sigmoid()  # LFM2-MoE, DeepSeek-V3
-            choice = scores if bias is None else scores + bias.float()
-            if self.groups > 1:
-                choice = self.best_groups(choice)
-            ids = choice.topk(self.top_k, dim=-1).indices
-            weights = scores.gather(-1, ids)
-            if self.normalise:
-                weights = weights / (weights.sum(-1, keepdim=True) + self.eps)
+        # Softmax probabilities, or sigmoid scores (LFM2-MoE, DeepSeek-V3).
+        scores = logits.sigmoid() if self.sigmoid else logits.softmax(-1)
+        choice = scores if bias is None else scores + bias.float()
+        if self.groups > 1:  # DeepSeek-V3, and DeepSeek-V2's group_limited_greedy
+            choice = self.best_groups(choice)
+        ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, ids)
+        if self.normalise:
+            total = weights.sum(-1, keepdim=True)
+            total = total.clamp(min=self.norm_min) if self.norm_min else total + self.eps
+            weights = weights / total
         return weights * self.scale if self.scale != 1.0 else weights, ids
 
     def best_groups(self, choice: Tensor) -> Tensor:
