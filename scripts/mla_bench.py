@@ -6,12 +6,13 @@ values).
 
     python scripts/mla_bench.py [--work DIR] [--llamacpp BIN_DIR]
 
-Shape: DeepSeek-V2-Lite's attention (16 heads, q without a bottleneck, a 512-dim latent and a
-64-dim shared rotated key, 128 unrotated key and 128 value dims a head) on 8 dense layers of
-hidden 2048 and MLP 2816, SmolLM2's 49,152-token vocabulary and tokenizer (llama.cpp's
-converter knows it), a tied head: 349 M parameters. Prints `aotgen bench` for the latent fp32
-package, the expanding one and the int8 one at a 128- and a 2,048-token prompt, and
-`llama-bench` on the same weights in F32 and Q8_0 at depths 0 and 2,048.
+Shape: DeepSeek-V2's attention at V2-Lite's width (16 heads, q through a rank-1536
+bottleneck, a 512-dim latent and a 64-dim shared rotated key, 128 unrotated key and 128 value
+dims a head) on 8 dense layers of hidden 2048 and MLP 2816, SmolLM2's 49,152-token vocabulary
+and tokenizer (llama.cpp's converter knows it), a tied head: 362 M parameters. Prints `aotgen
+bench` for the latent fp32 package, the expanding one and the int8 one at a 128- and a
+2,048-token prompt, and `llama-bench` on the same weights in F32 and Q8_0 at depths 0 and
+2,048.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ SHAPE = dict(
     intermediate_size=2816,
     num_attention_heads=16,
     num_key_value_heads=16,
-    q_lora_rank=None,
+    q_lora_rank=1536,  # llama.cpp takes no q without a bottleneck but at V2-Lite's 27 layers
     kv_lora_rank=512,
     qk_nope_head_dim=128,
     qk_rope_head_dim=64,
