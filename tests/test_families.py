@@ -241,8 +241,15 @@ def test_windowed_tree_and_batched_graphs_match_transformers(family_engines, che
     reference = load_reference(checkpoints["gemma3"])
     runner = family_engines("gemma3", **WINDOWED).target
     assert runner.caches[0].shape[2] == 24 < runner.caches[-1].shape[2]  # layer 3 is global
+    batch = BatchEngine.load(_package("gemma3", checkpoints, project, **WINDOWED)).target
+    _check_tree_and_batched_graphs(runner, batch, reference, 45, (53, 13))
+
+
+def _check_tree_and_batched_graphs(runner, batch, reference, prompt_len, lengths) -> None:
+    """The tree graph's nodes after a prompt of `prompt_len`, and the batched graphs'
+    sequences of `lengths` in cache rows 1 and 0, against transformers' logits."""
     g = torch.Generator().manual_seed(3)
-    prompt = torch.randint(0, runner.vocab_size, (45,), generator=g).tolist()
+    prompt = torch.randint(0, runner.vocab_size, (prompt_len,), generator=g).tolist()
     tree = make_tree(SHAPES["bushy"][: WINDOWED["tree_nodes"] - 1], 2, runner.vocab_size)
     reset_caches(runner)
     runner.forward(prompt, 0)
@@ -251,9 +258,7 @@ def test_windowed_tree_and_batched_graphs_match_transformers(family_engines, che
         history = prompt + [tree.tokens[i] for i in path_to(tree, node)]
         want = reference_logits(reference, history)[-1]
         assert _rel_err(got[node], want) < FP32_TOL, node
-
-    batch = BatchEngine.load(_package("gemma3", checkpoints, project, **WINDOWED)).target
-    histories = [torch.randint(0, runner.vocab_size, (n,), generator=g).tolist() for n in (53, 13)]
+    histories = [torch.randint(0, runner.vocab_size, (n,), generator=g).tolist() for n in lengths]
     slots = torch.tensor([1, 0])
     for graph, t in (("batch_decode", 1), ("batch_verify", 5)):
         reset_caches(batch)
@@ -307,27 +312,10 @@ def test_latent_cache_through_every_kind_of_call(family_engines, checkpoints, pr
     engine = family_engines("deepseek-v3", **WINDOWED)
     runner = engine.target
     assert [c.shape[-1] for c in runner.caches[:2]] == [48, 0]  # the latent row, no values
-    g = torch.Generator().manual_seed(3)
-    prompt = torch.randint(3, runner.vocab_size, (30,), generator=g).tolist()
-    tree = make_tree(SHAPES["bushy"][: WINDOWED["tree_nodes"] - 1], 2, runner.vocab_size)
-    reset_caches(runner)
-    runner.forward(prompt, 0)
-    got = runner.tree_forward(tree, len(prompt))
-    for node in range(len(tree)):
-        history = prompt + [tree.tokens[i] for i in path_to(tree, node)]
-        assert _rel_err(got[node], reference_logits(reference, history)[-1]) < FP32_TOL, node
     batch = BatchEngine.load(engine.root)
-    histories = [torch.randint(0, runner.vocab_size, (n,), generator=g).tolist() for n in (41, 13)]
-    slots = torch.tensor([1, 0])
-    for graph, t in (("batch_decode", 1), ("batch_verify", 5)):
-        reset_caches(batch.target)
-        for history, slot in zip(histories, slots.tolist(), strict=True):
-            batch.target.forward(history[:-t], 0, slot=slot)
-        tokens = torch.tensor([h[-t:] for h in histories])
-        positions = torch.tensor([range(len(h) - t, len(h)) for h in histories])
-        got = batch.target.batch(graph, tokens, positions, slots)
-        for row, history in zip(got, histories, strict=True):
-            assert _rel_err(row, reference_logits(reference, history)[-t:]) < FP32_TOL, graph
+    _check_tree_and_batched_graphs(runner, batch.target, reference, 30, (41, 13))
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, runner.vocab_size, (30,), generator=g).tolist()
     want = reference_greedy(reference, prompt, 32)
     for lookup, tree in ((None, None), ("ngram", None), ("draft", None), ("draft", TreeParams())):
         cfg = GenerationConfig(max_new_tokens=32, ignore_eos=True, speculative=lookup, tree=tree)

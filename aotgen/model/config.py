@@ -17,7 +17,7 @@ HUNYUANS = (HUNYUAN, HUNYUAN_MOE)
 # DeepSeek-V2's experts are picked by softmax probability (within the best groups, each
 # ranked by its best one, under `group_limited_greedy`); DeepSeek-V3's by its routing below.
 DEEPSEEK_V2 = "DeepseekV2ForCausalLM"  # DeepSeek-V2 / V2-Lite / V2.5, DeepSeek-Coder-V2
-DEEPSEEK_V3 = "DeepseekV3ForCausalLM"  # DeepSeek-V3 / R1, Kimi K2, Moonlight
+DEEPSEEK_V3 = "DeepseekV3ForCausalLM"  # DeepSeek-V3 / R1 (Kimi K2's, Moonlight's layout)
 GLM4_MOE_LITE = "Glm4MoeLiteForCausalLM"  # GLM-4.7-Flash
 YOUTU = "YoutuForCausalLM"  # Youtu-LLM: dense, the latent attention of DeepSeek-V3
 MINICPM3 = "MiniCPM3ForCausalLM"  # dense; its RoPE on halves, Granite's three multipliers

@@ -1,5 +1,5 @@
-"""The config keys of the multi-head latent attention families (DeepSeek-V2 / V3, Kimi K2,
-Moonlight, GLM-4.7-Flash, Youtu-LLM, MiniCPM3; model/mla.py): each family's defaults, as
+"""The config keys of the multi-head latent attention families (DeepSeek-V2 / V3,
+GLM-4.7-Flash, Youtu-LLM, MiniCPM3; model/mla.py): each family's defaults, as
 transformers' config classes hold them, and the attention's fields."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Multi-head latent attention (DeepSeek-V2 / V3, Kimi K2, Moonlight, GLM-4.7-Flash,
-Youtu-LLM): the layers' attention for `cfg.latent_attention`.
+"""Multi-head latent attention (DeepSeek-V2 / V3, GLM-4.7-Flash, Youtu-LLM, MiniCPM3): the
+layers' attention for `cfg.latent_attention`.
 
 Each position's keys and values come from one latent row: `kv_a_proj_with_mqa` gives
 `kv_lora_rank` latent dims (normalised by `kv_a_layernorm`) and `rotary_dim` dims of a key
