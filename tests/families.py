@@ -890,9 +890,9 @@ EAGER_PARITY = [
 # Speculative packages: target + a separate, smaller draft checkpoint of the same family.
 SPEC_PAIRS = {"gptneox-sequential": "gptneox-draft", "qwen3": "qwen3-draft"}
 INT8 = {"quantize": {"linear": "int8"}}
-# The biased ones, a mixture of experts (its experts int8, its routers float), and LFM2 (its
-# convolutions float, their projections int8).
-INT8_FAMILIES = ["qwen2-tied", "gptneox-parallel", "gpt-oss", "lfm2", "phi"]
+# The biased ones, a mixture of experts (its experts int8, its routers float), LFM2 (its
+# convolutions float, their projections int8) and latent attention (kv_b_proj int8 rows).
+INT8_FAMILIES = ["qwen2-tied", "gptneox-parallel", "gpt-oss", "lfm2", "phi", "deepseek-v3"]
 # Gemma 3's tree and batched graphs (its window shorter than their rows' histories), and a
 # draft of its first two layers on its cache: every kind of call on a ring cache (and on
 # DeepSeek-V3's latent cache).

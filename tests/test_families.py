@@ -209,12 +209,13 @@ def test_onnx_graphs_match_aoti_and_transformers(family_engines, checkpoints, pr
     assert ort.generate(ids, cfg).token_ids == aoti.generate(ids, cfg).token_ids
 
 
-@pytest.mark.slow  # three more builds, ~100 s each on 2 cores
+@pytest.mark.slow  # more builds, ~100 s each on 2 cores
 @pytest.mark.parametrize("family", INT8_FAMILIES)
 def test_int8_fused_build_stays_close(family_engines, checkpoints, family):
     """int8 weights + fused linears on the biased families, gpt-oss (int8 experts through
-    the kernel in prefill, gathered in decode and verify) and LFM2: logits within int8's error of
-    transformers, and the same argmax at nearly every position of a teacher-forced text."""
+    the kernel in prefill, gathered in decode and verify), LFM2 and DeepSeek-V3 (its kv_b_proj
+    int8 rows, reduced in the verify graph): logits within int8's error of transformers, and
+    the same argmax at nearly every position of a teacher-forced text."""
     engine = family_engines(family, **INT8)
     ids = engine.tokenizer.encode(PROMPT + " Paris is the capital of France.")
     reset_caches(engine.target)
@@ -232,6 +233,12 @@ def test_int8_fused_build_stays_close(family_engines, checkpoints, family):
         kinds = {(n.split(".weight")[0], w.dtype) for n, w in engine.target.weights.items()}
         assert ("model.layers.0.conv.in_proj", torch.int8) in kinds
         assert ("model.layers.0.conv.conv", torch.float32) in kinds
+    if family == "deepseek-v3":
+        entry = engine.manifest["models"]["target"]["quantization"]
+        assert entry["latent_expansion"]["scheme"] == "int8"
+        assert entry["quantized"]["model.layers.0.self_attn.kv_b_proj"] == "int8 per row"
+        codes = engine.target.weights["model.layers.0.self_attn.kv_b_proj.codes"]
+        assert codes.dtype == torch.int8
 
 
 def test_windowed_tree_and_batched_graphs_match_transformers(family_engines, checkpoints, project):

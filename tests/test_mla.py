@@ -12,6 +12,7 @@ from reference import EagerModel
 
 from aotgen.model import mla
 from aotgen.model.llama import cache_shapes
+from aotgen.passes.quantize_latent import Int8LatentExpansion, quantize_latent
 
 LATENT_FAMILIES = [
     *("deepseek-v2-lite", "deepseek-v2", "deepseek-v3", "glm4-moe-lite", "youtu", "minicpm3")
@@ -37,14 +38,61 @@ def test_both_ways_match_transformers(latent_checkpoints, monkeypatch, family, a
     if not absorbed:  # the way of prefill graphs and of graphs the kernel does not run
         monkeypatch.setattr(mla.attention, "applies", lambda *_: False)
     model = EagerModel(latent_checkpoints[family], 48)
-    history = torch.randint(0, model.config.vocab_size, (30,), generator=torch.Generator())
-    history = history.tolist()
+    history = _history(model)
+    want = reference_logits(load_reference(latent_checkpoints[family]), history)
+    assert _rel_err(_chunked_logits(model, history), want) < FP32_TOL
+
+
+@pytest.mark.parametrize("absorbed", [True, False], ids=["absorbed", "expanded"])
+@pytest.mark.parametrize("family", ["deepseek-v3", "minicpm3"])
+def test_int8_expansion_matches_transformers_on_its_weights(
+    latent_checkpoints, monkeypatch, family, absorbed
+):
+    """`kv_b_proj` as int8 rows (passes/quantize_latent.py): few-row chunks (reductions) and
+    many-row ones (matmuls) give transformers' logits on the same rounded weights, and differ
+    from the float model's by the rounding."""
+    if not absorbed:
+        monkeypatch.setattr(mla.attention, "applies", lambda *_: False)
+    model = EagerModel(latent_checkpoints[family], 48)
+    history = _history(model)
+    float_logits = _chunked_logits(model, history)
+    assert set(quantize_latent(model.model).values()) == {None}
+    model.reset()
+    got = _chunked_logits(model, history)
+    reference = load_reference(latent_checkpoints[family])
+    layers = [m for m in model.model.modules() if isinstance(m, Int8LatentExpansion)]
+    for layer, hf_layer in zip(layers, reference.model.layers, strict=True):
+        rounded = layer.codes.float() * layer.scale[:, None]
+        hf_layer.self_attn.kv_b_proj.weight.data.copy_(rounded)
+    assert _rel_err(got, reference_logits(reference, history)) < FP32_TOL
+    assert _rel_err(got, float_logits) > FP32_TOL
+
+
+def test_skip_pattern_keeps_an_expansion_float(latent_checkpoints):
+    """A `quantize.skip` glob on kv_b_proj's module path keeps it float, and says which."""
+    model = EagerModel(latent_checkpoints["deepseek-v3"], 48).model
+    outcomes = quantize_latent(model, ("model.layers.0.*",))
+    layers = len(model.model.layers)
+    assert outcomes == {
+        f"model.layers.{i}.self_attn.kv_b_proj": "model.layers.0.*" if i == 0 else None
+        for i in range(layers)
+    }
+    kinds = [type(layer.self_attn.kv_b_proj) for layer in model.model.layers]
+    assert kinds == [mla.LatentExpansion] + [Int8LatentExpansion] * (layers - 1)
+
+
+def _history(model: EagerModel) -> list[int]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, model.config.vocab_size, (30,), generator=gen).tolist()
+
+
+def _chunked_logits(model: EagerModel, history: list[int]) -> torch.Tensor:
+    """Logits of a 30-token history fed in chunks of 16, 9, 4 and 1 rows."""
     got, start = [], 0
     for rows in (16, 9, 4, 1):
         got.append(model.forward(history[start : start + rows], start))
         start += rows
-    want = reference_logits(load_reference(latent_checkpoints[family]), history)
-    assert _rel_err(torch.cat(got), want) < FP32_TOL
+    return torch.cat(got)
 
 
 @pytest.mark.parametrize("absorbed", [True, False], ids=["absorbed", "expanded"])

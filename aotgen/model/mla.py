@@ -24,8 +24,9 @@ runtime moves and copies rows by position as for any layer. Two ways to attend o
   multiply-adds than the absorbed form (`rank + rotary_dim` dims a score and a value,
   against `qk_nope + rotary_dim` and `v_head_dim`).
 
-`kv_b_proj` is read as matrices, not called as a linear: the quantization passes leave it in
-the model's dtype.
+`kv_b_proj` (`LatentExpansion`) is read per head, not called as a linear, so the graph
+quantization pass does not see it; a quantized package swaps it for int8 rows before export
+(passes/quantize_latent.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,31 @@ from aotgen.kernels import attention
 from aotgen.kernels.cache_rows import decode_rows
 from aotgen.model.config import ModelConfig
 from aotgen.model.layers import CacheIndex, RMSNorm, apply_rope, write_cache
+
+
+class LatentExpansion(nn.Module):
+    """`kv_b_proj`: the latent's expansion into each head's key dims, then its value dims
+    (`weight` [heads * (nope + v_dim), rank], the checkpoint's layout)."""
+
+    def __init__(self, rank: int, heads: int, nope: int, v_dim: int):
+        super().__init__()
+        self.heads, self.nope, self.v_dim = heads, nope, v_dim
+        self.weight = nn.Parameter(torch.empty(heads * (nope + v_dim), rank))
+
+    def forward(self, latent: Tensor) -> Tensor:
+        """Latent rows [n, rank] expanded: [n, heads * (nope + v_dim)]."""
+        return latent @ self.weight.t()
+
+    def fold_keys(self, q_nope: Tensor) -> Tensor:
+        """Each head's unrotated query [b, heads, t, nope] through its key rows: [.., rank]."""
+        return q_nope @ self._per_head()[:, : self.nope]
+
+    def expand_values(self, y: Tensor) -> Tensor:
+        """Each head's weighted latent [b, heads, t, rank] into its values: [.., v_dim]."""
+        return y @ self._per_head()[:, self.nope :].transpose(1, 2)
+
+    def _per_head(self) -> Tensor:
+        return self.weight.view(self.heads, self.nope + self.v_dim, -1)
 
 
 class LatentAttention(nn.Module):
@@ -57,7 +83,7 @@ class LatentAttention(nn.Module):
             self.q_proj = nn.Linear(d, q_out, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(d, self.rank + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.rank, cfg.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(self.rank, heads * (self.nope + self.v_dim), bias=False)
+        self.kv_b_proj = LatentExpansion(self.rank, heads, self.nope, self.v_dim)
         self.o_proj = nn.Linear(heads * self.v_dim, d, bias=cfg.attention_out_bias)
 
     def forward(
@@ -83,11 +109,9 @@ class LatentAttention(nn.Module):
         row = torch.cat([self.kv_a_layernorm(latent).unsqueeze(1), k_rot], -1)
         write_cache(cache, row, write_at)
         q_rot = apply_rope(q_rot, cos, sin)
-        # kv_b_proj's rows per head: its key dims, then its value dims.
-        w = self.kv_b_proj.weight.view(-1, self.nope + self.v_dim, self.rank)
-        w_key, w_value = w[:, : self.nope], w[:, self.nope :]
         slots = write_at[0][:, 0] if isinstance(write_at, tuple) else None  # a batch's rows
-        queries = torch.cat([q_nope @ w_key, q_rot], -1)  # [b, heads, t, rank + rope]
+        # [b, heads, t, rank + rope]
+        queries = torch.cat([self.kv_b_proj.fold_keys(q_nope), q_rot], -1)
         folded = queries.reshape(b, 1, -1, self.rank + self.rope)
         fixed_width = isinstance(t, int) and not torch.onnx.is_in_onnx_export()
         # A narrower cache's prefill too: its span decoded for expanding has a data-dependent
@@ -95,7 +119,8 @@ class LatentAttention(nn.Module):
         narrow = cache.dtype != q.dtype and not torch.onnx.is_in_onnx_export()
         if (fixed_width or narrow) and attention.applies(folded, cache):
             y = self._absorbed(folded, cache, mask, slots)
-            y = y.view(b, -1, t, self.rank + self.rope)[..., : self.rank] @ w_value.transpose(1, 2)
+            y = y.view(b, -1, t, self.rank + self.rope)[..., : self.rank]
+            y = self.kv_b_proj.expand_values(y)
         else:
             rows = cache[:, :, span] if slots is None else cache[slots, :, span]
             y = self._expanded(q_nope, q_rot, rows, mask)
@@ -118,7 +143,7 @@ class LatentAttention(nn.Module):
         SDPA over them: `[b, heads, t, v_head_dim]`."""
         b, heads = q_nope.shape[:2]
         latent, k_rot = decode_rows(rows, q_nope.dtype).split([self.rank, self.rope], -1)
-        kv = latent.reshape(-1, self.rank) @ self.kv_b_proj.weight.t()
+        kv = self.kv_b_proj(latent.reshape(-1, self.rank))
         kv = kv.view(b, -1, heads, self.nope + self.v_dim).transpose(1, 2)
         keys = torch.cat([kv[..., : self.nope], k_rot.expand(-1, heads, -1, -1)], -1)
         values = kv[..., self.nope :]

@@ -30,6 +30,7 @@ from aotgen.passes.gguf_keep import BlockIndex, KeepGGUF
 from aotgen.passes.lora import LoraAdapter, merge_adapter
 from aotgen.passes.quantize import QuantizePass, quantize_passes
 from aotgen.passes.quantize_experts import quantize_experts, routers
+from aotgen.passes.quantize_latent import quantize_latent
 from aotgen.passes.quantize_options import parse_quantize
 from aotgen.recipe import Recipe, RecipeError
 from aotgen.runtime.tokenizer import Tokenizer
@@ -209,6 +210,7 @@ def prepare_models(
             keep_gguf(recipe, quantize, ckpt, indexes),
         )
     ]
+    _quantize_latent(models[0], quantize)
     draft = (recipe.speculative or {}).get("draft")
     if draft:
         # The draft never verifies. On the target's cache it never prefills, and it drafts
@@ -232,6 +234,7 @@ def prepare_models(
                 keep_gguf(recipe, dquantize, dckpt, indexes),
             )
         )
+        _quantize_latent(models[1], dquantize)
     return models
 
 
@@ -261,6 +264,15 @@ def _load(
     if int8_experts:
         quantize_experts(model)
     return model.to(recipe.device)
+
+
+def _quantize_latent(mb: ModelBuild, quantize: dict[str, Any] | None) -> None:
+    """Latent attention's `kv_b_proj` as int8 rows when the linears are quantized (the graph
+    pass cannot see it: passes/quantize_latent.py), reported by the quantize pass."""
+    options = parse_quantize(quantize)
+    if mb.quantizer is None or options is None or options.linear is None:
+        return
+    mb.quantizer.note_module_weights(quantize_latent(mb.model, options.skip), "int8 per row")
 
 
 def _draft_weights(

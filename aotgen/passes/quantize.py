@@ -197,6 +197,17 @@ class QuantizePass:
                 )
         return notes
 
+    def note_module_weights(self, outcomes: dict[str, str | None], label: str) -> None:
+        """Weights quantized on the module before export (`label`; None outcome) or kept float
+        by a skip pattern (the pattern): reported, recorded and matched against the recipe's
+        patterns as the graph's linears are."""
+        self.seen.update(outcomes)
+        for name, pattern in outcomes.items():
+            if pattern is None:
+                self.quantized[name] = label
+            else:
+                self.skipped[name] = f"skip pattern {pattern!r}"
+
     def manifest_entry(self) -> dict[str, Any]:
         """What the manifest records: schemes, dtypes, and which ops stayed float."""
 
