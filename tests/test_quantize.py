@@ -282,6 +282,10 @@ def test_int4_in_features():
         576,
         "CUDA tinygemm needs out_features % 8 == 0, got 60",
     )
+    assert int4_in_features(40, 576, 32, "cpu") == (
+        576,
+        "the CPU int4 packing needs out_features % 16 == 0, got 40",
+    )
 
 
 def test_eager_quantized_graph_is_close_to_fp32(tiny_model):

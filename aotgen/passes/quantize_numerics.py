@@ -144,8 +144,9 @@ def int4_in_features(n: int, k: int, groupsize: int, device: str) -> tuple[int, 
     128): the pass pads the activation with zeros to match, so the padded columns add
     nothing. SmolLM2's hidden size 576 becomes 640 for g128 or on CUDA.
     """
-    if device != "cpu" and n % 8:
-        return k, f"CUDA tinygemm needs out_features % 8 == 0, got {n}"
+    rows, kernel = (16, "the CPU int4 packing") if device == "cpu" else (8, "CUDA tinygemm")
+    if n % rows:
+        return k, f"{kernel} needs out_features % {rows} == 0, got {n}"
     multiple = groupsize if device == "cpu" else max(groupsize, CUDA_INNER_K_TILES * 16)
     return -(-k // multiple) * multiple, None
 
