@@ -51,7 +51,6 @@ from aotgen.package.perplexity import measure_perplexity
 from aotgen.package.weights import save_constants
 from aotgen.passes.fuse import FuseLinearsPass
 from aotgen.passes.quantize_experts import Int8Experts
-from aotgen.passes.quantize_latent import Int8LatentExpansion
 from aotgen.passes.tp import parse_parallel, plan_summary, rank_config, resolve_plan
 from aotgen.recipe import Project, Recipe, RecipeError
 from aotgen.runtime.tokenizer import Tokenizer
@@ -279,12 +278,6 @@ def _model_entry(
     cells = ring_cells(mb.config, recipe)
     if quantization and any(isinstance(m, Int8Experts) for m in mb.model.modules()):
         quantization["experts"] = {"scheme": "int8", "granularity": "per-channel", "method": "rtn"}
-    if quantization and any(isinstance(m, Int8LatentExpansion) for m in mb.model.modules()):
-        quantization["latent_expansion"] = {
-            "scheme": "int8",
-            "granularity": "per-channel",
-            "method": "rtn",
-        }
     return {
         "config": {**mb.config.__dict__, "extra": None},
         "quantization": quantization,
