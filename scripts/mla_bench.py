@@ -10,9 +10,9 @@ Shape: DeepSeek-V2's attention at V2-Lite's width (16 heads, q through a rank-15
 bottleneck, a 512-dim latent and a 64-dim shared rotated key, 128 unrotated key and 128 value
 dims a head) on 8 dense layers of hidden 2048 and MLP 2816, SmolLM2's 49,152-token vocabulary
 and tokenizer (llama.cpp's converter knows it), a tied head: 362 M parameters. Prints `aotgen
-bench` for the latent fp32 package, the expanding one and the int8 one at a 128- and a
-2,048-token prompt, and `llama-bench` on the same weights in F32 and Q8_0 at depths 0 and
-2,048.
+bench` for the latent fp32 package, the expanding one, the int8 one, int8 with `kv_b_proj`
+float and int4 (g64) at a 128- and a 2,048-token prompt, and `llama-bench` on the same
+weights in F32, Q8_0, Q4_0 and Q4_1 at depths 0 and 2,048.
 """
 
 from __future__ import annotations
@@ -45,10 +45,14 @@ EXPANDING = (
     "import sys, aotgen.kernels.attention as a; a.applies = lambda *_: False; "
     "from aotgen.cli import main; sys.argv = ['aotgen', 'build', *sys.argv[1:]]; main()"
 )
+BUILD = ["-m", "aotgen", "build"]
 BUILDS = [
-    ("mla-latent", ["-m", "aotgen", "build"], ""),
+    ("mla-latent", BUILD, ""),
     ("mla-expanding", ["-c", EXPANDING], ""),
-    ("mla-int8", ["-m", "aotgen", "build"], "quantize: {linear: int8}\n"),
+    ("mla-int8", BUILD, "quantize: {linear: int8}\n"),
+    # kv_b_proj kept float32, as the graph pass alone would leave it (passes/quantize_latent.py)
+    ("mla-int8-kv_b-float", BUILD, "quantize: {linear: int8, skip: ['*.kv_b_proj']}\n"),
+    ("mla-int4", BUILD, "quantize: {linear: int4}\n"),
 ]
 
 
@@ -66,7 +70,7 @@ def main() -> None:
     for prompt in ("128", "2048"):
         bench = [sys.executable, "-m", "aotgen", "bench", *packages, "--prompt-len", prompt]
         subprocess.run([*bench, "--gen-tokens", "32", "--runs", "3"], cwd=work, check=True)
-    llama_bench(work, ckpt, "mla", args.llamacpp, ("Q8_0",), depths="0,2048")
+    llama_bench(work, ckpt, "mla", args.llamacpp, ("Q8_0", "Q4_0", "Q4_1"), depths="0,2048")
 
 
 if __name__ == "__main__":
