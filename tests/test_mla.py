@@ -1,7 +1,8 @@
 """Multi-head latent attention (model/mla.py): both ways it attends (the queries absorbed into
 the latent, and the latent expanded into every head's keys and values) against transformers,
-chunked and batched over the latent cache. The families' logits and greedy tokens over a
-history are in test_families.py (EAGER_PARITY); a compiled package in PARITY."""
+chunked and batched over the latent cache, with `kv_b_proj` float or int8 rows. The families'
+logits and greedy tokens over a history are in test_families.py (EAGER_PARITY); a compiled
+package in PARITY."""
 
 from __future__ import annotations
 
