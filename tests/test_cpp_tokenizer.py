@@ -22,7 +22,7 @@ from cpp_build import require_cpp_build
 from tiny import CHATML
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from aotgen.checkpoint.gguf_tokenizer import _HUNYUAN_DENSE, _QWEN35, _TEKKEN
+from aotgen.checkpoint.gguf_tokenizer import _DEEPSEEK3, _QWEN35, _TEKKEN
 
 pytestmark = pytest.mark.cpp
 
@@ -276,7 +276,7 @@ def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     )
     configs["ignore_merges"] = with_changes(base, model_ignore_merges=True)
     for name, regexes in (
-        ("hunyuan_splits", _HUNYUAN_DENSE),
+        ("hunyuan_splits", _DEEPSEEK3),
         ("tekken_split", [_TEKKEN]),
         ("qwen35_split", [_QWEN35]),  # combining marks inside words
     ):

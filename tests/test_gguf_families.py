@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 from families import FAMILIES, load_reference, randomize, reference_logits
+from gguf_latent import LATENT_NAMES, latent_meta, latent_tensors
 from reference import EagerModel
 from safetensors import safe_open
 from tiny import CHATML, CORPUS, make_tokenizer
@@ -73,6 +74,11 @@ GPT_OSS: dict[str, Any] = dict(
     rope_parameters=GPT_OSS_YARN,
     max_position_embeddings=32 * 4096,  # YaRN's context, as its factor says
 )
+DEEPSEEK_V3 = {
+    **FAMILIES["deepseek-v3"][1],
+    "rope_parameters": {**FAMILIES["deepseek-v3"][1]["rope_parameters"], "mscale": 0.8},
+    "norm_topk_prob": True,
+}
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", dict(num_hidden_layers=2, num_key_value_heads=2)),
     "qwen3": (
@@ -221,9 +227,20 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen35-r3": (FAMILIES["qwen3_5"][0], {**FAMILIES["qwen3_5"][1], "linear_num_value_heads": 6}),
     # Qwen3.5-MoE: its experts stacked, the shared expert's gate as ffn_gate_inp_shexp.
     "qwen35moe": FAMILIES["qwen3_5-moe"],
+    # DeepSeek-V3 as deepseek2: kv_b_proj split in attn_k_b / attn_v_b, sigmoid routing in 4
+    # groups (2 kept) with exp_probs_b, YaRN by its log multiplier alone (llama.cpp's:
+    # mscale equal to mscale_all_dim, as DeepSeek's configs have them).
+    "deepseek2": ("DeepseekV3Config", DEEPSEEK_V3),
+    "deepseek2-kv_b": ("DeepseekV3Config", DEEPSEEK_V3),  # attn_kv_b whole, an older file
+    # DeepSeek-V2-Lite: q without a bottleneck, softmax routing, two shared experts.
+    "deepseek2-lite": FAMILIES["deepseek-v2-lite"],
+    # Youtu-LLM: dense; llama.cpp rotates adjacent pairs (rope_interleave).
+    "deepseek2-youtu": ("YoutuConfig", {**FAMILIES["youtu"][1], "rope_interleave": True}),
 }
+LATENT_CASES = ("deepseek2", "deepseek2-kv_b", "deepseek2-lite", "deepseek2-youtu")
 # The GGUF architecture of the test cases named otherwise.
 GGUF_ARCH = {
+    **{case: "deepseek2" for case in LATENT_CASES},
     "olmo3": "olmo2",
     "mixtral": "llama",
     "phi2-qkv": "phi2",
@@ -544,6 +561,8 @@ def _checkpoint(out: Path, arch: str, mxfp4: bool = False, **sizes: Any) -> Path
                 rows = p.detach().numpy().transpose(0, 2, 1)  # [E, out, in], as stored
                 held = _mxfp4_values(*_mxfp4_blocks(rows)).transpose(0, 2, 1)
                 p.copy_(torch.from_numpy(np.ascontiguousarray(held)))
+        if arch == "deepseek2-youtu":  # its padding row zero, as transformers loads it
+            model.model.embed_tokens.weight[config.pad_token_id] = 0
     model.save_pretrained(out)
     return out
 
@@ -559,6 +578,8 @@ def _gguf_name(arch: str, hf: str) -> str:
         return f"{GLOBAL_NAMES[module]}.{kind}"
     parts = module.split(".")  # model.layers.I.rest or gpt_neox.layers.I.rest
     i, rest = parts[2], ".".join(parts[3:])
+    if arch in LATENT_CASES and rest in LATENT_NAMES:
+        return f"blk.{i}.{LATENT_NAMES[rest]}.{kind}"
     if rest in MOE_NAMES:
         return f"blk.{i}.{MOE_NAMES[rest]}.{kind}"
     names = {
@@ -863,6 +884,9 @@ def _write_gguf(
         _cohere_meta(w, kind, cfg, head_dim)
     elif kind == "nemotron":
         _nemotron_meta(w, cfg, head_dim)
+    elif kind == "deepseek2":
+        sigmoid = cfg["architectures"] == ["DeepseekV3ForCausalLM"]
+        latent_meta(w, cfg, split=arch != "deepseek2-kv_b", sigmoid=sigmoid)
     else:
         w.add_head_count_kv(cfg["num_key_value_heads"])
         w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
@@ -919,6 +943,12 @@ def _write_gguf(
                         w.add_tensor(name, t[0], raw_dtype=t[1])
                     else:
                         w.add_tensor(name, np.ascontiguousarray(t))
+                continue
+            if kind == "deepseek2" and (
+                pairs := latent_tensors(hf, x, cfg, split=arch != "deepseek2-kv_b")
+            ):
+                for name, t in pairs:
+                    w.add_tensor(name, t)
                 continue
             if ".mlp.act_fn." in hf:
                 xielu.setdefault(hf.rsplit(".", 1)[1], {})[int(hf.split(".")[2])] = x.item()
@@ -1239,3 +1269,53 @@ def test_gpt_oss_without_qkv_biases_imports_them_as_zeros(tmp_path: Path) -> Non
                 bias = g.get_tensor(f"model.layers.{i}.self_attn.{p}_proj.bias")
                 assert bias.shape == (rows,) and not bias.any()
     load_reference(out)  # transformers loads it
+
+
+def test_latent_config_is_what_llama_cpp_runs(tmp_path: Path) -> None:
+    """DeepSeek-V3's deepseek2 file: the latent's widths from the *_mla keys (the file's
+    key_length is the latent's), every head its own KV head, the routing llama.cpp reads."""
+    ckpt = _checkpoint(tmp_path / "hf", "deepseek2")
+    _write_gguf(ckpt, tmp_path / "m.gguf", "deepseek2", quantize=False)
+    config = read_config(open_gguf(tmp_path / "m.gguf"))
+    original = json.loads((ckpt / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"]
+    for key in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim"):
+        assert config[key] == original[key]
+    assert config["v_head_dim"] == original["v_head_dim"]
+    assert config["num_key_value_heads"] == original["num_attention_heads"]
+    assert (config["n_group"], config["topk_group"], config["norm_topk_prob"]) == (4, 2, True)
+    assert config["rope_parameters"]["mscale_all_dim"] == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        (lambda w: w.add_expert_weights_norm(True), r"softmax router renormalising"),
+        (lambda w: w.add_float32("deepseek2.attention.temperature_scale", 0.1), "temperature"),
+        (
+            lambda w: (w.add_expert_group_count(4), w.add_expert_group_used_count(2)),
+            r"softmax router in groups",
+        ),
+    ],
+)
+def test_latent_routing_transformers_cannot_run_is_one_line(
+    tmp_path: Path, keys: Callable[[gguf.GGUFWriter], None], message: str
+) -> None:
+    """A softmax router renormalised or ranked in groups (llama.cpp ranks a group by its best
+    two, DeepSeek-V2 by its best one): refused, nothing written."""
+    ckpt = _checkpoint(tmp_path / "hf", "deepseek2-lite")
+    _write_gguf(ckpt, tmp_path / "m.gguf", "deepseek2-lite", quantize=False, keys=keys)
+    with pytest.raises(CheckpointError, match=message) as e:
+        import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "imported").exists()
+
+
+def test_latent_value_half_missing_is_one_line(tmp_path: Path) -> None:
+    ckpt = _checkpoint(tmp_path / "hf", "deepseek2")
+    drop = ("blk.1.attn_v_b.weight",)
+    _write_gguf(ckpt, tmp_path / "m.gguf", "deepseek2", quantize=False, drop=drop)
+    with pytest.raises(CheckpointError, match=r"block 1 lacks self_attn\.v_b_proj") as e:
+        import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "imported").exists()

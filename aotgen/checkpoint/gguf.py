@@ -29,6 +29,7 @@ from aotgen.checkpoint.gguf_arch import (
     model_tensors,
     xielu_tensors,
 )
+from aotgen.checkpoint.gguf_arch_deepseek2 import deepseek2_tensors
 from aotgen.checkpoint.gguf_arch_gpt_oss import gpt_oss_tensors
 from aotgen.checkpoint.gguf_arch_qwen35 import qwen35_block_orders, qwen35_tensor
 from aotgen.checkpoint.gguf_check import check_tensors
@@ -179,6 +180,8 @@ def read_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict[str, n
         out.update(xielu_tensors(reader, config["num_hidden_layers"]))
     if arch == "gpt-oss":
         return gpt_oss_tensors(out, config)
+    if arch == "deepseek2":
+        return deepseek2_tensors(out, config)
     return _granite_moe(out) if arch == "granitemoe" else out
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from aotgen.checkpoint.gguf_arch_deepseek2 import DEEPSEEK2_LAYER, DEEPSEEK2_PARAMS
 from aotgen.checkpoint.gguf_arch_qwen35 import QWEN35_LAYER, QWEN35_PARAMS
 from aotgen.checkpoint.gguf_meta import meta_value, require_meta
 from aotgen.checkpoint.hf import CheckpointError
@@ -227,6 +228,11 @@ ARCHS: dict[str, Arch] = {
         "qwen3_5_moe_text",
         {**QWEN35_LAYER, **_MOE_LAYER},
         params=QWEN35_PARAMS,
+    ),
+    # latent attention (gguf_arch_deepseek2.py): DeepSeek-V3's, V2's or Youtu's by its
+    # routing; q/k as HF has them (NORM RoPE, adjacent pairs, no permutation)
+    "deepseek2": Arch(
+        "DeepseekV3ForCausalLM", "deepseek_v3", DEEPSEEK2_LAYER, params=DEEPSEEK2_PARAMS
     ),
     # q/k rows as HF has them (NEOX RoPE, no permutation)
     "gpt-oss": Arch("GptOssForCausalLM", "gpt_oss", _GPT_OSS_LAYER),

@@ -8,6 +8,7 @@ from typing import Any
 import gguf
 
 from aotgen.checkpoint.gguf_arch import arch_spec, hf_name, model_tensors
+from aotgen.checkpoint.gguf_arch_deepseek2 import LATENT_ARCHS, deepseek2_shape
 from aotgen.checkpoint.gguf_arch_gpt_oss import check_gpt_oss_tensors
 from aotgen.checkpoint.hf import CheckpointError
 
@@ -19,6 +20,8 @@ def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
     q, kv = c["num_attention_heads"] * hd, c.get("num_key_value_heads", 0) * hd
     name, kind = hf.rsplit(".", 1)
     leaf = name.rsplit(".", 1)[-1]
+    if c["architectures"][0] in LATENT_ARCHS and name.startswith("model.layers."):
+        return deepseek2_shape(name, kind, c)
     across_heads = c["architectures"][0].startswith("Olmo")  # OLMo's q/k norms: whole rows
     experts = c.get("num_experts") or c.get("num_local_experts")
     routed = ".mlp." in name or ".feed_forward.experts." in name  # LFM2-MoE's: feed_forward
@@ -129,9 +132,10 @@ def check_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
         check_gpt_oss_tensors({t.name for t in reader.tensors}, n_layer)
     # Blocks of one kind (LFM2: attention or convolution, dense or experts) have the same
     # tensors.
-    dense = config.get("num_dense_layers", n_layer)
+    dense = config.get("num_dense_layers", config.get("first_k_dense_replace", n_layer))
     kinds = [f"{t}-{i < dense}" for i, t in enumerate(config.get("layer_types") or [])]
-    by_type = spec.hf_arch.startswith(("Lfm2", "Qwen3_5"))
+    if by_type := spec.hf_arch.startswith(("Lfm2", "Qwen3_5", "Deepseek")):
+        kinds = kinds or [f"block-{i < dense}" for i in range(n_layer)]
     kinds = kinds if by_type else ["block"] * n_layer
     per_kind: dict[str, set[str]] = {}
     for n in names:

@@ -9,6 +9,7 @@ import gguf
 import numpy as np
 
 from aotgen.checkpoint.gguf_arch import ROPE_FACTORS, ROPE_FREQS, Arch, arch_spec
+from aotgen.checkpoint.gguf_arch_deepseek2 import deepseek2_config
 from aotgen.checkpoint.gguf_arch_gpt_oss import gpt_oss_config
 from aotgen.checkpoint.gguf_arch_layernorm import LAYERNORM_ARCHS, layernorm_config
 from aotgen.checkpoint.gguf_arch_mistral3 import mistral3_rope
@@ -31,7 +32,8 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     arch, spec = arch_spec(reader)
     config = _common_config(reader, arch, spec)
     divisors = _frequency_divisors(reader, config)
-    own_rope = ("gptneox", "lfm2", "lfm2moe", "gpt-oss", "qwen35", "qwen35moe", *LAYERNORM_ARCHS)
+    own_rope = ("gptneox", "lfm2", "lfm2moe", "gpt-oss", "qwen35", "qwen35moe", "deepseek2")
+    own_rope += LAYERNORM_ARCHS
     if divisors and (arch in own_rope or read_rope_scaling(reader, arch)):
         raise CheckpointError(
             f"GGUF {ROPE_FREQS} on {arch} (or with a rope.scaling.type) is not supported"
@@ -44,6 +46,8 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         return layernorm_config(reader, arch, config)
     if arch == "gpt-oss":
         return gpt_oss_config(reader, arch, config)
+    if arch == "deepseek2":
+        return deepseek2_config(reader, arch, config)
     if arch == "qwen35":
         return qwen35_config(reader, arch, config)
     if arch == "qwen35moe":

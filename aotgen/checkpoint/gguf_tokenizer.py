@@ -53,8 +53,9 @@ _SEED_CODER = (
     _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-# Hunyuan (dense)'s three splits: digits in threes, CJK runs, then words and punctuation.
-_HUNYUAN_DENSE = [
+# DeepSeek-V3's (and Hunyuan dense's) three splits: digits in threes, CJK runs, then words
+# and punctuation.
+_DEEPSEEK3 = [
     r"\p{N}{1,3}",
     "[一-龥぀-ゟ゠-ヿ]+",
     r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
@@ -101,7 +102,8 @@ PRE_TOKENIZERS: dict[str, list[str]] = {
     "qwen35": [_QWEN35],
     "stablelm2": [_QWEN2],
     "seed-coder": [_SEED_CODER],
-    "hunyuan-dense": _HUNYUAN_DENSE,
+    "hunyuan-dense": _DEEPSEEK3,
+    "deepseek-v3": _DEEPSEEK3,
     "starcoder": [r"\p{N}", _GPT2],
     "refact": [r"\p{N}", _GPT2],
     "command-r": [r"\p{N}", _GPT2],
