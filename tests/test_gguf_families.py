@@ -9,7 +9,8 @@ EXAONE 4, Nemotron and Seed-OSS with their q/k rows as HF has them, Ministral 3'
 with its YaRN and attention temperature, Hunyuan's q/k norms and stretched base, Apertus's
 xIELU parameters as metadata, gpt-oss's
 interleaved gate/up
-experts split and their biases apart, float or MXFP4, some weights quantized), imported
+experts split and their biases apart, float or MXFP4, some weights quantized, DeepSeek's
+kv_b_proj split into attn_k_b / attn_v_b or whole in older files), imported
 back, and the imported checkpoint must compute what the original computes in `transformers`,
 in `transformers` and in aotgen's model.
 """

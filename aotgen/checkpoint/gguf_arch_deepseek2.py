@@ -63,12 +63,12 @@ def deepseek2_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any])
     key = f"{arch}.attention"
     rope = int(require_meta(reader, f"{arch}.rope.dimension_count"))
     rank = int(require_meta(reader, f"{key}.kv_lora_rank"))
-    split = meta_value(reader, f"{key}.key_length_mla") is not None
-    k_dim = int(meta_value(reader, f"{key}.key_length_mla" if split else f"{key}.key_length"))
-    v_dim = int(meta_value(reader, f"{key}.value_length_mla" if split else f"{key}.value_length"))
+    mla = "_mla" if meta_value(reader, f"{key}.key_length_mla") is not None else ""
+    k_dim = int(require_meta(reader, f"{key}.key_length{mla}"))
+    v_dim = int(require_meta(reader, f"{key}.value_length{mla}"))
     if k_dim <= rope:
         raise CheckpointError(
-            f"GGUF {key}.key_length{'_mla' if split else ''} {k_dim} is not wider than "
+            f"GGUF {key}.key_length{mla} {k_dim} is not wider than "
             f"rope.dimension_count {rope}: not a latent-attention file"
         )
     if meta_value(reader, f"{key}.temperature_scale"):
@@ -120,7 +120,8 @@ def _routing(
         "n_shared_experts": int(meta_value(reader, f"{arch}.expert_shared_count", 0) or 0),
         "moe_intermediate_size": int(require_meta(reader, f"{arch}.expert_feed_forward_length")),
         "first_k_dense_replace": dense,
-        "routed_scaling_factor": f32(meta_value(reader, f"{arch}.expert_weights_scale", 1.0)),
+        # 0 or none stored: unscaled
+        "routed_scaling_factor": f32(meta_value(reader, f"{arch}.expert_weights_scale", 0)) or 1.0,
         "norm_topk_prob": normalise,
     }
     if gating == _SIGMOID:
