@@ -22,7 +22,13 @@ from cpp_build import require_cpp_build
 from tiny import CHATML
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from aotgen.checkpoint.gguf_tokenizer import _DEEPSEEK3, _QWEN35, _TEKKEN
+from aotgen.checkpoint.gguf_tokenizer import (
+    _DEEPSEEK3,
+    _DEEPSEEK_CODER,
+    _DEEPSEEK_LLM,
+    _QWEN35,
+    _TEKKEN,
+)
 
 pytestmark = pytest.mark.cpp
 
@@ -277,6 +283,8 @@ def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     configs["ignore_merges"] = with_changes(base, model_ignore_merges=True)
     for name, regexes in (
         ("hunyuan_splits", _DEEPSEEK3),
+        ("deepseek_llm_splits", _DEEPSEEK_LLM),  # scripts' letters, trailing spaces
+        ("deepseek_coder_splits", _DEEPSEEK_CODER),
         ("tekken_split", [_TEKKEN]),
         ("qwen35_split", [_QWEN35]),  # combining marks inside words
     ):
@@ -348,6 +356,8 @@ ALL_VARIANTS = [
     "split_regex",
     "ignore_merges",
     "hunyuan_splits",
+    "deepseek_llm_splits",
+    "deepseek_coder_splits",
     "tekken_split",
     "qwen35_split",
     "added_flags",
@@ -389,6 +399,8 @@ def test_encode_matches_tokenizers(tokenize_bin: Path, variants: dict[str, Path]
         "split_regex",
         "prefix_space",
         "hunyuan_splits",
+        "deepseek_llm_splits",
+        "deepseek_coder_splits",
         "tekken_split",
         "qwen35_split",
     ],
@@ -432,7 +444,8 @@ def random_texts(seed: int, count: int) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "variant", ["base", "digits", "split_regex", "added_flags", "unk", "smollm2_like"]
+    "variant",
+    ["base", "digits", "split_regex", "added_flags", "unk", "smollm2_like", "deepseek_llm_splits"],
 )
 def test_random_strings_match_tokenizers(
     tokenize_bin: Path, variants: dict[str, Path], variant: str

@@ -205,6 +205,10 @@ def test_unknown_architecture(tmp_path: Path) -> None:
         ("tekken", ["a", " b", " ", "1", "2", "3", "4", "5", "\n\n", " "]),  # digits one by one
         ("seed-coder", ["a", " b", " ", "1", "2", "3", "4", "5", "\n\n", " "]),
         ("hunyuan-dense", ["a", " b", " ", "123", "45", "\n\n", " "]),
+        ("deepseek-v3", ["a", " b", " ", "123", "45", "\n\n", " "]),
+        # newlines one by one, digits in a run; DeepSeek-Coder's one by one
+        ("deepseek-llm", ["a", " b", " ", "12345", "\n", "\n", " "]),
+        ("deepseek-coder", ["a", " b", " ", "1", "2", "3", "4", "5", "\n", "\n", " "]),
     ],
 )
 def test_pre_tokenizer_splits_as_llama_cpp(tmp_path: Path, pre: str, pieces: list[str]) -> None:
