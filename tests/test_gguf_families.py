@@ -236,7 +236,10 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # DeepSeek-V2-Lite: q without a bottleneck, softmax routing, two shared experts.
     "deepseek2-lite": FAMILIES["deepseek-v2-lite"],
     # Youtu-LLM: dense; llama.cpp rotates adjacent pairs (rope_interleave).
-    "deepseek2-youtu": ("YoutuConfig", {**FAMILIES["youtu"][1], "rope_interleave": True}),
+    "deepseek2-youtu": (
+        "YoutuConfig",
+        {**FAMILIES["youtu"][1], "rope_interleave": True, "tie_word_embeddings": False},
+    ),
 }
 LATENT_CASES = ("deepseek2", "deepseek2-kv_b", "deepseek2-lite", "deepseek2-youtu")
 # The GGUF architecture of the test cases named otherwise.
@@ -1320,3 +1323,34 @@ def test_latent_value_half_missing_is_one_line(tmp_path: Path) -> None:
         import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
     assert "\n" not in str(e.value)
     assert not (tmp_path / "imported").exists()
+
+
+# llama.cpp's greedy continuations of LATENT_PROMPT on these cases' files (`llama-simple -n
+# 32`, its bytes after the prompt): the import must run the model llama.cpp runs, not only one
+# transformers reads back. At 165 prompt tokens they change with the RoPE pairs, YaRN's
+# softmax gain or the expert groups.
+LATENT_PROMPT = " ".join(CORPUS)[:300]
+LLAMA_CPP_LATENT = {
+    "deepseek2": b"\xe7\xa3\x97i\x1da c ofaf\x077\xba\xad\xef\xff insick\x85\x077\xba\xad"
+    b"\xef\xff insick\x85\x077\xba",
+    "deepseek2-kv_b": b"\xe7\xa3\x97i\x1da c ofaf\x077\xba\xad\xef\xff insick\x85\x077\xba"
+    b"\xad\xef\xff insick\x85\x077\xba",
+    "deepseek2-youtu": b"#dens\xd2 of\xed\x1c\x06\xd2 of\xed\x1c\x06\xd2 of\xed\x1c\x06\xd2 of"
+    b"\xed\x1c\x06\xd2 of\xe6pa\xb4~$ 1n",
+    # 27 blocks: llama.cpp reads a file without q_lora_rank only at V2-Lite's depth
+    "deepseek2-lite": b"\xc7\x85\x89lin\xe2(The the*\x0c\xa5\x96 the*\x0c o2latital;\xca\xb3 the*"
+    b"\x0c\xa5\x96\x98,\x0c\xa5\x96",
+}
+
+
+@pytest.mark.parametrize("case", list(LLAMA_CPP_LATENT))
+def test_latent_gguf_continues_as_llama_cpp(tmp_path: Path, case: str) -> None:
+    sizes = {"num_hidden_layers": 27} if case == "deepseek2-lite" else {}
+    ckpt = _checkpoint(tmp_path / "hf", case, **sizes)
+    _write_gguf(ckpt, tmp_path / "m.gguf", case, quantize=False)
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
+    tok = Tokenizer.from_dir(out)
+    ids = EagerModel(out, 256).greedy(tok.encode(LATENT_PROMPT), 32)
+    ends = [i for i, t in enumerate(ids) if t in tok.eos_ids]  # where llama-simple stops
+    text = b"".join(tok.token_bytes(t) for t in ids[: ends[0] if ends else None])
+    assert text == LLAMA_CPP_LATENT[case]
