@@ -1,7 +1,8 @@
 """A latent-attention checkpoint written as llama.cpp's converter writes it
 (conversion/deepseek.py DeepseekV2Model, conversion/base.py): `deepseek2` metadata, kv_b_proj
 split into attn_k_b (each head's key rows transposed) and attn_v_b, or kept whole as
-attn_kv_b the way files from before that split hold it."""
+attn_kv_b the way files from before that split hold it; MiniCPM3's `minicpm3`
+(conversion/minicpm.py MiniCPM3Model)."""
 
 from __future__ import annotations
 
@@ -91,3 +92,19 @@ def latent_tensors(hf: str, x: np.ndarray, cfg: dict[str, Any], split: bool):
         (f"blk.{layer}.attn_k_b.weight", np.ascontiguousarray(keys.transpose(0, 2, 1))),
         (f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(values)),
     ]
+
+
+def minicpm3_meta(w: gguf.GGUFWriter, cfg: dict[str, Any]) -> None:
+    """minicpm3's keys (no RoPE base, no value width: llama.cpp's defaults) and LongRoPE's
+    factors as tensors."""
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_q_lora_rank(cfg["q_lora_rank"])
+    w.add_kv_lora_rank(cfg["kv_lora_rank"])
+    w.add_key_length(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
+    w.add_rope_dimension_count(cfg["qk_rope_head_dim"])
+    params = cfg["rope_parameters"]
+    if params.get("rope_type") == "longrope":
+        for kind in ("long", "short"):
+            factors = np.asarray(params[f"{kind}_factor"], np.float32)
+            w.add_tensor(f"rope_factors_{kind}.weight", factors)

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 from families import FAMILIES, load_reference, randomize, reference_logits
-from gguf_latent import LATENT_NAMES, latent_meta, latent_tensors
+from gguf_latent import LATENT_NAMES, latent_meta, latent_tensors, minicpm3_meta
 from reference import EagerModel
 from safetensors import safe_open
 from tiny import CHATML, CORPUS, make_tokenizer
@@ -79,6 +79,14 @@ DEEPSEEK_V3 = {
     **FAMILIES["deepseek-v3"][1],
     "rope_parameters": {**FAMILIES["deepseek-v3"][1]["rope_parameters"], "mscale": 0.8},
     "norm_topk_prob": True,
+}
+# llama.cpp's MiniCPM3 reads no value width: a head's is hidden / heads, as MiniCPM3-4B's.
+MINICPM3 = {
+    **FAMILIES["minicpm3"][1],
+    "scale_emb": 12.0,
+    "dim_model_base": 256,
+    "v_head_dim": BASE["hidden_size"] // BASE["num_attention_heads"],
+    "tie_word_embeddings": False,  # a head of its own: a tied one repeats the last token here
 }
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", dict(num_hidden_layers=2, num_key_value_heads=2)),
@@ -240,11 +248,30 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "YoutuConfig",
         {**FAMILIES["youtu"][1], "rope_interleave": True, "tie_word_embeddings": False},
     ),
+    # MiniCPM3: llama.cpp's fixed scales (MiniCPM3-4B's), RoPE on halves, kv_b_proj whole;
+    # with LongRoPE's factors as tensors.
+    "minicpm3": ("MiniCPM3Config", MINICPM3),
+    "minicpm3-longrope": (
+        "MiniCPM3Config",
+        {
+            **MINICPM3,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0, 4.1, 5.5],
+                "long_factor": [1.2, 1.6, 2.3, 3.4, 5.0, 7.2, 10.5, 15.0],
+                "original_max_position_embeddings": 256,
+            },
+        },
+    ),
 }
 LATENT_CASES = ("deepseek2", "deepseek2-kv_b", "deepseek2-lite", "deepseek2-youtu")
+MINICPM3_CASES = ("minicpm3", "minicpm3-longrope")
+SPLIT_LATENT = ("deepseek2", "deepseek2-lite", "deepseek2-youtu")  # kv_b_proj as k_b / v_b
 # The GGUF architecture of the test cases named otherwise.
 GGUF_ARCH = {
     **{case: "deepseek2" for case in LATENT_CASES},
+    "minicpm3-longrope": "minicpm3",
     "olmo3": "olmo2",
     "mixtral": "llama",
     "phi2-qkv": "phi2",
@@ -565,6 +592,8 @@ def _checkpoint(out: Path, arch: str, mxfp4: bool = False, **sizes: Any) -> Path
                 rows = p.detach().numpy().transpose(0, 2, 1)  # [E, out, in], as stored
                 held = _mxfp4_values(*_mxfp4_blocks(rows)).transpose(0, 2, 1)
                 p.copy_(torch.from_numpy(np.ascontiguousarray(held)))
+        if arch.startswith("minicpm3"):  # embeddings as large after llama.cpp's × 12 as others
+            model.model.embed_tokens.weight /= 12
         if arch == "deepseek2-youtu":  # its padding row zero, as transformers loads it
             model.model.embed_tokens.weight[config.pad_token_id] = 0
     model.save_pretrained(out)
@@ -582,7 +611,7 @@ def _gguf_name(arch: str, hf: str) -> str:
         return f"{GLOBAL_NAMES[module]}.{kind}"
     parts = module.split(".")  # model.layers.I.rest or gpt_neox.layers.I.rest
     i, rest = parts[2], ".".join(parts[3:])
-    if arch in LATENT_CASES and rest in LATENT_NAMES:
+    if arch in LATENT_CASES + MINICPM3_CASES and rest in LATENT_NAMES:
         return f"blk.{i}.{LATENT_NAMES[rest]}.{kind}"
     if rest in MOE_NAMES:
         return f"blk.{i}.{MOE_NAMES[rest]}.{kind}"
@@ -888,6 +917,8 @@ def _write_gguf(
         _cohere_meta(w, kind, cfg, head_dim)
     elif kind == "nemotron":
         _nemotron_meta(w, cfg, head_dim)
+    elif kind == "minicpm3":
+        minicpm3_meta(w, cfg)
     elif kind == "deepseek2":
         sigmoid = cfg["architectures"] == ["DeepseekV3ForCausalLM"]
         latent_meta(w, cfg, split=arch != "deepseek2-kv_b", sigmoid=sigmoid)
@@ -948,8 +979,8 @@ def _write_gguf(
                     else:
                         w.add_tensor(name, np.ascontiguousarray(t))
                 continue
-            if kind == "deepseek2" and (
-                pairs := latent_tensors(hf, x, cfg, split=arch != "deepseek2-kv_b")
+            if kind in ("deepseek2", "minicpm3") and (
+                pairs := latent_tensors(hf, x, cfg, split=arch in SPLIT_LATENT)
             ):
                 for name, t in pairs:
                     w.add_tensor(name, t)
@@ -1328,7 +1359,7 @@ def test_latent_value_half_missing_is_one_line(tmp_path: Path) -> None:
 # llama.cpp's greedy continuations of LATENT_PROMPT on these cases' files (`llama-simple -n
 # 32`, its bytes after the prompt): the import must run the model llama.cpp runs, not only one
 # transformers reads back. At 165 prompt tokens they change with the RoPE pairs, YaRN's
-# softmax gain or the expert groups.
+# softmax gain, the expert groups or LongRoPE's factors.
 LATENT_PROMPT = " ".join(CORPUS)[:300]
 LLAMA_CPP_LATENT = {
     "deepseek2": b"\xe7\xa3\x97i\x1da c ofaf\x077\xba\xad\xef\xff insick\x85\x077\xba\xad"
@@ -1338,6 +1369,9 @@ LLAMA_CPP_LATENT = {
     "deepseek2-youtu": b"#dens\xd2 of\xed\x1c\x06\xd2 of\xed\x1c\x06\xd2 of\xed\x1c\x06\xd2 of"
     b"\xed\x1c\x06\xd2 of\xe6pa\xb4~$ 1n",
     # 27 blocks: llama.cpp reads a file without q_lora_rank only at V2-Lite's depth
+    "minicpm3": b"\xbbbjuW\xee7\x97\x13 caf5_\xbe\x96Ber\x97\x13 caf5_\xbe\x96Ber\x97\x13 caf5_"
+    b"\xbe\x96",
+    "minicpm3-longrope": b"\xbbO\xf0adThe\x02\xcbx\x98pVj\xd4Vj\xd4Vj\xd4Vj\xd4Vj\xd4Vj\xd4Vj\xd4V",
     "deepseek2-lite": b"\xc7\x85\x89lin\xe2(The the*\x0c\xa5\x96 the*\x0c o2latital;\xca\xb3 the*"
     b"\x0c\xa5\x96\x98,\x0c\xa5\x96",
 }

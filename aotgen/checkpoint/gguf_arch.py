@@ -234,6 +234,7 @@ ARCHS: dict[str, Arch] = {
     "deepseek2": Arch(
         "DeepseekV3ForCausalLM", "deepseek_v3", DEEPSEEK2_LAYER, params=DEEPSEEK2_PARAMS
     ),
+    "minicpm3": Arch("MiniCPM3ForCausalLM", "minicpm3", DEEPSEEK2_LAYER),  # NEOX: as HF has them
     # q/k rows as HF has them (NEOX RoPE, no permutation)
     "gpt-oss": Arch("GptOssForCausalLM", "gpt_oss", _GPT_OSS_LAYER),
     "gptneox": Arch(

@@ -1,6 +1,6 @@
 """DeepSeek-V2 / V3's latent attention (`general.architecture = deepseek2`: DeepSeek-V2,
-V2-Lite, V2.5, Coder-V2, V3, R1, Kimi K2, Moonlight, Youtu-LLM) as llama.cpp runs it: its
-config.json, its tensors' expected shapes, and `kv_b_proj` put back together.
+V2-Lite, V2.5, Coder-V2, V3, R1, Kimi K2, Moonlight, Youtu-LLM; and `minicpm3`) as llama.cpp
+runs it: its config.json, its tensors' expected shapes, and `kv_b_proj` put back together.
 
 llama.cpp's converter (conversion/deepseek.py) writes the latent attention as multi-query
 attention over the latent: `head_count_kv` 1, `key_length` / `value_length` the latent's
@@ -53,7 +53,15 @@ DEEPSEEK2_LAYER = {
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
 DEEPSEEK2_PARAMS = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}
-LATENT_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "YoutuForCausalLM")
+LATENT_ARCHS = (
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "YoutuForCausalLM",
+    "MiniCPM3ForCausalLM",
+)
+# llama.cpp's MiniCPM3 (src/models/minicpm3.cpp) scales by constants, whatever the file holds:
+# MiniCPM3-4B's own.
+MINICPM3_SCALES = {"scale_emb": 12.0, "scale_depth": 1.4, "dim_model_base": 256}
 _SOFTMAX, _SIGMOID = gguf.ExpertGatingFuncType.SOFTMAX, gguf.ExpertGatingFuncType.SIGMOID
 
 
@@ -97,6 +105,43 @@ def deepseek2_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any])
     if not experts or dense >= n_layer:
         return config | {"architectures": ["YoutuForCausalLM"], "model_type": "youtu"}
     return config | _routing(reader, arch, config, experts, dense)
+
+
+def minicpm3_config(
+    reader: gguf.GGUFReader, arch: str, config: dict[str, Any], factors: dict[str, list[float]]
+) -> dict[str, Any]:
+    """transformers' MiniCPM3 config of what llama.cpp runs: a head's key width as
+    `key_length` (the latent not split), values as wide as hidden / heads, RoPE on halves at
+    llama.cpp's base (the converter stores none: 10000), LongRoPE where the file holds its
+    factors, short below the original context and long past it (llama.cpp's choice by the
+    context it runs), and llama.cpp's fixed scales."""
+    key = f"{arch}.attention"
+    rope = int(require_meta(reader, f"{arch}.rope.dimension_count"))
+    k_dim = int(require_meta(reader, f"{key}.key_length"))
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    base = f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0))
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": base}
+    if factors:
+        if len(factors) != 2:
+            raise CheckpointError("GGUF has one of rope_factors_long / rope_factors_short only")
+        original = meta_value(reader, f"{arch}.rope.scaling.original_context_length")
+        original = int(original or config["max_position_embeddings"])
+        params = {"rope_type": "longrope", "rope_theta": base, **factors}
+        params["original_max_position_embeddings"] = original
+    config = {k: v for k, v in config.items() if k != "head_dim"}
+    return (
+        config
+        | MINICPM3_SCALES
+        | {
+            "q_lora_rank": int(require_meta(reader, f"{key}.q_lora_rank")),
+            "kv_lora_rank": int(require_meta(reader, f"{key}.kv_lora_rank")),
+            "qk_rope_head_dim": rope,
+            "qk_nope_head_dim": k_dim - rope,
+            "v_head_dim": int(meta_value(reader, f"{key}.value_length", hidden // heads)),
+            "rms_norm_eps": f32(require_meta(reader, f"{key}.layer_norm_rms_epsilon")),
+            "rope_parameters": params,
+        }
+    )
 
 
 def _routing(

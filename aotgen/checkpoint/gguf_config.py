@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 
 from aotgen.checkpoint.gguf_arch import ROPE_FACTORS, ROPE_FREQS, Arch, arch_spec
-from aotgen.checkpoint.gguf_arch_deepseek2 import deepseek2_config
+from aotgen.checkpoint.gguf_arch_deepseek2 import deepseek2_config, minicpm3_config
 from aotgen.checkpoint.gguf_arch_gpt_oss import gpt_oss_config
 from aotgen.checkpoint.gguf_arch_layernorm import LAYERNORM_ARCHS, layernorm_config
 from aotgen.checkpoint.gguf_arch_mistral3 import mistral3_rope
@@ -33,6 +33,7 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     config = _common_config(reader, arch, spec)
     divisors = _frequency_divisors(reader, config)
     own_rope = ("gptneox", "lfm2", "lfm2moe", "gpt-oss", "qwen35", "qwen35moe", "deepseek2")
+    own_rope += ("minicpm3",)
     own_rope += LAYERNORM_ARCHS
     if divisors and (arch in own_rope or read_rope_scaling(reader, arch)):
         raise CheckpointError(
@@ -48,6 +49,8 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         return gpt_oss_config(reader, arch, config)
     if arch == "deepseek2":
         return deepseek2_config(reader, arch, config)
+    if arch == "minicpm3":
+        return minicpm3_config(reader, arch, config, _rope_factors(reader))
     if arch == "qwen35":
         return qwen35_config(reader, arch, config)
     if arch == "qwen35moe":
@@ -284,11 +287,7 @@ def _llama_variant(reader: gguf.GGUFReader, arch: str, head_dim: int) -> dict[st
         out["partial_rotary_factor"] = rot / head_dim
     window = int(meta_value(reader, f"{arch}.attention.sliding_window", 0) or 0)
     out["sliding_window"] = window or None  # 0: none (Phi-4)
-    factors = {
-        key: [f32(x) for x in t.data.tolist()]
-        for t in reader.tensors
-        if (key := ROPE_FACTORS.get(t.name)) is not None
-    }
+    factors = _rope_factors(reader)
     if factors:
         if len(factors) != 2:
             raise CheckpointError("GGUF has one of rope_factors_long / rope_factors_short only")
@@ -299,3 +298,12 @@ def _llama_variant(reader: gguf.GGUFReader, arch: str, head_dim: int) -> dict[st
         if gain is not None:
             out["rope_scaling"]["attention_factor"] = f32(gain)
     return out
+
+
+def _rope_factors(reader: gguf.GGUFReader) -> dict[str, list[float]]:
+    """LongRoPE's factors the file holds as tensors, by their config key."""
+    return {
+        key: [f32(x) for x in t.data.tolist()]
+        for t in reader.tensors
+        if (key := ROPE_FACTORS.get(t.name)) is not None
+    }
