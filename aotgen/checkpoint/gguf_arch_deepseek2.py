@@ -122,8 +122,6 @@ def minicpm3_config(
     base = f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0))
     params: dict[str, Any] = {"rope_type": "default", "rope_theta": base}
     if factors:
-        if len(factors) != 2:
-            raise CheckpointError("GGUF has one of rope_factors_long / rope_factors_short only")
         original = meta_value(reader, f"{arch}.rope.scaling.original_context_length")
         original = int(original or config["max_position_embeddings"])
         params = {"rope_type": "longrope", "rope_theta": base, **factors}

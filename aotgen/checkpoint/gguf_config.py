@@ -289,8 +289,6 @@ def _llama_variant(reader: gguf.GGUFReader, arch: str, head_dim: int) -> dict[st
     out["sliding_window"] = window or None  # 0: none (Phi-4)
     factors = _rope_factors(reader)
     if factors:
-        if len(factors) != 2:
-            raise CheckpointError("GGUF has one of rope_factors_long / rope_factors_short only")
         original = require_meta(reader, f"{arch}.rope.scaling.original_context_length")
         out["original_max_position_embeddings"] = int(original)
         out["rope_scaling"] = {"rope_type": "longrope", **factors}
@@ -301,9 +299,12 @@ def _llama_variant(reader: gguf.GGUFReader, arch: str, head_dim: int) -> dict[st
 
 
 def _rope_factors(reader: gguf.GGUFReader) -> dict[str, list[float]]:
-    """LongRoPE's factors the file holds as tensors, by their config key."""
-    return {
+    """LongRoPE's factors the file holds as tensors, by their config key: both or none."""
+    factors = {
         key: [f32(x) for x in t.data.tolist()]
         for t in reader.tensors
         if (key := ROPE_FACTORS.get(t.name)) is not None
     }
+    if len(factors) == 1:
+        raise CheckpointError("GGUF has one of rope_factors_long / rope_factors_short only")
+    return factors
