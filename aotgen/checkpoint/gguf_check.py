@@ -133,10 +133,9 @@ def check_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
     # Blocks of one kind (LFM2: attention or convolution, dense or experts) have the same
     # tensors.
     dense = config.get("num_dense_layers", config.get("first_k_dense_replace", n_layer))
-    kinds = [f"{t}-{i < dense}" for i, t in enumerate(config.get("layer_types") or [])]
-    if by_type := spec.hf_arch.startswith(("Lfm2", "Qwen3_5", "Deepseek")):
-        kinds = kinds or [f"block-{i < dense}" for i in range(n_layer)]
-    kinds = kinds if by_type else ["block"] * n_layer
+    types = config.get("layer_types") or ["block"] * n_layer
+    by_type = spec.hf_arch.startswith(("Lfm2", "Qwen3_5", "Deepseek"))
+    kinds = [f"{t}-{i < dense}" for i, t in enumerate(types)] if by_type else ["block"] * n_layer
     per_kind: dict[str, set[str]] = {}
     for n in names:
         if n.startswith(spec.layer_prefix + "."):
