@@ -250,6 +250,20 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # MiniCPM3: llama.cpp's fixed scales (MiniCPM3-4B's), RoPE on halves, kv_b_proj whole;
     # with LongRoPE's factors as tensors.
+    # GLM-4.5 as glm4moe: q/k/v biased, q/k norms (the 355B's), half of each head rotated,
+    # layer 0 dense, 8 experts in 2 groups (1 kept) with exp_probs_b, a shared expert.
+    "glm4moe": ("Glm4MoeConfig", {**FAMILIES["glm4-moe"][1], "use_qk_norm": True}),
+    # Solar Open, which the converter writes as glm4moe: every block sparse (no dense width or
+    # leading dense count stored), unbiased, the whole head rotated, weights not renormalised.
+    "glm4moe-solar": (
+        "SolarOpenConfig",
+        {
+            **FAMILIES["solar-open"][1],
+            "attention_bias": False,
+            "norm_topk_prob": False,
+            "rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+        },
+    ),
     "minicpm3": ("MiniCPM3Config", MINICPM3),
     "minicpm3-longrope": (
         "MiniCPM3Config",
@@ -272,6 +286,7 @@ SPLIT_LATENT = ("deepseek2", "deepseek2-lite", "deepseek2-youtu")  # kv_b_proj a
 GGUF_ARCH = {
     **{case: "deepseek2" for case in LATENT_CASES},
     "minicpm3-longrope": "minicpm3",
+    "glm4moe-solar": "glm4moe",
     "olmo3": "olmo2",
     "mixtral": "llama",
     "phi2-qkv": "phi2",
@@ -359,6 +374,13 @@ GLM4_NAMES = {
     "post_attention_layernorm": "ffn_norm",
     "post_mlp_layernorm": "post_ffw_norm",
     "mlp.gate_up_proj": "ffn_up",
+}
+GROUPED_MOE_NAMES = {  # conversion/glm.py Glm4MoeModel (and SolarOpenModel)
+    **LAYER_NAMES["llama"],
+    "post_attention_layernorm": "post_attention_norm",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
 }
 GEMMA_NAMES = {
     **LAYER_NAMES["llama"],
@@ -604,8 +626,8 @@ def _gguf_name(arch: str, hf: str) -> str:
     if arch.startswith("qwen35") and hf.endswith(("linear_attn.A_log", "linear_attn.dt_bias")):
         leaf = "ssm_a" if hf.endswith("A_log") else "ssm_dt.bias"
         return f"blk.{hf.split('.')[2]}.{leaf}"
-    if hf.endswith("feed_forward.expert_bias"):  # LFM2-MoE's, a tensor of its own
-        return f"blk.{hf.split('.')[2]}.exp_probs_b.bias"
+    if hf.endswith(("feed_forward.expert_bias", "mlp.gate.e_score_correction_bias")):
+        return f"blk.{hf.split('.')[2]}.exp_probs_b.bias"  # LFM2-MoE's, GLM-4.5's
     module, kind = hf.rsplit(".", 1)
     if module in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[module]}.{kind}"
@@ -638,6 +660,8 @@ def _gguf_name(arch: str, hf: str) -> str:
         "qwen35": QWEN35_NAMES,
         "qwen35moe": QWEN35_NAMES,
         "qwen35-r3": QWEN35_NAMES,
+        "glm4moe": GROUPED_MOE_NAMES,
+        "glm4moe-solar": GROUPED_MOE_NAMES,
     }.get(arch, LAYER_NAMES["llama"])
     return f"blk.{i}.{names[rest]}.{kind}"
 
@@ -843,6 +867,25 @@ def _moe_meta(w: gguf.GGUFWriter, cfg: dict[str, Any]) -> None:
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
 
 
+def _grouped_moe_meta(w: gguf.GGUFWriter, cfg: dict[str, Any], head_dim: int) -> None:
+    """What llama.cpp's converter writes of GLM-4.5 and Solar Open (conversion/glm.py
+    Glm4MoeModel on base.py's keys): the groups, half of each head rotated unless the config
+    says otherwise, the experts, sigmoid gating, the keys the config has."""
+    rotary = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 0.5)
+    w.add_rope_dimension_count(int(head_dim * rotary))
+    w.add_expert_count(cfg["n_routed_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_group_count(cfg["n_group"])
+    w.add_expert_group_used_count(cfg["topk_group"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    if cfg.get("first_k_dense_replace") is not None:
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    w.add_expert_weights_norm(cfg["norm_topk_prob"])
+
+
 def _lfm2_meta(w: gguf.GGUFWriter, cfg: dict[str, Any]) -> None:
     """What llama.cpp's converter writes of LFM2 (conversion/lfm2.py): KV heads per block (0
     on the convolutions), the kernel, the MLP width LFM2 derives from block_ff_dim; LFM2-MoE's
@@ -898,8 +941,8 @@ def _write_gguf(
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
-    if kind not in ("lfm2", "phi2"):  # their own widths: _lfm2_meta, _layernorm_meta
-        w.add_feed_forward_length(cfg["intermediate_size"])
+    if kind not in ("lfm2", "phi2") and "intermediate_size" in cfg:  # (Solar Open: none)
+        w.add_feed_forward_length(cfg["intermediate_size"])  # (LFM2's, Phi-2's: their own)
     w.add_head_count(cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     if arch == "gptneox":
@@ -946,6 +989,8 @@ def _write_gguf(
         _moe_meta(w, cfg)
         if kind.startswith("qwen35"):
             _qwen35_meta(w, kind, cfg, head_dim)
+        if kind == "glm4moe":
+            _grouped_moe_meta(w, cfg, head_dim)
         if kind == "gpt-oss":
             _gpt_oss_meta(w, cfg)
     if keys is not None:
@@ -1079,26 +1124,39 @@ def test_quantized_blocks_dequantize(tmp_path: Path, arch: str) -> None:
             np.testing.assert_allclose(g.get_tensor(name), want, atol=1e-6, err_msg=name)
 
 
-def test_qwen35_multi_token_prediction_block_is_left_out(tmp_path: Path) -> None:
-    """A Qwen3.5 GGUF converted with its MTP block (blk.4: one more block, its nextn.*
-    tensors, `nextn_predict_layers` 1) imports as the 4-block model, as transformers loads
-    the checkpoint without `mtp.*`."""
-    ckpt = _checkpoint(tmp_path / "hf", "qwen35")
-    d = 64
+@pytest.mark.parametrize("arch", ["qwen35", "glm4moe"])
+def test_multi_token_prediction_block_is_left_out(tmp_path: Path, arch: str) -> None:
+    """A GGUF converted with its MTP block (one more block, its nextn.* tensors,
+    `nextn_predict_layers` 1) imports as the model without it, as transformers loads the
+    checkpoint without its MTP layer."""
+    ckpt = _checkpoint(tmp_path / "hf", arch)
+    n, d = json.loads((ckpt / "config.json").read_text())["num_hidden_layers"], 64
     mtp = {
-        "blk.4.attn_norm.weight": np.ones(d, np.float32),
-        "blk.4.nextn.eh_proj.weight": np.zeros((d, 2 * d), np.float32),
-        "blk.4.nextn.enorm.weight": np.ones(d, np.float32),
+        f"blk.{n}.attn_norm.weight": np.ones(d, np.float32),
+        f"blk.{n}.nextn.eh_proj.weight": np.zeros((d, 2 * d), np.float32),
+        f"blk.{n}.nextn.enorm.weight": np.ones(d, np.float32),
     }
 
     def one_more_block(w: gguf.GGUFWriter) -> None:
-        w.add_block_count(5)
+        w.add_block_count(n + 1)
         w.add_nextn_predict_layers(1)
 
-    _write_gguf(ckpt, tmp_path / "m.gguf", "qwen35", quantize=False, extra=mtp, keys=one_more_block)
+    _write_gguf(ckpt, tmp_path / "m.gguf", arch, quantize=False, extra=mtp, keys=one_more_block)
     out = import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
-    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 4
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == n
     _assert_same_tensors(ckpt, out, atol=1e-6)
+
+
+def test_glm4moe_softmax_routing_is_one_line(tmp_path: Path) -> None:
+    """GLM-4.5's router is sigmoid; a file storing another gating is refused, nothing written."""
+    ckpt = _checkpoint(tmp_path / "hf", "glm4moe")
+    softmax = gguf.ExpertGatingFuncType.SOFTMAX
+    keys = lambda w: w.add_uint32("glm4moe.expert_gating_func", softmax)  # noqa: E731
+    _write_gguf(ckpt, tmp_path / "m.gguf", "glm4moe", quantize=False, keys=keys)
+    with pytest.raises(CheckpointError, match=r"expert_gating_func 1: only sigmoid") as e:
+        import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "imported").exists()
 
 
 def test_exaone4_below_64_layers_imports_without_its_window(tmp_path: Path) -> None:
@@ -1356,35 +1414,46 @@ def test_latent_value_half_missing_is_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "imported").exists()
 
 
-# llama.cpp's greedy continuations of LATENT_PROMPT on these cases' files (`llama-simple -n
+# llama.cpp's greedy continuations of LLAMA_CPP_PROMPT on these cases' files (`llama-simple -n
 # 32`, its bytes after the prompt): the import must run the model llama.cpp runs, not only one
-# transformers reads back. At 165 prompt tokens they change with the RoPE pairs, YaRN's
-# softmax gain, the expert groups or LongRoPE's factors.
-LATENT_PROMPT = " ".join(CORPUS)[:300]
-LLAMA_CPP_LATENT = {
+# transformers reads back. At 165 prompt tokens they change with the RoPE pairs or rotated
+# share, YaRN's softmax gain, the expert groups, the weights' renormalisation or LongRoPE's
+# factors.
+LLAMA_CPP_PROMPT = " ".join(CORPUS)[:300]
+LLAMA_CPP_CONTINUATIONS = {
     "deepseek2": b"\xe7\xa3\x97i\x1da c ofaf\x077\xba\xad\xef\xff insick\x85\x077\xba\xad"
     b"\xef\xff insick\x85\x077\xba",
     "deepseek2-kv_b": b"\xe7\xa3\x97i\x1da c ofaf\x077\xba\xad\xef\xff insick\x85\x077\xba"
     b"\xad\xef\xff insick\x85\x077\xba",
     "deepseek2-youtu": b"#dens\xd2 of\xed\x1c\x06\xd2 of\xed\x1c\x06\xd2 of\xed\x1c\x06\xd2 of"
     b"\xed\x1c\x06\xd2 of\xe6pa\xb4~$ 1n",
-    # 27 blocks: llama.cpp reads a file without q_lora_rank only at V2-Lite's depth
     "minicpm3": b"\xbbbjuW\xee7\x97\x13 caf5_\xbe\x96Ber\x97\x13 caf5_\xbe\x96Ber\x97\x13 caf5_"
     b"\xbe\x96",
     "minicpm3-longrope": b"\xbbO\xf0adThe\x02\xcbx\x98pVj\xd4Vj\xd4Vj\xd4Vj\xd4Vj\xd4Vj\xd4Vj\xd4V",
+    "glm4moe": b"Z?#X\x91\xc3\xab\xa2\x89^\xd6\xf8\xd8ick\xf0\xb4\xdf d\xa3\x1d\x1d\x1d\x1d"
+    b"\x1dmeSp\xc9\\\x88=\x9b d",
+    "glm4moe-solar": b"\x99ag\xc4\xa1\xc5} capitalman capi\xb0{al\x08\xe3 of\xcc of>\x1a\x80-\xa5"
+    b"\x17\xccM\xaf5M\xaf5M\xaf",
     "deepseek2-lite": b"\xc7\x85\x89lin\xe2(The the*\x0c\xa5\x96 the*\x0c o2latital;\xca\xb3 the*"
     b"\x0c\xa5\x96\x98,\x0c\xa5\x96",
 }
 
 
-@pytest.mark.parametrize("case", list(LLAMA_CPP_LATENT))
-def test_latent_gguf_continues_as_llama_cpp(tmp_path: Path, case: str) -> None:
-    sizes = {"num_hidden_layers": 27} if case == "deepseek2-lite" else {}
+# Depths other than the cases' own: V2-Lite's 27 blocks (llama.cpp reads a file without
+# q_lora_rank only at that depth); GLM-4.5's and Solar Open's at which the tiny models'
+# continuations are not one token repeated.
+LLAMA_CPP_DEPTHS = {"deepseek2-lite": 27, "glm4moe": 4, "glm4moe-solar": 3}
+
+
+@pytest.mark.parametrize("case", list(LLAMA_CPP_CONTINUATIONS))
+def test_gguf_continues_as_llama_cpp(tmp_path: Path, case: str) -> None:
+    depth = LLAMA_CPP_DEPTHS.get(case)
+    sizes = {"num_hidden_layers": depth} if depth else {}
     ckpt = _checkpoint(tmp_path / "hf", case, **sizes)
     _write_gguf(ckpt, tmp_path / "m.gguf", case, quantize=False)
     out = import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
     tok = Tokenizer.from_dir(out)
-    ids = EagerModel(out, 256).greedy(tok.encode(LATENT_PROMPT), 32)
+    ids = EagerModel(out, 256).greedy(tok.encode(LLAMA_CPP_PROMPT), 32)
     ends = [i for i, t in enumerate(ids) if t in tok.eos_ids]  # where llama-simple stops
     text = b"".join(tok.token_bytes(t) for t in ids[: ends[0] if ends else None])
-    assert text == LLAMA_CPP_LATENT[case]
+    assert text == LLAMA_CPP_CONTINUATIONS[case]

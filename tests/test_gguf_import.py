@@ -40,9 +40,11 @@ def _write_gguf(
     pre: str = "gpt2",
     model: str = "gpt2",
     eot: int | None = None,
+    specials: tuple[str, str, str] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
 ) -> None:
     """A tiny GGUF with llama-style metadata and a byte-level vocab plus two merges; "help"
-    is in the vocabulary, but no merge makes it."""
+    is in the vocabulary, but no merge makes it. The three control tokens `specials` come
+    first (bos the second, eos the third)."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
     w.add_context_length(64)
@@ -52,8 +54,7 @@ def _write_gguf(
     w.add_head_count_kv(n_kv)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens = specials + pre_tokenizers.ByteLevel.alphabet() + ["he", "hel", "help"]
+    tokens = list(specials) + pre_tokenizers.ByteLevel.alphabet() + ["he", "hel", "help"]
     types = [gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(tokens) - 3)
     w.add_tokenizer_model(model)
     w.add_tokenizer_pre(pre)
@@ -197,6 +198,24 @@ def test_unknown_architecture(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"'mamba'.*supported: llama"):
         import_gguf(tmp_path / "m.gguf", tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+@pytest.mark.parametrize(
+    ("specials", "ends"),
+    [
+        (("<|end|>", "<|flush|>", "<|calls|>"), [2, 1]),  # Solar Open's: <|end|> does not end
+        (("<|end|>", "<|flush|>", "<|im_end|>"), [2, 0, 1]),
+    ],
+)
+def test_solar_open_end_of_generation_as_llama_cpp(
+    tmp_path: Path, specials: tuple[str, str, str], ends: list[int]
+) -> None:
+    """Solar Open's <|flush|> and <|calls|> end generation; where both are there (llama.cpp's
+    rule for its tokenizer, as for harmony's <|return|> and <|call|>), <|end|> does not."""
+    tensors = _tiny_llama_tensors(np.random.default_rng(0))
+    _write_gguf(tmp_path / "m.gguf", "llama", tensors, specials=specials)
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "out")
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == ends
 
 
 @pytest.mark.parametrize(

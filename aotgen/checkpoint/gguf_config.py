@@ -11,6 +11,7 @@ import numpy as np
 from aotgen.checkpoint.gguf_arch import ROPE_FACTORS, ROPE_FREQS, Arch, arch_spec
 from aotgen.checkpoint.gguf_arch_deepseek2 import deepseek2_config, minicpm3_config
 from aotgen.checkpoint.gguf_arch_gpt_oss import gpt_oss_config
+from aotgen.checkpoint.gguf_arch_grouped_moe import glm4moe_config
 from aotgen.checkpoint.gguf_arch_layernorm import LAYERNORM_ARCHS, layernorm_config
 from aotgen.checkpoint.gguf_arch_mistral3 import mistral3_rope
 from aotgen.checkpoint.gguf_arch_qwen35 import qwen35_config
@@ -81,7 +82,9 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
             partial_rotary_factor=rot / config["head_dim"],
             attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
         )
-    if meta_value(reader, f"{arch}.expert_count"):
+    if arch == "glm4moe":
+        config.update(glm4moe_config(reader, arch, config))
+    elif meta_value(reader, f"{arch}.expert_count"):
         config.update(_experts(reader, arch))
     if arch == "olmo2" and (window := meta_value(reader, f"{arch}.attention.sliding_window")):
         # OLMo 3 (llama.cpp writes it as olmo2): one flag per layer, true where sliding.
@@ -121,9 +124,12 @@ def _frequency_divisors(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict
 def _common_config(reader: gguf.GGUFReader, arch: str, spec: Arch) -> dict[str, Any]:
     """What every architecture's config holds. `num_key_value_heads` is the largest of a
     per-block list (LFM2: 0 on convolution layers), kept as `kv_heads_per_layer`. gpt-oss's
-    MLP width is its experts' (llama.cpp reads no feed_forward_length for it)."""
+    MLP width is its experts' (llama.cpp reads no feed_forward_length for it), as is that of
+    a glm4moe file without one (Solar Open: every block sparse)."""
     hidden = int(require_meta(reader, f"{arch}.embedding_length"))
     ff_key = "expert_feed_forward_length" if arch == "gpt-oss" else "feed_forward_length"
+    if arch == "glm4moe" and meta_value(reader, f"{arch}.{ff_key}") is None:
+        ff_key = "expert_feed_forward_length"
     ff = require_meta(reader, f"{arch}.{ff_key}")
     n_head = int(require_meta(reader, f"{arch}.attention.head_count"))
     n_kv = meta_value(reader, f"{arch}.attention.head_count_kv", n_head)

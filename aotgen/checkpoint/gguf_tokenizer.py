@@ -129,6 +129,7 @@ PRE_TOKENIZERS: dict[str, list[str]] = {
     "qwen2": [_QWEN2],
     "qwen35": [_QWEN35],
     "stablelm2": [_QWEN2],
+    "solar-open": [_QWEN2],
     "seed-coder": [_SEED_CODER],
     "hunyuan-dense": _DEEPSEEK3,
     "deepseek-v3": _DEEPSEEK3,

@@ -1,0 +1,69 @@
+"""DeepSeek-V3's grouped sigmoid routing behind ordinary attention, as llama.cpp runs it:
+`glm4moe` (GLM-4.5 / 4.6 / 4.7, Air; Solar Open, which llama.cpp's converter writes as
+glm4moe too).
+
+llama.cpp's GLM-4.5 graph (src/models/glm4-moe.cpp): q/k/v biased where the file has the
+biases, q/k norms per head where it has them, RoPE on `rope.dimension_count` of each head in
+halves (NEOX: q/k as HF has them, no permutation), the norm before the MLP stored as
+`post_attention_norm`; the first `leading_dense_block_count` blocks dense (none stored: none,
+as Solar Open's files have it), the others sigmoid-routed with `exp_probs_b`. A multi-token-
+prediction block (`nextn_predict_layers`) follows the others and is left out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gguf
+
+from aotgen.checkpoint.gguf_arch_deepseek2 import routing_keys
+from aotgen.checkpoint.gguf_meta import has_tensor, meta_value
+from aotgen.checkpoint.hf import CheckpointError
+
+GROUPED_MOE_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+GROUPED_MOE_PARAMS = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}
+_SIGMOID = gguf.ExpertGatingFuncType.SIGMOID
+
+
+def glm4moe_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """transformers' GLM-4.5 config of what llama.cpp runs (the common keys, RoPE's base and
+    scaling already in `config`)."""
+    gating = meta_value(reader, f"{arch}.expert_gating_func") or _SIGMOID  # none: sigmoid
+    if gating != _SIGMOID:
+        raise CheckpointError(
+            f"GGUF {arch}.expert_gating_func {gating}: only sigmoid routing (2) is supported "
+            f"on {arch}"
+        )
+    mtp = int(meta_value(reader, f"{arch}.nextn_predict_layers", 0))  # blocks left out
+    n_layer = config["num_hidden_layers"] - mtp
+    head_dim = config["head_dim"]
+    experts = int(meta_value(reader, f"{arch}.expert_count", 0) or 0)
+    if not experts:
+        raise CheckpointError(f"GGUF {arch} has no {arch}.expert_count: not a mixture of experts")
+    dense = int(meta_value(reader, f"{arch}.leading_dense_block_count", 0))
+    rotated = int(meta_value(reader, f"{arch}.rope.dimension_count", head_dim))
+    return routing_keys(reader, arch, experts, dense) | {
+        "num_hidden_layers": n_layer,
+        "partial_rotary_factor": rotated / head_dim,
+        "attention_bias": has_tensor(reader, "attn_q.bias"),
+        "use_qk_norm": has_tensor(reader, "attn_q_norm.weight"),
+    }
