@@ -264,6 +264,24 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             "rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 1.0},
         },
     ),
+    # dots.llm1: Qwen3's q/k norms, layer 0 dense, 8 experts in 2 groups (1 kept), two shared;
+    # as many KV heads as heads and no window (llama.cpp's dots1 runs no other).
+    "dots1": (
+        "Dots1Config",
+        {
+            **FAMILIES["dots1"][1],
+            "num_hidden_layers": 3,
+            "num_key_value_heads": 4,
+            "first_k_dense_replace": 1,
+            "n_group": 2,
+            "topk_group": 1,
+        },
+    ),
+    # ERNIE 4.5 MoE: layer 0 dense, softmax + bias routing, two shared experts (the converter
+    # writes their width as intermediate_size / KV heads: 64 here, as in the released 21B).
+    "ernie4_5-moe": FAMILIES["ernie4_5-moe"],
+    # Hunyuan-A13B: q/k norms after RoPE, NTK-alpha base, a shared MLP on every layer.
+    "hunyuan-moe": FAMILIES["hunyuan-moe"],
     "minicpm3": ("MiniCPM3Config", MINICPM3),
     "minicpm3-longrope": (
         "MiniCPM3Config",
@@ -375,12 +393,15 @@ GLM4_NAMES = {
     "post_mlp_layernorm": "post_ffw_norm",
     "mlp.gate_up_proj": "ffn_up",
 }
-GROUPED_MOE_NAMES = {  # conversion/glm.py Glm4MoeModel (and SolarOpenModel)
+DOTS1_NAMES = {  # conversion/dots1.py (Qwen2MoeModel's names)
     **LAYER_NAMES["llama"],
-    "post_attention_layernorm": "post_attention_norm",
     "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
     "mlp.shared_experts.up_proj": "ffn_up_shexp",
     "mlp.shared_experts.down_proj": "ffn_down_shexp",
+}
+GROUPED_MOE_NAMES = {  # conversion/glm.py Glm4MoeModel (and SolarOpenModel)
+    **DOTS1_NAMES,
+    "post_attention_layernorm": "post_attention_norm",
 }
 GEMMA_NAMES = {
     **LAYER_NAMES["llama"],
@@ -407,6 +428,13 @@ HUNYUAN_NAMES = {
     **LAYER_NAMES["llama"],
     "self_attn.query_layernorm": "attn_q_norm",
     "self_attn.key_layernorm": "attn_k_norm",
+}
+HUNYUAN_MOE_NAMES = {
+    **HUNYUAN_NAMES,
+    "mlp.gate.wg": "ffn_gate_inp",
+    "mlp.shared_mlp.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_mlp.up_proj": "ffn_up_shexp",
+    "mlp.shared_mlp.down_proj": "ffn_down_shexp",
 }
 STARCODER2_NAMES = {**LAYER_NAMES["llama"], "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
 QWEN35_NAMES = {
@@ -626,8 +654,8 @@ def _gguf_name(arch: str, hf: str) -> str:
     if arch.startswith("qwen35") and hf.endswith(("linear_attn.A_log", "linear_attn.dt_bias")):
         leaf = "ssm_a" if hf.endswith("A_log") else "ssm_dt.bias"
         return f"blk.{hf.split('.')[2]}.{leaf}"
-    if hf.endswith(("feed_forward.expert_bias", "mlp.gate.e_score_correction_bias")):
-        return f"blk.{hf.split('.')[2]}.exp_probs_b.bias"  # LFM2-MoE's, GLM-4.5's
+    if hf.endswith(("feed_forward.expert_bias", "e_score_correction_bias")):
+        return f"blk.{hf.split('.')[2]}.exp_probs_b.bias"  # LFM2-MoE's, GLM-4.5's, ERNIE's
     module, kind = hf.rsplit(".", 1)
     if module in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[module]}.{kind}"
@@ -662,6 +690,9 @@ def _gguf_name(arch: str, hf: str) -> str:
         "qwen35-r3": QWEN35_NAMES,
         "glm4moe": GROUPED_MOE_NAMES,
         "glm4moe-solar": GROUPED_MOE_NAMES,
+        "dots1": DOTS1_NAMES,
+        "ernie4_5-moe": DOTS1_NAMES,
+        "hunyuan-moe": HUNYUAN_MOE_NAMES,
     }.get(arch, LAYER_NAMES["llama"])
     return f"blk.{i}.{names[rest]}.{kind}"
 
@@ -867,12 +898,14 @@ def _moe_meta(w: gguf.GGUFWriter, cfg: dict[str, Any]) -> None:
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
 
 
-def _grouped_moe_meta(w: gguf.GGUFWriter, cfg: dict[str, Any], head_dim: int) -> None:
+def _grouped_moe_meta(w: gguf.GGUFWriter, kind: str, cfg: dict[str, Any], head_dim: int) -> None:
     """What llama.cpp's converter writes of GLM-4.5 and Solar Open (conversion/glm.py
-    Glm4MoeModel on base.py's keys): the groups, half of each head rotated unless the config
-    says otherwise, the experts, sigmoid gating, the keys the config has."""
-    rotary = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 0.5)
-    w.add_rope_dimension_count(int(head_dim * rotary))
+    Glm4MoeModel on base.py's keys: half of each head rotated unless the config says
+    otherwise) and of dots.llm1 (conversion/dots1.py, on Qwen2MoeModel's): the groups, the
+    experts, sigmoid gating (dots1: its config.json's scoring_func), the keys the config has."""
+    if kind == "glm4moe":
+        rotary = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 0.5)
+        w.add_rope_dimension_count(int(head_dim * rotary))
     w.add_expert_count(cfg["n_routed_experts"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     w.add_expert_group_count(cfg["n_group"])
@@ -884,6 +917,27 @@ def _grouped_moe_meta(w: gguf.GGUFWriter, cfg: dict[str, Any], head_dim: int) ->
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     w.add_expert_weights_scale(cfg["routed_scaling_factor"])
     w.add_expert_weights_norm(cfg["norm_topk_prob"])
+
+
+def _softmax_moe_meta(w: gguf.GGUFWriter, kind: str, cfg: dict[str, Any], head_dim: int) -> None:
+    """What llama.cpp's converter writes of ERNIE 4.5 MoE (conversion/ernie.py: the shared
+    MLP's width as intermediate_size / KV heads) and Hunyuan MoE (conversion/hunyuan.py: every
+    width intermediate_size's, the NTK-alpha base stretched, no scaling)."""
+    if kind == "ernie4_5-moe":
+        w.add_expert_count(cfg["moe_num_experts"])
+        w.add_expert_used_count(cfg["moe_k"])
+        w.add_interleave_moe_layer_step(cfg["moe_layer_interval"])
+        w.add_leading_dense_block_count(cfg["moe_layer_start_index"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_shared_count(cfg["moe_num_shared_experts"])
+        shared = cfg["intermediate_size"] // cfg["num_key_value_heads"]
+        w.add_expert_shared_feed_forward_length(shared)
+        return
+    w.add_expert_count(cfg["num_experts"])
+    w.add_expert_used_count(cfg["moe_topk"])
+    w.add_expert_shared_feed_forward_length(cfg["intermediate_size"])
+    w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    w.add_expert_shared_count(1)
 
 
 def _lfm2_meta(w: gguf.GGUFWriter, cfg: dict[str, Any]) -> None:
@@ -978,7 +1032,7 @@ def _write_gguf(
             w.add_sliding_window(cfg["sliding_window"])
             w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
             w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
-        if arch == "hunyuan-dense":  # the base alpha stretches, unscaled
+        if arch.startswith("hunyuan"):  # the base alpha stretches, unscaled
             alpha = rope["alpha"]
             w.add_rope_freq_base(theta * alpha ** (head_dim / (head_dim - 2)))
             w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
@@ -986,11 +1040,14 @@ def _write_gguf(
         elif arch != "gemma":  # Gemma (1): none stored
             w.add_rope_freq_base(theta)
         _llama_variant_meta(w, arch, cfg, head_dim)
-        _moe_meta(w, cfg)
+        if kind in ("ernie4_5-moe", "hunyuan-moe"):
+            _softmax_moe_meta(w, kind, cfg, head_dim)
+        else:
+            _moe_meta(w, cfg)
         if kind.startswith("qwen35"):
             _qwen35_meta(w, kind, cfg, head_dim)
-        if kind == "glm4moe":
-            _grouped_moe_meta(w, cfg, head_dim)
+        if kind in ("glm4moe", "dots1"):
+            _grouped_moe_meta(w, kind, cfg, head_dim)
         if kind == "gpt-oss":
             _gpt_oss_meta(w, cfg)
     if keys is not None:
@@ -1147,13 +1204,41 @@ def test_multi_token_prediction_block_is_left_out(tmp_path: Path, arch: str) -> 
     _assert_same_tensors(ckpt, out, atol=1e-6)
 
 
-def test_glm4moe_softmax_routing_is_one_line(tmp_path: Path) -> None:
-    """GLM-4.5's router is sigmoid; a file storing another gating is refused, nothing written."""
-    ckpt = _checkpoint(tmp_path / "hf", "glm4moe")
-    softmax = gguf.ExpertGatingFuncType.SOFTMAX
-    keys = lambda w: w.add_uint32("glm4moe.expert_gating_func", softmax)  # noqa: E731
-    _write_gguf(ckpt, tmp_path / "m.gguf", "glm4moe", quantize=False, keys=keys)
-    with pytest.raises(CheckpointError, match=r"expert_gating_func 1: only sigmoid") as e:
+@pytest.mark.parametrize(
+    ("case", "keys", "message"),
+    [
+        (
+            "glm4moe",
+            lambda w: w.add_uint32("glm4moe.expert_gating_func", 1),
+            r"expert_gating_func 1: only sigmoid routing",
+        ),
+        ("dots1", lambda w: w.kv_data[0].pop("dots1.expert_gating_func"), r"no expert_gating_fu"),
+        (
+            "ernie4_5-moe",
+            lambda w: w.add_interleave_moe_layer_step(2),
+            r"interleave_moe_layer_step 2: llama\.cpp loads experts on every block",
+        ),
+        (
+            "ernie4_5-moe",
+            lambda w: w.add_expert_shared_feed_forward_length(48),
+            r"shared_feed_forward_length 48 is not a whole number of experts 32 wide",
+        ),
+        (
+            "hunyuan-moe",
+            lambda w: w.add_expert_shared_feed_forward_length(64),
+            r"shared_feed_forward_length 64 differs from feed_forward_length 32",
+        ),
+        ("hunyuan-moe", lambda w: w.add_expert_weights_scale(2.5), r"expert_weights_scale 2\.5"),
+    ],
+)
+def test_moe_file_the_model_cannot_run_is_one_line(
+    tmp_path: Path, case: str, keys: Callable[[gguf.GGUFWriter], None], message: str
+) -> None:
+    """A routing, layout or width transformers' model of the family cannot express (or that
+    llama.cpp itself cannot run): refused, nothing written."""
+    ckpt = _checkpoint(tmp_path / "hf", case)
+    _write_gguf(ckpt, tmp_path / "m.gguf", case, quantize=False, keys=keys)
+    with pytest.raises(CheckpointError, match=message) as e:
         import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
     assert "\n" not in str(e.value)
     assert not (tmp_path / "imported").exists()
@@ -1434,22 +1519,30 @@ LLAMA_CPP_CONTINUATIONS = {
     b"\x1dmeSp\xc9\\\x88=\x9b d",
     "glm4moe-solar": b"\x99ag\xc4\xa1\xc5} capitalman capi\xb0{al\x08\xe3 of\xcc of>\x1a\x80-\xa5"
     b"\x17\xccM\xaf5M\xaf5M\xaf",
+    "dots1": b"nThe\xbd\x0c\x85\xfa a|\xb9manw\xe2\xf6\xa2isP1>\xfb\xacX&\xf3ns\xd6\xea\xe9heisP1&",
+    "ernie4_5-moe": b"\xfc\xe7?\xea%ck\xa7 inens\xfc\xe7?\xea%ck\xa7\xafapi\xfd\x15\x0c-\xf5"
+    b"\x96\x10\x82s\x04v2\x1b\xcd",
+    "hunyuan-moe": b" capi6\x9b\xcd\x05\xf8lckAhe\xc1ne=\xcc:\xbbal< o\xfc\x9c\xa7H7 of\xbekens+J"
+    b"\xe7\xee\xc7\x96",
     "deepseek2-lite": b"\xc7\x85\x89lin\xe2(The the*\x0c\xa5\x96 the*\x0c o2latital;\xca\xb3 the*"
     b"\x0c\xa5\x96\x98,\x0c\xa5\x96",
 }
 
 
-# Depths other than the cases' own: V2-Lite's 27 blocks (llama.cpp reads a file without
-# q_lora_rank only at that depth); GLM-4.5's and Solar Open's at which the tiny models'
+# Config keys other than the cases' own: V2-Lite's 27 blocks (llama.cpp reads a file without
+# q_lora_rank only at that depth); depths, and ERNIE's head untied, at which the tiny models'
 # continuations are not one token repeated.
-LLAMA_CPP_DEPTHS = {"deepseek2-lite": 27, "glm4moe": 4, "glm4moe-solar": 3}
+LLAMA_CPP_SIZES: dict[str, dict[str, Any]] = {
+    "deepseek2-lite": {"num_hidden_layers": 27},
+    "glm4moe": {"num_hidden_layers": 4},
+    "glm4moe-solar": {"num_hidden_layers": 3},
+    "ernie4_5-moe": {"num_hidden_layers": 6, "tie_word_embeddings": False},
+}
 
 
 @pytest.mark.parametrize("case", list(LLAMA_CPP_CONTINUATIONS))
 def test_gguf_continues_as_llama_cpp(tmp_path: Path, case: str) -> None:
-    depth = LLAMA_CPP_DEPTHS.get(case)
-    sizes = {"num_hidden_layers": depth} if depth else {}
-    ckpt = _checkpoint(tmp_path / "hf", case, **sizes)
+    ckpt = _checkpoint(tmp_path / "hf", case, **LLAMA_CPP_SIZES.get(case, {}))
     _write_gguf(ckpt, tmp_path / "m.gguf", case, quantize=False)
     out = import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
     tok = Tokenizer.from_dir(out)

@@ -10,8 +10,17 @@ import gguf
 import numpy as np
 
 from aotgen.checkpoint.gguf_arch_deepseek2 import DEEPSEEK2_LAYER, DEEPSEEK2_PARAMS
-from aotgen.checkpoint.gguf_arch_grouped_moe import GROUPED_MOE_LAYER, GROUPED_MOE_PARAMS
+from aotgen.checkpoint.gguf_arch_grouped_moe import (
+    DOTS1_LAYER,
+    GROUPED_MOE_LAYER,
+    GROUPED_MOE_PARAMS,
+)
 from aotgen.checkpoint.gguf_arch_qwen35 import QWEN35_LAYER, QWEN35_PARAMS
+from aotgen.checkpoint.gguf_arch_softmax_moe import (
+    ERNIE45_MOE_LAYER,
+    ERNIE45_MOE_PARAMS,
+    HUNYUAN_MOE_LAYER,
+)
 from aotgen.checkpoint.gguf_meta import meta_value, require_meta
 from aotgen.checkpoint.hf import CheckpointError
 
@@ -239,6 +248,13 @@ ARCHS: dict[str, Arch] = {
     # DeepSeek-V3's routing behind ordinary attention (gguf_arch_grouped_moe.py); NEOX: q/k
     # as HF has them
     "glm4moe": Arch("Glm4MoeForCausalLM", "glm4_moe", GROUPED_MOE_LAYER, params=GROUPED_MOE_PARAMS),
+    "dots1": Arch("Dots1ForCausalLM", "dots1", DOTS1_LAYER, params=GROUPED_MOE_PARAMS),
+    # a softmax router fixed by llama.cpp (gguf_arch_softmax_moe.py); ERNIE's q/k as HF has
+    # them (NORM RoPE), Hunyuan's too (NEOX)
+    "ernie4_5-moe": Arch(
+        "Ernie4_5_MoeForCausalLM", "ernie4_5_moe", ERNIE45_MOE_LAYER, params=ERNIE45_MOE_PARAMS
+    ),
+    "hunyuan-moe": Arch("HunYuanMoEV1ForCausalLM", "hunyuan_v1_moe", HUNYUAN_MOE_LAYER),
     # q/k rows as HF has them (NEOX RoPE, no permutation)
     "gpt-oss": Arch("GptOssForCausalLM", "gpt_oss", _GPT_OSS_LAYER),
     "gptneox": Arch(

@@ -1,6 +1,6 @@
 """DeepSeek-V3's grouped sigmoid routing behind ordinary attention, as llama.cpp runs it:
 `glm4moe` (GLM-4.5 / 4.6 / 4.7, Air; Solar Open, which llama.cpp's converter writes as
-glm4moe too).
+glm4moe too) and `dots1` (dots.llm1).
 
 llama.cpp's GLM-4.5 graph (src/models/glm4-moe.cpp): q/k/v biased where the file has the
 biases, q/k norms per head where it has them, RoPE on `rope.dimension_count` of each head in
@@ -8,6 +8,11 @@ halves (NEOX: q/k as HF has them, no permutation), the norm before the MLP store
 `post_attention_norm`; the first `leading_dense_block_count` blocks dense (none stored: none,
 as Solar Open's files have it), the others sigmoid-routed with `exp_probs_b`. A multi-token-
 prediction block (`nextn_predict_layers`) follows the others and is left out.
+
+dots.llm1's (src/models/dots1.cpp): Qwen3's attention (q/k norms before RoPE on whole heads),
+the norm before the MLP stored as `ffn_norm`, the routing as GLM-4.5's but the gating as
+stored (none stored: llama.cpp cannot run the file), no sliding window whatever the original
+config said.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any
 import gguf
 
 from aotgen.checkpoint.gguf_arch_deepseek2 import routing_keys
-from aotgen.checkpoint.gguf_meta import has_tensor, meta_value
+from aotgen.checkpoint.gguf_meta import has_tensor, meta_value, require_meta
 from aotgen.checkpoint.hf import CheckpointError
 
 GROUPED_MOE_LAYER = {
@@ -41,18 +46,17 @@ GROUPED_MOE_LAYER = {
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
 GROUPED_MOE_PARAMS = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}
+DOTS1_LAYER = {
+    **{k: v for k, v in GROUPED_MOE_LAYER.items() if k != "post_attention_norm"},
+    "ffn_norm": "post_attention_layernorm",
+}
 _SIGMOID = gguf.ExpertGatingFuncType.SIGMOID
 
 
 def glm4moe_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
     """transformers' GLM-4.5 config of what llama.cpp runs (the common keys, RoPE's base and
     scaling already in `config`)."""
-    gating = meta_value(reader, f"{arch}.expert_gating_func") or _SIGMOID  # none: sigmoid
-    if gating != _SIGMOID:
-        raise CheckpointError(
-            f"GGUF {arch}.expert_gating_func {gating}: only sigmoid routing (2) is supported "
-            f"on {arch}"
-        )
+    _require_sigmoid(reader, arch, default=_SIGMOID)
     mtp = int(meta_value(reader, f"{arch}.nextn_predict_layers", 0))  # blocks left out
     n_layer = config["num_hidden_layers"] - mtp
     head_dim = config["head_dim"]
@@ -67,3 +71,25 @@ def glm4moe_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -
         "attention_bias": has_tensor(reader, "attn_q.bias"),
         "use_qk_norm": has_tensor(reader, "attn_q_norm.weight"),
     }
+
+
+def dots1_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """transformers' dots.llm1 config of what llama.cpp runs: q/k norms, no window."""
+    _require_sigmoid(reader, arch, default=None)
+    experts = int(require_meta(reader, f"{arch}.expert_count"))
+    dense = int(meta_value(reader, f"{arch}.leading_dense_block_count", 0))
+    return routing_keys(reader, arch, experts, dense) | {"sliding_window": None}
+
+
+def _require_sigmoid(reader: gguf.GGUFReader, arch: str, default: int | None) -> None:
+    gating = meta_value(reader, f"{arch}.expert_gating_func") or default
+    if gating is None:
+        raise CheckpointError(
+            f"GGUF {arch} stores no expert_gating_func, which llama.cpp needs to run it; "
+            "convert the checkpoint again with its scoring_func in config.json"
+        )
+    if gating != _SIGMOID:
+        raise CheckpointError(
+            f"GGUF {arch}.expert_gating_func {gating}: only sigmoid routing (2) is supported "
+            f"on {arch}"
+        )

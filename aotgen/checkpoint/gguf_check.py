@@ -12,6 +12,11 @@ from aotgen.checkpoint.gguf_arch_deepseek2 import LATENT_ARCHS, deepseek2_shape
 from aotgen.checkpoint.gguf_arch_gpt_oss import check_gpt_oss_tensors
 from aotgen.checkpoint.hf import CheckpointError
 
+# The expert count's config key, per family.
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_SHARED_COUNTS = ("n_shared_experts", "moe_num_shared_experts", "num_shared_expert")
+_DENSE_COUNTS = ("num_dense_layers", "first_k_dense_replace", "moe_layer_start_index")
+
 
 def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
     """The PyTorch shape the model expects for an HF tensor name; None if not checked."""
@@ -23,7 +28,7 @@ def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
     if c["architectures"][0] in LATENT_ARCHS and name.startswith("model.layers."):
         return deepseek2_shape(name, kind, c)
     across_heads = c["architectures"][0].startswith("Olmo")  # OLMo's q/k norms: whole rows
-    experts = c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts")
+    experts = next((c[k] for k in _EXPERT_COUNTS if c.get(k)), None)
     dense = name.endswith(("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))  # GLM-4.5's first
     routed = ".mlp." in name and not dense or ".feed_forward.experts." in name  # LFM2-MoE's
     if experts and (routed or name.endswith(("feed_forward.gate", "expert_bias"))):
@@ -97,19 +102,21 @@ def _qwen3_5_shapes(c: dict[str, Any], d: int, q: int) -> dict[str, tuple[int, .
 def _moe_shape(name: str, kind: str, c: dict[str, Any], experts: int) -> tuple[int, ...] | None:
     d = c["hidden_size"]
     f = c.get("moe_intermediate_size") or c["intermediate_size"]
-    shared = c.get("shared_expert_intermediate_size") or f * c.get("n_shared_experts", 0)
+    # one shared MLP of its own width, or so many experts' (DeepSeek, ERNIE, Hunyuan)
+    count = next((c[k] for k in _SHARED_COUNTS if c.get(k)), 0)
+    shared = c.get("shared_expert_intermediate_size") or f * count
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "expert_bias" or kind == "e_score_correction_bias":
-        return (experts,)
+        return (1, experts) if leaf == "moe_statics" else (experts,)  # ERNIE's: [1, E]
     if kind == "bias" and name.endswith("mlp.router"):  # gpt-oss's router and experts
         return (experts,)
     if kind == "bias" and ".experts." in name:
         return (experts, d) if leaf == "down_proj" else (experts, f)
     if kind != "weight" or leaf == "shared_expert_gate":  # stored as [d] or [1, d]
         return None
-    if name.endswith(("mlp.gate", "feed_forward.gate", "mlp.router")):
+    if name.endswith(("mlp.gate", "feed_forward.gate", "mlp.router", "mlp.gate.wg")):
         return (experts, d)
-    if ".shared_expert" in name:  # Qwen2-MoE's shared_expert, DeepSeek's shared_experts
+    if ".shared_" in name:  # Qwen2-MoE's shared_expert, DeepSeek's shared_experts, shared_mlp
         return (d, shared) if leaf == "down_proj" else (shared, d)
     return (experts, d, f) if leaf == "down_proj" else (experts, f, d)
 
@@ -133,9 +140,9 @@ def check_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
         check_gpt_oss_tensors({t.name for t in reader.tensors}, n_layer)
     # Blocks of one kind (LFM2: attention or convolution, dense or experts) have the same
     # tensors.
-    dense = config.get("num_dense_layers", config.get("first_k_dense_replace", n_layer))
+    dense = next((config[k] for k in _DENSE_COUNTS if k in config), n_layer)
     types = config.get("layer_types") or ["block"] * n_layer
-    by_type = spec.hf_arch.startswith(("Lfm2", "Qwen3_5", "Deepseek", "Glm4Moe"))
+    by_type = spec.hf_arch.startswith(("Lfm2", "Qwen3_5", "Deepseek", "Glm4Moe", "Dots1", "Ernie"))
     kinds = [f"{t}-{i < dense}" for i, t in enumerate(types)] if by_type else ["block"] * n_layer
     per_kind: dict[str, set[str]] = {}
     for n in names:

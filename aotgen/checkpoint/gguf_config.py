@@ -11,10 +11,11 @@ import numpy as np
 from aotgen.checkpoint.gguf_arch import ROPE_FACTORS, ROPE_FREQS, Arch, arch_spec
 from aotgen.checkpoint.gguf_arch_deepseek2 import deepseek2_config, minicpm3_config
 from aotgen.checkpoint.gguf_arch_gpt_oss import gpt_oss_config
-from aotgen.checkpoint.gguf_arch_grouped_moe import glm4moe_config
+from aotgen.checkpoint.gguf_arch_grouped_moe import dots1_config, glm4moe_config
 from aotgen.checkpoint.gguf_arch_layernorm import LAYERNORM_ARCHS, layernorm_config
 from aotgen.checkpoint.gguf_arch_mistral3 import mistral3_rope
 from aotgen.checkpoint.gguf_arch_qwen35 import qwen35_config
+from aotgen.checkpoint.gguf_arch_softmax_moe import ernie45_moe_config, hunyuan_moe_config
 from aotgen.checkpoint.gguf_meta import (
     f32,
     has_tensor,
@@ -26,6 +27,14 @@ from aotgen.checkpoint.gguf_meta import (
     swa_period,
 )
 from aotgen.checkpoint.hf import CheckpointError
+
+# The experts' keys of the architectures with a module of their own (the others: _experts).
+_MOE_CONFIGS = {
+    "glm4moe": glm4moe_config,
+    "dots1": dots1_config,
+    "ernie4_5-moe": ernie45_moe_config,
+    "hunyuan-moe": hunyuan_moe_config,
+}
 
 
 def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
@@ -82,8 +91,8 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
             partial_rotary_factor=rot / config["head_dim"],
             attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
         )
-    if arch == "glm4moe":
-        config.update(glm4moe_config(reader, arch, config))
+    if arch in _MOE_CONFIGS:
+        config.update(_MOE_CONFIGS[arch](reader, arch, config))
     elif meta_value(reader, f"{arch}.expert_count"):
         config.update(_experts(reader, arch))
     if arch == "olmo2" and (window := meta_value(reader, f"{arch}.attention.sliding_window")):
