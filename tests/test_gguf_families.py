@@ -277,6 +277,12 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             "topk_group": 1,
         },
     ),
+    # K-EXAONE: EXAONE 4's windows (three layers in four, only they rotated), layer 0 dense,
+    # DeepSeek-V3's routing and a shared expert after it (no other layout in llama.cpp).
+    "exaone-moe": (
+        "ExaoneMoeConfig",
+        {**FAMILIES["exaone-moe"][1], "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]},
+    ),
     # ERNIE 4.5 MoE: layer 0 dense, softmax + bias routing, two shared experts (the converter
     # writes their width as intermediate_size / KV heads: 64 here, as in the released 21B).
     "ernie4_5-moe": FAMILIES["ernie4_5-moe"],
@@ -691,6 +697,7 @@ def _gguf_name(arch: str, hf: str) -> str:
         "glm4moe": GROUPED_MOE_NAMES,
         "glm4moe-solar": GROUPED_MOE_NAMES,
         "dots1": DOTS1_NAMES,
+        "exaone-moe": DOTS1_NAMES,
         "ernie4_5-moe": DOTS1_NAMES,
         "hunyuan-moe": HUNYUAN_MOE_NAMES,
     }.get(arch, LAYER_NAMES["llama"])
@@ -901,17 +908,26 @@ def _moe_meta(w: gguf.GGUFWriter, cfg: dict[str, Any]) -> None:
 def _grouped_moe_meta(w: gguf.GGUFWriter, kind: str, cfg: dict[str, Any], head_dim: int) -> None:
     """What llama.cpp's converter writes of GLM-4.5 and Solar Open (conversion/glm.py
     Glm4MoeModel on base.py's keys: half of each head rotated unless the config says
-    otherwise) and of dots.llm1 (conversion/dots1.py, on Qwen2MoeModel's): the groups, the
-    experts, sigmoid gating (dots1: its config.json's scoring_func), the keys the config has."""
+    otherwise), of dots.llm1 (conversion/dots1.py, on Qwen2MoeModel's) and K-EXAONE
+    (conversion/exaone.py ExaoneMoEModel: EXAONE 4's window, a flag per layer, the shared
+    MLP's width): the groups, the experts, sigmoid gating (dots1, K-EXAONE: their
+    config.json's scoring_func), the keys the config has."""
+    shared = cfg.get("n_shared_experts", cfg.get("num_shared_experts"))
     if kind == "glm4moe":
         rotary = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 0.5)
         w.add_rope_dimension_count(int(head_dim * rotary))
-    w.add_expert_count(cfg["n_routed_experts"])
+    if kind == "exaone-moe":
+        w.add_vocab_size(cfg["vocab_size"])
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+        w.add_expert_shared_feed_forward_length(cfg["moe_intermediate_size"] * shared)
+        w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+    w.add_expert_count(cfg.get("n_routed_experts") or cfg["num_experts"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     w.add_expert_group_count(cfg["n_group"])
     w.add_expert_group_used_count(cfg["topk_group"])
     w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_expert_shared_count(shared)
     if cfg.get("first_k_dense_replace") is not None:
         w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
@@ -1042,12 +1058,12 @@ def _write_gguf(
         _llama_variant_meta(w, arch, cfg, head_dim)
         if kind in ("ernie4_5-moe", "hunyuan-moe"):
             _softmax_moe_meta(w, kind, cfg, head_dim)
+        elif kind in ("glm4moe", "dots1", "exaone-moe"):
+            _grouped_moe_meta(w, kind, cfg, head_dim)
         else:
             _moe_meta(w, cfg)
         if kind.startswith("qwen35"):
             _qwen35_meta(w, kind, cfg, head_dim)
-        if kind in ("glm4moe", "dots1"):
-            _grouped_moe_meta(w, kind, cfg, head_dim)
         if kind == "gpt-oss":
             _gpt_oss_meta(w, cfg)
     if keys is not None:
@@ -1224,6 +1240,16 @@ def test_multi_token_prediction_block_is_left_out(tmp_path: Path, arch: str) -> 
             r"shared_feed_forward_length 48 is not a whole number of experts 32 wide",
         ),
         (
+            "exaone-moe",
+            lambda w: w.add_expert_shared_feed_forward_length(48),
+            r"shared_feed_forward_length 48 is not a whole number of experts 32 wide",
+        ),
+        (
+            "exaone-moe",
+            lambda w: w.kv_data[0].pop("exaone-moe.attention.sliding_window"),
+            r"missing required key 'exaone-moe\.attention\.sliding_window'",
+        ),
+        (
             "hunyuan-moe",
             lambda w: w.add_expert_shared_feed_forward_length(64),
             r"shared_feed_forward_length 64 differs from feed_forward_length 32",
@@ -1242,6 +1268,20 @@ def test_moe_file_the_model_cannot_run_is_one_line(
         import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
     assert "\n" not in str(e.value)
     assert not (tmp_path / "imported").exists()
+
+
+@pytest.mark.parametrize("case", ["dots1", "exaone-moe"])
+def test_expert_bias_absent_is_zero(tmp_path: Path, case: str) -> None:
+    """dots.llm1's and K-EXAONE's exp_probs_b is optional in llama.cpp (experts then chosen
+    by their scores alone): a file without it imports with a zero bias, as llama.cpp runs it."""
+    ckpt = _checkpoint(tmp_path / "hf", case)
+    drop = tuple(f"blk.{i}.exp_probs_b.bias" for i in range(4))
+    _write_gguf(ckpt, tmp_path / "m.gguf", case, quantize=False, drop=drop)
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
+    with safe_open(out / "model.safetensors", "np") as g:
+        biases = [g.get_tensor(n) for n in g.keys() if n.endswith("e_score_correction_bias")]
+    assert len(biases) == (2 if case == "dots1" else 3) and not any(b.any() for b in biases)
+    load_reference(out)  # transformers loads it
 
 
 def test_exaone4_below_64_layers_imports_without_its_window(tmp_path: Path) -> None:
@@ -1524,6 +1564,8 @@ LLAMA_CPP_CONTINUATIONS = {
     b"\x96\x10\x82s\x04v2\x1b\xcd",
     "hunyuan-moe": b" capi6\x9b\xcd\x05\xf8lckAhe\xc1ne=\xcc:\xbbal< o\xfc\x9c\xa7H7 of\xbekens+J"
     b"\xe7\xee\xc7\x96",
+    "exaone-moe": b"Pa\xde\xed;_\x9d[\xe5\x9djulin\xaeD\xa0\xed\xf1\xc2\xa6M\xcdafbr\xf05\x0elati"
+    b"\xcfj\xa1fofi\x7f",
     "deepseek2-lite": b"\xc7\x85\x89lin\xe2(The the*\x0c\xa5\x96 the*\x0c o2latital;\xca\xb3 the*"
     b"\x0c\xa5\x96\x98,\x0c\xa5\x96",
 }
@@ -1537,6 +1579,7 @@ LLAMA_CPP_SIZES: dict[str, dict[str, Any]] = {
     "glm4moe": {"num_hidden_layers": 4},
     "glm4moe-solar": {"num_hidden_layers": 3},
     "ernie4_5-moe": {"num_hidden_layers": 6, "tie_word_embeddings": False},
+    "exaone-moe": {"num_hidden_layers": 6, "mlp_layer_types": ["dense"] + ["sparse"] * 5},
 }
 
 

@@ -29,7 +29,7 @@ from aotgen.checkpoint.gguf_arch import (
     model_tensors,
     xielu_tensors,
 )
-from aotgen.checkpoint.gguf_arch_deepseek2 import deepseek2_tensors
+from aotgen.checkpoint.gguf_arch_deepseek2 import add_expert_bias, deepseek2_tensors
 from aotgen.checkpoint.gguf_arch_gpt_oss import gpt_oss_tensors
 from aotgen.checkpoint.gguf_arch_qwen35 import qwen35_block_orders, qwen35_tensor
 from aotgen.checkpoint.gguf_check import check_tensors
@@ -185,6 +185,8 @@ def read_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict[str, n
         return gpt_oss_tensors(out, config)
     if arch == "deepseek2":
         return deepseek2_tensors(out, config)
+    if arch in ("glm4moe", "dots1", "exaone-moe"):  # DeepSeek-V3's routing
+        add_expert_bias(out, config, spec.params["exp_probs_b.bias"])
     return _granite_moe(out) if arch == "granitemoe" else out
 
 

@@ -12,6 +12,7 @@ import numpy as np
 from aotgen.checkpoint.gguf_arch_deepseek2 import DEEPSEEK2_LAYER, DEEPSEEK2_PARAMS
 from aotgen.checkpoint.gguf_arch_grouped_moe import (
     DOTS1_LAYER,
+    EXAONE_MOE_PARAMS,
     GROUPED_MOE_LAYER,
     GROUPED_MOE_PARAMS,
 )
@@ -249,6 +250,7 @@ ARCHS: dict[str, Arch] = {
     # as HF has them
     "glm4moe": Arch("Glm4MoeForCausalLM", "glm4_moe", GROUPED_MOE_LAYER, params=GROUPED_MOE_PARAMS),
     "dots1": Arch("Dots1ForCausalLM", "dots1", DOTS1_LAYER, params=GROUPED_MOE_PARAMS),
+    "exaone-moe": Arch("ExaoneMoeForCausalLM", "exaone_moe", DOTS1_LAYER, params=EXAONE_MOE_PARAMS),
     # a softmax router fixed by llama.cpp (gguf_arch_softmax_moe.py); ERNIE's q/k as HF has
     # them (NORM RoPE), Hunyuan's too (NEOX)
     "ernie4_5-moe": Arch(

@@ -292,7 +292,13 @@ def deepseek2_tensors(tensors: dict[str, np.ndarray], config: dict[str, Any]) ->
         else:
             out[name] = w
     if config["architectures"] == ["DeepseekV3ForCausalLM"]:  # exp_probs_b is optional there
-        for i in range(config["first_k_dense_replace"], config["num_hidden_layers"]):
-            bias = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
-            out.setdefault(bias, np.zeros(config["n_routed_experts"], np.float32))
+        add_expert_bias(out, config, "mlp.gate.e_score_correction_bias")
     return out
+
+
+def add_expert_bias(tensors: dict[str, np.ndarray], config: dict[str, Any], leaf: str) -> None:
+    """DeepSeek-V3's routing's expert bias as zeros on the sparse blocks where the file has
+    none (llama.cpp then selects by the scores alone)."""
+    experts = config.get("n_routed_experts") or config["num_experts"]
+    for i in range(config["first_k_dense_replace"], config["num_hidden_layers"]):
+        tensors.setdefault(f"model.layers.{i}.{leaf}", np.zeros(experts, np.float32))

@@ -1,6 +1,6 @@
 """DeepSeek-V3's grouped sigmoid routing behind ordinary attention, as llama.cpp runs it:
 `glm4moe` (GLM-4.5 / 4.6 / 4.7, Air; Solar Open, which llama.cpp's converter writes as
-glm4moe too) and `dots1` (dots.llm1).
+glm4moe too), `dots1` (dots.llm1) and `exaone-moe` (K-EXAONE).
 
 llama.cpp's GLM-4.5 graph (src/models/glm4-moe.cpp): q/k/v biased where the file has the
 biases, q/k norms per head where it has them, RoPE on `rope.dimension_count` of each head in
@@ -13,6 +13,13 @@ dots.llm1's (src/models/dots1.cpp): Qwen3's attention (q/k norms before RoPE on 
 the norm before the MLP stored as `ffn_norm`, the routing as GLM-4.5's but the gating as
 stored (none stored: llama.cpp cannot run the file), no sliding window whatever the original
 config said.
+
+K-EXAONE's (src/models/exaone-moe.cpp): dots.llm1's blocks with EXAONE 4's windows (the
+window required, the pattern a flag per block or a period, 4 where none is stored), RoPE on
+the windowed blocks only, at `rope.freq_base` (a stored `freq_base_swa` is not used); its
+shared MLP `expert_shared_feed_forward_length` wide (an expert's where none is stored); the
+multi-token-prediction block left out as GLM-4.5's. The expert bias is optional in both:
+zeros where the file has none.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from typing import Any
 import gguf
 
 from aotgen.checkpoint.gguf_arch_deepseek2 import routing_keys
-from aotgen.checkpoint.gguf_meta import has_tensor, meta_value, require_meta
+from aotgen.checkpoint.gguf_meta import has_tensor, meta_value, read_layer_types, require_meta
 from aotgen.checkpoint.hf import CheckpointError
 
 GROUPED_MOE_LAYER = {
@@ -50,6 +57,7 @@ DOTS1_LAYER = {
     **{k: v for k, v in GROUPED_MOE_LAYER.items() if k != "post_attention_norm"},
     "ffn_norm": "post_attention_layernorm",
 }
+EXAONE_MOE_PARAMS = {"exp_probs_b.bias": "mlp.e_score_correction_bias"}
 _SIGMOID = gguf.ExpertGatingFuncType.SIGMOID
 
 
@@ -79,6 +87,33 @@ def dots1_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -> 
     experts = int(require_meta(reader, f"{arch}.expert_count"))
     dense = int(meta_value(reader, f"{arch}.leading_dense_block_count", 0))
     return routing_keys(reader, arch, experts, dense) | {"sliding_window": None}
+
+
+def exaone_moe_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """transformers' K-EXAONE config of what llama.cpp runs."""
+    _require_sigmoid(reader, arch, default=None)
+    n_layer = config["num_hidden_layers"] - int(
+        meta_value(reader, f"{arch}.nextn_predict_layers", 0)
+    )
+    experts = int(require_meta(reader, f"{arch}.expert_count"))
+    dense = int(meta_value(reader, f"{arch}.leading_dense_block_count", 0))
+    keys = routing_keys(reader, arch, experts, dense)
+    width = keys["moe_intermediate_size"]
+    shared = int(meta_value(reader, f"{arch}.expert_shared_feed_forward_length", 0) or width)
+    if shared % width:
+        raise CheckpointError(
+            f"GGUF {arch}.expert_shared_feed_forward_length {shared} is not a whole number of "
+            f"experts {width} wide"
+        )
+    del keys["n_routed_experts"], keys["n_shared_experts"]
+    pattern = meta_value(reader, f"{arch}.attention.sliding_window_pattern", 4)
+    return keys | {
+        "num_hidden_layers": n_layer,
+        "num_experts": experts,
+        "num_shared_experts": shared // width,
+        "sliding_window": int(require_meta(reader, f"{arch}.attention.sliding_window")),
+        "layer_types": read_layer_types(reader, arch, pattern, n_layer),
+    }
 
 
 def _require_sigmoid(reader: gguf.GGUFReader, arch: str, default: int | None) -> None:

@@ -14,7 +14,12 @@ from aotgen.checkpoint.hf import CheckpointError
 
 # The expert count's config key, per family.
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-_SHARED_COUNTS = ("n_shared_experts", "moe_num_shared_experts", "num_shared_expert")
+_SHARED_COUNTS = (
+    "n_shared_experts",
+    "num_shared_experts",
+    "moe_num_shared_experts",
+    "num_shared_expert",
+)
 _DENSE_COUNTS = ("num_dense_layers", "first_k_dense_replace", "moe_layer_start_index")
 
 
@@ -31,6 +36,7 @@ def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
     experts = next((c[k] for k in _EXPERT_COUNTS if c.get(k)), None)
     dense = name.endswith(("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))  # GLM-4.5's first
     routed = ".mlp." in name and not dense or ".feed_forward.experts." in name  # LFM2-MoE's
+    routed = routed or kind == "e_score_correction_bias"  # K-EXAONE's: mlp.e_score_...
     if experts and (routed or name.endswith(("feed_forward.gate", "expert_bias"))):
         return _moe_shape(name, kind, c, experts)
     shapes: dict[str, tuple[int, ...]] = {
@@ -138,12 +144,12 @@ def check_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
     n_layer = config["num_hidden_layers"]
     if spec.hf_arch == "GptOssForCausalLM":
         check_gpt_oss_tensors({t.name for t in reader.tensors}, n_layer)
-    # Blocks of one kind (LFM2: attention or convolution, dense or experts) have the same
-    # tensors.
+    # Blocks of one kind (dense or with experts; LFM2's and Qwen3.5's attention or not) have
+    # the same tensors.
     dense = next((config[k] for k in _DENSE_COUNTS if k in config), n_layer)
-    types = config.get("layer_types") or ["block"] * n_layer
-    by_type = spec.hf_arch.startswith(("Lfm2", "Qwen3_5", "Deepseek", "Glm4Moe", "Dots1", "Ernie"))
-    kinds = [f"{t}-{i < dense}" for i, t in enumerate(types)] if by_type else ["block"] * n_layer
+    by_type = spec.hf_arch.startswith(("Lfm2", "Qwen3_5"))
+    types = config.get("layer_types") if by_type else None
+    kinds = [f"{t}-{i < dense}" for i, t in enumerate(types or ["block"] * n_layer)]
     per_kind: dict[str, set[str]] = {}
     for n in names:
         if n.startswith(spec.layer_prefix + "."):

@@ -11,7 +11,11 @@ import numpy as np
 from aotgen.checkpoint.gguf_arch import ROPE_FACTORS, ROPE_FREQS, Arch, arch_spec
 from aotgen.checkpoint.gguf_arch_deepseek2 import deepseek2_config, minicpm3_config
 from aotgen.checkpoint.gguf_arch_gpt_oss import gpt_oss_config
-from aotgen.checkpoint.gguf_arch_grouped_moe import dots1_config, glm4moe_config
+from aotgen.checkpoint.gguf_arch_grouped_moe import (
+    dots1_config,
+    exaone_moe_config,
+    glm4moe_config,
+)
 from aotgen.checkpoint.gguf_arch_layernorm import LAYERNORM_ARCHS, layernorm_config
 from aotgen.checkpoint.gguf_arch_mistral3 import mistral3_rope
 from aotgen.checkpoint.gguf_arch_qwen35 import qwen35_config
@@ -32,6 +36,7 @@ from aotgen.checkpoint.hf import CheckpointError
 _MOE_CONFIGS = {
     "glm4moe": glm4moe_config,
     "dots1": dots1_config,
+    "exaone-moe": exaone_moe_config,
     "ernie4_5-moe": ernie45_moe_config,
     "hunyuan-moe": hunyuan_moe_config,
 }
