@@ -236,6 +236,11 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen35-r3": (FAMILIES["qwen3_5"][0], {**FAMILIES["qwen3_5"][1], "linear_num_value_heads": 6}),
     # Qwen3.5-MoE: its experts stacked, the shared expert's gate as ffn_gate_inp_shexp.
     "qwen35moe": FAMILIES["qwen3_5-moe"],
+    # Qwen3-Next: value heads grouped by key head (not reordered), in_proj_qkvz split into
+    # attn_qkv / attn_gate, in_proj_ba whole; experts on every layer (llama.cpp's only layout);
+    # "-ssm_in": in_proj_qkvz whole, as files from before that split hold it.
+    "qwen3next": ("Qwen3NextConfig", {**FAMILIES["qwen3-next"][1], "mlp_only_layers": []}),
+    "qwen3next-ssm_in": ("Qwen3NextConfig", {**FAMILIES["qwen3-next"][1], "mlp_only_layers": []}),
     # DeepSeek-V3 as deepseek2: kv_b_proj split in attn_k_b / attn_v_b, sigmoid routing in 4
     # groups (2 kept) with exp_probs_b, YaRN by its log multiplier alone (llama.cpp's:
     # mscale equal to mscale_all_dim, as DeepSeek's configs have them).
@@ -321,6 +326,7 @@ GGUF_ARCH = {
     "gpt-oss-qkv": "gpt-oss",
     "mistral3-untempered": "mistral3",
     "qwen35-r3": "qwen35",
+    "qwen3next-ssm_in": "qwen3next",
 }
 MOE_NAMES = {
     "mlp.gate": "ffn_gate_inp",
@@ -453,6 +459,11 @@ QWEN35_NAMES = {
     "linear_attn.conv1d": "ssm_conv1d",
     "linear_attn.norm": "ssm_norm",
     "linear_attn.out_proj": "ssm_out",
+}
+QWEN3NEXT_NAMES = {
+    **QWEN35_NAMES,
+    "linear_attn.in_proj_qkvz": "ssm_in",  # whole, as older converters wrote it
+    "linear_attn.in_proj_ba": "ssm_ba",
 }
 GLOBAL_NAMES = {
     "model.embed_tokens": "token_embd",
@@ -657,7 +668,7 @@ def _checkpoint(out: Path, arch: str, mxfp4: bool = False, **sizes: Any) -> Path
 
 
 def _gguf_name(arch: str, hf: str) -> str:
-    if arch.startswith("qwen35") and hf.endswith(("linear_attn.A_log", "linear_attn.dt_bias")):
+    if arch.startswith("qwen3") and hf.endswith(("linear_attn.A_log", "linear_attn.dt_bias")):
         leaf = "ssm_a" if hf.endswith("A_log") else "ssm_dt.bias"
         return f"blk.{hf.split('.')[2]}.{leaf}"
     if hf.endswith(("feed_forward.expert_bias", "e_score_correction_bias")):
@@ -694,6 +705,8 @@ def _gguf_name(arch: str, hf: str) -> str:
         "qwen35": QWEN35_NAMES,
         "qwen35moe": QWEN35_NAMES,
         "qwen35-r3": QWEN35_NAMES,
+        "qwen3next": QWEN3NEXT_NAMES,
+        "qwen3next-ssm_in": QWEN3NEXT_NAMES,
         "glm4moe": GROUPED_MOE_NAMES,
         "glm4moe-solar": GROUPED_MOE_NAMES,
         "dots1": DOTS1_NAMES,
@@ -709,6 +722,8 @@ def _converted(arch: str, hf: str, w: np.ndarray, cfg: dict[str, Any]) -> np.nda
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads")
     if arch.startswith("qwen35"):
         return _qwen35_converted(hf, w, cfg)
+    if arch.startswith("qwen3next"):
+        return _qwen35_converted(hf, w, cfg, tiled=False)
     if arch in ("gemma", "gemma2", "gemma3", "nemotron") and hf.endswith("norm.weight"):
         return w + np.float32(1.0)
     # its LlamaModel kin
@@ -726,13 +741,17 @@ def _converted(arch: str, hf: str, w: np.ndarray, cfg: dict[str, Any]) -> np.nda
     return w
 
 
-def _qwen35_converted(hf: str, w: np.ndarray, cfg: dict[str, Any]) -> np.ndarray:
-    """conversion/qwen.py: value heads from grouped by key head to tiled
-    (_LinearAttentionVReorderBase), then Qwen3NextModel's changes."""
+def _qwen35_converted(
+    hf: str, w: np.ndarray, cfg: dict[str, Any], tiled: bool = True
+) -> np.ndarray:
+    """conversion/qwen.py: value heads from grouped by key head to `tiled`
+    (_LinearAttentionVReorderBase, Qwen3.5's), then Qwen3NextModel's changes."""
     hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
 
-    def tiled(x: np.ndarray, axis: int, width: int) -> np.ndarray:
+    def retile(x: np.ndarray, axis: int, width: int) -> np.ndarray:
+        if not tiled:
+            return x
         shape = list(x.shape)
         x = x.reshape(*shape[:axis], hk, hv // hk, width, *shape[axis + 1 :])
         return np.swapaxes(x, axis, axis + 1).reshape(shape)
@@ -740,18 +759,32 @@ def _qwen35_converted(hf: str, w: np.ndarray, cfg: dict[str, Any]) -> np.ndarray
     if "conv1d" in hf:
         w = w[:, 0]
     if ".in_proj_qkv." in hf or "conv1d" in hf:
-        w = np.concatenate([w[: 2 * hk * dk], tiled(w[2 * hk * dk :], 0, dv)])
+        w = np.concatenate([w[: 2 * hk * dk], retile(w[2 * hk * dk :], 0, dv)])
     elif ".in_proj_z." in hf:
-        w = tiled(w, 0, dv)
+        w = retile(w, 0, dv)
     elif ".out_proj." in hf:
-        w = tiled(w, 1, dv)
+        w = retile(w, 1, dv)
     elif hf.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
-        w = tiled(w, 0, 1)
+        w = retile(w, 0, 1)
     if hf.endswith("A_log"):
         return -np.exp(w)
     if hf.endswith("norm.weight") and not hf.endswith("linear_attn.norm.weight"):
         return w + np.float32(1.0)
     return np.ascontiguousarray(w)
+
+
+def _qwen3next_qkvz(hf: str, x: np.ndarray, cfg: dict[str, Any]) -> list[tuple[str, Any]]:
+    """conversion/qwen.py Qwen3NextModel: in_proj_qkvz, each key head's [q, k, v, z], as
+    attn_qkv (all q, all k, all v) and attn_gate (all z)."""
+    dk, hk = cfg["linear_key_head_dim"], cfg["linear_num_key_heads"]
+    dv = cfg["linear_num_value_heads"] // hk * cfg["linear_value_head_dim"]
+    q, k, v, z = np.split(x.reshape(hk, -1, x.shape[1]), [dk, 2 * dk, 2 * dk + dv], axis=1)
+    rows = [np.ascontiguousarray(p.reshape(-1, x.shape[1])) for p in (q, k, v, z)]
+    blk = f"blk.{hf.split('.')[2]}"
+    return [
+        (f"{blk}.attn_qkv.weight", np.concatenate(rows[:3])),
+        (f"{blk}.attn_gate.weight", rows[3]),
+    ]
 
 
 def _qwen35_meta(w: gguf.GGUFWriter, kind: str, cfg: dict[str, Any], head_dim: int) -> None:
@@ -766,7 +799,8 @@ def _qwen35_meta(w: gguf.GGUFWriter, kind: str, cfg: dict[str, Any], head_dim: i
         t == "linear_attention" for t in cfg["layer_types"]])  # fmt: skip
     w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
     w.add_rope_dimension_count(int(head_dim * cfg["rope_parameters"]["partial_rotary_factor"]))
-    w.add_rope_dimension_sections([11, 11, 10, 0])
+    if kind.startswith("qwen35"):  # Qwen3-Next: no multimodal RoPE
+        w.add_rope_dimension_sections([11, 11, 10, 0])
 
 
 def _llama3_divisors(cfg: dict[str, Any], head_dim: int) -> np.ndarray:
@@ -1062,7 +1096,7 @@ def _write_gguf(
             _grouped_moe_meta(w, kind, cfg, head_dim)
         else:
             _moe_meta(w, cfg)
-        if kind.startswith("qwen35"):
+        if kind.startswith(("qwen35", "qwen3next")):
             _qwen35_meta(w, kind, cfg, head_dim)
         if kind == "gpt-oss":
             _gpt_oss_meta(w, cfg)
@@ -1101,6 +1135,10 @@ def _write_gguf(
                 pairs := latent_tensors(hf, x, cfg, split=arch in SPLIT_LATENT)
             ):
                 for name, t in pairs:
+                    w.add_tensor(name, t)
+                continue
+            if arch == "qwen3next" and hf.endswith("in_proj_qkvz.weight"):
+                for name, t in _qwen3next_qkvz(hf, x, cfg):
                     w.add_tensor(name, t)
                 continue
             if ".mlp.act_fn." in hf:
@@ -1545,6 +1583,9 @@ def test_latent_value_half_missing_is_one_line(tmp_path: Path) -> None:
 # share, YaRN's softmax gain, the expert groups, the weights' renormalisation or LongRoPE's
 # factors.
 LLAMA_CPP_PROMPT = " ".join(CORPUS)[:300]
+QWEN3NEXT_CONTINUATION = (
+    b"\x91\xa2\x1f\x0f4\xb9 1\x1e\xd9of\xe2\xa2\x17me=\xcd<\xd6wafHThe\xe2\x8b\rfi\n\xdeneBerjuR"
+)
 LLAMA_CPP_CONTINUATIONS = {
     "deepseek2": b"\xe7\xa3\x97i\x1da c ofaf\x077\xba\xad\xef\xff insick\x85\x077\xba\xad"
     b"\xef\xff insick\x85\x077\xba",
@@ -1566,6 +1607,8 @@ LLAMA_CPP_CONTINUATIONS = {
     b"\xe7\xee\xc7\x96",
     "exaone-moe": b"Pa\xde\xed;_\x9d[\xe5\x9djulin\xaeD\xa0\xed\xf1\xc2\xa6M\xcdafbr\xf05\x0elati"
     b"\xcfj\xa1fofi\x7f",
+    "qwen3next": QWEN3NEXT_CONTINUATION,
+    "qwen3next-ssm_in": QWEN3NEXT_CONTINUATION,  # the same model, q/k/v/z whole
     "deepseek2-lite": b"\xc7\x85\x89lin\xe2(The the*\x0c\xa5\x96 the*\x0c o2latital;\xca\xb3 the*"
     b"\x0c\xa5\x96\x98,\x0c\xa5\x96",
 }

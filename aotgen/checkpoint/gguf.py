@@ -31,7 +31,11 @@ from aotgen.checkpoint.gguf_arch import (
 )
 from aotgen.checkpoint.gguf_arch_deepseek2 import add_expert_bias, deepseek2_tensors
 from aotgen.checkpoint.gguf_arch_gpt_oss import gpt_oss_tensors
-from aotgen.checkpoint.gguf_arch_qwen35 import qwen35_block_orders, qwen35_tensor
+from aotgen.checkpoint.gguf_arch_qwen35 import (
+    qwen3next_tensors,
+    qwen35_block_orders,
+    qwen35_tensor,
+)
 from aotgen.checkpoint.gguf_check import check_tensors
 from aotgen.checkpoint.gguf_config import read_config
 from aotgen.checkpoint.gguf_meta import meta_value, require_meta
@@ -162,8 +166,8 @@ def read_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict[str, n
             w = _gptneox_qkv(w, config["num_attention_heads"])
         elif arch.startswith("lfm2") and ".shortconv.conv." in t.name:
             w = w[:, None]  # HF's depthwise Conv1d weight [d, 1, kernel]
-        if arch.startswith("qwen35") and ".mlp." not in name:
-            out[name] = qwen35_tensor(name, w, config)
+        if arch in ("qwen35", "qwen35moe", "qwen3next") and ".mlp." not in name:
+            out[name] = qwen35_tensor(name, w, config, tiled=arch != "qwen3next")
         elif arch in ("phi2", "gpt-oss") and ".attn_qkv." in t.name:
             out.update(_split_qkv(name, w, config))
         elif arch == "stablelm" and name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
@@ -185,6 +189,8 @@ def read_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict[str, n
         return gpt_oss_tensors(out, config)
     if arch == "deepseek2":
         return deepseek2_tensors(out, config)
+    if arch == "qwen3next":
+        return qwen3next_tensors(out, config)
     if arch in ("glm4moe", "dots1", "exaone-moe"):  # DeepSeek-V3's routing
         add_expert_bias(out, config, spec.params["exp_probs_b.bias"])
     return _granite_moe(out) if arch == "granitemoe" else out

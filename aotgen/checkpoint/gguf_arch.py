@@ -16,7 +16,7 @@ from aotgen.checkpoint.gguf_arch_grouped_moe import (
     GROUPED_MOE_LAYER,
     GROUPED_MOE_PARAMS,
 )
-from aotgen.checkpoint.gguf_arch_qwen35 import QWEN35_LAYER, QWEN35_PARAMS
+from aotgen.checkpoint.gguf_arch_qwen35 import QWEN3NEXT_LAYER, QWEN35_LAYER, QWEN35_PARAMS
 from aotgen.checkpoint.gguf_arch_softmax_moe import (
     ERNIE45_MOE_LAYER,
     ERNIE45_MOE_PARAMS,
@@ -238,6 +238,12 @@ ARCHS: dict[str, Arch] = {
         "Qwen3_5MoeForCausalLM",
         "qwen3_5_moe_text",
         {**QWEN35_LAYER, **_MOE_LAYER},
+        params=QWEN35_PARAMS,
+    ),
+    "qwen3next": Arch(
+        "Qwen3NextForCausalLM",
+        "qwen3_next",
+        {**QWEN3NEXT_LAYER, **_MOE_LAYER},
         params=QWEN35_PARAMS,
     ),
     # latent attention (gguf_arch_deepseek2.py): DeepSeek-V3's, V2's or Youtu's by its

@@ -15,6 +15,13 @@ model, undoing what llama.cpp's converter (conversion/qwen.py: Qwen3_5TextModel)
 
 Text positions are equal on every axis of its multimodal RoPE (`rope.dimension_sections`), so
 the rotation is plain RoPE on `rope.dimension_count` dims of each head.
+
+Qwen3-Next (`qwen3next`, src/models/qwen3next.cpp; conversion/qwen.py Qwen3NextModel) is
+stored the same way but for its value heads, which stay grouped by key head, and its fused
+projections: transformers' `in_proj_qkvz` (each key head's q, k, then its value heads' v and
+z rows) as `attn_qkv` (all q, all k, all v) and `attn_gate` (z), or whole as `ssm_in` in
+files from before that split; `in_proj_ba` as `ssm_ba`. Experts on every block, chosen by
+softmax and renormalised (llama.cpp's fixed choice), a gated shared expert.
 """
 
 from __future__ import annotations
@@ -47,6 +54,11 @@ QWEN35_LAYER = {
     "ssm_conv1d": "linear_attn.conv1d",
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
+}
+QWEN3NEXT_LAYER = {
+    **QWEN35_LAYER,
+    "ssm_in": "linear_attn.in_proj_qkvz",  # files from before attn_qkv / attn_gate
+    "ssm_ba": "linear_attn.in_proj_ba",
 }
 # Parameters stored without a `.weight` suffix, or under another module: GGUF → HF leaf.
 QWEN35_PARAMS = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
@@ -91,8 +103,11 @@ def qwen35_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) ->
     }
 
 
-def qwen35_tensor(name: str, w: np.ndarray, config: dict[str, Any]) -> np.ndarray:
-    """One tensor (HF `name`) as the HF checkpoint holds it."""
+def qwen35_tensor(
+    name: str, w: np.ndarray, config: dict[str, Any], tiled: bool = True
+) -> np.ndarray:
+    """One tensor (HF `name`) as the HF checkpoint holds it; value heads regrouped where the
+    file holds them `tiled` (Qwen3.5's, not Qwen3-Next's)."""
     if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
         w = w - np.float32(1.0)
     elif name.endswith("linear_attn.A_log"):
@@ -100,7 +115,7 @@ def qwen35_tensor(name: str, w: np.ndarray, config: dict[str, Any]) -> np.ndarra
     elif name.endswith("linear_attn.conv1d.weight"):
         w = w[:, None]  # HF's depthwise Conv1d weight [channels, 1, kernel]
     key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
-    if key_heads != value_heads and ".linear_attn." in name:
+    if tiled and key_heads != value_heads and ".linear_attn." in name:
         w = _grouped_value_heads(name, w, config)
     return np.ascontiguousarray(w, np.float32)
 
@@ -135,3 +150,26 @@ def qwen35_block_orders(names: Iterable[str], config: dict[str, Any]) -> dict[st
         return {}
     order = np.argsort(_value_head_order(config, config["linear_value_head_dim"]))
     return {name: order for name in names if name.endswith("linear_attn.out_proj.weight")}
+
+
+def qwen3next_tensors(tensors: dict[str, np.ndarray], config: dict[str, Any]) -> dict[str, Any]:
+    """transformers' `in_proj_qkvz` from `attn_qkv` and `attn_gate`: for each key head its q
+    and k rows, then the v and z rows of its value heads."""
+    dk, hk = config["linear_key_head_dim"], config["linear_num_key_heads"]
+    out: dict[str, np.ndarray] = {}
+    for name, w in tensors.items():
+        if name.endswith(".linear_attn.in_proj_qkv.weight"):
+            stem = name.removesuffix(".in_proj_qkv.weight")
+            z = tensors.get(f"{stem}.in_proj_z.weight")
+            if z is None:
+                raise CheckpointError(
+                    f"GGUF block {stem.split('.')[2]} has attn_qkv without attn_gate"
+                )
+            q, k, v = np.split(w, [hk * dk, 2 * hk * dk])
+            parts = [x.reshape(hk, -1, w.shape[1]) for x in (q, k, v, z)]
+            out[f"{stem}.in_proj_qkvz.weight"] = np.concatenate(parts, axis=1).reshape(
+                -1, w.shape[1]
+            )
+        elif not name.endswith(".linear_attn.in_proj_z.weight"):
+            out[name] = w
+    return out

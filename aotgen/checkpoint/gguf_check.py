@@ -72,7 +72,11 @@ def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
         lfm2 = {"in_proj": (3 * d, d), "out_proj": out_proj, "conv": (d, c["conv_L_cache"])}
         lfm2 |= {"w1": (f, d), "w3": (f, d), "w2": (d, f), "q_layernorm": (hd,)}
         shapes |= {**lfm2, "k_layernorm": (hd,)}  # conv as llama.cpp stores it: [d, kernel]
-    if c["architectures"][0] in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"):
+    if c["architectures"][0] in (
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3NextForCausalLM",
+    ):
         shapes |= _qwen3_5_shapes(c, d, q)
         if name.endswith("linear_attn.norm"):  # each value head's output
             return (c["linear_value_head_dim"],)
@@ -102,6 +106,8 @@ def _qwen3_5_shapes(c: dict[str, Any], d: int, q: int) -> dict[str, tuple[int, .
         "in_proj_a": (heads, d),
         "conv1d": (conv, c["linear_conv_kernel_dim"]),
         "out_proj": (d, values),
+        "in_proj_qkvz": (2 * keys + 2 * values, d),  # Qwen3-Next's
+        "in_proj_ba": (2 * heads, d),
     }
 
 
@@ -147,7 +153,7 @@ def check_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
     # Blocks of one kind (dense or with experts; LFM2's and Qwen3.5's attention or not) have
     # the same tensors.
     dense = next((config[k] for k in _DENSE_COUNTS if k in config), n_layer)
-    by_type = spec.hf_arch.startswith(("Lfm2", "Qwen3_5"))
+    by_type = spec.hf_arch.startswith(("Lfm2", "Qwen3_5", "Qwen3Next"))
     types = config.get("layer_types") if by_type else None
     kinds = [f"{t}-{i < dense}" for i, t in enumerate(types or ["block"] * n_layer)]
     per_kind: dict[str, set[str]] = {}

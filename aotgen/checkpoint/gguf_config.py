@@ -48,7 +48,7 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     config = _common_config(reader, arch, spec)
     divisors = _frequency_divisors(reader, config)
     own_rope = ("gptneox", "lfm2", "lfm2moe", "gpt-oss", "qwen35", "qwen35moe", "deepseek2")
-    own_rope += ("minicpm3",)
+    own_rope += ("minicpm3", "qwen3next")
     own_rope += LAYERNORM_ARCHS
     if divisors and (arch in own_rope or read_rope_scaling(reader, arch)):
         raise CheckpointError(
@@ -68,7 +68,7 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         return minicpm3_config(reader, arch, config, _rope_factors(reader))
     if arch == "qwen35":
         return qwen35_config(reader, arch, config)
-    if arch == "qwen35moe":
+    if arch in ("qwen35moe", "qwen3next"):
         return qwen35_config(reader, arch, config) | _experts(reader, arch)
     config.update(
         rms_norm_eps=f32(require_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
@@ -260,13 +260,13 @@ def _lfm2_experts(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
 
 def _experts(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
     """A mixture of experts' config keys. llama.cpp renormalises the chosen experts' weights
-    for Mixtral (a `llama` GGUF with experts), Qwen3-MoE, Qwen3.5-MoE and Granite MoE whatever
-    the original config said,
+    for Mixtral (a `llama` GGUF with experts), Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next and Granite
+    MoE whatever the original config said,
     never for Qwen2-MoE and OLMoE, and runs every block as MoE."""
     out: dict[str, Any] = {
         "num_experts": int(require_meta(reader, f"{arch}.expert_count")),
         "num_experts_per_tok": int(require_meta(reader, f"{arch}.expert_used_count")),
-        "norm_topk_prob": arch in ("llama", "qwen3moe", "granitemoe", "qwen35moe"),
+        "norm_topk_prob": arch in ("llama", "qwen3moe", "granitemoe", "qwen35moe", "qwen3next"),
     }
     for key, hf in (
         ("expert_feed_forward_length", "moe_intermediate_size"),
