@@ -291,6 +291,28 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # ERNIE 4.5 MoE: layer 0 dense, softmax + bias routing, two shared experts (the converter
     # writes their width as intermediate_size / KV heads: 64 here, as in the released 21B).
     "ernie4_5-moe": FAMILIES["ernie4_5-moe"],
+    # Mellum: Qwen3-MoE's blocks, windowed (8) on layers 0 and 2 at the full layers' base (which
+    # llama.cpp uses for both), YaRN on the others with llama.cpp's gain; experts everywhere.
+    "mellum": (
+        "MellumConfig",
+        {
+            **FAMILIES["mellum"][1],
+            "mlp_layer_types": ["sparse"] * 4,
+            "rope_parameters": {
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "rope_theta": 500000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                    "attention_factor": 1 + 0.1 * math.log(4.0),
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                    "truncate": True,
+                },
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
+            },
+        },
+    ),
     # Hunyuan-A13B: q/k norms after RoPE, NTK-alpha base, a shared MLP on every layer.
     "hunyuan-moe": FAMILIES["hunyuan-moe"],
     "minicpm3": ("MiniCPM3Config", MINICPM3),
@@ -713,6 +735,7 @@ def _gguf_name(arch: str, hf: str) -> str:
         "exaone-moe": DOTS1_NAMES,
         "ernie4_5-moe": DOTS1_NAMES,
         "hunyuan-moe": HUNYUAN_MOE_NAMES,
+        "mellum": LAYER_NAMES["llama"],
     }.get(arch, LAYER_NAMES["llama"])
     return f"blk.{i}.{names[rest]}.{kind}"
 
@@ -990,6 +1013,22 @@ def _softmax_moe_meta(w: gguf.GGUFWriter, kind: str, cfg: dict[str, Any], head_d
     w.add_expert_shared_count(1)
 
 
+def _mellum_meta(w: gguf.GGUFWriter, cfg: dict[str, Any]) -> None:
+    """What conversion/mellum.py writes past base.py's keys (and _moe_meta's): the full
+    layers' YaRN (base.py's keys from rope_parameters.full_attention), the sliding layers'
+    base, the window and a flag per layer."""
+    full = cfg["rope_parameters"]["full_attention"]
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(full["factor"])
+    w.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+    w.add_rope_scaling_yarn_attn_factor(full["attention_factor"])
+    w.add_rope_scaling_yarn_beta_fast(full["beta_fast"])
+    w.add_rope_scaling_yarn_beta_slow(full["beta_slow"])
+    w.add_rope_freq_base_swa(cfg["rope_parameters"]["sliding_attention"]["rope_theta"])
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+
+
 def _lfm2_meta(w: gguf.GGUFWriter, cfg: dict[str, Any]) -> None:
     """What llama.cpp's converter writes of LFM2 (conversion/lfm2.py): KV heads per block (0
     on the convolutions), the kernel, the MLP width LFM2 derives from block_ff_dim; LFM2-MoE's
@@ -1090,6 +1129,8 @@ def _write_gguf(
         elif arch != "gemma":  # Gemma (1): none stored
             w.add_rope_freq_base(theta)
         _llama_variant_meta(w, arch, cfg, head_dim)
+        if kind == "mellum":
+            _mellum_meta(w, cfg)
         if kind in ("ernie4_5-moe", "hunyuan-moe"):
             _softmax_moe_meta(w, kind, cfg, head_dim)
         elif kind in ("glm4moe", "dots1", "exaone-moe"):
@@ -1609,6 +1650,8 @@ LLAMA_CPP_CONTINUATIONS = {
     b"\xcfj\xa1fofi\x7f",
     "qwen3next": QWEN3NEXT_CONTINUATION,
     "qwen3next-ssm_in": QWEN3NEXT_CONTINUATION,  # the same model, q/k/v/z whole
+    "mellum": b"s\x89\x0bmpbr#s\x89\x0bmpbree\x93manbr\x9a\x8d\x82\x83\xa5i\xba\x0b t\xbf\x17\x15\xf0"
+    b"\x10\x95\xe6",
     "deepseek2-lite": b"\xc7\x85\x89lin\xe2(The the*\x0c\xa5\x96 the*\x0c o2latital;\xca\xb3 the*"
     b"\x0c\xa5\x96\x98,\x0c\xa5\x96",
 }
@@ -1626,10 +1669,18 @@ LLAMA_CPP_SIZES: dict[str, dict[str, Any]] = {
 }
 
 
+# Keys the file holds that llama.cpp does not use (its continuation is the same without them):
+# Mellum's sliding layers' own base, its YaRN gain.
+LLAMA_CPP_UNUSED_KEYS: dict[str, Callable[[gguf.GGUFWriter], None]] = {
+    "mellum": lambda w: (w.add_rope_freq_base_swa(100.0), w.add_rope_scaling_yarn_attn_factor(1.0)),
+}
+
+
 @pytest.mark.parametrize("case", list(LLAMA_CPP_CONTINUATIONS))
 def test_gguf_continues_as_llama_cpp(tmp_path: Path, case: str) -> None:
     ckpt = _checkpoint(tmp_path / "hf", case, **LLAMA_CPP_SIZES.get(case, {}))
-    _write_gguf(ckpt, tmp_path / "m.gguf", case, quantize=False)
+    keys = LLAMA_CPP_UNUSED_KEYS.get(case)
+    _write_gguf(ckpt, tmp_path / "m.gguf", case, quantize=False, keys=keys)
     out = import_gguf(tmp_path / "m.gguf", tmp_path / "imported")
     tok = Tokenizer.from_dir(out)
     ids = EagerModel(out, 256).greedy(tok.encode(LLAMA_CPP_PROMPT), 32)

@@ -21,6 +21,7 @@ from aotgen.checkpoint.gguf_arch_softmax_moe import (
     ERNIE45_MOE_LAYER,
     ERNIE45_MOE_PARAMS,
     HUNYUAN_MOE_LAYER,
+    MELLUM_LAYER,
 )
 from aotgen.checkpoint.gguf_meta import meta_value, require_meta
 from aotgen.checkpoint.hf import CheckpointError
@@ -263,6 +264,7 @@ ARCHS: dict[str, Arch] = {
         "Ernie4_5_MoeForCausalLM", "ernie4_5_moe", ERNIE45_MOE_LAYER, params=ERNIE45_MOE_PARAMS
     ),
     "hunyuan-moe": Arch("HunYuanMoEV1ForCausalLM", "hunyuan_v1_moe", HUNYUAN_MOE_LAYER),
+    "mellum": Arch("MellumForCausalLM", "mellum", MELLUM_LAYER),
     # q/k rows as HF has them (NEOX RoPE, no permutation)
     "gpt-oss": Arch("GptOssForCausalLM", "gpt_oss", _GPT_OSS_LAYER),
     "gptneox": Arch(

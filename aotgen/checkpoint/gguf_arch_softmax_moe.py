@@ -1,6 +1,6 @@
 """Mixtures of experts whose router llama.cpp fixes in its graph, softmax probabilities with
-the chosen ones renormalised, whatever the file stores: `ernie4_5-moe` (ERNIE 4.5 MoE) and
-`hunyuan-moe` (Hunyuan-A13B).
+the chosen ones renormalised, whatever the file stores: `ernie4_5-moe` (ERNIE 4.5 MoE),
+`hunyuan-moe` (Hunyuan-A13B) and `mellum` (Mellum's mixture of experts).
 
 ERNIE 4.5 MoE (src/models/ernie4-5-moe.cpp): ERNIE 4.5's attention (RoPE on adjacent pairs,
 q/k as HF has them), dense blocks before `leading_dense_block_count`, experts picked by
@@ -12,15 +12,29 @@ no other layout).
 Hunyuan-A13B (src/models/hunyuan-moe.cpp): q/k norms after RoPE (halves), every block its
 experts and one ungated shared MLP, both `feed_forward_length` wide; the converter stores the
 NTK-alpha-stretched RoPE base itself.
+
+Mellum (src/models/mellum.cpp): Qwen3-MoE's blocks, experts on every one; windowed blocks by
+`sliding_window_pattern` (a flag per block, or a period: 4 where none is stored) where a
+window is stored, rotated at the full-attention base (`freq_base_swa` is not used) without
+scaling; the others with the stored YaRN, whose attention gain llama.cpp computes itself
+(1 + 0.1 ln factor) and whose ramp ends it floors and ceils (betas 32 and 1).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import gguf
 
-from aotgen.checkpoint.gguf_meta import f32, has_tensor, meta_value, require_meta
+from aotgen.checkpoint.gguf_meta import (
+    f32,
+    has_tensor,
+    meta_value,
+    read_layer_types,
+    read_rope_scaling,
+    require_meta,
+)
 from aotgen.checkpoint.hf import CheckpointError
 
 _ATTENTION = {
@@ -57,6 +71,14 @@ HUNYUAN_MOE_LAYER = {
     "ffn_gate_shexp": "mlp.shared_mlp.gate_proj",
     "ffn_up_shexp": "mlp.shared_mlp.up_proj",
     "ffn_down_shexp": "mlp.shared_mlp.down_proj",
+}
+
+MELLUM_LAYER = {
+    **_ATTENTION,
+    **_EXPERTS,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
 }
 
 
@@ -110,6 +132,55 @@ def hunyuan_moe_config(
         "moe_topk": int(require_meta(reader, f"{arch}.expert_used_count")),
         "num_shared_expert": 1,
         "use_qk_norm": True,
+    }
+
+
+def mellum_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """transformers' Mellum config of what llama.cpp runs (the common keys in `config`)."""
+    _refuse_scale(reader, arch)
+    n_layer = config["num_hidden_layers"]
+    window = int(meta_value(reader, f"{arch}.attention.sliding_window", 0) or 0)
+    pattern = meta_value(reader, f"{arch}.attention.sliding_window_pattern", 4) if window else 1
+    # (a period of 1: every block full)
+    experts, used = (
+        int(require_meta(reader, f"{arch}.{k}")) for k in ("expert_count", "expert_used_count")
+    )
+    width = int(meta_value(reader, f"{arch}.expert_feed_forward_length", 0) or 0)
+    return config | {
+        "rms_norm_eps": f32(require_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_parameters": _mellum_rope(reader, arch),
+        "sliding_window": window or None,
+        "layer_types": read_layer_types(reader, arch, pattern, n_layer),
+        "num_local_experts": experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": width or config["intermediate_size"] // used,
+        "norm_topk_prob": True,
+        "mlp_layer_types": ["sparse"] * n_layer,
+    }
+
+
+def _mellum_rope(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
+    base = f32(meta_value(reader, f"{arch}.rope.freq_base", 10000.0))
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": base}
+    scaling = read_rope_scaling(reader, arch)
+    if scaling and scaling["rope_type"] != "yarn":
+        raise CheckpointError(
+            f"GGUF {arch}.rope.scaling.type {scaling['rope_type']!r} is not supported (none "
+            "or yarn)"
+        )
+    if scaling:
+        factor = scaling["factor"]
+        full = {
+            **full,
+            **scaling,
+            "attention_factor": 1.0 + 0.1 * math.log(factor),
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": True,
+        }
+    return {
+        "full_attention": full,
+        "sliding_attention": {"rope_type": "default", "rope_theta": base},
     }
 
 

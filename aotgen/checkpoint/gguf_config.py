@@ -19,7 +19,11 @@ from aotgen.checkpoint.gguf_arch_grouped_moe import (
 from aotgen.checkpoint.gguf_arch_layernorm import LAYERNORM_ARCHS, layernorm_config
 from aotgen.checkpoint.gguf_arch_mistral3 import mistral3_rope
 from aotgen.checkpoint.gguf_arch_qwen35 import qwen35_config
-from aotgen.checkpoint.gguf_arch_softmax_moe import ernie45_moe_config, hunyuan_moe_config
+from aotgen.checkpoint.gguf_arch_softmax_moe import (
+    ernie45_moe_config,
+    hunyuan_moe_config,
+    mellum_config,
+)
 from aotgen.checkpoint.gguf_meta import (
     f32,
     has_tensor,
@@ -48,7 +52,7 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     config = _common_config(reader, arch, spec)
     divisors = _frequency_divisors(reader, config)
     own_rope = ("gptneox", "lfm2", "lfm2moe", "gpt-oss", "qwen35", "qwen35moe", "deepseek2")
-    own_rope += ("minicpm3", "qwen3next")
+    own_rope += ("minicpm3", "qwen3next", "mellum")
     own_rope += LAYERNORM_ARCHS
     if divisors and (arch in own_rope or read_rope_scaling(reader, arch)):
         raise CheckpointError(
@@ -66,6 +70,8 @@ def read_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         return deepseek2_config(reader, arch, config)
     if arch == "minicpm3":
         return minicpm3_config(reader, arch, config, _rope_factors(reader))
+    if arch == "mellum":
+        return mellum_config(reader, arch, config)
     if arch == "qwen35":
         return qwen35_config(reader, arch, config)
     if arch in ("qwen35moe", "qwen3next"):
