@@ -1650,8 +1650,8 @@ LLAMA_CPP_CONTINUATIONS = {
     b"\xcfj\xa1fofi\x7f",
     "qwen3next": QWEN3NEXT_CONTINUATION,
     "qwen3next-ssm_in": QWEN3NEXT_CONTINUATION,  # the same model, q/k/v/z whole
-    "mellum": b"s\x89\x0bmpbr#s\x89\x0bmpbree\x93manbr\x9a\x8d\x82\x83\xa5i\xba\x0b t\xbf\x17\x15\xf0"
-    b"\x10\x95\xe6",
+    "mellum": b"s\x89\x0bmpbr#s\x89\x0bmpbree\x93manbr\x9a\x8d\x82\x83\xa5i\xba\x0b t\xbf\x17\x15"
+    b"\xf0\x10\x95\xe6",
     "deepseek2-lite": b"\xc7\x85\x89lin\xe2(The the*\x0c\xa5\x96 the*\x0c o2latital;\xca\xb3 the*"
     b"\x0c\xa5\x96\x98,\x0c\xa5\x96",
 }
