@@ -85,10 +85,8 @@ def deepseek2_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any])
             "supported on deepseek2"
         )
     q_rank = meta_value(reader, f"{key}.q_lora_rank")
-    mtp = int(meta_value(reader, f"{arch}.nextn_predict_layers", 0))  # blocks left out
-    n_layer = config["num_hidden_layers"] - mtp
+    n_layer = config["num_hidden_layers"]
     config = {k: v for k, v in config.items() if k != "head_dim"} | {
-        "num_hidden_layers": n_layer,
         "num_key_value_heads": config["num_attention_heads"],
         "q_lora_rank": int(q_rank) if q_rank else None,
         "kv_lora_rank": rank,

@@ -18,8 +18,8 @@ K-EXAONE's (src/models/exaone-moe.cpp): dots.llm1's blocks with EXAONE 4's windo
 window required, the pattern a flag per block or a period, 4 where none is stored), RoPE on
 the windowed blocks only, at `rope.freq_base` (a stored `freq_base_swa` is not used); its
 shared MLP `expert_shared_feed_forward_length` wide (an expert's where none is stored); the
-multi-token-prediction block left out as GLM-4.5's. The expert bias is optional in both:
-zeros where the file has none.
+multi-token-prediction block left out as GLM-4.5's. The expert bias is optional in dots.llm1's
+and K-EXAONE's graphs: zeros where the file has none.
 """
 
 from __future__ import annotations
@@ -65,16 +65,9 @@ def glm4moe_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -
     """transformers' GLM-4.5 config of what llama.cpp runs (the common keys, RoPE's base and
     scaling already in `config`)."""
     _require_sigmoid(reader, arch, default=_SIGMOID)
-    mtp = int(meta_value(reader, f"{arch}.nextn_predict_layers", 0))  # blocks left out
-    n_layer = config["num_hidden_layers"] - mtp
     head_dim = config["head_dim"]
-    experts = int(meta_value(reader, f"{arch}.expert_count", 0) or 0)
-    if not experts:
-        raise CheckpointError(f"GGUF {arch} has no {arch}.expert_count: not a mixture of experts")
-    dense = int(meta_value(reader, f"{arch}.leading_dense_block_count", 0))
     rotated = int(meta_value(reader, f"{arch}.rope.dimension_count", head_dim))
-    return routing_keys(reader, arch, experts, dense) | {
-        "num_hidden_layers": n_layer,
+    return _routing(reader, arch) | {
         "partial_rotary_factor": rotated / head_dim,
         "attention_bias": has_tensor(reader, "attn_q.bias"),
         "use_qk_norm": has_tensor(reader, "attn_q_norm.weight"),
@@ -84,20 +77,13 @@ def glm4moe_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -
 def dots1_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
     """transformers' dots.llm1 config of what llama.cpp runs: q/k norms, no window."""
     _require_sigmoid(reader, arch, default=None)
-    experts = int(require_meta(reader, f"{arch}.expert_count"))
-    dense = int(meta_value(reader, f"{arch}.leading_dense_block_count", 0))
-    return routing_keys(reader, arch, experts, dense) | {"sliding_window": None}
+    return _routing(reader, arch) | {"sliding_window": None}
 
 
 def exaone_moe_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
     """transformers' K-EXAONE config of what llama.cpp runs."""
     _require_sigmoid(reader, arch, default=None)
-    n_layer = config["num_hidden_layers"] - int(
-        meta_value(reader, f"{arch}.nextn_predict_layers", 0)
-    )
-    experts = int(require_meta(reader, f"{arch}.expert_count"))
-    dense = int(meta_value(reader, f"{arch}.leading_dense_block_count", 0))
-    keys = routing_keys(reader, arch, experts, dense)
+    keys = _routing(reader, arch)
     width = keys["moe_intermediate_size"]
     shared = int(meta_value(reader, f"{arch}.expert_shared_feed_forward_length", 0) or width)
     if shared % width:
@@ -105,18 +91,27 @@ def exaone_moe_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]
             f"GGUF {arch}.expert_shared_feed_forward_length {shared} is not a whole number of "
             f"experts {width} wide"
         )
-    del keys["n_routed_experts"], keys["n_shared_experts"]
+    experts = keys.pop("n_routed_experts")
+    del keys["n_shared_experts"]  # the shared MLP's width decides, as in llama.cpp
     pattern = meta_value(reader, f"{arch}.attention.sliding_window_pattern", 4)
     return keys | {
-        "num_hidden_layers": n_layer,
         "num_experts": experts,
         "num_shared_experts": shared // width,
         "sliding_window": int(require_meta(reader, f"{arch}.attention.sliding_window")),
-        "layer_types": read_layer_types(reader, arch, pattern, n_layer),
+        "layer_types": read_layer_types(reader, arch, pattern, config["num_hidden_layers"]),
     }
 
 
+def _routing(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
+    """DeepSeek-V3's routing keys after the `leading_dense_block_count` dense blocks (none
+    stored: none)."""
+    experts = int(require_meta(reader, f"{arch}.expert_count"))
+    dense = int(meta_value(reader, f"{arch}.leading_dense_block_count", 0))
+    return routing_keys(reader, arch, experts, dense)
+
+
 def _require_sigmoid(reader: gguf.GGUFReader, arch: str, default: int | None) -> None:
+    """Sigmoid gating stored, or `default` where none is (None: llama.cpp cannot run it)."""
     gating = meta_value(reader, f"{arch}.expert_gating_func") or default
     if gating is None:
         raise CheckpointError(

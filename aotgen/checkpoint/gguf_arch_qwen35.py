@@ -66,9 +66,8 @@ QWEN35_PARAMS = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bi
 
 def qwen35_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
     """The linear-attention sizes (`ssm.*`: the converter's names), which blocks recur, the
-    partial RoPE; blocks past `nextn_predict_layers` from the end are the MTP head's."""
-    n_all = config["num_hidden_layers"]
-    n_layer = n_all - int(meta_value(reader, f"{arch}.nextn_predict_layers", 0))
+    partial RoPE."""
+    n_layer = config["num_hidden_layers"]
     recurrent = meta_value(reader, f"{arch}.attention.recurrent_layers")
     if recurrent is None:
         interval = int(meta_value(reader, f"{arch}.full_attention_interval", 4))

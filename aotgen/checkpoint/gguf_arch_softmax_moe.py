@@ -72,7 +72,6 @@ HUNYUAN_MOE_LAYER = {
     "ffn_up_shexp": "mlp.shared_mlp.up_proj",
     "ffn_down_shexp": "mlp.shared_mlp.down_proj",
 }
-
 MELLUM_LAYER = {
     **_ATTENTION,
     **_EXPERTS,
@@ -140,8 +139,8 @@ def mellum_config(reader: gguf.GGUFReader, arch: str, config: dict[str, Any]) ->
     _refuse_scale(reader, arch)
     n_layer = config["num_hidden_layers"]
     window = int(meta_value(reader, f"{arch}.attention.sliding_window", 0) or 0)
+    # no window: a period of 1, every block full
     pattern = meta_value(reader, f"{arch}.attention.sliding_window_pattern", 4) if window else 1
-    # (a period of 1: every block full)
     experts, used = (
         int(require_meta(reader, f"{arch}.{k}")) for k in ("expert_count", "expert_used_count")
     )

@@ -35,7 +35,7 @@ def _expected_shape(hf: str, c: dict[str, Any]) -> tuple[int, ...] | None:
     across_heads = c["architectures"][0].startswith("Olmo")  # OLMo's q/k norms: whole rows
     experts = next((c[k] for k in _EXPERT_COUNTS if c.get(k)), None)
     dense = name.endswith(("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))  # GLM-4.5's first
-    routed = ".mlp." in name and not dense or ".feed_forward.experts." in name  # LFM2-MoE's
+    routed = (".mlp." in name and not dense) or ".feed_forward.experts." in name  # LFM2-MoE's
     routed = routed or kind == "e_score_correction_bias"  # K-EXAONE's: mlp.e_score_...
     if experts and (routed or name.endswith(("feed_forward.gate", "expert_bias"))):
         return _moe_shape(name, kind, c, experts)

@@ -142,11 +142,14 @@ def _frequency_divisors(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict
 
 
 def _common_config(reader: gguf.GGUFReader, arch: str, spec: Arch) -> dict[str, Any]:
-    """What every architecture's config holds. `num_key_value_heads` is the largest of a
-    per-block list (LFM2: 0 on convolution layers), kept as `kv_heads_per_layer`. gpt-oss's
+    """What every architecture's config holds. The blocks the model runs: all but the last
+    `nextn_predict_layers` (a multi-token-prediction head's, left out as transformers leaves
+    out `mtp.*`). `num_key_value_heads` is the largest of a per-block list (LFM2: 0 on
+    convolution layers), kept as `kv_heads_per_layer`. gpt-oss's
     MLP width is its experts' (llama.cpp reads no feed_forward_length for it), as is that of
     a glm4moe file without one (Solar Open: every block sparse)."""
     hidden = int(require_meta(reader, f"{arch}.embedding_length"))
+    n_block = int(require_meta(reader, f"{arch}.block_count"))
     ff_key = "expert_feed_forward_length" if arch == "gpt-oss" else "feed_forward_length"
     if arch == "glm4moe" and meta_value(reader, f"{arch}.{ff_key}") is None:
         ff_key = "expert_feed_forward_length"
@@ -163,7 +166,7 @@ def _common_config(reader: gguf.GGUFReader, arch: str, spec: Arch) -> dict[str, 
         "model_type": spec.model_type,
         "hidden_size": hidden,
         "intermediate_size": int(max(ff) if isinstance(ff, list) else ff),
-        "num_hidden_layers": int(require_meta(reader, f"{arch}.block_count")),
+        "num_hidden_layers": n_block - int(meta_value(reader, f"{arch}.nextn_predict_layers", 0)),
         "num_attention_heads": n_head,
         "num_key_value_heads": int(max(n_kv) if isinstance(n_kv, list) else n_kv),
         "head_dim": int(meta_value(reader, f"{arch}.attention.key_length", hidden // n_head)),
