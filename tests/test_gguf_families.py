@@ -7,12 +7,13 @@ sliding-window pattern, a mixture of experts' experts stacked per block (Mixtral
 StableLM's per-head q/k norms stacked, Phi-2's q/k/v apart or fused, Command R, Cohere2,
 EXAONE 4, Nemotron and Seed-OSS with their q/k rows as HF has them, Ministral 3's permuted
 with its YaRN and attention temperature, Hunyuan's q/k norms and stretched base, Apertus's
-xIELU parameters as metadata, gpt-oss's
-interleaved gate/up
-experts split and their biases apart, float or MXFP4, some weights quantized, DeepSeek's
-kv_b_proj split into attn_k_b / attn_v_b or whole in older files), imported
-back, and the imported checkpoint must compute what the original computes in `transformers`,
-in `transformers` and in aotgen's model.
+xIELU parameters as metadata, gpt-oss's interleaved gate/up experts split and their biases
+apart, float or MXFP4, some weights quantized, DeepSeek's kv_b_proj split into attn_k_b /
+attn_v_b or whole in older files, GLM-4.5's, Solar Open's, dots.llm1's and K-EXAONE's
+expert bias as exp_probs_b, ERNIE 4.5 MoE's shared width as its converter computes it,
+Qwen3-Next's in_proj_qkvz split into attn_qkv / attn_gate or whole), imported back, and the
+imported checkpoint must compute what the original computes in `transformers`, in
+`transformers` and in aotgen's model.
 """
 
 from __future__ import annotations
