@@ -201,6 +201,33 @@ def test_unknown_architecture(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("free", "memory", "message"),
+    [
+        (10_000, None, r"writes 0\.0 GB \(its weights as float32\) but .* has 0\.0 GB free"),
+        (10**12, 10_000, r"holds its weights as float32 in memory, 0\.0 GB, but 0\.0 GB is"),
+    ],
+)
+def test_import_the_machine_cannot_hold_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, free: int, memory: int | None, message: str
+) -> None:
+    """Too little disk beside the output, or memory for the float32 weights (a 4-bit file grows
+    about 7x): refused before any write, as the disk would fill or the process be killed."""
+    _write_gguf(tmp_path / "m.gguf", "llama", _tiny_llama_tensors(np.random.default_rng(0)))
+    usage = gguf_import.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(gguf_import.shutil, "disk_usage", lambda _: usage._replace(free=free))
+    monkeypatch.setattr(gguf_import, "available_memory", lambda: memory)
+    with pytest.raises(gguf_import.CheckpointError, match=message) as e:
+        import_gguf(tmp_path / "m.gguf", tmp_path / "out" / "deeper")
+    assert "\n" not in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def test_available_memory_is_read() -> None:
+    memory = gguf_import.available_memory()
+    assert memory is None or memory > 2**20
+
+
+@pytest.mark.parametrize(
     ("specials", "ends"),
     [
         (("<|end|>", "<|flush|>", "<|calls|>"), [2, 1]),  # Solar Open's: <|end|> does not end

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import shutil
 import struct
 from pathlib import Path
 from typing import Any
@@ -360,8 +361,47 @@ def import_gguf(gguf_path: Path, out_dir: Path, overwrite: bool = False) -> Path
             "the command line) to replace it"
         )
     reader = open_gguf(gguf_path)
-    # Refuse an unsupported architecture, tokenizer or mismatched tensor before any write.
+    # Refuse an unsupported architecture, tokenizer or mismatched tensor, or an import the
+    # machine cannot hold, before any write.
     check_tensors(reader, read_config(reader))
     check_tokenizer(reader)
+    check_room(reader, out_dir)
 
     return write_checkpoint_dir(out_dir, lambda tmp: _write_checkpoint(reader, tmp))
+
+
+def check_room(reader: gguf.GGUFReader, out_dir: Path) -> None:
+    """Refuse an import this machine cannot hold: its weights are dequantized to float32 in
+    memory (a 4-bit file grows about 7x), then written beside `out_dir` with the kept blocks."""
+    tensors = model_tensors(reader)
+    weights = sum(int(t.n_elements) * 4 for t in tensors)
+    blocks = sum(int(t.n_bytes) for t in tensors if t.tensor_type.name in KEPT_TYPES)
+    where = next(p for p in (out_dir.absolute(), *out_dir.absolute().parents) if p.exists())
+    free = shutil.disk_usage(where).free
+    if weights + blocks > free:
+        raise CheckpointError(
+            f"importing this GGUF writes {_gb(weights + blocks)} (its weights as float32) but "
+            f"{where} has {_gb(free)} free; import it onto a disk with more room"
+        )
+    memory = available_memory()
+    if memory is not None and weights > memory:
+        raise CheckpointError(
+            f"importing this GGUF holds its weights as float32 in memory, {_gb(weights)}, but "
+            f"{_gb(memory)} is available; import it on a machine with more memory"
+        )
+
+
+def available_memory() -> int | None:
+    """Memory this process can still take (Linux: MemAvailable + SwapFree); None elsewhere."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return None
+    kib = {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in lines) if v}
+    if "MemAvailable" not in kib:
+        return None
+    return (kib["MemAvailable"] + kib.get("SwapFree", 0)) * 1024
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB"
