@@ -1266,6 +1266,36 @@ def test_family_gguf_imports_to_the_same_model(tmp_path: Path, arch: str) -> Non
     assert ((ours - ref).norm() / ref.norm()).item() < 1e-5
 
 
+@pytest.mark.parametrize("arch", ["deepseek2", "gpt-oss", "apertus", "qwen3next", "gptneox"])
+def test_import_in_shards_is_the_same_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str
+) -> None:
+    """Weights written a block at a time (shards of one block here, and the embeddings): the
+    sharded checkpoint and its index hold the one-file import's tensors, which transformers
+    loads; each block's rewriting (halves joined, experts regrouped, zero biases, xIELU's
+    metadata) sees that block whole."""
+    from aotgen.checkpoint import gguf_room
+
+    ckpt = _checkpoint(tmp_path / "hf", arch)
+    _write_gguf(ckpt, tmp_path / "m.gguf", arch, quantize=False)
+    whole = import_gguf(tmp_path / "m.gguf", tmp_path / "whole")
+    monkeypatch.setattr(gguf_room, "SHARD_BYTES", 1)
+    sharded = import_gguf(tmp_path / "m.gguf", tmp_path / "sharded")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    n_layer = json.loads((whole / "config.json").read_text())["num_hidden_layers"]
+    assert len(set(index["weight_map"].values())) == n_layer + 1
+    assert not (sharded / "model.safetensors").exists()
+    with safe_open(whole / "model.safetensors", "np") as f:
+        assert set(index["weight_map"]) == set(f.keys())
+        for name, file in index["weight_map"].items():
+            with safe_open(sharded / file, "np") as g:
+                np.testing.assert_array_equal(g.get_tensor(name), f.get_tensor(name))
+    ids = Tokenizer.from_dir(ckpt).encode(TEXTS[0])
+    ref = reference_logits(load_reference(whole), ids)
+    assert _relative(reference_logits(load_reference(sharded), ids), ref) == 0.0
+    assert _relative(EagerModel(sharded, 96).forward(ids, 0), ref) < 1e-5  # aotgen reads it
+
+
 @pytest.mark.parametrize("arch", ["gemma3", "gptneox", "phi2"])
 def test_quantized_blocks_dequantize(tmp_path: Path, arch: str) -> None:
     """Q8_0 blocks on half the matrices; the importer gives back their dequantized values."""

