@@ -28,6 +28,20 @@ import numpy as np
 from aotgen.checkpoint.gguf_meta import f32, has_tensor, meta_value, require_meta
 from aotgen.checkpoint.hf import CheckpointError
 
+# DeepSeek's MLP names (GLM-4.5, dots.llm1, K-EXAONE and ERNIE 4.5 MoE use them too): the
+# dense MLP, the router, the routed experts stacked [E, out, in], the shared experts as one MLP.
+DEEPSEEK_MLP = {
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
 DEEPSEEK2_LAYER = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",  # V2-Lite: no q bottleneck
@@ -41,16 +55,7 @@ DEEPSEEK2_LAYER = {
     "attn_v_b": "self_attn.v_b_proj",
     "attn_output": "self_attn.o_proj",
     "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.experts.gate_proj",
-    "ffn_up_exps": "mlp.experts.up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj",
-    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
-    "ffn_up_shexp": "mlp.shared_experts.up_proj",
-    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    **DEEPSEEK_MLP,
 }
 DEEPSEEK2_PARAMS = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}
 LATENT_ARCHS = (

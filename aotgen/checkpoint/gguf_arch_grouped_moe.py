@@ -28,7 +28,7 @@ from typing import Any
 
 import gguf
 
-from aotgen.checkpoint.gguf_arch_deepseek2 import routing_keys
+from aotgen.checkpoint.gguf_arch_deepseek2 import DEEPSEEK_MLP, routing_keys
 from aotgen.checkpoint.gguf_meta import has_tensor, meta_value, read_layer_types, require_meta
 from aotgen.checkpoint.hf import CheckpointError
 
@@ -41,16 +41,7 @@ GROUPED_MOE_LAYER = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "post_attention_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.experts.gate_proj",
-    "ffn_up_exps": "mlp.experts.up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj",
-    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
-    "ffn_up_shexp": "mlp.shared_experts.up_proj",
-    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    **DEEPSEEK_MLP,
 }
 GROUPED_MOE_PARAMS = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}
 DOTS1_LAYER = {

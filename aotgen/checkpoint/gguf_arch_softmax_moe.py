@@ -27,6 +27,7 @@ from typing import Any
 
 import gguf
 
+from aotgen.checkpoint.gguf_arch_deepseek2 import DEEPSEEK_MLP
 from aotgen.checkpoint.gguf_meta import (
     f32,
     has_tensor,
@@ -45,22 +46,8 @@ _ATTENTION = {
     "attn_output": "self_attn.o_proj",
     "ffn_norm": "post_attention_layernorm",
 }
-_EXPERTS = {
-    "ffn_gate_exps": "mlp.experts.gate_proj",
-    "ffn_up_exps": "mlp.experts.up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj",
-}
-ERNIE45_MOE_LAYER = {
-    **_ATTENTION,
-    **_EXPERTS,
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
-    "ffn_up_shexp": "mlp.shared_experts.up_proj",
-    "ffn_down_shexp": "mlp.shared_experts.down_proj",
-}
+_EXPERTS = {k: v for k, v in DEEPSEEK_MLP.items() if k.endswith("_exps")}
+ERNIE45_MOE_LAYER = {**_ATTENTION, **DEEPSEEK_MLP}
 ERNIE45_MOE_PARAMS = {"exp_probs_b.bias": "mlp.moe_statics.e_score_correction_bias"}
 HUNYUAN_MOE_LAYER = {
     **_ATTENTION,
