@@ -1158,7 +1158,7 @@ def _write_gguf(
     w.add_eos_token_id(cfg["eos_token_id"])
     w.add_pad_token_id(cfg["pad_token_id"])
     written: dict[str, np.ndarray] = {}
-    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    experts: dict[tuple[str, str], dict[int, tuple[str, np.ndarray]]] = {}
     xielu: dict[str, dict[int, float]] = {}  # Apertus: metadata, one value per block
     head_norms: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     fused: dict[tuple[str, str], dict[str, np.ndarray]] = {}
@@ -1188,7 +1188,7 @@ def _write_gguf(
                 continue
             if match := EXPERT.match(hf):  # stacked per block and projection, as llama.cpp does
                 layer, e, proj = match.groups()
-                experts.setdefault((layer, STACKED.get(proj, "down")), {})[int(e)] = x
+                experts.setdefault((layer, STACKED.get(proj, "down")), {})[int(e)] = (hf, x)
                 continue
             if match := HEAD_NORM.match(hf):
                 layer, qk, head = match.groups()
@@ -1221,9 +1221,21 @@ def _write_gguf(
                 w.add_tensor(_gguf_name(arch, hf), stored)
     for param, per_layer in xielu.items():
         getattr(w, f"add_xielu_{param}")([per_layer[i] for i in sorted(per_layer)])
-    for (layer, proj), per_expert in experts.items():
-        stacked = np.stack([per_expert[e] for e in sorted(per_expert)])
-        w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", stacked)
+    for n, ((layer, proj), per_expert) in enumerate(experts.items()):
+        names, mats = zip(*(per_expert[e] for e in sorted(per_expert)), strict=True)
+        stacked, name = np.stack(mats), f"blk.{layer}.ffn_{proj}_exps.weight"
+        fits = [t for t in qtypes if stacked.shape[2] % gguf_blocks.QTYPES[t].block == 0]
+        if not fits:
+            w.add_tensor(name, stacked)
+            continue
+        qtype = fits[n % len(fits)]  # gate and up of a block take one type, as llama.cpp's
+        if proj == "up" and (layer, "gate") in experts:
+            qtype = fits[list(experts).index((layer, "gate")) % len(fits)]
+        q = _blocks(stacked.reshape(-1, stacked.shape[2]), qtype, seed=n)
+        back = gguf.quants.dequantize(q, gguf.GGMLQuantizationType[qtype]).reshape(stacked.shape)
+        written |= {hf: back[e] for e, hf in enumerate(names)}
+        q = q.reshape(*stacked.shape[:2], -1)
+        w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType[qtype])
     for (layer, qk), per_head in head_norms.items():
         stacked = np.stack([per_head[h] for h in sorted(per_head)])
         w.add_tensor(f"blk.{layer}.attn_{qk}_norm.weight", stacked)

@@ -255,7 +255,7 @@ def test_quantize_keeps_the_routers_float(tmp_path, family, routers):
 
 
 def test_quantized_routing_and_parallel_are_refused(tmp_path):
-    """Integer activations and GGUF blocks do not apply to the experts, and there is no
+    """Integer activations do not apply to the experts, and there is no
     tensor-parallel plan for them: one-line errors before any compile."""
     path = make_family_checkpoint(tmp_path / "m", "qwen3-moe")
     for extra, why in [

@@ -40,6 +40,9 @@ KERNELS = (  # (the kernel source, the ops whose C shims it defines)
     (moe.SOURCE, moe.OPS),
     (gated_delta.SOURCE, gated_delta.OPS),
 )
+# Kernel sources that call into another's code, linked with it (moe.cpp's experts on GGUF
+# blocks run gguf_blocks.cpp's kernel).
+NEEDS = {moe.SOURCE: (gguf_blocks.SOURCE,)}
 C_SHIMS = "aot_inductor.custom_ops_to_c_shims"
 LIBS = "aot_inductor.custom_op_libs"
 LINK_SCRIPT = "aotgen-objects.ld"
@@ -67,7 +70,7 @@ def link_options(graph: torch.fx.Graph, directory: Path) -> tuple[dict, list[Ker
     """Inductor options that declare the shims the graph calls, and the kernel objects that
     define them in `directory` (built and linked by `linking`)."""
     shims: dict = {}
-    objects = []
+    sources: list[Path] = []
     for source, ops in used_kernels(graph):
         declared = declarations(source)
         for op in ops:
@@ -75,7 +78,8 @@ def link_options(graph: torch.fx.Graph, directory: Path) -> tuple[dict, list[Ker
             if name not in declared:
                 raise RuntimeError(f"{source.name} defines no C shim {name}")
             shims[op] = [declared[name]]
-        objects.append(KernelObject.of(source, directory))
+        sources += [source, *NEEDS.get(source, ())]
+    objects = [KernelObject.of(source, directory) for source in dict.fromkeys(sources)]
     return ({C_SHIMS: shims} if shims else {}), objects
 
 

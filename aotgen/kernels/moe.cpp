@@ -25,11 +25,27 @@
 // activation act(g, u) is silu(g) * u with limit 0, else gpt-oss's clamped SwiGLU:
 // (min(max(u, -limit), limit) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit). Without
 // biases and with limit 0 every value is computed as before they existed.
+//
+// GGUF blocks (`moe_experts_gguf`, `quantize: {gguf: keep}`): gate_up and down are the file's
+// blocks in gguf_blocks.cpp's panels, stacked by expert ([E, panels, ...] codes, group and
+// super-block scales); each routed expert's projections run gguf_blocks.cpp's kernel on its
+// panels (exact: gguf's dequantized weights bit for bit), with float32 activations. With fewer
+// routed experts than threads (decode) they run one after another, each projection threaded
+// over its panels.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace aotgen_gguf {  // gguf_blocks.cpp, linked into the same .so
+void linear_any(int qtype, const float* x, int64_t ldx, int64_t M, int64_t K,
+                const uint8_t* codes, const uint16_t* groups, const uint16_t* supers, int64_t N,
+                float* out, int rows, int panels);
+}
 
 #pragma GCC push_options
 #pragma GCC optimize("O3")
@@ -59,7 +75,7 @@ static AOTITorchError matmul_t(void* a, int64_t n, int64_t K, void* b, int64_t m
   return rc;
 }
 
-enum class Kind { f32, bf16, i8 };  // how the weights are stored
+enum class Kind { f32, bf16, i8, gguf };  // how the weights are stored
 
 inline float bf16_to_float(uint16_t v) {
   const uint32_t bits = uint32_t(v) << 16;
@@ -94,6 +110,15 @@ static void convert_rows(const void* all, Kind kind, const float* scales, int64_
   }
 }
 
+// One projection's GGUF blocks, every expert's panels `*_stride` elements after the last one's
+// (gguf_blocks.cpp's layout; supers null for the legacy types).
+struct Blocks {
+  int qtype;
+  const uint8_t* codes;
+  const uint16_t *groups, *supers;
+  int64_t codes_stride, groups_stride, supers_stride;
+};
+
 // Weight rows converted per block: a block is multiplied while it is still in the core's L2,
 // rather than the whole expert written out to memory and read back by the matmul. 256-512 KB
 // measured alike; smaller blocks pay ATen's per-call cost (64 KB: slower than the whole).
@@ -101,10 +126,20 @@ constexpr int64_t kBlockBytes = 256 * 1024;
 
 // out [n, rows] = a [n, cols] @ W_e^T in float32, expert e's weights W_e [rows, cols] read in
 // place (float32) or converted a block of rows at a time into `buffer`.
-static AOTITorchError project(const void* all, Kind kind, const float* scales, int64_t e,
-                              int64_t rows, int64_t cols, float* a, int64_t n, float* out,
-                              std::vector<float>& buffer) {
+static AOTITorchError project(const void* all, Kind kind, const float* scales,
+                              const Blocks& blocks, int64_t e, int64_t rows, int64_t cols,
+                              float* a, int64_t n, float* out, std::vector<float>& buffer) {
   const int32_t f32 = aoti_torch_dtype_float32();
+  if (kind == Kind::gguf) {  // rows a multiple of 16 (the shim checks): no padding outputs
+    const Blocks& b = blocks;
+    // Up to 4 rows decode each weight unit in registers once for all of them; more run on
+    // panels dequantized once per call (gguf_blocks.cpp `linear`).
+    aotgen_gguf::linear_any(b.qtype, a, cols, n, cols, b.codes + e * b.codes_stride,
+                            b.groups + e * b.groups_stride,
+                            b.supers ? b.supers + e * b.supers_stride : nullptr, rows, out,
+                            (int)std::min<int64_t>(n, 4), 8);
+    return AOTI_TORCH_SUCCESS;
+  }
   if (kind == Kind::f32)
     return matmul_t(a, n, cols, (float*)all + e * rows * cols, rows, out, f32, rows);
   const int64_t block = std::max<int64_t>(1, kBlockBytes / (4 * cols));
@@ -134,6 +169,7 @@ struct Expert {  // what every routed expert's run reads
   const void *gate_up, *down;
   Kind kind;
   const float *gate_up_scale, *down_scale;
+  Blocks gate_up_blocks, down_blocks;  // Kind::gguf
   Bias gate_up_bias, down_bias;
   float limit, alpha;  // the activation's
   int64_t k, d, f;
@@ -170,8 +206,9 @@ static AOTITorchError run_f32(const Expert& job, int64_t e, const int64_t* pairs
       std::copy((const float*)job.x + at, (const float*)job.x + at + d, dst);
     }
   }
-  AOTI_TORCH_ERROR_CODE_CHECK(project(job.gate_up, job.kind, job.gate_up_scale, e, 2 * f, d,
-                                      s.rows.data(), n, s.hidden.data(), s.weights));
+  AOTI_TORCH_ERROR_CODE_CHECK(project(job.gate_up, job.kind, job.gate_up_scale,
+                                      job.gate_up_blocks, e, 2 * f, d, s.rows.data(), n,
+                                      s.hidden.data(), s.weights));
   const Bias& gb = job.gate_up_bias;
   for (int64_t r = 0; r < n; r++) {
     const float* g = s.hidden.data() + r * 2 * f;
@@ -180,8 +217,8 @@ static AOTITorchError run_f32(const Expert& job, int64_t e, const int64_t* pairs
       s.act[r * f + j] = activate(gate, up, job.limit, job.alpha);
     }
   }
-  AOTI_TORCH_ERROR_CODE_CHECK(
-      project(job.down, job.kind, job.down_scale, e, d, f, s.act.data(), n, out_rows, s.weights));
+  AOTI_TORCH_ERROR_CODE_CHECK(project(job.down, job.kind, job.down_scale, job.down_blocks, e,
+                                      d, f, s.act.data(), n, out_rows, s.weights));
   if (job.down_bias.data)
     for (int64_t i = 0; i < n * d; i++)
       out_rows[i] = job.down_bias.plus(out_rows[i], e * d + i % d);
@@ -226,6 +263,7 @@ static AOTITorchError run_bf16(const Expert& job, int64_t e, const int64_t* pair
 static AOTITorchError experts(const void* x, bool x_bf16, const float* weights,
                               const int64_t* ids, const void* gate_up, const void* down, Kind kind,
                               const float* gate_up_scale, const float* down_scale,
+                              const Blocks& gate_up_blocks, const Blocks& down_blocks,
                               Bias gate_up_bias, Bias down_bias, float limit, float alpha,
                               void* out, int64_t T, int64_t k, int64_t E, int64_t d, int64_t f) {
   // Counting sort of the (token, slot) pairs by expert.
@@ -244,10 +282,17 @@ static AOTITorchError experts(const void* x, bool x_bf16, const float* weights,
   for (int64_t e = 0; e < E; e++)
     if (start[e + 1] > start[e]) hit.push_back(e);
   std::vector<float> y(T * k * d);
-  const Expert job{x, x_bf16, gate_up, down, kind, gate_up_scale, down_scale,
-                   gate_up_bias, down_bias, limit, alpha, k, d, f};
+  const Expert job{x, x_bf16, gate_up, down, kind, gate_up_scale, down_scale, gate_up_blocks,
+                   down_blocks, gate_up_bias, down_bias, limit, alpha, k, d, f};
   AOTITorchError rc = AOTI_TORCH_SUCCESS;
-#pragma omp parallel
+  // The block kernel threads over its panels: experts one after another when too few to
+  // give every thread one (a region that is not parallel lets the kernel's own be).
+#ifdef _OPENMP
+  const bool by_expert = kind != Kind::gguf || (int64_t)hit.size() >= omp_get_max_threads();
+#else
+  const bool by_expert = true;
+#endif
+#pragma omp parallel if (by_expert)
   {
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
@@ -360,7 +405,7 @@ static AOTITorchError aotgen_moe_shim(AtenTensorHandle x, AtenTensorHandle weigh
   }
   const AOTITorchError rc = aotgen_moe::experts(
       x_data, x_dtype == bf16, (const float*)w_data, (const int64_t*)id_data, gu_data, down_data,
-      kind, (const float*)gu_scale, (const float*)down_scale_data, gu_bias, down_bias_of,
+      kind, (const float*)gu_scale, (const float*)down_scale_data, {}, {}, gu_bias, down_bias_of,
       float(limit), float(alpha), out_data, T, k, E, d, f);
   if (rc != AOTI_TORCH_SUCCESS) {
     aoti_torch_delete_tensor_object(out);
@@ -390,5 +435,89 @@ AOTITorchError aoti_torch_cpu_moe_experts_int8(AtenTensorHandle x, AtenTensorHan
                                                double alpha, AtenTensorHandle* ret0) {
   return aotgen_moe_shim(x, weights, ids, gate_up, gate_up_scale, down, down_scale,
                          gate_up_bias, down_bias, limit, alpha, ret0);
+}
+
+// One projection's GGUF blocks (kernels/gguf_blocks.py `pack`, stacked by expert): codes
+// [E, P, units, unit bytes] uint8, groups and optional supers [E, P, ...] float16, contiguous;
+// `outputs` = 16 P.
+static AOTITorchError aotgen_moe_blocks(AtenTensorHandle codes, AtenTensorHandle groups,
+                                        AtenTensorHandle* supers, int64_t qtype, int64_t E,
+                                        aotgen_moe::Blocks* out, int64_t* outputs) {
+  int64_t dim, *sizes;
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dim(codes, &dim));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(codes, &sizes));
+  if (dim != 4 || sizes[0] != E || E <= 0 || qtype < 0 || qtype > 7) return AOTI_TORCH_FAILURE;
+  *outputs = sizes[1] * 16;
+  const AtenTensorHandle parts[3] = {codes, groups, supers ? *supers : nullptr};
+  void* data[3] = {nullptr, nullptr, nullptr};
+  int64_t stride[3] = {0, 0, 0};
+  for (int i = 0; i < 3; i++) {
+    if (!parts[i]) continue;
+    bool contiguous = false;
+    int64_t numel;
+    AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_is_contiguous(parts[i], &contiguous));
+    AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_numel(parts[i], &numel));
+    AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(parts[i], &data[i]));
+    if (!contiguous || numel % E) return AOTI_TORCH_FAILURE;
+    stride[i] = numel / E;
+  }
+  *out = {(int)qtype, (const uint8_t*)data[0], (const uint16_t*)data[1],
+          (const uint16_t*)data[2], stride[0], stride[1], stride[2]};
+  return AOTI_TORCH_SUCCESS;
+}
+
+// x [T, d] float32, weights [T, k] float32, ids [T, k] int64; gate_up's blocks (2f outputs of
+// d inputs, the gate's then the up projection's) and down's (d outputs of f inputs), each a
+// multiple of 16 outputs; the optional biases and the activation, as `moe_experts`.
+AOTITorchError aoti_torch_cpu_moe_experts_gguf(
+    AtenTensorHandle x, AtenTensorHandle weights, AtenTensorHandle ids,
+    AtenTensorHandle gate_up_codes, AtenTensorHandle gate_up_groups,
+    AtenTensorHandle* gate_up_supers, int64_t gate_up_qtype, AtenTensorHandle down_codes,
+    AtenTensorHandle down_groups, AtenTensorHandle* down_supers, int64_t down_qtype,
+    AtenTensorHandle* gate_up_bias, AtenTensorHandle* down_bias, double limit, double alpha,
+    AtenTensorHandle* ret0) {
+  int64_t *x_sizes, *w_sizes, *c_sizes;
+  int32_t x_dtype;
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(x, &x_sizes));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(weights, &w_sizes));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(gate_up_codes, &c_sizes));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(x, &x_dtype));
+  for (AtenTensorHandle t : {x, weights, ids}) {
+    bool contiguous = false;
+    AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_is_contiguous(t, &contiguous));
+    if (!contiguous) return AOTI_TORCH_FAILURE;
+  }
+  const int64_t T = x_sizes[0], d = x_sizes[1], k = w_sizes[1], E = c_sizes[0];
+  aotgen_moe::Blocks gu, down;
+  int64_t gu_outputs, down_outputs;
+  AOTI_TORCH_ERROR_CODE_CHECK(aotgen_moe_blocks(gate_up_codes, gate_up_groups, gate_up_supers,
+                                                gate_up_qtype, E, &gu, &gu_outputs));
+  AOTI_TORCH_ERROR_CODE_CHECK(aotgen_moe_blocks(down_codes, down_groups, down_supers,
+                                                down_qtype, E, &down, &down_outputs));
+  const int64_t f = gu_outputs / 2;
+  if (x_dtype != aoti_torch_dtype_float32() || down_outputs != d)
+    return AOTI_TORCH_FAILURE;
+  aotgen_moe::Bias gu_bias, down_bias_of;
+  AOTI_TORCH_ERROR_CODE_CHECK(aotgen_moe_bias(gate_up_bias, E, 2 * f, &gu_bias));
+  AOTI_TORCH_ERROR_CODE_CHECK(aotgen_moe_bias(down_bias, E, d, &down_bias_of));
+  const int64_t out_sizes[2] = {T, d}, out_strides[2] = {d, 1};
+  AtenTensorHandle out;
+  void *x_data, *w_data, *id_data, *out_data;
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(
+      2, out_sizes, out_strides, x_dtype, aoti_torch_device_type_cpu(), 0, &out));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(x, &x_data));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(weights, &w_data));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(ids, &id_data));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(out, &out_data));
+  const AOTITorchError rc = aotgen_moe::experts(
+      x_data, false, (const float*)w_data, (const int64_t*)id_data, nullptr, nullptr,
+      aotgen_moe::Kind::gguf, nullptr, nullptr, gu, down, gu_bias, down_bias_of, float(limit),
+      float(alpha), out_data, T, k, E, d, f);
+  if (rc != AOTI_TORCH_SUCCESS) {
+    aoti_torch_delete_tensor_object(out);
+    return rc;
+  }
+  *ret0 = out;
+  return AOTI_TORCH_SUCCESS;
 }
 #pragma GCC visibility pop

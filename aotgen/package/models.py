@@ -29,6 +29,7 @@ from aotgen.passes.fuse import FuseLinearsPass
 from aotgen.passes.gguf_keep import BlockIndex, KeepGGUF
 from aotgen.passes.lora import LoraAdapter, merge_adapter
 from aotgen.passes.quantize import QuantizePass, quantize_passes
+from aotgen.passes.keep_experts import keep_experts
 from aotgen.passes.quantize_experts import quantize_experts, routers
 from aotgen.passes.quantize_latent import quantize_latent
 from aotgen.passes.quantize_options import parse_quantize
@@ -211,6 +212,7 @@ def prepare_models(
         )
     ]
     _quantize_latent(models[0], quantize)
+    _keep_experts(models[0])
     draft = (recipe.speculative or {}).get("draft")
     if draft:
         # The draft never verifies. On the target's cache it never prefills, and it drafts
@@ -235,6 +237,7 @@ def prepare_models(
             )
         )
         _quantize_latent(models[1], dquantize)
+        _keep_experts(models[1])
     return models
 
 
@@ -247,12 +250,14 @@ def _experts_quantize(
     options = parse_quantize(quantize)
     if not cfg.num_experts or options is None:
         return quantize, False
-    if options.gguf or options.activations == "int8":
-        why = "gguf: keep" if options.gguf else "activations: int8"
+    if options.activations == "int8":
         raise RecipeError(
-            f"quantize.{why} does not apply to the experts of {cfg.architecture} (a mixture of "
-            "experts): use quantize: {linear: int8} (experts int8 per channel)"
+            f"quantize.activations: int8 does not apply to the experts of {cfg.architecture} (a "
+            "mixture of experts): use quantize: {linear: int8} (experts int8 per channel) or "
+            "{gguf: keep} with float activations"
         )
+    if options.gguf:  # the experts keep their blocks too (_keep_experts)
+        return quantize, False
     skip = [*options.skip, *routers(cfg.shared_expert_gated, cfg.architecture in LFM2)]
     return {**quantize, "skip": skip}, options.linear is not None
 
@@ -264,6 +269,13 @@ def _load(
     if int8_experts:
         quantize_experts(model)
     return model.to(recipe.device)
+
+
+def _keep_experts(mb: ModelBuild) -> None:
+    """`gguf: keep` on a mixture of experts: the experts on the file's blocks too (the graph
+    pass sees linears only: passes/keep_experts.py)."""
+    if mb.gguf is not None:
+        keep_experts(mb.model, mb.gguf)
 
 
 def _quantize_latent(mb: ModelBuild, quantize: dict[str, Any] | None) -> None:

@@ -82,10 +82,10 @@ class BlockIndex:
     def segments(self, weight: Tensor) -> list[Segment] | None:
         """`weight`'s rows as block segments, or None if any row is not a kept row."""
         if id(weight) not in self._found:
-            self._found[id(weight)] = self._find(weight)
+            self._found[id(weight)] = self.find(weight)
         return self._found[id(weight)]
 
-    def _find(self, weight: Tensor) -> list[Segment] | None:
+    def find(self, weight: Tensor) -> list[Segment] | None:
         if weight.dim() != 2 or weight.shape[0] == 0:
             return None
         digests = [_digest(row) for row in weight.detach().cpu().numpy()]
