@@ -2,7 +2,7 @@
 fixed-shape formulation the kernel replaces, and llama.cpp, on one random-weight Qwen3-MoE
 checkpoint (no MoE checkpoint ships offline; speed does not depend on the weights' values).
 
-    python scripts/moe_bench.py [--work DIR] [--llamacpp BIN_DIR] [--family gpt-oss]
+    python scripts/moe_bench.py [--work DIR] [--llamacpp BIN_DIR] [--family gpt-oss | --keep]
 
 Shape: 8 layers, hidden 1024, 16 heads / 4 KV heads, 32 experts of 512, 4 a token, SmolLM2's
 49,152-token vocabulary and tokenizer (llama.cpp's converter knows it): 478 M parameters,
@@ -14,6 +14,10 @@ then llama-quantize).
 `--family gpt-oss`: the same shape as gpt-oss (q/k/v/o, router and expert biases, attention
 sinks, a 128-position window on every other layer, its clamped SwiGLU, an untied head): the
 fp32 and int8 packages against llama.cpp's F32 and Q8_0.
+
+`--keep`: llama.cpp's own Q4_K_M and Q8_0 files of the Qwen3-MoE weights (llama-quantize),
+imported and built with `quantize: {gguf: keep}` (experts and linears on the files' blocks),
+against `llama-bench` on the same files.
 """
 
 from __future__ import annotations
@@ -67,17 +71,41 @@ def random_checkpoint(out: Path, config_class: str, shape: dict) -> Path:
 
 
 def build_and_bench(work: Path, ckpt: Path, builds: list[tuple[str, list[str], str]]) -> None:
-    """Build each (name, python arguments, recipe lines) and `aotgen bench` them interleaved.
-    `--force`: the packed tiles measured again (run it on a quiet machine)."""
-    recipe = "checkpoint: {}\nmax_seq_len: 512\nprefill_chunk: 128\n"
+    """Build each (name, python arguments, recipe lines) of `ckpt` and `aotgen bench` them
+    interleaved (recipe lines with a `checkpoint:` of their own build that one). `--force`: the
+    packed tiles measured again (run it on a quiet machine)."""
     packages = []
     for name, build, extra in builds:
         path = work / f"{name}.yaml"
-        path.write_text(f"name: {name}\n" + recipe.format(ckpt) + extra)
+        lines = extra if "checkpoint:" in extra else f"checkpoint: {ckpt}\n{extra}"
+        path.write_text(f"name: {name}\n{lines}max_seq_len: 512\nprefill_chunk: 128\n")
         subprocess.run([sys.executable, *build, str(path), "--force"], cwd=work, check=True)
         packages.append(str(work / "artifacts" / name))
     bench = [sys.executable, "-m", "aotgen", "bench", *packages, "--prompt-len", "128"]
     subprocess.run([*bench, "--gen-tokens", "64", "--runs", "3"], cwd=work, check=True)
+
+
+def llama_files(
+    work: Path,
+    ckpt: Path,
+    stem: str,
+    bin_dir: Path,
+    kinds: tuple[str, ...],
+    convert_args: tuple[str, ...] = (),
+) -> list[Path]:
+    """The checkpoint converted by llama.cpp (F32, with `convert_args`), and quantized to
+    `kinds`."""
+    gguf = work / f"{stem}-f32.gguf"
+    converter = LLAMACPP / "src/vendor/llama.cpp/convert_hf_to_gguf.py"
+    if not gguf.exists():
+        convert = [sys.executable, str(converter), str(ckpt), "--outtype", "f32", *convert_args]
+        subprocess.run([*convert, "--outfile", str(gguf)], check=True)
+    quantized = {kind: work / f"{stem}-{kind.lower()}.gguf" for kind in kinds}
+    for kind, path in quantized.items():
+        if not path.exists():
+            quantize = [str(bin_dir / "llama-quantize"), str(gguf), str(path), kind]
+            subprocess.run(quantize, check=True, capture_output=True)
+    return [gguf, *quantized.values()]
 
 
 def llama_bench(
@@ -89,19 +117,8 @@ def llama_bench(
     convert_args: tuple[str, ...] = (),
     depths: str = "0",
 ) -> None:
-    """llama-bench on the checkpoint converted by llama.cpp (F32, with `convert_args`), and
-    quantized to `kinds`, after `depths` tokens in the cache."""
-    gguf = work / f"{stem}-f32.gguf"
-    converter = LLAMACPP / "src/vendor/llama.cpp/convert_hf_to_gguf.py"
-    if not gguf.exists():
-        convert = [sys.executable, str(converter), str(ckpt), "--outtype", "f32", *convert_args]
-        subprocess.run([*convert, "--outfile", str(gguf)], check=True)
-    quantized = {kind: work / f"{stem}-{kind.lower()}.gguf" for kind in kinds}
-    for kind, path in quantized.items():
-        if not path.exists():
-            quantize = [str(bin_dir / "llama-quantize"), str(gguf), str(path), kind]
-            subprocess.run(quantize, check=True, capture_output=True)
-    for model in (gguf, *quantized.values()):
+    """llama-bench on `llama_files`, after `depths` tokens in the cache."""
+    for model in llama_files(work, ckpt, stem, bin_dir, kinds, convert_args):
         command = [str(bin_dir / "llama-bench"), "-m", str(model), "-t", "2"]
         subprocess.run([*command, "-p", "128", "-n", "64", "-r", "3", "-d", depths], check=True)
 
@@ -110,6 +127,7 @@ def arguments(default_work: str, families: tuple[str, ...] = ()) -> argparse.Nam
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=REPO / default_work)
     parser.add_argument("--llamacpp", type=Path, default=LLAMACPP / "build/bin")
+    parser.add_argument("--keep", action="store_true", help="GGUF blocks kept, against llama.cpp")
     if families:
         parser.add_argument("--family", choices=families, default=families[0])
     return parser.parse_args()
@@ -139,6 +157,9 @@ def main() -> None:
         return
     work = args.work.resolve()
     ckpt = random_checkpoint(work / "checkpoint", "Qwen3MoeConfig", SHAPE)
+    if args.keep:
+        keep_bench(work, ckpt, args.llamacpp)
+        return
     builds = [
         ("moe-kernel", ["-m", "aotgen", "build"], ""),
         ("moe-fixed", ["-c", WITHOUT_KERNEL], ""),
@@ -147,6 +168,25 @@ def main() -> None:
     ]
     build_and_bench(work, ckpt, builds)
     llama_bench(work, ckpt, "moe", args.llamacpp, ("Q8_0", "BF16"))
+
+
+def keep_bench(work: Path, ckpt: Path, bin_dir: Path) -> None:
+    """llama.cpp's Q4_K_M and Q8_0 files imported and built with `gguf: keep`, benched
+    interleaved, then llama-bench on the same files."""
+    kinds = ("Q4_K_M", "Q8_0")
+    files = llama_files(work, ckpt, "moe", bin_dir, kinds)[1:]
+    builds = []
+    for kind, gguf in zip(kinds, files, strict=True):
+        imported = work / f"imported-{kind.lower()}"
+        if not (imported / "config.json").exists():
+            command = [sys.executable, "-m", "aotgen", "import-gguf", str(gguf), str(imported)]
+            subprocess.run(command, check=True)
+        recipe = f"checkpoint: {imported}\nquantize: {{gguf: keep}}\n"
+        builds.append((f"moe-keep-{kind.lower()}", ["-m", "aotgen", "build"], recipe))
+    build_and_bench(work, ckpt, builds)
+    for gguf in files:
+        command = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", "2"]
+        subprocess.run([*command, "-p", "128", "-n", "64", "-r", "3"], check=True)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,9 @@ def _stack(qtype: str, rows: int, cols: int, seed: int) -> tuple[tuple, Tensor]:
         packed.append(gb.pack(gb.decode(raw, qtype, (rows, cols))))
         values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
         weights.append(torch.from_numpy(np.ascontiguousarray(values)).reshape(rows, cols))
-    codes, groups, supers = (None if p[0] is None else torch.stack(p) for p in zip(*packed))
+    codes, groups, supers = (
+        None if p[0] is None else torch.stack(p) for p in zip(*packed, strict=True)
+    )
     return (codes, groups, supers, q.index), torch.stack(weights)
 
 

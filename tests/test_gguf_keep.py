@@ -32,6 +32,8 @@ FAMILIES = {  # arch -> (checkpoint sizes, block types cycled over its matrices)
     # k-quants need 256 inputs; o_proj (4 heads x 32) has 128, so it takes a legacy type
     "gemma3": (dict(hidden_size=256, intermediate_size=512), ("Q4_K", "Q6_K", "Q5_K", *LEGACY)),
     "gptneox": ({}, LEGACY),
+    # experts of 256 inputs both ways; gate and up of a block one type, down another
+    "qwen3moe": (dict(hidden_size=256, moe_intermediate_size=256), ("Q4_K", "Q6_K", *LEGACY)),
 }
 
 
@@ -47,6 +49,7 @@ PACKAGES = {
     "keep-tp2": ("qwen2", {"quantize": {"gguf": "keep"}, "parallel": {"tensor": 2}}),
     # 2 key heads, 4 value heads: the import moves out_proj's inputs
     "keep-qwen35": ("qwen35", {"quantize": {"gguf": "keep"}}),
+    "keep-qwen3moe": ("qwen3moe", {"quantize": {"gguf": "keep"}}),  # experts on their blocks
 }
 
 
@@ -149,6 +152,31 @@ def test_inputs_moved_at_import_run_on_their_blocks(kept_qwen35):
     # fused: each linear-attention layer's 4 in-projections, out_proj, gate/up, down; the
     # attention layer's q/k/v, o, gate/up, down; the head
     assert len(out_projs) == 3 and len(kept) == 3 * 4 + 4 + 1
+    for graph, length, start in GRAPHS:
+        assert _graph_error(engine, eager, graph, length, start) < 5e-5, graph
+    ids = engine.tokenizer.encode("Paris is the capital of")
+    result = engine.generate(ids, GenerationConfig(max_new_tokens=24, ignore_eos=True))
+    assert result.token_ids == eager.greedy(ids, 24)
+
+
+@pytest.fixture(scope="module")
+def kept_moe(request):
+    """Qwen3-MoE, its experts stacked in the file as llama.cpp writes them."""
+    return _kept_build(request, "keep-qwen3moe")
+
+
+def test_experts_run_on_their_blocks(kept_moe):
+    """Every layer's experts run on the file's blocks (gate/up and down of different types,
+    k-quants and legacy), beside the linears; prefill (many rows an expert), decode and verify
+    give the dequantized checkpoint's logits, and greedy generation its tokens."""
+    report, engine, eager, _ = kept_moe
+    manifest = json.loads((report.path / "manifest.json").read_text())
+    kept = manifest["models"]["target"]["quantization"]["weights"]
+    experts = {name: t for name, t in kept.items() if ".experts." in name}
+    layers = eager.config.num_hidden_layers
+    assert len(experts) == 2 * layers and len(set(experts.values())) >= 4, experts
+    assert any(name.endswith("o_proj.weight") for name in kept)
+    assert not any("experts" in note for note in report.notes if "float:" in note)
     for graph, length, start in GRAPHS:
         assert _graph_error(engine, eager, graph, length, start) < 5e-5, graph
     ids = engine.tokenizer.encode("Paris is the capital of")

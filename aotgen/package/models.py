@@ -27,9 +27,9 @@ from aotgen.model.llama import ModelConfig, Transformer, load_model, model_class
 from aotgen.model.rope import for_context
 from aotgen.passes.fuse import FuseLinearsPass
 from aotgen.passes.gguf_keep import BlockIndex, KeepGGUF
+from aotgen.passes.keep_experts import keep_experts
 from aotgen.passes.lora import LoraAdapter, merge_adapter
 from aotgen.passes.quantize import QuantizePass, quantize_passes
-from aotgen.passes.keep_experts import keep_experts
 from aotgen.passes.quantize_experts import quantize_experts, routers
 from aotgen.passes.quantize_latent import quantize_latent
 from aotgen.passes.quantize_options import parse_quantize
