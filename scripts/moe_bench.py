@@ -16,8 +16,9 @@ sinks, a 128-position window on every other layer, its clamped SwiGLU, an untied
 fp32 and int8 packages against llama.cpp's F32 and Q8_0.
 
 `--keep`: llama.cpp's own Q4_K_M and Q8_0 files of the Qwen3-MoE weights (llama-quantize),
-imported and built with `quantize: {gguf: keep}` (experts and linears on the files' blocks),
-against `llama-bench` on the same files.
+imported and built with `quantize: {gguf: keep}` (experts and linears on the files' blocks;
+float activations, and int8 ones: llama.cpp's numerics), against `llama-bench` on the same
+files.
 """
 
 from __future__ import annotations
@@ -171,8 +172,8 @@ def main() -> None:
 
 
 def keep_bench(work: Path, ckpt: Path, bin_dir: Path) -> None:
-    """llama.cpp's Q4_K_M and Q8_0 files imported and built with `gguf: keep`, benched
-    interleaved, then llama-bench on the same files."""
+    """llama.cpp's Q4_K_M and Q8_0 files imported and built with `gguf: keep` (float and int8
+    activations), benched interleaved, then llama-bench on the same files."""
     kinds = ("Q4_K_M", "Q8_0")
     files = llama_files(work, ckpt, "moe", bin_dir, kinds)[1:]
     builds = []
@@ -181,8 +182,11 @@ def keep_bench(work: Path, ckpt: Path, bin_dir: Path) -> None:
         if not (imported / "config.json").exists():
             command = [sys.executable, "-m", "aotgen", "import-gguf", str(gguf), str(imported)]
             subprocess.run(command, check=True)
-        recipe = f"checkpoint: {imported}\nquantize: {{gguf: keep}}\n"
-        builds.append((f"moe-keep-{kind.lower()}", ["-m", "aotgen", "build"], recipe))
+        for suffix, activations in (("", "float32"), ("-dot", "int8")):
+            recipe = (
+                f"checkpoint: {imported}\nquantize: {{gguf: keep, activations: {activations}}}\n"
+            )
+            builds.append((f"moe-keep-{kind.lower()}{suffix}", ["-m", "aotgen", "build"], recipe))
     build_and_bench(work, ckpt, builds)
     for gguf in files:
         command = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", "2"]

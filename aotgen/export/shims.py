@@ -28,7 +28,16 @@ from pathlib import Path
 
 import torch
 
-from aotgen.kernels import attention, block_dot, gated_delta, gguf_blocks, gguf_dot, moe, packed
+from aotgen.kernels import (
+    attention,
+    block_dot,
+    gated_delta,
+    gguf_blocks,
+    gguf_dot,
+    moe,
+    moe_gguf,
+    packed,
+)
 from aotgen.tempdirs import partial_dir, remove_stale
 
 KERNELS = (  # (the kernel source, the ops whose C shims it defines)
@@ -38,11 +47,12 @@ KERNELS = (  # (the kernel source, the ops whose C shims it defines)
     (gguf_dot.SOURCE, gguf_dot.OPS),
     (attention.SOURCE, attention.OPS),
     (moe.SOURCE, moe.OPS),
+    (moe_gguf.SOURCE, moe_gguf.OPS),  # moe.cpp too
     (gated_delta.SOURCE, gated_delta.OPS),
 )
-# Kernel sources that call into another's code, linked with it (moe.cpp's experts on GGUF
-# blocks run gguf_blocks.cpp's kernel).
-NEEDS = {moe.SOURCE: (gguf_blocks.SOURCE,)}
+# Kernel sources that call into others' code, linked with them (moe.cpp's experts on GGUF
+# blocks run gguf_blocks.cpp's and gguf_dot.cpp's kernels).
+NEEDS = {moe.SOURCE: (gguf_blocks.SOURCE, gguf_dot.SOURCE)}
 C_SHIMS = "aot_inductor.custom_ops_to_c_shims"
 LIBS = "aot_inductor.custom_op_libs"
 LINK_SCRIPT = "aotgen-objects.ld"

@@ -504,9 +504,12 @@ inline void dot(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t
   }
 }
 
-inline void dot_any(int qtype, const float* x, int64_t ldx, int64_t M, int64_t K,
-                    const uint8_t* codes, const uint16_t* groups, const uint16_t* supers,
-                    int64_t N, float* out, int rows, int panels) {
+// Not inline: moe.cpp's experts on GGUF blocks call it too (export/shims.py links this object
+// beside moe.cpp's). Hidden: it stays inside the graph's .so.
+__attribute__((visibility("hidden"))) void dot_any(int qtype, const float* x, int64_t ldx,
+                                                   int64_t M, int64_t K, const uint8_t* codes,
+                                                   const uint16_t* groups, const uint16_t* supers,
+                                                   int64_t N, float* out, int rows, int panels) {
   switch (qtype) {
 #define AOTGEN_DOT_QTYPE(T) \
   case T: return dot<T>(x, ldx, M, K, codes, groups, supers, N, out, rows, panels);

@@ -26,12 +26,13 @@
 // (min(max(u, -limit), limit) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit). Without
 // biases and with limit 0 every value is computed as before they existed.
 //
-// GGUF blocks (`moe_experts_gguf`, `quantize: {gguf: keep}`): gate_up and down are the file's
+// GGUF blocks (kernels/moe_gguf.py, `quantize: {gguf: keep}`): gate_up and down are the file's
 // blocks in gguf_blocks.cpp's panels, stacked by expert ([E, panels, ...] codes, group and
 // super-block scales); each routed expert's projections run gguf_blocks.cpp's kernel on its
-// panels (exact: gguf's dequantized weights bit for bit), with float32 activations. With fewer
-// routed experts than threads (decode) they run one after another, each projection threaded
-// over its panels.
+// panels (`moe_experts_gguf`: gguf's dequantized weights bit for bit, float32 activations) or
+// gguf_dot.cpp's (`moe_experts_gguf_dot`: llama.cpp's integer numerics). With fewer routed
+// experts than threads (decode) they run one after another, each projection threaded over its
+// panels.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -45,6 +46,11 @@ namespace aotgen_gguf {  // gguf_blocks.cpp, linked into the same .so
 void linear_any(int qtype, const float* x, int64_t ldx, int64_t M, int64_t K,
                 const uint8_t* codes, const uint16_t* groups, const uint16_t* supers, int64_t N,
                 float* out, int rows, int panels);
+}
+namespace aotgen_gguf_idot {  // gguf_dot.cpp, likewise
+void dot_any(int qtype, const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* codes,
+             const uint16_t* groups, const uint16_t* supers, int64_t N, float* out, int rows,
+             int panels);
 }
 
 #pragma GCC push_options
@@ -111,8 +117,10 @@ static void convert_rows(const void* all, Kind kind, const float* scales, int64_
 }
 
 // One projection's GGUF blocks, every expert's panels `*_stride` elements after the last one's
-// (gguf_blocks.cpp's layout; supers null for the legacy types).
+// (gguf_blocks.cpp's layout; supers null for the legacy types); `integer`: gguf_dot.cpp's
+// numerics.
 struct Blocks {
+  bool integer;
   int qtype;
   const uint8_t* codes;
   const uint16_t *groups, *supers;
@@ -134,10 +142,10 @@ static AOTITorchError project(const void* all, Kind kind, const float* scales,
     const Blocks& b = blocks;
     // Up to 4 rows decode each weight unit in registers once for all of them; more run on
     // panels dequantized once per call (gguf_blocks.cpp `linear`).
-    aotgen_gguf::linear_any(b.qtype, a, cols, n, cols, b.codes + e * b.codes_stride,
-                            b.groups + e * b.groups_stride,
-                            b.supers ? b.supers + e * b.supers_stride : nullptr, rows, out,
-                            (int)std::min<int64_t>(n, 4), 8);
+    const auto run = b.integer ? aotgen_gguf_idot::dot_any : aotgen_gguf::linear_any;
+    run(b.qtype, a, cols, n, cols, b.codes + e * b.codes_stride, b.groups + e * b.groups_stride,
+        b.supers ? b.supers + e * b.supers_stride : nullptr, rows, out,
+        (int)std::min<int64_t>(n, 4), 8);
     return AOTI_TORCH_SUCCESS;
   }
   if (kind == Kind::f32)
@@ -441,8 +449,8 @@ AOTITorchError aoti_torch_cpu_moe_experts_int8(AtenTensorHandle x, AtenTensorHan
 // [E, P, units, unit bytes] uint8, groups and optional supers [E, P, ...] float16, contiguous;
 // `outputs` = 16 P.
 static AOTITorchError aotgen_moe_blocks(AtenTensorHandle codes, AtenTensorHandle groups,
-                                        AtenTensorHandle* supers, int64_t qtype, int64_t E,
-                                        aotgen_moe::Blocks* out, int64_t* outputs) {
+                                        AtenTensorHandle* supers, int64_t qtype, bool integer,
+                                        int64_t E, aotgen_moe::Blocks* out, int64_t* outputs) {
   int64_t dim, *sizes;
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dim(codes, &dim));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(codes, &sizes));
@@ -461,7 +469,7 @@ static AOTITorchError aotgen_moe_blocks(AtenTensorHandle codes, AtenTensorHandle
     if (!contiguous || numel % E) return AOTI_TORCH_FAILURE;
     stride[i] = numel / E;
   }
-  *out = {(int)qtype, (const uint8_t*)data[0], (const uint16_t*)data[1],
+  *out = {integer, (int)qtype, (const uint8_t*)data[0], (const uint16_t*)data[1],
           (const uint16_t*)data[2], stride[0], stride[1], stride[2]};
   return AOTI_TORCH_SUCCESS;
 }
@@ -469,8 +477,8 @@ static AOTITorchError aotgen_moe_blocks(AtenTensorHandle codes, AtenTensorHandle
 // x [T, d] float32, weights [T, k] float32, ids [T, k] int64; gate_up's blocks (2f outputs of
 // d inputs, the gate's then the up projection's) and down's (d outputs of f inputs), each a
 // multiple of 16 outputs; the optional biases and the activation, as `moe_experts`.
-AOTITorchError aoti_torch_cpu_moe_experts_gguf(
-    AtenTensorHandle x, AtenTensorHandle weights, AtenTensorHandle ids,
+static AOTITorchError aotgen_moe_gguf_shim(
+    bool integer, AtenTensorHandle x, AtenTensorHandle weights, AtenTensorHandle ids,
     AtenTensorHandle gate_up_codes, AtenTensorHandle gate_up_groups,
     AtenTensorHandle* gate_up_supers, int64_t gate_up_qtype, AtenTensorHandle down_codes,
     AtenTensorHandle down_groups, AtenTensorHandle* down_supers, int64_t down_qtype,
@@ -491,9 +499,9 @@ AOTITorchError aoti_torch_cpu_moe_experts_gguf(
   aotgen_moe::Blocks gu, down;
   int64_t gu_outputs, down_outputs;
   AOTI_TORCH_ERROR_CODE_CHECK(aotgen_moe_blocks(gate_up_codes, gate_up_groups, gate_up_supers,
-                                                gate_up_qtype, E, &gu, &gu_outputs));
+                                                gate_up_qtype, integer, E, &gu, &gu_outputs));
   AOTI_TORCH_ERROR_CODE_CHECK(aotgen_moe_blocks(down_codes, down_groups, down_supers,
-                                                down_qtype, E, &down, &down_outputs));
+                                                down_qtype, integer, E, &down, &down_outputs));
   const int64_t f = gu_outputs / 2;
   if (x_dtype != aoti_torch_dtype_float32() || down_outputs != d)
     return AOTI_TORCH_FAILURE;
@@ -519,5 +527,32 @@ AOTITorchError aoti_torch_cpu_moe_experts_gguf(
   }
   *ret0 = out;
   return AOTI_TORCH_SUCCESS;
+}
+
+// The ops' schemas (kernels/moe_gguf.py), as above.
+AOTITorchError aoti_torch_cpu_moe_experts_gguf(
+    AtenTensorHandle x, AtenTensorHandle weights, AtenTensorHandle ids,
+    AtenTensorHandle gate_up_codes, AtenTensorHandle gate_up_groups,
+    AtenTensorHandle* gate_up_supers, int64_t gate_up_qtype, AtenTensorHandle down_codes,
+    AtenTensorHandle down_groups, AtenTensorHandle* down_supers, int64_t down_qtype,
+    AtenTensorHandle* gate_up_bias, AtenTensorHandle* down_bias, double limit, double alpha,
+    AtenTensorHandle* ret0) {
+  return aotgen_moe_gguf_shim(false, x, weights, ids, gate_up_codes, gate_up_groups,
+                              gate_up_supers, gate_up_qtype, down_codes, down_groups,
+                              down_supers, down_qtype, gate_up_bias, down_bias, limit, alpha,
+                              ret0);
+}
+
+AOTITorchError aoti_torch_cpu_moe_experts_gguf_dot(
+    AtenTensorHandle x, AtenTensorHandle weights, AtenTensorHandle ids,
+    AtenTensorHandle gate_up_codes, AtenTensorHandle gate_up_groups,
+    AtenTensorHandle* gate_up_supers, int64_t gate_up_qtype, AtenTensorHandle down_codes,
+    AtenTensorHandle down_groups, AtenTensorHandle* down_supers, int64_t down_qtype,
+    AtenTensorHandle* gate_up_bias, AtenTensorHandle* down_bias, double limit, double alpha,
+    AtenTensorHandle* ret0) {
+  return aotgen_moe_gguf_shim(true, x, weights, ids, gate_up_codes, gate_up_groups,
+                              gate_up_supers, gate_up_qtype, down_codes, down_groups,
+                              down_supers, down_qtype, gate_up_bias, down_bias, limit, alpha,
+                              ret0);
 }
 #pragma GCC visibility pop

@@ -5,20 +5,18 @@ chose, weighted.
 over the routed experts) defines it; CPU graphs call it, and AOTInductor links
 `moe.cpp` into each graph's `.so` as its C shim (export/shims.py): each routed expert runs once
 per step, over the tokens routed to it. `moe_experts_int8` is the same on int8 experts with
-per-row scales, `moe_experts_gguf` on a GGUF file's blocks (`quantize: {gguf: keep}`,
-kernels/gguf_blocks.py: exact). `run_experts` picks the kernel or a fixed-shape formulation
-(`experts_without_kernel`) by the graph's rows, device and dtype.
+per-row scales (kernels/moe_gguf.py: on a GGUF file's blocks). `run_experts` picks the kernel
+or a fixed-shape formulation (`experts_without_kernel`) by the graph's rows, device and dtype.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from aotgen.kernels import gguf_blocks as gb
 
 SOURCE = Path(__file__).with_name("moe.cpp")
 
@@ -50,13 +48,33 @@ def moe_experts(
     [E, 2f, d] (gate rows, then up); down [E, d, f]; optional biases gate_up_bias [E, 2f]
     (gate, then up) and down_bias [E, d], added after each matmul; `limit` / `alpha`: the
     activation (`swiglu`). Returns [T, d]."""
+
+    def project(rows: Tensor, e: int, first: bool) -> Tensor:
+        return F.linear(rows, gate_up[e] if first else down[e])
+
+    return routed(x, weights, ids, project, gate_up_bias, down_bias, limit, alpha)
+
+
+def routed(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    project: Callable[[Tensor, int, bool], Tensor],
+    gate_up_bias: Tensor | None,
+    down_bias: Tensor | None,
+    limit: float,
+    alpha: float,
+) -> Tensor:
+    """transformers' loop over the routed experts: each expert's rows through `project(rows,
+    e, first)` (its gate_up projection when `first`, else its down one), biased, activated,
+    and added to its rows' outputs weighted. The ops' eager definitions."""
     out = torch.zeros_like(x)
-    f = down.shape[2]
     for e in ids.unique().tolist():
         token, slot = (ids == e).nonzero(as_tuple=True)
-        h = F.linear(x[token], gate_up[e])
+        h = project(x[token], e, True)
         h = h if gate_up_bias is None else h + gate_up_bias[e].to(h.dtype)
-        y = F.linear(swiglu(h[:, :f], h[:, f:], limit, alpha), down[e])
+        f = h.shape[1] // 2
+        y = project(swiglu(h[:, :f], h[:, f:], limit, alpha), e, False)
         y = y if down_bias is None else y + down_bias[e].to(y.dtype)
         out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
     return out
@@ -83,64 +101,17 @@ def moe_experts_int8(
     return moe_experts(x, weights, ids, gate_up, down, gate_up_bias, down_bias, limit, alpha)
 
 
-@torch.library.custom_op("aotgen::moe_experts_gguf", mutates_args=())
-def moe_experts_gguf(
-    x: Tensor,
-    weights: Tensor,
-    ids: Tensor,
-    gate_up_codes: Tensor,
-    gate_up_groups: Tensor,
-    gate_up_supers: Tensor | None,
-    gate_up_qtype: int,
-    down_codes: Tensor,
-    down_groups: Tensor,
-    down_supers: Tensor | None,
-    down_qtype: int,
-    gate_up_bias: Tensor | None = None,
-    down_bias: Tensor | None = None,
-    limit: float = 0.0,
-    alpha: float = 1.702,
-) -> Tensor:
-    """`moe_experts` on GGUF blocks in gguf_blocks' panels, stacked by expert (`[E, ...]` of
-    `gb.pack`'s codes, groups and supers; supers None for the legacy types, qtypes `QType.index`):
-    gate_up 2f outputs of d inputs (gate rows, then up), down d outputs of f inputs, both
-    multiples of 16 (no padding outputs). x float32."""
-
-    def expert(codes: Tensor, groups: Tensor, supers: Tensor | None, qtype: int, e: int) -> Tensor:
-        s = None if supers is None else supers[e]
-        return gb.dequantize_packed(codes[e], groups[e], s, gb.BY_INDEX[qtype])
-
-    used = ids.unique().tolist()
-    gate_up = {
-        e: expert(gate_up_codes, gate_up_groups, gate_up_supers, gate_up_qtype, e) for e in used
-    }
-    down = {e: expert(down_codes, down_groups, down_supers, down_qtype, e) for e in used}
-    n = gate_up_codes.shape[0]
-
-    def stacked(mats: dict[int, Tensor]) -> Tensor:  # experts no row routes to: zeros
-        like = next(iter(mats.values()))
-        return torch.stack([mats.get(e, torch.zeros_like(like)) for e in range(n)])
-
-    if not used:
-        return torch.zeros_like(x)
-    return moe_experts(
-        x, weights, ids, stacked(gate_up), stacked(down), gate_up_bias, down_bias, limit, alpha
-    )
-
-
-def _output_like_x(x: Tensor, *args: object, **kwargs: object) -> Tensor:
+def output_like_x(x: Tensor, *args: object, **kwargs: object) -> Tensor:
     """The ops' shapes for tracing: a new contiguous tensor like `x`."""
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-moe_experts.register_fake(_output_like_x)
-moe_experts_int8.register_fake(_output_like_x)
-moe_experts_gguf.register_fake(_output_like_x)
+moe_experts.register_fake(output_like_x)
+moe_experts_int8.register_fake(output_like_x)
 
 OPS = (
     torch.ops.aotgen.moe_experts.default,
     torch.ops.aotgen.moe_experts_int8.default,
-    torch.ops.aotgen.moe_experts_gguf.default,
 )
 
 

@@ -250,14 +250,14 @@ def _experts_quantize(
     options = parse_quantize(quantize)
     if not cfg.num_experts or options is None:
         return quantize, False
+    if options.gguf:  # the experts keep their blocks too (_keep_experts)
+        return quantize, False
     if options.activations == "int8":
         raise RecipeError(
             f"quantize.activations: int8 does not apply to the experts of {cfg.architecture} (a "
-            "mixture of experts): use quantize: {linear: int8} (experts int8 per channel) or "
-            "{gguf: keep} with float activations"
+            "mixture of experts): use quantize: {linear: int8} (experts int8 per channel), or "
+            "{gguf: keep, activations: int8} on a GGUF checkpoint"
         )
-    if options.gguf:  # the experts keep their blocks too (_keep_experts)
-        return quantize, False
     skip = [*options.skip, *routers(cfg.shared_expert_gated, cfg.architecture in LFM2)]
     return {**quantize, "skip": skip}, options.linear is not None
 

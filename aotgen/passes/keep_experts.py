@@ -1,6 +1,6 @@
 """`quantize: {gguf: keep}` for a mixture of experts' experts: each expert's projections on the
-GGUF file's own blocks (kernels/moe.py `moe_experts_gguf`), bit-exact, applied to the model
-before export.
+GGUF file's own blocks (kernels/moe_gguf.py: bit-exact weights with float activations, or
+llama.cpp's integer numerics with `activations: int8`), applied to the model before export.
 
 The graph pass (pack.py) rewrites linears; the experts are stacked tensors the MoE op reads, so
 they are swapped here, on the module. Each expert's rows are found among the kept blocks by
@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from aotgen.kernels import gguf_blocks as gb
+from aotgen.kernels import moe_gguf
 from aotgen.model.moe import Experts
 from aotgen.passes.gguf_keep import BlockIndex, KeepGGUF
 
@@ -46,10 +47,12 @@ def _stacked_blocks(index: BlockIndex, stacked: Tensor) -> Packed | None:
 
 
 class GGUFExperts(nn.Module):
-    """`Experts` on a GGUF file's blocks (biases, where any, and the activation carried over)."""
+    """`Experts` on a GGUF file's blocks (biases, where any, and the activation carried over);
+    `integer_dot`: int8 activations, integer dot products."""
 
-    def __init__(self, experts: Experts, gate_up: Packed, down: Packed):
+    def __init__(self, experts: Experts, gate_up: Packed, down: Packed, integer_dot: bool):
         super().__init__()
+        self.integer_dot = integer_dot
         for name, (codes, groups, supers, qtype) in (("gate_up", gate_up), ("down", down)):
             self.register_buffer(f"{name}_codes", codes)
             self.register_buffer(f"{name}_groups", groups)
@@ -61,7 +64,8 @@ class GGUFExperts(nn.Module):
         self.limit, self.alpha = experts.limit, experts.alpha
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
-        return torch.ops.aotgen.moe_experts_gguf(
+        run = moe_gguf.moe_experts_gguf_dot if self.integer_dot else moe_gguf.moe_experts_gguf
+        return run(
             x, weights, ids,
             self.gate_up_codes, self.gate_up_groups, self.gate_up_supers, self.gate_up_qtype,
             self.down_codes, self.down_groups, self.down_supers, self.down_qtype,
@@ -83,7 +87,7 @@ def keep_experts(model: nn.Module, keep: KeepGGUF) -> int:
             if gate_up is None or down is None:
                 keep.left_float.add(f"{where} (experts)")
                 continue
-            setattr(module, name, GGUFExperts(child, gate_up, down))
+            setattr(module, name, GGUFExperts(child, gate_up, down, keep.integer_dot))
             keep.kept[f"{where}.gate_up_proj"] = gb.BY_INDEX[gate_up[3]].name
             keep.kept[f"{where}.down_proj"] = gb.BY_INDEX[down[3]].name
             swapped += 1
