@@ -44,6 +44,19 @@ def test_only_the_called_ops_are_declared(tmp_path):
     assert not obj.path.exists()  # named only: built when a compile links it
 
 
+def test_a_kernel_links_the_kernels_it_runs(tmp_path):
+    """moe.cpp's experts on GGUF blocks call gguf_blocks.cpp's and gguf_dot.cpp's kernels:
+    a graph calling them links all three objects, each once."""
+    from aotgen.kernels import moe_gguf
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.call_function(moe_gguf.OPS[0], (x,))
+    _, objects = shims.link_options(graph, tmp_path)
+    stems = sorted(obj.path.name.split("-")[1] for obj in objects)
+    assert stems == ["gguf_blocks", "gguf_dot", "moe"]
+
+
 def test_every_kernel_declares_its_ops():
     for source, ops in shims.KERNELS:
         assert sorted(shims.declarations(source)) == sorted(

@@ -46,8 +46,7 @@ KERNELS = (  # (the kernel source, the ops whose C shims it defines)
     (gguf_blocks.SOURCE, gguf_blocks.OPS),
     (gguf_dot.SOURCE, gguf_dot.OPS),
     (attention.SOURCE, attention.OPS),
-    (moe.SOURCE, moe.OPS),
-    (moe_gguf.SOURCE, moe_gguf.OPS),  # moe.cpp too
+    (moe.SOURCE, moe.OPS + moe_gguf.OPS),  # moe_gguf's shims are moe.cpp's too
     (gated_delta.SOURCE, gated_delta.OPS),
 )
 # Kernel sources that call into others' code, linked with them (moe.cpp's experts on GGUF
