@@ -128,3 +128,49 @@ def test_ops_eager_reference(name):
     else:
         out = torch.ops.aotgen.gguf_linear_k(x, codes, groups, supers, q.index, 1, 1)
     torch.testing.assert_close(out[:, :n], F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+class TableRows(torch.nn.Module):
+    """`gguf_rows` on one table of each block type (a tied embedding read from its head); the
+    tables are inputs (codes, groups, supers or None per type), as a package's weights are."""
+
+    def __init__(self, names: list[str]):
+        super().__init__()
+        self.qtypes = [gb.QTYPES[name].index for name in names]
+
+    def forward(self, ids: torch.Tensor, *tables: torch.Tensor | None) -> list[torch.Tensor]:
+        return [
+            torch.ops.aotgen.gguf_rows(ids, *tables[3 * i : 3 * i + 3], q)
+            for i, q in enumerate(self.qtypes)
+        ]
+
+
+def test_rows_are_the_dequantized_table(project, tmp_path):
+    """An embedding on a head's blocks: the eager op and the compiled kernel (its C shim) give
+    gguf's dequantized rows bit for bit, for every type, on one id and many (repeated, in any
+    panel lane, the last row of a table whose panels are padded); an id past the table fails."""
+    from torch._inductor.package import load_package
+
+    from aotgen.export.aoti import compile_graph, package_graphs
+
+    n, k = 40, 256  # 40 rows: the third panel half padding
+    raw = {name: gb.random_blocks(q, n, k, seed=q.index) for name, q in gb.QTYPES.items()}
+    tables = {name: gb.pack(gb.decode(b, name, (n, k))) for name, b in raw.items()}
+    gguf_types = {name: getattr(gguf.GGMLQuantizationType, name) for name in raw}
+    want = {name: torch.from_numpy(dequantize(b, gguf_types[name])) for name, b in raw.items()}
+    module = TableRows(list(tables))
+    flat = [t for packed in tables.values() for t in packed]
+    ids = torch.tensor([39, 0, 17, 17, 31, 5, 16, 38])
+    for got, name in zip(module(ids, *flat), tables, strict=True):
+        torch.testing.assert_close(got, want[name][ids], rtol=0, atol=0)
+    length = torch.export.Dim("length", min=1, max=64)
+    args = (ids, *flat)
+    ep = torch.export.export(module, args, dynamic_shapes=[{0: length}, (None,) * len(flat)])
+    files, _ = compile_graph(ep, args, max_autotune=False, cache=project.cache_dir / "graphs")
+    package_graphs(tmp_path / "rows.pt2", {"model": files})
+    compiled = load_package(str(tmp_path / "rows.pt2"), "model")
+    for chosen in (ids[:1], ids):
+        for got, name in zip(compiled(chosen, *flat), tables, strict=True):
+            torch.testing.assert_close(got, want[name][chosen], rtol=0, atol=0)
+    with pytest.raises(RuntimeError):
+        compiled(torch.tensor([48]), *flat)  # three panels: 48 rows

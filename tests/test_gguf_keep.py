@@ -1,9 +1,9 @@
 """`quantize: {gguf: keep}` on tiny GGUFs written as llama.cpp writes them: every block type,
 rows moved by the fuse pass (Gemma's q/k/v of mixed types stacked) and by the import (GPT-NeoX's
-qkv regrouped), inputs moved by the import (Qwen3.5's value heads), a tied embedding kept or
-left float. The compiled graphs must give the eager
-model of the imported (dequantized) checkpoint's logits, and generate its tokens (float
-activations), or come near them (integer numerics, on GPT-NeoX).
+qkv regrouped), inputs moved by the import (Qwen3.5's value heads), a tied embedding read from
+its head's blocks. The compiled graphs must give the eager model of the imported (dequantized)
+checkpoint's logits, and generate its tokens (float activations), or come near them (integer
+numerics, on GPT-NeoX).
 """
 
 from __future__ import annotations
@@ -110,6 +110,8 @@ def test_weights_run_on_their_blocks(kept):
     assert used == set(qtypes)  # every type the file has runs on its blocks
     assert any("+" in types for types in entry["weights"].values())  # mixed fused q/k/v
     assert any("gguf keep:" in note for note in report.notes)
+    # the tied embedding too: its rows read from the head's blocks, whatever their type
+    assert not any("float:" in note for note in report.notes), report.notes
     ppl = entry["perplexity"]  # the same model: the eager checkpoint's perplexity
     assert ppl["package"] == pytest.approx(ppl["reference"], rel=1e-4)
 

@@ -1,7 +1,8 @@
 // Linears on GGUF quantization blocks kept as the file had them, float32 activations:
 // out [M, N] = x [M, K] @ W^T, W dequantized in registers to exactly the values
-// `gguf.quants.dequantize` gives. Compiled into each graph's .so by AOTInductor as the C shims
-// of `aotgen::gguf_linear` / `aotgen::gguf_linear_k` (kernels/gguf_blocks.py).
+// `gguf.quants.dequantize` gives; and an embedding's rows read from them. Compiled into each
+// graph's .so by AOTInductor as the C shims of `aotgen::gguf_linear` / `aotgen::gguf_linear_k`
+// / `aotgen::gguf_rows` (kernels/gguf_blocks.py).
 //
 // Layout (kernels/gguf_blocks.py `pack`): panels of 16 output features, as kernels/packed.cpp.
 // - codes: per panel, units of U inputs (U = 8 for 4-, 5- and 6-bit codes, 4 for 8-bit ones),
@@ -531,6 +532,33 @@ __attribute__((visibility("hidden"))) void linear_any(int qtype, const float* x,
   }
 }
 
+// out [L, K] = rows `ids` of W, dequantized: an embedding tied to a head on blocks reads its
+// table from the head's panels (stored once). Each row's panel is dequantized whole and the
+// row's lane copied out: 16 rows' work for one, small beside the step that follows.
+template <int TYPE>
+inline void rows(const int64_t* ids, int64_t L, int64_t K, const uint8_t* codes,
+                 const uint16_t* groups, const uint16_t* supers, float* out) {
+#pragma omp parallel for schedule(static) if (L > 1)
+  for (int64_t i = 0; i < L; i++) {
+    static thread_local std::vector<float> panel;
+    panel.resize(K * kPanel);
+    dequantize<TYPE>(Panel<TYPE>(codes, groups, supers, K, ids[i] / kPanel), K, panel.data());
+    const int64_t lane = ids[i] % kPanel;
+    for (int64_t k = 0; k < K; k++) out[i * K + k] = panel[k * kPanel + lane];
+  }
+}
+
+inline void rows_any(int qtype, const int64_t* ids, int64_t L, int64_t K, const uint8_t* codes,
+                     const uint16_t* groups, const uint16_t* supers, float* out) {
+  switch (qtype) {
+#define AOTGEN_QTYPE(T) \
+  case T: return rows<T>(ids, L, K, codes, groups, supers, out);
+    AOTGEN_QTYPE(0) AOTGEN_QTYPE(1) AOTGEN_QTYPE(2) AOTGEN_QTYPE(3)
+    AOTGEN_QTYPE(4) AOTGEN_QTYPE(5) AOTGEN_QTYPE(6) AOTGEN_QTYPE(7)
+#undef AOTGEN_QTYPE
+  }
+}
+
 }  // namespace aotgen_gguf
 
 #pragma GCC pop_options
@@ -590,6 +618,40 @@ AOTITorchError aoti_torch_cpu_gguf_linear_k(AtenTensorHandle x, AtenTensorHandle
                                             int64_t rows, int64_t panels,
                                             AtenTensorHandle* ret0) {
   return aotgen_gguf_shim(x, codes, groups, supers, qtype, rows, panels, ret0);
+}
+
+// ids int64 [L] (each below 16 P) -> a new float32 [L, K].
+AOTITorchError aoti_torch_cpu_gguf_rows(AtenTensorHandle ids, AtenTensorHandle codes,
+                                        AtenTensorHandle groups, AtenTensorHandle* supers,
+                                        int64_t qtype, AtenTensorHandle* ret0) {
+  int64_t *i_sizes, *i_strides, *c_sizes;
+  int32_t i_dtype;
+  void *i_data, *c_data, *g_data, *s_data = nullptr, *o_data;
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(ids, &i_sizes));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(ids, &i_strides));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(ids, &i_dtype));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(codes, &c_sizes));
+  if (qtype < 0 || qtype > 7 || i_dtype != aoti_torch_dtype_int64() || i_strides[0] != 1)
+    return AOTI_TORCH_FAILURE;
+  const int64_t L = i_sizes[0], N = c_sizes[0] * aotgen_gguf::kPanel;
+  const int64_t K = c_sizes[1] * (qtype == 4 ? 4 : 8);  // units of 4 (Q8_0) or 8 inputs
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(ids, &i_data));
+  const int64_t* id = (const int64_t*)i_data;
+  for (int64_t i = 0; i < L; i++)
+    if (id[i] < 0 || id[i] >= N) return AOTI_TORCH_FAILURE;
+  int64_t out_sizes[2] = {L, K}, out_strides[2] = {K, 1};
+  AtenTensorHandle out;
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(2, out_sizes, out_strides,
+                                                       aoti_torch_dtype_float32(),
+                                                       aoti_torch_device_type_cpu(), 0, &out));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(codes, &c_data));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(groups, &g_data));
+  if (supers && *supers) AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(*supers, &s_data));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(out, &o_data));
+  aotgen_gguf::rows_any((int)qtype, id, L, K, (const uint8_t*)c_data, (const uint16_t*)g_data,
+                        (const uint16_t*)s_data, (float*)o_data);
+  *ret0 = out;
+  return AOTI_TORCH_SUCCESS;
 }
 #pragma GCC visibility pop
 #endif

@@ -294,7 +294,28 @@ def _(
     return x.new_empty(x.shape[0], codes.shape[0] * PANEL)
 
 
-OPS = (torch.ops.aotgen.gguf_linear.default, torch.ops.aotgen.gguf_linear_k.default)
+@torch.library.custom_op("aotgen::gguf_rows", mutates_args=())
+def gguf_rows(
+    ids: Tensor, codes: Tensor, groups: Tensor, supers: Tensor | None, qtype: int
+) -> Tensor:
+    """Rows `ids` (int64 [L]) of W dequantized -> float32 [L, K]: an embedding tied to a head
+    on blocks reads its table from the head's panels."""
+    hi, lo = ids // PANEL, ids % PANEL
+    panels = dequantize_packed(codes[hi], groups[hi], None if supers is None else supers[hi],
+                               BY_INDEX[qtype])  # fmt: skip
+    return panels.reshape(len(ids), PANEL, -1)[torch.arange(len(ids)), lo]
+
+
+@gguf_rows.register_fake
+def _(ids: Tensor, codes: Tensor, groups: Tensor, supers: Tensor | None, qtype: int) -> Tensor:
+    return codes.new_empty(ids.shape[0], codes.shape[1] * BY_INDEX[qtype].unit, dtype=torch.float32)
+
+
+OPS = (
+    torch.ops.aotgen.gguf_linear.default,
+    torch.ops.aotgen.gguf_linear_k.default,
+    torch.ops.aotgen.gguf_rows.default,
+)
 
 
 # ---- the kernel as a plain shared library: tests and the build's autotune ---------------------

@@ -15,8 +15,8 @@ for prefill).
 With `quantize: {gguf: keep}` a float32 weight whose rows are a GGUF file's kept blocks
 (passes/gguf_keep.py) runs on those blocks instead (kernels/gguf_blocks.py), one op per
 segment of one block type, on its activations gathered in the segment's input order where it
-has one (an act-order checkpoint's); a tied Q8_0 embedding gathers and dequantizes its rows
-from them.
+has one (an act-order checkpoint's); a tied embedding reads its rows from the head's blocks
+(one block type in the file's input order, as llama.cpp's quantizer writes a tied table).
 
 The int8-activation block linears of `quantize: {activations: int8}` (kernels/block_dot.py, the
 drafts') run on `gguf_dot`'s panels as well: their weights are Q4_1 / Q8_0 blocks
@@ -239,8 +239,8 @@ class PackLinears:
                 add = partial(emit, edit.graph, user)
                 if user.target != aten.embedding.default:
                     out = self._block_linear(add, user, pieces, rows)
-                elif len(pieces) == 1 and pieces[0][1].name == "Q8_0" and pieces[0][3] is None:
-                    out = _gather_q8_0(add, user, *pieces[0][2])
+                elif len(pieces) == 1 and pieces[0][3] is None:  # one type, the file's order
+                    out = _gather_rows(add, user, pieces[0][1], pieces[0][2])
                 else:  # the embedding keeps reading the float weight
                     self.gguf.left_float.add(target)
                     continue
@@ -382,22 +382,17 @@ def _rows(lead: list[int], rows: int) -> int:
     return min(rows, math.prod(lead)) if all(d > 0 for d in lead) else rows
 
 
-def _gather_q8_0(add: Callable[..., Node], node: Node, codes: Node, groups: Node) -> Node:
-    """An embedding's rows dequantized from Q8_0 panels: d * (code - 128), exact in float32."""
+def _gather_rows(add: Callable[..., Node], node: Node, q: gb.QType, blocks: list[Node]) -> Node:
+    """An embedding's rows dequantized from its tied head's blocks (`gb.gguf_rows`): exact."""
     ids = node.args[1]
-    p, units, _ = codes.meta["val"].shape
-    k = units * 4
     lead = view_dims(ids.meta["val"].shape)
     flat = add(aten.reshape.default, ids, [-1])
-    hi = add(aten.div.Tensor_mode, flat, pk.PANEL, rounding_mode="floor")
-    lo = add(aten.remainder.Scalar, flat, pk.PANEL)
-    lanes = add(aten.view.default, codes, [p, units, pk.PANEL, 4])
-    c = add(aten.index.Tensor, lanes, [hi, None, lo])  # [L, K/4, 4]
-    c = add(aten.reshape.default, c, [-1, k // 32, 32])
-    c = add(aten.sub.Tensor, add(aten._to_copy.default, c, dtype=torch.float32), 128)
-    d = add(aten.index.Tensor, groups, [hi, None, None, lo])  # [L, K/32, 1]
-    w = add(aten.mul.Tensor, c, add(aten._to_copy.default, d, dtype=torch.float32))
-    return float32_result(add, node, add(aten.reshape.default, w, [*lead, k]))
+    if ids.meta["val"].dtype != torch.int64:
+        flat = add(aten._to_copy.default, flat, dtype=torch.int64)
+    codes, groups, *supers = blocks
+    rows = add(gb.OPS[2], flat, codes, groups, supers[0] if supers else None, q.index)
+    k = codes.meta["val"].shape[1] * q.unit
+    return float32_result(add, node, add(aten.reshape.default, rows, [*lead, k]))
 
 
 def _gather(add: Callable[..., Node], packed: Node, ids: Node) -> Node:
