@@ -577,6 +577,12 @@ extern "C" void aotgen_gguf_linear(int qtype, const float* x, int64_t M, int64_t
 // The C shims AOTInductor calls: x [M, K] float32 (rows may be strided), the panels' codes
 // [N / 16, ...] uint8, group scales (and k-quants' super-block scales) float16 -> a new
 // float32 [M, N].
+static AOTITorchError aotgen_gguf_output(int64_t M, int64_t N, AtenTensorHandle* out) {
+  int64_t sizes[2] = {M, N}, strides[2] = {N, 1};
+  return aoti_torch_empty_strided(2, sizes, strides, aoti_torch_dtype_float32(),
+                                  aoti_torch_device_type_cpu(), 0, out);
+}
+
 static AOTITorchError aotgen_gguf_shim(AtenTensorHandle x, AtenTensorHandle codes,
                                        AtenTensorHandle groups, AtenTensorHandle supers,
                                        int64_t qtype, int64_t rows, int64_t panels,
@@ -588,11 +594,8 @@ static AOTITorchError aotgen_gguf_shim(AtenTensorHandle x, AtenTensorHandle code
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(codes, &c_sizes));
   if (x_strides[1] != 1 || qtype < 0 || qtype > 7) return AOTI_TORCH_FAILURE;
   const int64_t M = x_sizes[0], K = x_sizes[1], N = c_sizes[0] * aotgen_gguf::kPanel;
-  int64_t out_sizes[2] = {M, N}, out_strides[2] = {N, 1};
   AtenTensorHandle out;
-  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(2, out_sizes, out_strides,
-                                                       aoti_torch_dtype_float32(),
-                                                       aoti_torch_device_type_cpu(), 0, &out));
+  AOTI_TORCH_ERROR_CODE_CHECK(aotgen_gguf_output(M, N, &out));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(x, &x_data));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(codes, &c_data));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(groups, &g_data));
@@ -634,16 +637,13 @@ AOTITorchError aoti_torch_cpu_gguf_rows(AtenTensorHandle ids, AtenTensorHandle c
   if (qtype < 0 || qtype > 7 || i_dtype != aoti_torch_dtype_int64() || i_strides[0] != 1)
     return AOTI_TORCH_FAILURE;
   const int64_t L = i_sizes[0], N = c_sizes[0] * aotgen_gguf::kPanel;
-  const int64_t K = c_sizes[1] * (qtype == 4 ? 4 : 8);  // units of 4 (Q8_0) or 8 inputs
+  const int64_t K = c_sizes[1] * aotgen_gguf::unit_inputs(aotgen_gguf::kTypes[qtype].bits);
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(ids, &i_data));
   const int64_t* id = (const int64_t*)i_data;
   for (int64_t i = 0; i < L; i++)
     if (id[i] < 0 || id[i] >= N) return AOTI_TORCH_FAILURE;
-  int64_t out_sizes[2] = {L, K}, out_strides[2] = {K, 1};
   AtenTensorHandle out;
-  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(2, out_sizes, out_strides,
-                                                       aoti_torch_dtype_float32(),
-                                                       aoti_torch_device_type_cpu(), 0, &out));
+  AOTI_TORCH_ERROR_CODE_CHECK(aotgen_gguf_output(L, K, &out));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(codes, &c_data));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(groups, &g_data));
   if (supers && *supers) AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(*supers, &s_data));

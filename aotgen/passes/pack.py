@@ -390,7 +390,8 @@ def _gather_rows(add: Callable[..., Node], node: Node, q: gb.QType, blocks: list
     if ids.meta["val"].dtype != torch.int64:
         flat = add(aten._to_copy.default, flat, dtype=torch.int64)
     codes, groups, *supers = blocks
-    rows = add(gb.OPS[2], flat, codes, groups, supers[0] if supers else None, q.index)
+    supers_or_none = supers[0] if supers else None
+    rows = add(torch.ops.aotgen.gguf_rows.default, flat, codes, groups, supers_or_none, q.index)
     k = codes.meta["val"].shape[1] * q.unit
     return float32_result(add, node, add(aten.reshape.default, rows, [*lead, k]))
 
