@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -53,6 +53,23 @@ def project(tmp_path_factory, pytestconfig) -> Project:
     builds = pytestconfig.stash.get(BUILDS, None)
     cache = builds.project_cache if builds is not None else root / "cache"
     return Project(artifacts_dir=root / "artifacts", cache_dir=cache)
+
+
+@pytest.fixture
+def compile_exported(project, tmp_path) -> Callable:
+    """`compile_exported(ep, args)`: the exported program compiled and packaged by the build's
+    own steps (the kernels' C shims linked, the session's compile cache) and loaded back, the
+    compiled side of a kernel's eager-against-compiled test."""
+    from torch._inductor.package import load_package
+
+    from aotgen.export.aoti import compile_graph, package_graphs
+
+    def compile_and_load(ep, args: tuple) -> Callable:
+        files, _ = compile_graph(ep, args, max_autotune=False, cache=project.cache_dir / "graphs")
+        package_graphs(tmp_path / "graph.pt2", {"model": files})
+        return load_package(str(tmp_path / "graph.pt2"), "model")
+
+    return compile_and_load
 
 
 @pytest.fixture(scope="session")

@@ -260,12 +260,8 @@ class SinkOps(torch.nn.Module):
         )
 
 
-def test_compiled_graph_passes_sinks_to_the_kernel(project, tmp_path):
+def test_compiled_graph_passes_sinks_to_the_kernel(compile_exported):
     """An AOTInductor graph calling the ops through their C shims gives the eager result."""
-    from torch._inductor.package import load_package
-
-    from aotgen.export.aoti import compile_graph, package_graphs
-
     gen = torch.Generator().manual_seed(5)
     h, g, t, n, length, d = 2, 3, 4, 45, 64, 64
     q, qb = (torch.randn(b, h, g * t, d, generator=gen) * d**-0.5 for b in (1, 3))
@@ -275,9 +271,7 @@ def test_compiled_graph_passes_sinks_to_the_kernel(project, tmp_path):
     mask[:, 0] = masks[..., 0] = True
     args = (q, k, v, mask, sink_logits(h * g, n, gen), qb, kb, vb, masks, torch.tensor([4, 0, 2]))
     ep = torch.export.export(SinkOps(), args)
-    files, _ = compile_graph(ep, args, max_autotune=False, cache=project.cache_dir / "graphs")
-    package_graphs(tmp_path / "sinks.pt2", {"model": files})
-    compiled = load_package(str(tmp_path / "sinks.pt2"), "model")
+    compiled = compile_exported(ep, args)
     eager = SinkOps()(*args)
     for out, expect in zip(compiled(*args), eager, strict=True):
         assert (out - expect).abs().max() <= 1e-5

@@ -145,14 +145,10 @@ class TableRows(torch.nn.Module):
         ]
 
 
-def test_rows_are_the_dequantized_table(project, tmp_path):
+def test_rows_are_the_dequantized_table(compile_exported):
     """An embedding on a head's blocks: the eager op and the compiled kernel (its C shim) give
     gguf's dequantized rows bit for bit, for every type, on one id and many (repeated, in any
     panel lane, the last row of a table whose panels are padded); an id past the table fails."""
-    from torch._inductor.package import load_package
-
-    from aotgen.export.aoti import compile_graph, package_graphs
-
     n, k = 40, 256  # 40 rows: the third panel half padding
     raw = {name: gb.random_blocks(q, n, k, seed=q.index) for name, q in gb.QTYPES.items()}
     tables = {name: gb.pack(gb.decode(b, name, (n, k))) for name, b in raw.items()}
@@ -166,9 +162,7 @@ def test_rows_are_the_dequantized_table(project, tmp_path):
     length = torch.export.Dim("length", min=1, max=64)
     args = (ids, *flat)
     ep = torch.export.export(module, args, dynamic_shapes=[{0: length}, (None,) * len(flat)])
-    files, _ = compile_graph(ep, args, max_autotune=False, cache=project.cache_dir / "graphs")
-    package_graphs(tmp_path / "rows.pt2", {"model": files})
-    compiled = load_package(str(tmp_path / "rows.pt2"), "model")
+    compiled = compile_exported(ep, args)
     for chosen in (ids[:1], ids):
         for got, name in zip(compiled(chosen, *flat), tables, strict=True):
             torch.testing.assert_close(got, want[name][chosen], rtol=0, atol=0)

@@ -79,15 +79,11 @@ def test_eager_op_is_the_routed_loop_on_gguf_weights(types):
 
 @pytest.mark.parametrize("integer", [False, True], ids=["exact", "integer"])
 @pytest.mark.parametrize("types", [TYPES[0], TYPES[2]], ids=lambda t: "+".join(t))
-def test_kernel_equals_the_eager_op(project, tmp_path, types, integer):
+def test_kernel_equals_the_eager_op(compile_exported, types, integer):
     """The compiled graph (the kernel's C shim) against the eager op, on 1 and 2 rows (decode:
     the routed experts one after another, each threaded over its panels) and 40 (prefill: in
     parallel; exact: on panels dequantized once), plain and biased / clamped: float32 rounding
     only (sums in another order)."""
-    from torch._inductor.package import load_package
-
-    from aotgen.export.aoti import compile_graph, package_graphs
-
     (gu, _), (dn, _) = _stack(types[0], 2 * F, D, 0), _stack(types[1], D, F, 100)
     g = torch.Generator().manual_seed(1)
     biases = (torch.randn(E, 2 * F, generator=g), torch.randn(E, D, generator=g) * 0.1)
@@ -96,9 +92,7 @@ def test_kernel_equals_the_eager_op(project, tmp_path, types, integer):
     args = (x, weights, ids, *gu[:3], *dn[:3], *biases)
     rows = torch.export.Dim("rows", min=1, max=64)
     ep = torch.export.export(module, args, dynamic_shapes=[{0: rows}] * 3 + [None] * 8)
-    files, _ = compile_graph(ep, args, max_autotune=False, cache=project.cache_dir / "graphs")
-    package_graphs(tmp_path / "experts.pt2", {"model": files})
-    compiled = load_package(str(tmp_path / "experts.pt2"), "model")
+    compiled = compile_exported(ep, args)
     for n in (1, 2, 40):
         inputs = (x[:n], weights[:n], ids[:n], *args[3:])
         for got, want in zip(compiled(*inputs), module(*inputs), strict=True):

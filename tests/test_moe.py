@@ -161,22 +161,16 @@ class BiasedExperts(torch.nn.Module):
         )
 
 
-def test_compiled_graph_runs_biased_clamped_experts(project, tmp_path):
+def test_compiled_graph_runs_biased_clamped_experts(compile_exported):
     """An AOTInductor graph calling the ops through the kernel's C shims gives their eager
     results (float32 and int8 to float32 precision, bfloat16 within its rounding)."""
-    from torch._inductor.package import load_package
-
-    from aotgen.export.aoti import compile_graph, package_graphs
-
     _, (x, weights, ids, gate_up, down), (gub, db, _, _) = _gpt_oss(40)
     bf16 = [t.to(torch.bfloat16) for t in (x, gate_up, down, gub, db)]
     q, q_scale = int8_rows(gate_up)
     qd, qd_scale = int8_rows(down)
     args = (x, weights, ids, gate_up, down, gub, db, *bf16, q, q_scale, qd, qd_scale)
     ep = torch.export.export(BiasedExperts(), args)
-    files, _ = compile_graph(ep, args, max_autotune=False, cache=project.cache_dir / "graphs")
-    package_graphs(tmp_path / "experts.pt2", {"model": files})
-    compiled = load_package(str(tmp_path / "experts.pt2"), "model")
+    compiled = compile_exported(ep, args)
     eager = BiasedExperts()(*args)
     dtypes = (torch.float32, torch.bfloat16, torch.float32, torch.float32, torch.float32)
     for out, expect, dtype in zip(compiled(*args), eager, dtypes, strict=True):
