@@ -193,6 +193,7 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
     if "formats" in data:
         data["formats"] = _parse_formats(data["formats"], where)
     recipe = Recipe(name=data.pop("name", name), checkpoint=ckpt, compile=compile_opts, **data)
+    recipe = _fit_prefill_chunk(recipe, "prefill_chunk" in data, where)
     _check_sizes(recipe, where)
     if recipe.speculative is not None:
         recipe = _parse_speculative(recipe, "verify_k" in data, base_dir)
@@ -230,6 +231,22 @@ def _check_value_types(data: dict[str, Any], where: str) -> None:
         value = data.get(key, 1)
         if not _is_int(value) or value < 1:
             raise RecipeError(f"{where}: {key} must be a positive integer, got {value!r}")
+
+
+def _fit_prefill_chunk(recipe: Recipe, given: bool, where: str) -> Recipe:
+    """A prompt holds at most max_seq_len tokens, so a longer prefill graph only compiles rows
+    no call takes (and widens sliding layers' rings): the default chunk is cut to
+    max_seq_len, and a chunk the recipe names must fit in it."""
+    fit = max(recipe.max_seq_len, 2)
+    if recipe.prefill_chunk <= fit:
+        return recipe
+    if given:
+        raise RecipeError(
+            f"{where}: prefill_chunk {recipe.prefill_chunk} is longer than max_seq_len "
+            f"{recipe.max_seq_len} (a prompt holds at most max_seq_len tokens); set "
+            f"prefill_chunk to at most {fit}"
+        )
+    return dataclasses.replace(recipe, prefill_chunk=fit)
 
 
 def _check_sizes(recipe: Recipe, where: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -407,14 +408,14 @@ async def _respond(
 def serve(
     engine: BatchEngine,
     name: str,
-    host: str,
-    port: int,
+    listener: socket.socket,
     speculative: str | None = None,
     api_key: str | None = None,
     lookup_cache: Path | None = None,
     lookup_cache_every_s: float = SAVE_EVERY_S,
 ) -> None:
+    """Serve on `listener`, a socket already bound (the command line binds it before loading)."""
     import uvicorn
 
     app = create_app(engine, name, speculative, api_key, lookup_cache, lookup_cache_every_s)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listener])

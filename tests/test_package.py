@@ -314,6 +314,21 @@ def test_unknown_recipe_key_names_valid_keys(tiny_checkpoint):
         parse_recipe({"checkpoint": str(tiny_checkpoint), "max_seq": 10}, "r", Path("."))
 
 
+def test_prefill_chunk_fits_in_max_seq_len(tiny_checkpoint):
+    """The default chunk is cut to a short max_seq_len; a chunk the recipe names must fit."""
+    ckpt = str(tiny_checkpoint)
+    assert parse_recipe({"checkpoint": ckpt, "max_seq_len": 64}, "r", Path(".")).prefill_chunk == 64
+    fits = parse_recipe(
+        {"checkpoint": ckpt, "max_seq_len": 64, "prefill_chunk": 64}, "r", Path(".")
+    )
+    assert fits.prefill_chunk == 64
+    assert parse_recipe({"checkpoint": ckpt}, "r", Path(".")).prefill_chunk == 256
+    with pytest.raises(
+        RecipeError, match="prefill_chunk 65 is longer than max_seq_len 64.*at most 64"
+    ):
+        parse_recipe({"checkpoint": ckpt, "max_seq_len": 64, "prefill_chunk": 65}, "r", Path("."))
+
+
 def _checkpoint_copy(src: Path, tmp_path: Path) -> Path:
     """A private copy of the tiny checkpoint for a test to damage."""
     return Path(shutil.copytree(src, tmp_path / "ckpt"))

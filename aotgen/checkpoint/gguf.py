@@ -390,6 +390,8 @@ def import_gguf(gguf_path: Path, out_dir: Path, overwrite: bool = False) -> Path
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} is a file, not a directory: import into a new directory")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise FileExistsError(
             f"{out_dir} already exists and is not empty; pass overwrite=True (--overwrite on "

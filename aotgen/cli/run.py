@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -179,8 +180,10 @@ def run(
     if best_first and not draft_parallel:
         raise CliError("--best-first shapes a token tree: add --draft-parallel N")
     at_least("--max-new-tokens", max_new_tokens)
-    if logprobs is not None and not (as_json and 0 <= logprobs <= 20):
-        raise CliError("--logprobs N (0..20) goes with --json, which prints them")
+    if logprobs is not None and not 0 <= logprobs <= 20:
+        raise CliError(f"--logprobs must be in 0..20, got {logprobs}")
+    if logprobs is not None and not as_json:
+        raise CliError("--logprobs N goes with --json, which prints them")
     if seed is not None and not 0 <= seed <= SEED_MAX:
         raise CliError(f"--seed must be an integer in 0..{SEED_MAX}, got {seed}")
     read_manifest(package)  # a path that holds no package, too
@@ -549,6 +552,11 @@ def serve(
     check_lookup_cache_every(lookup_cache_every, lookup_cache)
     if not 0 < port < 65536:
         raise CliError(f"--port must be in 1..65535, got {port}")
+    if api_key is not None and not api_key.strip():
+        raise CliError(
+            "--api-key (or AOTGEN_API_KEY) is empty: give the key clients must send, or leave "
+            "it unset to serve without one"
+        )
     read_manifest(package)  # a path that holds no package, before the seconds torch takes
     from aotgen.runtime import distributed
     from aotgen.runtime.batch_engine import BatchEngine
@@ -562,6 +570,7 @@ def serve(
         raise CliError(
             f"aotgen serve needs the serve extra ({e}): pip install 'aotgen[serve]'"
         ) from None
+    listener = _listen(host, port)
     engine = BatchEngine.load(package, slots, resolve_threads(threads), max_queue, prefill_step)
     if speculative and engine.engine.draft is None:
         raise CliError(f"{package} has no draft model: drop --speculative, or use --lookup ngram")
@@ -575,4 +584,23 @@ def serve(
         f"{f', speculative: {mode}' if mode else ''})"
     )
     every_s = SAVE_EVERY_S if lookup_cache_every is None else lookup_cache_every
-    serve_http(engine, name, host, port, mode, api_key, lookup_cache, every_s)
+    serve_http(engine, name, listener, mode, api_key, lookup_cache, every_s)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the package loads, as uvicorn binds it: an address
+    this machine cannot take (not its own, a port in use) is one line, not a server that
+    loads, starts and dies."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except (OSError, OverflowError) as e:
+        listener.close()
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise CliError(
+            f"cannot listen on {host}:{port}: {reason}; give --host an address of this machine "
+            "and a free --port"
+        ) from None
+    return listener

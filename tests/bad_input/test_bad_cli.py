@@ -154,6 +154,11 @@ ROWS = [
     recipe("speculative-k-bool", "speculative: {k: true}\n", "k must be an integer in 1..16"),
     recipe("score-graph-text", "score_graph: 'yes'\n", "score_graph must be true or false"),
     recipe("prefill-chunk-text", "prefill_chunk: '16'\n", "prefill_chunk must be a positive"),
+    recipe(
+        "prefill-chunk-past-max-seq-len",
+        "prefill_chunk: 128\n",
+        "prefill_chunk 128 is longer than max_seq_len 64",
+    ),
     recipe("unknown-key", "max_seq_length: 64\n", "unknown key(s) max_seq_length"),
     recipe("lora-missing", "lora: none\n", "is not a directory: point `lora:` at the directory"),
     recipe("lora-number", "lora: 5\n", "lora must be a PEFT adapter directory or a list"),
@@ -272,6 +277,16 @@ ROWS = [
         },
     ),
     Row(
+        "serve-api-key-empty",
+        ("serve", "{pkg}", "--api-key", ""),
+        "--api-key (or AOTGEN_API_KEY) is empty",
+    ),
+    Row(  # TEST-NET-1 (RFC 5737): no machine's own address
+        "serve-host-not-this-machine",
+        ("serve", "{pkg}", "--host", "192.0.2.1"),
+        "cannot listen on 192.0.2.1:8000",
+    ),
+    Row(
         "serve-lookup-cache-every-without-file",
         ("serve", "{pkg}", "--lookup", "ngram", "--lookup-cache-every", "5"),
         "--lookup-cache-every sets how often --lookup-cache is written: add it",
@@ -282,6 +297,8 @@ ROWS = [
         + ("--lookup-cache-every", "nan"),
         "--lookup-cache-every must be a number of seconds >= 0, got nan",
     ),
+    run("logprobs-past-20", ("--logprobs", "21", "--json"), "--logprobs must be in 0..20, got 21"),
+    run("logprobs-without-json", ("--logprobs", "2"), "--logprobs N goes with --json"),
     run("threads-negative", ("--threads", "-1"), "--threads must be >= 1"),
     run("threads-zero", ("--threads", "0"), "--threads must be >= 1"),
     run(
@@ -374,6 +391,13 @@ ROWS = [
         ("import-gguf", "cut.gguf", "out"),
         "already exists and is not empty",
         files={"out/keep.txt": "mine"},
+        setup=cut_gguf(None),
+    ),
+    Row(
+        "gguf-out-a-file",
+        ("import-gguf", "cut.gguf", "out", "--overwrite"),
+        "out is a file, not a directory",
+        files={"out": "mine"},
         setup=cut_gguf(None),
     ),
 ]

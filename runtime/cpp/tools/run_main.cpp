@@ -316,8 +316,11 @@ void check_lookup_cache(const std::filesystem::path& path, aotgen::Speculative m
 void check_values(Args& args) {
   auto& cfg = args.config;
   at_least("--max-new-tokens", cfg.max_new_tokens);
-  if (cfg.logprobs && (!args.print_ids || *cfg.logprobs < 0 || *cfg.logprobs > 20)) {
-    throw BadValue("--logprobs N (0..20) goes with --json, which prints them");
+  if (cfg.logprobs && (*cfg.logprobs < 0 || *cfg.logprobs > 20)) {
+    throw BadValue("--logprobs must be in 0..20, got " + std::to_string(*cfg.logprobs));
+  }
+  if (cfg.logprobs && !args.print_ids) {
+    throw BadValue("--logprobs N goes with --json, which prints them");
   }
   if (cfg.k) at_least("--k", *cfg.k);
   if (cfg.ngram_min) at_least("--ngram-min", *cfg.ngram_min);
