@@ -353,6 +353,45 @@ def test_truncated_checkpoint_file(tmp_path, tiny_checkpoint, project):
     assert not (project.artifacts_dir / "truncated").exists()
 
 
+def test_broken_tokenizer_is_refused_before_the_compile(tmp_path, tiny_checkpoint, project):
+    """A tokenizer.json the runtime could not load is named by the build, not by `aotgen run`."""
+    ckpt = _checkpoint_copy(tiny_checkpoint, tmp_path)
+    (ckpt / "tokenizer.json").write_text("{}")
+    recipe = parse_recipe({"checkpoint": str(ckpt), **TINY_RECIPE}, "tok", Path("."))
+    with pytest.raises(CheckpointError, match=r"tokenizer.json does not load \(Model missing"):
+        build_mod.build(recipe, project)
+    assert not (project.artifacts_dir / "tok").exists()
+
+
+@pytest.mark.parametrize(
+    "key, value", [("hidden_size", "64"), ("num_hidden_layers", 0), ("vocab_size", 320.0)]
+)
+def test_config_sizes_are_whole_numbers(tiny_checkpoint, key, value):
+    from aotgen.model.config import ModelConfig
+
+    cfg = json.loads((tiny_checkpoint / "config.json").read_text())
+    ModelConfig.from_hf(cfg)  # the tiny config itself passes
+    with pytest.raises(ValueError, match=f"config.json: {key} must be a whole number >= 1, got"):
+        ModelConfig.from_hf({**cfg, key: value})
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weight_is_named(tiny_checkpoint, bad):
+    from aotgen.checkpoint.hf import open_checkpoint
+    from aotgen.model.config import ModelConfig
+    from aotgen.model.llama import load_model
+
+    ckpt = open_checkpoint(tiny_checkpoint)
+    cfg = ModelConfig.from_hf(ckpt.config)
+    weights = ckpt.load_weights()
+    load_model(cfg, dict(weights), 64, torch.float32)  # the tiny weights themselves pass
+    name = "model.layers.1.mlp.up_proj.weight"
+    weights[name] = weights[name].clone()
+    weights[name][3, 5] = bad
+    with pytest.raises(ValueError, match=f"{name} holds NaN or infinite values"):
+        load_model(cfg, weights, 64, torch.float32)
+
+
 def test_unsupported_architecture(tmp_path, tiny_checkpoint, project):
     ckpt = _checkpoint_copy(tiny_checkpoint, tmp_path)
     cfg = json.loads((ckpt / "config.json").read_text())

@@ -68,6 +68,8 @@ def hf_fields(hf: dict) -> dict[str, Any]:
         "rope_local_base_freq",
     ):
         _positive(hf, key)
+    for key in SIZES:
+        _whole(hf, key)
     if arch in (QWEN3_5_MOE, SOLAR_OPEN):  # every MLP sparse: no dense width of its own
         hf = {"intermediate_size": hf.get("moe_intermediate_size"), **hf}
     if arch in LATENT_ATTENTION:
@@ -107,6 +109,25 @@ def hf_fields(hf: dict) -> dict[str, Any]:
     family = _qwen3_5 if arch in QWEN3_5 else family
     family = _layernorm_layout if arch in LAYERNORM_LAYOUT else family
     return {**common, **family(hf, arch, common, local)}
+
+
+# The sizes every family reads: a count, where present (a config may leave some to defaults).
+SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+
+
+def _whole(hf: dict, key: str) -> None:
+    value = hf.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"config.json: {key} must be a whole number >= 1, got {value!r}")
 
 
 def _positive(hf: dict, key: str) -> None:

@@ -472,6 +472,11 @@ def load_model(
                 f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
                 f"the config implies {tuple(want)}"
             )
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(
+                f"checkpoint tensor {name} holds NaN or infinite values: the checkpoint is "
+                "damaged (or was saved from a diverged run); get it again"
+            )
     model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=False, assign=True)
     model.tie_weights()
     model.init_buffers()

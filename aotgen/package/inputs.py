@@ -26,6 +26,7 @@ from aotgen.package.manifest import (
 from aotgen.passes.lora import LoraAdapter, open_adapter
 from aotgen.passes.quantize_options import parse_quantize
 from aotgen.recipe import Project, Recipe, RecipeError
+from aotgen.runtime.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ def read_inputs(recipe: Recipe, project: Project) -> BuildInputs:
         )
     recipe = _with_imported_checkpoints(recipe, project.cache_dir)
     ckpt = open_checkpoint(recipe.checkpoint)
+    _check_tokenizer(ckpt)
     adapters = [open_adapter(path) for path in recipe.lora]
     quantize = parse_quantize(recipe.quantize)
     if adapters and quantize is not None and quantize.gguf == "keep":
@@ -57,6 +59,18 @@ def read_inputs(recipe: Recipe, project: Project) -> BuildInputs:
             "weights (e.g. `quantize: {linear: int8}`)"
         )
     return BuildInputs(recipe, ckpt, adapters, build_hash(ckpt, recipe, adapters))
+
+
+def _check_tokenizer(ckpt: Checkpoint) -> None:
+    """The tokenizer the package will carry, loaded as the runtime loads it: a broken one is
+    refused before the compile, not by `aotgen run` after it."""
+    try:
+        Tokenizer.from_dir(ckpt.path)
+    except Exception as e:  # tokenizers raises bare Exceptions
+        raise CheckpointError(
+            f"{ckpt.path}/tokenizer.json does not load ({e}); re-create the checkpoint's "
+            "tokenizer files (e.g. save them again with transformers, or `aotgen import-gguf`)"
+        ) from None
 
 
 def build_hash(ckpt: Checkpoint, recipe: Recipe, adapters: list[LoraAdapter]) -> str:
