@@ -71,9 +71,10 @@ class RequestFields(BaseModel):
     ignore_eos: bool = False  # vLLM's extension (its benchmarks send it): run to max_tokens
     stop_token_ids: list[int] | None = None  # vLLM's extension: end like eos
     min_tokens: int = Field(default=0, ge=0)  # vLLM's extension: nothing ends the answer sooner
-    # Declared so that a value other than "off" is refused, not silently ignored (best_of,
-    # which OpenAI had).
+    # Declared so that a value other than "off" is refused, not silently ignored: best_of,
+    # which OpenAI had, and completions' suffix (text after an insertion point).
     best_of: int | None = None
+    suffix: str | None = None
 
     def penalties(self) -> Penalties:
         try:
@@ -89,7 +90,7 @@ class RequestFields(BaseModel):
     def refuse_unsupported(self) -> None:
         """A sampling field aotgen does not implement, set to anything but "off"."""
         # field -> values meaning off
-        unsupported = {"best_of": (None, 1)}
+        unsupported = {"best_of": (None, 1), "suffix": (None, "")}
         for name, off in unsupported.items():
             if getattr(self, name) not in off:
                 raise ApiError(

@@ -464,6 +464,7 @@ def test_tokenize_and_detokenize_as_the_endpoints_count(tiny_server, alone):
         ("/v1/completions", {"prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty"),
         ("/v1/completions", {"prompt": "hi", "min_p": 1.5}, "min_p"),
         ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
+        ("/v1/completions", {"prompt": "hi", "suffix": "in the middle"}, "suffix"),
         ("/v1/completions", {"prompt": "hi", "min_tokens": -1}, "min_tokens"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, None),
         ("/v1/completions", {"prompt": "hi", "stop_token_ids": [99999]}, None),
