@@ -596,11 +596,10 @@ def _listen(host: str, port: int) -> socket.socket:
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         listener.bind((host, port))
-    except (OSError, OverflowError) as e:
+    except OSError as e:  # socket.gaierror too: a name that does not resolve
         listener.close()
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise CliError(
-            f"cannot listen on {host}:{port}: {reason}; give --host an address of this machine "
-            "and a free --port"
+            f"cannot listen on {host}:{port}: {e.strerror or e}; give --host an address of this "
+            "machine and a free --port"
         ) from None
     return listener
