@@ -429,7 +429,7 @@ def test_logprobs_equal_pythons(run_bin, tiny_package, py_engine, flags):
         assert [t for t, _ in x["top"]] == [t for t, _ in lp.top]
     assert cpp_generate(run_bin, tiny_package, ids, "--max-new-tokens", "2")["logprobs"] is None
     proc = run(run_bin, tiny_package, "--prompt", "hi", "--logprobs", "2", check=False)
-    assert proc.returncode == 1 and "--logprobs N (0..20) goes with --json" in proc.stderr
+    assert proc.returncode == 1 and "--logprobs N goes with --json" in proc.stderr
 
 
 @pytest.mark.parametrize("long", [False, True], ids=["short", "past-the-context"])
