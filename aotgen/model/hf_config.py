@@ -69,7 +69,7 @@ def hf_fields(hf: dict) -> dict[str, Any]:
     ):
         _positive(hf, key)
     for key in SIZES:
-        _whole(hf, key)
+        _positive(hf, key, whole=True)
     if arch in (QWEN3_5_MOE, SOLAR_OPEN):  # every MLP sparse: no dense width of its own
         hf = {"intermediate_size": hf.get("moe_intermediate_size"), **hf}
     if arch in LATENT_ATTENTION:
@@ -124,18 +124,15 @@ SIZES = (
 )
 
 
-def _whole(hf: dict, key: str) -> None:
+def _positive(hf: dict, key: str, whole: bool = False) -> None:
+    """`key`, where present, a number > 0 (`whole`: a whole number >= 1)."""
     value = hf.get(key)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"config.json: {key} must be a whole number >= 1, got {value!r}")
-
-
-def _positive(hf: dict, key: str) -> None:
-    value = hf.get(key)
+    kinds = int if whole else int | float
     if value is not None and (
-        isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+        isinstance(value, bool) or not isinstance(value, kinds) or value <= 0
     ):
-        raise ValueError(f"config.json: {key} must be a positive number, got {value!r}")
+        what = "a whole number >= 1" if whole else "a positive number"
+        raise ValueError(f"config.json: {key} must be {what}, got {value!r}")
 
 
 def _refuse(hf: dict, key: str, allowed: Any, why: str) -> None:

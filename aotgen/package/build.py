@@ -53,7 +53,6 @@ from aotgen.passes.fuse import FuseLinearsPass
 from aotgen.passes.quantize_experts import Int8Experts
 from aotgen.passes.tp import parse_parallel, plan_summary, rank_config, resolve_plan
 from aotgen.recipe import Project, Recipe, RecipeError
-from aotgen.runtime.tokenizer import Tokenizer
 from aotgen.tempdirs import old_dir, partial_dir, remove_stale, sigterm_raises
 
 PACKAGE_FILE = "model.pt2"
@@ -195,7 +194,7 @@ def _calibrate_models(plan: _Models, inputs: BuildInputs, log: Callable[[str], N
         )
     for mb in calibrated:
         log(f"{mb.role}: GPTQ calibration")
-        calibrate(mb, inputs.recipe, Tokenizer.from_dir(inputs.ckpt.path))
+        calibrate(mb, inputs.recipe, inputs.tokenizer)
 
 
 def _partial_dir(out: Path, log: Callable[[str], None]) -> Path:

@@ -31,11 +31,12 @@ from aotgen.runtime.tokenizer import Tokenizer
 
 @dataclass(frozen=True)
 class BuildInputs:
-    """The recipe (its checkpoints imported), its target checkpoint and LoRA adapters, and
-    their identity."""
+    """The recipe (its checkpoints imported), its target checkpoint, tokenizer and LoRA
+    adapters, and their identity."""
 
     recipe: Recipe
     ckpt: Checkpoint
+    tokenizer: Tokenizer
     adapters: list[LoraAdapter]
     digest: str
 
@@ -49,7 +50,7 @@ def read_inputs(recipe: Recipe, project: Project) -> BuildInputs:
         )
     recipe = _with_imported_checkpoints(recipe, project.cache_dir)
     ckpt = open_checkpoint(recipe.checkpoint)
-    _check_tokenizer(ckpt)
+    tokenizer = _load_tokenizer(ckpt)
     adapters = [open_adapter(path) for path in recipe.lora]
     quantize = parse_quantize(recipe.quantize)
     if adapters and quantize is not None and quantize.gguf == "keep":
@@ -58,14 +59,14 @@ def read_inputs(recipe: Recipe, project: Project) -> BuildInputs:
             "blocks, which a LoRA adapter cannot change; drop `lora:`, or quantize the merged "
             "weights (e.g. `quantize: {linear: int8}`)"
         )
-    return BuildInputs(recipe, ckpt, adapters, build_hash(ckpt, recipe, adapters))
+    return BuildInputs(recipe, ckpt, tokenizer, adapters, build_hash(ckpt, recipe, adapters))
 
 
-def _check_tokenizer(ckpt: Checkpoint) -> None:
+def _load_tokenizer(ckpt: Checkpoint) -> Tokenizer:
     """The tokenizer the package will carry, loaded as the runtime loads it: a broken one is
     refused before the compile, not by `aotgen run` after it."""
     try:
-        Tokenizer.from_dir(ckpt.path)
+        return Tokenizer.from_dir(ckpt.path)
     except Exception as e:  # tokenizers raises bare Exceptions
         raise CheckpointError(
             f"{ckpt.path}/tokenizer.json does not load ({e}); re-create the checkpoint's "
