@@ -212,8 +212,8 @@ def test_onnx_graphs_match_aoti_and_transformers(family_engines, checkpoints, pr
 @pytest.mark.slow  # more builds, ~100 s each on 2 cores
 @pytest.mark.parametrize("family", INT8_FAMILIES)
 def test_int8_fused_build_stays_close(family_engines, checkpoints, family):
-    """int8 weights + fused linears on the biased families, gpt-oss (int8 experts through
-    the kernel in prefill, gathered in decode and verify), LFM2 and DeepSeek-V3 (its kv_b_proj
+    """int8 weights + fused linears on the biased families, gpt-oss (int8 experts in packed
+    panels, through the kernel in every graph), LFM2 and DeepSeek-V3 (its kv_b_proj
     int8 rows, reduced in the verify graph): logits within int8's error of transformers, and
     the same argmax at nearly every position of a teacher-forced text."""
     engine = family_engines(family, **INT8)

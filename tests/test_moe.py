@@ -1,7 +1,7 @@
 """Mixture-of-experts pieces the family tests (test_families.py: Qwen3-MoE compiled, Mixtral,
 Qwen2-MoE and OLMoE eager, all against transformers) do not reach: the experts' fixed-shape
-formulations against the op's eager definition, int8 experts, gpt-oss's biased experts and
-clamped SwiGLU against transformers, and what aotgen refuses."""
+formulations against the op's eager definition, int8 experts, experts in packed panels,
+gpt-oss's biased experts and clamped SwiGLU against transformers, and what aotgen refuses."""
 
 from __future__ import annotations
 
@@ -176,6 +176,44 @@ def test_compiled_graph_runs_biased_clamped_experts(compile_exported):
     for out, expect, dtype in zip(compiled(*args), eager, dtypes, strict=True):
         _close(out, expect, dtype)
     assert (eager[3] - eager[4]).abs().max() > 0.1  # the bias counts
+
+
+class PanelOps(torch.nn.Module):
+    """`moe_experts_panels` as a graph calls it: float32 and int8 experts, biased and clamped,
+    and float32 without biases (AOTInductor passes null handles for the optional tensors)."""
+
+    def forward(self, x, weights, ids, gate_up, down, gub, db, q, q_scale, qd, qd_scale):
+        panels = torch.ops.aotgen.moe_experts_panels
+        return (
+            panels(x, weights, ids, gate_up, None, down, None, gub, db, 7.0, 1.702),
+            panels(x, weights, ids, q, q_scale, qd, qd_scale, gub, db, 7.0, 1.702),
+            panels(x, weights, ids, gate_up, None, down, None),
+        )
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_compiled_experts_on_panels_equal_the_rows(tokens, compile_exported):
+    """Experts in packed panels (passes/pack_experts.py), through the kernel's C shim: one
+    token (its experts one after another, each projection threaded), a few, and 40 (several
+    rows an expert, experts in parallel) give the row-layout ops' eager sums, biases and
+    clamp included, float32 and int8."""
+    from aotgen.passes.pack_experts import _panels
+
+    _, (x, weights, ids, gate_up, down), (gub, db, _, _) = _gpt_oss(tokens, d=32, f=24)
+    q, q_scale = int8_rows(gate_up)
+    qd, qd_scale = int8_rows(down)
+    args = (x, weights, ids, _panels(gate_up), _panels(down), gub, db)
+    args += (_panels(q), q_scale, _panels(qd), qd_scale)
+    want = (
+        moe_experts(x, weights, ids, gate_up, down, gub, db, 7.0, 1.702),
+        moe_experts_int8(x, weights, ids, q, q_scale, qd, qd_scale, gub, db, 7.0, 1.702),
+        moe_experts(x, weights, ids, gate_up, down),
+    )
+    compiled = compile_exported(torch.export.export(PanelOps(), args), args)
+    for got, eager, expect in zip(compiled(*args), PanelOps()(*args), want, strict=True):
+        torch.testing.assert_close(eager, expect)
+        torch.testing.assert_close(got, expect)
+    assert (want[0] - want[1]).abs().max() > 0  # int8 is not float32
 
 
 def test_bfloat16_model_runs_without_the_kernel(tmp_path):

@@ -50,8 +50,8 @@ KERNELS = (  # (the kernel source, the ops whose C shims it defines)
     (gated_delta.SOURCE, gated_delta.OPS),
 )
 # Kernel sources that call into others' code, linked with them (moe.cpp's experts on GGUF
-# blocks run gguf_blocks.cpp's and gguf_dot.cpp's kernels).
-NEEDS = {moe.SOURCE: (gguf_blocks.SOURCE, gguf_dot.SOURCE)}
+# blocks run gguf_blocks.cpp's and gguf_dot.cpp's kernels, on panels packed.cpp's).
+NEEDS = {moe.SOURCE: (gguf_blocks.SOURCE, gguf_dot.SOURCE, packed.SOURCE)}
 C_SHIMS = "aot_inductor.custom_ops_to_c_shims"
 LIBS = "aot_inductor.custom_op_libs"
 LINK_SCRIPT = "aotgen-objects.ld"

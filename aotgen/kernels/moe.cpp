@@ -26,13 +26,19 @@
 // (min(max(u, -limit), limit) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit). Without
 // biases and with limit 0 every value is computed as before they existed.
 //
+// Panels (`moe_experts_panels`, CPU packages with packed linears): gate_up [E, 2f / 16, d, 16]
+// and down [E, d / 16, f, 16], float32 or int8 with row scales, each expert's weights in
+// packed.cpp's panels of 16 outputs; each routed expert's projections run packed.cpp's
+// register tiles on them, which read each weight vector once for all the expert's rows and
+// multiply int8 codes widened in registers (no float32 copy of the expert).
+//
 // GGUF blocks (kernels/moe_gguf.py, `quantize: {gguf: keep}`): gate_up and down are the file's
 // blocks in gguf_blocks.cpp's panels, stacked by expert ([E, panels, ...] codes, group and
 // super-block scales); each routed expert's projections run gguf_blocks.cpp's kernel on its
 // panels (`moe_experts_gguf`: gguf's dequantized weights bit for bit, float32 activations) or
-// gguf_dot.cpp's (`moe_experts_gguf_dot`: llama.cpp's integer numerics). With fewer routed
-// experts than threads (decode) they run one after another, each projection threaded over its
-// panels.
+// gguf_dot.cpp's (`moe_experts_gguf_dot`: llama.cpp's integer numerics).
+// On panels (packed.cpp's or GGUF blocks) with fewer routed experts than threads (decode),
+// the experts run one after another, each projection threaded over its panels.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -46,6 +52,10 @@ namespace aotgen_gguf {  // gguf_blocks.cpp, linked into the same .so
 void linear_any(int qtype, const float* x, int64_t ldx, int64_t M, int64_t K,
                 const uint8_t* codes, const uint16_t* groups, const uint16_t* supers, int64_t N,
                 float* out, int rows, int panels);
+}
+namespace aotgen_packed {  // packed.cpp, likewise
+void linear_any(int bits, const float* x, int64_t ldx, int64_t M, int64_t K, const void* w,
+                const float* scale, int64_t N, float* out, int rows, int panels);
 }
 namespace aotgen_gguf_idot {  // gguf_dot.cpp, likewise
 void dot_any(int qtype, const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* codes,
@@ -81,7 +91,22 @@ static AOTITorchError matmul_t(void* a, int64_t n, int64_t K, void* b, int64_t m
   return rc;
 }
 
-enum class Kind { f32, bf16, i8, gguf };  // how the weights are stored
+// How the weights are stored: rows [E, N, K] of float32, bfloat16 or int8, packed.cpp's
+// panels of float32 or int8, or GGUF blocks.
+enum class Kind { f32, bf16, i8, f32_panels, i8_panels, gguf };
+
+inline bool on_panels(Kind kind) {
+  return kind == Kind::f32_panels || kind == Kind::i8_panels || kind == Kind::gguf;
+}
+
+// packed.cpp's tile for an expert's n rows: up to 8 rows by 3 panels with AVX-512's 16 lanes,
+// 6 by 1 with AVX2's 8 (the widest tiles whose accumulators fit the registers); one or two
+// rows stream as many panels as fit. Within 10-20 % of the best tile at 1-32 rows on both.
+#ifdef __AVX512F__
+constexpr int kExpertRows = 8;
+#else
+constexpr int kExpertRows = 6;
+#endif
 
 inline float bf16_to_float(uint16_t v) {
   const uint32_t bits = uint32_t(v) << 16;
@@ -150,6 +175,15 @@ static AOTITorchError project(const void* all, Kind kind, const float* scales,
   }
   if (kind == Kind::f32)
     return matmul_t(a, n, cols, (float*)all + e * rows * cols, rows, out, f32, rows);
+  if (kind == Kind::f32_panels || kind == Kind::i8_panels) {  // rows: whole panels
+    const bool i8 = kind == Kind::i8_panels;
+    const void* w = i8 ? (const void*)((const int8_t*)all + e * rows * cols)
+                       : (const void*)((const float*)all + e * rows * cols);
+    const float* scale = i8 ? scales + e * rows : nullptr;
+    aotgen_packed::linear_any(i8 ? 8 : 32, a, cols, n, cols, w, scale, rows, out,
+                              (int)std::min<int64_t>(n, kExpertRows), 8);
+    return AOTI_TORCH_SUCCESS;
+  }
   const int64_t block = std::max<int64_t>(1, kBlockBytes / (4 * cols));
   buffer.resize(std::min(block, rows) * cols);
   for (int64_t r0 = 0; r0 < rows; r0 += block) {
@@ -293,10 +327,10 @@ static AOTITorchError experts(const void* x, bool x_bf16, const float* weights,
   const Expert job{x, x_bf16, gate_up, down, kind, gate_up_scale, down_scale, gate_up_blocks,
                    down_blocks, gate_up_bias, down_bias, limit, alpha, k, d, f};
   AOTITorchError rc = AOTI_TORCH_SUCCESS;
-  // The block kernel threads over its panels: experts one after another when too few to
+  // The panel kernels thread over their panels: experts one after another when too few to
   // give every thread one (a region that is not parallel lets the kernel's own be).
 #ifdef _OPENMP
-  const bool by_expert = kind != Kind::gguf || (int64_t)hit.size() >= omp_get_max_threads();
+  const bool by_expert = !on_panels(kind) || (int64_t)hit.size() >= omp_get_max_threads();
 #else
   const bool by_expert = true;
 #endif
@@ -362,7 +396,9 @@ static AOTITorchError aotgen_moe_bias(AtenTensorHandle* handle, int64_t E, int64
 // x [T, d] float32 or bfloat16, weights [T, k] float32, ids [T, k] int64, gate_up [E, 2f, d],
 // down [E, d, f]: float32, bfloat16, or int8 with float32 row scales gate_up_scale [E, 2f],
 // down_scale [E, d] (else null); the optional biases and the activation's limit and alpha.
-static AOTITorchError aotgen_moe_shim(AtenTensorHandle x, AtenTensorHandle weights,
+// `panels`: gate_up [E, 2f / 16, d, 16] and down [E, d / 16, f, 16], float32 or int8 with
+// scales, and x float32.
+static AOTITorchError aotgen_moe_shim(bool panels, AtenTensorHandle x, AtenTensorHandle weights,
                                       AtenTensorHandle ids, AtenTensorHandle gate_up,
                                       AtenTensorHandle gate_up_scale, AtenTensorHandle down,
                                       AtenTensorHandle down_scale, AtenTensorHandle* gate_up_bias,
@@ -382,8 +418,13 @@ static AOTITorchError aotgen_moe_shim(AtenTensorHandle x, AtenTensorHandle weigh
     if (!contiguous) return AOTI_TORCH_FAILURE;
   }
   const int64_t T = x_sizes[0], d = x_sizes[1], k = w_sizes[1], E = gu_sizes[0];
-  const int64_t f = down_sizes[2];
-  if (gu_sizes[1] != 2 * f || gu_sizes[2] != d || down_sizes[0] != E || down_sizes[1] != d)
+  const int64_t f = down_sizes[2], p = panels ? 16 : 1;  // outputs a panel
+  int64_t gu_dim, down_dim;
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dim(gate_up, &gu_dim));
+  AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dim(down, &down_dim));
+  if (gu_dim != 3 + panels || down_dim != 3 + panels || gu_sizes[1] * p != 2 * f ||
+      gu_sizes[2] != d || down_sizes[0] != E || down_sizes[1] * p != d ||
+      (panels && (gu_sizes[3] != 16 || down_sizes[3] != 16)))
     return AOTI_TORCH_FAILURE;
   aotgen_moe::Bias gu_bias, down_bias_of;
   AOTI_TORCH_ERROR_CODE_CHECK(aotgen_moe_bias(gate_up_bias, E, 2 * f, &gu_bias));
@@ -393,10 +434,14 @@ static AOTITorchError aotgen_moe_shim(AtenTensorHandle x, AtenTensorHandle weigh
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(gate_up, &w_dtype));
   const int32_t f32 = aoti_torch_dtype_float32(), bf16 = aoti_torch_dtype_bfloat16();
   if (x_dtype != f32 && x_dtype != bf16) return AOTI_TORCH_FAILURE;
-  const aotgen_moe::Kind kind = gate_up_scale      ? aotgen_moe::Kind::i8
-                                : w_dtype == bf16 ? aotgen_moe::Kind::bf16
-                                                  : aotgen_moe::Kind::f32;
+  using aotgen_moe::Kind;
+  const Kind kind = panels          ? (gate_up_scale ? Kind::i8_panels : Kind::f32_panels)
+                    : gate_up_scale ? Kind::i8
+                    : w_dtype == bf16 ? Kind::bf16
+                                      : Kind::f32;
   if (!gate_up_scale && w_dtype != f32 && w_dtype != bf16) return AOTI_TORCH_FAILURE;
+  if (panels && (x_dtype != f32 || w_dtype != (gate_up_scale ? aoti_torch_dtype_int8() : f32)))
+    return AOTI_TORCH_FAILURE;
   const int64_t out_sizes[2] = {T, d}, out_strides[2] = {d, 1};
   AtenTensorHandle out;
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(
@@ -430,7 +475,7 @@ AOTITorchError aoti_torch_cpu_moe_experts(AtenTensorHandle x, AtenTensorHandle w
                                           AtenTensorHandle down, AtenTensorHandle* gate_up_bias,
                                           AtenTensorHandle* down_bias, double limit,
                                           double alpha, AtenTensorHandle* ret0) {
-  return aotgen_moe_shim(x, weights, ids, gate_up, nullptr, down, nullptr, gate_up_bias,
+  return aotgen_moe_shim(false, x, weights, ids, gate_up, nullptr, down, nullptr, gate_up_bias,
                          down_bias, limit, alpha, ret0);
 }
 
@@ -441,8 +486,20 @@ AOTITorchError aoti_torch_cpu_moe_experts_int8(AtenTensorHandle x, AtenTensorHan
                                                AtenTensorHandle* gate_up_bias,
                                                AtenTensorHandle* down_bias, double limit,
                                                double alpha, AtenTensorHandle* ret0) {
-  return aotgen_moe_shim(x, weights, ids, gate_up, gate_up_scale, down, down_scale,
+  return aotgen_moe_shim(false, x, weights, ids, gate_up, gate_up_scale, down, down_scale,
                          gate_up_bias, down_bias, limit, alpha, ret0);
+}
+
+AOTITorchError aoti_torch_cpu_moe_experts_panels(
+    AtenTensorHandle x, AtenTensorHandle weights, AtenTensorHandle ids, AtenTensorHandle gate_up,
+    AtenTensorHandle* gate_up_scale, AtenTensorHandle down, AtenTensorHandle* down_scale,
+    AtenTensorHandle* gate_up_bias, AtenTensorHandle* down_bias, double limit, double alpha,
+    AtenTensorHandle* ret0) {
+  const bool scaled = gate_up_scale && *gate_up_scale;
+  if (scaled != (down_scale && *down_scale)) return AOTI_TORCH_FAILURE;
+  return aotgen_moe_shim(true, x, weights, ids, gate_up, scaled ? *gate_up_scale : nullptr, down,
+                         scaled ? *down_scale : nullptr, gate_up_bias, down_bias, limit, alpha,
+                         ret0);
 }
 
 // One projection's GGUF blocks (kernels/gguf_blocks.py `pack`, stacked by expert): codes

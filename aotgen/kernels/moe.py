@@ -5,8 +5,10 @@ chose, weighted.
 over the routed experts) defines it; CPU graphs call it, and AOTInductor links
 `moe.cpp` into each graph's `.so` as its C shim (export/shims.py): each routed expert runs once
 per step, over the tokens routed to it. `moe_experts_int8` is the same on int8 experts with
-per-row scales (kernels/moe_gguf.py: on a GGUF file's blocks). `run_experts` picks the kernel
-or a fixed-shape formulation (`experts_without_kernel`) by the graph's rows, device and dtype.
+per-row scales (kernels/moe_gguf.py: on a GGUF file's blocks), and `moe_experts_panels` on
+float32 or int8 experts in packed.cpp's panels of 16 outputs (passes/pack_experts.py).
+`run_experts` picks the kernel or a fixed-shape formulation (`experts_without_kernel`) by the
+graph's rows, device and dtype.
 """
 
 from __future__ import annotations
@@ -101,6 +103,35 @@ def moe_experts_int8(
     return moe_experts(x, weights, ids, gate_up, down, gate_up_bias, down_bias, limit, alpha)
 
 
+def unpack_experts(panels: Tensor) -> Tensor:
+    """[E, N / 16, K, 16] panels -> [E, N, K] rows (kernels/packed.py `pack`, per expert)."""
+    e, p, k, lanes = panels.shape
+    return panels.transpose(2, 3).reshape(e, p * lanes, k)
+
+
+@torch.library.custom_op("aotgen::moe_experts_panels", mutates_args=())
+def moe_experts_panels(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    gate_up: Tensor,
+    gate_up_scale: Tensor | None,
+    down: Tensor,
+    down_scale: Tensor | None,
+    gate_up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
+    limit: float = 0.0,
+    alpha: float = 1.702,
+) -> Tensor:
+    """`moe_experts` (float32) or `moe_experts_int8` (with the scales) on experts in panels:
+    gate_up [E, 2f / 16, d, 16], down [E, d / 16, f, 16]; x float32."""
+    gate_up, down = unpack_experts(gate_up), unpack_experts(down)
+    act = (gate_up_bias, down_bias, limit, alpha)
+    if gate_up_scale is None or down_scale is None:
+        return moe_experts(x, weights, ids, gate_up, down, *act)
+    return moe_experts_int8(x, weights, ids, gate_up, gate_up_scale, down, down_scale, *act)
+
+
 def output_like_x(x: Tensor, *args: object, **kwargs: object) -> Tensor:
     """The ops' shapes for tracing: a new contiguous tensor like `x`."""
     return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -108,10 +139,12 @@ def output_like_x(x: Tensor, *args: object, **kwargs: object) -> Tensor:
 
 moe_experts.register_fake(output_like_x)
 moe_experts_int8.register_fake(output_like_x)
+moe_experts_panels.register_fake(output_like_x)
 
 OPS = (
     torch.ops.aotgen.moe_experts.default,
     torch.ops.aotgen.moe_experts_int8.default,
+    torch.ops.aotgen.moe_experts_panels.default,
 )
 
 

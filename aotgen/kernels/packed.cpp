@@ -204,6 +204,20 @@ inline void linear(const float* x, int64_t ldx, int64_t M, int64_t K, const W* w
   }
 }
 
+// `linear` by the weight's bits: 32 float32, 16 bfloat16, 8 int8 with `scale`. Not inline:
+// moe.cpp's experts on panels call it from their own object (in the same .so).
+__attribute__((visibility("hidden"))) void linear_any(int bits, const float* x, int64_t ldx,
+                                                      int64_t M, int64_t K, const void* w,
+                                                      const float* scale, int64_t N, float* out,
+                                                      int rows, int panels) {
+  if (bits == 8)
+    linear(x, ldx, M, K, (const int8_t*)w, scale, N, out, rows, panels);
+  else if (bits == 16)
+    linear(x, ldx, M, K, (const uint16_t*)w, nullptr, N, out, rows, panels);
+  else
+    linear(x, ldx, M, K, (const float*)w, nullptr, N, out, rows, panels);
+}
+
 }  // namespace aotgen_packed
 
 #pragma GCC pop_options
@@ -213,12 +227,7 @@ inline void linear(const float* x, int64_t ldx, int64_t M, int64_t K, const W* w
 extern "C" void aotgen_packed_linear(int bits, const float* x, int64_t M, int64_t K,
                                      const void* weight, const float* scale, int64_t N,
                                      float* out, int rows, int panels) {
-  if (bits == 8)
-    aotgen_packed::linear(x, K, M, K, (const int8_t*)weight, scale, N, out, rows, panels);
-  else if (bits == 16)
-    aotgen_packed::linear(x, K, M, K, (const uint16_t*)weight, nullptr, N, out, rows, panels);
-  else
-    aotgen_packed::linear(x, K, M, K, (const float*)weight, nullptr, N, out, rows, panels);
+  aotgen_packed::linear_any(bits, x, K, M, K, weight, scale, N, out, rows, panels);
 }
 #else
 // Hidden: the shims stay inside the graph's .so (export/shims.py links them in).
@@ -244,16 +253,8 @@ static AOTITorchError aotgen_packed_shim(int bits, AtenTensorHandle x, AtenTenso
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(weight, &w_data));
   if (scale) AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(scale, &s_data));
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(out, &o_data));
-  const float* xs = (const float*)x_data;
-  if (bits == 8)
-    aotgen_packed::linear(xs, x_strides[0], M, K, (const int8_t*)w_data, (const float*)s_data, N,
-                          (float*)o_data, (int)rows, (int)panels);
-  else if (bits == 16)
-    aotgen_packed::linear(xs, x_strides[0], M, K, (const uint16_t*)w_data, nullptr, N,
-                          (float*)o_data, (int)rows, (int)panels);
-  else
-    aotgen_packed::linear(xs, x_strides[0], M, K, (const float*)w_data, nullptr, N,
-                          (float*)o_data, (int)rows, (int)panels);
+  aotgen_packed::linear_any(bits, (const float*)x_data, x_strides[0], M, K, w_data,
+                            (const float*)s_data, N, (float*)o_data, (int)rows, (int)panels);
   *ret0 = out;
   return AOTI_TORCH_SUCCESS;
 }

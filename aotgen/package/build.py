@@ -241,6 +241,7 @@ def _compile_models(
         result.entries[mb.role]["packed_linears"] = {
             "weights": compiled.packed,
             "int4_on_q4_1": compiled.int4_on_q4_1,
+            "experts": compiled.packed_experts,  # experts modules on panels
             "tiles": compiled.tiles,  # the autotune's measurements (package/autotune.py)
         }
     return result
@@ -259,6 +260,8 @@ def _packed_note(compiled: CompiledModel) -> str:
     note = f"packed_linears: {compiled.packed} weights"
     if compiled.int4_on_q4_1:
         note += f" ({compiled.int4_on_q4_1} int4 on Q4_1 panels: float32 activations)"
+    if compiled.packed_experts:
+        note += f", the experts of {compiled.packed_experts} layers"
     note += "; per shape once: " + "; ".join(parts)
     if compiled.tiles_note is not None:
         note += (

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from aotgen.package.autotune import Autotune
 from aotgen.package.models import ModelBuild, recipe_kv_cache
 from aotgen.passes.gemv import int8_linears_for_gpu, linears_as_reductions
 from aotgen.passes.pack import PackLinears
+from aotgen.passes.pack_experts import experts_on_panels
 from aotgen.passes.tp import fake_process_group, rank_config, shard_model
 from aotgen.recipe import Recipe
 
@@ -63,6 +65,7 @@ class CompiledModel:
     tiles: list[dict] = field(default_factory=list)  # the packed kernels' autotune
     packed: int = 0  # weights repacked into panels
     int4_on_q4_1: int = 0  # of them, int4 weights moved onto Q4_1 panels (float32 activations)
+    packed_experts: int = 0  # experts modules on panels (passes/pack_experts.py)
     tiles_note: str | None = None  # why the tiles may not be the fastest (Autotune.busy_note)
     gathered: set[str] = field(default_factory=set)  # constants some graph gathers rows of
     read_whole: set[str] = field(default_factory=set)  # constants some graph reads whole
@@ -123,14 +126,37 @@ def compile_model(
     ranks = ranks or [mb.model]
     cache = recipe_kv_cache(rank_cfg or mb.config, recipe)
     # CPU tunings (passes/pack.py, passes/gemv.py); GPUs keep their GEMM kernels.
-    cpu = recipe.device == "cpu"
-    reductions = recipe.compile.few_token_linears == "reduction" and cpu
     packers = None
-    if recipe.compile.packed_linears and cpu:  # the tiles are measured here, on first use
+    if recipe.compile.packed_linears and recipe.device == "cpu":  # tiles measured on first use
         tuner = Autotune(compile_cache.parent / "autotune", retune_busy)
         rows = tuple(spec.rows for spec in mb.graphs)
         packers = [PackLinears(tuner.choose, mb.gguf, rows) for _ in ranks]
     compiled = CompiledModel({}, [{} for _ in ranks], {})
+    with ExitStack() as panels:
+        if packers:  # the experts on panels too, in every graph (passes/pack_experts.py)
+            swapped = [panels.enter_context(experts_on_panels(model)) for model in ranks]
+            compiled.packed_experts = swapped[0]
+        _compile_graphs(mb, recipe, advance, compile_cache, ranks, cache, packers, compiled)
+    if packers:
+        compiled.tiles = tuner.summary()
+        compiled.tiles_note = tuner.busy_note()
+        compiled.packed = len(packers[0].packed_names)
+        compiled.int4_on_q4_1 = len(packers[0].int4_names)
+    return compiled
+
+
+def _compile_graphs(
+    mb: ModelBuild,
+    recipe: Recipe,
+    advance: Advance,
+    compile_cache: Path,
+    ranks: list[nn.Module],
+    cache: list[Tensor],
+    packers: list[PackLinears] | None,
+    compiled: CompiledModel,
+) -> None:
+    """Each of the model's graphs exported (every rank), compiled once, into `compiled`."""
+    reductions = recipe.compile.few_token_linears == "reduction" and recipe.device == "cpu"
     for spec in mb.graphs:
         t0 = time.perf_counter()
         eps = [
@@ -158,12 +184,6 @@ def compile_model(
         so_bytes = sum(os.path.getsize(f) for f in graph_files if f.endswith(".so"))
         report = GraphReport(mb.role, spec.name, t1 - t0, t2 - t1, so_bytes, cached)
         compiled.graphs.append(report)
-    if packers:
-        compiled.tiles = tuner.summary()
-        compiled.tiles_note = tuner.busy_note()
-        compiled.packed = len(packers[0].packed_names)
-        compiled.int4_on_q4_1 = len(packers[0].int4_names)
-    return compiled
 
 
 def export_with_passes(

@@ -1,0 +1,79 @@
+"""A mixture of experts' float32 and int8 experts in packed panels, for CPU graphs with packed
+linears (`compile.packed_linears`).
+
+The graph pass (pack.py) repacks linears; the experts are stacked tensors the MoE op reads, so
+they are swapped here, on the module, for the AOTInductor export only (ONNX and the eager model
+keep the rows). Each expert's projections go into packed.cpp's panels of 16 outputs, and every
+graph runs `moe_experts_panels`, decode included: the panels' register tiles read each weight
+vector once for all of an expert's rows and widen int8 codes in registers, where the rows'
+kernel converts each routed int8 expert to float32 for a BLAS call, and decode gathers each
+row's experts (docs/moe.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+
+from aotgen.kernels import moe
+from aotgen.kernels import packed as pk
+from aotgen.model.moe import Experts
+from aotgen.passes.quantize_experts import Int8Experts
+
+
+def _panels(stacked: Tensor) -> Tensor:
+    """[E, N, K] -> [E, N / 16, K, 16]: each expert as `packed.pack` lays out a linear."""
+    e, n, k = stacked.shape
+    return stacked.detach().reshape(e, n // pk.PANEL, pk.PANEL, k).transpose(2, 3).contiguous()
+
+
+def packable(experts: nn.Module) -> bool:
+    """float32 `Experts` or `Int8Experts` on CPU whose projections are whole panels."""
+    if not isinstance(experts, Experts | Int8Experts):
+        return False
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if gate_up.device.type != "cpu" or gate_up.dtype not in (torch.float32, torch.int8):
+        return False
+    return gate_up.shape[1] % pk.PANEL == 0 and down.shape[1] % pk.PANEL == 0
+
+
+class PanelExperts(nn.Module):
+    """`Experts` / `Int8Experts` with each projection in panels (int8: the row scales as they
+    are); the biases and the activation carried over."""
+
+    def __init__(self, experts: Experts | Int8Experts):
+        super().__init__()
+        self.register_buffer("gate_up_proj", _panels(experts.gate_up_proj))
+        self.register_buffer("down_proj", _panels(experts.down_proj))
+        for name in ("gate_up_scale", "down_scale", "gate_up_proj_bias", "down_proj_bias"):
+            value = getattr(experts, name, None)  # None: not in the state dict
+            self.register_buffer(name, None if value is None else value.detach())
+        self.limit, self.alpha = experts.limit, experts.alpha
+
+    def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        return moe.moe_experts_panels(
+            x, weights, ids,
+            self.gate_up_proj, self.gate_up_scale, self.down_proj, self.down_scale,
+            self.gate_up_proj_bias, self.down_proj_bias, self.limit, self.alpha,
+        )  # fmt: skip
+
+
+@contextmanager
+def experts_on_panels(model: nn.Module) -> Iterator[int]:
+    """Every packable experts module of `model` swapped for its `PanelExperts` while the block
+    runs (yields how many), then put back: export every graph inside one block, so that they
+    read the same panels and the package stores them once."""
+    swapped: list[tuple[nn.Module, str, nn.Module]] = []
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if packable(child):
+                setattr(module, name, PanelExperts(child))
+                swapped.append((module, name, child))
+    try:
+        yield len(swapped)
+    finally:
+        for module, name, child in swapped:
+            setattr(module, name, child)
