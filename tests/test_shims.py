@@ -45,8 +45,8 @@ def test_only_the_called_ops_are_declared(tmp_path):
 
 
 def test_a_kernel_links_the_kernels_it_runs(tmp_path):
-    """moe.cpp's experts on GGUF blocks call gguf_blocks.cpp's and gguf_dot.cpp's kernels:
-    a graph calling them links all three objects, each once."""
+    """moe.cpp's experts call gguf_blocks.cpp's and gguf_dot.cpp's kernels (GGUF blocks) and
+    packed.cpp's (panels): a graph calling them links all four objects, each once."""
     from aotgen.kernels import moe_gguf
 
     graph = torch.fx.Graph()
@@ -54,7 +54,7 @@ def test_a_kernel_links_the_kernels_it_runs(tmp_path):
     graph.call_function(moe_gguf.OPS[0], (x,))
     _, objects = shims.link_options(graph, tmp_path)
     stems = sorted(obj.path.name.split("-")[1] for obj in objects)
-    assert stems == ["gguf_blocks", "gguf_dot", "moe"]
+    assert stems == ["gguf_blocks", "gguf_dot", "moe", "packed"]
 
 
 def test_every_kernel_declares_its_ops():
