@@ -2,7 +2,8 @@
 fixed-shape formulation the kernel replaces, and llama.cpp, on one random-weight Qwen3-MoE
 checkpoint (no MoE checkpoint ships offline; speed does not depend on the weights' values).
 
-    python scripts/moe_bench.py [--work DIR] [--llamacpp BIN_DIR] [--family gpt-oss | --keep]
+    python scripts/moe_bench.py [--work DIR] [--llamacpp BIN_DIR]
+                                [--family gpt-oss | --keep | --rows]
 
 Shape: 8 layers, hidden 1024, 16 heads / 4 KV heads, 32 experts of 512, 4 a token, SmolLM2's
 49,152-token vocabulary and tokenizer (llama.cpp's converter knows it): 478 M parameters,
@@ -14,6 +15,10 @@ then llama-quantize).
 `--family gpt-oss`: the same shape as gpt-oss (q/k/v/o, router and expert biases, attention
 sinks, a 128-position window on every other layer, its clamped SwiGLU, an untied head): the
 fp32 and int8 packages against llama.cpp's F32 and Q8_0.
+
+`--rows`: the fp32 and int8 packages with their experts on packed panels (the default for CPU
+packages) and in rows (the gather and the rows' kernel, as bfloat16 packages run them), against
+llama.cpp's F32 and Q8_0.
 
 `--keep`: llama.cpp's own Q4_K_M and Q8_0 files of the Qwen3-MoE weights (llama-quantize),
 imported and built with `quantize: {gguf: keep}` (experts and linears on the files' blocks;
@@ -45,11 +50,18 @@ SHAPE = dict(
     tie_word_embeddings=True,
     max_position_embeddings=4096,
 )
+
+
+def patched_build(patch: str) -> list[str]:
+    """python arguments running `aotgen build` after `patch` (one statement)."""
+    build = "from aotgen.cli import main; sys.argv = ['aotgen', 'build', *sys.argv[1:]]; main()"
+    return ["-c", f"import sys; {patch}; {build}"]
+
+
 # The fixed-shape build: the op's kernel switched off for the whole build.
-WITHOUT_KERNEL = (
-    "import sys, aotgen.kernels.moe as m; m.applies = lambda x: False; "
-    "from aotgen.cli import main; sys.argv = ['aotgen', 'build', *sys.argv[1:]]; main()"
-)
+WITHOUT_KERNEL = patched_build("import aotgen.kernels.moe as m; m.applies = lambda x: False")
+# The experts in rows: packing them in panels switched off for the whole build.
+IN_ROWS = patched_build("import aotgen.passes.pack_experts as p; p.packable = lambda e: False")
 
 
 def random_checkpoint(out: Path, config_class: str, shape: dict) -> Path:
@@ -129,6 +141,7 @@ def arguments(default_work: str, families: tuple[str, ...] = ()) -> argparse.Nam
     parser.add_argument("--work", type=Path, default=REPO / default_work)
     parser.add_argument("--llamacpp", type=Path, default=LLAMACPP / "build/bin")
     parser.add_argument("--keep", action="store_true", help="GGUF blocks kept, against llama.cpp")
+    parser.add_argument("--rows", action="store_true", help="experts on panels and in rows")
     if families:
         parser.add_argument("--family", choices=families, default=families[0])
     return parser.parse_args()
@@ -161,9 +174,20 @@ def main() -> None:
     if args.keep:
         keep_bench(work, ckpt, args.llamacpp)
         return
+    if args.rows:
+        int8 = "quantize: {linear: int8}\n"
+        builds = [
+            ("moe-panels", ["-m", "aotgen", "build"], ""),
+            ("moe-rows", IN_ROWS, ""),
+            ("moe-int8-panels", ["-m", "aotgen", "build"], int8),
+            ("moe-int8-rows", IN_ROWS, int8),
+        ]
+        build_and_bench(work, ckpt, builds)
+        llama_bench(work, ckpt, "moe", args.llamacpp, ("Q8_0",))
+        return
     builds = [
         ("moe-kernel", ["-m", "aotgen", "build"], ""),
-        ("moe-fixed", ["-c", WITHOUT_KERNEL], ""),
+        ("moe-fixed", WITHOUT_KERNEL, ""),
         ("moe-int8", ["-m", "aotgen", "build"], "quantize: {linear: int8}\n"),
         ("moe-bf16", ["-m", "aotgen", "build"], "dtype: bfloat16\n"),
     ]
