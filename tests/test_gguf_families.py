@@ -1304,7 +1304,9 @@ def test_import_in_shards_is_the_same_model(
                 np.testing.assert_array_equal(g.get_tensor(name), f.get_tensor(name))
     ids = Tokenizer.from_dir(ckpt).encode(TEXTS[0])
     ref = reference_logits(load_reference(whole), ids)
-    assert _relative(reference_logits(load_reference(sharded), ids), ref) == 0.0
+    # transformers loads every tensor (a missing one would be drawn at random); its forward is
+    # not bit-reproducible across calls for every family (qwen3next differs by ~3e-8)
+    assert _relative(reference_logits(load_reference(sharded), ids), ref) < 1e-6
     assert _relative(EagerModel(sharded, 96).forward(ids, 0), ref) < 1e-5  # aotgen reads it
 
 
