@@ -16,9 +16,9 @@ then llama-quantize).
 sinks, a 128-position window on every other layer, its clamped SwiGLU, an untied head): the
 fp32 and int8 packages against llama.cpp's F32 and Q8_0.
 
-`--rows`: the fp32 and int8 packages with their experts on packed panels (the default for CPU
-packages) and in rows (the gather and the rows' kernel, as bfloat16 packages run them), against
-llama.cpp's F32 and Q8_0.
+`--rows`: the fp32, int8 and bf16 packages with their experts on packed panels (the default for
+CPU packages; bf16 where the build measured the panels faster than the CPU's bfloat16 matmul)
+and in rows (the gather and the rows' kernel), against llama.cpp's F32, Q8_0 and BF16.
 
 `--keep`: llama.cpp's own Q4_K_M and Q8_0 files of the Qwen3-MoE weights (llama-quantize),
 imported and built with `quantize: {gguf: keep}` (experts and linears on the files' blocks;
@@ -61,7 +61,7 @@ def patched_build(patch: str) -> list[str]:
 # The fixed-shape build: the op's kernel switched off for the whole build.
 WITHOUT_KERNEL = patched_build("import aotgen.kernels.moe as m; m.applies = lambda x: False")
 # The experts in rows: packing them in panels switched off for the whole build.
-IN_ROWS = patched_build("import aotgen.passes.pack_experts as p; p.packable = lambda e: False")
+IN_ROWS = patched_build("import aotgen.passes.pack_experts as p; p.packable = lambda *_: False")
 
 
 def random_checkpoint(out: Path, config_class: str, shape: dict) -> Path:
@@ -175,15 +175,17 @@ def main() -> None:
         keep_bench(work, ckpt, args.llamacpp)
         return
     if args.rows:
-        int8 = "quantize: {linear: int8}\n"
+        int8, bf16 = "quantize: {linear: int8}\n", "dtype: bfloat16\n"
         builds = [
             ("moe-panels", ["-m", "aotgen", "build"], ""),
             ("moe-rows", IN_ROWS, ""),
             ("moe-int8-panels", ["-m", "aotgen", "build"], int8),
             ("moe-int8-rows", IN_ROWS, int8),
+            ("moe-bf16-panels", ["-m", "aotgen", "build"], bf16),
+            ("moe-bf16-rows", IN_ROWS, bf16),
         ]
         build_and_bench(work, ckpt, builds)
-        llama_bench(work, ckpt, "moe", args.llamacpp, ("Q8_0",))
+        llama_bench(work, ckpt, "moe", args.llamacpp, ("Q8_0", "BF16"))
         return
     builds = [
         ("moe-kernel", ["-m", "aotgen", "build"], ""),

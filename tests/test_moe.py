@@ -180,14 +180,17 @@ def test_compiled_graph_runs_biased_clamped_experts(compile_exported):
 
 class PanelOps(torch.nn.Module):
     """`moe_experts_panels` as a graph calls it: float32 and int8 experts, biased and clamped,
-    and float32 without biases (AOTInductor passes null handles for the optional tensors)."""
+    float32 without biases (AOTInductor passes null handles for the optional tensors), and
+    bfloat16 (activations, weights and biases)."""
 
-    def forward(self, x, weights, ids, gate_up, down, gub, db, q, q_scale, qd, qd_scale):
+    def forward(self, x, weights, ids, gate_up, down, gub, db, q, q_scale, qd, qd_scale, *bf16):
         panels = torch.ops.aotgen.moe_experts_panels
+        xb, gate_up_b, down_b, gub_b, db_b = bf16
         return (
             panels(x, weights, ids, gate_up, None, down, None, gub, db, 7.0, 1.702),
             panels(x, weights, ids, q, q_scale, qd, qd_scale, gub, db, 7.0, 1.702),
             panels(x, weights, ids, gate_up, None, down, None),
+            panels(xb, weights, ids, gate_up_b, None, down_b, None, gub_b, db_b, 7.0, 1.702),
         )
 
 
@@ -196,23 +199,33 @@ def test_compiled_experts_on_panels_equal_the_rows(tokens, compile_exported):
     """Experts in packed panels (passes/pack_experts.py), through the kernel's C shim: one
     token (its experts one after another, each projection threaded), a few, and 40 (several
     rows an expert, experts in parallel) give the row-layout ops' eager sums, biases and
-    clamp included, float32 and int8."""
+    clamp included, float32 and int8; bfloat16 gives the float32 sum of its values, rounded
+    once (the kernel widens the weights exactly and multiplies in float32)."""
     from aotgen.passes.pack_experts import _panels
 
     _, (x, weights, ids, gate_up, down), (gub, db, _, _) = _gpt_oss(tokens, d=32, f=24)
     q, q_scale = int8_rows(gate_up)
     qd, qd_scale = int8_rows(down)
+    bf16 = [t.to(torch.bfloat16) for t in (x, gate_up, down, gub, db)]
     args = (x, weights, ids, _panels(gate_up), _panels(down), gub, db)
     args += (_panels(q), q_scale, _panels(qd), qd_scale)
+    args += (bf16[0], _panels(bf16[1]), _panels(bf16[2]), bf16[3], bf16[4])
     want = (
         moe_experts(x, weights, ids, gate_up, down, gub, db, 7.0, 1.702),
         moe_experts_int8(x, weights, ids, q, q_scale, qd, qd_scale, gub, db, 7.0, 1.702),
         moe_experts(x, weights, ids, gate_up, down),
     )
+    xw, *widened = [t.float() for t in bf16]
+    bf16_sum = moe_experts(xw, weights, ids, *widened, 7.0, 1.702)
     compiled = compile_exported(torch.export.export(PanelOps(), args), args)
-    for got, eager, expect in zip(compiled(*args), PanelOps()(*args), want, strict=True):
-        torch.testing.assert_close(eager, expect)
-        torch.testing.assert_close(got, expect)
+    got, eager = compiled(*args), PanelOps()(*args)
+    for out, expect in zip(got[:3], want, strict=True):
+        torch.testing.assert_close(out, expect)
+    for out, expect in zip(eager[:3], want, strict=True):
+        torch.testing.assert_close(out, expect)
+    assert got[3].dtype == torch.bfloat16
+    torch.testing.assert_close(got[3].float(), bf16_sum.to(torch.bfloat16).float())
+    _close(eager[3], bf16_sum, torch.bfloat16)  # the op's eager definition: bfloat16 math
     assert (want[0] - want[1]).abs().max() > 0  # int8 is not float32
 
 
@@ -232,8 +245,9 @@ def test_bfloat16_model_runs_without_the_kernel(tmp_path):
 
 def test_bfloat16_package_runs_the_kernel_in_bfloat16(tmp_path, project):
     """A bfloat16 package: prefill (28 routed rows) and verify (10) through the kernel's
-    bfloat16 matmuls, decode (2 rows) gathered; each within bfloat16 rounding of the float32
-    eager model."""
+    bfloat16 matmuls and decode (2 rows) gathered, or every graph on bfloat16 panels where the
+    build measured them faster than the CPU's bfloat16 matmul; each within bfloat16 rounding of
+    the float32 eager model."""
     from reference import EagerModel
     from test_package import _graph_and_eager, _rel_err
 

@@ -27,10 +27,10 @@
 // biases and with limit 0 every value is computed as before they existed.
 //
 // Panels (`moe_experts_panels`, CPU packages with packed linears): gate_up [E, 2f / 16, d, 16]
-// and down [E, d / 16, f, 16], float32 or int8 with row scales, each expert's weights in
-// packed.cpp's panels of 16 outputs; each routed expert's projections run packed.cpp's
-// register tiles on them, which read each weight vector once for all the expert's rows and
-// multiply int8 codes widened in registers (no float32 copy of the expert).
+// and down [E, d / 16, f, 16], float32, bfloat16, or int8 with row scales, each expert's
+// weights in packed.cpp's panels of 16 outputs; each routed expert's projections run
+// packed.cpp's register tiles on them in float32, which read each weight vector once for all
+// the expert's rows and widen int8 and bfloat16 weights in registers (no float32 copy).
 //
 // GGUF blocks (kernels/moe_gguf.py, `quantize: {gguf: keep}`): gate_up and down are the file's
 // blocks in gguf_blocks.cpp's panels, stacked by expert ([E, panels, ...] codes, group and
@@ -92,12 +92,16 @@ static AOTITorchError matmul_t(void* a, int64_t n, int64_t K, void* b, int64_t m
 }
 
 // How the weights are stored: rows [E, N, K] of float32, bfloat16 or int8, packed.cpp's
-// panels of float32 or int8, or GGUF blocks.
-enum class Kind { f32, bf16, i8, f32_panels, i8_panels, gguf };
+// panels of float32, bfloat16 or int8, or GGUF blocks.
+enum class Kind { f32, bf16, i8, f32_panels, bf16_panels, i8_panels, gguf };
 
-inline bool on_panels(Kind kind) {
-  return kind == Kind::f32_panels || kind == Kind::i8_panels || kind == Kind::gguf;
+inline int panel_bits(Kind kind) {  // packed.cpp's weight bits; 0: not its panels
+  if (kind == Kind::f32_panels) return 32;
+  if (kind == Kind::bf16_panels) return 16;
+  return kind == Kind::i8_panels ? 8 : 0;
 }
+
+inline bool on_panels(Kind kind) { return panel_bits(kind) || kind == Kind::gguf; }
 
 // packed.cpp's tile for an expert's n rows: up to 8 rows by 3 panels with AVX-512's 16 lanes,
 // 6 by 1 with AVX2's 8 (the widest tiles whose accumulators fit the registers); one or two
@@ -176,12 +180,10 @@ static AOTITorchError project(const void* all, Kind kind, const float* scales,
   }
   if (kind == Kind::f32)
     return matmul_t(a, n, cols, (float*)all + e * rows * cols, rows, out, f32, rows);
-  if (kind == Kind::f32_panels || kind == Kind::i8_panels) {  // rows: whole panels
-    const bool i8 = kind == Kind::i8_panels;
-    const void* w = i8 ? (const void*)((const int8_t*)all + e * rows * cols)
-                       : (const void*)((const float*)all + e * rows * cols);
-    const float* scale = i8 ? scales + e * rows : nullptr;
-    aotgen_packed::linear_any(i8 ? 8 : 32, a, cols, n, cols, w, scale, rows, out,
+  if (const int bits = panel_bits(kind)) {  // rows: whole panels
+    const void* w = (const char*)all + e * rows * cols * (bits / 8);
+    const float* scale = bits == 8 ? scales + e * rows : nullptr;
+    aotgen_packed::linear_any(bits, a, cols, n, cols, w, scale, rows, out,
                               (int)std::min<int64_t>(n, kExpertRows), 8);
     return AOTI_TORCH_SUCCESS;
   }
@@ -397,8 +399,8 @@ static AOTITorchError aotgen_moe_bias(AtenTensorHandle* handle, int64_t E, int64
 // x [T, d] float32 or bfloat16, weights [T, k] float32, ids [T, k] int64, gate_up [E, 2f, d],
 // down [E, d, f]: float32, bfloat16, or int8 with float32 row scales gate_up_scale [E, 2f],
 // down_scale [E, d] (else null); the optional biases and the activation's limit and alpha.
-// `panels`: gate_up [E, 2f / 16, d, 16] and down [E, d / 16, f, 16], float32 or int8 with
-// scales, and x float32.
+// `panels`: gate_up [E, 2f / 16, d, 16] and down [E, d / 16, f, 16], float32, bfloat16, or
+// int8 with scales.
 static AOTITorchError aotgen_moe_shim(bool panels, AtenTensorHandle x, AtenTensorHandle weights,
                                       AtenTensorHandle ids, AtenTensorHandle gate_up,
                                       AtenTensorHandle gate_up_scale, AtenTensorHandle down,
@@ -436,13 +438,11 @@ static AOTITorchError aotgen_moe_shim(bool panels, AtenTensorHandle x, AtenTenso
   const int32_t f32 = aoti_torch_dtype_float32(), bf16 = aoti_torch_dtype_bfloat16();
   if (x_dtype != f32 && x_dtype != bf16) return AOTI_TORCH_FAILURE;
   using aotgen_moe::Kind;
-  const Kind kind = panels          ? (gate_up_scale ? Kind::i8_panels : Kind::f32_panels)
-                    : gate_up_scale ? Kind::i8
-                    : w_dtype == bf16 ? Kind::bf16
-                                      : Kind::f32;
+  const Kind kind = gate_up_scale     ? (panels ? Kind::i8_panels : Kind::i8)
+                    : w_dtype == bf16 ? (panels ? Kind::bf16_panels : Kind::bf16)
+                                      : (panels ? Kind::f32_panels : Kind::f32);
   if (!gate_up_scale && w_dtype != f32 && w_dtype != bf16) return AOTI_TORCH_FAILURE;
-  if (panels && (x_dtype != f32 || w_dtype != (gate_up_scale ? aoti_torch_dtype_int8() : f32)))
-    return AOTI_TORCH_FAILURE;
+  if (panels && gate_up_scale && w_dtype != aoti_torch_dtype_int8()) return AOTI_TORCH_FAILURE;
   const int64_t out_sizes[2] = {T, d}, out_strides[2] = {d, 1};
   AtenTensorHandle out;
   AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(

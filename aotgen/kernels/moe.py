@@ -6,7 +6,8 @@ over the routed experts) defines it; CPU graphs call it, and AOTInductor links
 `moe.cpp` into each graph's `.so` as its C shim (export/shims.py): each routed expert runs once
 per step, over the tokens routed to it. `moe_experts_int8` is the same on int8 experts with
 per-row scales (kernels/moe_gguf.py: on a GGUF file's blocks), and `moe_experts_panels` on
-float32 or int8 experts in packed.cpp's panels of 16 outputs (passes/pack_experts.py).
+float32, bfloat16 or int8 experts in packed.cpp's panels of 16 outputs
+(passes/pack_experts.py).
 `run_experts` picks the kernel or a fixed-shape formulation (`experts_without_kernel`) by the
 graph's rows, device and dtype.
 """
@@ -19,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from aotgen.kernels import packed
 
 SOURCE = Path(__file__).with_name("moe.cpp")
 
@@ -105,8 +108,7 @@ def moe_experts_int8(
 
 def unpack_experts(panels: Tensor) -> Tensor:
     """[E, N / 16, K, 16] panels -> [E, N, K] rows (kernels/packed.py `pack`, per expert)."""
-    e, p, k, lanes = panels.shape
-    return panels.transpose(2, 3).reshape(e, p * lanes, k)
+    return torch.stack([packed.unpack(p) for p in panels])
 
 
 @torch.library.custom_op("aotgen::moe_experts_panels", mutates_args=())
@@ -123,8 +125,9 @@ def moe_experts_panels(
     limit: float = 0.0,
     alpha: float = 1.702,
 ) -> Tensor:
-    """`moe_experts` (float32) or `moe_experts_int8` (with the scales) on experts in panels:
-    gate_up [E, 2f / 16, d, 16], down [E, d / 16, f, 16]; x float32."""
+    """`moe_experts` (float32, bfloat16) or `moe_experts_int8` (with the scales) on experts in
+    panels: gate_up [E, 2f / 16, d, 16], down [E, d / 16, f, 16]. The kernel multiplies in
+    float32 whatever the weights (bfloat16 ones widened exactly)."""
     gate_up, down = unpack_experts(gate_up), unpack_experts(down)
     act = (gate_up_bias, down_bias, limit, alpha)
     if gate_up_scale is None or down_scale is None:

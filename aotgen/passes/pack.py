@@ -133,11 +133,14 @@ class PackLinears:
         the panels at a row count above one of some graph (one decision for all graphs, which
         share the weight)."""
         if id(t) not in self._row_major:
-            n, k = t.shape
-            several = [r for r in dict.fromkeys(self.rows) if r > 1]
-            keep = any(self.choose_tile("bfloat16", n, k, r) == ROW_MAJOR for r in several)
-            self._row_major[id(t)] = (t, keep)
+            self._row_major[id(t)] = (t, self.bf16_rows_faster(*t.shape))
         return self._row_major[id(t)][1]
+
+    def bf16_rows_faster(self, n: int, k: int) -> bool:
+        """Whether F.linear on a row-major bfloat16 [n, k] weight measured faster than the
+        panels at some graph's row count above one (the CPU's own bfloat16 matmul: oneDNN)."""
+        several = [r for r in dict.fromkeys(self.rows) if r > 1]
+        return any(self.choose_tile("bfloat16", n, k, r) == ROW_MAJOR for r in several)
 
     def _weights(
         self, edit: WeightEditor, weight: Node, target: str, t: Tensor

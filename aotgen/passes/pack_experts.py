@@ -1,5 +1,5 @@
-"""A mixture of experts' float32 and int8 experts in packed panels, for CPU graphs with packed
-linears (`compile.packed_linears`).
+"""A mixture of experts' float32, int8 and bfloat16 experts in packed panels, for CPU graphs
+with packed linears (`compile.packed_linears`).
 
 The graph pass (pack.py) repacks linears; the experts are stacked tensors the MoE op reads, so
 they are swapped here, on the module, for the AOTInductor export only (ONNX and the eager model
@@ -7,12 +7,14 @@ keep the rows). Each expert's projections go into packed.cpp's panels of 16 outp
 graph runs `moe_experts_panels`, decode included: the panels' register tiles read each weight
 vector once for all of an expert's rows and widen int8 codes in registers, where the rows'
 kernel converts each routed int8 expert to float32 for a BLAS call, and decode gathers each
-row's experts (docs/moe.md).
+row's experts (docs/moe.md). bfloat16 experts go on panels where the build measured the CPU's
+bfloat16 matmul slower than the panels (passes/pack.py `bf16_rows_faster`): without AVX512-BF16
+ATen multiplies bfloat16 with dot products, several times slower than llama.cpp's BF16 there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -26,18 +28,27 @@ from aotgen.passes.quantize_experts import Int8Experts
 
 def _panels(stacked: Tensor) -> Tensor:
     """[E, N, K] -> [E, N / 16, K, 16]: each expert as `packed.pack` lays out a linear."""
-    e, n, k = stacked.shape
-    return stacked.detach().reshape(e, n // pk.PANEL, pk.PANEL, k).transpose(2, 3).contiguous()
+    return torch.stack([pk.pack(w) for w in stacked.detach()])
 
 
-def packable(experts: nn.Module) -> bool:
-    """float32 `Experts` or `Int8Experts` on CPU whose projections are whole panels."""
+# Whether bfloat16 experts of gate_up [E, 2f, d] and down [E, d, f] go on panels, asked with
+# the two projections' [n, k] shapes.
+Bf16Choice = Callable[[tuple[int, int], tuple[int, int]], bool]
+
+
+def packable(experts: nn.Module, bf16_on_panels: Bf16Choice) -> bool:
+    """float32 `Experts` or `Int8Experts` on CPU whose projections are whole panels, and
+    bfloat16 ones where `bf16_on_panels` says so."""
     if not isinstance(experts, Experts | Int8Experts):
         return False
     gate_up, down = experts.gate_up_proj, experts.down_proj
-    if gate_up.device.type != "cpu" or gate_up.dtype not in (torch.float32, torch.int8):
+    dtypes = (torch.float32, torch.int8, torch.bfloat16)
+    if gate_up.device.type != "cpu" or gate_up.dtype not in dtypes:
         return False
-    return gate_up.shape[1] % pk.PANEL == 0 and down.shape[1] % pk.PANEL == 0
+    if gate_up.shape[1] % pk.PANEL or down.shape[1] % pk.PANEL:
+        return False
+    shapes = (tuple(gate_up.shape[1:]), tuple(down.shape[1:]))
+    return gate_up.dtype != torch.bfloat16 or bf16_on_panels(*shapes)
 
 
 class PanelExperts(nn.Module):
@@ -62,14 +73,14 @@ class PanelExperts(nn.Module):
 
 
 @contextmanager
-def experts_on_panels(model: nn.Module) -> Iterator[int]:
+def experts_on_panels(model: nn.Module, bf16_on_panels: Bf16Choice) -> Iterator[int]:
     """Every packable experts module of `model` swapped for its `PanelExperts` while the block
     runs (yields how many), then put back: export every graph inside one block, so that they
     read the same panels and the package stores them once."""
     swapped: list[tuple[nn.Module, str, nn.Module]] = []
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if packable(child):
+            if packable(child, bf16_on_panels):
                 setattr(module, name, PanelExperts(child))
                 swapped.append((module, name, child))
     try:
