@@ -9,7 +9,7 @@ vector once for all of an expert's rows and widen int8 codes in registers, where
 kernel converts each routed int8 expert to float32 for a BLAS call, and decode gathers each
 row's experts (docs/moe.md). bfloat16 experts go on panels where the build measured the CPU's
 bfloat16 matmul slower than the panels (passes/pack.py `bf16_rows_faster`): without AVX512-BF16
-ATen multiplies bfloat16 with dot products, several times slower than llama.cpp's BF16 there.
+ATen multiplies bfloat16 matrices with dot products (docs/moe.md).
 """
 
 from __future__ import annotations
