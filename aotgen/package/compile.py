@@ -134,11 +134,8 @@ def compile_model(
     compiled = CompiledModel({}, [{} for _ in ranks], {})
     with ExitStack() as panels:
         if packers:  # the experts on panels too, in every graph (passes/pack_experts.py)
-
-            def bf16(*shapes: tuple[int, int]) -> bool:  # where the panels measured faster
-                return not any(packers[0].bf16_rows_faster(*shape) for shape in shapes)
-
-            swapped = [panels.enter_context(experts_on_panels(m, bf16)) for m in ranks]
+            rows_faster = packers[0].bf16_rows_faster
+            swapped = [panels.enter_context(experts_on_panels(m, rows_faster)) for m in ranks]
             compiled.packed_experts = swapped[0]
         _compile_graphs(mb, recipe, advance, compile_cache, ranks, cache, packers, compiled)
     if packers:

@@ -31,14 +31,13 @@ def _panels(stacked: Tensor) -> Tensor:
     return torch.stack([pk.pack(w) for w in stacked.detach()])
 
 
-# Whether bfloat16 experts of gate_up [E, 2f, d] and down [E, d, f] go on panels, asked with
-# the two projections' [n, k] shapes.
-Bf16Choice = Callable[[tuple[int, int], tuple[int, int]], bool]
+# Whether the CPU's bfloat16 matmul beat the panels on an [n, k] weight (PackLinears').
+RowsFaster = Callable[[int, int], bool]
 
 
-def packable(experts: nn.Module, bf16_on_panels: Bf16Choice) -> bool:
+def packable(experts: nn.Module, bf16_rows_faster: RowsFaster) -> bool:
     """float32 `Experts` or `Int8Experts` on CPU whose projections are whole panels, and
-    bfloat16 ones where `bf16_on_panels` says so."""
+    bfloat16 ones where neither projection ran faster in rows."""
     if not isinstance(experts, Experts | Int8Experts):
         return False
     gate_up, down = experts.gate_up_proj, experts.down_proj
@@ -47,8 +46,8 @@ def packable(experts: nn.Module, bf16_on_panels: Bf16Choice) -> bool:
         return False
     if gate_up.shape[1] % pk.PANEL or down.shape[1] % pk.PANEL:
         return False
-    shapes = (tuple(gate_up.shape[1:]), tuple(down.shape[1:]))
-    return gate_up.dtype != torch.bfloat16 or bf16_on_panels(*shapes)
+    shapes = (gate_up.shape[1:], down.shape[1:])
+    return gate_up.dtype != torch.bfloat16 or not any(bf16_rows_faster(*s) for s in shapes)
 
 
 class PanelExperts(nn.Module):
@@ -73,14 +72,14 @@ class PanelExperts(nn.Module):
 
 
 @contextmanager
-def experts_on_panels(model: nn.Module, bf16_on_panels: Bf16Choice) -> Iterator[int]:
+def experts_on_panels(model: nn.Module, bf16_rows_faster: RowsFaster) -> Iterator[int]:
     """Every packable experts module of `model` swapped for its `PanelExperts` while the block
     runs (yields how many), then put back: export every graph inside one block, so that they
     read the same panels and the package stores them once."""
     swapped: list[tuple[nn.Module, str, nn.Module]] = []
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if packable(child, bf16_on_panels):
+            if packable(child, bf16_rows_faster):
                 setattr(module, name, PanelExperts(child))
                 swapped.append((module, name, child))
     try:
