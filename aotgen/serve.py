@@ -54,18 +54,34 @@ from aotgen.tool_calls import tool_format
 
 
 def _error(e: ApiError) -> JSONResponse:
-    body = {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": None}}
+    body = {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}}
     headers = {"Retry-After": "1"} if e.status in (429, 503) else None
     return JSONResponse(body, status_code=e.status, headers=headers)
 
 
 class Server:
-    """The routes' state: the engine, the served model's name, the speculation mode."""
+    """The routes' state: the engine, the served model's names, the speculation mode."""
 
-    def __init__(self, engine: BatchEngine, name: str, speculative: str | None):
-        self.engine, self.name, self.speculative = engine, name, speculative
+    def __init__(self, engine: BatchEngine, names: tuple[str, ...], speculative: str | None):
+        self.engine, self.names, self.speculative = engine, names, speculative
         self.created = int(time.time())
         self.metrics = ServeMetrics(engine)
+
+    def model(self, requested: str | None) -> str:
+        """The name an answer carries: the request's, which must be one this server serves
+        (as vLLM checks it: a client pointed at the wrong server hears so), or the first."""
+        if requested is None:
+            return self.names[0]
+        if requested not in self.names:
+            served = ", ".join(repr(n) for n in self.names)
+            raise ApiError(
+                404,
+                f"model {requested!r} is not served here: send {served} (GET /v1/models), or "
+                "start the server with --served-model-name",
+                "model",
+                code="model_not_found",
+            )
+        return requested
 
     def config(
         self, req: RequestFields, prompt: list[int], max_tokens: int | None
@@ -216,7 +232,7 @@ def _sse(obj: dict[str, Any]) -> str:
 
 def create_app(
     engine: BatchEngine,
-    name: str,
+    names: tuple[str, ...],
     speculative: str | None = None,
     api_key: str | None = None,
     lookup_cache: Path | None = None,
@@ -225,7 +241,7 @@ def create_app(
     """The HTTP app; with `lookup_cache`, the engine's lookup cache is written there every
     `lookup_cache_every_s` seconds while it changes and when the app stops (uvicorn re-raises
     SIGTERM / SIGINT after shutdown, so not after `run`)."""
-    server = Server(engine, name, speculative)
+    server = Server(engine, names, speculative)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -287,7 +303,7 @@ def _require_api_key(app: FastAPI, api_key: str) -> None:
 
 def _info_routes(server: Server) -> APIRouter:
     """What the server holds and how it counts: health, metrics, the model, tokenization."""
-    router, engine, name = APIRouter(), server.engine, server.name
+    router, engine = APIRouter(), server.engine
 
     @router.get("/health")
     async def health() -> dict[str, Any]:
@@ -306,16 +322,18 @@ def _info_routes(server: Server) -> APIRouter:
 
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": name, "object": "model", "created": server.created, "owned_by": "aotgen"}
-        return {"object": "list", "data": [card]}
+        card = {"object": "model", "created": server.created, "owned_by": "aotgen"}
+        return {"object": "list", "data": [{"id": name} | card for name in server.names]}
 
     @router.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        server.model(req.model)
         ids = req.ids(engine.tokenizer)
         return {"count": len(ids), "max_model_len": engine.engine.max_seq_len, "tokens": ids}
 
     @router.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        server.model(req.model)
         vocab = engine.target.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise ApiError(400, f"tokens must be in 0..{vocab - 1}", "tokens")
@@ -326,10 +344,11 @@ def _info_routes(server: Server) -> APIRouter:
 
 def _generation_routes(server: Server) -> APIRouter:
     """/v1/completions and /v1/chat/completions."""
-    router, tok, name = APIRouter(), server.engine.tokenizer, server.name
+    router, tok = APIRouter(), server.engine.tokenizer
 
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
+        name = server.model(req.model)
         prompts = _prompts(req.prompt, tok)
         longest = max(prompts, key=len)
         config = server.config(req, longest, 16 if req.max_tokens is None else req.max_tokens)
@@ -348,6 +367,7 @@ def _generation_routes(server: Server) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Any:
+        name = server.model(req.model)
         fmt, forced = req.tool_calls(tool_format(tok.chat_template, req.tool_dicts()))
         prompt = req.prompt_ids(tok)
         config = server.config(req, prompt, req.max_completion_tokens or req.max_tokens)
@@ -407,7 +427,7 @@ async def _respond(
 
 def serve(
     engine: BatchEngine,
-    name: str,
+    names: tuple[str, ...],
     listener: socket.socket,
     speculative: str | None = None,
     api_key: str | None = None,
@@ -417,5 +437,5 @@ def serve(
     """Serve on `listener`, a socket already bound (the command line binds it before loading)."""
     import uvicorn
 
-    app = create_app(engine, name, speculative, api_key, lookup_cache, lookup_cache_every_s)
+    app = create_app(engine, names, speculative, api_key, lookup_cache, lookup_cache_every_s)
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listener])

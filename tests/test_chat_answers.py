@@ -481,7 +481,7 @@ def tools_server(tiny_batch_package, tmp_path_factory):
 
     dest = tmp_path_factory.mktemp("tools") / "pkg"
     package = with_chat_template(tiny_batch_package, dest, "compact-tools-thinking.jinja")
-    server = Server(package)
+    server = Server(package, "--served-model-name", "m", "--served-model-name", "m-alias")
     server.package = package
     yield server
     server.close()
@@ -497,6 +497,22 @@ def _client(server):
 
 def _as_calls(tool_calls) -> list[ToolCall]:
     return [ToolCall(c.function.name, c.function.arguments) for c in tool_calls]
+
+
+def test_served_model_names(tools_server):
+    """--served-model-name, twice: /v1/models lists both, an answer carries the name its
+    request gave, and a name the server does not serve is OpenAI's 404 `model_not_found`."""
+    openai = pytest.importorskip("openai")
+    client = _client(tools_server)
+    assert [m.id for m in client.models.list().data] == ["m", "m-alias"]
+    ask = {"messages": QUESTION, "max_tokens": 2, "temperature": 0}
+    for name in ("m", "m-alias"):
+        assert client.chat.completions.create(model=name, **ask).model == name
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.chat.completions.create(model=tools_server.package.name, **ask)
+    error = refused.value.body
+    assert (error["code"], error["param"]) == ("model_not_found", "model"), error
+    assert "'m', 'm-alias'" in error["message"]
 
 
 def test_required_and_named_calls_whole_and_streamed(tools_server):

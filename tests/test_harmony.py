@@ -286,7 +286,7 @@ def harmony_server(tiny_batch_package, tmp_path_factory):
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(source / name, package / "tokenizer" / name)
     write_manifest(package, read_manifest(package))
-    server = Server(package)
+    server = Server(package, "--served-model-name", "m")
     server.package = package
     yield server
     server.close()

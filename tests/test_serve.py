@@ -90,6 +90,12 @@ def test_models_and_health(tiny_server, tiny_batch_package):
     assert models["object"] == "list"
     assert [m["id"] for m in models["data"]] == [tiny_batch_package.name]
     assert tiny_server.health()["slots"] == 4
+    body = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
+    answer = httpx.post(f"{tiny_server.url}/v1/completions", json=body).json()
+    assert answer["model"] == tiny_batch_package.name  # no `model`: the served one
+    for path in ("/v1/completions", "/tokenize"):
+        wrong = httpx.post(f"{tiny_server.url}{path}", json=body | {"model": "gpt-4o"})
+        assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
 
 
 def test_sixteen_concurrent_requests_equal_each_alone(tiny_server, alone):
@@ -523,7 +529,8 @@ def test_an_api_key_guards_every_endpoint_but_health_and_metrics(tiny_batch_pack
         assert httpx.get(f"{server.url}/health").status_code == 200
         assert httpx.get(f"{server.url}/metrics").status_code == 200
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sekrit")
-        assert client.completions.create(model="m", **body).usage.completion_tokens == 2
+        answer = client.completions.create(model=tiny_batch_package.name, **body)
+        assert answer.usage.completion_tokens == 2
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{server.url}/v1", api_key="x").models.list()
     finally:

@@ -541,6 +541,13 @@ def serve(
             help="require 'Authorization: Bearer KEY' on every endpoint but /health, /metrics",
         ),
     ] = None,
+    served_model_name: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="a name requests' `model` may give (repeat for aliases; default: the "
+            "package directory's name); any other is a 404"
+        ),
+    ] = None,
 ) -> None:
     """Serve a package over an OpenAI-compatible HTTP API, many requests at once."""
     if lookup not in (None, "ngram"):
@@ -557,6 +564,9 @@ def serve(
             "--api-key (or AOTGEN_API_KEY) is empty: give the key clients must send, or leave "
             "it unset to serve without one"
         )
+    names = tuple(served_model_name or (package.resolve().name,))
+    if any(not n.strip() for n in names):
+        raise CliError("--served-model-name is empty: give the name clients send as `model`")
     read_manifest(package)  # a path that holds no package, before the seconds torch takes
     from aotgen.runtime import distributed
     from aotgen.runtime.batch_engine import BatchEngine
@@ -575,16 +585,15 @@ def serve(
     if speculative and engine.engine.draft is None:
         raise CliError(f"{package} has no draft model: drop --speculative, or use --lookup ngram")
     mode = speculative_mode(speculative, lookup)
-    name = package.resolve().name
     if lookup_cache is not None:
         engine.engine.lookup_cache = LookupCache.open(lookup_cache, engine.engine.target.vocab_size)
     engine.warm_cache()
     Console(stderr=True).print(
-        f"serving {name} on http://{host}:{port}/v1 ({engine.slots} slots"
+        f"serving {', '.join(names)} on http://{host}:{port}/v1 ({engine.slots} slots"
         f"{f', speculative: {mode}' if mode else ''})"
     )
     every_s = SAVE_EVERY_S if lookup_cache_every is None else lookup_cache_every
-    serve_http(engine, name, listener, mode, api_key, lookup_cache, every_s)
+    serve_http(engine, names, listener, mode, api_key, lookup_cache, every_s)
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -281,6 +281,11 @@ ROWS = [
         ("serve", "{pkg}", "--api-key", ""),
         "--api-key (or AOTGEN_API_KEY) is empty",
     ),
+    Row(
+        "serve-model-name-empty",
+        ("serve", "{pkg}", "--served-model-name", " "),
+        "--served-model-name is empty",
+    ),
     Row(  # TEST-NET-1 (RFC 5737): no machine's own address
         "serve-host-not-this-machine",
         ("serve", "{pkg}", "--host", "192.0.2.1"),
