@@ -323,6 +323,7 @@ def _info_routes(server: Server) -> APIRouter:
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = {"object": "model", "created": server.created, "owned_by": "aotgen"}
+        card |= {"root": server.names[0], "max_model_len": engine.engine.max_seq_len}
         return {"object": "list", "data": [{"id": name} | card for name in server.names]}
 
     @router.post("/tokenize")

@@ -85,10 +85,11 @@ def _ids(i: int, n: int) -> list[int]:
     return [5 + (i * 37 + j * 11) % 200 for j in range(n)]
 
 
-def test_models_and_health(tiny_server, tiny_batch_package):
+def test_models_and_health(tiny_server, tiny_batch_package, alone):
     models = httpx.get(f"{tiny_server.url}/v1/models").json()
     assert models["object"] == "list"
     assert [m["id"] for m in models["data"]] == [tiny_batch_package.name]
+    assert models["data"][0]["max_model_len"] == alone.max_seq_len
     assert tiny_server.health()["slots"] == 4
     body = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
     answer = httpx.post(f"{tiny_server.url}/v1/completions", json=body).json()
