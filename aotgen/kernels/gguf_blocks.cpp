@@ -222,6 +222,7 @@ inline void tile(const float* x, int64_t ldx, const Panel<TYPE>* panels, int64_t
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr bool kGroupSums = true;
+constexpr int64_t kPrefetchBytes = 2048;  // 1024 gained less, 4096 the same
 
 // A unit's codes as `group_tile` reads them, as floats kScale * q + kBias of the code q the
 // group's scale and offset apply to. 4-bit codes without a zero (Q4_1, Q4_K) are split once per
@@ -285,6 +286,14 @@ inline void group_tile(const float* x, int64_t ldx, const float* xsum, int64_t g
 #pragma GCC unroll 64
     for (int v = 0; v < V; v++) *(vf_unaligned*)(out + m * ldo + v * kLanes) = (vf){};
   for (int64_t gi = 0; gi < K / G; gi++) {
+    // Each panel's codes kPrefetchBytes ahead, a line at a time: the hardware prefetcher
+    // alone left a one-row step 4-8 % slower (Q4_1; Q4_K, Q6_K 1-5 %) on a Zen 3; several rows
+    // measured alike either way.
+#pragma GCC unroll 8
+    for (int r = 0; r < RN; r++)
+#pragma GCC unroll 8
+      for (int64_t b = 0; b < G / U * P::UB; b += 64)
+        __builtin_prefetch(panels[r].q + gi * (G / U) * P::UB + kPrefetchBytes + b, 0, 2);
 #pragma GCC unroll 1
     for (int v0 = 0; v0 < V; v0 += VN) {
       vf sum[RM][VN][S];
