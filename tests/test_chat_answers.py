@@ -481,7 +481,8 @@ def tools_server(tiny_batch_package, tmp_path_factory):
 
     dest = tmp_path_factory.mktemp("tools") / "pkg"
     package = with_chat_template(tiny_batch_package, dest, "compact-tools-thinking.jinja")
-    server = Server(package, "--served-model-name", "m", "--served-model-name", "m-alias")
+    names = [arg for name in ("m", "m-alias", "m") for arg in ("--served-model-name", name)]
+    server = Server(package, *names)
     server.package = package
     yield server
     server.close()
@@ -500,8 +501,9 @@ def _as_calls(tool_calls) -> list[ToolCall]:
 
 
 def test_served_model_names(tools_server):
-    """--served-model-name, twice: /v1/models lists both, an answer carries the name its
-    request gave, and a name the server does not serve is OpenAI's 404 `model_not_found`."""
+    """--served-model-name, two names (one given twice): /v1/models lists each once, an
+    answer carries the name its request gave, and a name the server does not serve is
+    OpenAI's 404 `model_not_found`."""
     openai = pytest.importorskip("openai")
     client = _client(tools_server)
     assert [m.id for m in client.models.list().data] == ["m", "m-alias"]

@@ -186,6 +186,8 @@ def run(
         raise CliError("--logprobs N goes with --json, which prints them")
     if seed is not None and not 0 <= seed <= SEED_MAX:
         raise CliError(f"--seed must be an integer in 0..{SEED_MAX}, got {seed}")
+    if "" in (stop or ()):
+        raise CliError("--stop is empty: give the text that ends the answer")
     read_manifest(package)  # a path that holds no package, too
     # After the checks above: a mistyped option is refused without the seconds torch takes.
     from aotgen.runtime.engine import GenerationConfig
@@ -564,7 +566,7 @@ def serve(
             "--api-key (or AOTGEN_API_KEY) is empty: give the key clients must send, or leave "
             "it unset to serve without one"
         )
-    names = tuple(served_model_name or (package.resolve().name,))
+    names = tuple(dict.fromkeys(served_model_name or (package.resolve().name,)))
     if any(not n.strip() for n in names):
         raise CliError("--served-model-name is empty: give the name clients send as `model`")
     read_manifest(package)  # a path that holds no package, before the seconds torch takes

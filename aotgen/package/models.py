@@ -32,7 +32,7 @@ from aotgen.passes.lora import LoraAdapter, merge_adapter
 from aotgen.passes.quantize import QuantizePass, quantize_passes
 from aotgen.passes.quantize_experts import quantize_experts, routers
 from aotgen.passes.quantize_latent import quantize_latent
-from aotgen.passes.quantize_options import parse_quantize
+from aotgen.passes.quantize_options import check_patterns, parse_quantize
 from aotgen.recipe import Recipe, RecipeError
 from aotgen.runtime.tokenizer import Tokenizer
 
@@ -192,6 +192,7 @@ def prepare_models(
     cfg, weights = merged_weights(ckpt, adapters or [])
     cfg = for_context(cfg, recipe.max_seq_len)
     check_recurrent(cfg, recipe)
+    _check_ring(cfg, recipe)
     quantize, int8_experts = _experts_quantize(cfg, recipe.quantize)
     graphs = graph_specs(
         recipe.prefill_chunk,
@@ -211,6 +212,7 @@ def prepare_models(
             keep_gguf(recipe, quantize, ckpt, indexes),
         )
     ]
+    check_patterns(parse_quantize(recipe.quantize), _weight_names(models[0].model), "quantize")
     _quantize_latent(models[0], quantize)
     _keep_experts(models[0])
     draft = (recipe.speculative or {}).get("draft")
@@ -236,6 +238,8 @@ def prepare_models(
                 keep_gguf(recipe, dquantize, dckpt, indexes),
             )
         )
+        dnames = _weight_names(models[1].model)
+        check_patterns(parse_quantize(draft.get("quantize")), dnames, "speculative.draft.quantize")
         _quantize_latent(models[1], dquantize)
         _keep_experts(models[1])
     return models
@@ -260,6 +264,27 @@ def _experts_quantize(
         )
     skip = [*options.skip, *routers(cfg.shared_expert_gated, cfg.architecture in LFM2)]
     return {**quantize, "skip": skip}, options.linear is not None
+
+
+def _check_ring(cfg: ModelConfig, recipe: Recipe) -> None:
+    """`sliding_cache: ring` shapes sliding-window layers' caches: on a model without them it
+    would change nothing, and the recipe likely names the wrong checkpoint."""
+    sliding = any(cfg.is_sliding(i) for i in range(cfg.num_hidden_layers))
+    if recipe.sliding_cache == "ring" and not sliding:
+        raise RecipeError(
+            f"sliding_cache ring: {cfg.architecture} has no sliding-window layers, so it changes "
+            "nothing; drop sliding_cache"
+        )
+
+
+def _weight_names(model: torch.nn.Module) -> list[str]:
+    """The names a quantize pattern may match: the linears' and embeddings' module paths
+    first, then every module path and weight name."""
+    layers = (torch.nn.Linear, torch.nn.Embedding)
+    modules = [n for n, m in model.named_modules() if n]
+    linears = [n for n, m in model.named_modules() if isinstance(m, layers)]
+    weights = [n for n, _ in (*model.named_parameters(), *model.named_buffers())]
+    return [*linears, *modules, *weights]
 
 
 def _load(

@@ -27,6 +27,7 @@ Every error names the key at fault and what to write instead: recipes are writte
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,4 +184,21 @@ def _check_block_schemes(schemes: list[tuple[str, Scheme | None]]) -> None:
             raise RecipeError(
                 f"quantize.{where}: int4 with `activations: int8` quantizes in blocks of "
                 f"{block_dot.BLOCK}; write {{int4: {{groupsize: {block_dot.BLOCK}}}}}"
+            )
+
+
+def check_patterns(options: QuantizeOptions | None, names: list[str], where: str) -> None:
+    """A `skip` or `overrides` glob that matches no module path or weight name of the model
+    (`names`, its linears' and embeddings' first) is a typo that would quantize what it was
+    meant to keep: refused before export. One that names a module the pass never quantizes
+    (a norm) is a warning in the build report."""
+    if options is None:
+        return
+    patterns = [("skip", p) for p in options.skip]
+    patterns += [("overrides", p) for p, _ in options.overrides]
+    for key, pattern in patterns:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            raise RecipeError(
+                f"{where}.{key}: pattern {pattern!r} matches no module or weight of the model; "
+                f"names look like {names[0]!r}, {names[1]!r} (shell globs: '*.down_proj')"
             )

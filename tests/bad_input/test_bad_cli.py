@@ -160,6 +160,17 @@ ROWS = [
         "prefill_chunk 128 is longer than max_seq_len 64",
     ),
     recipe("unknown-key", "max_seq_length: 64\n", "unknown key(s) max_seq_length"),
+    recipe(
+        "quantize-skip-names-nothing",
+        "quantize: {linear: int8, skip: [lm-head]}\n",
+        "quantize.skip: pattern 'lm-head' matches no module or weight of the model",
+    ),
+    recipe(
+        "quantize-override-names-nothing",
+        "quantize: {linear: int8, overrides: {'*.dwn_proj': int4}}\n",
+        "quantize.overrides: pattern '*.dwn_proj' matches no module or weight of the model",
+    ),
+    recipe("ring-without-sliding-layers", "sliding_cache: ring\n", "has no sliding-window layers"),
     recipe("lora-missing", "lora: none\n", "is not a directory: point `lora:` at the directory"),
     recipe("lora-number", "lora: 5\n", "lora must be a PEFT adapter directory or a list"),
     recipe(
@@ -305,6 +316,7 @@ ROWS = [
     run("logprobs-past-20", ("--logprobs", "21", "--json"), "--logprobs must be in 0..20, got 21"),
     run("logprobs-without-json", ("--logprobs", "2"), "--logprobs N goes with --json"),
     run("threads-negative", ("--threads", "-1"), "--threads must be >= 1"),
+    run("stop-empty", ("--stop", ""), "--stop is empty: give the text that ends the answer"),
     run("threads-zero", ("--threads", "0"), "--threads must be >= 1"),
     run(
         "prompt-file-directory",

@@ -232,6 +232,9 @@ Args parse_args(int argc, char** argv) {
       cfg.sampling.seed = parse_seed(value());
     } else if (arg == "--stop") {
       cfg.stop.emplace_back(value());
+      if (cfg.stop.back().empty()) {
+        throw BadValue("--stop is empty: give the text that ends the answer");
+      }
     } else if (arg == "--stop-token-id") {
       cfg.stop_token_ids.push_back(parse_number<int64_t>(arg, value()));
     } else if (arg == "--min-tokens") {
