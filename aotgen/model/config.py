@@ -283,6 +283,10 @@ class ModelConfig:
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
 
+    @property
+    def has_sliding_layers(self) -> bool:
+        return any(self.is_sliding(i) for i in range(self.num_hidden_layers))
+
     def is_conv(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "conv"
 

@@ -77,7 +77,7 @@ def ring_cells(cfg: ModelConfig, recipe: Recipe) -> int | None:
     layers' states (model/qwen3_5.py); None where it keeps none."""
     if cfg.recurrent:
         return recipe.state_cells(cfg.linear_conv_kernel)
-    if not any(cfg.is_sliding(i) for i in range(cfg.num_hidden_layers)):
+    if not cfg.has_sliding_layers:
         return None
     return recipe.ring_cells(cfg.sliding_window)
 
@@ -269,8 +269,7 @@ def _experts_quantize(
 def _check_ring(cfg: ModelConfig, recipe: Recipe) -> None:
     """`sliding_cache: ring` shapes sliding-window layers' caches: on a model without them it
     would change nothing, and the recipe likely names the wrong checkpoint."""
-    sliding = any(cfg.is_sliding(i) for i in range(cfg.num_hidden_layers))
-    if recipe.sliding_cache == "ring" and not sliding:
+    if recipe.sliding_cache == "ring" and not cfg.has_sliding_layers:
         raise RecipeError(
             f"sliding_cache ring: {cfg.architecture} has no sliding-window layers, so it changes "
             "nothing; drop sliding_cache"
@@ -280,11 +279,10 @@ def _check_ring(cfg: ModelConfig, recipe: Recipe) -> None:
 def _weight_names(model: torch.nn.Module) -> list[str]:
     """The names a quantize pattern may match: the linears' and embeddings' module paths
     first, then every module path and weight name."""
-    layers = (torch.nn.Linear, torch.nn.Embedding)
-    modules = [n for n, m in model.named_modules() if n]
-    linears = [n for n, m in model.named_modules() if isinstance(m, layers)]
+    modules = [(n, m) for n, m in model.named_modules() if n]
+    linears = [n for n, m in modules if isinstance(m, torch.nn.Linear | torch.nn.Embedding)]
     weights = [n for n, _ in (*model.named_parameters(), *model.named_buffers())]
-    return [*linears, *modules, *weights]
+    return [*linears, *(n for n, _ in modules), *weights]
 
 
 def _load(
