@@ -176,6 +176,18 @@ class ChatMessage(BaseModel):
             raise ApiError(400, "only text content parts are supported", "messages")
         return "".join(parts)
 
+    def check_content(self, where: str) -> None:
+        """OpenAI's rule: system, user and tool messages carry content; an assistant's carries
+        content or tool calls. Without it a template renders an empty turn the model answers."""
+        if self.content is not None or (self.role == "assistant" and self.tool_calls):
+            return
+        needs = "content or tool_calls" if self.role == "assistant" else "content"
+        raise ApiError(
+            400,
+            f"{where}.content is missing: a {self.role} message needs {needs}",
+            f"{where}.content",
+        )
+
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it (transformers' shape): only the keys it
         has (Llama 3's template tests `'tool_calls' in message`), no content as "" (Qwen3's
@@ -258,6 +270,8 @@ class ChatRequest(RequestFields):
         """The chat rendered by the package's template (with the tools), as ids."""
         if not self.messages:
             raise ApiError(400, "messages is empty: give at least one message", "messages")
+        for i, m in enumerate(self.messages):
+            m.check_content(f"messages.{i}")
         if self.continue_final_message and self.add_generation_prompt:
             raise ApiError(
                 400,

@@ -481,6 +481,13 @@ def test_tokenize_and_detokenize_as_the_endpoints_count(tiny_server, alone):
         ("/v1/completions", {"max_tokens": 3}, "prompt"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, None),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0.content"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}, {"role": "assistant"}]},
+            "messages.1.content",
+        ),
+        ("/tokenize", {"messages": [{"role": "system", "content": None}]}, "messages.0.content"),
         # The tiny package's template takes no tools (tests/test_chat_answers.py: one that does).
         (
             "/v1/chat/completions",
