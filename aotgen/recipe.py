@@ -8,6 +8,7 @@ keys, because a typo silently ignored builds the wrong package.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -157,6 +158,18 @@ def check_keys(
             f"{where}: unknown key(s) {', '.join(unknown)}; "
             f"valid keys: {', '.join(valid) or '(none)'}"
         )
+
+
+def matched_names(where: str, pattern: str, names: list[str], what: str, example: str) -> list[str]:
+    """The `names` a recipe's shell glob matches; one that matches none is a typo that would
+    leave the recipe's intent undone silently, so it is refused naming two real names."""
+    matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+    if not matched:
+        raise RecipeError(
+            f"{where}: pattern {pattern!r} matches no {what}; names look like {names[0]!r}, "
+            f"{names[1]!r} (shell globs: {example!r})"
+        )
+    return matched
 
 
 def _read_utf8(path: Path, what: str, error: type[ValueError]) -> str:

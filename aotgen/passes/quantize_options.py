@@ -27,13 +27,12 @@ Every error names the key at fault and what to write instead: recipes are writte
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aotgen.kernels import block_dot
-from aotgen.recipe import RecipeError, check_keys
+from aotgen.recipe import RecipeError, check_keys, matched_names
 
 SCHEMES = ("int8", "int4")
 EMBEDDING_SCHEMES = ("int8",)
@@ -197,8 +196,6 @@ def check_patterns(options: QuantizeOptions | None, names: list[str], where: str
     patterns = [("skip", p) for p in options.skip]
     patterns += [("overrides", p) for p, _ in options.overrides]
     for key, pattern in patterns:
-        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-            raise RecipeError(
-                f"{where}.{key}: pattern {pattern!r} matches no module or weight of the model; "
-                f"names look like {names[0]!r}, {names[1]!r} (shell globs: '*.down_proj')"
-            )
+        matched_names(
+            f"{where}.{key}", pattern, names, "module or weight of the model", "*.down_proj"
+        )

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import fnmatch
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,7 +51,7 @@ from aotgen.model.config import (
     STARCODER2,
 )
 from aotgen.model.llama import ModelConfig, Transformer
-from aotgen.recipe import RecipeError, check_keys
+from aotgen.recipe import RecipeError, check_keys, matched_names
 
 STYLES = ("colwise", "rowwise", "replicate")
 PARALLEL_KEYS = ("tensor", "plan")
@@ -204,13 +203,9 @@ def _module_styles(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
             raise RecipeError(
                 f"parallel.plan: {pattern!r}: unknown style {style!r}; valid: {', '.join(STYLES)}"
             )
-        matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-        if not matched:
-            raise RecipeError(
-                f"parallel.plan: pattern {pattern!r} matches no Linear or Embedding module; "
-                f"module names look like {names[0]!r}, {names[1]!r}, 'lm_head' "
-                "(shell globs: '*.q_proj')"
-            )
+        matched = matched_names(
+            "parallel.plan", pattern, names, "Linear or Embedding module", "*.q_proj"
+        )
         for n in matched:
             if styles.get(n, style) != style:
                 raise RecipeError(
