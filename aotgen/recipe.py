@@ -70,6 +70,9 @@ class Recipe:
     device: str = "cpu"
     # LoRA adapters (PEFT directories) merged into the weights before the passes (passes/lora.py).
     lora: tuple[Path, ...] = ()
+    # A jinja chat template the package carries instead of the checkpoint's (a base model has
+    # none; a fine-tune's may be wrong): both runtimes render it (package/inputs.py checks it).
+    chat_template: Path | None = None
     quantize: dict[str, Any] | None = None
     speculative: dict[str, Any] | None = None
     parallel: dict[str, Any] | None = None
@@ -114,6 +117,7 @@ class Recipe:
         d = dataclasses.asdict(self)
         d["checkpoint"] = str(self.checkpoint)
         d["lora"] = [str(p) for p in self.lora]
+        d["chat_template"] = None if self.chat_template is None else str(self.chat_template)
         return d
 
 
@@ -172,7 +176,7 @@ def matched_names(where: str, pattern: str, names: list[str], what: str, example
     return matched
 
 
-def _read_utf8(path: Path, what: str, error: type[ValueError]) -> str:
+def read_utf8(path: Path, what: str, error: type[ValueError]) -> str:
     """The file's text, or one line naming the file when it is not UTF-8."""
     try:
         return path.read_bytes().decode()
@@ -201,6 +205,8 @@ def parse_recipe(data: dict[str, Any], name: str, base_dir: Path) -> Recipe:
         ckpt = base_dir / ckpt
     if "lora" in data:
         data["lora"] = _parse_lora(data["lora"], base_dir, where)
+    if data.get("chat_template") is not None:
+        data["chat_template"] = base_dir / data["chat_template"]  # an absolute path stays
     if "quantize" in data:
         data["quantize"] = _resolve_calibration(data["quantize"], base_dir)
     if "formats" in data:
@@ -234,6 +240,11 @@ def _check_value_types(data: dict[str, Any], where: str) -> None:
     for key in ("quantize", "speculative", "parallel"):
         if data.get(key) is not None and not isinstance(data[key], dict):
             raise RecipeError(f"{where}: {key} must be a mapping, got {data[key]!r}")
+    template = data.get("chat_template") or "unset"
+    if not isinstance(template, str):
+        raise RecipeError(
+            f"{where}: chat_template must be the path of a jinja template file, got {template!r}"
+        )
     for key in ("dtype", "kv_cache_dtype", "device", "sliding_cache"):
         if key in data and not isinstance(data[key], str):
             raise RecipeError(f"{where}: {key} must be a string, got {data[key]!r}")
@@ -449,7 +460,7 @@ def load_recipe(path: str | Path, base_dir: Path | None = None) -> Recipe:
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe file not found: {path}")
-    text = _read_utf8(path, "recipe", RecipeError)
+    text = read_utf8(path, "recipe", RecipeError)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -473,7 +484,7 @@ class Project:
         path = root / "aotgen.toml"
         if not path.is_file():
             return cls()
-        text = _read_utf8(path, "project file", ProjectError)
+        text = read_utf8(path, "project file", ProjectError)
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:

@@ -53,6 +53,7 @@ from aotgen.passes.fuse import FuseLinearsPass
 from aotgen.passes.quantize_experts import Int8Experts
 from aotgen.passes.tp import parse_parallel, plan_summary, rank_config, resolve_plan
 from aotgen.recipe import Project, Recipe, RecipeError
+from aotgen.runtime.tokenizer import CHAT_TEMPLATE_FILE
 from aotgen.tempdirs import old_dir, partial_dir, remove_stale, sigterm_raises
 
 PACKAGE_FILE = "model.pt2"
@@ -337,6 +338,8 @@ def _write_package(
     tok_dir.mkdir()
     for f in inputs.ckpt.tokenizer_files:
         shutil.copy2(f, tok_dir / f.name)
+    if inputs.chat_template is not None:  # both runtimes read chat_template.jinja first
+        (tok_dir / CHAT_TEMPLATE_FILE).write_text(inputs.chat_template, encoding="utf-8")
     _write_onnx(tmp, plan, compiled, inputs.recipe)
     manifest = _manifest(inputs, plan, compiled, pt2.relative_to(tmp).as_posix(), ranks)
     write_manifest(tmp, manifest)
@@ -412,10 +415,17 @@ def _write_weights(
     return ranks, weight_bytes
 
 
+def _tokenizer_files(inputs: BuildInputs) -> list[str]:
+    names = [f.name for f in inputs.ckpt.tokenizer_files]
+    if inputs.chat_template is not None and CHAT_TEMPLATE_FILE not in names:
+        names.append(CHAT_TEMPLATE_FILE)
+    return names
+
+
 def _manifest(
     inputs: BuildInputs, plan: _Models, compiled: _Compiled, package: str, ranks: list[dict]
 ) -> dict[str, Any]:
-    recipe, ckpt = inputs.recipe, inputs.ckpt
+    recipe = inputs.recipe
     manifest = {
         "format_version": FORMAT_VERSION,
         "name": recipe.name,
@@ -430,7 +440,7 @@ def _manifest(
         "verify_k": recipe.verify_k,
         "package": package,
         "models": compiled.entries,
-        "tokenizer": {"dir": "tokenizer", "files": [f.name for f in ckpt.tokenizer_files]},
+        "tokenizer": {"dir": "tokenizer", "files": _tokenizer_files(inputs)},
     }
     if plan.world > 1:
         manifest["parallel"] = {

@@ -1,6 +1,6 @@
 """What a build reads, and its identity: the recipe with its GGUF checkpoints imported, the
-checkpoint, its LoRA adapters, and a content hash of (checkpoint, adapters, recipe, aotgen,
-torch, ISA) that makes an unchanged rebuild a no-op."""
+checkpoint, its LoRA adapters, the recipe's chat template, and a content hash of (checkpoint,
+adapters, template, recipe, aotgen, torch, ISA) that makes an unchanged rebuild a no-op."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import jinja2
 import torch
 
 from aotgen import __version__
@@ -25,18 +26,20 @@ from aotgen.package.manifest import (
 )
 from aotgen.passes.lora import LoraAdapter, open_adapter
 from aotgen.passes.quantize_options import parse_quantize
-from aotgen.recipe import Project, Recipe, RecipeError
+from aotgen.recipe import Project, Recipe, RecipeError, read_utf8
 from aotgen.runtime.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
 class BuildInputs:
-    """The recipe (its checkpoints imported), its target checkpoint, tokenizer and LoRA
-    adapters, and their identity."""
+    """The recipe (its checkpoints imported), its target checkpoint, tokenizer (with the
+    recipe's chat template, `chat_template`, if it gives one) and LoRA adapters, and their
+    identity."""
 
     recipe: Recipe
     ckpt: Checkpoint
     tokenizer: Tokenizer
+    chat_template: str | None
     adapters: list[LoraAdapter]
     digest: str
 
@@ -51,6 +54,10 @@ def read_inputs(recipe: Recipe, project: Project) -> BuildInputs:
     recipe = _with_imported_checkpoints(recipe, project.cache_dir)
     ckpt = open_checkpoint(recipe.checkpoint)
     tokenizer = _load_tokenizer(ckpt)
+    chat_template = None
+    if recipe.chat_template is not None:
+        chat_template = read_chat_template(recipe, tokenizer)
+        tokenizer = tokenizer.with_chat_template(chat_template)
     adapters = [open_adapter(path) for path in recipe.lora]
     quantize = parse_quantize(recipe.quantize)
     if adapters and quantize is not None and quantize.gguf == "keep":
@@ -59,7 +66,8 @@ def read_inputs(recipe: Recipe, project: Project) -> BuildInputs:
             "blocks, which a LoRA adapter cannot change; drop `lora:`, or quantize the merged "
             "weights (e.g. `quantize: {linear: int8}`)"
         )
-    return BuildInputs(recipe, ckpt, tokenizer, adapters, build_hash(ckpt, recipe, adapters))
+    digest = build_hash(ckpt, recipe, adapters)
+    return BuildInputs(recipe, ckpt, tokenizer, chat_template, adapters, digest)
 
 
 def _load_tokenizer(ckpt: Checkpoint) -> Tokenizer:
@@ -72,6 +80,35 @@ def _load_tokenizer(ckpt: Checkpoint) -> Tokenizer:
             f"{ckpt.path}/tokenizer.json does not load ({e}); re-create the checkpoint's "
             "tokenizer files (e.g. save them again with transformers, or `aotgen import-gguf`)"
         ) from None
+
+
+def read_chat_template(recipe: Recipe, tokenizer: Tokenizer) -> str:
+    """The recipe's chat template, checked as the runtimes will use it: it compiles and renders
+    a one-message chat, so a broken one is refused before the compile, not by `aotgen run`."""
+    path = recipe.chat_template
+    where = f"recipe {recipe.name!r}: chat_template"
+    if path is None or not path.is_file():
+        raise RecipeError(
+            f"{where} {path} is not a file; point `chat_template:` at a jinja template "
+            "(a relative path is taken from the directory you run aotgen in)"
+        )
+    source = read_utf8(path, where, RecipeError)
+    if not source.strip():
+        raise RecipeError(f"{where} {path} is empty; write the template, or drop `chat_template:`")
+    try:
+        templated = tokenizer.with_chat_template(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise RecipeError(
+            f"{where} {path}: line {e.lineno}: {e.message}; fix the template"
+        ) from None
+    try:
+        templated.apply_chat_template([{"role": "user", "content": "Hello"}])
+    except Exception as e:  # whatever the user's template does wrong
+        raise RecipeError(
+            f"{where} {path} does not render a one-message chat ({type(e).__name__}: {e}); "
+            "fix the template"
+        ) from None
+    return source
 
 
 def build_hash(ckpt: Checkpoint, recipe: Recipe, adapters: list[LoraAdapter]) -> str:
@@ -91,6 +128,8 @@ def build_hash(ckpt: Checkpoint, recipe: Recipe, adapters: list[LoraAdapter]) ->
     recipe_dict = recipe.to_dict()
     recipe_dict.pop("checkpoint")  # the content counts, not where it lies
     recipe_dict.pop("lora")
+    if recipe.chat_template is not None:
+        recipe_dict["chat_template"] = sha256_chunks(recipe.chat_template)
     if "checkpoint" in draft:
         recipe_dict["speculative"]["draft"] = {**draft, "checkpoint": "(content hashed above)"}
     h.update(json.dumps(recipe_dict, sort_keys=True, default=str).encode())

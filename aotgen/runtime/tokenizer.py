@@ -7,6 +7,7 @@ way transformers' `apply_chat_template` does.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import re
@@ -22,6 +23,10 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders
 
 Message = dict[str, Any]
+
+# Read before tokenizer_config.json's and chat_template.json's template (as transformers does),
+# so a recipe's `chat_template` written here is the one the package renders.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
 def _raise_exception(message: str) -> None:
@@ -134,8 +139,8 @@ class Tokenizer:
         processor = _read_json(path / "chat_template.json")  # a vision-language model's
         if isinstance(processor, dict) and isinstance(processor.get("chat_template"), str):
             template = processor["chat_template"]
-        if (path / "chat_template.jinja").is_file():  # newer transformers save it separately
-            template = (path / "chat_template.jinja").read_text()
+        if (path / CHAT_TEMPLATE_FILE).is_file():  # newer transformers save it separately
+            template = (path / CHAT_TEMPLATE_FILE).read_text()
 
         eos_ids = set(_as_list(gen_config.get("eos_token_id")))
         eos_ids |= set(_as_list(config.get("eos_token_id")))
@@ -149,6 +154,13 @@ class Tokenizer:
             bos_id=bos_ids[0] if bos_ids else None,
             add_bos=tok_config.get("add_bos_token") is True,
         )
+
+    def with_chat_template(self, source: str) -> Tokenizer:
+        """This tokenizer rendering chats with `source` (a recipe's `chat_template`)."""
+        other = copy.copy(self)
+        other.chat_template = source
+        other._template = compile_chat_template(source)
+        return other
 
     @property
     def vocab_size(self) -> int:
