@@ -7,9 +7,9 @@ from __future__ import annotations
 import codecs
 import itertools
 import json
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from aotgen.runtime.engine import GenerationResult
 from aotgen.runtime.grammar import Grammar
@@ -83,6 +83,12 @@ class RequestFields(BaseModel):
     best_of: int | None = None
     suffix: str | None = None
 
+    def with_defaults(self, defaults: dict[str, Any]) -> Self:
+        """This request with `defaults` (the model's, `sampling_defaults`) for the fields it
+        does not give."""
+        unset = {k: v for k, v in defaults.items() if k not in self.model_fields_set}
+        return self.model_copy(update=unset) if unset else self
+
     def penalties(self) -> Penalties:
         try:
             return Penalties(
@@ -143,6 +149,37 @@ class RequestFields(BaseModel):
         if kind == "choice":
             return Grammar.choice(value)
         return Grammar(kind, value)
+
+
+# A model's generation_config.json key -> the request field it sets when a request leaves it
+# out: the sampling defaults vLLM takes from a model (`--generation-config auto`), as llama.cpp
+# takes a GGUF's general.sampling.* (imported into generation_config.json).
+GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def sampling_defaults(generation_config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The request fields a model's generation config sets, and, left out, each value no
+    request could send (out of its field's range), as `key=value (why)`."""
+    defaults: dict[str, Any] = {}
+    refused: list[str] = []
+    for key, name in GENERATION_DEFAULTS.items():
+        value = generation_config.get(key)
+        if value is None:
+            continue
+        try:
+            RequestFields.model_validate({name: value})
+        except ValidationError as e:
+            refused.append(f"{key}={value!r} ({e.errors()[0]['msg']})")
+        else:
+            defaults[name] = value
+    return defaults, refused
 
 
 class CompletionRequest(RequestFields):

@@ -60,10 +60,18 @@ def _error(e: ApiError) -> JSONResponse:
 
 
 class Server:
-    """The routes' state: the engine, the served model's names, the speculation mode."""
+    """The routes' state: the engine, the served model's names, the speculation mode, the
+    model's sampling defaults."""
 
-    def __init__(self, engine: BatchEngine, names: tuple[str, ...], speculative: str | None):
+    def __init__(
+        self,
+        engine: BatchEngine,
+        names: tuple[str, ...],
+        speculative: str | None,
+        defaults: dict[str, Any],
+    ):
         self.engine, self.names, self.speculative = engine, names, speculative
+        self.defaults = defaults  # request fields a request leaves out (sampling_defaults)
         self.created = int(time.time())
         self.metrics = ServeMetrics(engine)
 
@@ -234,6 +242,7 @@ def create_app(
     engine: BatchEngine,
     names: tuple[str, ...],
     speculative: str | None = None,
+    defaults: dict[str, Any] | None = None,
     api_key: str | None = None,
     lookup_cache: Path | None = None,
     lookup_cache_every_s: float = SAVE_EVERY_S,
@@ -241,7 +250,7 @@ def create_app(
     """The HTTP app; with `lookup_cache`, the engine's lookup cache is written there every
     `lookup_cache_every_s` seconds while it changes and when the app stops (uvicorn re-raises
     SIGTERM / SIGINT after shutdown, so not after `run`)."""
-    server = Server(engine, names, speculative)
+    server = Server(engine, names, speculative, defaults or {})
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -349,7 +358,7 @@ def _generation_routes(server: Server) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
-        name = server.model(req.model)
+        name, req = server.model(req.model), req.with_defaults(server.defaults)
         prompts = _prompts(req.prompt, tok)
         longest = max(prompts, key=len)
         config = server.config(req, longest, 16 if req.max_tokens is None else req.max_tokens)
@@ -368,7 +377,7 @@ def _generation_routes(server: Server) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Any:
-        name = server.model(req.model)
+        name, req = server.model(req.model), req.with_defaults(server.defaults)
         fmt, forced = req.tool_calls(tool_format(tok.chat_template, req.tool_dicts()))
         prompt = req.prompt_ids(tok)
         config = server.config(req, prompt, req.max_completion_tokens or req.max_tokens)
@@ -431,6 +440,7 @@ def serve(
     names: tuple[str, ...],
     listener: socket.socket,
     speculative: str | None = None,
+    defaults: dict[str, Any] | None = None,
     api_key: str | None = None,
     lookup_cache: Path | None = None,
     lookup_cache_every_s: float = SAVE_EVERY_S,
@@ -438,5 +448,7 @@ def serve(
     """Serve on `listener`, a socket already bound (the command line binds it before loading)."""
     import uvicorn
 
-    app = create_app(engine, names, speculative, api_key, lookup_cache, lookup_cache_every_s)
+    app = create_app(
+        engine, names, speculative, defaults, api_key, lookup_cache, lookup_cache_every_s
+    )
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listener])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -684,6 +685,59 @@ def test_client_leaving_mid_stream_frees_its_slot(smollm2_server):
         time.sleep(0.2)
     assert health["running"] == 0
     assert health["finished"].get("cancelled", 0) == before + 1
+
+
+def _with_generation_config(package: Path, dest: Path, values: dict) -> Path:
+    """A copy of `package` whose generation_config.json also holds `values`, hashed again."""
+    from aotgen.package.manifest import read_manifest, write_manifest
+
+    copy = Path(shutil.copytree(package, dest))
+    path = copy / "tokenizer" / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps(config | values))
+    write_manifest(copy, read_manifest(copy))
+    return copy
+
+
+def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(
+    tiny_batch_package, alone, tmp_path
+):
+    """As vLLM's `--generation-config auto`: a request without top_k or max_tokens gets the
+    model's (top_k 1: greedy; 5 tokens); one that gives them keeps its own; a value no request
+    could send (temperature 3) is left out with a warning; `--generation-config none` serves
+    OpenAI's defaults (temperature 1, 16 tokens)."""
+    values = {"top_k": 1, "max_new_tokens": 5, "temperature": 3.0}
+    package = _with_generation_config(tiny_batch_package, tmp_path / "pkg", values)
+    prompt = _ids(4, 7)
+    greedy = alone.generate(prompt, GenerationConfig(5, ignore_eos=True))
+
+    def sampled(n: int) -> str:
+        sampling = SamplingParams(temperature=1.0, seed=7)
+        return alone.generate(prompt, GenerationConfig(n, sampling=sampling, ignore_eos=True)).text
+
+    assert sampled(5) != greedy.text  # the test tells the two apart
+    body = {"prompt": prompt, "seed": 7, "ignore_eos": True}
+    server = Server(package)
+    try:
+        url = f"{server.url}/v1/completions"
+        got = httpx.post(url, json=body, timeout=60).json()
+        assert got["choices"][0]["text"] == greedy.text
+        assert got["usage"]["completion_tokens"] == 5
+        own = httpx.post(url, json=body | {"top_k": 0, "max_tokens": 5}, timeout=60).json()
+        assert own["choices"][0]["text"] == sampled(5)
+        chat = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+        answer = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60).json()
+        assert answer["usage"]["completion_tokens"] <= 5
+    finally:
+        server.close()
+    log = server.proc.stdout.read()
+    assert "temperature=3.0 (" in log and "top_k=1, max_tokens=5" in log
+    server = Server(package, "--generation-config", "none")
+    try:
+        got = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        assert got["choices"][0]["text"] == sampled(16)
+    finally:
+        server.close()
 
 
 def test_lookup_cache_is_learnt_and_written_at_shutdown(tiny_batch_package, alone, tmp_path):

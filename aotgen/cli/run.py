@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import socket
 import sys
 from pathlib import Path
@@ -32,6 +33,7 @@ from aotgen.package.manifest import read_manifest
 from aotgen.reasoning import ReasoningStream, SplitStream, split_reasoning, thinking_of
 
 if TYPE_CHECKING:
+    from aotgen.runtime.batch_engine import BatchEngine
     from aotgen.runtime.engine import Engine, GenerationConfig
     from aotgen.runtime.grammar import Grammar
 
@@ -550,8 +552,18 @@ def serve(
             "package directory's name); any other is a 404"
         ),
     ] = None,
+    generation_config: Annotated[
+        str,
+        typer.Option(
+            help="'auto': a request leaving out temperature, top_p, top_k, min_p, "
+            "repetition_penalty or max_tokens gets the model's (its generation_config.json, "
+            "as vLLM); 'none': OpenAI's defaults"
+        ),
+    ] = "auto",
 ) -> None:
     """Serve a package over an OpenAI-compatible HTTP API, many requests at once."""
+    if generation_config not in ("auto", "none"):
+        raise CliError(f"--generation-config {generation_config!r}: give 'auto' or 'none'")
     if lookup not in (None, "ngram"):
         raise CliError(f"--lookup {lookup!r}: the only lookup is 'ngram'")
     check_lookup_cache(lookup_cache, lookup)
@@ -590,12 +602,36 @@ def serve(
     if lookup_cache is not None:
         engine.engine.lookup_cache = LookupCache.open(lookup_cache, engine.engine.target.vocab_size)
     engine.warm_cache()
-    Console(stderr=True).print(
+    console = Console(stderr=True)
+    console.print(
         f"serving {', '.join(names)} on http://{host}:{port}/v1 ({engine.slots} slots"
         f"{f', speculative: {mode}' if mode else ''})"
     )
+    defaults = _sampling_defaults(engine, console) if generation_config == "auto" else {}
     every_s = SAVE_EVERY_S if lookup_cache_every is None else lookup_cache_every
-    serve_http(engine, names, listener, mode, api_key, lookup_cache, every_s)
+    serve_http(engine, names, listener, mode, defaults, api_key, lookup_cache, every_s)
+
+
+def _sampling_defaults(engine: BatchEngine, console: Console) -> dict[str, Any]:
+    """The model's sampling defaults (the package's generation_config.json, verified at load),
+    said once at start, as vLLM says them."""
+    from aotgen.openai_api import sampling_defaults
+
+    target = engine.engine
+    path = target.root / target.manifest["tokenizer"]["dir"] / "generation_config.json"
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    defaults, refused = sampling_defaults(config if isinstance(config, dict) else {})
+    for value in refused:
+        console.print(
+            f"warning: generation_config.json's {value} left out: no request could send it"
+        )
+    if defaults:
+        given = ", ".join(f"{k}={v}" for k, v in defaults.items())
+        console.print(
+            f"the model's sampling defaults (generation_config.json): {given}; a request's own "
+            "values win (--generation-config none: OpenAI's)"
+        )
+    return defaults
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -323,6 +323,11 @@ ROWS = [
         ("serve", "{pkg}", "--served-model-name", " "),
         "--served-model-name is empty",
     ),
+    Row(
+        "serve-generation-config-bad",
+        ("serve", "{pkg}", "--generation-config", "vllm"),
+        "--generation-config 'vllm': give 'auto' or 'none'",
+    ),
     Row(  # TEST-NET-1 (RFC 5737): no machine's own address
         "serve-host-not-this-machine",
         ("serve", "{pkg}", "--host", "192.0.2.1"),
