@@ -42,6 +42,7 @@ def _write_gguf(
     model: str = "gpt2",
     eot: int | None = None,
     specials: tuple[str, str, str] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+    sampling: dict[str, float] | None = None,
 ) -> None:
     """A tiny GGUF with llama-style metadata and a byte-level vocab plus two merges; "help"
     is in the vocabulary, but no merge makes it. The three control tokens `specials` come
@@ -67,6 +68,8 @@ def _write_gguf(
     if eot is not None:
         w.add_eot_token_id(eot)
     w.add_chat_template(CHATML)
+    for key, value in (sampling or {}).items():  # general.sampling.KEY, as the converter writes
+        getattr(w, f"add_sampling_{key}")(value)
     for name, t in tensors.items():
         w.add_tensor(name, t)
     w.write_header_to_file()
@@ -283,6 +286,23 @@ def test_end_of_turn_token_ends_generation(tmp_path: Path) -> None:
     gen = json.loads((out / "generation_config.json").read_text())
     assert gen["eos_token_id"] == [2, 1, 0]  # eos, the end of turn, <|endoftext|> by its text
     assert Tokenizer.from_dir(out).eos_ids == {0, 1, 2}
+
+
+def test_sampling_values_become_the_models_sampling_defaults(tmp_path: Path) -> None:
+    """general.sampling.* (what llama.cpp's converter writes from generation_config.json and
+    llama.cpp samples with by default) come back into generation_config.json, where `aotgen
+    serve` takes them as its defaults; values the file lacks stay out."""
+    from aotgen.openai_api import sampling_defaults
+
+    sampling = {"temp": 0.6, "top_k": 20, "top_p": 0.95, "penalty_repeat": 1.05}
+    tensors = _tiny_llama_tensors(np.random.default_rng(0))
+    _write_gguf(tmp_path / "m.gguf", "llama", tensors, sampling=sampling)
+    gen = json.loads(
+        (import_gguf(tmp_path / "m.gguf", tmp_path / "out") / "generation_config.json").read_text()
+    )
+    want = {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.05}
+    assert {k: gen[k] for k in want if k in gen} == want and "min_p" not in gen
+    assert sampling_defaults(gen) == (want, [])
 
 
 @pytest.mark.parametrize(

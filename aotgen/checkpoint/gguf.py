@@ -38,7 +38,7 @@ from aotgen.checkpoint.gguf_arch_qwen35 import (
 )
 from aotgen.checkpoint.gguf_check import check_tensors
 from aotgen.checkpoint.gguf_config import read_config
-from aotgen.checkpoint.gguf_meta import meta_value, require_meta
+from aotgen.checkpoint.gguf_meta import f32, meta_value, require_meta
 from aotgen.checkpoint.gguf_room import KEPT_TYPES, check_room, gguf_block, weight_shards
 from aotgen.checkpoint.gguf_tokenizer import adds_bos, build_tokenizer, check_tokenizer
 from aotgen.checkpoint.hf import BLOCKS_FILE, INPUT_ORDER, CheckpointError, write_checkpoint_dir
@@ -334,6 +334,29 @@ def _hf_block(prefix: str, name: str) -> int | None:
     return int(name[len(prefix) + 1 :].split(".", 1)[0])
 
 
+# general.sampling.* -> generation_config.json: the model's sampling values, which llama.cpp's
+# converter takes from generation_config.json and llama.cpp uses as its defaults (`aotgen serve`
+# too, openai_api.GENERATION_DEFAULTS).
+SAMPLING_KEYS = {
+    "temp": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "penalty_repeat": "repetition_penalty",
+}
+
+
+def sampling_config(reader: gguf.GGUFReader) -> dict[str, float | int]:
+    values = {
+        name: meta_value(reader, f"general.sampling.{key}") for key, name in SAMPLING_KEYS.items()
+    }
+    return {
+        name: int(value) if name == "top_k" else f32(value)
+        for name, value in values.items()
+        if value is not None
+    }
+
+
 def write_tokenizer_files(reader: gguf.GGUFReader, out: Path) -> None:
     """config.json and the tokenizer files alone: enough for `Tokenizer.from_dir`, without the
     minutes a large vocabulary's weights take to dequantize."""
@@ -370,7 +393,7 @@ def write_tokenizer_files(reader: gguf.GGUFReader, out: Path) -> None:
         "model_max_length": config["max_position_embeddings"],
     }
     eos_ids = eog if len(eog) > 1 else next(iter(eog), eos)  # eos itself may be dropped
-    gen_config = {"bos_token_id": bos, "eos_token_id": eos_ids}
+    gen_config = {"bos_token_id": bos, "eos_token_id": eos_ids} | sampling_config(reader)
     if pad is not None:
         gen_config["pad_token_id"] = pad
     for name, obj in [
