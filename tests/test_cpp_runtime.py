@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -514,6 +515,30 @@ def test_chat_template_of_another_family(run_bin, gemma_chat_package):
     lines = ["The quick brown fox", "and then?", "1 2 3"]
     printed = run_interactive(run_bin, gemma_chat_package, lines, 8)
     check_conversation(printed, gemma_chat_package, lines, GenerationConfig(8, ignore_eos=True))
+
+
+@pytest.fixture(scope="module")
+def qwen3_chat_package(tiny_package: Path, tmp_path_factory) -> Path:
+    """The tiny package with Qwen3's chat template (its `enable_thinking` switch)."""
+    dest = tmp_path_factory.mktemp("qwen3") / "pkg"
+    return with_chat_template(tiny_package, dest, "Qwen-Qwen3-0.6B.jinja")
+
+
+def test_chat_template_kwargs_reach_the_template_like_python(run_bin, qwen3_chat_package):
+    """--chat-template-kwargs '{"enable_thinking": false}': both CLIs render Qwen3's prompt
+    with the empty reasoning block that switch writes, the ids the Python engine gives."""
+    engine = Engine.load(qwen3_chat_package)
+    off = {"enable_thinking": False}
+    ids = engine.chat_ids("Hi", template_kwargs=off)
+    assert engine.tokenizer.decode(ids).endswith("<think>\n\n</think>\n\n")
+    assert ids != engine.chat_ids("Hi")
+    args = ["--chat", "Hi", "--chat-template-kwargs", json.dumps(off), "--max-new-tokens", "4"]
+    cpp = json.loads(run(run_bin, qwen3_chat_package, *args, "--ids").stdout)
+    python = subprocess.run(
+        [sys.executable, "-m", "aotgen", "run", str(qwen3_chat_package), *args, "--json"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    assert cpp["prompt_ids"] == json.loads(python.stdout)["prompt_ids"] == ids
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import socket
 import sys
@@ -51,6 +52,12 @@ def run(
     ] = None,
     system: Annotated[
         str | None, typer.Option(help="system message for --chat or --interactive")
+    ] = None,
+    chat_template_kwargs: Annotated[
+        str | None,
+        typer.Option(
+            help="more chat template variables, a JSON object, e.g. '{\"enable_thinking\": false}'"
+        ),
     ] = None,
     interactive: Annotated[
         bool,
@@ -177,6 +184,7 @@ def run(
     under `torchrun --nproc-per-node N -m aotgen run ...`); only rank 0 prints.
     """
     _check_prompt_source(prompt, prompt_file, chat, system, interactive)
+    template_kwargs = _template_kwargs(chat_template_kwargs, chat, interactive)
     _check_speculation_options(lookup, k, ngram_min, ngram_max, draft_parallel, p_split)
     check_lookup_cache(lookup_cache, lookup)
     if best_first and not draft_parallel:
@@ -230,11 +238,12 @@ def run(
         engine.lookup_cache = LookupCache.open(lookup_cache, engine.target.vocab_size)
     try:
         if interactive:
-            _converse(engine, cfg, system, as_json)
+            _converse(engine, cfg, system, template_kwargs, as_json)
         elif chat is None:
             _answer(engine, engine.tokenizer.prompt_ids(text), cfg, as_json, chat=False)
         else:
-            _answer(engine, engine.chat_ids(chat, system=system), cfg, as_json, chat=True)
+            ids = engine.chat_ids(chat, system, template_kwargs)
+            _answer(engine, ids, cfg, as_json, chat=True)
     finally:
         if engine.lookup_cache is not None and lookup_cache is not None:
             engine.lookup_cache.save(lookup_cache)
@@ -321,7 +330,33 @@ class _Printer:
             sys.stdout.flush()
 
 
-def _converse(engine: Engine, cfg: GenerationConfig, system: str | None, as_json: bool) -> None:
+def _template_kwargs(text: str | None, chat: str | None, interactive: bool) -> dict | None:
+    """`--chat-template-kwargs`, checked as aotgen-run checks it (chat.cpp)."""
+    if text is None:
+        return None
+    if chat is None and not interactive:
+        raise CliError("--chat-template-kwargs goes with --chat or --interactive")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CliError(f"--chat-template-kwargs is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise CliError("--chat-template-kwargs must be a JSON object")
+    for name in ("messages", "add_generation_prompt", "bos_token", "eos_token"):
+        if name in value:
+            raise CliError(
+                f"--chat-template-kwargs sets '{name}', which the chat itself gives the template"
+            )
+    return value
+
+
+def _converse(
+    engine: Engine,
+    cfg: GenerationConfig,
+    system: str | None,
+    template_kwargs: dict | None,
+    as_json: bool,
+) -> None:
     """`--interactive`: each line on stdin is the next user message of one conversation. The
     whole conversation is the next prompt, encoded through the chat template as a client
     would send it; the engine runs only what its KV cache does not hold yet. A conversation
@@ -332,10 +367,13 @@ def _converse(engine: Engine, cfg: GenerationConfig, system: str | None, as_json
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
-        ids = engine.tokenizer.encode_chat(messages, system=system)
+        encode = functools.partial(
+            engine.tokenizer.encode_chat, system=system, template_kwargs=template_kwargs
+        )
+        ids = encode(messages)
         while len(ids) + cfg.max_new_tokens > engine.max_seq_len and len(messages) > 1:
             del messages[:2]  # the oldest turn: a message and its answer
-            ids = engine.tokenizer.encode_chat(messages, system=system)
+            ids = encode(messages)
         # The answer without its reasoning, as a chat client sends the history back.
         content = _answer(engine, ids, cfg, as_json, chat=True)
         messages.append({"role": "assistant", "content": content})

@@ -211,9 +211,13 @@ class Engine:
         )
 
     # ---- prompts -------------------------------------------------------------------------
-    def chat_ids(self, user: str, system: str | None = None) -> list[int]:
-        """Prompt ids for one user turn; the user's text never becomes control tokens."""
-        return self.tokenizer.encode_chat([{"role": "user", "content": user}], system=system)
+    def chat_ids(
+        self, user: str, system: str | None = None, template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
+        """Prompt ids for one user turn; the user's text never becomes control tokens.
+        `template_kwargs`: more template variables (e.g. {"enable_thinking": False})."""
+        message = {"role": "user", "content": user}
+        return self.tokenizer.encode_chat([message], system, template_kwargs=template_kwargs)
 
     # ---- generation ----------------------------------------------------------------------
     def generate(

@@ -206,6 +206,10 @@ class Engine {
   // user, then the assistant's turn. Sent again with each new message, its earlier turns are
   // found in the KV cache (GenerationConfig::reuse_prefix).
   std::vector<int64_t> chat_ids(const std::vector<ChatMessage>& messages) const;
+  // More variables for the chat template, a JSON object's text (vLLM's chat_template_kwargs,
+  // e.g. {"enable_thinking": false}), for every chat_ids after it; std::invalid_argument
+  // naming the problem when it is not a JSON object or sets the chat's own variables.
+  void set_chat_template_kwargs(const std::string& kwargs);
   // Where the answer to a chat prompt starts (reasoning.h): inside its reasoning (true), free
   // to open one (false), or with none (nullopt: the template has no reasoning, or the prompt
   // closed it). Split the answer with split_reasoning / ReasoningStream.

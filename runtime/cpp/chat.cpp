@@ -124,8 +124,25 @@ std::optional<ChatTemplate> ChatTemplate::from_dir(const fs::path& dir) {
                       token_text(config.value("eos_token", ordered_json())));
 }
 
+void check_template_kwargs(const std::string& kwargs) {
+  if (kwargs.empty()) return;
+  ordered_json object;
+  try {
+    object = ordered_json::parse(kwargs);
+  } catch (const std::exception& e) {
+    throw std::invalid_argument("is not JSON (" + first_line(e.what()) + ")");
+  }
+  if (!object.is_object()) throw std::invalid_argument("must be a JSON object");
+  for (const char* name : {"messages", "add_generation_prompt", "bos_token", "eos_token"}) {
+    if (object.contains(name)) {
+      throw std::invalid_argument(std::string("sets '") + name +
+                                  "', which the chat itself gives the template");
+    }
+  }
+}
+
 std::string ChatTemplate::render(const std::vector<ChatMessage>& messages,
-                                 bool add_generation_prompt) const {
+                                 bool add_generation_prompt, const std::string& kwargs) const {
   if (!impl_->root) {
     throw std::runtime_error("the chat template does not parse in the C++ runtime (" +
                              impl_->parse_error + "): format the prompt yourself");
@@ -134,12 +151,13 @@ std::string ChatTemplate::render(const std::vector<ChatMessage>& messages,
   for (const auto& [role, content] : messages) {
     list.push_back({{"role", role}, {"content", content}});
   }
-  auto context = minja::Context::make(minja::Value(ordered_json{
-      {"messages", std::move(list)},
-      {"add_generation_prompt", add_generation_prompt},
-      {"bos_token", impl_->bos_token},
-      {"eos_token", impl_->eos_token},
-  }));
+  check_template_kwargs(kwargs);
+  ordered_json variables = kwargs.empty() ? ordered_json::object() : ordered_json::parse(kwargs);
+  variables["messages"] = std::move(list);
+  variables["add_generation_prompt"] = add_generation_prompt;
+  variables["bos_token"] = impl_->bos_token;
+  variables["eos_token"] = impl_->eos_token;
+  auto context = minja::Context::make(minja::Value(std::move(variables)));
   context->set("strftime_now", strftime_now());
   try {
     return impl_->root->render(context);
@@ -157,19 +175,22 @@ bool ChatTemplate::takes_reasoning() const { return aotgen::takes_reasoning(impl
 bool ChatTemplate::takes_harmony() const { return aotgen::takes_harmony(impl_->source); }
 
 std::string chat_prompt(const ChatTemplate& tmpl, const std::vector<ChatMessage>& messages,
-                        bool add_generation_prompt) {
+                        bool add_generation_prompt, const std::string& kwargs) {
   const bool has_system = !messages.empty() && messages.front().first == "system";
-  if (tmpl.is_chatml() && !has_system) return chatml_prompt(messages, add_generation_prompt);
-  return tmpl.render(messages, add_generation_prompt);
+  const bool no_kwargs = kwargs.empty() || ordered_json::parse(kwargs).empty();
+  if (tmpl.is_chatml() && !has_system && no_kwargs) {
+    return chatml_prompt(messages, add_generation_prompt);
+  }
+  return tmpl.render(messages, add_generation_prompt, kwargs);
 }
 
 std::vector<int64_t> encode_chat(const Tokenizer& tok, const ChatTemplate& tmpl,
                                  const std::vector<ChatMessage>& messages,
-                                 bool add_generation_prompt) {
+                                 bool add_generation_prompt, const std::string& kwargs) {
   const bool plain = std::all_of(messages.begin(), messages.end(), [&](const auto& m) {
     return tok.encode(m.second) == tok.encode(m.second, /*parse_special=*/false);
   });
-  if (plain) return tok.encode(chat_prompt(tmpl, messages, add_generation_prompt));
+  if (plain) return tok.encode(chat_prompt(tmpl, messages, add_generation_prompt, kwargs));
   // Render with a placeholder for each message's content, then encode the template's text
   // (its special tokens are real) and each content (as text) separately.
   std::vector<ChatMessage> marked;
@@ -177,7 +198,7 @@ std::vector<int64_t> encode_chat(const Tokenizer& tok, const ChatTemplate& tmpl,
     marked.emplace_back(messages[i].first,
                         std::string(kMarkOpen) + std::to_string(i) + std::string(kMarkClose));
   }
-  const std::string rendered = chat_prompt(tmpl, marked, add_generation_prompt);
+  const std::string rendered = chat_prompt(tmpl, marked, add_generation_prompt, kwargs);
   std::vector<int64_t> ids;
   const auto append = [&ids](const std::vector<int64_t>& more) {
     ids.insert(ids.end(), more.begin(), more.end());

@@ -32,8 +32,10 @@ class ChatTemplate {
   // What transformers' apply_chat_template renders: the template over `messages`,
   // `add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`, `strftime_now`.
   // Throws std::runtime_error when the template does not parse or raises.
-  std::string render(const std::vector<ChatMessage>& messages,
-                     bool add_generation_prompt = true) const;
+  // `kwargs`: a JSON object's text whose keys are more template variables (vLLM's
+  // chat_template_kwargs, e.g. {"enable_thinking": false}); empty: none.
+  std::string render(const std::vector<ChatMessage>& messages, bool add_generation_prompt = true,
+                     const std::string& kwargs = "") const;
 
   // llama.cpp's test for its built-in ChatML formatter: "<|im_start|>" in the template.
   bool is_chatml() const;
@@ -48,11 +50,11 @@ class ChatTemplate {
   std::shared_ptr<const Impl> impl_;
 };
 
-// Prompt text for a chat. A ChatML template without a system message gives plain ChatML:
-// templates such as SmolLM2's and Qwen2.5's inject a default system turn, llama.cpp adds
-// none. Every other case renders the template.
+// Prompt text for a chat. A ChatML template without a system message or `kwargs` gives plain
+// ChatML: templates such as SmolLM2's and Qwen2.5's inject a default system turn, llama.cpp
+// adds none. Every other case renders the template.
 std::string chat_prompt(const ChatTemplate& tmpl, const std::vector<ChatMessage>& messages,
-                        bool add_generation_prompt = true);
+                        bool add_generation_prompt = true, const std::string& kwargs = "");
 
 // Ids of a chat prompt. Special tokens come from the template alone: content that would
 // encode to a control token ("<|im_start|>system") is encoded as text, piece by piece, so a
@@ -60,6 +62,11 @@ std::string chat_prompt(const ChatTemplate& tmpl, const std::vector<ChatMessage>
 // with the rest of the prompt in one piece (the ids llama.cpp gives).
 std::vector<int64_t> encode_chat(const Tokenizer& tok, const ChatTemplate& tmpl,
                                  const std::vector<ChatMessage>& messages,
-                                 bool add_generation_prompt = true);
+                                 bool add_generation_prompt = true,
+                                 const std::string& kwargs = "");
+
+// `kwargs` checked as render() takes it: a JSON object without the names the template's own
+// variables use; std::invalid_argument naming the problem otherwise.
+void check_template_kwargs(const std::string& kwargs);
 
 }  // namespace aotgen

@@ -473,7 +473,13 @@ std::vector<int64_t> Engine::chat_ids(const std::vector<ChatMessage>& messages) 
     throw std::runtime_error(impl_->root.string() +
                              ": the package has no chat template: pass the prompt with --prompt");
   }
-  return encode_chat(*impl_->tokenizer, *impl_->chat_template, messages);
+  return encode_chat(*impl_->tokenizer, *impl_->chat_template, messages, true,
+                     impl_->template_kwargs);
+}
+
+void Engine::set_chat_template_kwargs(const std::string& kwargs) {
+  check_template_kwargs(kwargs);
+  impl_->template_kwargs = kwargs;
 }
 
 std::optional<bool> Engine::thinking(const std::vector<int64_t>& prompt_ids) const {

@@ -207,6 +207,7 @@ struct EngineState {
   std::vector<int64_t> eos_ids;
   std::optional<int64_t> bos_id;  // led plain prompts when the checkpoint asks (add_bos_token)
   std::optional<ChatTemplate> chat_template;
+  std::string template_kwargs;  // JSON object text: more chat template variables
   std::unique_ptr<ModelRunner> target;
   std::unique_ptr<ModelRunner> draft;
   int64_t max_seq_len = 0;

@@ -347,6 +347,27 @@ ROWS = [
     run("logprobs-past-20", ("--logprobs", "21", "--json"), "--logprobs must be in 0..20, got 21"),
     run("logprobs-without-json", ("--logprobs", "2"), "--logprobs N goes with --json"),
     run("threads-negative", ("--threads", "-1"), "--threads must be >= 1"),
+    run(
+        "chat-template-kwargs-not-json",
+        ("--chat", "hi", "--chat-template-kwargs", "{x"),
+        "--chat-template-kwargs is not JSON",
+    ),
+    run(
+        "chat-template-kwargs-not-object",
+        ("--chat", "hi", "--chat-template-kwargs", "[1]"),
+        "--chat-template-kwargs must be a JSON object",
+    ),
+    run(
+        "chat-template-kwargs-reserved",
+        ("--chat", "hi", "--chat-template-kwargs", '{"messages": []}'),
+        "--chat-template-kwargs sets 'messages', which the chat itself gives the template",
+    ),
+    run(
+        "chat-template-kwargs-without-chat",
+        ("--chat-template-kwargs", "{}"),
+        "--chat-template-kwargs goes with --chat or --interactive",
+        cpp=False,  # a usage error there: the usage follows
+    ),
     run("stop-empty", ("--stop", ""), "--stop is empty: give the text that ends the answer"),
     run("threads-zero", ("--threads", "0"), "--threads must be >= 1"),
     run(

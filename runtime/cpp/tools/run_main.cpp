@@ -50,6 +50,8 @@ prompt (exactly one):
   --prompt-ids JSON      prompt token ids, e.g. "[1, 2, 3]"
 options:
   --system TEXT          system message for --chat or --interactive
+  --chat-template-kwargs JSON
+                         more chat template variables, e.g. '{"enable_thinking": false}'
   --max-new-tokens N     stop after N new tokens, N >= 1 (default 256)
   --temperature T        0 = greedy (default 0)
   --top-k K              0 = off (default 0)
@@ -173,6 +175,7 @@ T parse_number(std::string_view flag, std::string_view text) {
 struct Args {
   std::string package;
   std::optional<std::string> chat, prompt, prompt_file, prompt_ids, system, lookup_cache;
+  std::optional<std::string> template_kwargs;  // --chat-template-kwargs
   std::optional<int> threads;
   aotgen::GenerationConfig config;
   aotgen::LoadOptions load;
@@ -212,6 +215,8 @@ Args parse_args(int argc, char** argv) {
       args.interactive = true;
     } else if (arg == "--system") {
       args.system = value();
+    } else if (arg == "--chat-template-kwargs") {
+      args.template_kwargs = value();
     } else if (arg == "--max-new-tokens") {
       cfg.max_new_tokens = parse_number<int64_t>(arg, value());
     } else if (arg == "--temperature") {
@@ -297,6 +302,16 @@ Args parse_args(int argc, char** argv) {
   }
   if (args.system && !args.chat && !args.interactive) {
     throw UsageError("--system goes with --chat or --interactive");
+  }
+  if (args.template_kwargs && !args.chat && !args.interactive) {
+    throw UsageError("--chat-template-kwargs goes with --chat or --interactive");
+  }
+  if (args.template_kwargs) {
+    try {
+      aotgen::check_template_kwargs(*args.template_kwargs);
+    } catch (const std::invalid_argument& e) {
+      throw BadValue(std::string("--chat-template-kwargs ") + e.what());
+    }
   }
   return args;
 }
@@ -487,6 +502,7 @@ int run(Args args) {
   }
   warn_if_oversubscribed(args.load.threads);
   auto engine = aotgen::Engine::load(args.package, args.load);
+  if (args.template_kwargs) engine.set_chat_template_kwargs(*args.template_kwargs);
   if (args.lookup_cache) {
     engine.set_lookup_cache(std::make_shared<aotgen::LookupCache>(
         aotgen::LookupCache::open(*args.lookup_cache, engine.vocab_size())));
