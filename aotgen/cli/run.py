@@ -362,14 +362,14 @@ def _converse(
     would send it; the engine runs only what its KV cache does not hold yet. A conversation
     that outgrows the context (with `max_new_tokens` of room) loses its oldest turns, so the
     chat goes on (that prompt then runs whole: its start changed)."""
+    encode = functools.partial(
+        engine.tokenizer.encode_chat, system=system, template_kwargs=template_kwargs
+    )
     messages: list[dict[str, str]] = []
     for line in sys.stdin:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
-        encode = functools.partial(
-            engine.tokenizer.encode_chat, system=system, template_kwargs=template_kwargs
-        )
         ids = encode(messages)
         while len(ids) + cfg.max_new_tokens > engine.max_seq_len and len(messages) > 1:
             del messages[:2]  # the oldest turn: a message and its answer
