@@ -49,9 +49,7 @@ prompt (exactly one):
   --prompt-file PATH     raw prompt text from a file
   --prompt-ids JSON      prompt token ids, e.g. "[1, 2, 3]"
 options:
-  --system TEXT          system message for --chat or --interactive
-  --chat-template-kwargs JSON
-                         more chat template variables, e.g. '{"enable_thinking": false}'
+  --system TEXT          system message; --chat-template-kwargs JSON: template variables
   --max-new-tokens N     stop after N new tokens, N >= 1 (default 256)
   --temperature T        0 = greedy (default 0)
   --top-k K              0 = off (default 0)
