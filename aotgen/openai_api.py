@@ -16,7 +16,7 @@ from aotgen.runtime.grammar import Grammar
 from aotgen.runtime.logprobs import MAX_TOP
 from aotgen.runtime.rules import Penalties
 from aotgen.runtime.sampling import SEED_MAX
-from aotgen.runtime.tokenizer import Tokenizer
+from aotgen.runtime.tokenizer import CHAT_VARIABLES, Tokenizer
 from aotgen.tool_calls import ToolFormat
 
 
@@ -292,7 +292,7 @@ class ChatRequest(RequestFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_kwargs(self) -> dict[str, Any] | None:
-        reserved = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+        reserved = {*CHAT_VARIABLES, "tools"}
         if taken := sorted(reserved & set(self.chat_template_kwargs or {})):
             raise ApiError(
                 400,

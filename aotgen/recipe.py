@@ -240,8 +240,8 @@ def _check_value_types(data: dict[str, Any], where: str) -> None:
     for key in ("quantize", "speculative", "parallel"):
         if data.get(key) is not None and not isinstance(data[key], dict):
             raise RecipeError(f"{where}: {key} must be a mapping, got {data[key]!r}")
-    template = data.get("chat_template") or "unset"
-    if not isinstance(template, str):
+    template = data.get("chat_template")
+    if template is not None and not isinstance(template, str):
         raise RecipeError(
             f"{where}: chat_template must be the path of a jinja template file, got {template!r}"
         )

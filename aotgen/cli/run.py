@@ -342,7 +342,9 @@ def _template_kwargs(text: str | None, chat: str | None, interactive: bool) -> d
         raise CliError(f"--chat-template-kwargs is not JSON ({e})") from None
     if not isinstance(value, dict):
         raise CliError("--chat-template-kwargs must be a JSON object")
-    for name in ("messages", "add_generation_prompt", "bos_token", "eos_token"):
+    from aotgen.runtime.tokenizer import CHAT_VARIABLES
+
+    for name in CHAT_VARIABLES:
         if name in value:
             raise CliError(
                 f"--chat-template-kwargs sets '{name}', which the chat itself gives the template"

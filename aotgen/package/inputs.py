@@ -33,15 +33,18 @@ from aotgen.runtime.tokenizer import Tokenizer
 @dataclass(frozen=True)
 class BuildInputs:
     """The recipe (its checkpoints imported), its target checkpoint, tokenizer (with the
-    recipe's chat template, `chat_template`, if it gives one) and LoRA adapters, and their
-    identity."""
+    recipe's chat template, if it gives one) and LoRA adapters, and their identity."""
 
     recipe: Recipe
     ckpt: Checkpoint
     tokenizer: Tokenizer
-    chat_template: str | None
     adapters: list[LoraAdapter]
     digest: str
+
+    @property
+    def chat_template(self) -> str | None:
+        """The recipe's chat template's source, which the package carries; None without one."""
+        return self.tokenizer.chat_template if self.recipe.chat_template is not None else None
 
 
 def read_inputs(recipe: Recipe, project: Project) -> BuildInputs:
@@ -54,10 +57,8 @@ def read_inputs(recipe: Recipe, project: Project) -> BuildInputs:
     recipe = _with_imported_checkpoints(recipe, project.cache_dir)
     ckpt = open_checkpoint(recipe.checkpoint)
     tokenizer = _load_tokenizer(ckpt)
-    chat_template = None
     if recipe.chat_template is not None:
-        chat_template = read_chat_template(recipe, tokenizer)
-        tokenizer = tokenizer.with_chat_template(chat_template)
+        tokenizer = with_recipe_template(recipe, tokenizer)
     adapters = [open_adapter(path) for path in recipe.lora]
     quantize = parse_quantize(recipe.quantize)
     if adapters and quantize is not None and quantize.gguf == "keep":
@@ -66,8 +67,7 @@ def read_inputs(recipe: Recipe, project: Project) -> BuildInputs:
             "blocks, which a LoRA adapter cannot change; drop `lora:`, or quantize the merged "
             "weights (e.g. `quantize: {linear: int8}`)"
         )
-    digest = build_hash(ckpt, recipe, adapters)
-    return BuildInputs(recipe, ckpt, tokenizer, chat_template, adapters, digest)
+    return BuildInputs(recipe, ckpt, tokenizer, adapters, build_hash(ckpt, recipe, adapters))
 
 
 def _load_tokenizer(ckpt: Checkpoint) -> Tokenizer:
@@ -82,9 +82,10 @@ def _load_tokenizer(ckpt: Checkpoint) -> Tokenizer:
         ) from None
 
 
-def read_chat_template(recipe: Recipe, tokenizer: Tokenizer) -> str:
-    """The recipe's chat template, checked as the runtimes will use it: it compiles and renders
-    a one-message chat, so a broken one is refused before the compile, not by `aotgen run`."""
+def with_recipe_template(recipe: Recipe, tokenizer: Tokenizer) -> Tokenizer:
+    """`tokenizer` rendering the recipe's chat template, checked as the runtimes will use it:
+    it compiles and renders a one-message chat, so a broken one is refused before the compile,
+    not by `aotgen run`."""
     path = recipe.chat_template
     where = f"recipe {recipe.name!r}: chat_template"
     if path is None or not path.is_file():
@@ -108,7 +109,7 @@ def read_chat_template(recipe: Recipe, tokenizer: Tokenizer) -> str:
             f"{where} {path} does not render a one-message chat ({type(e).__name__}: {e}); "
             "fix the template"
         ) from None
-    return source
+    return templated
 
 
 def build_hash(ckpt: Checkpoint, recipe: Recipe, adapters: list[LoraAdapter]) -> str:

@@ -27,6 +27,9 @@ Message = dict[str, Any]
 # Read before tokenizer_config.json's and chat_template.json's template (as transformers does),
 # so a recipe's `chat_template` written here is the one the package renders.
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# The variables a chat itself gives its template (apply_chat_template's): extra template
+# variables (vLLM's chat_template_kwargs) may not set them.
+CHAT_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
 
 
 def _raise_exception(message: str) -> None:

@@ -124,8 +124,11 @@ std::optional<ChatTemplate> ChatTemplate::from_dir(const fs::path& dir) {
                       token_text(config.value("eos_token", ordered_json())));
 }
 
-void check_template_kwargs(const std::string& kwargs) {
-  if (kwargs.empty()) return;
+namespace {
+
+// `kwargs` (a JSON object's text, or empty) as template variables, checked.
+ordered_json template_variables(const std::string& kwargs) {
+  if (kwargs.empty()) return ordered_json::object();
   ordered_json object;
   try {
     object = ordered_json::parse(kwargs);
@@ -139,7 +142,12 @@ void check_template_kwargs(const std::string& kwargs) {
                                   "', which the chat itself gives the template");
     }
   }
+  return object;
 }
+
+}  // namespace
+
+void check_template_kwargs(const std::string& kwargs) { template_variables(kwargs); }
 
 std::string ChatTemplate::render(const std::vector<ChatMessage>& messages,
                                  bool add_generation_prompt, const std::string& kwargs) const {
@@ -151,8 +159,7 @@ std::string ChatTemplate::render(const std::vector<ChatMessage>& messages,
   for (const auto& [role, content] : messages) {
     list.push_back({{"role", role}, {"content", content}});
   }
-  check_template_kwargs(kwargs);
-  ordered_json variables = kwargs.empty() ? ordered_json::object() : ordered_json::parse(kwargs);
+  ordered_json variables = template_variables(kwargs);
   variables["messages"] = std::move(list);
   variables["add_generation_prompt"] = add_generation_prompt;
   variables["bos_token"] = impl_->bos_token;
@@ -177,8 +184,7 @@ bool ChatTemplate::takes_harmony() const { return aotgen::takes_harmony(impl_->s
 std::string chat_prompt(const ChatTemplate& tmpl, const std::vector<ChatMessage>& messages,
                         bool add_generation_prompt, const std::string& kwargs) {
   const bool has_system = !messages.empty() && messages.front().first == "system";
-  const bool no_kwargs = kwargs.empty() || ordered_json::parse(kwargs).empty();
-  if (tmpl.is_chatml() && !has_system && no_kwargs) {
+  if (tmpl.is_chatml() && !has_system && template_variables(kwargs).empty()) {
     return chatml_prompt(messages, add_generation_prompt);
   }
   return tmpl.render(messages, add_generation_prompt, kwargs);
