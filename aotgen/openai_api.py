@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from aotgen.runtime.engine import GenerationResult
 from aotgen.runtime.grammar import Grammar
 from aotgen.runtime.logprobs import MAX_TOP
+from aotgen.runtime.model_sampling import model_values
 from aotgen.runtime.rules import Penalties
 from aotgen.runtime.sampling import SEED_MAX
 from aotgen.runtime.tokenizer import CHAT_VARIABLES, Tokenizer
@@ -151,28 +152,14 @@ class RequestFields(BaseModel):
         return Grammar(kind, value)
 
 
-# A model's generation_config.json key -> the request field it sets when a request leaves it
-# out: the sampling defaults vLLM takes from a model (`--generation-config auto`), as llama.cpp
-# takes a GGUF's general.sampling.* (imported into generation_config.json).
-GENERATION_DEFAULTS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
-
-
 def sampling_defaults(generation_config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """The request fields a model's generation config sets, and, left out, each value no
-    request could send (out of its field's range), as `key=value (why)`."""
+    """The request fields a model's generation config sets where a request leaves them out
+    (vLLM's `--generation-config auto`), and, left out, each value no request could send (out
+    of its field's range), as `key=value (why)`."""
     defaults: dict[str, Any] = {}
     refused: list[str] = []
-    for key, name in GENERATION_DEFAULTS.items():
-        value = generation_config.get(key)
-        if value is None:
-            continue
+    for key, value in model_values(generation_config).items():
+        name = "max_tokens" if key == "max_new_tokens" else key
         try:
             RequestFields.model_validate({name: value})
         except ValidationError as e:

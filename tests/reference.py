@@ -171,3 +171,19 @@ def with_chat_template(package: Path, dest: Path, template: str) -> Path:
     config_path.write_text(json.dumps(config))
     write_manifest(copy, read_manifest(copy))
     return copy
+
+
+def with_generation_config(package: Path, dest: Path, values: dict) -> Path:
+    """A copy of `package` at `dest` whose generation_config.json also holds `values`, its
+    manifest hashed again."""
+    import json
+    import shutil
+
+    from aotgen.package.manifest import read_manifest, write_manifest
+
+    copy = Path(shutil.copytree(package, dest))
+    path = copy / "tokenizer" / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps(config | values))
+    write_manifest(copy, read_manifest(copy))
+    return copy

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -21,6 +20,8 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+
+from reference import with_generation_config  # noqa: E402
 
 from aotgen.runtime.engine import Engine, GenerationConfig  # noqa: E402
 from aotgen.runtime.lookup_cache import LookupCache  # noqa: E402
@@ -687,18 +688,6 @@ def test_client_leaving_mid_stream_frees_its_slot(smollm2_server):
     assert health["finished"].get("cancelled", 0) == before + 1
 
 
-def _with_generation_config(package: Path, dest: Path, values: dict) -> Path:
-    """A copy of `package` whose generation_config.json also holds `values`, hashed again."""
-    from aotgen.package.manifest import read_manifest, write_manifest
-
-    copy = Path(shutil.copytree(package, dest))
-    path = copy / "tokenizer" / "generation_config.json"
-    config = json.loads(path.read_text()) if path.is_file() else {}
-    path.write_text(json.dumps(config | values))
-    write_manifest(copy, read_manifest(copy))
-    return copy
-
-
 def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(
     tiny_batch_package, alone, tmp_path
 ):
@@ -707,7 +696,7 @@ def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(
     could send (temperature 3) is left out with a warning; `--generation-config none` serves
     OpenAI's defaults (temperature 1, 16 tokens)."""
     values = {"top_k": 1, "max_new_tokens": 5, "temperature": 3.0}
-    package = _with_generation_config(tiny_batch_package, tmp_path / "pkg", values)
+    package = with_generation_config(tiny_batch_package, tmp_path / "pkg", values)
     prompt = _ids(4, 7)
     greedy = alone.generate(prompt, GenerationConfig(5, ignore_eos=True))
 

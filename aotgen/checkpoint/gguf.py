@@ -336,7 +336,7 @@ def _hf_block(prefix: str, name: str) -> int | None:
 
 # general.sampling.* -> generation_config.json: the model's sampling values, which llama.cpp's
 # converter takes from generation_config.json and llama.cpp uses as its defaults (`aotgen serve`
-# too, openai_api.GENERATION_DEFAULTS).
+# and `aotgen run` too: runtime/model_sampling.py).
 SAMPLING_KEYS = {
     "temp": "temperature",
     "top_k": "top_k",

@@ -118,6 +118,11 @@ BACKEND_HELP = (
 )
 
 
+def check_generation_config(value: str) -> None:
+    if value not in ("auto", "none"):
+        raise CliError(f"--generation-config {value!r}: give 'auto' or 'none'")
+
+
 def check_backend(backend: str) -> None:
     from aotgen.runtime.onnx_backend import BACKENDS
 

@@ -21,6 +21,7 @@ from aotgen.cli.common import (
     app,
     at_least,
     check_backend,
+    check_generation_config,
     check_lookup_cache,
     check_lookup_cache_every,
     console,
@@ -69,17 +70,35 @@ def run(
     max_new_tokens: Annotated[
         int, typer.Option(help="stop after this many new tokens (>= 1)")
     ] = 256,
-    temperature: Annotated[float, typer.Option(help="0 = greedy; higher = more random")] = 0.0,
-    top_k: Annotated[int, typer.Option(help="sample from the K likeliest tokens; 0 = off")] = 0,
+    temperature: Annotated[
+        float | None,
+        typer.Option(help="0 = greedy; higher = more random (default: the model's, else 0)"),
+    ] = None,
+    top_k: Annotated[
+        int | None,
+        typer.Option(help="sample from the K likeliest tokens; 0 = off (default: the model's)"),
+    ] = None,
     top_p: Annotated[
-        float, typer.Option(help="sample from the smallest set with this much probability; 1 = off")
-    ] = 1.0,
-    min_p: Annotated[
-        float,
+        float | None,
         typer.Option(
-            help="drop tokens below this fraction of the top token's probability; 0 = off"
+            help="sample from the smallest set with this much probability; 1 = off (default: "
+            "the model's)"
         ),
-    ] = 0.0,
+    ] = None,
+    min_p: Annotated[
+        float | None,
+        typer.Option(
+            help="drop tokens below this fraction of the top token's probability; 0 = off "
+            "(default: the model's)"
+        ),
+    ] = None,
+    generation_config: Annotated[
+        str,
+        typer.Option(
+            help="'auto': sampling options not given take the model's values (its "
+            "generation_config.json, as transformers reads it); 'none': greedy and no filters"
+        ),
+    ] = "auto",
     seed: Annotated[
         int | None,
         typer.Option(help=f"sampling seed, 0..{SEED_MAX} (default: random)"),
@@ -93,8 +112,11 @@ def run(
         int, typer.Option(help="no eos, stop token or stop string before this many tokens")
     ] = 0,
     repetition_penalty: Annotated[
-        float, typer.Option(help="> 1 discourages tokens of the prompt and answer; 1 = off")
-    ] = 1.0,
+        float | None,
+        typer.Option(
+            help="> 1 discourages tokens of the prompt and answer; 1 = off (default: the model's)"
+        ),
+    ] = None,
     presence_penalty: Annotated[
         float, typer.Option(help="-2..2, subtracted from tokens the answer holds; 0 = off")
     ] = 0.0,
@@ -184,6 +206,7 @@ def run(
     under `torchrun --nproc-per-node N -m aotgen run ...`); only rank 0 prints.
     """
     _check_prompt_source(prompt, prompt_file, chat, system, interactive)
+    check_generation_config(generation_config)
     template_kwargs = _template_kwargs(chat_template_kwargs, chat, interactive)
     _check_speculation_options(lookup, k, ngram_min, ngram_max, draft_parallel, p_split)
     check_lookup_cache(lookup_cache, lookup)
@@ -207,9 +230,22 @@ def run(
     from aotgen.runtime.tree_draft import TreeParams
 
     constraint = structured_output(json_schema, regex, grammar)
-    penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty)
+    given = {
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "min_p": min_p,
+        "repetition_penalty": repetition_penalty,
+    }
+    own = {key: value for key, value in given.items() if value is not None}
+    values = RUN_SAMPLING | own
+    penalties = Penalties(values["repetition_penalty"], presence_penalty, frequency_penalty)
     sampling = SamplingParams(
-        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p
+        temperature=values["temperature"],
+        top_k=values["top_k"],
+        top_p=values["top_p"],
+        seed=seed,
+        min_p=values["min_p"],
     )
     text = read_prompt_file(prompt_file) if prompt_file is not None else prompt
     mode = speculative_mode(speculative, lookup)
@@ -234,6 +270,8 @@ def run(
     engine = _start_engine(package, backend, resolve_threads(threads), launch)
     if engine is None:  # launched as ranks, or a rank other than 0 (it served rank 0's calls)
         return
+    if generation_config == "auto":
+        cfg = _with_model_sampling(cfg, engine.generation_config(), set(own))
     if lookup_cache is not None:
         engine.lookup_cache = LookupCache.open(lookup_cache, engine.target.vocab_size)
     try:
@@ -247,6 +285,48 @@ def run(
     finally:
         if engine.lookup_cache is not None and lookup_cache is not None:
             engine.lookup_cache.save(lookup_cache)
+
+
+# `aotgen run`'s sampling where neither the command line nor the model gives a value: greedy.
+RUN_SAMPLING = {
+    "temperature": 0.0,
+    "top_k": 0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+
+def _with_model_sampling(
+    cfg: GenerationConfig, generation_config: dict[str, Any], own: set[str]
+) -> GenerationConfig:
+    """`cfg` with the model's sampling values where the command line gives none, said on
+    stderr (runtime/model_sampling.py)."""
+    from aotgen.runtime.model_sampling import generation_defaults
+
+    defaults, refused = generation_defaults(generation_config)
+    for value in refused:
+        console.print(
+            f"warning: generation_config.json's {value} left out", markup=False, soft_wrap=True
+        )
+    taken = {key: value for key, value in defaults.items() if key not in own}
+    if not taken:
+        return cfg
+    listed = ", ".join(f"{key}={value}" for key, value in taken.items())
+    console.print(
+        f"the model's sampling (generation_config.json): {listed}; options given win "
+        "(--generation-config none: greedy)",
+        markup=False,
+        style="dim",
+        soft_wrap=True,
+    )
+    repetition = taken.pop("repetition_penalty", None)
+    penalties = cfg.penalties
+    if repetition is not None and penalties is not None:
+        penalties = dataclasses.replace(penalties, repetition=float(repetition))
+    return dataclasses.replace(
+        cfg, sampling=dataclasses.replace(cfg.sampling, **taken), penalties=penalties
+    )
 
 
 def _check_prompt_source(
@@ -602,8 +682,7 @@ def serve(
     ] = "auto",
 ) -> None:
     """Serve a package over an OpenAI-compatible HTTP API, many requests at once."""
-    if generation_config not in ("auto", "none"):
-        raise CliError(f"--generation-config {generation_config!r}: give 'auto' or 'none'")
+    check_generation_config(generation_config)
     if lookup not in (None, "ngram"):
         raise CliError(f"--lookup {lookup!r}: the only lookup is 'ngram'")
     check_lookup_cache(lookup_cache, lookup)
@@ -653,14 +732,10 @@ def serve(
 
 
 def _sampling_defaults(engine: BatchEngine, console: Console) -> dict[str, Any]:
-    """The model's sampling defaults (the package's generation_config.json, verified at load),
-    said once at start, as vLLM says them."""
+    """The model's sampling defaults, said once at start, as vLLM says them."""
     from aotgen.openai_api import sampling_defaults
 
-    target = engine.engine
-    path = target.root / target.manifest["tokenizer"]["dir"] / "generation_config.json"
-    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    defaults, refused = sampling_defaults(config if isinstance(config, dict) else {})
+    defaults, refused = sampling_defaults(engine.engine.generation_config())
     for value in refused:
         console.print(
             f"warning: generation_config.json's {value} left out: no request could send it"

@@ -23,6 +23,7 @@ from aotgen.runtime.grammar import Grammar, GrammarError, GrammarTokens
 from aotgen.runtime.logprobs import TokenLogprob, token_logprobs
 from aotgen.runtime.lookup_cache import LookupCache
 from aotgen.runtime.model_runner import GenerationError, ModelRunner
+from aotgen.runtime.model_sampling import read_generation_config
 from aotgen.runtime.onnx_backend import BACKENDS
 from aotgen.runtime.proposers import (
     DraftOrLookupProposer,
@@ -209,6 +210,13 @@ class Engine:
             time.perf_counter() - t0,
             backend,
         )
+
+    def generation_config(self) -> dict[str, Any]:
+        """The package's generation_config.json (verified at load): the model's own sampling
+        values among its keys (runtime/model_sampling.py)."""
+        if self.root is None or "tokenizer" not in self.manifest:
+            return {}
+        return read_generation_config(self.root / self.manifest["tokenizer"]["dir"])
 
     # ---- prompts -------------------------------------------------------------------------
     def chat_ids(
