@@ -62,9 +62,10 @@ def _run(package: Path, *flags: str) -> tuple[list[int], str]:
 def test_run_samples_with_the_models_values(tiny_batch_package, engine, tmp_path):
     """Every value the command line leaves out is the model's (the seeded sample at its
     temperature and top_k); one it gives wins (top_k 0: the sample over every token, under the
-    model's repetition penalty); `--generation-config none` is greedy."""
+    model's repetition penalty); `--generation-config none` is greedy; a value the runtime
+    refuses (top_p 2) is left out with a warning naming it."""
     model = {"do_sample": True, "temperature": 0.8, "top_k": 3, "repetition_penalty": 1.5}
-    package = with_generation_config(tiny_batch_package, tmp_path / "pkg", model)
+    package = with_generation_config(tiny_batch_package, tmp_path / "pkg", model | {"top_p": 2.0})
     ids = engine.tokenizer.prompt_ids(PROMPT)
 
     def want(top_k: int, temperature: float = 0.8, repetition: float = 1.5) -> list[int]:
@@ -77,7 +78,8 @@ def test_run_samples_with_the_models_values(tiny_batch_package, engine, tmp_path
     assert len({tuple(want(3)), tuple(want(0)), tuple(want(0, repetition=1.0)), tuple(greedy)}) == 4
     got, log = _run(package, "--seed", "5")
     assert got == want(3)
-    assert "temperature=0.8, top_k=3, repetition_penalty=1.5" in log
+    assert "temperature=0.8, top_k=3, repetition_penalty=1.5;" in log
+    assert "generation_config.json's top_p=2.0 (top_p must be in (0, 1]" in log
     assert _run(package, "--seed", "5", "--top-k", "0")[0] == want(0)
     assert _run(package, "--seed", "5", "--generation-config", "none")[0] == greedy
 

@@ -43,7 +43,8 @@ def generation_defaults(config: dict[str, Any]) -> tuple[dict[str, Any], list[st
         values.setdefault("temperature", 1.0)
     defaults: dict[str, Any] = {}
     refused: list[str] = []
-    for key, value in values.items():
+    for key in (key for key in SAMPLING_KEYS if key in values):
+        value = values[key]
         try:
             _check(key, value)
         except ValueError as e:

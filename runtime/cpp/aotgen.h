@@ -65,6 +65,20 @@ struct SamplingParams {
   void validate() const;
 };
 
+// A model's own sampling values: the package's generation_config.json, read as transformers
+// reads it (`do_sample: false` decodes greedily whatever the temperature says, `do_sample:
+// true` without a temperature samples at 1; aotgen/runtime/model_sampling.py). `aotgen-run`
+// takes them where its command line gives none. A value the file leaves out is none, and so
+// is one the runtime refuses, listed in `refused` as "key=value (why)".
+struct ModelSampling {
+  std::optional<double> temperature;
+  std::optional<int64_t> top_k;
+  std::optional<double> top_p;
+  std::optional<double> min_p;
+  std::optional<double> repetition_penalty;
+  std::vector<std::string> refused;
+};
+
 // DraftNgram: n-gram lookup proposes when it finds a match, the draft model otherwise.
 enum class Speculative { None, Ngram, Draft, DraftNgram };
 
@@ -225,6 +239,7 @@ class Engine {
 
   const Tokenizer& tokenizer() const;
   const std::vector<int64_t>& eos_ids() const;
+  const ModelSampling& model_sampling() const;  // the model's sampling values
   int64_t max_seq_len() const;
   int64_t verify_k() const;
   int64_t vocab_size() const;  // the model's logits width

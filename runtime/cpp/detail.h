@@ -9,6 +9,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 
@@ -39,6 +41,11 @@ MappedFiles verify_weight_files(const std::string& manifest_text,
 
 // Manifest dtype name ("float32", "bfloat16", ...) -> scalar type; PackageError otherwise.
 at::ScalarType dtype_from_name(const std::string& name);
+
+// ---- model_sampling.cpp: aotgen/runtime/model_sampling.py --------------------------------
+
+// generation_config.json's object -> the model's sampling values (Engine::model_sampling).
+ModelSampling read_model_sampling(const nlohmann::json& generation_config);
 
 // ---- sampling.cpp: aotgen/runtime/sampling.py and speculative.py, op for op ----------------
 

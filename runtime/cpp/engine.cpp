@@ -319,6 +319,7 @@ Engine Engine::load(const fs::path& package_dir, const LoadOptions& options, int
       if (const auto id = impl->tokenizer->token_id(*eos_token)) eos.insert(*id);
     }
     impl->eos_ids.assign(eos.begin(), eos.end());
+    impl->model_sampling = detail::read_model_sampling(gen_config);
     if (tok_config.value("add_bos_token", json()) == json(true)) {  // tokenizer.py prompt_ids
       std::set<int64_t> bos;
       const json gen_bos = gen_config.value("bos_token_id", json());
@@ -508,6 +509,7 @@ std::vector<int64_t> Engine::prompt_ids(const std::string& text) const {
 
 const Tokenizer& Engine::tokenizer() const { return *impl_->tokenizer; }
 const std::vector<int64_t>& Engine::eos_ids() const { return impl_->eos_ids; }
+const ModelSampling& Engine::model_sampling() const { return impl_->model_sampling; }
 int64_t Engine::max_seq_len() const { return impl_->max_seq_len; }
 int64_t Engine::verify_k() const { return impl_->verify_k; }
 int64_t Engine::vocab_size() const { return impl_->target->vocab_size(); }

@@ -205,6 +205,7 @@ struct EngineState {
   nlohmann::json manifest;
   std::optional<Tokenizer> tokenizer;  // always set once loaded
   std::vector<int64_t> eos_ids;
+  ModelSampling model_sampling;  // generation_config.json's sampling values
   std::optional<int64_t> bos_id;  // led plain prompts when the checkpoint asks (add_bos_token)
   std::optional<ChatTemplate> chat_template;
   std::string template_kwargs;  // JSON object text: more chat template variables

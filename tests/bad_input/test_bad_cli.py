@@ -368,6 +368,11 @@ ROWS = [
         "--chat-template-kwargs goes with --chat or --interactive",
         cpp=False,  # a usage error there: the usage follows
     ),
+    run(
+        "generation-config-bad",
+        ("--generation-config", "hf"),
+        "--generation-config 'hf': give 'auto' or 'none'",
+    ),
     run("stop-empty", ("--stop", ""), "--stop is empty: give the text that ends the answer"),
     run("threads-zero", ("--threads", "0"), "--threads must be >= 1"),
     run(

@@ -19,6 +19,8 @@
 #include <fstream>
 #include <iostream>
 #include <optional>
+#include <set>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -51,12 +53,12 @@ prompt (exactly one):
 options:
   --system TEXT          system message; --chat-template-kwargs JSON: template variables
   --max-new-tokens N     stop after N new tokens, N >= 1 (default 256)
-  --temperature T        0 = greedy (default 0)
-  --top-k K              0 = off (default 0)
-  --top-p P              1 = off (default 1)
-  --min-p P              drop tokens below P x the top one's probability; 0 = off (default 0)
+  --temperature T        0 = greedy; --top-k K: 0 = off; --top-p P: 1 = off; --min-p P: drop
+                         tokens below P x the top one's probability, 0 = off
   --repetition-penalty R, --presence-penalty P, --frequency-penalty F
                          penalties on repeated tokens, as `aotgen run`'s (off: 1, 0, 0)
+  --generation-config auto|none  temperature, top-k, top-p, min-p and repetition penalty
+                         not given: the model's (auto, default), or greedy and off (none)
   --seed S               sampling seed, 0..18446744073709551615 (default: random)
   --stop TEXT            stop string; --stop-token-id ID: stop token (both repeatable)
   --ignore-eos           keep going past eos; --min-tokens N: no end before N tokens
@@ -179,6 +181,8 @@ struct Args {
   aotgen::LoadOptions load;
   bool print_ids = false;
   bool interactive = false;
+  bool model_sampling = true;             // --generation-config auto
+  std::set<std::string> sampling_given;  // the sampling flags given, by ModelSampling's names
 };
 
 const char* mode_name(aotgen::Speculative mode) {
@@ -217,15 +221,26 @@ Args parse_args(int argc, char** argv) {
       args.template_kwargs = value();
     } else if (arg == "--max-new-tokens") {
       cfg.max_new_tokens = parse_number<int64_t>(arg, value());
+    } else if (arg == "--generation-config") {
+      const std::string_view mode = value();
+      if (mode != "auto" && mode != "none") {
+        throw BadValue("--generation-config '" + std::string(mode) + "': give 'auto' or 'none'");
+      }
+      args.model_sampling = mode == "auto";
     } else if (arg == "--temperature") {
+      args.sampling_given.insert("temperature");
       cfg.sampling.temperature = parse_number<double>(arg, value());
     } else if (arg == "--top-k") {
+      args.sampling_given.insert("top_k");
       cfg.sampling.top_k = parse_number<int64_t>(arg, value());
     } else if (arg == "--top-p") {
+      args.sampling_given.insert("top_p");
       cfg.sampling.top_p = parse_number<double>(arg, value());
     } else if (arg == "--min-p") {
+      args.sampling_given.insert("min_p");
       cfg.sampling.min_p = parse_number<double>(arg, value());
     } else if (arg == "--repetition-penalty") {
+      args.sampling_given.insert("repetition_penalty");
       cfg.penalties.repetition = parse_number<double>(arg, value());
     } else if (arg == "--presence-penalty") {
       cfg.penalties.presence = parse_number<double>(arg, value());
@@ -491,6 +506,32 @@ std::string answer(aotgen::Engine& engine, const std::vector<int64_t>& ids, cons
   return std::move(split.content);
 }
 
+// The model's sampling values where the command line gives none, said on stderr (as
+// aotgen/cli/run.py _with_model_sampling).
+void take_model_sampling(const aotgen::ModelSampling& model, Args& args) {
+  for (const auto& value : model.refused) {
+    std::cerr << "warning: generation_config.json's " << value << " left out\n";
+  }
+  std::string taken;
+  const auto take = [&](const char* name, const auto& value, auto& field) {
+    if (!value || args.sampling_given.count(name)) return;
+    field = *value;
+    std::ostringstream text;
+    text << (taken.empty() ? "" : ", ") << name << "=" << *value;
+    taken += text.str();
+  };
+  auto& cfg = args.config;
+  take("temperature", model.temperature, cfg.sampling.temperature);
+  take("top_k", model.top_k, cfg.sampling.top_k);
+  take("top_p", model.top_p, cfg.sampling.top_p);
+  take("min_p", model.min_p, cfg.sampling.min_p);
+  take("repetition_penalty", model.repetition_penalty, cfg.penalties.repetition);
+  if (!taken.empty()) {
+    std::cerr << "the model's sampling (generation_config.json): " << taken
+              << "; options given win (--generation-config none: greedy)\n";
+  }
+}
+
 int run(Args args) {
   const auto t_start = Clock::now();
   check_values(args);
@@ -500,6 +541,7 @@ int run(Args args) {
   }
   warn_if_oversubscribed(args.load.threads);
   auto engine = aotgen::Engine::load(args.package, args.load);
+  if (args.model_sampling) take_model_sampling(engine.model_sampling(), args);
   if (args.template_kwargs) engine.set_chat_template_kwargs(*args.template_kwargs);
   if (args.lookup_cache) {
     engine.set_lookup_cache(std::make_shared<aotgen::LookupCache>(
