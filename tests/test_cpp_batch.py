@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from cpp_build import cmake_cache_value, require_cpp_build
-from reference import r1_thinking_template, with_chat_template
+from reference import r1_thinking_template, with_chat_template, with_generation_config
 
 from aotgen.harmony import split_harmony
 from aotgen.reasoning import split_reasoning
@@ -217,6 +217,41 @@ def test_chat_harmony_comes_apart(batch_bin, tiny_package, tmp_path):
     assert (got[1]["reasoning"], got[1]["content"]) == (None, got[1]["text"])
 
 
+def test_template_variables_and_the_models_sampling(batch_bin, tiny_package, tmp_path):
+    """Under Qwen3's template, `--chat-template-kwargs` and a request's own
+    `chat_template_kwargs` (over it) give the prompt ids the Python engine gives; a request
+    that leaves out temperature and top_k samples with the model's (generation_config.json:
+    the Python engine's seeded sample with them), unless `--generation-config none`."""
+    qwen3 = with_chat_template(tiny_package, tmp_path / "qwen3", "Qwen-Qwen3-0.6B.jinja")
+    model = {"do_sample": True, "temperature": 0.8, "top_k": 3}
+    package = with_generation_config(qwen3, tmp_path / "pkg", model)
+    engine = Engine.load(package)
+    off, on = (
+        engine.chat_ids("Hi", template_kwargs={"enable_thinking": False}),
+        engine.chat_ids("Hi"),
+    )
+    assert off != on
+    request = {"chat": "Hi", "max_new_tokens": 8, "ignore_eos": True, "seed": 5}
+    requests = [request, request | {"chat_template_kwargs": {"enable_thinking": True}}]
+    kwargs = ["--chat-template-kwargs", '{"enable_thinking": false}']
+    proc = run_batch(batch_bin, package, requests, tmp_path, *kwargs)
+    got, _ = cpp_results(proc)
+    assert [r["prompt_ids"] for r in got] == [off, on]
+
+    def want(sampling: SamplingParams) -> list[int]:
+        config = GenerationConfig(8, sampling, ignore_eos=True)
+        return engine.generate(off, config).token_ids
+
+    sampled, greedy = want(SamplingParams(0.8, top_k=3, seed=5)), want(SamplingParams())
+    assert sampled not in (greedy, want(SamplingParams(0.8, seed=5)))
+    assert got[0]["ids"] == sampled
+    assert "temperature=0.8, top_k=3;" in proc.stderr
+    none = run_batch(
+        batch_bin, package, requests[:1], tmp_path, *kwargs, "--generation-config", "none"
+    )
+    assert cpp_results(none)[0][0]["ids"] == greedy
+
+
 def _both_runtimes(
     binary: Path, package: Path, prompts: list[list[int]], configs: list, tmp_path: Path
 ) -> tuple[list[dict], list]:
@@ -312,11 +347,20 @@ def test_bad_requests(batch_bin, tiny_batch_package, tmp_path):
         ({"prompt_ids": [1, 2], "max_new_tokens": 500}, "request 1: prompt (2 tokens)"),
         ({"prompt_ids": [1, 2], "colour": "red"}, "line 1: unknown field 'colour'"),
         ({"prompt_ids": [1, 2], "temperature": -1}, "request 1: temperature"),
+        ({"chat": "hi", "chat_template_kwargs": [1]}, "line 1: chat_template_kwargs must be a"),
+        (
+            {"chat": "hi", "chat_template_kwargs": {"messages": []}},
+            "line 1: chat_template_kwargs sets 'messages', which the chat itself gives",
+        ),
     ]
     for request, message in cases:
         proc = run_batch(batch_bin, tiny_batch_package, [request], tmp_path, check=False)
         assert proc.returncode == 1, proc.stderr
         assert len(proc.stderr.splitlines()) == 1 and message in proc.stderr, proc.stderr
+    args = ["--chat-template-kwargs", "[1]"]
+    proc = run_batch(batch_bin, tiny_batch_package, [{"chat": "hi"}], tmp_path, *args, check=False)
+    assert proc.returncode == 1
+    assert proc.stderr == "aotgen-batch: error: --chat-template-kwargs must be a JSON object\n"
 
 
 # ---- the real model -------------------------------------------------------------------------

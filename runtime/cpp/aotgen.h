@@ -220,6 +220,10 @@ class Engine {
   // user, then the assistant's turn. Sent again with each new message, its earlier turns are
   // found in the KV cache (GenerationConfig::reuse_prefix).
   std::vector<int64_t> chat_ids(const std::vector<ChatMessage>& messages) const;
+  // The same with `template_kwargs` (as set_chat_template_kwargs takes them) for this chat
+  // alone, e.g. one request's of many; std::invalid_argument as there.
+  std::vector<int64_t> chat_ids(const std::vector<ChatMessage>& messages,
+                                const std::string& template_kwargs) const;
   // More variables for the chat template, a JSON object's text (vLLM's chat_template_kwargs,
   // e.g. {"enable_thinking": false}), for every chat_ids after it; std::invalid_argument
   // naming the problem when it is not a JSON object or sets the chat's own variables.

@@ -470,12 +470,16 @@ std::vector<int64_t> Engine::chat_ids(const std::string& user,
 }
 
 std::vector<int64_t> Engine::chat_ids(const std::vector<ChatMessage>& messages) const {
+  return chat_ids(messages, impl_->template_kwargs);
+}
+
+std::vector<int64_t> Engine::chat_ids(const std::vector<ChatMessage>& messages,
+                                      const std::string& template_kwargs) const {
   if (!impl_->chat_template) {
     throw std::runtime_error(impl_->root.string() +
                              ": the package has no chat template: pass the prompt with --prompt");
   }
-  return encode_chat(*impl_->tokenizer, *impl_->chat_template, messages, true,
-                     impl_->template_kwargs);
+  return encode_chat(*impl_->tokenizer, *impl_->chat_template, messages, true, template_kwargs);
 }
 
 void Engine::set_chat_template_kwargs(const std::string& kwargs) {

@@ -15,6 +15,7 @@
 #include <iostream>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -25,6 +26,7 @@
 
 #include "aotgen.h"
 #include "logprobs_json.h"
+#include "model_sampling.h"
 #include "threads.h"
 
 namespace {
@@ -35,6 +37,7 @@ constexpr const char* kUsage = R"(usage: aotgen-batch PACKAGE REQUESTS [options]
 
 REQUESTS: a file (- for stdin), one request per line: a plain text prompt, or a JSON object
   {"prompt": TEXT | "chat": TEXT | "prompt_ids": [IDS], "system": TEXT,
+   "chat_template_kwargs": {...} (over --chat-template-kwargs'),
    "max_new_tokens": N, "temperature": T, "top_k": K, "top_p": P, "min_p": P, "seed": S,
    "repetition_penalty": R, "presence_penalty": P, "frequency_penalty": F,
    "logit_bias": {"ID": BIAS},
@@ -48,6 +51,9 @@ options (defaults for every request):
   --max-new-tokens N     (default 256)
   --temperature T, --top-k K, --top-p P, --min-p P, --seed S, --ignore-eos,
   --lookup ngram, --speculative
+  --generation-config auto|none  temperature, top-k, top-p, min-p and repetition penalty
+                         given nowhere: the model's (auto, default), or greedy and off (none)
+  --chat-template-kwargs JSON  more chat template variables, e.g. '{"enable_thinking": false}'
   --lookup-cache FILE    n-gram counts of earlier requests for lookup to draft from
                          (llama.cpp's lookup-cache format): read if it exists, every
                          request's text added, written back at the end
@@ -79,6 +85,9 @@ struct Args {
   std::string package, requests;
   std::optional<std::string> lookup_cache;
   bool chat = false, lookup = false, draft = false;
+  bool model_sampling = true;            // --generation-config auto
+  std::set<std::string> sampling_given;  // the sampling options given, by ModelSampling's names
+  std::string template_kwargs = "{}";    // --chat-template-kwargs
   aotgen::GenerationConfig config;
   aotgen::LoadOptions load;
   aotgen::BatchOptions batch;
@@ -105,13 +114,25 @@ Args parse_args(int argc, char** argv) {
       args.chat = true;
     } else if (arg == "--max-new-tokens") {
       cfg.max_new_tokens = parse_number<int64_t>(arg, value());
+    } else if (arg == "--generation-config") {
+      const std::string_view mode = value();
+      if (mode != "auto" && mode != "none") {
+        throw UsageError("--generation-config '" + std::string(mode) + "': give 'auto' or 'none'");
+      }
+      args.model_sampling = mode == "auto";
+    } else if (arg == "--chat-template-kwargs") {
+      args.template_kwargs = value();
     } else if (arg == "--temperature") {
+      args.sampling_given.insert("temperature");
       cfg.sampling.temperature = parse_number<double>(arg, value());
     } else if (arg == "--top-k") {
+      args.sampling_given.insert("top_k");
       cfg.sampling.top_k = parse_number<int64_t>(arg, value());
     } else if (arg == "--top-p") {
+      args.sampling_given.insert("top_p");
       cfg.sampling.top_p = parse_number<double>(arg, value());
     } else if (arg == "--min-p") {
+      args.sampling_given.insert("min_p");
       cfg.sampling.min_p = parse_number<double>(arg, value());
     } else if (arg == "--seed") {
       cfg.sampling.seed = parse_number<uint64_t>(arg, value());
@@ -168,16 +189,31 @@ struct Line {
   }
 };
 
+// A request's chat template variables: its own `chat_template_kwargs` over the command line's.
+std::string template_kwargs(const Args& args, const json& request) {
+  json kwargs = json::parse(args.template_kwargs);
+  const json own = request.value("chat_template_kwargs", json::object());
+  if (!own.is_object()) throw std::invalid_argument("chat_template_kwargs must be a JSON object");
+  kwargs.update(own);
+  try {
+    aotgen::check_template_kwargs(kwargs.dump());
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string("chat_template_kwargs ") + e.what());
+  }
+  return kwargs.dump();
+}
+
 Line parse_line(const std::string& text, const Args& args, const aotgen::Engine& engine) {
   Line line{{}, args.config, std::nullopt, std::nullopt, std::nullopt};
   if (!text.starts_with("{")) {
-    line.prompt_ids = args.chat ? engine.chat_ids(text) : engine.prompt_ids(text);
+    line.prompt_ids = args.chat ? engine.chat_ids({{"user", text}}, args.template_kwargs)
+                                : engine.prompt_ids(text);
     if (args.chat) line.read_answer_start(engine);
     return line;
   }
   const json r = json::parse(text);  // json::exception: reported with the line number
   static const std::vector<std::string> known = {
-      "prompt", "chat", "prompt_ids", "system", "max_new_tokens", "temperature", "top_k",
+      "prompt", "chat", "prompt_ids", "system", "chat_template_kwargs", "max_new_tokens", "temperature", "top_k",
       "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty",
       "logit_bias", "stop", "stop_token_ids", "min_tokens", "ignore_eos", "lookup",
       "speculative", "k", "ngram_min",
@@ -190,9 +226,10 @@ Line parse_line(const std::string& text, const Args& args, const aotgen::Engine&
   const int prompts = r.contains("prompt") + r.contains("chat") + r.contains("prompt_ids");
   if (prompts != 1) throw std::invalid_argument("give exactly one of prompt, chat, prompt_ids");
   if (r.contains("chat")) {
-    const auto system = r.contains("system") ? std::optional(r["system"].get<std::string>())
-                                             : std::nullopt;
-    line.prompt_ids = engine.chat_ids(r["chat"].get<std::string>(), system);
+    std::vector<aotgen::ChatMessage> messages;
+    if (r.contains("system")) messages.emplace_back("system", r["system"].get<std::string>());
+    messages.emplace_back("user", r["chat"].get<std::string>());
+    line.prompt_ids = engine.chat_ids(messages, template_kwargs(args, r));
     line.read_answer_start(engine);
   } else if (r.contains("prompt")) {
     line.prompt_ids = engine.prompt_ids(r["prompt"].get<std::string>());
@@ -271,8 +308,16 @@ json spec_json(const std::optional<aotgen::SpecStats>& s) {
 int run(Args args) {
   const auto t0 = std::chrono::steady_clock::now();
   args.batch.max_queue = 1 << 30;  // every line is submitted up front
+  try {
+    aotgen::check_template_kwargs(args.template_kwargs);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string("--chat-template-kwargs ") + e.what());
+  }
   warn_if_oversubscribed(args.load.threads);
   auto batch = aotgen::BatchEngine::load(args.package, args.load, args.batch);
+  if (args.model_sampling) {
+    take_model_sampling(batch.engine().model_sampling(), args.sampling_given, args.config);
+  }
   if (args.lookup_cache) {
     batch.set_lookup_cache(std::make_shared<aotgen::LookupCache>(
         aotgen::LookupCache::open(*args.lookup_cache, batch.engine().vocab_size())));

@@ -20,7 +20,6 @@
 #include <iostream>
 #include <optional>
 #include <set>
-#include <sstream>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -34,6 +33,7 @@
 
 #include "aotgen.h"
 #include "logprobs_json.h"
+#include "model_sampling.h"
 #include "threads.h"
 
 namespace {
@@ -506,32 +506,6 @@ std::string answer(aotgen::Engine& engine, const std::vector<int64_t>& ids, cons
   return std::move(split.content);
 }
 
-// The model's sampling values where the command line gives none, said on stderr (as
-// aotgen/cli/run.py _with_model_sampling).
-void take_model_sampling(const aotgen::ModelSampling& model, Args& args) {
-  for (const auto& value : model.refused) {
-    std::cerr << "warning: generation_config.json's " << value << " left out\n";
-  }
-  std::string taken;
-  const auto take = [&](const char* name, const auto& value, auto& field) {
-    if (!value || args.sampling_given.count(name)) return;
-    field = *value;
-    std::ostringstream text;
-    text << (taken.empty() ? "" : ", ") << name << "=" << *value;
-    taken += text.str();
-  };
-  auto& cfg = args.config;
-  take("temperature", model.temperature, cfg.sampling.temperature);
-  take("top_k", model.top_k, cfg.sampling.top_k);
-  take("top_p", model.top_p, cfg.sampling.top_p);
-  take("min_p", model.min_p, cfg.sampling.min_p);
-  take("repetition_penalty", model.repetition_penalty, cfg.penalties.repetition);
-  if (!taken.empty()) {
-    std::cerr << "the model's sampling (generation_config.json): " << taken
-              << "; options given win (--generation-config none: greedy)\n";
-  }
-}
-
 int run(Args args) {
   const auto t_start = Clock::now();
   check_values(args);
@@ -541,7 +515,9 @@ int run(Args args) {
   }
   warn_if_oversubscribed(args.load.threads);
   auto engine = aotgen::Engine::load(args.package, args.load);
-  if (args.model_sampling) take_model_sampling(engine.model_sampling(), args);
+  if (args.model_sampling) {
+    take_model_sampling(engine.model_sampling(), args.sampling_given, args.config);
+  }
   if (args.template_kwargs) engine.set_chat_template_kwargs(*args.template_kwargs);
   if (args.lookup_cache) {
     engine.set_lookup_cache(std::make_shared<aotgen::LookupCache>(
