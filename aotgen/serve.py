@@ -1,10 +1,11 @@
 """`aotgen serve artifacts/NAME`: an OpenAI-compatible HTTP server over the batch engine.
 
 FastAPI + uvicorn (`pip install 'aotgen[serve]'`). Endpoints: `POST /v1/chat/completions`,
-`POST /v1/completions` (streamed as server-sent events ending in `data: [DONE]`, or whole),
-`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus), vLLM's `POST /tokenize` and
-`POST /detokenize`. Structured output: OpenAI's `response_format` (`json_object`,
-`json_schema`) or vLLM's `structured_outputs` (`json`, `regex`, `grammar`, `choice`). Tool
+`POST /v1/responses` (aotgen/serve_responses.py), `POST /v1/completions` (streamed as
+server-sent events ending in `data: [DONE]`, or whole), `GET /v1/models`, `GET /health`,
+`GET /metrics` (Prometheus), vLLM's `POST /tokenize` and `POST /detokenize`. Structured
+output: OpenAI's `response_format` (`json_object`, `json_schema`) or vLLM's
+`structured_outputs` (`json`, `regex`, `grammar`, `choice`). Tool
 calls: `tools`, `tool_choice`, in the format the chat template teaches (aotgen/tool_calls.py);
 reasoning apart (aotgen/reasoning.py). The engine steps in its own thread; each request is
 handed its text through an asyncio queue. A client that goes away has its request cancelled,
@@ -45,11 +46,13 @@ from aotgen.openai_api import (
     usage_of,
 )
 from aotgen.reasoning import thinking_of
+from aotgen.responses_api import ResponseStore
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.engine import GenerationConfig, GenerationError, GenerationResult
 from aotgen.runtime.lookup_cache import SAVE_EVERY_S, PeriodicSave
 from aotgen.runtime.sampling import SEED_MAX, SamplingParams
 from aotgen.runtime.scheduler import QueueFull
+from aotgen.serve_responses import responses_routes
 from aotgen.tool_calls import tool_format
 
 
@@ -74,6 +77,7 @@ class Server:
         self.defaults = defaults  # request fields a request leaves out (sampling_defaults)
         self.created = int(time.time())
         self.metrics = ServeMetrics(engine)
+        self.responses = ResponseStore()  # the Responses API's stored responses
 
     def model(self, requested: str | None) -> str:
         """The name an answer carries: the request's, which must be one this server serves
@@ -128,6 +132,27 @@ class Server:
             logprobs=req.logprob_count(),
             prompt_logprobs=req.prompt_logprob_count(),
         )
+
+    def chat(
+        self, req: ChatRequest
+    ) -> tuple[ChatRequest, list[int], GenerationConfig, ChatAnswers]:
+        """A chat request with the model's defaults, its prompt, its config (a forced tool
+        call's or a response format's grammar on the answer, not the reasoning) and the
+        answers' shape."""
+        tok = self.engine.tokenizer
+        name, req = self.model(req.model), req.with_defaults(self.defaults)
+        fmt, forced = req.tool_calls(tool_format(tok.chat_template, req.tool_dicts()))
+        prompt = req.prompt_ids(tok)
+        config = self.config(req, prompt, req.max_completion_tokens or req.max_tokens)
+        if forced is not None:
+            config = replace(config, grammar=forced)
+        thinking, head = thinking_of(tok, prompt), head_of(tok, prompt)
+        if config.grammar is not None:  # the answer's, not the reasoning's
+            if head is not None:  # a forced harmony call reasons first already
+                config = replace(config, grammar=forced or final_answer(config.grammar))
+            elif thinking is not None:
+                config = replace(config, grammar=config.grammar.after_reasoning(opened=thinking))
+        return req, prompt, config, ChatAnswers(tok, name, req.n, thinking, fmt, head)
 
     def submit(
         self, prompts: list[list[int]], config: GenerationConfig, n: int
@@ -270,6 +295,7 @@ def create_app(
         _require_api_key(app, api_key)
     app.include_router(_info_routes(server))
     app.include_router(_generation_routes(server))
+    app.include_router(responses_routes(server))
     return app
 
 
@@ -377,19 +403,7 @@ def _generation_routes(server: Server) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Any:
-        name, req = server.model(req.model), req.with_defaults(server.defaults)
-        fmt, forced = req.tool_calls(tool_format(tok.chat_template, req.tool_dicts()))
-        prompt = req.prompt_ids(tok)
-        config = server.config(req, prompt, req.max_completion_tokens or req.max_tokens)
-        if forced is not None:
-            config = replace(config, grammar=forced)
-        thinking, head = thinking_of(tok, prompt), head_of(tok, prompt)
-        if config.grammar is not None:  # the answer's, not the reasoning's
-            if head is not None:  # a forced harmony call reasons first already
-                config = replace(config, grammar=forced or final_answer(config.grammar))
-            elif thinking is not None:
-                config = replace(config, grammar=config.grammar.after_reasoning(opened=thinking))
-        answers = ChatAnswers(tok, name, req.n, thinking, fmt, head)
+        req, prompt, config, answers = server.chat(req)
         return await _respond(
             server, request, req, [prompt], config, answers.chunk, choice=answers.choice
         )

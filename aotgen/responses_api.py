@@ -1,0 +1,200 @@
+"""OpenAI's Responses API (`POST /v1/responses`) as a chat request: input items become chat
+messages, function tools and the text format become the chat API's, and a stored response's
+conversation (`previous_response_id`) comes before the new input. The answer's output items
+are aotgen/response_output.py's."""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from aotgen.openai_api import ApiError, ChatRequest
+
+# Responses kept for `previous_response_id` and GET /v1/responses/ID, newest last; the oldest
+# go first (OpenAI keeps them 30 days; a server in memory keeps the last few hundred).
+STORED_RESPONSES = 512
+
+
+class ResponsesRequest(BaseModel):
+    """The Responses API's request. Fields it does not declare (temperature, top_p and the
+    chat API's extensions: top_k, min_p, seed, repetition_penalty, chat_template_kwargs, ...)
+    go to the chat request as they are."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    background: bool = False
+    metadata: dict[str, str] | None = None
+
+    def input_messages(self) -> list[dict[str, Any]]:
+        """The input as chat messages (the chat API's shape)."""
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        if not self.input:
+            raise ApiError(400, "input is empty: give text or at least one item", "input")
+        messages: list[dict[str, Any]] = []
+        reasoning: str | None = None  # a reasoning item's text, for the answer after it
+        for i, item in enumerate(self.input):
+            kind = item.get("type", "message")
+            if kind == "reasoning":
+                reasoning = _part_text(item.get("content") or [], f"input.{i}.content")
+            elif kind == "message":
+                messages.append(_message(item, i))
+            elif kind == "function_call":
+                call = {"id": item.get("call_id"), "type": "function"}
+                call["function"] = {"name": item.get("name"), "arguments": item.get("arguments")}
+                if not messages or messages[-1]["role"] != "assistant":
+                    messages.append({"role": "assistant", "content": None})
+                messages[-1].setdefault("tool_calls", []).append(call)
+            elif kind == "function_call_output":
+                output = item.get("output")
+                if not isinstance(output, str):
+                    output = _part_text(output or [], f"input.{i}.output")
+                messages.append(
+                    {"role": "tool", "tool_call_id": item.get("call_id"), "content": output}
+                )
+            else:
+                raise ApiError(
+                    400,
+                    f"input.{i}: items of type {kind!r} are not served (message, function_call, "
+                    "function_call_output, reasoning)",
+                    f"input.{i}.type",
+                )
+            if reasoning is not None and messages and messages[-1]["role"] == "assistant":
+                messages[-1]["reasoning_content"], reasoning = reasoning, None
+        return messages
+
+    def chat_request(self, history: list[dict[str, Any]]) -> tuple[ChatRequest, list[dict]]:
+        """The chat request that answers this one after `history` (a stored response's
+        conversation), and the conversation a later response continues (input included,
+        instructions not: OpenAI does not carry them over)."""
+        self._refuse_unsupported()
+        conversation = history + self.input_messages()
+        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        fields = dict(self.model_extra or {}) | {"messages": system + conversation}
+        fields |= {"model": self.model, "stream": self.stream}
+        fields["parallel_tool_calls"] = self.parallel_tool_calls
+        if self.max_output_tokens is not None:
+            fields["max_completion_tokens"] = self.max_output_tokens
+        if self.tools:
+            fields["tools"] = [_chat_tool(t, i) for i, t in enumerate(self.tools)]
+        if self.tool_choice is not None:
+            fields["tool_choice"] = _chat_tool_choice(self.tool_choice)
+        if (fmt := (self.text or {}).get("format")) is not None:
+            fields["response_format"] = _response_format(fmt)
+        if effort := (self.reasoning or {}).get("effort"):
+            fields["reasoning_effort"] = effort
+        try:
+            return ChatRequest.model_validate(fields), conversation
+        except ValidationError as e:
+            error = e.errors()[0]
+            where = ".".join(str(p) for p in error["loc"])
+            raise ApiError(400, f"{where}: {error['msg']}", where) from None
+
+    def _refuse_unsupported(self) -> None:
+        if self.background:
+            raise ApiError(400, "background: responses run while the request waits", "background")
+        for name in ("messages", "conversation", "n"):
+            if (self.model_extra or {}).get(name) is not None:
+                raise ApiError(
+                    400, f"{name}: not a Responses API field (send the conversation as input)", name
+                )
+
+
+def _part_text(parts: list[Any] | Any, where: str) -> str:
+    """Text content parts (input_text, output_text, reasoning_text, text) joined."""
+    if isinstance(parts, str):
+        return parts
+    texts = [p.get("text") for p in parts if isinstance(p, dict)] if isinstance(parts, list) else []
+    kinds = {"input_text", "output_text", "reasoning_text", "summary_text", "text"}
+    if (
+        not isinstance(parts, list)
+        or len(texts) != len(parts)
+        or not all(
+            isinstance(t, str) and p.get("type") in kinds for t, p in zip(texts, parts, strict=True)
+        )
+    ):
+        raise ApiError(400, f"{where}: only text content parts are served", where)
+    return "".join(texts)
+
+
+def _message(item: dict[str, Any], i: int) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in ("user", "system", "developer", "assistant"):
+        raise ApiError(
+            400,
+            f"input.{i}.role {role!r}: give user, system, developer or assistant",
+            f"input.{i}.role",
+        )
+    content = item.get("content")
+    if content is None:
+        raise ApiError(400, f"input.{i}.content is missing", f"input.{i}.content")
+    text = _part_text(content, f"input.{i}.content")
+    return {"role": "system" if role == "developer" else role, "content": text}
+
+
+def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
+    if tool.get("type") != "function":
+        raise ApiError(
+            400,
+            f"tools.{i}: only function tools are served, not {tool.get('type')!r}",
+            f"tools.{i}.type",
+        )
+    keys = ("name", "description", "parameters", "strict")
+    return {"type": "function", "function": {k: tool[k] for k in keys if k in tool}}
+
+
+def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, str):
+        return choice
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise ApiError(
+            400,
+            "tool_choice: give none, auto, required or {type: function, name: NAME}",
+            "tool_choice",
+        )
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def _response_format(fmt: dict[str, Any]) -> dict[str, Any]:
+    if fmt.get("type") != "json_schema":
+        return {"type": fmt.get("type")}
+    keys = ("name", "schema", "strict", "description")
+    return {"type": "json_schema", "json_schema": {k: fmt[k] for k in keys if k in fmt}}
+
+
+class ResponseStore:
+    """Finished responses by id, with the conversation each ends (its input and its answer
+    as chat messages), the last STORED_RESPONSES of them."""
+
+    def __init__(self, size: int = STORED_RESPONSES):
+        self.size = size
+        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+
+    def put(self, body: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        self._items[body["id"]] = (json.loads(json.dumps(body)), conversation)
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str, param: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        if response_id not in self._items:
+            raise ApiError(
+                404,
+                f"response {response_id!r} is not stored here (this server keeps the last "
+                f"{self.size} stored responses in memory): send the conversation as input",
+                param,
+            )
+        return self._items[response_id]
