@@ -73,8 +73,10 @@ class ResponsesRequest(BaseModel):
                     "function_call_output, reasoning)",
                     f"input.{i}.type",
                 )
-            if reasoning is not None and messages and messages[-1]["role"] == "assistant":
-                messages[-1]["reasoning_content"], reasoning = reasoning, None
+            if kind != "reasoning" and reasoning is not None:  # the answer it reasoned for
+                if messages[-1]["role"] == "assistant":
+                    messages[-1]["reasoning_content"] = reasoning
+                reasoning = None
         return messages
 
     def chat_request(self, history: list[dict[str, Any]]) -> tuple[ChatRequest, list[dict]]:

@@ -164,3 +164,32 @@ def test_bad_requests_are_openai_shaped_400s(tools_server, change, param, messag
     error = r.json()["error"]
     assert r.status_code == 400 and message in error["message"], r.text
     assert error["param"] == param
+
+
+def test_input_items_become_the_chat_messages_openai_means():
+    """A developer message is a system one; a reasoning item goes with the assistant turn
+    after it; consecutive calls are one assistant turn; a call's output is a tool message."""
+    from aotgen.responses_api import ResponsesRequest
+
+    call = {"type": "function_call", "name": "add", "arguments": '{"a": 1}'}
+    items = [
+        {"role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+        {"role": "user", "content": "Add."},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Sum it."}]},
+        call | {"call_id": "c1"},
+        call | {"call_id": "c2"},
+        {"type": "function_call_output", "call_id": "c1", "output": "2"},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "x"}]},
+        {"role": "user", "content": "Thanks."},
+    ]
+    calls = [
+        {"id": c, "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+        for c in ("c1", "c2")
+    ]
+    assert ResponsesRequest(input=items).input_messages() == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Add."},
+        {"role": "assistant", "content": None, "tool_calls": calls, "reasoning_content": "Sum it."},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"},
+        {"role": "user", "content": "Thanks."},  # a reasoning item without its answer: dropped
+    ]
