@@ -191,6 +191,10 @@ class ResponseStore:
         while len(self._items) > self.size:
             self._items.popitem(last=False)
 
+    def delete(self, response_id: str) -> None:
+        self.get(response_id, "response_id")
+        del self._items[response_id]
+
     def get(self, response_id: str, param: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         if response_id not in self._items:
             raise ApiError(

@@ -1,8 +1,8 @@
-"""`POST /v1/responses` and `GET /v1/responses/{id}`: OpenAI's Responses API, answered by the
-chat machinery (aotgen/responses_api.py turns the request into a chat request,
-aotgen/response_output.py the answer into output items). Stored responses
-(`store`, the default) are kept in memory, so a later request continues one by
-`previous_response_id`; its conversation's tokens are found in the KV cache."""
+"""`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`: OpenAI's Responses API,
+answered by the chat machinery (aotgen/responses_api.py turns the request into a chat
+request, aotgen/response_output.py the answer into output items). Stored responses (`store`,
+the default) are kept in memory, so a later request continues one by `previous_response_id`;
+its conversation's tokens are found in the KV cache."""
 
 from __future__ import annotations
 
@@ -57,6 +57,11 @@ def responses_routes(server: Server) -> APIRouter:
     @router.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str) -> Any:
         return server.responses.get(response_id, "response_id")[0]
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str) -> Any:
+        server.responses.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     return router
 

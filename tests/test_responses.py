@@ -127,7 +127,7 @@ def test_a_forced_call_and_its_result_continue_the_stored_conversation(client, e
     assert second.previous_response_id == first.id
 
 
-def test_stored_responses_are_retrieved_and_others_are_404(client):
+def test_stored_responses_are_retrieved_deleted_and_others_are_404(client):
     body = {"model": "m", "input": "Hi", "max_output_tokens": 3, "temperature": 0}
     kept = client.responses.create(**body, extra_body=OFF)
     assert client.responses.retrieve(kept.id).output_text == kept.output_text
@@ -138,6 +138,13 @@ def test_stored_responses_are_retrieved_and_others_are_404(client):
         assert "is not stored here" in missing.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         client.responses.create(**body, previous_response_id="resp_none")
+    client.responses.delete(kept.id)
+    for gone in (
+        lambda: client.responses.retrieve(kept.id),
+        lambda: client.responses.delete(kept.id),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            gone()
 
 
 @pytest.mark.parametrize(
