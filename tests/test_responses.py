@@ -200,3 +200,31 @@ def test_input_items_become_the_chat_messages_openai_means():
         {"role": "tool", "tool_call_id": "c1", "content": "2"},
         {"role": "user", "content": "Thanks."},  # a reasoning item without its answer: dropped
     ]
+
+
+def test_a_json_schema_format_answers_as_the_engine_under_its_grammar(client, engine):
+    """text.format json_schema (what `client.responses.parse` sends): the text is the
+    engine's answer under the schema's grammar."""
+    grammar = pytest.importorskip("aotgen.runtime.grammar")
+    pytest.importorskip("llguidance")
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    prompt = engine.tokenizer.encode_chat(QUESTION, template_kwargs=OFF["chat_template_kwargs"])
+    config = GenerationConfig(24, grammar=grammar.Grammar.json_schema(schema))
+    want = engine.generate(prompt, config).text
+    fmt = {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}
+    got = client.responses.create(
+        model="m",
+        input="Hi",
+        text={"format": fmt},
+        max_output_tokens=24,
+        temperature=0,
+        extra_body=OFF,
+    )
+    assert got.output_text == want and got.text.format.type == "json_schema"
+    if got.status == "completed":
+        assert json.loads(want) in ({"ok": True}, {"ok": False})
