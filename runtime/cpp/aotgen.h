@@ -68,8 +68,9 @@ struct SamplingParams {
 // A model's own sampling values: the package's generation_config.json, read as transformers
 // reads it (`do_sample: false` decodes greedily whatever the temperature says, `do_sample:
 // true` without a temperature samples at 1; aotgen/runtime/model_sampling.py). `aotgen-run`
-// takes them where its command line gives none. A value the file leaves out is none, and so
-// is one the runtime refuses, listed in `refused` as "key=value (why)".
+// and `aotgen-batch` take them where the command line (and a request) gives none. A value the
+// file leaves out is none, and so is one the runtime refuses, listed in `refused` as
+// "key=value (why)".
 struct ModelSampling {
   std::optional<double> temperature;
   std::optional<int64_t> top_k;

@@ -37,7 +37,7 @@ constexpr const char* kUsage = R"(usage: aotgen-batch PACKAGE REQUESTS [options]
 
 REQUESTS: a file (- for stdin), one request per line: a plain text prompt, or a JSON object
   {"prompt": TEXT | "chat": TEXT | "prompt_ids": [IDS], "system": TEXT,
-   "chat_template_kwargs": {...} (over --chat-template-kwargs'),
+   "chat_template_kwargs": {...} (over --chat-template-kwargs),
    "max_new_tokens": N, "temperature": T, "top_k": K, "top_p": P, "min_p": P, "seed": S,
    "repetition_penalty": R, "presence_penalty": P, "frequency_penalty": F,
    "logit_bias": {"ID": BIAS},
@@ -213,11 +213,11 @@ Line parse_line(const std::string& text, const Args& args, const aotgen::Engine&
   }
   const json r = json::parse(text);  // json::exception: reported with the line number
   static const std::vector<std::string> known = {
-      "prompt", "chat", "prompt_ids", "system", "chat_template_kwargs", "max_new_tokens", "temperature", "top_k",
-      "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty",
-      "logit_bias", "stop", "stop_token_ids", "min_tokens", "ignore_eos", "lookup",
-      "speculative", "k", "ngram_min",
-      "ngram_max", "logprobs", "cancel_after"};
+      "prompt", "chat", "prompt_ids", "system", "chat_template_kwargs", "max_new_tokens",
+      "temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty",
+      "presence_penalty", "frequency_penalty", "logit_bias", "stop", "stop_token_ids",
+      "min_tokens", "ignore_eos", "lookup", "speculative", "k", "ngram_min", "ngram_max",
+      "logprobs", "cancel_after"};
   for (const auto& [key, _] : r.items()) {
     if (std::find(known.begin(), known.end(), key) == known.end()) {
       throw std::invalid_argument("unknown field '" + key + "'");
