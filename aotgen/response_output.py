@@ -32,7 +32,6 @@ class ResponseOutput:
         self.output: list[dict[str, Any]] = []  # finished items
         self.open: dict[str, Any] | None = None  # the item text is streaming into
         self.sequence = 0
-        self.reasoning_text = ""
 
     # ---- events ---------------------------------------------------------------------------
     def _event(self, kind: str, **fields: Any) -> Event:
@@ -78,8 +77,6 @@ class ResponseOutput:
         item = self.open
         assert item is not None
         item["text"] += piece
-        if kind == "reasoning":
-            self.reasoning_text += piece
         name = (
             "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
         )
@@ -171,12 +168,15 @@ class ResponseOutput:
 
     def _usage(self, result: GenerationResult, tok: Tokenizer) -> dict[str, Any]:
         output = len(result.token_ids)
+        reasoning = "".join(
+            i["content"][0]["text"] for i in self.output if i["type"] == "reasoning"
+        )
         return {
             "input_tokens": result.prompt_tokens,
             "input_tokens_details": {"cached_tokens": result.cached_tokens},
             "output_tokens": output,
             # The reasoning's text encoded again: the answer's ids do not mark where it ends.
-            "output_tokens_details": {"reasoning_tokens": len(tok.encode(self.reasoning_text))},
+            "output_tokens_details": {"reasoning_tokens": len(tok.encode(reasoning))},
             "total_tokens": result.prompt_tokens + output,
         }
 

@@ -5,7 +5,6 @@ are aotgen/response_output.py's."""
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from typing import Any
 
@@ -187,7 +186,7 @@ class ResponseStore:
         self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
 
     def put(self, body: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        self._items[body["id"]] = (json.loads(json.dumps(body)), conversation)
+        self._items[body["id"]] = (body, conversation)
         while len(self._items) > self.size:
             self._items.popitem(last=False)
 

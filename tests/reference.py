@@ -187,3 +187,28 @@ def with_generation_config(package: Path, dest: Path, values: dict) -> Path:
     path.write_text(json.dumps(config | values))
     write_manifest(copy, read_manifest(copy))
     return copy
+
+
+# generation_config.json's sampling values in the tests of `aotgen run` and `aotgen-run` taking
+# them (test_model_sampling.py, test_cpp_runtime.py).
+MODEL_SAMPLING = {"do_sample": True, "temperature": 0.8, "top_k": 3, "repetition_penalty": 1.5}
+
+
+def model_sampling_answers(engine, ids: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """The engine's answers (12 tokens, eos ignored, seed 5) with every MODEL_SAMPLING value,
+    with top_k 0 instead of the model's, and greedy; checked to differ from each other and from
+    top_k 0 without the model's repetition penalty, so each value taken or not shows."""
+    from aotgen.runtime.engine import GenerationConfig
+    from aotgen.runtime.rules import Penalties
+    from aotgen.runtime.sampling import SamplingParams
+
+    def answer(top_k: int, temperature: float = 0.8, repetition: float = 1.5) -> list[int]:
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, seed=5)
+        config = GenerationConfig(12, sampling, ignore_eos=True, penalties=Penalties(repetition))
+        return engine.generate(ids, config).token_ids
+
+    model, own_top_k, greedy = answer(3), answer(0), answer(0, temperature=0.0, repetition=1.0)
+    assert (
+        len({tuple(model), tuple(own_top_k), tuple(answer(0, repetition=1.0)), tuple(greedy)}) == 4
+    )
+    return model, own_top_k, greedy

@@ -23,7 +23,9 @@ import pytest
 import torch
 from cpp_build import REPO_ROOT
 from reference import (
+    MODEL_SAMPLING,
     check_conversation,
+    model_sampling_answers,
     r1_thinking_template,
     with_chat_template,
     with_generation_config,
@@ -553,23 +555,17 @@ def test_the_models_sampling_values_are_taken_like_python(
     where the command line gives none (the Python engine's seeded sample with them), a value
     given wins, `--generation-config none` is greedy, and a value the runtime refuses (top_p 2)
     is left out with a warning naming it."""
-    model = {"do_sample": True, "temperature": 0.8, "top_k": 3, "repetition_penalty": 1.5}
-    package = with_generation_config(tiny_package, tmp_path / "pkg", model | {"top_p": 2.0})
+    package = with_generation_config(
+        tiny_package, tmp_path / "pkg", MODEL_SAMPLING | {"top_p": 2.0}
+    )
     ids = py_engine.tokenizer.prompt_ids("the cat")
-
-    def want(top_k: int, temperature: float = 0.8, repetition: float = 1.5) -> list[int]:
-        sampling = SamplingParams(temperature=temperature, top_k=top_k, seed=5)
-        config = GenerationConfig(12, sampling, ignore_eos=True, penalties=Penalties(repetition))
-        return py_engine.generate(ids, config).token_ids
-
-    greedy = want(0, temperature=0.0, repetition=1.0)
-    assert len({tuple(want(3)), tuple(want(0)), tuple(want(0, repetition=1.0)), tuple(greedy)}) == 4
+    model, own_top_k, greedy = model_sampling_answers(py_engine, ids)
     common = ["--max-new-tokens", "12", "--ignore-eos", "--seed", "5"]
     proc = run(run_bin, package, "--prompt-ids", json.dumps(ids), "--ids", *common)
-    assert json.loads(proc.stdout)["ids"] == want(3)
+    assert json.loads(proc.stdout)["ids"] == model
     assert "temperature=0.8, top_k=3, repetition_penalty=1.5;" in proc.stderr
     assert "generation_config.json's top_p=2.0 (top_p must be in (0, 1]" in proc.stderr
-    assert cpp_generate(run_bin, package, ids, *common, "--top-k", "0")["ids"] == want(0)
+    assert cpp_generate(run_bin, package, ids, *common, "--top-k", "0")["ids"] == own_top_k
     none = cpp_generate(run_bin, package, ids, *common, "--generation-config", "none")
     assert none["ids"] == greedy
 

@@ -7,12 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-from reference import with_generation_config
+from reference import MODEL_SAMPLING, model_sampling_answers, with_generation_config
 from test_cli_help import aotgen
 
 from aotgen.runtime.engine import Engine, GenerationConfig
 from aotgen.runtime.model_sampling import generation_defaults
-from aotgen.runtime.rules import Penalties
 from aotgen.runtime.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,23 +63,15 @@ def test_run_samples_with_the_models_values(tiny_batch_package, engine, tmp_path
     temperature and top_k); one it gives wins (top_k 0: the sample over every token, under the
     model's repetition penalty); `--generation-config none` is greedy; a value the runtime
     refuses (top_p 2) is left out with a warning naming it."""
-    model = {"do_sample": True, "temperature": 0.8, "top_k": 3, "repetition_penalty": 1.5}
-    package = with_generation_config(tiny_batch_package, tmp_path / "pkg", model | {"top_p": 2.0})
-    ids = engine.tokenizer.prompt_ids(PROMPT)
-
-    def want(top_k: int, temperature: float = 0.8, repetition: float = 1.5) -> list[int]:
-        sampling = SamplingParams(temperature=temperature, top_k=top_k, seed=5)
-        config = GenerationConfig(12, sampling, ignore_eos=True, penalties=Penalties(repetition))
-        return engine.generate(ids, config).token_ids
-
-    greedy = want(0, temperature=0.0, repetition=1.0)
-    # The test tells them apart: each value taken or not changes the answer.
-    assert len({tuple(want(3)), tuple(want(0)), tuple(want(0, repetition=1.0)), tuple(greedy)}) == 4
+    package = with_generation_config(
+        tiny_batch_package, tmp_path / "pkg", MODEL_SAMPLING | {"top_p": 2.0}
+    )
+    model, own_top_k, greedy = model_sampling_answers(engine, engine.tokenizer.prompt_ids(PROMPT))
     got, log = _run(package, "--seed", "5")
-    assert got == want(3)
+    assert got == model
     assert "temperature=0.8, top_k=3, repetition_penalty=1.5;" in log
     assert "generation_config.json's top_p=2.0 (top_p must be in (0, 1]" in log
-    assert _run(package, "--seed", "5", "--top-k", "0")[0] == want(0)
+    assert _run(package, "--seed", "5", "--top-k", "0")[0] == own_top_k
     assert _run(package, "--seed", "5", "--generation-config", "none")[0] == greedy
 
 
