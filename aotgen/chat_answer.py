@@ -130,6 +130,8 @@ class ChatAnswers:
             if not delta:
                 return None  # held back: a tag or a tool call may be forming
         choice = {"index": index, "delta": delta, "finish_reason": finish}
+        if finish is not None and result is not None:
+            choice["stop_reason"] = result.stop_reason  # vLLM's: the stop string or token id
         if result is not None and result.logprobs is not None:
             choice["logprobs"] = chat_logprobs(self.tok, result)
         return {**self.head, "choices": [choice]}
@@ -139,6 +141,7 @@ class ChatAnswers:
         message, calls = chat_message(result.text, self.thinking, self.fmt, self.answer_head)
         choice = {"index": index, "message": message, "logprobs": None}
         choice["finish_reason"] = "tool_calls" if calls else finish_reason(result)
+        choice["stop_reason"] = result.stop_reason
         if calls:
             message["tool_calls"] = self._calls(calls, indexed=False)
         if result.logprobs is not None:

@@ -13,8 +13,7 @@ from typing import Any
 from aotgen.responses_api import ResponsesRequest
 from aotgen.runtime.engine import GenerationResult
 from aotgen.runtime.tokenizer import Tokenizer
-
-Event = dict[str, Any]
+from aotgen.serve_events import Event
 
 
 def _id(prefix: str) -> str:
@@ -24,10 +23,10 @@ def _id(prefix: str) -> str:
 class ResponseOutput:
     """One response's output items as they form, and its Response object."""
 
-    def __init__(self, req: ResponsesRequest, settings: dict[str, Any], model: str):
+    def __init__(self, req: ResponsesRequest, settings: dict[str, Any], model: str, tok: Tokenizer):
         """`settings`: the chat request's sampling values the response reports (temperature,
         top_p), after the model's defaults."""
-        self.req, self.settings, self.model = req, settings, model
+        self.req, self.settings, self.model, self.tok = req, settings, model, tok
         self.id, self.created_at = _id("resp"), int(time.time())
         self.output: list[dict[str, Any]] = []  # finished items
         self.open: dict[str, Any] | None = None  # the item text is streaming into
@@ -56,7 +55,7 @@ class ResponseOutput:
         return events
 
     def finish(
-        self, delta: dict[str, Any], result: GenerationResult, tok: Tokenizer
+        self, delta: dict[str, Any], result: GenerationResult
     ) -> tuple[list[Event], dict[str, Any]]:
         """The last delta's events (its text, then each tool call), the closing event and
         the Response object."""
@@ -66,9 +65,13 @@ class ResponseOutput:
         for call in delta.get("tool_calls") or []:
             events += self._call(call)
         status = "incomplete" if result.finish_reason == "length" else "completed"
-        body = self.body(status, self._usage(result, tok))
+        body = self.body(status, self._usage(result))
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return events + [self._event(kind, response=body)], body
+
+    def error(self, message: str) -> Event:
+        """A stream's error event (the response ends with it)."""
+        return self._event("error", code="server_error", message=message, param=None)
 
     def _text(self, kind: str, piece: str) -> list[Event]:
         events = [] if self.open is not None and self.open["type"] == kind else self._close()
@@ -166,7 +169,7 @@ class ResponseOutput:
             **self.settings,
         }
 
-    def _usage(self, result: GenerationResult, tok: Tokenizer) -> dict[str, Any]:
+    def _usage(self, result: GenerationResult) -> dict[str, Any]:
         output = len(result.token_ids)
         reasoning = "".join(
             i["content"][0]["text"] for i in self.output if i["type"] == "reasoning"
@@ -176,7 +179,7 @@ class ResponseOutput:
             "input_tokens_details": {"cached_tokens": result.cached_tokens},
             "output_tokens": output,
             # The reasoning's text encoded again: the answer's ids do not mark where it ends.
-            "output_tokens_details": {"reasoning_tokens": len(tok.encode(reasoning))},
+            "output_tokens_details": {"reasoning_tokens": len(self.tok.encode(reasoning))},
             "total_tokens": result.prompt_tokens + output,
         }
 

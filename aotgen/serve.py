@@ -1,7 +1,8 @@
 """`aotgen serve artifacts/NAME`: an OpenAI-compatible HTTP server over the batch engine.
 
 FastAPI + uvicorn (`pip install 'aotgen[serve]'`). Endpoints: `POST /v1/chat/completions`,
-`POST /v1/responses` (aotgen/serve_responses.py), `POST /v1/completions` (streamed as
+`POST /v1/responses` (aotgen/serve_responses.py), Anthropic's `POST /v1/messages`
+(aotgen/serve_messages.py), `POST /v1/completions` (streamed as
 server-sent events ending in `data: [DONE]`, or whole), `GET /v1/models`, `GET /health`,
 `GET /metrics` (Prometheus), vLLM's `POST /tokenize` and `POST /detokenize`. Structured
 output: OpenAI's `response_format` (`json_object`, `json_schema`) or vLLM's
@@ -33,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from aotgen.chat_answer import ChatAnswers
 from aotgen.harmony import final_answer, head_of
+from aotgen.messages_api import error_body
 from aotgen.metrics import ServeMetrics
 from aotgen.openai_api import (
     ApiError,
@@ -52,12 +54,16 @@ from aotgen.runtime.engine import GenerationConfig, GenerationError, GenerationR
 from aotgen.runtime.lookup_cache import SAVE_EVERY_S, PeriodicSave
 from aotgen.runtime.sampling import SEED_MAX, SamplingParams
 from aotgen.runtime.scheduler import QueueFull
+from aotgen.serve_messages import messages_routes
 from aotgen.serve_responses import responses_routes
 from aotgen.tool_calls import tool_format
 
 
-def _error(e: ApiError) -> JSONResponse:
+def _error(e: ApiError, path: str = "") -> JSONResponse:
+    """OpenAI's error shape; Anthropic's on the Messages API's routes."""
     body = {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}}
+    if path.startswith("/v1/messages"):
+        body = error_body(e.status, e.message)
     headers = {"Retry-After": "1"} if e.status in (429, 503) else None
     return JSONResponse(body, status_code=e.status, headers=headers)
 
@@ -296,6 +302,7 @@ def create_app(
     app.include_router(_info_routes(server))
     app.include_router(_generation_routes(server))
     app.include_router(responses_routes(server))
+    app.include_router(messages_routes(server))
     return app
 
 
@@ -304,36 +311,34 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
+        first, path = exc.errors()[0] if exc.errors() else {}, request.url.path
         if first.get("type") == "json_invalid":
-            return _error(ApiError(400, f"the request body is not valid JSON ({first.get('msg')})"))
+            message = f"the request body is not valid JSON ({first.get('msg')})"
+            return _error(ApiError(400, message), path)
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return _error(
-            ApiError(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", where)
-        )
+        message = f"{where or 'body'}: {first.get('msg', 'invalid request')}"
+        return _error(ApiError(400, message, where), path)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc)
+        return _error(exc, request.url.path)
 
 
 def _require_api_key(app: FastAPI, api_key: str) -> None:
-    """Every endpoint but /health and /metrics wants the key as a bearer token, as OpenAI's
-    and vLLM's do."""
+    """Every endpoint but /health and /metrics wants the key: as a bearer token, as OpenAI's
+    and vLLM's do, or in `x-api-key`, as Anthropic's clients send it."""
 
     @app.middleware("http")
     async def authorize(request: Request, call_next: Any) -> Any:
-        open_path = request.url.path in ("/health", "/metrics")
-        given = request.headers.get("authorization", "")
-        if open_path or hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            return await call_next(request)
-        return _error(
-            ApiError(
-                401,
-                "missing or wrong API key: send Authorization: Bearer KEY",
-                kind="authentication_error",
-            )
+        path, headers = request.url.path, request.headers
+        bearer = hmac.compare_digest(
+            headers.get("authorization", "").encode(), f"Bearer {api_key}".encode()
         )
+        x_api_key = hmac.compare_digest(headers.get("x-api-key", "").encode(), api_key.encode())
+        if path in ("/health", "/metrics") or bearer or x_api_key:
+            return await call_next(request)
+        message = "missing or wrong API key: send Authorization: Bearer KEY (or x-api-key: KEY)"
+        return _error(ApiError(401, message, kind="authentication_error"), path)
 
 
 def _info_routes(server: Server) -> APIRouter:
@@ -396,7 +401,10 @@ def _generation_routes(server: Server) -> APIRouter:
         ) -> dict[str, Any]:
             logprobs = completion_logprobs(tok, result, prompts[index // req.n])
             choice = {"index": index, "text": text or "", "logprobs": logprobs}
-            return {**head, "choices": [choice | {"finish_reason": finish}]}
+            choice["finish_reason"] = finish
+            if finish is not None and result is not None:
+                choice["stop_reason"] = result.stop_reason  # vLLM's: the stop string or token
+            return {**head, "choices": [choice]}
 
         echoes = [tok.decode(p) if req.echo else "" for p in prompts]
         return await _respond(server, request, req, prompts, config, chunk, echoes)

@@ -6,18 +6,13 @@ its conversation's tokens are found in the KV cache."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
-from aotgen.chat_answer import ChatAnswers
-from aotgen.openai_api import ApiError, finish_reason
-from aotgen.response_output import Event, ResponseOutput
+from aotgen.response_output import ResponseOutput
 from aotgen.responses_api import ResponsesRequest
-from aotgen.runtime.engine import GenerationResult
+from aotgen.serve_events import answer
 
 if TYPE_CHECKING:
     from aotgen.serve import Server
@@ -34,25 +29,13 @@ def responses_routes(server: Server) -> APIRouter:
         chat, conversation = req.chat_request(history)
         chat, prompt, config, answers = server.chat(chat)
         settings = {"temperature": chat.temperature, "top_p": chat.top_p}
-        output = ResponseOutput(req, settings, answers.head["model"])
-        rids, queue = server.submit([prompt], config, 1)
+        output = ResponseOutput(req, settings, answers.head["model"], tok)
 
-        def finished(result: GenerationResult) -> list[Event]:
-            last = answers.chunk(0, "", finish_reason(result), result)
-            events, body = output.finish(last["choices"][0]["delta"], result, tok)
+        def store(body: dict[str, Any]) -> None:
             if req.store:
                 server.responses.put(body, conversation + [output.conversation_turn()])
-            return events
 
-        if req.stream:
-            events = _events(server, rids, queue, answers, output, finished)
-            return StreamingResponse(events, media_type="text/event-stream")
-        (result,) = await server.collect(request, rids, queue)
-        if result.finish_reason == "error":
-            raise ApiError(500, f"generation failed: {result.error}")
-        if (chunk := answers.chunk(0, result.text, None)) is not None:
-            output.feed(chunk["choices"][0]["delta"])  # the whole text as one streamed piece
-        return finished(result)[-1]["response"]
+        return await answer(server, request, prompt, config, answers, output, req.stream, store)
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str) -> Any:
@@ -64,39 +47,3 @@ def responses_routes(server: Server) -> APIRouter:
         return {"id": response_id, "object": "response", "deleted": True}
 
     return router
-
-
-async def _events(
-    server: Server,
-    rids: list[int],
-    queue: Any,
-    answers: ChatAnswers,
-    output: ResponseOutput,
-    finished: Any,
-) -> AsyncIterator[str]:
-    """The stream's events as server-sent events, each named by its type; on disconnect
-    Starlette cancels this generator and the request goes."""
-    try:
-        for event in output.opening():
-            yield _sse(event)
-        while True:
-            _, kind, value = await queue.get()
-            if kind == "text":
-                if (chunk := answers.chunk(0, value, None)) is not None:
-                    for event in output.feed(chunk["choices"][0]["delta"]):
-                        yield _sse(event)
-                continue
-            if value.finish_reason == "error":
-                error = {"type": "error", "code": "server_error", "message": value.error}
-                yield _sse(error | {"param": None, "sequence_number": output.sequence})
-                break
-            for event in finished(value):
-                yield _sse(event)
-            break
-    finally:
-        for rid in rids:
-            server.engine.cancel(rid)  # a no-op once the request is done
-
-
-def _sse(event: Event) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"

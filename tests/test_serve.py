@@ -518,8 +518,9 @@ def test_bad_requests_get_openai_shaped_errors(tiny_server, path, body, param):
 
 def test_an_api_key_guards_every_endpoint_but_health_and_metrics(tiny_batch_package):
     """`--api-key` (or AOTGEN_API_KEY): without the bearer token, or with another, a 401 in
-    OpenAI's shape; with it (the openai client's api_key), answers; /health and /metrics
-    stay open for probes and scrapers."""
+    OpenAI's shape; with it (the openai client's api_key), answers; the key in x-api-key too
+    (Anthropic's clients), a wrong one a 401 in Anthropic's shape on /v1/messages; /health
+    and /metrics stay open for probes and scrapers."""
     openai = pytest.importorskip("openai")
     server = Server(tiny_batch_package, "--api-key", "sekrit")
     try:
@@ -543,6 +544,12 @@ def test_an_api_key_guards_every_endpoint_but_health_and_metrics(tiny_batch_pack
         assert answer.usage.completion_tokens == 2
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{server.url}/v1", api_key="x").models.list()
+        # Anthropic's clients send the key in x-api-key, and hear Anthropic's error shape.
+        ask = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        for key, status in (("sekrit", 200), ("nope", 401)):
+            r = httpx.post(f"{server.url}/v1/messages", json=ask, headers={"x-api-key": key})
+            assert r.status_code == status, r.text
+        assert r.json()["error"]["type"] == "authentication_error" and r.json()["type"] == "error"
     finally:
         server.close()
 

@@ -231,6 +231,7 @@ class BatchEngine:
             cached_tokens=seq.cached_tokens,
             logprobs=seq.logprobs,
             prompt_logprobs=seq.prompt_logprobs,
+            stop_reason=seq.sink.stop_reason,
         )
 
     # ---- model steps ---------------------------------------------------------------------

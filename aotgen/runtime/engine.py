@@ -102,6 +102,7 @@ class GenerationResult:
     cached_tokens: int = 0  # prompt tokens found in the KV cache, not run again
     logprobs: list[TokenLogprob] | None = None  # per token, with config.logprobs
     prompt_logprobs: list[TokenLogprob | None] | None = None  # the first token's is None
+    stop_reason: str | int | None = None  # finish "stop": the stop string or stop token id
 
     @property
     def prefill_tok_s(self) -> float:
@@ -313,6 +314,7 @@ class Engine:
             cached_tokens=cached,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            stop_reason=sink.stop_reason,
         )
 
     def learn(self, prompt: list[int], answer: list[int]) -> None:

@@ -34,7 +34,7 @@ class StopText:
         self.text = ""
         self.emitted = 0
         self.armed_at = 0  # a stop string counts only if it ends past this (min_tokens)
-        self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def add(self, piece: str) -> str:
         self.text += piece
@@ -42,7 +42,7 @@ class StopText:
             i = self.text.find(s, max(0, self.emitted - len(s), self.armed_at - len(s) + 1))
             if i >= 0:
                 self.text = self.text[:i]
-                self.stopped = True
+                self.matched = s
                 return self.flush()
         safe = len(self.text) - self.hold if self.stops else len(self.text)
         out = self.text[self.emitted : max(safe, self.emitted)]
@@ -80,6 +80,7 @@ class TokenSink:
         self.on_text = on_text
         self.ids: list[int] = []
         self.finish_reason: str | None = None  # "eos" | "stop" | "length" once done
+        self.stop_reason: str | int | None = None  # the stop string or stop token that ended it
 
     @classmethod
     def for_request(
@@ -109,19 +110,20 @@ class TokenSink:
         for tok in tokens:
             if tok in self.eos or tok in self.stop_ids:
                 self.finish_reason = "eos" if tok in self.eos else "stop"
+                self.stop_reason = None if tok in self.eos else tok
                 break
             self.ids.append(tok)
             piece = self.stream.put(tok)
             if len(self.ids) <= self.min_tokens:
                 self.stop.armed_at = len(self.stop.text) + len(piece)
             self._emit(self.stop.add(piece))
-            if self.stop.stopped:
-                self.finish_reason = "stop"
+            if self.stop.matched is not None:
+                self.finish_reason, self.stop_reason = "stop", self.stop.matched
                 break
             if len(self.ids) >= self.max_new_tokens:
                 self.finish_reason = "length"
                 break
-        if self.done and not self.stop.stopped:
+        if self.done and self.stop.matched is None:
             self._emit(self.stop.add(self.stream.flush()) + self.stop.flush())
         return self.done
 

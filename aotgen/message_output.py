@@ -1,0 +1,124 @@
+"""A chat answer as the Messages API's message: content blocks (`thinking`, `text`, one
+`tool_use` per call), whole or as the stream's events (`message_start`, `content_block_start`,
+`content_block_delta`, ..., `message_stop`). The whole message is the streamed one fed at once,
+so both carry the same blocks."""
+
+from __future__ import annotations
+
+import copy
+import json
+import uuid
+from typing import Any
+
+from aotgen.messages_api import error_body
+from aotgen.runtime.engine import GenerationResult
+from aotgen.serve_events import Event
+
+# A streamed block's kind -> the key its text grows under and its delta's type.
+_DELTAS = {"text": "text_delta", "thinking": "thinking_delta"}
+
+
+def stop_reason(result: GenerationResult, calls: bool) -> tuple[str, str | None]:
+    """Anthropic's stop_reason and stop_sequence for a finished answer."""
+    if calls:
+        return "tool_use", None
+    if result.finish_reason == "length":
+        return "max_tokens", None
+    if isinstance(result.stop_reason, str):
+        return "stop_sequence", result.stop_reason
+    return "end_turn", None  # eos, or a stop token (stop_token_ids)
+
+
+class MessageOutput:
+    """One answer's content blocks as they form, and its Message object."""
+
+    def __init__(self, model: str, prompt_tokens: int):
+        self.id, self.model, self.prompt_tokens = f"msg_{uuid.uuid4().hex}", model, prompt_tokens
+        self.content: list[dict[str, Any]] = []
+        self.open: str | None = None  # the kind of the last block while text streams into it
+
+    def opening(self) -> list[Event]:
+        usage = {"input_tokens": self.prompt_tokens, "output_tokens": 0}
+        return [{"type": "message_start", "message": self.body(None, None, usage)}]
+
+    def feed(self, delta: dict[str, Any]) -> list[Event]:
+        """Events for a chat delta's reasoning and text."""
+        events: list[Event] = []
+        if reasoning := delta.get("reasoning_content"):
+            events += self._text("thinking", reasoning)
+        if content := delta.get("content"):
+            events += self._text("text", content)
+        return events
+
+    def finish(
+        self, delta: dict[str, Any], result: GenerationResult
+    ) -> tuple[list[Event], dict[str, Any]]:
+        """The last delta's events (its text, then a tool_use block per call), the closing
+        events and the Message object."""
+        events = self.feed(delta) + self._close()
+        calls = delta.get("tool_calls") or []
+        for call in calls:
+            events += self._tool_use(call)
+        reason, sequence = stop_reason(result, bool(calls))
+        usage = {
+            "input_tokens": result.prompt_tokens - result.cached_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": result.cached_tokens,
+            "output_tokens": len(result.token_ids),
+        }
+        end = {"type": "message_delta", "usage": usage}
+        end["delta"] = {"stop_reason": reason, "stop_sequence": sequence}
+        return events + [end, {"type": "message_stop"}], self.body(reason, sequence, usage)
+
+    def error(self, message: str) -> Event:
+        """A stream's error event (the message ends with it)."""
+        return error_body(500, message)
+
+    def _text(self, kind: str, piece: str) -> list[Event]:
+        events: list[Event] = []
+        if self.open != kind:
+            events += self._close()
+            block = {"type": kind, kind: ""} | ({"signature": ""} if kind == "thinking" else {})
+            events.append(self._start(block))
+            self.open = kind
+        self.content[-1][kind] += piece
+        delta, index = {"type": _DELTAS[kind], kind: piece}, len(self.content) - 1
+        return events + [{"type": "content_block_delta", "index": index, "delta": delta}]
+
+    def _start(self, block: dict[str, Any]) -> Event:
+        self.content.append(block)
+        event = {"type": "content_block_start", "index": len(self.content) - 1}
+        return event | {"content_block": copy.deepcopy(block)}
+
+    def _close(self) -> list[Event]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [{"type": "content_block_stop", "index": len(self.content) - 1}]
+
+    def _tool_use(self, call: dict[str, Any]) -> list[Event]:
+        """A call as a tool_use block; its id is the chat API's (a Mistral template checks
+        the ids it is sent back)."""
+        function = call["function"]
+        block = {"type": "tool_use", "id": call["id"], "name": function["name"], "input": {}}
+        events = [self._start(block)]
+        block["input"] = json.loads(function["arguments"])
+        delta = {"type": "input_json_delta", "partial_json": function["arguments"]}
+        index = len(self.content) - 1
+        events.append({"type": "content_block_delta", "index": index, "delta": delta})
+        return events + [{"type": "content_block_stop", "index": index}]
+
+    def body(
+        self, reason: str | None, sequence: str | None, usage: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The Message object."""
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": copy.deepcopy(self.content),
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": usage,
+        }
