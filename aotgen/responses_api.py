@@ -5,7 +5,9 @@ are aotgen/response_output.py's."""
 
 from __future__ import annotations
 
+import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -37,6 +39,24 @@ class ResponsesRequest(BaseModel):
     store: bool = True
     background: bool = False
     metadata: dict[str, str] | None = None
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """The input as items, each with an id (`GET /v1/responses/ID/input_items`): text as
+        a user message of one input_text part."""
+        if isinstance(self.input, str):
+            part = {"type": "input_text", "text": self.input}
+            items = [{"type": "message", "role": "user", "content": [part]}]
+        else:
+            items = [{"type": "message"} | item for item in self.input]
+        prefixes = {"message": "msg", "function_call": "fc", "reasoning": "rs"}
+        for item in items:
+            if "id" not in item:
+                prefix = prefixes.get(item["type"], item["type"])
+                item["id"] = f"{prefix}_{uuid.uuid4().hex}"
+            if item["type"] == "message" and isinstance(item.get("content"), str):
+                part = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": part, "text": item["content"]}]
+        return items
 
     def input_messages(self) -> list[dict[str, Any]]:
         """The input as chat messages (the chat API's shape)."""
@@ -177,16 +197,22 @@ def _response_format(fmt: dict[str, Any]) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {k: fmt[k] for k in keys if k in fmt}}
 
 
+@dataclass(frozen=True)
+class StoredResponse:
+    body: dict[str, Any]  # the Response object
+    conversation: list[dict[str, Any]]  # its input and answer as chat messages, history first
+    input_items: list[dict[str, Any]]  # its own input, as items with ids
+
+
 class ResponseStore:
-    """Finished responses by id, with the conversation each ends (its input and its answer
-    as chat messages), the last STORED_RESPONSES of them."""
+    """Finished responses by id, the last STORED_RESPONSES of them."""
 
     def __init__(self, size: int = STORED_RESPONSES):
         self.size = size
-        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
 
-    def put(self, body: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        self._items[body["id"]] = (body, conversation)
+    def put(self, stored: StoredResponse) -> None:
+        self._items[stored.body["id"]] = stored
         while len(self._items) > self.size:
             self._items.popitem(last=False)
 
@@ -194,7 +220,7 @@ class ResponseStore:
         self.get(response_id, "response_id")
         del self._items[response_id]
 
-    def get(self, response_id: str, param: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    def get(self, response_id: str, param: str) -> StoredResponse:
         if response_id not in self._items:
             raise ApiError(
                 404,

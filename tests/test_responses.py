@@ -147,6 +147,34 @@ def test_stored_responses_are_retrieved_deleted_and_others_are_404(client):
             gone()
 
 
+def test_a_stored_responses_input_items_are_listed_a_page_at_a_time(client, tools_server):
+    """GET /v1/responses/ID/input_items: the response's own input as items with ids, newest
+    first unless `order` asc; the client's pager follows `after` through pages of `limit`."""
+    turns = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Bye"}]},
+    ]
+    body = {"model": "m", "input": turns, "max_output_tokens": 2, "temperature": 0}
+    kept = client.responses.create(**body, extra_body=OFF)
+    pages = client.responses.input_items.list(kept.id, limit=2, order="asc")
+    items = list(pages)  # two pages
+    assert [(i.role, i.content[0].text) for i in items] == [
+        ("user", "Hi"),
+        ("assistant", "Hello."),
+        ("user", "Bye"),
+    ]
+    assert len({i.id for i in items}) == 3 and items[1].content[0].type == "output_text"
+    newest = client.responses.input_items.list(kept.id)
+    assert [i.id for i in newest.data] == [i.id for i in items][::-1] and not newest.has_more
+    text = client.responses.create(**body | {"input": "Hi"}, extra_body=OFF)
+    (only,) = client.responses.input_items.list(text.id).data
+    assert (only.type, only.role, only.content[0].text) == ("message", "user", "Hi")
+    url = f"{tools_server.url}/v1/responses/{kept.id}/input_items"
+    assert httpx.get(url, params={"after": "msg_none"}).status_code == 404
+    assert httpx.get(url, params={"limit": 0}).json()["error"]["param"] == "limit"
+
+
 @pytest.mark.parametrize(
     ("change", "param", "message"),
     [
