@@ -14,11 +14,11 @@ from aotgen.messages_api import error_body
 from aotgen.runtime.engine import GenerationResult
 from aotgen.serve_events import Event
 
-# A streamed block's kind -> the key its text grows under and its delta's type.
+# A streamed block's kind (also the key its text grows under) -> its deltas' type.
 _DELTAS = {"text": "text_delta", "thinking": "thinking_delta"}
 
 
-def stop_reason(result: GenerationResult, calls: bool) -> tuple[str, str | None]:
+def anthropic_stop(result: GenerationResult, calls: bool) -> tuple[str, str | None]:
     """Anthropic's stop_reason and stop_sequence for a finished answer."""
     if calls:
         return "tool_use", None
@@ -59,7 +59,7 @@ class MessageOutput:
         calls = delta.get("tool_calls") or []
         for call in calls:
             events += self._tool_use(call)
-        reason, sequence = stop_reason(result, bool(calls))
+        reason, sequence = anthropic_stop(result, bool(calls))
         usage = {
             "input_tokens": result.prompt_tokens - result.cached_tokens,
             "cache_creation_input_tokens": 0,

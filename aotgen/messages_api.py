@@ -32,9 +32,10 @@ def error_body(status: int, message: str) -> dict[str, Any]:
 
 
 class MessagesRequest(BaseModel):
-    """The Messages API's request. Fields it does not declare (the chat API's extensions: seed,
-    min_p, repetition_penalty, chat_template_kwargs, stop_token_ids, ...) go to the chat
-    request as they are."""
+    """The Messages API's request. Fields it does not declare go to the chat request as they
+    are: the chat API's extensions (seed, min_p, repetition_penalty, chat_template_kwargs,
+    stop_token_ids, ...) are taken, the rest (metadata, service_tier, cache_control, ...)
+    ignored, as the chat API ignores unknown fields."""
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
@@ -49,11 +50,8 @@ class MessagesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
-    output_config: dict[str, Any] | None = (
-        None  # {"format": {"type": "json_schema", ...}, "effort"}
-    )
-    metadata: dict[str, Any] | None = None
-    service_tier: str | None = None
+    # {"format": {"type": "json_schema", "schema": ...}, "effort": ...}
+    output_config: dict[str, Any] | None = None
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """The system prompt and the messages as chat messages (the chat API's shape); turns
@@ -147,7 +145,7 @@ def _append(messages: list[dict[str, Any]], turn: dict[str, Any]) -> None:
         messages.append(turn)
 
 
-def _text(content: str | list[dict[str, Any]] | Any, where: str) -> str:
+def _text(content: Any, where: str) -> str:
     """A string, or text blocks joined."""
     if isinstance(content, str):
         return content

@@ -154,6 +154,7 @@ def test_batch_matches_python(request, batch_bin, tmp_path, package_fixture):
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g["ids"] == w.token_ids, i
         assert (g["text"], g["finish_reason"]) == (w.text, w.finish_reason), i
+        assert g["stop_reason"] == w.stop_reason, i
         keys = ("drafted", "accepted", "steps", "lookup_steps")
         spec = w.spec and {k: getattr(w.spec, k) for k in keys}
         assert (g["spec"] and {k: g["spec"][k] for k in keys}) == spec, i
@@ -170,7 +171,7 @@ def test_batch_matches_python(request, batch_bin, tmp_path, package_fixture):
     # Batching does not change what a request gets alone (the single-sequence engine).
     for p, c, g in zip(prompts, configs, got, strict=True):
         assert g["ids"] == alone.generate(p, c).token_ids
-    assert got[2]["finish_reason"] == "stop"
+    assert (got[2]["finish_reason"], got[2]["stop_reason"]) == ("stop", configs[2].stop[0])
     assert (len(got[3]["ids"]), got[3]["finish_reason"]) == (7, "eos")
     assert stop_id not in got[1]["ids"][:5]
     assert sum(g["spec"]["accepted"] for g in got if g["spec"]) > 0  # lookup really verified

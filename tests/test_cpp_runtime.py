@@ -148,6 +148,7 @@ def test_eos_and_stop_strings_match_python(run_bin, tiny_package, py_engine):
     plain = py_engine.generate(ids, GenerationConfig(max_new_tokens=60))
     got = cpp_generate(run_bin, tiny_package, ids, "--max-new-tokens", "60")
     assert (got["ids"], got["finish_reason"]) == (plain.token_ids, plain.finish_reason)
+    assert got["stop_reason"] is None
     # A stop string taken from the middle of the greedy text.
     full = py_engine.generate(ids, GenerationConfig(max_new_tokens=40, ignore_eos=True)).text
     stop = full[len(full) // 2 : len(full) // 2 + 3]
@@ -156,8 +157,9 @@ def test_eos_and_stop_strings_match_python(run_bin, tiny_package, py_engine):
     got = cpp_generate(
         run_bin, tiny_package, ids, "--max-new-tokens", "40", "--ignore-eos", "--stop", stop
     )
-    assert ref.finish_reason == "stop"
+    assert (ref.finish_reason, ref.stop_reason) == ("stop", stop)
     assert (got["ids"], got["text"], got["finish_reason"]) == (ref.token_ids, ref.text, "stop")
+    assert got["stop_reason"] == stop  # the stop string that ended it
 
 
 def test_ngram_speculative_greedy_equals_plain(run_bin, tiny_package, py_engine):
@@ -393,6 +395,8 @@ def test_min_tokens_and_stop_token_ids_equal_pythons(run_bin, tiny_package, py_e
             args = [*common, "--min-tokens", str(min_tokens), *mode_flags]
             got = cpp_generate(run_bin, tiny_package, ids, *args)
             assert (got["ids"], got["finish_reason"]) == (ref.token_ids, ref.finish_reason)
+            stopped = ref.finish_reason == "stop"
+            assert got["stop_reason"] == ref.stop_reason == (stop if stopped else None)
         if min_tokens:
             assert len(ref.token_ids) >= 6 and stop not in ref.token_ids[:6]
         else:

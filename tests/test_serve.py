@@ -628,6 +628,21 @@ def test_openai_client_chat_equals_aotgen_run(smollm2_server, smollm2_serve_pack
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
 
 
+def test_anthropic_client_message_equals_aotgen_run(smollm2_server, smollm2_serve_package):
+    """Anthropic's client on the real package: the message is the answer `aotgen run` gives
+    (the test above), ended by end_turn, whole and streamed."""
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=smollm2_server.url, api_key="unused", max_retries=0)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    ask = {"model": smollm2_serve_package.name, "max_tokens": 64, "messages": question}
+    ask["extra_body"] = {"temperature": 0}
+    message = client.messages.create(**ask)
+    assert [b.text for b in message.content] == ["The capital of France is Paris."]
+    assert message.stop_reason == "end_turn" and message.usage.output_tokens > 0
+    with client.messages.stream(**ask) as stream:
+        assert "".join(stream.text_stream) == "The capital of France is Paris."
+
+
 def test_openai_client_json_schema_equals_aotgen_run(smollm2_server, smollm2_serve_package):
     """`response_format: json_schema` through the official client: JSON with the schema's
     keys, equal to `aotgen run --json-schema` (streamed too)."""

@@ -611,6 +611,7 @@ def _run_json(load_s: float, prompt_ids: list[int], result: Any, mode: str | Non
         "ids": result.token_ids,
         "text": result.text,
         "finish_reason": result.finish_reason,
+        "stop_reason": result.stop_reason,
         "load_s": load_s,
         "prompt_tokens": result.prompt_tokens,
         "cached_tokens": result.cached_tokens,

@@ -165,6 +165,10 @@ struct GenerationResult {
   int64_t prompt_tokens = 0;
   // "eos" | "stop" | "length"; in a BatchEngine also "cancelled" or "error" (see `error`)
   std::string finish_reason;
+  // finish_reason "stop": the stop string or stop token id that ended the answer
+  // (GenerationResult.stop_reason in Python, vLLM's stop_reason).
+  std::optional<std::string> stop_string;
+  std::optional<int64_t> stop_token;
   double prefill_s = 0;       // generate() start to the first token
   double decode_s = 0;        // first token to the end
   std::optional<SpecStats> spec;

@@ -66,6 +66,8 @@ struct Request {
     r.token_ids = sink.ids();
     r.prompt_tokens = static_cast<int64_t>(prompt.size());
     r.finish_reason = sink.finish_reason();
+    r.stop_string = sink.stop_string();
+    r.stop_token = sink.stop_token();
     const auto first = first_token.value_or(finished);
     r.prefill_s = seconds(submitted, first);  // time to first token, queueing included
     r.decode_s = seconds(first, finished);

@@ -455,6 +455,8 @@ GenerationResult Engine::generate(const std::vector<int64_t>& prompt_ids,
   result.token_ids = sink.ids();
   result.text = sink.text();
   result.finish_reason = sink.finish_reason();
+  result.stop_string = sink.stop_string();
+  result.stop_token = sink.stop_token();
   result.prefill_s = std::chrono::duration<double>(*t_first - t0).count();
   result.decode_s = std::chrono::duration<double>(t_end - *t_first).count();
   e.learn(prompt_ids, result.token_ids);

@@ -20,7 +20,7 @@ std::string StopText::add(std::string_view piece) {
     const auto i = text_.find(s, from);
     if (i != std::string::npos) {
       text_.resize(i);
-      stopped_ = true;
+      matched_ = s;
       return flush();
     }
   }
@@ -54,6 +54,7 @@ bool TokenSink::add(const std::vector<int64_t>& tokens) {
     if (done()) break;
     if (eos_.contains(tok) || stop_ids_.contains(tok)) {
       finish_reason_ = eos_.contains(tok) ? "eos" : "stop";
+      if (!eos_.contains(tok)) stop_token_ = tok;
       break;
     }
     ids_.push_back(tok);

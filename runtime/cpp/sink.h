@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <set>
 #include <string>
 #include <string_view>
@@ -21,7 +22,9 @@ class StopText {
   explicit StopText(const std::vector<std::string>& stops);
   std::string add(std::string_view piece);
   std::string flush();
-  bool stopped() const { return stopped_; }
+  bool stopped() const { return matched_.has_value(); }
+  // The stop string that ended the text.
+  const std::optional<std::string>& matched() const { return matched_; }
   const std::string& text() const { return text_; }
   // A stop string counts only if it ends past the text so far (min_tokens not reached).
   void arm_after(std::size_t bytes) { armed_at_ = bytes; }
@@ -32,7 +35,7 @@ class StopText {
   std::string text_;
   std::size_t emitted_ = 0;
   std::size_t armed_at_ = 0;
-  bool stopped_ = false;
+  std::optional<std::string> matched_;
 };
 
 // Accepts generated ids until eos, a stop string or stop token, or max_new_tokens; streams
@@ -53,6 +56,9 @@ class TokenSink {
   const std::string& finish_reason() const { return finish_reason_; }
   const std::vector<int64_t>& ids() const { return ids_; }
   const std::string& text() const { return stop_.text(); }
+  // What ended a "stop": the stop string, or the stop token.
+  const std::optional<std::string>& stop_string() const { return stop_.matched(); }
+  std::optional<int64_t> stop_token() const { return stop_token_; }
 
  private:
   void emit(const std::string& piece) const;
@@ -66,6 +72,7 @@ class TokenSink {
   int64_t min_tokens_;
   TextCallback on_text_;
   std::vector<int64_t> ids_;
+  std::optional<int64_t> stop_token_;
   std::string finish_reason_;  // "eos" | "stop" | "length" (or "cancelled" | "error") once done
 };
 

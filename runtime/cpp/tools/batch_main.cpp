@@ -25,8 +25,8 @@
 #include <nlohmann/json.hpp>
 
 #include "aotgen.h"
-#include "logprobs_json.h"
 #include "model_sampling.h"
+#include "result_json.h"
 #include "threads.h"
 
 namespace {
@@ -63,7 +63,7 @@ options (defaults for every request):
   --no-verify            skip the sha256 check of the package files
 Output: one JSON line per finished request (request, prompt_ids, ids, text, reasoning and
 content (a chat answer's <think> reasoning or harmony analysis channel apart; null and the
-text where the template has neither), finish_reason, step, spec, error), then
+text where the template has neither), finish_reason, stop_reason, step, spec, error), then
 {"summary": {...}}.
 )";
 
@@ -336,7 +336,8 @@ int run(Args args) {
                             {"ids", r.token_ids},     {"text", r.text},
                             {"reasoning", split.reasoning ? json(*split.reasoning) : json(nullptr)},
                             {"content", split.content},
-                            {"finish_reason", r.finish_reason}, {"step", steps},
+                            {"finish_reason", r.finish_reason},
+                            {"stop_reason", stop_reason_json(r)}, {"step", steps},
                             {"cached_tokens", r.cached_tokens},
                             {"spec", spec_json(r.spec)}, {"error", r.error},
                             {"logprobs", logprobs_json(r.logprobs)}};

@@ -7,8 +7,8 @@
 // A chat answer's reasoning (`<think> ... </think>`, or gpt-oss's harmony analysis channel)
 // streams on stderr, the answer alone on stdout. With --json (or --ids), prints one JSON
 // object on stdout instead: prompt_ids, ids (generated), text, reasoning (null where the
-// template has none) and content (the text without it), finish_reason,
-// spec (or null), logprobs (with --logprobs N, or null) and timings. Errors: one message on
+// template has none) and content (the text without it), finish_reason, stop_reason (the stop
+// string or stop token id that ended it, or null), spec (or null), logprobs (with --logprobs N, or null) and timings. Errors: one message on
 // stderr, exit status 1 (2 for a command line that cannot be parsed at all). Option values
 // are checked as the Python CLI (`aotgen run`) checks them, with the same messages.
 #include <charconv>
@@ -32,8 +32,8 @@
 #include <nlohmann/json.hpp>
 
 #include "aotgen.h"
-#include "logprobs_json.h"
 #include "model_sampling.h"
+#include "result_json.h"
 #include "threads.h"
 
 namespace {
@@ -469,6 +469,7 @@ std::string answer(aotgen::Engine& engine, const std::vector<int64_t>& ids, cons
                 {"reasoning", split.reasoning ? json(*split.reasoning) : json(nullptr)},
                 {"content", split.content},
                 {"finish_reason", result.finish_reason},
+                {"stop_reason", stop_reason_json(result)},
                 {"cached_tokens", result.cached_tokens},
                 {"load_s", engine.load_s()},
                 {"load_to_first_token_s", to_first_token},

@@ -1,5 +1,4 @@
-// The `logprobs` field of aotgen-run's and aotgen-batch's JSON, as `aotgen run --json` prints
-// it: per generated token {"id", "logprob", "top": [[id, logprob], ...]}, or null.
+// Fields of aotgen-run's and aotgen-batch's JSON, as `aotgen run --json` prints them.
 #pragma once
 
 #include <optional>
@@ -9,6 +8,14 @@
 
 #include "aotgen.h"
 
+// `stop_reason`: the stop string or stop token id that ended the answer, else null.
+inline nlohmann::json stop_reason_json(const aotgen::GenerationResult& r) {
+  if (r.stop_string) return *r.stop_string;
+  if (r.stop_token) return *r.stop_token;
+  return nullptr;
+}
+
+// `logprobs`: per generated token {"id", "logprob", "top": [[id, logprob], ...]}, or null.
 inline nlohmann::json logprobs_json(const std::optional<std::vector<aotgen::TokenLogprob>>& lps) {
   if (!lps) return nullptr;
   nlohmann::json out = nlohmann::json::array();
