@@ -196,9 +196,10 @@ def test_stop_strings_and_streaming(engine):
         GenerationConfig(max_new_tokens=24, ignore_eos=True, stop=(stop,)),
         on_text=pieces.append,
     )
-    assert cut.finish_reason == "stop"
+    assert (cut.finish_reason, cut.stop_reason) == ("stop", stop)
     assert cut.text == full.text[: full.text.find(stop)]
     assert "".join(pieces) == cut.text
+    assert full.stop_reason is None  # ended by its length
 
 
 def test_eos_ends_generation(engine, eager):
@@ -209,7 +210,7 @@ def test_eos_ends_generation(engine, eager):
         r = engine.generate(ids, GenerationConfig(max_new_tokens=20))
     finally:
         engine.tokenizer.eos_ids.discard(first[2])
-    assert r.finish_reason == "eos" and r.token_ids == first[:2]
+    assert r.finish_reason == "eos" and r.token_ids == first[:2] and r.stop_reason is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
