@@ -1,7 +1,8 @@
 """Anthropic's Messages API (`POST /v1/messages`) as a chat request: content blocks become
 chat messages (text, `tool_use` calls, `tool_result` answers, `thinking` as the reasoning of
 the turn it leads), custom tools and `tool_choice` become the chat API's, `thinking` the
-template's `enable_thinking`. The answer's content blocks are aotgen/message_output.py's."""
+template's `enable_thinking`, and a final assistant message is continued. The answer's
+content blocks are aotgen/message_output.py's."""
 
 from __future__ import annotations
 
@@ -82,7 +83,12 @@ class MessagesRequest(BaseModel):
         for name in ("n", "input", "max_completion_tokens"):
             if extra.get(name) is not None:
                 raise ApiError(400, f"{name}: not a Messages API field", name)
-        fields = extra | {"messages": self.chat_messages(), "model": self.model}
+        messages = self.chat_messages()
+        fields = extra | {"messages": messages, "model": self.model}
+        if messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1]:
+            # A final assistant message is the answer's start (Anthropic's prefill): the
+            # answer continues it, as vLLM's continue_final_message.
+            fields |= {"continue_final_message": True, "add_generation_prompt": False}
         fields |= {"stream": self.stream, "max_tokens": self.max_tokens}
         sampling = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
         fields |= {k: v for k, v in sampling.items() if v is not None}

@@ -369,3 +369,30 @@ def test_chat_answer_of_a_call(text, reasoning, content, calls):
         assert streamed == expected
         assert "".join(d.get("content", "") for d in deltas) == content
         assert "".join(d.get("reasoning_content", "") for d in deltas) == reasoning
+
+
+@pytest.mark.parametrize(("text", "reasoning", "content", "calls"), CASES)
+def test_messages_api_blocks_of_a_harmony_answer(harmony_tok, text, reasoning, content, calls):
+    """Anthropic's Messages API: the analysis channel as thinking, the final channel (and a
+    preamble) as text, each call as a tool_use block with its arguments as the input, whole
+    and streamed in pieces; stop_reason tool_use where a call ends it."""
+    from aotgen.chat_answer import ChatAnswers
+    from aotgen.message_output import MessageOutput
+    from aotgen.runtime.engine import GenerationResult
+
+    result = GenerationResult(text, [1, 2], 3, "eos", 0.0, 0.0)
+    for pieces in ([text], [text[i : i + 3] for i in range(0, len(text), 3)]):
+        answers = ChatAnswers(harmony_tok, "m", 1, None, HarmonyFormat(), "assistant")
+        output = MessageOutput("m", 3)
+        for piece in pieces:
+            if (chunk := answers.chunk(0, piece, None)) is not None:
+                output.feed(chunk["choices"][0]["delta"])
+        last = answers.chunk(0, "", "stop", result)["choices"][0]["delta"]
+        events, message = output.finish(last, result)
+        blocks = message["content"]
+        assert "".join(b["thinking"] for b in blocks if b["type"] == "thinking") == reasoning
+        assert "".join(b["text"] for b in blocks if b["type"] == "text") == content
+        uses = [(b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"]
+        assert uses == [(name, json.loads(arguments)) for name, arguments in calls]
+        assert message["stop_reason"] == ("tool_use" if calls else "end_turn")
+        assert events[-2]["delta"]["stop_reason"] == message["stop_reason"]

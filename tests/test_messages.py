@@ -201,6 +201,18 @@ def test_a_json_schema_format_answers_as_the_engine_under_its_grammar(client, en
         assert json.loads(want.text) in ({"ok": True}, {"ok": False})
 
 
+def test_a_final_assistant_message_is_continued(client, engine):
+    """Anthropic's prefill: the answer continues the final assistant message (its text not
+    repeated), as the engine continues the prompt that ends inside it."""
+    messages = [*QUESTION, {"role": "assistant", "content": "Well,"}]
+    ids = engine.tokenizer.encode_chat(messages, add_generation_prompt=False, continue_final=True)
+    assert engine.tokenizer.decode(ids).endswith("Well,")
+    want = engine.generate(ids, GenerationConfig(8)).text
+    got = client.messages.create(model="m", messages=messages, max_tokens=8, extra_body=GREEDY)
+    assert [(b.type, b.text) for b in got.content] == [("text", want)]
+    assert got.usage.input_tokens + got.usage.cache_read_input_tokens == len(ids)
+
+
 def test_count_tokens_counts_the_prompt_the_request_runs(client, engine):
     """count_tokens: the ids the request would run (system, tools and template included)."""
     messages = [{"role": "system", "content": "Be brief."}, *QUESTION]
