@@ -128,8 +128,17 @@ class ResponsesRequest(BaseModel):
     def _refuse_unsupported(self) -> None:
         if self.background:
             raise ApiError(400, "background: responses run while the request waits", "background")
+        extra = self.model_extra or {}
+        asked = "message.output_text.logprobs" in (extra.get("include") or [])
+        if asked or extra.get("top_logprobs") is not None:
+            raise ApiError(
+                400,
+                "logprobs are not served by the Responses API here: ask /v1/chat/completions "
+                "with logprobs and top_logprobs",
+                "top_logprobs" if not asked else "include",
+            )
         for name in ("messages", "conversation", "n"):
-            if (self.model_extra or {}).get(name) is not None:
+            if extra.get(name) is not None:
                 raise ApiError(
                     400, f"{name}: not a Responses API field (send the conversation as input)", name
                 )

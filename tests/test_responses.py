@@ -191,6 +191,8 @@ def test_a_stored_responses_input_items_are_listed_a_page_at_a_time(client, tool
         ({"background": True}, "background", "while the request waits"),
         ({"messages": QUESTION}, "messages", "not a Responses API field"),
         ({"temperature": 3}, "temperature", "less than or equal to 2"),
+        ({"top_logprobs": 2}, "top_logprobs", "logprobs are not served"),
+        ({"include": ["message.output_text.logprobs"]}, "include", "logprobs are not served"),
     ],
 )
 def test_bad_requests_are_openai_shaped_400s(tools_server, change, param, message):

@@ -663,7 +663,8 @@ def serve(
         str | None,
         typer.Option(
             envvar="AOTGEN_API_KEY",
-            help="require 'Authorization: Bearer KEY' on every endpoint but /health, /metrics",
+            help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every endpoint "
+            "but /health, /metrics",
         ),
     ] = None,
     served_model_name: Annotated[
@@ -682,7 +683,8 @@ def serve(
         ),
     ] = "auto",
 ) -> None:
-    """Serve a package over an OpenAI-compatible HTTP API, many requests at once."""
+    """Serve a package over an OpenAI-compatible HTTP API (and Anthropic's Messages API), many
+    requests at once."""
     check_generation_config(generation_config)
     if lookup not in (None, "ngram"):
         raise CliError(f"--lookup {lookup!r}: the only lookup is 'ngram'")
