@@ -18,12 +18,13 @@ from aotgen.serve_events import Event
 _DELTAS = {"text": "text_delta", "thinking": "thinking_delta"}
 
 
-def anthropic_stop(result: GenerationResult, calls: bool) -> tuple[str, str | None]:
-    """Anthropic's stop_reason and stop_sequence for a finished answer."""
+def anthropic_stop(result: GenerationResult, calls: bool, window: bool) -> tuple[str, str | None]:
+    """Anthropic's stop_reason and stop_sequence for a finished answer (`window`: its length
+    was the context's room, not max_tokens)."""
     if calls:
         return "tool_use", None
     if result.finish_reason == "length":
-        return "max_tokens", None
+        return ("model_context_window_exceeded" if window else "max_tokens"), None
     if isinstance(result.stop_reason, str):
         return "stop_sequence", result.stop_reason
     return "end_turn", None  # eos, or a stop token (stop_token_ids)
@@ -32,8 +33,10 @@ def anthropic_stop(result: GenerationResult, calls: bool) -> tuple[str, str | No
 class MessageOutput:
     """One answer's content blocks as they form, and its Message object."""
 
-    def __init__(self, model: str, prompt_tokens: int):
+    def __init__(self, model: str, prompt_tokens: int, window: bool = False):
+        """`window`: the answer's length is the context's room, less than max_tokens."""
         self.id, self.model, self.prompt_tokens = f"msg_{uuid.uuid4().hex}", model, prompt_tokens
+        self.window = window
         self.content: list[dict[str, Any]] = []
         self.open: str | None = None  # the kind of the last block while text streams into it
 
@@ -59,7 +62,7 @@ class MessageOutput:
         calls = delta.get("tool_calls") or []
         for call in calls:
             events += self._tool_use(call)
-        reason, sequence = anthropic_stop(result, bool(calls))
+        reason, sequence = anthropic_stop(result, bool(calls), self.window)
         usage = {
             "input_tokens": result.prompt_tokens - result.cached_tokens,
             "cache_creation_input_tokens": 0,

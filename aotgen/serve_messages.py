@@ -5,6 +5,7 @@ Anthropic-shaped (serve.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
@@ -29,7 +30,13 @@ def messages_routes(server: Server) -> APIRouter:
     @router.post("/v1/messages")
     async def create(req: MessagesRequest, request: Request) -> Any:
         _, prompt, config, answers = server.chat(req.chat_request())
-        output = MessageOutput(answers.head["model"], len(prompt))
+        # max_tokens is required and clients send their model's output limit (32,000 and
+        # more): past the context the answer ends as Anthropic's does at its context window.
+        room = server.engine.engine.max_seq_len - len(prompt)
+        window = 0 < room < config.max_new_tokens
+        if window:
+            config = replace(config, max_new_tokens=room)
+        output = MessageOutput(answers.head["model"], len(prompt), window)
         return await answer(server, request, prompt, config, answers, output, req.stream)
 
     @router.post("/v1/messages/count_tokens")

@@ -213,6 +213,20 @@ def test_a_final_assistant_message_is_continued(client, engine):
     assert got.usage.input_tokens + got.usage.cache_read_input_tokens == len(ids)
 
 
+def test_max_tokens_past_the_context_ends_at_its_window(client, engine):
+    """Clients send their model's output limit as max_tokens: past the package's context the
+    answer runs to the context's end, stop_reason model_context_window_exceeded."""
+    prompt = _prompt(engine, QUESTION)
+    room = engine.max_seq_len - len(prompt)
+    want = engine.generate(prompt, GenerationConfig(room, ignore_eos=True))
+    ask = {"model": "m", "messages": QUESTION, "max_tokens": 32000, "thinking": NO_THINKING}
+    # The client streams requests this long (it refuses to wait for them whole).
+    with client.messages.stream(**ask, extra_body=GREEDY | {"ignore_eos": True}) as stream:
+        got = stream.get_final_message()
+    assert got.content[0].text == want.text and got.usage.output_tokens == room
+    assert got.stop_reason == "model_context_window_exceeded"
+
+
 def test_count_tokens_counts_the_prompt_the_request_runs(client, engine):
     """count_tokens: the ids the request would run (system, tools and template included)."""
     messages = [{"role": "system", "content": "Be brief."}, *QUESTION]
