@@ -25,6 +25,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -362,9 +363,16 @@ def _info_routes(server: Server) -> APIRouter:
 
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:
+        """OpenAI's list (with vLLM's root and max_model_len) and Anthropic's fields (type,
+        display_name, created_at; the page's has_more, first_id, last_id) in one body."""
         card = {"object": "model", "created": server.created, "owned_by": "aotgen"}
         card |= {"root": server.names[0], "max_model_len": engine.engine.max_seq_len}
-        return {"object": "list", "data": [{"id": name} | card for name in server.names]}
+        created_at = datetime.fromtimestamp(server.created, UTC).isoformat()
+        card |= {"type": "model", "created_at": created_at.replace("+00:00", "Z")}
+        names = server.names
+        data = [{"id": name, "display_name": name} | card for name in names]
+        page = {"has_more": False, "first_id": names[0], "last_id": names[-1]}
+        return {"object": "list", "data": data} | page
 
     @router.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:

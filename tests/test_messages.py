@@ -266,6 +266,14 @@ def test_bad_requests_are_anthropic_shaped_400s(tools_server, change, message):
 
 
 def test_an_unserved_model_is_the_clients_not_found_error(client):
+    """The client lists the served names (GET /v1/models in both APIs' shapes); another name
+    is its NotFoundError."""
+    models = list(client.models.list())
+    assert [(m.id, m.type, m.display_name) for m in models] == [
+        ("m", "model", "m"),
+        ("m-alias", "model", "m-alias"),
+    ]
+    assert models[0].created_at.year >= 2026
     with pytest.raises(anthropic.NotFoundError) as missing:
         client.messages.create(model="claude", messages=QUESTION, max_tokens=2)
     assert missing.value.body["error"]["type"] == "not_found_error"
