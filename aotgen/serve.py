@@ -25,7 +25,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -367,8 +366,8 @@ def _info_routes(server: Server) -> APIRouter:
         display_name, created_at; the page's has_more, first_id, last_id) in one body."""
         card = {"object": "model", "created": server.created, "owned_by": "aotgen"}
         card |= {"root": server.names[0], "max_model_len": engine.engine.max_seq_len}
-        created_at = datetime.fromtimestamp(server.created, UTC).isoformat()
-        card |= {"type": "model", "created_at": created_at.replace("+00:00", "Z")}
+        created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(server.created))
+        card |= {"type": "model", "created_at": created_at}
         names = server.names
         data = [{"id": name, "display_name": name} | card for name in names]
         page = {"has_more": False, "first_id": names[0], "last_id": names[-1]}
