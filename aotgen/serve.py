@@ -4,7 +4,8 @@ FastAPI + uvicorn (`pip install 'aotgen[serve]'`). Endpoints: `POST /v1/chat/com
 `POST /v1/responses` (aotgen/serve_responses.py), Anthropic's `POST /v1/messages`
 (aotgen/serve_messages.py), `POST /v1/completions` (streamed as
 server-sent events ending in `data: [DONE]`, or whole), `GET /v1/models`, `GET /health`,
-`GET /metrics` (Prometheus), vLLM's `POST /tokenize` and `POST /detokenize`. Structured
+`GET /metrics` (Prometheus), vLLM's `POST /tokenize` and `POST /detokenize`
+(aotgen/serve_info.py). Structured
 output: OpenAI's `response_format` (`json_object`, `json_schema`) or vLLM's
 `structured_outputs` (`json`, `regex`, `grammar`, `choice`). Tool
 calls: `tools`, `tool_choice`, in the format the chat template teaches (aotgen/tool_calls.py);
@@ -30,7 +31,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from aotgen.chat_answer import ChatAnswers
 from aotgen.harmony import final_answer, head_of
@@ -40,9 +41,7 @@ from aotgen.openai_api import (
     ApiError,
     ChatRequest,
     CompletionRequest,
-    DetokenizeRequest,
     RequestFields,
-    TokenizeRequest,
     completion_logprobs,
     finish_reason,
     usage_of,
@@ -54,6 +53,7 @@ from aotgen.runtime.engine import GenerationConfig, GenerationError, GenerationR
 from aotgen.runtime.lookup_cache import SAVE_EVERY_S, PeriodicSave
 from aotgen.runtime.sampling import SEED_MAX, SamplingParams
 from aotgen.runtime.scheduler import QueueFull
+from aotgen.serve_info import info_routes
 from aotgen.serve_messages import messages_routes
 from aotgen.serve_responses import responses_routes
 from aotgen.tool_calls import tool_format
@@ -299,7 +299,7 @@ def create_app(
     _add_error_handlers(app)
     if api_key:
         _require_api_key(app, api_key)
-    app.include_router(_info_routes(server))
+    app.include_router(info_routes(server))
     app.include_router(_generation_routes(server))
     app.include_router(responses_routes(server))
     app.include_router(messages_routes(server))
@@ -339,55 +339,6 @@ def _require_api_key(app: FastAPI, api_key: str) -> None:
             return await call_next(request)
         message = "missing or wrong API key: send Authorization: Bearer KEY (or x-api-key: KEY)"
         return _error(ApiError(401, message, kind="authentication_error"), path)
-
-
-def _info_routes(server: Server) -> APIRouter:
-    """What the server holds and how it counts: health, metrics, the model, tokenization."""
-    router, engine = APIRouter(), server.engine
-
-    @router.get("/health")
-    async def health() -> dict[str, Any]:
-        s = engine.scheduler
-        return {
-            "status": "ok",
-            "slots": engine.slots,
-            "running": len(s.running),
-            "waiting": len(s.waiting),
-            "finished": dict(engine.finished),  # finish reason -> requests
-        }
-
-    @router.get("/metrics")
-    async def metrics() -> Response:
-        return Response(server.metrics.render(), media_type=server.metrics.content_type)
-
-    @router.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        """OpenAI's list (with vLLM's root and max_model_len) and Anthropic's fields (type,
-        display_name, created_at; the page's has_more, first_id, last_id) in one body."""
-        card = {"object": "model", "created": server.created, "owned_by": "aotgen"}
-        card |= {"root": server.names[0], "max_model_len": engine.engine.max_seq_len}
-        created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(server.created))
-        card |= {"type": "model", "created_at": created_at}
-        names = server.names
-        data = [{"id": name, "display_name": name} | card for name in names]
-        page = {"has_more": False, "first_id": names[0], "last_id": names[-1]}
-        return {"object": "list", "data": data} | page
-
-    @router.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
-        server.model(req.model)
-        ids = req.ids(engine.tokenizer)
-        return {"count": len(ids), "max_model_len": engine.engine.max_seq_len, "tokens": ids}
-
-    @router.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
-        server.model(req.model)
-        vocab = engine.target.vocab_size
-        if any(not 0 <= t < vocab for t in req.tokens):
-            raise ApiError(400, f"tokens must be in 0..{vocab - 1}", "tokens")
-        return {"prompt": engine.tokenizer.decode(req.tokens)}
-
-    return router
 
 
 def _generation_routes(server: Server) -> APIRouter:
