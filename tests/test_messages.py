@@ -16,7 +16,6 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from test_chat_answers import QUESTION, TOOLS, matches_schema, tools_server  # noqa: E402
-from test_serve import Server  # noqa: E402, F401
 
 from aotgen.runtime.engine import Engine, GenerationConfig  # noqa: E402
 from aotgen.tool_calls import ToolCall  # noqa: E402
