@@ -1,5 +1,5 @@
 """What `aotgen serve` holds and how it counts: `GET /health`, `GET /metrics` (Prometheus),
-`GET /v1/models`, vLLM's `POST /tokenize` and `POST /detokenize`."""
+`GET /v1/models` and `/v1/models/NAME`, vLLM's `POST /tokenize` and `POST /detokenize`."""
 
 from __future__ import annotations
 
@@ -34,18 +34,33 @@ def info_routes(server: Server) -> APIRouter:
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=server.metrics.content_type)
 
+    def card(name: str) -> dict[str, Any]:
+        """A served name's card: OpenAI's fields (with vLLM's root and max_model_len) and
+        Anthropic's (type, display_name, created_at)."""
+        created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(server.created))
+        return {
+            "id": name,
+            "object": "model",
+            "created": server.created,
+            "owned_by": "aotgen",
+            "root": server.names[0],
+            "max_model_len": engine.engine.max_seq_len,
+            "type": "model",
+            "display_name": name,
+            "created_at": created_at,
+        }
+
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:
-        """OpenAI's list (with vLLM's root and max_model_len) and Anthropic's fields (type,
-        display_name, created_at; the page's has_more, first_id, last_id) in one body."""
-        card = {"object": "model", "created": server.created, "owned_by": "aotgen"}
-        card |= {"root": server.names[0], "max_model_len": engine.engine.max_seq_len}
-        created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(server.created))
-        card |= {"type": "model", "created_at": created_at}
+        """The served names, one page (OpenAI's list; Anthropic's has_more, first_id,
+        last_id)."""
         names = server.names
-        data = [{"id": name, "display_name": name} | card for name in names]
         page = {"has_more": False, "first_id": names[0], "last_id": names[-1]}
-        return {"object": "list", "data": data} | page
+        return {"object": "list", "data": [card(name) for name in names]} | page
+
+    @router.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict[str, Any]:
+        return card(server.model(name))
 
     @router.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:

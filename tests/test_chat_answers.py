@@ -501,12 +501,15 @@ def _as_calls(tool_calls) -> list[ToolCall]:
 
 
 def test_served_model_names(tools_server):
-    """--served-model-name, two names (one given twice): /v1/models lists each once, an
-    answer carries the name its request gave, and a name the server does not serve is
-    OpenAI's 404 `model_not_found`."""
+    """--served-model-name, two names (one given twice): /v1/models lists each once and
+    /v1/models/NAME gives one, an answer carries the name its request gave, and a name the
+    server does not serve is OpenAI's 404 `model_not_found`."""
     openai = pytest.importorskip("openai")
     client = _client(tools_server)
     assert [m.id for m in client.models.list().data] == ["m", "m-alias"]
+    assert client.models.retrieve("m-alias").id == "m-alias"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
     ask = {"messages": QUESTION, "max_tokens": 2, "temperature": 0}
     for name in ("m", "m-alias"):
         assert client.chat.completions.create(model=name, **ask).model == name

@@ -273,6 +273,9 @@ def test_an_unserved_model_is_the_clients_not_found_error(client):
         ("m-alias", "model", "m-alias"),
     ]
     assert models[0].created_at.year >= 2026
+    assert client.models.retrieve("m-alias").id == "m-alias"
+    with pytest.raises(anthropic.NotFoundError):
+        client.models.retrieve("claude")
     with pytest.raises(anthropic.NotFoundError) as missing:
         client.messages.create(model="claude", messages=QUESTION, max_tokens=2)
     assert missing.value.body["error"]["type"] == "not_found_error"
