@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from aotgen.openai_api import ApiError, ChatRequest
 
@@ -103,12 +103,7 @@ class MessagesRequest(BaseModel):
         if (thinking := self._thinking()) is not None:
             kwargs = {"enable_thinking": thinking} | (extra.get("chat_template_kwargs") or {})
             fields["chat_template_kwargs"] = kwargs
-        try:
-            return ChatRequest.model_validate(fields)
-        except ValidationError as e:
-            error = e.errors()[0]
-            where = ".".join(str(p) for p in error["loc"])
-            raise ApiError(400, f"{where}: {error['msg']}", where) from None
+        return ChatRequest.from_fields(fields)
 
     def _output_config(self) -> dict[str, Any]:
         """`output_config` as chat fields: a JSON schema format as `response_format`, the

@@ -273,6 +273,17 @@ class ChatRequest(RequestFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> ChatRequest:
+        """The chat request another API's request maps to (the Responses and Messages APIs):
+        a field of the wrong type is a 400 naming it."""
+        try:
+            return cls.model_validate(fields)
+        except ValidationError as e:
+            error = e.errors()[0]
+            where = ".".join(str(p) for p in error["loc"])
+            raise ApiError(400, f"{where}: {error['msg']}", where) from None
+
     def logprob_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")

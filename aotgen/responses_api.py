@@ -10,7 +10,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from aotgen.openai_api import ApiError, ChatRequest
 
@@ -118,12 +118,7 @@ class ResponsesRequest(BaseModel):
             fields["response_format"] = _response_format(fmt)
         if effort := (self.reasoning or {}).get("effort"):
             fields["reasoning_effort"] = effort
-        try:
-            return ChatRequest.model_validate(fields), conversation
-        except ValidationError as e:
-            error = e.errors()[0]
-            where = ".".join(str(p) for p in error["loc"])
-            raise ApiError(400, f"{where}: {error['msg']}", where) from None
+        return ChatRequest.from_fields(fields), conversation
 
     def _refuse_unsupported(self) -> None:
         if self.background:
