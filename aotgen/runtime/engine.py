@@ -31,6 +31,7 @@ from aotgen.runtime.proposers import (
     LookupProposer,
     Proposer,
 )
+from aotgen.runtime.reasoning_budget import BudgetError, ReasoningBudget, marks_of, start_of
 from aotgen.runtime.request_check import PackageLimits, check_request
 from aotgen.runtime.rules import Penalties, TokenRules, fit, select, verify_within
 from aotgen.runtime.sampling import SamplingParams, make_generator
@@ -63,6 +64,10 @@ class GenerationConfig:
     grammar: Grammar | None = None  # structured output (runtime/grammar.py)
     penalties: Penalties | None = None  # repetition, presence, frequency, logit bias (rules.py)
     logprobs: int | None = None  # None: off; N: each token's logprob and the N likeliest
+    # At most this many tokens of reasoning, then its close is forced (runtime/reasoning_budget.py),
+    # after `reasoning_budget_message` if one is given.
+    reasoning_budget: int | None = None
+    reasoning_budget_message: str = ""
     # The same for the prompt's tokens (all but the first); max_new_tokens may then be 0.
     prompt_logprobs: int | None = None
     # Run only the prompt past the prefix the KV cache already holds (runtime/cached_tokens.py);
@@ -261,19 +266,27 @@ class Engine:
     def rules(self, config: GenerationConfig, prompt: list[int]) -> TokenRules | None:
         """A request's penalties, grammar and min_tokens, at its start (None without any)."""
         penalties = config.penalties if config.penalties and config.penalties.active else None
-        eos = self.tokenizer.eos_ids
-        ends = (set() if config.ignore_eos else set(eos)) | set(config.stop_token_ids)
+        eos = set() if config.ignore_eos else set(self.tokenizer.eos_ids)  # what ends answers
+        ends = eos | set(config.stop_token_ids)
         holds = config.min_tokens > 0 and bool(ends)  # min_tokens with nothing to hold: a no-op
-        if config.grammar is None and penalties is None and not holds:
+        budget = config.reasoning_budget
+        if config.grammar is None and penalties is None and not holds and budget is None:
             return None
         try:
             grammar = (
                 None if config.grammar is None else self.grammar_tokens.constraint(config.grammar)
             )
-        except GrammarError as e:
+            bounds = None if budget is None else self.reasoning_budget(config, prompt)
+        except (GrammarError, BudgetError) as e:
             raise GenerationError(str(e)) from None
         vocab = self.target.vocab_size
-        return TokenRules(penalties, prompt, vocab, eos, grammar, config.min_tokens, ends)
+        return TokenRules(penalties, prompt, vocab, eos, grammar, config.min_tokens, ends, bounds)
+
+    def reasoning_budget(self, config: GenerationConfig, prompt: list[int]) -> ReasoningBudget:
+        """The request's reasoning budget, from where its prompt leaves the reasoning."""
+        tok, budget = self.tokenizer, config.reasoning_budget
+        marks = marks_of(tok, config.reasoning_budget_message)
+        return ReasoningBudget(tok, marks, start_of(tok, prompt, budget))
 
     def _generate(
         self,

@@ -109,6 +109,12 @@ def _check_outputs(config: GenerationConfig, vocab: int) -> None:
     for token, _ in config.penalties.logit_bias if config.penalties else ():
         if not 0 <= token < vocab:
             raise GenerationError(f"logit_bias token {token} is outside 0..{vocab - 1}")
+    budget = config.reasoning_budget
+    whole = isinstance(budget, int) and not isinstance(budget, bool)
+    if budget is not None and not (whole and budget >= 0):
+        raise GenerationError(
+            f"reasoning_budget must be a whole number >= 0 (tokens of reasoning), got {budget!r}"
+        )
     if config.grammar is not None and config.ignore_eos:
         raise GenerationError(
             "a grammar ends generation with eos where its text is complete: drop ignore_eos"

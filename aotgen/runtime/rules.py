@@ -6,8 +6,10 @@ answer so far (a positive logit divided by it, a negative one multiplied: HF's a
 rule); the frequency and presence penalties on the answer's tokens (OpenAI's: minus
 frequency x count, minus presence if present); then the grammar's refusals at -inf; then,
 while the answer is shorter than `min_tokens`, the tokens that would end it (eos, stop token
-ids) at -inf, unless the grammar allows nothing else (its text is complete). Sampling
-(temperature, top-k, top-p) follows. Logprobs are read from the raw rows (runtime/logprobs.py).
+ids) at -inf, unless the grammar allows nothing else (its text is complete); last, where a
+spent reasoning budget forces its closing text (runtime/reasoning_budget.py), only the forced
+token. Sampling (temperature, top-k, top-p) follows. Logprobs are read from the raw rows
+(runtime/logprobs.py).
 
 The state (the answer's token counts, the grammar's position) advances with each accepted
 token. Speculative decoding applies the rules to each verify row as they stand after the
@@ -26,6 +28,7 @@ import torch
 from torch import Tensor
 
 from aotgen.runtime.grammar import TokenConstraint
+from aotgen.runtime.reasoning_budget import ReasoningBudget
 from aotgen.runtime.sampling import SamplingParams, select_next
 from aotgen.runtime.speculative import Proposal, verify
 
@@ -59,7 +62,8 @@ class Penalties:
 
 class TokenRules:
     """One request's rules and their state: the answer's token counts, its grammar's
-    position. `taken` counts the answer's tokens so far (eos is never taken)."""
+    position. `taken` counts the answer's tokens so far (`eos`, the ids that end it, none
+    under ignore_eos, is never taken)."""
 
     def __init__(
         self,
@@ -70,9 +74,10 @@ class TokenRules:
         grammar: TokenConstraint | None,
         min_tokens: int = 0,
         ends: set[int] = frozenset(),
+        budget: ReasoningBudget | None = None,
     ):
         self.penalties = penalties if penalties is not None and penalties.active else None
-        self.grammar, self.eos = grammar, eos
+        self.grammar, self.eos, self.budget = grammar, eos, budget
         self.min_tokens = min_tokens  # before this many answer tokens, `ends` are refused
         self.ends = torch.tensor(sorted(ends), dtype=torch.long)
         self.counts = torch.zeros(vocab_size)
@@ -91,7 +96,8 @@ class TokenRules:
         """One row (`[V]` or `[1, V]`) with the rules as they stand now."""
         out = self._penalize(logits, self.counts)
         out = self.grammar.restrict(out) if self.grammar is not None else out
-        return self._hold_open(out, torch.tensor([self.taken])) if self.holding else out
+        out = self._hold_open(out, torch.tensor([self.taken])) if self.holding else out
+        return out if self.budget is None else _force(out, [self.budget.forced()])
 
     def advance(self, tokens: list[int]) -> None:
         """Take a step's tokens, chosen under these rules, up to eos."""
@@ -100,26 +106,36 @@ class TokenRules:
                 return
             if self.grammar is not None:
                 self.grammar.advance([tok])
+            if self.budget is not None:
+                self.budget.advance([tok])
             self.counts[tok] += 1
             self.tokens.append(tok)
 
     def rollback(self, count: int) -> None:
         if self.grammar is not None:
             self.grammar.rollback(count)
+        if self.budget is not None:
+            self.budget.rollback(count)
         for _ in range(count):
             self.counts[self.tokens.pop()] -= 1
 
     def along(self, tokens: list[int]) -> tuple[int, RowRules]:
-        """How many leading `tokens` the rules take from here (the grammar may refuse one),
-        and the rules of the verify rows: row i as they stand after tokens[:i]."""
+        """How many leading `tokens` the rules take from here (the grammar may refuse one, a
+        spent reasoning budget force another), and the rules of the verify rows: row i as
+        they stand after tokens[:i]."""
         n, masks = self.grammar.along(tokens) if self.grammar is not None else (len(tokens), None)
+        forced = None
+        if self.budget is not None:
+            taken, forced = self.budget.along(tokens[:n])
+            n, forced = taken, forced[: taken + 1]
+            masks = None if masks is None else masks[: n + 1]
         steps = None
         if self.penalties is not None:  # the counts each row adds to the answer's
             steps = torch.zeros(n + 1, len(self.counts))
             for i, tok in enumerate(tokens[:n]):
                 steps[i + 1 :, tok] += 1
         lengths = self.taken + torch.arange(n + 1) if self.holding else None
-        return n, lambda rows: self._rows(rows, steps, masks, lengths)
+        return n, lambda rows: self._rows(rows, steps, masks, lengths, forced)
 
     def over_tree(self, tokens: list[int], parents: list[int]) -> RowRules:
         """The rules of each tree node's row, as they stand after the node's path (node 0,
@@ -139,16 +155,23 @@ class TokenRules:
             for node, parent in enumerate(parents[1:], 1):
                 depths[node] = depths[parent] + 1
             lengths = self.taken + torch.tensor(depths)
-        return lambda rows: self._rows(rows, steps, masks, lengths)
+        forced = None if self.budget is None else self.budget.over_tree(tokens, parents)
+        return lambda rows: self._rows(rows, steps, masks, lengths, forced)
 
     def _rows(
-        self, rows: Tensor, steps: Tensor | None, masks: Tensor | None, lengths: Tensor | None
+        self,
+        rows: Tensor,
+        steps: Tensor | None,
+        masks: Tensor | None,
+        lengths: Tensor | None,
+        forced: list[int | None] | None = None,
     ) -> Tensor:
         """Verify or tree rows; `lengths`: the answer's length as each row stands (None when
-        min_tokens holds nothing off)."""
+        min_tokens holds nothing off); `forced`: each row's forced token (None: any)."""
         out = rows if steps is None else self._penalize(rows, self.counts + steps)
         out = out if masks is None else out.masked_fill(~masks, -math.inf)
-        return out if lengths is None else self._hold_open(out, lengths)
+        out = out if lengths is None else self._hold_open(out, lengths)
+        return out if forced is None else _force(out, forced)
 
     @property
     def holding(self) -> bool:
@@ -175,6 +198,18 @@ class TokenRules:
                 seen, torch.where(out > 0, out / p.repetition, out * p.repetition), out
             )
         return out - p.frequency * counts - p.presence * (counts > 0).float()
+
+
+def _force(rows: Tensor, forced: list[int | None]) -> Tensor:
+    """Rows (`[V]` or `[n, V]`) whose forced token (None: none) is all they allow."""
+    if all(token is None for token in forced):
+        return rows
+    flat = rows.reshape(-1, rows.shape[-1]).clone()
+    for row, token in enumerate(forced):
+        if token is not None:
+            flat[row] = -math.inf
+            flat[row, token] = 0.0
+    return flat.reshape(rows.shape)
 
 
 def select(

@@ -117,8 +117,9 @@ std::optional<TokenRules> make_rules(const GenerationConfig& config,
   if (!config.ignore_eos) ends.insert(eos_ids.begin(), eos_ids.end());
   const bool holds = config.min_tokens > 0 && !ends.empty();  // else min_tokens is a no-op
   if (!config.penalties.active() && !holds) return std::nullopt;
-  return TokenRules(config.penalties, prompt, vocab, {eos_ids.begin(), eos_ids.end()},
-                    config.min_tokens, ends);
+  std::set<int64_t> eos;  // the eos ids that end the answer: none under ignore_eos
+  if (!config.ignore_eos) eos.insert(eos_ids.begin(), eos_ids.end());
+  return TokenRules(config.penalties, prompt, vocab, eos, config.min_tokens, ends);
 }
 
 int64_t select(const at::Tensor& logits, const SamplingParams& params, at::Generator& gen,

@@ -16,7 +16,7 @@
 namespace aotgen::detail {
 
 // One request's penalties and the answer's token counts, which advance with each accepted
-// token (eos is never taken). While the answer is shorter than min_tokens, the tokens that
+// token (eos, none under ignore_eos, is never taken). While the answer is shorter than min_tokens, the tokens that
 // would end it (`ends`: eos unless ignored, stop token ids) are refused. Speculative decoding applies them to each verify row as they
 // stand after the proposal tokens before it (along), and to each tree node's row after its
 // path (over_tree); drafters apply them while drafting and roll back.
