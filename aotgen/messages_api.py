@@ -1,8 +1,8 @@
 """Anthropic's Messages API (`POST /v1/messages`) as a chat request: content blocks become
 chat messages (text, `tool_use` calls, `tool_result` answers, `thinking` as the reasoning of
 the turn it leads), custom tools and `tool_choice` become the chat API's, `thinking` the
-template's `enable_thinking`, and a final assistant message is continued. The answer's
-content blocks are aotgen/message_output.py's."""
+template's `enable_thinking` (its `budget_tokens` the reasoning budget), and a final
+assistant message is continued. The answer's content blocks are aotgen/message_output.py's."""
 
 from __future__ import annotations
 
@@ -103,6 +103,8 @@ class MessagesRequest(BaseModel):
         if (thinking := self._thinking()) is not None:
             kwargs = {"enable_thinking": thinking} | (extra.get("chat_template_kwargs") or {})
             fields["chat_template_kwargs"] = kwargs
+        if thinking and (budget := (self.thinking or {}).get("budget_tokens")) is not None:
+            fields["thinking_token_budget"] = budget
         return ChatRequest.from_fields(fields)
 
     def _output_config(self) -> dict[str, Any]:

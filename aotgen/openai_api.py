@@ -79,6 +79,10 @@ class RequestFields(BaseModel):
     ignore_eos: bool = False  # vLLM's extension (its benchmarks send it): run to max_tokens
     stop_token_ids: list[int] | None = None  # vLLM's extension: end like eos
     min_tokens: int = Field(default=0, ge=0)  # vLLM's extension: nothing ends the answer sooner
+    # vLLM's extension: at most N tokens of reasoning, then its close is forced; the text
+    # forced before the close (aotgen's; default: the server's --reasoning-budget-message).
+    thinking_token_budget: int | None = Field(default=None, ge=0)
+    reasoning_budget_message: str = ""
     # Declared so that a value other than "off" is refused, not silently ignored: best_of,
     # which OpenAI had, and completions' suffix (text after an insertion point).
     best_of: int | None = None

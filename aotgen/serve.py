@@ -137,6 +137,8 @@ class Server:
             penalties=req.penalties(),
             logprobs=req.logprob_count(),
             prompt_logprobs=req.prompt_logprob_count(),
+            reasoning_budget=req.thinking_token_budget,
+            reasoning_budget_message=req.reasoning_budget_message,
         )
 
     def chat(

@@ -705,6 +705,59 @@ def test_structured_answer_after_reasoning(tools_server):
     assert answer.message.reasoning_content == text.strip("\n") and answer.message.content == ""
 
 
+def test_thinking_token_budget_closes_the_reasoning(tools_server):
+    """vLLM's thinking_token_budget (and aotgen's reasoning_budget_message): the answer is the
+    engine's under the same budget, its reasoning cut with the message, the rest content,
+    whole and streamed; a negative budget is a 400."""
+    client = _client(tools_server)
+    engine = Engine.load(tools_server.package)
+    kwargs = {"enable_thinking": True}
+    prompt = engine.tokenizer.encode_chat(QUESTION, template_kwargs=kwargs)
+    config = GenerationConfig(24, reasoning_budget=5, reasoning_budget_message="Enough.")
+    text = engine.generate(prompt, config).text
+    reasoning, _, content = text.partition("</think>")
+    assert reasoning.strip().endswith("Enough.") and content.strip()
+    ask = {"model": "m", "messages": QUESTION, "max_tokens": 24, "temperature": 0}
+    budget = {"thinking_token_budget": 5, "reasoning_budget_message": "Enough."}
+    ask["extra_body"] = {"chat_template_kwargs": kwargs} | budget
+    message = client.chat.completions.create(**ask).choices[0].message
+    assert message.reasoning_content == reasoning.strip("\n")
+    assert message.content == content.lstrip("\n")
+    streamed = {"reasoning_content": "", "content": ""}
+    for event in client.chat.completions.create(**ask, stream=True):
+        for c in event.choices:
+            for key in streamed:
+                streamed[key] += getattr(c.delta, key, None) or ""
+    assert streamed == {"reasoning_content": message.reasoning_content, "content": message.content}
+    test_bad_tool_requests(tools_server, {"thinking_token_budget": -1}, "greater than or equal")
+
+
+def test_the_servers_reasoning_budget_is_the_default(tools_server):
+    """`serve --reasoning-budget 3 --reasoning-budget-message M`: a request without a budget
+    gets the server's (the engine's answer under it), one with its own keeps it."""
+    httpx = pytest.importorskip("httpx")
+    from test_serve import Server
+
+    engine = Engine.load(tools_server.package)
+    kwargs = {"enable_thinking": True}
+    prompt = engine.tokenizer.encode_chat(QUESTION, template_kwargs=kwargs)
+    ask = {"messages": QUESTION, "max_tokens": 16, "temperature": 0}
+    ask["chat_template_kwargs"] = kwargs
+    args = ("--reasoning-budget", "3", "--reasoning-budget-message", "Enough.")
+    server = Server(tools_server.package, *args)
+    try:
+        for own, budget in ((None, 3), (7, 7)):
+            body = ask if own is None else ask | {"thinking_token_budget": own}
+            got = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
+            config = GenerationConfig(
+                16, reasoning_budget=budget, reasoning_budget_message="Enough."
+            )
+            reasoning = engine.generate(prompt, config).text.partition("</think>")[0]
+            assert got["choices"][0]["message"]["reasoning_content"] == reasoning.strip("\n")
+    finally:
+        server.close()
+
+
 def test_a_chat_answer_continues_the_final_message(tools_server):
     """continue_final_message (with add_generation_prompt false): the prompt the engine runs
     ends inside the prefilled assistant message, and the answer continues it as the engine's

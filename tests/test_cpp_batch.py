@@ -202,6 +202,32 @@ def test_chat_reasoning_comes_apart(batch_bin, tiny_package, tmp_path):
     )
 
 
+def test_reasoning_budgets_of_a_batch_equal_pythons(batch_bin, tiny_package, tmp_path):
+    """Requests with their own reasoning budgets (0, 3 with a message, 5 under n-gram lookup,
+    none) served together: each answer's ids are the Python engine's alone."""
+    package = with_chat_template(tiny_package, tmp_path / "r1", r1_thinking_template())
+    engine = Engine.load(package)
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    request = {"chat": "Hi", "max_new_tokens": 20, "ignore_eos": True, "temperature": 0}
+    budgets = [
+        {"reasoning_budget": 0},
+        {"reasoning_budget": 3, "reasoning_budget_message": "Enough."},
+        {"reasoning_budget": 5, "lookup": "ngram"},
+        {},
+    ]
+    got, _ = cpp_results(run_batch(batch_bin, package, [request | b for b in budgets], tmp_path))
+    for answer, budget in zip(got, budgets, strict=True):
+        config = GenerationConfig(
+            20,
+            ignore_eos=True,
+            reasoning_budget=budget.get("reasoning_budget"),
+            reasoning_budget_message=budget.get("reasoning_budget_message", ""),
+            speculative=budget.get("lookup"),
+        )
+        assert answer["ids"] == engine.generate(ids, config).token_ids, budget
+    assert "</think>" in got[1]["text"] and "</think>" not in got[3]["text"]
+
+
 def test_chat_harmony_comes_apart(batch_bin, tiny_package, tmp_path):
     """Under a harmony template a chat request's answer is split as Python's `split_harmony`
     splits its text, the reasoning a string (empty: the random model writes no harmony); a

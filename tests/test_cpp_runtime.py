@@ -634,6 +634,42 @@ def test_harmony_answer_comes_apart_like_python(run_bin, harmony_chat_package):
     assert proc.stderr.startswith(f"{split.reasoning}\n" if split.reasoning else "load ")
 
 
+def test_reasoning_budget_closes_the_reasoning_like_python(
+    run_bin, r1_chat_package, harmony_chat_package
+):
+    """--reasoning-budget (and its message): the ids are the Python engine's, plain and n-gram
+    (a lookup proposal is cut where it misses the forced close), after `<think>` opened by
+    DeepSeek-R1's prompt and inside a harmony analysis message (--prompt-ids)."""
+    engine = Engine.load(r1_chat_package)
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    for budget, message, lookup in ((0, None, False), (4, "Enough.", False), (6, None, True)):
+        args = ["--chat", "Hi", "--max-new-tokens", "24", "--ignore-eos", "--json"]
+        args += ["--reasoning-budget", str(budget)]
+        args += ["--reasoning-budget-message", message] if message else []
+        args += ["--lookup", "ngram"] if lookup else []
+        got = json.loads(run(run_bin, r1_chat_package, *args).stdout)
+        config = GenerationConfig(
+            24,
+            ignore_eos=True,
+            reasoning_budget=budget,
+            reasoning_budget_message=message or "",
+            speculative="ngram" if lookup else None,
+        )
+        want = engine.generate(ids, config)
+        assert got["ids"] == want.token_ids and "</think>" in want.text, (budget, lookup)
+        assert got["content"] == split_reasoning(got["text"], True)[1]
+
+    harmony = Engine.load(harmony_chat_package)
+    chat = harmony.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    analysis = chat + harmony.tokenizer.encode("<|channel|>analysis<|message|>")
+    args = ["--prompt-ids", json.dumps(analysis), "--max-new-tokens", "60", "--ignore-eos"]
+    got = json.loads(
+        run(run_bin, harmony_chat_package, *args, "--reasoning-budget", "3", "--json").stdout
+    )
+    want = harmony.generate(analysis, GenerationConfig(60, ignore_eos=True, reasoning_budget=3))
+    assert got["ids"] == want.token_ids and "<|channel|>final<|message|>" in want.text
+
+
 # ---- bad input: one clear message, exit status 1, no crash -------------------------------
 
 

@@ -114,11 +114,11 @@ def test_a_stop_sequence_ends_the_text_and_is_named(client, chat_client, engine)
 
 
 def test_thinking_is_a_thinking_block(client, engine):
-    """thinking enabled: the prompt opens the reasoning, which the random model never closes:
-    the whole answer is a thinking block's text, whole and streamed."""
+    """thinking adaptive (no budget): the prompt opens the reasoning, which the random model
+    never closes: the whole answer is a thinking block's text, whole and streamed."""
     text = engine.generate(_prompt(engine, QUESTION, thinking=True), GenerationConfig(12)).text
     ask = {"model": "m", "messages": QUESTION, "max_tokens": 12, "extra_body": GREEDY}
-    ask["thinking"] = {"type": "enabled", "budget_tokens": 8}
+    ask["thinking"] = {"type": "adaptive"}
     whole = client.messages.create(**ask)
     assert [b.type for b in whole.content] == ["thinking"] and text.strip()
     assert whole.content[0].thinking == text.strip("\n")
@@ -126,6 +126,25 @@ def test_thinking_is_a_thinking_block(client, engine):
         deltas = [e.delta.thinking for e in stream if e.type == "content_block_delta"]
         final = stream.get_final_message()
     assert "".join(deltas) == final.content[0].thinking == whole.content[0].thinking
+
+
+def test_budget_tokens_close_the_thinking(client, engine):
+    """thinking enabled with budget_tokens 6: the reasoning is closed after 6 tokens and the
+    model answers, as the engine answers under reasoning_budget 6: a thinking block and a
+    text block, whole and streamed."""
+    config = GenerationConfig(24, reasoning_budget=6)
+    text = engine.generate(_prompt(engine, QUESTION, thinking=True), config).text
+    reasoning, closed, content = text.partition("</think>")
+    assert closed and content.strip()
+    ask = {"model": "m", "messages": QUESTION, "max_tokens": 24, "extra_body": GREEDY}
+    ask["thinking"] = {"type": "enabled", "budget_tokens": 6}
+    whole = client.messages.create(**ask)
+    assert [b.type for b in whole.content] == ["thinking", "text"]
+    assert whole.content[0].thinking == reasoning.strip("\n")
+    assert whole.content[1].text == content.lstrip("\n")
+    with client.messages.stream(**ask) as stream:
+        final = stream.get_final_message()
+    assert final.content == whole.content
 
 
 def test_a_forced_call_and_its_result_answer_as_the_chat_api(client, chat_client, engine):

@@ -6,8 +6,18 @@ whatever tokens spell them; sampled answers' forced close where the definition p
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
-from reference import CHAT_TEMPLATES, eager_engine, r1_thinking_template, reset_caches
+from reference import (
+    CHAT_TEMPLATES,
+    eager_engine,
+    r1_thinking_template,
+    reset_caches,
+    with_chat_template,
+)
+from test_cli_help import aotgen
 from test_structured import TREES
 
 from aotgen.reasoning import split_reasoning
@@ -25,6 +35,7 @@ from aotgen.runtime.reasoning_budget import (
 )
 from aotgen.runtime.sampling import SamplingParams
 
+REPO = Path(__file__).resolve().parents[1]
 N = 28
 MESSAGE = "Time is up."
 QUESTION = [{"role": "user", "content": "How many r are in strawberry?"}]
@@ -252,3 +263,17 @@ def test_bad_budgets_are_one_line_errors(engine, tiny_batch_package):
     plain = Engine.load(tiny_batch_package, threads=1)  # ChatML: no reasoning
     with pytest.raises(GenerationError, match="has no reasoning .* leave the budget out"):
         plain.generate(prompt, _config(8))
+
+
+def test_aotgen_run_takes_a_budget(tiny_package, tmp_path):
+    """`aotgen run --reasoning-budget N --reasoning-budget-message M --json`: the engine's ids
+    under the same budget; the reasoning ends with the message, the content after it."""
+    package = with_chat_template(tiny_package, tmp_path / "r1", r1_thinking_template())
+    engine = Engine.load(package, threads=1)
+    flags = ["--max-new-tokens", "40", "--ignore-eos", "--json", "--threads", "1"]
+    flags += ["--reasoning-budget", "4", "--reasoning-budget-message", MESSAGE]
+    got = json.loads(aotgen("run", str(package), "--chat", "Hi", *flags, cwd=REPO).stdout)
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    config = _config(4, max_new_tokens=40, reasoning_budget_message=MESSAGE)
+    assert got["ids"] == engine.generate(ids, config).token_ids
+    assert got["reasoning"].endswith(MESSAGE) and got["content"]

@@ -389,6 +389,23 @@ def test_min_tokens_holds_the_end_off_as_alone(tiny_server, alone):
     assert got["choices"][0]["text"] == expected.text
 
 
+def test_a_reasoning_budget_needs_a_reasoning_template(tiny_server, alone, tiny_batch_package):
+    """The tiny package's ChatML template has no reasoning: thinking_token_budget is a 400
+    naming that, the Messages API's thinking budget is left out with thinking itself (the
+    answer is the one without it), and `serve --reasoning-budget` stops at start."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0}
+    url = f"{tiny_server.url}/v1/chat/completions"
+    r = httpx.post(url, json=chat | {"thinking_token_budget": 4}, timeout=60)
+    assert r.status_code == 400 and "has no reasoning" in r.json()["error"]["message"], r.text
+    url = f"{tiny_server.url}/v1/messages"
+    plain = httpx.post(url, json=chat, timeout=60).json()
+    thinking = {"type": "enabled", "budget_tokens": 4}
+    got = httpx.post(url, json=chat | {"thinking": thinking}, timeout=60).json()
+    assert got["content"] == plain["content"] and got["content"][0]["type"] == "text"
+    with pytest.raises(RuntimeError, match="--reasoning-budget: this package's chat template"):
+        Server(tiny_batch_package, "--reasoning-budget", "4")
+
+
 def _metrics(url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -112,6 +112,20 @@ def at_least(option: str, value: int | None, low: int = 1) -> None:
         raise CliError(f"{option} must be >= {low}, got {value}")
 
 
+REASONING_BUDGET_HELP = (
+    "at most N tokens of reasoning (<think>, gpt-oss's analysis channel), then its close is "
+    "forced and the model answers; 0: no reasoning"
+)
+REASONING_MESSAGE_HELP = "with --reasoning-budget: text forced before the close"
+
+
+def check_reasoning_budget(budget: int | None, message: str | None) -> None:
+    if budget is not None and budget < 0:
+        raise CliError(f"--reasoning-budget must be >= 0 (tokens of reasoning), got {budget}")
+    if message is not None and budget is None:
+        raise CliError("--reasoning-budget-message goes with --reasoning-budget N")
+
+
 BACKEND_HELP = (
     "aoti: the AOTInductor graphs; onnxruntime: the package's ONNX graphs through ONNX Runtime "
     "(a recipe with formats: [aoti, onnx]; pip install 'aotgen[onnx]')"

@@ -16,6 +16,8 @@ from rich.console import Console
 from aotgen.cli.common import (
     BACKEND_HELP,
     LOOKUP_CACHE_HELP,
+    REASONING_BUDGET_HELP,
+    REASONING_MESSAGE_HELP,
     SEED_MAX,
     CliError,
     app,
@@ -24,6 +26,7 @@ from aotgen.cli.common import (
     check_generation_config,
     check_lookup_cache,
     check_lookup_cache_every,
+    check_reasoning_budget,
     console,
     print_json,
     read_prompt_file,
@@ -145,6 +148,12 @@ def run(
             "(0..20)"
         ),
     ] = None,
+    reasoning_budget: Annotated[
+        int | None, typer.Option(help=REASONING_BUDGET_HELP, show_default=False)
+    ] = None,
+    reasoning_budget_message: Annotated[
+        str | None, typer.Option(help=REASONING_MESSAGE_HELP, show_default=False)
+    ] = None,
     lookup: Annotated[
         str | None,
         typer.Option(
@@ -221,6 +230,7 @@ def run(
         raise CliError(f"--seed must be an integer in 0..{SEED_MAX}, got {seed}")
     if "" in (stop or ()):
         raise CliError("--stop is empty: give the text that ends the answer")
+    check_reasoning_budget(reasoning_budget, reasoning_budget_message)
     read_manifest(package)  # a path that holds no package, too
     # After the checks above: a mistyped option is refused without the seconds torch takes.
     from aotgen.runtime.engine import GenerationConfig
@@ -265,6 +275,8 @@ def run(
         grammar=constraint,
         penalties=penalties,
         logprobs=logprobs,
+        reasoning_budget=reasoning_budget,
+        reasoning_budget_message=reasoning_budget_message or "",
     )
     launch = _Launch(nnodes, node_rank, master_addr, master_port)
     engine = _start_engine(package, backend, resolve_threads(threads), launch)
@@ -682,10 +694,21 @@ def serve(
             "as vLLM); 'none': OpenAI's defaults"
         ),
     ] = "auto",
+    reasoning_budget: Annotated[
+        int | None,
+        typer.Option(
+            help=REASONING_BUDGET_HELP + " (a request's thinking_token_budget wins)",
+            show_default=False,
+        ),
+    ] = None,
+    reasoning_budget_message: Annotated[
+        str | None, typer.Option(help=REASONING_MESSAGE_HELP, show_default=False)
+    ] = None,
 ) -> None:
     """Serve a package over an OpenAI-compatible HTTP API (and Anthropic's Messages API), many
     requests at once."""
     check_generation_config(generation_config)
+    check_reasoning_budget(reasoning_budget, reasoning_budget_message)
     if lookup not in (None, "ngram"):
         raise CliError(f"--lookup {lookup!r}: the only lookup is 'ngram'")
     check_lookup_cache(lookup_cache, lookup)
@@ -730,8 +753,25 @@ def serve(
         f"{f', speculative: {mode}' if mode else ''})"
     )
     defaults = _sampling_defaults(engine, console) if generation_config == "auto" else {}
+    defaults |= _budget_defaults(engine, reasoning_budget, reasoning_budget_message)
     every_s = SAVE_EVERY_S if lookup_cache_every is None else lookup_cache_every
     serve_http(engine, names, listener, mode, defaults, api_key, lookup_cache, every_s)
+
+
+def _budget_defaults(
+    engine: BatchEngine, budget: int | None, message: str | None
+) -> dict[str, Any]:
+    """--reasoning-budget and its message as the request fields a request leaves out."""
+    from aotgen.runtime.reasoning_budget import reasons
+
+    if budget is None:
+        return {}
+    if not reasons(engine.tokenizer):
+        raise CliError(
+            "--reasoning-budget: this package's chat template has no reasoning (<think> tags "
+            "or gpt-oss's analysis channel); leave it out"
+        )
+    return {"thinking_token_budget": budget, "reasoning_budget_message": message or ""}
 
 
 def _sampling_defaults(engine: BatchEngine, console: Console) -> dict[str, Any]:

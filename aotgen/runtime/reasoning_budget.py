@@ -54,6 +54,11 @@ class BudgetState:
     owed: int = 0  # UTF-8 continuation bytes still to come for the last character
 
 
+def reasons(tok: Tokenizer) -> bool:
+    """Whether the package's chat template has a reasoning a budget can bound."""
+    return takes_harmony(tok.chat_template) or takes_reasoning(tok.chat_template)
+
+
 def marks_of(tok: Tokenizer, message: str = "") -> BudgetMarks:
     """The marks of the package's template: `<think>` tags or gpt-oss's analysis channel.
     `message` goes before the forced close (e.g. "Time is up; I answer now.")."""

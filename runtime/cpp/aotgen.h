@@ -134,6 +134,11 @@ struct GenerationConfig {
   // Each generated token's log-probability and its N likeliest alternatives' (0..20);
   // none: off (aotgen/runtime/logprobs.py).
   std::optional<int64_t> logprobs;
+  // At most this many tokens of reasoning (`<think>`, gpt-oss's analysis channel), then its
+  // close is forced after `reasoning_budget_message` (aotgen/runtime/reasoning_budget.py);
+  // GenerationError on a package whose chat template has no reasoning.
+  std::optional<int64_t> reasoning_budget;
+  std::string reasoning_budget_message;
 };
 
 // A generated token, its log-probability under the model's own distribution (the log-softmax

@@ -202,6 +202,8 @@ struct BatchEngine::Impl {
   // Every request past its prompt moves on by one decode or one verify.
   void decode(const std::vector<RequestPtr>& seqs) {
     std::vector<detail::Proposal> proposals = propose(seqs);
+    // Under a spent reasoning budget: cut where the forced token is missed.
+    for (std::size_t i = 0; i < seqs.size(); ++i) detail::fit(proposals[i], seqs[i]->rules);
     std::vector<RequestPtr> plain, verifying;
     std::vector<detail::Proposal> props;
     for (std::size_t i = 0; i < seqs.size(); ++i) {
@@ -387,7 +389,8 @@ int64_t BatchEngine::submit(const std::vector<int64_t>& prompt_ids, const Genera
   const int64_t id = b.next_id++;
   auto request =
       std::make_shared<Request>(id, prompt_ids, config, std::move(sink), std::move(on_done));
-  request->rules = detail::make_rules(config, prompt_ids, b.target.vocab_size(), b.e.eos_ids);
+  request->rules = detail::make_rules(config, prompt_ids, b.target.vocab_size(), b.e.eos_ids,
+                                     detail::reasoning_budget(b.e, config, prompt_ids));
   b.waiting.push_back(std::move(request));
   return id;
 }

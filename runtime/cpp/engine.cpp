@@ -190,7 +190,8 @@ class TokenSteps {
   std::vector<int64_t> speculative_round() {
     int64_t k = adaptive_ ? adaptive_->k : k_;
     k = std::min(k, max_seq_len_ + max_k_ - pos_);
-    const Proposal proposal = proposer_->propose(history_, k);
+    Proposal proposal = proposer_->propose(history_, k);
+    detail::fit(proposal, rules_);
     const auto n = static_cast<int64_t>(proposal.tokens.size());
     // Score tok + proposal: row i predicts the token after history[:pos+i+1].
     std::vector<int64_t> block{tok_};
@@ -400,6 +401,10 @@ void detail::check_request(const detail::EngineState& e, const std::vector<int64
   if (config.k && *config.k < 1) {
     throw GenerationError("k (the draft length) must be >= 1, got " + std::to_string(*config.k));
   }
+  if (config.reasoning_budget && *config.reasoning_budget < 0) {
+    throw GenerationError("reasoning_budget must be a whole number >= 0 (tokens of reasoning), "
+                          "got " + std::to_string(*config.reasoning_budget));
+  }
   if (config.speculative != Speculative::None) {
     if (ngram_min(config) < 1 || ngram_min(config) > config.ngram_max) {
       throw GenerationError("need 1 <= ngram_min <= ngram_max");
@@ -439,7 +444,8 @@ GenerationResult Engine::generate(const std::vector<int64_t>& prompt_ids,
   std::optional<Clock::time_point> t_first;
   TokenSteps steps(*e.target, e.draft.get(), e.max_seq_len, e.verify_k, prompt_ids,
                    result.cached_tokens, config, result.spec,
-                   detail::make_rules(config, prompt_ids, e.target->vocab_size(), e.eos_ids),
+                   detail::make_rules(config, prompt_ids, e.target->vocab_size(), e.eos_ids,
+                                      detail::reasoning_budget(e, config, prompt_ids)),
                    e.lookup_cache.get());
   while (true) {
     const auto new_tokens = steps.next();
@@ -489,22 +495,53 @@ void Engine::set_chat_template_kwargs(const std::string& kwargs) {
   impl_->template_kwargs = kwargs;
 }
 
-std::optional<bool> Engine::thinking(const std::vector<int64_t>& prompt_ids) const {
-  if (!impl_->chat_template || !impl_->chat_template->takes_reasoning()) return std::nullopt;
+std::optional<bool> detail::thinking_of(const EngineState& e,
+                                        const std::vector<int64_t>& prompt_ids) {
+  if (!e.chat_template || !e.chat_template->takes_reasoning()) return std::nullopt;
   // The last 32 ids: enough for the tags, even spelled byte by byte.
   const auto tail = prompt_ids.size() > 32 ? prompt_ids.end() - 32 : prompt_ids.begin();
-  return opens_reasoning(impl_->tokenizer->decode({tail, prompt_ids.end()}));
+  return opens_reasoning(e.tokenizer->decode({tail, prompt_ids.end()}));
 }
 
-std::optional<std::string> Engine::harmony_head(const std::vector<int64_t>& prompt_ids) const {
-  if (!impl_->chat_template || !impl_->chat_template->takes_harmony()) return std::nullopt;
+std::optional<std::string> detail::harmony_head_of(const EngineState& e,
+                                                   const std::vector<int64_t>& prompt_ids) {
+  if (!e.chat_template || !e.chat_template->takes_harmony()) return std::nullopt;
   // From the last message's start (a long one included), as aotgen/harmony.py head_of.
   auto tail = prompt_ids.size() > 64 ? prompt_ids.end() - 64 : prompt_ids.begin();
-  if (const auto start = impl_->tokenizer->token_id("<|start|>")) {
+  if (const auto start = e.tokenizer->token_id("<|start|>")) {
     const auto last = std::find(prompt_ids.rbegin(), prompt_ids.rend(), *start);
     if (last != prompt_ids.rend()) tail = std::prev(last.base());
   }
-  return answer_head(impl_->tokenizer->decode({tail, prompt_ids.end()}));
+  return answer_head(e.tokenizer->decode({tail, prompt_ids.end()}));
+}
+
+std::optional<detail::ReasoningBudget> detail::reasoning_budget(
+    const EngineState& e, const GenerationConfig& config, const std::vector<int64_t>& prompt_ids) {
+  if (!config.reasoning_budget) return std::nullopt;
+  const bool harmony = e.chat_template && e.chat_template->takes_harmony();
+  if (!harmony && !(e.chat_template && e.chat_template->takes_reasoning())) {
+    throw GenerationError(
+        "reasoning budget: this package's chat template has no reasoning (<think> tags or "
+        "gpt-oss's analysis channel); leave the budget out");
+  }
+  const int64_t budget = *config.reasoning_budget;
+  BudgetState start(BudgetPhase::Done, budget);  // the prompt closed the reasoning
+  if (harmony) {  // inside when the prompt continues an analysis message
+    const auto head = harmony_head_of(e, prompt_ids);
+    start = budget_start(budget, head->find("<|channel|>analysis<|message|>") != std::string::npos);
+  } else if (const auto thinking = thinking_of(e, prompt_ids)) {
+    start = budget_start(budget, *thinking);
+  }
+  BudgetMarks marks = budget_marks(*e.tokenizer, harmony, config.reasoning_budget_message);
+  return ReasoningBudget(*e.tokenizer, std::move(marks), std::move(start));
+}
+
+std::optional<bool> Engine::thinking(const std::vector<int64_t>& prompt_ids) const {
+  return detail::thinking_of(*impl_, prompt_ids);
+}
+
+std::optional<std::string> Engine::harmony_head(const std::vector<int64_t>& prompt_ids) const {
+  return detail::harmony_head_of(*impl_, prompt_ids);
 }
 
 std::vector<int64_t> Engine::prompt_ids(const std::string& text) const {

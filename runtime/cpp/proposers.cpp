@@ -136,4 +136,13 @@ std::vector<Proposal> draft_batch(ModelRunner& draft, const std::vector<DraftReq
   return out;
 }
 
+void fit(Proposal& proposal, const std::optional<TokenRules>& rules) {
+  if (!rules) return;
+  const int64_t n = rules->takes(proposal.tokens);
+  if (n == static_cast<int64_t>(proposal.tokens.size())) return;
+  proposal.tokens.resize(static_cast<std::size_t>(n));
+  if (proposal.probs.defined()) proposal.probs = proposal.probs.slice(0, 0, n);
+  proposal.looked_up = proposal.looked_up && n > 0;
+}
+
 }  // namespace aotgen::detail

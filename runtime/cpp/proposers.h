@@ -37,6 +37,10 @@ struct Proposal {
   bool looked_up = false;  // from n-gram lookup, not the draft model
 };
 
+// The proposal cut to what the rules take (rules.py fit): none past a token a spent
+// reasoning budget does not force.
+void fit(Proposal& proposal, const std::optional<TokenRules>& rules);
+
 // propose: up to k tokens to follow history (prompt + output; its last token sits at position
 // history.size() - 1, not yet in the target's cache). accepted: after verification, positions
 // < pos of the target's cache hold accepted tokens.

@@ -1,11 +1,12 @@
-// aotgen/runtime/rules.py's penalties and min_tokens, op for op, so that a request gets
-// Python's tokens.
+// aotgen/runtime/rules.py's penalties, min_tokens and reasoning budget, op for op, so that a
+// request gets Python's tokens.
 #include "rules.h"
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
@@ -38,30 +39,57 @@ namespace detail {
 
 TokenRules::TokenRules(const Penalties& penalties, const std::vector<int64_t>& prompt,
                        int64_t vocab, std::set<int64_t> eos, int64_t min_tokens,
-                       const std::set<int64_t>& ends)
+                       const std::set<int64_t>& ends, std::optional<ReasoningBudget> budget)
     : penalties_(penalties), eos_(std::move(eos)), counts_(at::zeros({vocab})),
       in_prompt_(at::zeros({vocab}, at::kBool)), bias_(at::zeros({vocab})),
       min_tokens_(min_tokens),
-      ends_(at::tensor(std::vector<int64_t>(ends.begin(), ends.end()), at::kLong)) {
+      ends_(at::tensor(std::vector<int64_t>(ends.begin(), ends.end()), at::kLong)),
+      budget_(std::move(budget)) {
   bool* seen = in_prompt_.data_ptr<bool>();
   for (const int64_t tok : prompt) seen[tok] = true;
   float* bias = bias_.data_ptr<float>();
   for (const auto& [token, value] : penalties_.logit_bias) bias[token] += static_cast<float>(value);
 }
 
+namespace {
+
+// Rows ([V] or [n, V]) whose forced token (none: none) is all they allow.
+at::Tensor force(const at::Tensor& rows, const std::vector<std::optional<int64_t>>& forced) {
+  if (std::none_of(forced.begin(), forced.end(), [](const auto& t) { return t.has_value(); })) {
+    return rows;
+  }
+  at::Tensor flat = rows.reshape({-1, rows.size(-1)}).clone();
+  for (std::size_t row = 0; row < forced.size(); ++row) {
+    if (!forced[row]) continue;
+    const auto r = static_cast<int64_t>(row);
+    flat[r].fill_(-std::numeric_limits<double>::infinity());
+    flat[r][*forced[row]] = 0.0;
+  }
+  return flat.reshape(rows.sizes());
+}
+
+}  // namespace
+
 at::Tensor TokenRules::restrict(const at::Tensor& logits) const {
-  return hold_open(penalize(logits, counts_), {taken()});
+  const at::Tensor out = hold_open(penalize(logits, counts_), {taken()});
+  return budget_ ? force(out, {budget_->forced()}) : out;
 }
 
 void TokenRules::advance(const std::vector<int64_t>& tokens) {
   for (const int64_t tok : tokens) {
     if (is_eos(tok)) return;
+    if (budget_) budget_->advance({tok});
     counts_[tok] += 1;
     tokens_.push_back(tok);
   }
 }
 
+int64_t TokenRules::takes(const std::vector<int64_t>& tokens) const {
+  return budget_ ? budget_->along(tokens).first : static_cast<int64_t>(tokens.size());
+}
+
 void TokenRules::rollback(int64_t count) {
+  if (budget_) budget_->rollback(count);
   for (int64_t i = 0; i < count; ++i) {
     counts_[tokens_.back()] -= 1;
     tokens_.pop_back();
@@ -74,7 +102,8 @@ at::Tensor TokenRules::along(const at::Tensor& rows, const std::vector<int64_t>&
   for (int64_t i = 0; i < n; ++i) steps.slice(0, i + 1).select(1, tokens[i]) += 1;
   std::vector<int64_t> lengths(n + 1);
   for (int64_t i = 0; i <= n; ++i) lengths[i] = taken() + i;
-  return hold_open(penalize(rows, counts_ + steps), lengths);
+  const at::Tensor out = hold_open(penalize(rows, counts_ + steps), lengths);
+  return budget_ ? force(out, budget_->along(tokens).second) : out;
 }
 
 at::Tensor TokenRules::over_tree(const at::Tensor& rows, const std::vector<int64_t>& tokens,
@@ -87,7 +116,8 @@ at::Tensor TokenRules::over_tree(const at::Tensor& rows, const std::vector<int64
     steps[node][tokens[node]] += 1;
     lengths[node] = lengths[parents[node]] + 1;
   }
-  return hold_open(penalize(rows, counts_ + steps), lengths);
+  const at::Tensor out = hold_open(penalize(rows, counts_ + steps), lengths);
+  return budget_ ? force(out, budget_->over_tree(tokens, parents)) : out;
 }
 
 at::Tensor TokenRules::hold_open(const at::Tensor& rows, const std::vector<int64_t>& lengths) const {
@@ -112,14 +142,16 @@ at::Tensor TokenRules::penalize(const at::Tensor& logits, const at::Tensor& coun
 
 std::optional<TokenRules> make_rules(const GenerationConfig& config,
                                      const std::vector<int64_t>& prompt, int64_t vocab,
-                                     const std::vector<int64_t>& eos_ids) {
+                                     const std::vector<int64_t>& eos_ids,
+                                     std::optional<ReasoningBudget> budget) {
   std::set<int64_t> ends(config.stop_token_ids.begin(), config.stop_token_ids.end());
   if (!config.ignore_eos) ends.insert(eos_ids.begin(), eos_ids.end());
   const bool holds = config.min_tokens > 0 && !ends.empty();  // else min_tokens is a no-op
-  if (!config.penalties.active() && !holds) return std::nullopt;
+  if (!config.penalties.active() && !holds && !budget) return std::nullopt;
   std::set<int64_t> eos;  // the eos ids that end the answer: none under ignore_eos
   if (!config.ignore_eos) eos.insert(eos_ids.begin(), eos_ids.end());
-  return TokenRules(config.penalties, prompt, vocab, eos, config.min_tokens, ends);
+  return TokenRules(config.penalties, prompt, vocab, eos, config.min_tokens, ends,
+                    std::move(budget));
 }
 
 int64_t select(const at::Tensor& logits, const SamplingParams& params, at::Generator& gen,

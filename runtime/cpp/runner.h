@@ -21,6 +21,7 @@
 #include "aotgen.h"
 #include "cuda_graph.h"
 #include "detail.h"
+#include "reasoning_budget.h"
 
 namespace torch::inductor {
 class AOTIModelPackageLoader;
@@ -198,6 +199,16 @@ class ModelRunner {
 struct EngineState;
 void check_request(const EngineState& e, const std::vector<int64_t>& prompt_ids,
                    const GenerationConfig& config);
+
+// A request's reasoning budget, from where its prompt leaves the reasoning (Engine.rules in
+// engine.py); none without one. Throws GenerationError when the template has no reasoning.
+std::optional<ReasoningBudget> reasoning_budget(const EngineState& e,
+                                                const GenerationConfig& config,
+                                                const std::vector<int64_t>& prompt_ids);
+// Engine::thinking and Engine::harmony_head.
+std::optional<bool> thinking_of(const EngineState& e, const std::vector<int64_t>& prompt_ids);
+std::optional<std::string> harmony_head_of(const EngineState& e,
+                                           const std::vector<int64_t>& prompt_ids);
 
 // The loaded package behind an Engine.
 struct EngineState {

@@ -400,6 +400,21 @@ ROWS = [
     ),
     run("stop-token-id-outside", ("--stop-token-id", "99999"), "stop token ids must be in 0.."),
     run(
+        "reasoning-budget-negative",
+        ("--reasoning-budget", "-1"),
+        "--reasoning-budget must be >= 0 (tokens of reasoning), got -1",
+    ),
+    run(
+        "reasoning-budget-message-alone",
+        ("--reasoning-budget-message", "Enough."),
+        "--reasoning-budget-message goes with --reasoning-budget N",
+    ),
+    run(
+        "reasoning-budget-no-reasoning",
+        ("--reasoning-budget", "8", "--max-new-tokens", "8"),
+        "this package's chat template has no reasoning",
+    ),
+    run(
         "prompt-over-context",
         ("--prompt", "The quick brown fox", "--max-new-tokens", "159"),
         "exceeds the package context of 160 tokens",

@@ -43,7 +43,8 @@ REQUESTS: a file (- for stdin), one request per line: a plain text prompt, or a 
    "logit_bias": {"ID": BIAS},
    "stop": [TEXT], "stop_token_ids": [IDS], "min_tokens": N, "ignore_eos": BOOL,
    "lookup": "ngram" | null, "speculative": BOOL,
-   "k": K, "ngram_min": N, "ngram_max": N, "logprobs": N, "cancel_after": STEPS}
+   "k": K, "ngram_min": N, "ngram_max": N, "logprobs": N, "reasoning_budget": N,
+   "reasoning_budget_message": TEXT, "cancel_after": STEPS}
   (speculative: draft with the package's draft model, with lookup only where lookup finds
   no match; cancel_after: cancel the request after that many engine steps).
 options (defaults for every request):
@@ -217,7 +218,7 @@ Line parse_line(const std::string& text, const Args& args, const aotgen::Engine&
       "temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty",
       "presence_penalty", "frequency_penalty", "logit_bias", "stop", "stop_token_ids",
       "min_tokens", "ignore_eos", "lookup", "speculative", "k", "ngram_min", "ngram_max",
-      "logprobs", "cancel_after"};
+      "logprobs", "reasoning_budget", "reasoning_budget_message", "cancel_after"};
   for (const auto& [key, _] : r.items()) {
     if (std::find(known.begin(), known.end(), key) == known.end()) {
       throw std::invalid_argument("unknown field '" + key + "'");
@@ -274,6 +275,8 @@ Line parse_line(const std::string& text, const Args& args, const aotgen::Engine&
   if (r.contains("ngram_min")) c.ngram_min = r["ngram_min"].get<int64_t>();
   c.ngram_max = r.value("ngram_max", c.ngram_max);
   if (r.contains("logprobs")) c.logprobs = r["logprobs"].get<int64_t>();
+  if (r.contains("reasoning_budget")) c.reasoning_budget = r["reasoning_budget"].get<int64_t>();
+  c.reasoning_budget_message = r.value("reasoning_budget_message", c.reasoning_budget_message);
   if (r.contains("cancel_after")) line.cancel_after = r["cancel_after"].get<int64_t>();
   return line;
 }

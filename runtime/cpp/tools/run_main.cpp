@@ -62,6 +62,7 @@ options:
   --seed S               sampling seed, 0..18446744073709551615 (default: random)
   --stop TEXT            stop string; --stop-token-id ID: stop token (both repeatable)
   --ignore-eos           keep going past eos; --min-tokens N: no end before N tokens
+  --reasoning-budget N   at most N tokens of reasoning; --reasoning-budget-message TEXT
   --lookup ngram         speculative decoding with prompt-lookup (n-gram) drafts
   --speculative          speculative decoding with the package's draft model (with
                          --lookup ngram: the draft proposes only when lookup finds no match)
@@ -182,6 +183,7 @@ struct Args {
   bool print_ids = false;
   bool interactive = false;
   bool model_sampling = true;             // --generation-config auto
+  bool budget_message = false;            // --reasoning-budget-message given
   std::set<std::string> sampling_given;  // the sampling flags given, by ModelSampling's names
 };
 
@@ -259,6 +261,11 @@ Args parse_args(int argc, char** argv) {
       cfg.min_tokens = parse_number<int64_t>(arg, value());
     } else if (arg == "--ignore-eos") {
       cfg.ignore_eos = true;
+    } else if (arg == "--reasoning-budget") {
+      cfg.reasoning_budget = parse_number<int64_t>(arg, value());
+    } else if (arg == "--reasoning-budget-message") {
+      cfg.reasoning_budget_message = value();
+      args.budget_message = true;
     } else if (arg == "--lookup") {
       if (value() != "ngram") throw UsageError("--lookup: the only lookup proposer is 'ngram'");
       lookup = true;
@@ -352,6 +359,13 @@ void check_values(Args& args) {
   }
   if (cfg.logprobs && !args.print_ids) {
     throw BadValue("--logprobs N goes with --json, which prints them");
+  }
+  if (cfg.reasoning_budget && *cfg.reasoning_budget < 0) {
+    throw BadValue("--reasoning-budget must be >= 0 (tokens of reasoning), got " +
+                   std::to_string(*cfg.reasoning_budget));
+  }
+  if (args.budget_message && !cfg.reasoning_budget) {
+    throw BadValue("--reasoning-budget-message goes with --reasoning-budget N");
   }
   if (cfg.k) at_least("--k", *cfg.k);
   if (cfg.ngram_min) at_least("--ngram-min", *cfg.ngram_min);
