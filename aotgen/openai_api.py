@@ -7,12 +7,13 @@ from __future__ import annotations
 import codecs
 import itertools
 import json
-from typing import Any, Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from aotgen.runtime.engine import GenerationResult
 from aotgen.runtime.grammar import Grammar
+from aotgen.runtime.infill import FimTokens, InfillError, infill_ids
 from aotgen.runtime.logprobs import MAX_TOP
 from aotgen.runtime.model_sampling import model_values
 from aotgen.runtime.rules import Penalties
@@ -84,9 +85,11 @@ class RequestFields(BaseModel):
     thinking_token_budget: int | None = Field(default=None, ge=0)
     reasoning_budget_message: str = ""
     # Declared so that a value other than "off" is refused, not silently ignored: best_of,
-    # which OpenAI had, and completions' suffix (text after an insertion point).
+    # which OpenAI had, and a chat's suffix (completions take one: fill in the middle).
     best_of: int | None = None
     suffix: str | None = None
+    # field -> the values meaning off
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"best_of": (None, 1), "suffix": (None, "")}
 
     def with_defaults(self, defaults: dict[str, Any]) -> Self:
         """This request with `defaults` (the model's, `sampling_defaults`) for the fields it
@@ -107,9 +110,7 @@ class RequestFields(BaseModel):
 
     def refuse_unsupported(self) -> None:
         """A sampling field aotgen does not implement, set to anything but "off"."""
-        # field -> values meaning off
-        unsupported = {"best_of": (None, 1), "suffix": (None, "")}
-        for name, off in unsupported.items():
+        for name, off in self.UNSUPPORTED.items():
             if getattr(self, name) not in off:
                 raise ApiError(
                     400, f"{name} is not supported: leave it out (or at {off[-1]!r})", name
@@ -179,6 +180,21 @@ class CompletionRequest(RequestFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP)
     echo: bool = False  # the prompt before the answer, with its logprobs when asked
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"best_of": (None, 1)}
+
+    def infills(self, tok: Tokenizer, room: int) -> tuple[list[list[int]], tuple[int, ...]]:
+        """With `suffix`: each text prompt as the prefix of a fill-in-the-middle prompt of at
+        most `room` tokens (runtime/infill.py), and the tokens that end an infill."""
+        if not self.suffix:
+            return [], ()
+        texts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        if self.echo or not all(isinstance(t, str) for t in texts):
+            raise ApiError(400, "suffix goes with a text prompt (or texts), without echo", "suffix")
+        try:
+            fim = FimTokens.of(tok)
+            return [infill_ids(tok, fim, t, self.suffix, room) for t in texts], fim.ends
+        except InfillError as e:
+            raise ApiError(400, f"suffix: {e}", "suffix") from None
 
     def logprob_count(self) -> int | None:
         return self.logprobs

@@ -350,9 +350,13 @@ def _generation_routes(server: Server) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
         name, req = server.model(req.model), req.with_defaults(server.defaults)
-        prompts = _prompts(req.prompt, tok)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        prompts, ends = req.infills(tok, server.engine.engine.max_seq_len - max_tokens)
+        prompts = prompts or _prompts(req.prompt, tok)
         longest = max(prompts, key=len)
-        config = server.config(req, longest, 16 if req.max_tokens is None else req.max_tokens)
+        config = server.config(req, longest, max_tokens)
+        if ends:  # an infill ends at the FIM pad, repo and file-separator tokens too
+            config = replace(config, stop_token_ids=(*config.stop_token_ids, *ends))
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion"}
         head |= {"created": int(time.time()), "model": name}
 

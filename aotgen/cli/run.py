@@ -54,6 +54,13 @@ def run(
     chat: Annotated[
         str | None, typer.Option(help="user message, wrapped in the chat template")
     ] = None,
+    suffix: Annotated[
+        str | None,
+        typer.Option(
+            help="fill in the middle: the text after the insertion point, --prompt (or "
+            "--prompt-file) the text before it; needs a code model's FIM tokens"
+        ),
+    ] = None,
     system: Annotated[
         str | None, typer.Option(help="system message for --chat or --interactive")
     ] = None,
@@ -215,6 +222,8 @@ def run(
     under `torchrun --nproc-per-node N -m aotgen run ...`); only rank 0 prints.
     """
     _check_prompt_source(prompt, prompt_file, chat, system, interactive)
+    if suffix is not None and (chat is not None or interactive):
+        raise CliError("--suffix goes with --prompt or --prompt-file (the text before it)")
     check_generation_config(generation_config)
     template_kwargs = _template_kwargs(chat_template_kwargs, chat, interactive)
     _check_speculation_options(lookup, k, ngram_min, ngram_max, draft_parallel, p_split)
@@ -289,6 +298,9 @@ def run(
     try:
         if interactive:
             _converse(engine, cfg, system, template_kwargs, as_json)
+        elif suffix is not None:
+            ids, cfg = _infill(engine, text, suffix, cfg)
+            _answer(engine, ids, cfg, as_json, chat=False)
         elif chat is None:
             _answer(engine, engine.tokenizer.prompt_ids(text), cfg, as_json, chat=False)
         else:
@@ -339,6 +351,23 @@ def _with_model_sampling(
     return dataclasses.replace(
         cfg, sampling=dataclasses.replace(cfg.sampling, **taken), penalties=penalties
     )
+
+
+def _infill(
+    engine: Engine, prefix: str, suffix: str, cfg: GenerationConfig
+) -> tuple[list[int], GenerationConfig]:
+    """`--suffix`: the fill-in-the-middle prompt (runtime/infill.py) in the room max_new_tokens
+    leaves, and the config that ends the answer at the FIM pad, repo and file tokens too."""
+    from aotgen.runtime.infill import FimTokens, InfillError, infill_ids
+
+    try:
+        fim = FimTokens.of(engine.tokenizer)
+        room = engine.max_seq_len - cfg.max_new_tokens
+        ids = infill_ids(engine.tokenizer, fim, prefix, suffix, room)
+    except InfillError as e:
+        raise CliError(f"--suffix: {e}") from None
+    ends = (*cfg.stop_token_ids, *fim.ends)
+    return ids, dataclasses.replace(cfg, stop_token_ids=ends)
 
 
 def _check_prompt_source(

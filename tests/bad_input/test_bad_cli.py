@@ -420,6 +420,18 @@ ROWS = [
         "exceeds the package context of 160 tokens",
     ),
     run("two-prompts", ("--prompt", "a", "--chat", "b"), "give exactly one of", cpp=False),
+    run(
+        "suffix-with-chat",
+        ("--chat", "b", "--suffix", "c"),
+        "--suffix goes with --prompt or --prompt-file",
+        cpp=False,
+    ),
+    run(
+        "suffix-without-fim-tokens",
+        ("--suffix", "c", "--max-new-tokens", "8"),
+        "--suffix: this model has no fill-in-the-middle tokens",
+        cpp=False,
+    ),
     run("system-without-chat", ("--system", "be brief"), "--system goes with --chat", cpp=False),
     run("lookup-unknown", ("--lookup", "tree"), "the only lookup proposer is 'ngram'", cpp=False),
     run(

@@ -66,8 +66,7 @@ options:
   --lookup ngram         speculative decoding with prompt-lookup (n-gram) drafts
   --speculative          speculative decoding with the package's draft model (with
                          --lookup ngram: the draft proposes only when lookup finds no match)
-  --k K                  draft length, >= 1 (default and maximum: the package's verify_k)
-  --adaptive-k           adapt the draft length (+2 after a full accept, else -1)
+  --k K, --adaptive-k    draft length, >= 1 (default, most: verify_k); adapt it (+2 / -1)
   --ngram-min N, --ngram-max N  lookup match lengths (defaults 1, or 3 with --speculative; 4)
   --lookup-cache FILE    n-gram counts of earlier runs for lookup (llama-lookup -lcd's file)
   --draft-parallel N     tree drafting: up to N sequences, scored in one tree-graph call

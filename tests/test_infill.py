@@ -1,0 +1,123 @@
+"""Fill in the middle (runtime/infill.py): the prompt laid out as llama.cpp lays it out in the
+model's own FIM tokens, cut to the room as defined; `serve`'s completions `suffix` (the
+openai client's) and `run --suffix` answer as the engine answers that prompt."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from test_cli_help import aotgen
+from tiny import SPECIALS, make_tokenizer
+
+from aotgen.package.manifest import read_manifest, write_manifest
+from aotgen.runtime.engine import Engine, GenerationConfig
+from aotgen.runtime.infill import FimTokens, InfillError, infill_ids
+from aotgen.runtime.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+FIM = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|repo_name|>"]
+FIM += ["<|file_sep|>"]
+PREFIX = "def area(r):\n    return "
+SUFFIX = " * r * r\n\nprint(area(2))\n"
+
+
+@pytest.fixture(scope="module")
+def fim_package(tiny_batch_package, tmp_path_factory) -> Path:
+    """The tiny batch package given Qwen2.5-Coder's FIM tokens as special tokens (the same
+    vocabulary size: the random model reads their ids as any others), its manifest hashed
+    again."""
+    root = tmp_path_factory.mktemp("fim")
+    package = Path(shutil.copytree(tiny_batch_package, root / "pkg"))
+    (root / "tok").mkdir()
+    make_tokenizer(root / "tok", specials=[*SPECIALS, *FIM])
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(root / "tok" / name, package / "tokenizer" / name)
+    write_manifest(package, read_manifest(package))
+    return package
+
+
+@pytest.fixture(scope="module")
+def engine(fim_package) -> Engine:
+    return Engine.load(fim_package, threads=1)
+
+
+def test_the_prompt_is_prefix_suffix_middle(engine):
+    """[FIM_PRE] prefix [FIM_SUF] suffix [FIM_MID]; the pad, repo and file-separator tokens
+    end an infill."""
+    tok = engine.tokenizer
+    fim = FimTokens.of(tok)
+    pre, suf, mid, pad, repo, sep = (tok.token_to_id(name) for name in FIM)
+    assert (fim.prefix, fim.suffix, fim.middle, fim.ends) == (pre, suf, mid, (pad, repo, sep))
+    ids = infill_ids(tok, fim, PREFIX, SUFFIX, 160)
+    assert ids == [pre, *tok.encode(PREFIX), suf, *tok.encode(SUFFIX), mid]
+
+
+@pytest.mark.parametrize("room", [3, 10, 20, 40])
+def test_a_long_infill_keeps_the_text_nearest_the_gap(engine, room):
+    """Cut to `room`: the suffix keeps at least a quarter of the free tokens (more where the
+    prefix is short), the prefix the rest; each keeps the tokens nearest the insertion
+    point."""
+    tok = engine.tokenizer
+    fim = FimTokens.of(tok)
+    before, after = tok.encode(PREFIX * 3), tok.encode(SUFFIX * 3)
+    ids = infill_ids(tok, fim, PREFIX * 3, SUFFIX * 3, room)
+    assert len(ids) == room
+    cut = ids.index(fim.suffix)
+    kept_before, kept_after = ids[1:cut], ids[cut + 1 : -1]
+    assert kept_before == before[len(before) - len(kept_before) :]
+    assert kept_after == after[: len(kept_after)]
+    assert len(kept_after) == (room - 3) // 4
+    with pytest.raises(InfillError, match="no room"):
+        infill_ids(tok, fim, PREFIX, SUFFIX, 2)
+
+
+def test_a_model_without_fim_tokens_is_refused(tiny_batch_package):
+    tok = Tokenizer.from_dir(tiny_batch_package / "tokenizer")
+    with pytest.raises(InfillError, match="has no fill-in-the-middle tokens"):
+        FimTokens.of(tok)
+
+
+def test_serve_fills_in_the_middle(engine, fim_package):
+    """`/v1/completions` with `suffix` (the openai client's): the text, usage and finish are
+    the engine's answer to the FIM prompt, whole and streamed; with echo or ids, a 400."""
+    openai = pytest.importorskip("openai")
+    from test_serve import Server
+
+    fim = FimTokens.of(engine.tokenizer)
+    ids = infill_ids(engine.tokenizer, fim, PREFIX, SUFFIX, 160 - 12)
+    want = engine.generate(ids, GenerationConfig(12, stop_token_ids=fim.ends))
+    server = Server(fim_package, "--served-model-name", "m")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        ask = {"model": "m", "prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 12}
+        ask["temperature"] = 0
+        got = client.completions.create(**ask)
+        assert got.choices[0].text == want.text and want.text
+        assert got.usage.prompt_tokens == len(ids)
+        assert got.choices[0].finish_reason == ("length" if len(want.token_ids) == 12 else "stop")
+        streamed = "".join(c.choices[0].text for c in client.completions.create(**ask, stream=True))
+        assert streamed == want.text
+        for change in ({"echo": True}, {"prompt": [1, 2, 3]}):
+            with pytest.raises(openai.BadRequestError, match="suffix goes with a text prompt"):
+                client.completions.create(**(ask | change))
+    finally:
+        server.close()
+
+
+def test_run_fills_in_the_middle(engine, fim_package):
+    """`aotgen run --prompt PREFIX --suffix SUFFIX --json`: the FIM prompt and the engine's
+    answer to it."""
+    flags = ["--max-new-tokens", "10", "--json", "--threads", "1", "--generation-config", "none"]
+    got = json.loads(
+        aotgen(
+            "run", str(fim_package), "--prompt", PREFIX, "--suffix", SUFFIX, *flags, cwd=REPO
+        ).stdout
+    )
+    fim = FimTokens.of(engine.tokenizer)
+    ids = infill_ids(engine.tokenizer, fim, PREFIX, SUFFIX, 160 - 10)
+    assert got["prompt_ids"] == ids
+    want = engine.generate(ids, GenerationConfig(10, stop_token_ids=fim.ends))
+    assert got["ids"] == want.token_ids
