@@ -1,11 +1,13 @@
 """Fill in the middle (runtime/infill.py): the prompt laid out as llama.cpp lays it out in the
 model's own FIM tokens, cut to the room as defined; `serve`'s completions `suffix` (the
-openai client's) and `run --suffix` answer as the engine answers that prompt."""
+openai client's), `run --suffix` and the C++ `aotgen-run --suffix` answer as the engine
+answers that prompt."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -121,3 +123,20 @@ def test_run_fills_in_the_middle(engine, fim_package):
     assert got["prompt_ids"] == ids
     want = engine.generate(ids, GenerationConfig(10, stop_token_ids=fim.ends))
     assert got["ids"] == want.token_ids
+
+
+def test_aotgen_run_fills_in_the_middle_like_python(run_bin, engine, fim_package):
+    """The C++ `aotgen-run --prompt PREFIX --suffix SUFFIX`: Python's FIM prompt, whole and
+    cut to a small room (max_new_tokens 120 leaves 40), and the engine's answer to it."""
+    fim = FimTokens.of(engine.tokenizer)
+    for times, new in ((1, 10), (3, 120)):
+        prefix, suffix = PREFIX * times, SUFFIX * times
+        cmd = [str(run_bin), str(fim_package), "--prompt", prefix, "--suffix", suffix]
+        cmd += ["--max-new-tokens", str(new), "--json", "--generation-config", "none"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+        assert proc.returncode == 0, proc.stderr
+        got = json.loads(proc.stdout)
+        ids = infill_ids(engine.tokenizer, fim, prefix, suffix, 160 - new)
+        assert got["prompt_ids"] == ids
+        want = engine.generate(ids, GenerationConfig(new, stop_token_ids=fim.ends))
+        assert got["ids"] == want.token_ids

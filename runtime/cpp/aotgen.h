@@ -141,6 +141,12 @@ struct GenerationConfig {
   std::string reasoning_budget_message;
 };
 
+// A fill-in-the-middle prompt and the tokens that end its answer (Engine::infill).
+struct Infill {
+  std::vector<int64_t> prompt_ids;
+  std::vector<int64_t> end_ids;  // the FIM pad, repo and file-separator tokens
+};
+
 // A generated token, its log-probability under the model's own distribution (the log-softmax
 // of the logits row that chose it, before temperature, top-k and top-p) and the likeliest
 // tokens in its position with theirs, most likely first.
@@ -250,6 +256,11 @@ class Engine {
   // A plain-text prompt's ids, led by bos when the checkpoint says so (`add_bos_token` in
   // tokenizer_config.json, e.g. Gemma), as the Python runtime's Tokenizer.prompt_ids.
   std::vector<int64_t> prompt_ids(const std::string& text) const;
+  // Fill in the middle (aotgen/runtime/infill.py): the prompt asking a code model for the
+  // text between `prefix` and `suffix` in its FIM tokens, in at most `room` tokens (the
+  // context less max_new_tokens), and the ids that end an infill (add them to
+  // stop_token_ids). GenerationError where the model has no FIM tokens.
+  Infill infill(const std::string& prefix, const std::string& suffix, int64_t room) const;
 
   const Tokenizer& tokenizer() const;
   const std::vector<int64_t>& eos_ids() const;

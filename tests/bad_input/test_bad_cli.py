@@ -429,8 +429,7 @@ ROWS = [
     run(
         "suffix-without-fim-tokens",
         ("--suffix", "c", "--max-new-tokens", "8"),
-        "--suffix: this model has no fill-in-the-middle tokens",
-        cpp=False,
+        "this model has no fill-in-the-middle tokens",
     ),
     run("system-without-chat", ("--system", "be brief"), "--system goes with --chat", cpp=False),
     run("lookup-unknown", ("--lookup", "tree"), "the only lookup proposer is 'ngram'", cpp=False),

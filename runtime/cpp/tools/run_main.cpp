@@ -47,7 +47,7 @@ prompt (exactly one):
   --chat TEXT            user message, in the chat template (no system message unless --system)
   --interactive          a conversation: each line on stdin is the next user message; each
                          turn runs only what the KV cache does not hold yet
-  --prompt TEXT          raw prompt text
+  --prompt TEXT          raw prompt text (with --suffix TEXT: the text before a gap to fill)
   --prompt-file PATH     raw prompt text from a file
   --prompt-ids JSON      prompt token ids, e.g. "[1, 2, 3]"
 options:
@@ -176,6 +176,7 @@ struct Args {
   std::string package;
   std::optional<std::string> chat, prompt, prompt_file, prompt_ids, system, lookup_cache;
   std::optional<std::string> template_kwargs;  // --chat-template-kwargs
+  std::optional<std::string> suffix;           // fill in the middle after --prompt
   std::optional<int> threads;
   aotgen::GenerationConfig config;
   aotgen::LoadOptions load;
@@ -260,6 +261,8 @@ Args parse_args(int argc, char** argv) {
       cfg.min_tokens = parse_number<int64_t>(arg, value());
     } else if (arg == "--ignore-eos") {
       cfg.ignore_eos = true;
+    } else if (arg == "--suffix") {
+      args.suffix = value();
     } else if (arg == "--reasoning-budget") {
       cfg.reasoning_budget = parse_number<int64_t>(arg, value());
     } else if (arg == "--reasoning-budget-message") {
@@ -318,6 +321,9 @@ Args parse_args(int argc, char** argv) {
   if (prompts != 1) {
     throw UsageError(
         "give exactly one of --chat, --prompt, --prompt-file, --prompt-ids, --interactive");
+  }
+  if (args.suffix && !args.prompt && !args.prompt_file) {
+    throw UsageError("--suffix goes with --prompt or --prompt-file (the text before it)");
   }
   if (args.system && !args.chat && !args.interactive) {
     throw UsageError("--system goes with --chat or --interactive");
@@ -386,8 +392,15 @@ void check_values(Args& args) {
   cfg.sampling.validate();
 }
 
-std::vector<int64_t> prompt_ids(const Args& args, const aotgen::Engine& engine) {
+std::vector<int64_t> prompt_ids(Args& args, const aotgen::Engine& engine) {
   if (args.chat) return engine.chat_ids(*args.chat, args.system);
+  if (args.suffix) {  // fill in the middle; its answer ends at the FIM end tokens too
+    const int64_t room = engine.max_seq_len() - args.config.max_new_tokens;
+    aotgen::Infill infill = engine.infill(*args.prompt, *args.suffix, room);
+    auto& stops = args.config.stop_token_ids;
+    stops.insert(stops.end(), infill.end_ids.begin(), infill.end_ids.end());
+    return std::move(infill.prompt_ids);
+  }
   if (args.prompt) return engine.prompt_ids(*args.prompt);
   try {
     return json::parse(*args.prompt_ids).get<std::vector<int64_t>>();
