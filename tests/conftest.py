@@ -390,3 +390,14 @@ def run_bin(tmp_path_factory) -> Path:
             "configured"
         )
     return require_cpp_build(tmp_path_factory, ["aotgen-run"]) / "aotgen-run"
+
+
+@pytest.fixture(scope="session")
+def batch_bin(tmp_path_factory) -> Path:
+    """The C++ `aotgen-batch`, built once per session; skips where CMake found no torch."""
+    from cpp_build import cmake_cache_value, require_cpp_build
+
+    build_dir = require_cpp_build(tmp_path_factory, [])  # configure only
+    if (cmake_cache_value(build_dir, "AOTGEN_WITH_TORCH") or "").upper() not in {"1", "ON", "TRUE"}:
+        pytest.skip("CMake did not find torch's CMake config: aotgen-batch is not configured")
+    return require_cpp_build(tmp_path_factory, ["aotgen-batch"]) / "aotgen-batch"

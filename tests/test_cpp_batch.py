@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from cpp_build import cmake_cache_value, require_cpp_build
 from reference import r1_thinking_template, with_chat_template, with_generation_config
 
 from aotgen.harmony import split_harmony
@@ -29,14 +28,6 @@ from aotgen.runtime.sampling import SamplingParams
 pytestmark = pytest.mark.cpp
 
 PREFILL_STEP = 8  # below the tiny package's prefill chunk (16): prompts prefill over steps
-
-
-@pytest.fixture(scope="session")
-def batch_bin(tmp_path_factory) -> Path:
-    build_dir = require_cpp_build(tmp_path_factory, [])  # configure only
-    if (cmake_cache_value(build_dir, "AOTGEN_WITH_TORCH") or "").upper() not in {"1", "ON", "TRUE"}:
-        pytest.skip("CMake did not find torch's CMake config: aotgen-batch is not configured")
-    return require_cpp_build(tmp_path_factory, ["aotgen-batch"]) / "aotgen-batch"
 
 
 def run_batch(

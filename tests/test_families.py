@@ -30,7 +30,7 @@ from families import (
 )
 from families import load_reference as _load_reference
 from reference import EagerModel, reset_caches
-from test_cpp_batch import batch_bin, cpp_results, request_json, run_batch  # noqa: F401
+from test_cpp_batch import cpp_results, request_json, run_batch
 from test_cpp_runtime import cpp_generate
 from test_tree import SHAPES, make_tree, path_to
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from test_cli_help import aotgen
+from test_cpp_batch import cpp_results, run_batch
 from tiny import SPECIALS, make_tokenizer
 
 from aotgen.package.manifest import read_manifest, write_manifest
@@ -140,3 +141,19 @@ def test_aotgen_run_fills_in_the_middle_like_python(run_bin, engine, fim_package
         assert got["prompt_ids"] == ids
         want = engine.generate(ids, GenerationConfig(new, stop_token_ids=fim.ends))
         assert got["ids"] == want.token_ids
+
+
+def test_aotgen_batch_fills_in_the_middle_like_python(batch_bin, engine, fim_package, tmp_path):
+    """aotgen-batch's `suffix` field (with `prompt`): Python's FIM prompt and answer, beside a
+    plain request of the same prompt in the same batch."""
+    fim = FimTokens.of(engine.tokenizer)
+    request = {"prompt": PREFIX, "max_new_tokens": 10, "temperature": 0}
+    lines = [request | {"suffix": SUFFIX}, request]
+    got, _ = cpp_results(run_batch(batch_bin, fim_package, lines, tmp_path))
+    ids = infill_ids(engine.tokenizer, fim, PREFIX, SUFFIX, 160 - 10)
+    assert (
+        got[0]["ids"]
+        == engine.generate(ids, GenerationConfig(10, stop_token_ids=fim.ends)).token_ids
+    )
+    plain = engine.generate(engine.tokenizer.prompt_ids(PREFIX), GenerationConfig(10))
+    assert got[1]["ids"] == plain.token_ids

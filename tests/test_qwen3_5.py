@@ -16,7 +16,7 @@ from conftest import stop_warming
 from families import RECIPE, load_reference, make_family_checkpoint, reference_greedy
 from families import reference_logits as _reference_logits
 from reference import EagerModel, reset_caches
-from test_cpp_batch import batch_bin, cpp_results, request_json, run_batch  # noqa: F401
+from test_cpp_batch import cpp_results, request_json, run_batch
 from test_cpp_runtime import cpp_generate
 from test_families import cpp_matches_python_on_a_ring
 

@@ -37,6 +37,7 @@ constexpr const char* kUsage = R"(usage: aotgen-batch PACKAGE REQUESTS [options]
 
 REQUESTS: a file (- for stdin), one request per line: a plain text prompt, or a JSON object
   {"prompt": TEXT | "chat": TEXT | "prompt_ids": [IDS], "system": TEXT,
+   "suffix": TEXT (with prompt: fill in the middle, the prompt the text before the gap),
    "chat_template_kwargs": {...} (over --chat-template-kwargs),
    "max_new_tokens": N, "temperature": T, "top_k": K, "top_p": P, "min_p": P, "seed": S,
    "repetition_penalty": R, "presence_penalty": P, "frequency_penalty": F,
@@ -214,7 +215,7 @@ Line parse_line(const std::string& text, const Args& args, const aotgen::Engine&
   }
   const json r = json::parse(text);  // json::exception: reported with the line number
   static const std::vector<std::string> known = {
-      "prompt", "chat", "prompt_ids", "system", "chat_template_kwargs", "max_new_tokens",
+      "prompt", "chat", "prompt_ids", "system", "suffix", "chat_template_kwargs", "max_new_tokens",
       "temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty",
       "presence_penalty", "frequency_penalty", "logit_bias", "stop", "stop_token_ids",
       "min_tokens", "ignore_eos", "lookup", "speculative", "k", "ngram_min", "ngram_max",
@@ -278,6 +279,14 @@ Line parse_line(const std::string& text, const Args& args, const aotgen::Engine&
   if (r.contains("reasoning_budget")) c.reasoning_budget = r["reasoning_budget"].get<int64_t>();
   c.reasoning_budget_message = r.value("reasoning_budget_message", c.reasoning_budget_message);
   if (r.contains("cancel_after")) line.cancel_after = r["cancel_after"].get<int64_t>();
+  if (r.contains("suffix")) {  // fill in the middle, in the room max_new_tokens leaves
+    if (!r.contains("prompt")) throw std::invalid_argument("suffix goes with prompt");
+    const int64_t room = engine.max_seq_len() - c.max_new_tokens;
+    aotgen::Infill infill = engine.infill(r["prompt"].get<std::string>(),
+                                          r["suffix"].get<std::string>(), room);
+    line.prompt_ids = std::move(infill.prompt_ids);
+    c.stop_token_ids.insert(c.stop_token_ids.end(), infill.end_ids.begin(), infill.end_ids.end());
+  }
   return line;
 }
 
