@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 
 from aotgen.message_output import MessageOutput
 from aotgen.messages_api import MessagesRequest
-from aotgen.runtime.reasoning_budget import reasons
+from aotgen.runtime.reasoning_budget import has_reasoning
 from aotgen.serve_events import answer
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ def messages_routes(server: Server) -> APIRouter:
     @router.post("/v1/messages")
     async def create(req: MessagesRequest, request: Request) -> Any:
         chat = req.chat_request()
-        if not reasons(tok):  # thinking's budget, as thinking itself, has nothing to bound
+        if not has_reasoning(tok):  # thinking's budget, as thinking itself, has nothing to bound
             chat = chat.model_copy(update={"thinking_token_budget": None})
         _, prompt, config, answers = server.chat(chat)
         # max_tokens is required and clients send their model's output limit (32,000 and

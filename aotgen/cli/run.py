@@ -791,11 +791,11 @@ def _budget_defaults(
     engine: BatchEngine, budget: int | None, message: str | None
 ) -> dict[str, Any]:
     """--reasoning-budget and its message as the request fields a request leaves out."""
-    from aotgen.runtime.reasoning_budget import reasons
+    from aotgen.runtime.reasoning_budget import has_reasoning
 
     if budget is None:
         return {}
-    if not reasons(engine.tokenizer):
+    if not has_reasoning(engine.tokenizer):
         raise CliError(
             "--reasoning-budget: this package's chat template has no reasoning (<think> tags "
             "or gpt-oss's analysis channel); leave it out"

@@ -64,15 +64,15 @@ class GenerationConfig:
     grammar: Grammar | None = None  # structured output (runtime/grammar.py)
     penalties: Penalties | None = None  # repetition, presence, frequency, logit bias (rules.py)
     logprobs: int | None = None  # None: off; N: each token's logprob and the N likeliest
-    # At most this many tokens of reasoning, then its close is forced (runtime/reasoning_budget.py),
-    # after `reasoning_budget_message` if one is given.
-    reasoning_budget: int | None = None
-    reasoning_budget_message: str = ""
     # The same for the prompt's tokens (all but the first); max_new_tokens may then be 0.
     prompt_logprobs: int | None = None
     # Run only the prompt past the prefix the KV cache already holds (runtime/cached_tokens.py);
     # off: every prompt runs from position 0, as benchmarks of prefill need.
     reuse_prefix: bool = True
+    # At most this many tokens of reasoning, then its close is forced, after
+    # `reasoning_budget_message` if one is given (runtime/reasoning_budget.py).
+    reasoning_budget: int | None = None
+    reasoning_budget_message: str = ""
 
     @property
     def reuses_prefix(self) -> bool:
@@ -264,7 +264,8 @@ class Engine:
         check_request(prompt_ids, config, limits)
 
     def rules(self, config: GenerationConfig, prompt: list[int]) -> TokenRules | None:
-        """A request's penalties, grammar and min_tokens, at its start (None without any)."""
+        """A request's penalties, grammar, min_tokens and reasoning budget, at its start (None
+        without any)."""
         penalties = config.penalties if config.penalties and config.penalties.active else None
         eos = set() if config.ignore_eos else set(self.tokenizer.eos_ids)  # what ends answers
         ends = eos | set(config.stop_token_ids)

@@ -54,7 +54,7 @@ class BudgetState:
     owed: int = 0  # UTF-8 continuation bytes still to come for the last character
 
 
-def reasons(tok: Tokenizer) -> bool:
+def has_reasoning(tok: Tokenizer) -> bool:
     """Whether the package's chat template has a reasoning a budget can bound."""
     return takes_harmony(tok.chat_template) or takes_reasoning(tok.chat_template)
 
