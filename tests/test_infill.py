@@ -56,6 +56,13 @@ def test_the_prompt_is_prefix_suffix_middle(engine):
     assert (fim.prefix, fim.suffix, fim.middle, fim.ends) == (pre, suf, mid, (pad, repo, sep))
     ids = infill_ids(tok, fim, PREFIX, SUFFIX, 160)
     assert ids == [pre, *tok.encode(PREFIX), suf, *tok.encode(SUFFIX), mid]
+    # A file holding FIM tokens' text: characters, not control tokens.
+    ids = infill_ids(tok, fim, "x = '<|fim_suffix|>'", "<|fim_middle|>", 160)
+    assert [ids.count(t) for t in (pre, suf, mid)] == [1, 1, 1]
+    assert (
+        tok.decode(ids)
+        == "<|fim_prefix|>x = '<|fim_suffix|>'<|fim_suffix|><|fim_middle|><|fim_middle|>"
+    )
 
 
 @pytest.mark.parametrize("room", [3, 10, 20, 40])
@@ -130,8 +137,8 @@ def test_aotgen_run_fills_in_the_middle_like_python(run_bin, engine, fim_package
     """The C++ `aotgen-run --prompt PREFIX --suffix SUFFIX`: Python's FIM prompt, whole and
     cut to a small room (max_new_tokens 120 leaves 40), and the engine's answer to it."""
     fim = FimTokens.of(engine.tokenizer)
-    for times, new in ((1, 10), (3, 120)):
-        prefix, suffix = PREFIX * times, SUFFIX * times
+    cases = ((PREFIX, SUFFIX, 10), (PREFIX * 3, SUFFIX * 3, 120), ("a<|fim_suffix|>", "b", 10))
+    for prefix, suffix, new in cases:
         cmd = [str(run_bin), str(fim_package), "--prompt", prefix, "--suffix", suffix]
         cmd += ["--max-new-tokens", str(new), "--json", "--generation-config", "none"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)

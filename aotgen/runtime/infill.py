@@ -7,11 +7,12 @@ The layout is llama.cpp's (prefix, suffix, middle):
 
     [bos] [FIM_PRE] prefix [FIM_SUF] suffix [FIM_MID]
 
-and the model writes the middle. Where the whole does not fit the room the request leaves
-(the context less its max_tokens), the suffix keeps at least a quarter of it and the prefix
-the rest, each cut at its far end (the text nearest the insertion point stays), as llama.cpp
-keeps a 3:1 split. The FIM pad, repo and file-separator tokens end an infill, as llama.cpp
-counts them among the end-of-generation tokens.
+and the model writes the middle. The prefix and suffix are the user's text: special-token
+text in them is read as plain text, as llama.cpp tokenizes them. Where the whole does not
+fit the room the request leaves (the context less its max_tokens), the suffix keeps at least
+a quarter of it and the prefix the rest, each cut at its far end (the text nearest the
+insertion point stays), as llama.cpp keeps a 3:1 split. The FIM pad, repo and file-separator
+tokens end an infill, as llama.cpp counts them among the end-of-generation tokens.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def infill_ids(tok: Tokenizer, fim: FimTokens, prefix: str, suffix: str, room: i
     free = room - len(lead) - 3
     if free < 0:
         raise InfillError(f"no room for a fill-in-the-middle prompt in {room} tokens")
-    before, after = tok.encode(prefix), tok.encode(suffix)
+    before, after = tok.encode_text(prefix), tok.encode_text(suffix)
     keep_after = min(len(after), max(free // 4, free - len(before)))
     keep_before = min(len(before), free - keep_after)
     before = before[len(before) - keep_before :]

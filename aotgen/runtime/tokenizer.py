@@ -181,6 +181,11 @@ class Tokenizer:
         chat prompts already spell out their special tokens."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_text(self, text: str) -> list[int]:
+        """A user's text, special-token text read as plain text (a file that holds
+        "<|fim_prefix|>" gets those characters, not the control token)."""
+        return self._text_tok.encode(text, add_special_tokens=False).ids
+
     def prompt_ids(self, text: str) -> list[int]:
         """A plain-text prompt's ids, led by bos when the checkpoint says so (`add_bos_token`,
         e.g. Gemma): the model was trained with it, and llama.cpp adds it too."""

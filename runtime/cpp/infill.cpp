@@ -61,7 +61,9 @@ Infill Engine::infill(const std::string& prefix, const std::string& suffix, int6
     throw GenerationError("no room for a fill-in-the-middle prompt in " + std::to_string(room) +
                           " tokens");
   }
-  const std::vector<int64_t> before = tok.encode(prefix), after = tok.encode(suffix);
+  // The user's text: special-token text in it is read as plain text.
+  const std::vector<int64_t> before = tok.encode(prefix, /*parse_special=*/false);
+  const std::vector<int64_t> after = tok.encode(suffix, /*parse_special=*/false);
   const auto n_before = static_cast<int64_t>(before.size());
   const auto n_after = static_cast<int64_t>(after.size());
   const int64_t keep_after = std::min(n_after, std::max(free / 4, free - n_before));
