@@ -183,10 +183,8 @@ class CompletionRequest(RequestFields):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {"best_of": (None, 1)}
 
     def infills(self, tok: Tokenizer, room: int) -> tuple[list[list[int]], tuple[int, ...]]:
-        """With `suffix`: each text prompt as the prefix of a fill-in-the-middle prompt of at
+        """Each text prompt as the prefix of a fill-in-the-middle prompt before `suffix`, of at
         most `room` tokens (runtime/infill.py), and the tokens that end an infill."""
-        if not self.suffix:
-            return [], ()
         texts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
         if self.echo or not all(isinstance(t, str) for t in texts):
             raise ApiError(400, "suffix goes with a text prompt (or texts), without echo", "suffix")

@@ -351,8 +351,10 @@ def _generation_routes(server: Server) -> APIRouter:
     async def completions(req: CompletionRequest, request: Request) -> Any:
         name, req = server.model(req.model), req.with_defaults(server.defaults)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        prompts, ends = req.infills(tok, server.engine.engine.max_seq_len - max_tokens)
-        prompts = prompts or _prompts(req.prompt, tok)
+        if req.suffix:
+            prompts, ends = req.infills(tok, server.engine.engine.max_seq_len - max_tokens)
+        else:
+            prompts, ends = _prompts(req.prompt, tok), ()
         longest = max(prompts, key=len)
         config = server.config(req, longest, max_tokens)
         if ends:  # an infill ends at the FIM pad, repo and file-separator tokens too

@@ -791,15 +791,14 @@ def _budget_defaults(
     engine: BatchEngine, budget: int | None, message: str | None
 ) -> dict[str, Any]:
     """--reasoning-budget and its message as the request fields a request leaves out."""
-    from aotgen.runtime.reasoning_budget import has_reasoning
+    from aotgen.runtime.reasoning_budget import BudgetError, marks_of
 
     if budget is None:
         return {}
-    if not has_reasoning(engine.tokenizer):
-        raise CliError(
-            "--reasoning-budget: this package's chat template has no reasoning (<think> tags "
-            "or gpt-oss's analysis channel); leave it out"
-        )
+    try:
+        marks_of(engine.tokenizer)
+    except BudgetError as e:
+        raise CliError(f"--reasoning-budget: {e}") from None
     return {"thinking_token_budget": budget, "reasoning_budget_message": message or ""}
 
 

@@ -69,8 +69,8 @@ def marks_of(tok: Tokenizer, message: str = "") -> BudgetMarks:
         lead = f"{message}\n" if message else "\n"
         return BudgetMarks(OPEN.encode(), CLOSE.encode(), tuple(tok.encode(lead + CLOSE)))
     raise BudgetError(
-        "reasoning budget: this package's chat template has no reasoning (<think> tags or "
-        "gpt-oss's analysis channel); leave the budget out"
+        "this package's chat template has no reasoning (<think> tags or gpt-oss's analysis "
+        "channel) for a reasoning budget to bound; leave the budget out"
     )
 
 

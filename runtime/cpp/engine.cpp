@@ -521,14 +521,14 @@ std::optional<detail::ReasoningBudget> detail::reasoning_budget(
   const bool harmony = e.chat_template && e.chat_template->takes_harmony();
   if (!harmony && !(e.chat_template && e.chat_template->takes_reasoning())) {
     throw GenerationError(
-        "reasoning budget: this package's chat template has no reasoning (<think> tags or "
-        "gpt-oss's analysis channel); leave the budget out");
+        "this package's chat template has no reasoning (<think> tags or gpt-oss's analysis "
+        "channel) for a reasoning budget to bound; leave the budget out");
   }
   const int64_t budget = *config.reasoning_budget;
   BudgetState start(BudgetPhase::Done, budget);  // the prompt closed the reasoning
   if (harmony) {  // inside when the prompt continues an analysis message
     const auto head = harmony_head_of(e, prompt_ids);
-    start = budget_start(budget, head->find("<|channel|>analysis<|message|>") != std::string::npos);
+    start = budget_start(budget, head->find(kAnalysisHeader) != std::string::npos);
   } else if (const auto thinking = thinking_of(e, prompt_ids)) {
     start = budget_start(budget, *thinking);
   }

@@ -9,7 +9,6 @@
 namespace aotgen::detail {
 namespace {
 
-constexpr const char* kAnalysis = "<|channel|>analysis<|message|>";
 constexpr const char* kHarmonyClose = "<|end|><|start|>assistant<|channel|>final<|message|>";
 
 // The last bytes of `data` that may start `tag`.
@@ -58,7 +57,7 @@ std::vector<int64_t> joined(std::vector<int64_t> a, const std::vector<int64_t>& 
 
 BudgetMarks budget_marks(const Tokenizer& tok, bool harmony, const std::string& message) {
   if (harmony) {
-    return {kAnalysis, "<|end|>", joined(tok.encode(message), tok.encode(kHarmonyClose))};
+    return {kAnalysisHeader, "<|end|>", joined(tok.encode(message), tok.encode(kHarmonyClose))};
   }
   const std::string lead = message.empty() ? "\n" : message + "\n";
   return {"<think>", "</think>", tok.encode(lead + "</think>")};

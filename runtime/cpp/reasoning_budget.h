@@ -18,6 +18,9 @@ class Tokenizer;
 
 namespace aotgen::detail {
 
+// The header of a harmony analysis message: gpt-oss's reasoning starts after it.
+inline constexpr const char* kAnalysisHeader = "<|channel|>analysis<|message|>";
+
 // The text that opens and closes a model's reasoning, and the ids forced when it is spent.
 struct BudgetMarks {
   std::string open, close;
