@@ -13,47 +13,69 @@ from aotgen.openai_api import chat_logprobs, finish_reason
 from aotgen.reasoning import ReasoningStream, split_reasoning
 from aotgen.runtime.engine import GenerationResult
 from aotgen.runtime.tokenizer import Tokenizer
-from aotgen.tool_calls import ToolCall, ToolCallStream, ToolFormat
+from aotgen.tool_call_stream import CallDelta, ToolCallStream
+from aotgen.tool_calls import ToolCall, ToolFormat
 
 
 class AnswerStream:
     """A streamed chat answer as deltas: reasoning apart (`thinking` None: the template has no
-    reasoning; else whether the answer starts inside it), text that may be a tool call held
-    back, the calls read whole at the end."""
+    reasoning; else whether the answer starts inside it), text that may begin a tool call held
+    back, each call's name and arguments as they form (aotgen/tool_call_stream.py)."""
 
     def __init__(self, thinking: bool | None, fmt: ToolFormat | None):
         self.reasoning = None if thinking is None else ReasoningStream(thinking)
         self.calls = None if fmt is None else ToolCallStream(fmt)
 
-    def feed(self, piece: str) -> dict[str, Any]:
+    def feed(self, piece: str) -> tuple[dict[str, Any], list[CallDelta]]:
         reasoning, content = self.reasoning.feed(piece) if self.reasoning else ("", piece)
-        if self.calls is not None and content:
-            content = self.calls.feed(content)
-        return _delta(reasoning, content)
+        return self._answer(reasoning, content)
 
-    def finish(self) -> tuple[dict[str, Any], list[ToolCall]]:
+    def finish(self) -> tuple[dict[str, Any], list[CallDelta], bool]:
+        """The last delta, call pieces, and whether the answer ended as calls."""
         reasoning, content = self.reasoning.finish() if self.reasoning else ("", "")
-        calls: list[ToolCall] = []
-        if self.calls is not None:
-            content = self.calls.feed(content) if content else ""
-            rest, calls = self.calls.finish()
-            content += rest
-        return _delta(reasoning, content), calls
+        delta, deltas = self._answer(reasoning, content)
+        if self.calls is None:
+            return delta, deltas, False
+        rest, ended = self.calls.finish()
+        return _delta(reasoning, delta.get("content", "") + rest), deltas, ended
+
+    def _answer(self, reasoning: str, content: str) -> tuple[dict[str, Any], list[CallDelta]]:
+        deltas: list[CallDelta] = []
+        if self.calls is not None and content:
+            content, deltas = self.calls.feed(content)
+        return _delta(reasoning, content), deltas
 
 
 class HarmonyAnswerStream:
-    """A streamed harmony answer (gpt-oss) as deltas, its calls read whole at the end (none
+    """A streamed harmony answer (gpt-oss) as deltas, its calls' pieces as they form (none
     where the request took no tools: `fmt` None)."""
 
     def __init__(self, head: str, fmt: ToolFormat | None):
         self.split, self.fmt = HarmonyStream(head), fmt
+        self.sent: list[tuple[str, str]] = []  # each call's name and the arguments sent
 
-    def feed(self, piece: str) -> dict[str, Any]:
-        return _delta(*self.split.feed(piece))
+    def feed(self, piece: str) -> tuple[dict[str, Any], list[CallDelta]]:
+        return _delta(*self.split.feed(piece)), self._calls()
 
-    def finish(self) -> tuple[dict[str, Any], list[ToolCall]]:
+    def finish(self) -> tuple[dict[str, Any], list[CallDelta], bool]:
         delta = _delta(*self.split.finish())
-        return delta, [ToolCall(*c) for c in self.split.calls] if self.fmt else []
+        return delta, self._calls(), bool(self.sent)
+
+    def _calls(self) -> list[CallDelta]:
+        """The calls' pieces past what went out (`split_harmony` gives each call's arguments
+        so far, each time a longer prefix)."""
+        if self.fmt is None:
+            return []
+        deltas = []
+        for index, (name, arguments) in enumerate(self.split.calls):
+            if index == len(self.sent):
+                self.sent.append((name, ""))
+                deltas.append(CallDelta(index, "", name))
+            piece = arguments[len(self.sent[index][1]) :]
+            if piece:
+                self.sent[index] = (name, arguments)
+                deltas.append(CallDelta(index, piece))
+        return deltas
 
 
 def _delta(reasoning: str, content: str) -> dict[str, Any]:
@@ -104,12 +126,27 @@ class ChatAnswers:
             AnswerStream(thinking, fmt) if head is None else HarmonyAnswerStream(head, fmt)
             for _ in range(n)
         ]
+        self.call_ids: list[list[str]] = [[] for _ in range(n)]  # each choice's calls' ids
 
     def _calls(self, calls: list[ToolCall], indexed: bool) -> list[dict[str, Any]]:
         assert self.fmt is not None
         return [
             c.as_openai(self.fmt.call_id(), i if indexed else None) for i, c in enumerate(calls)
         ]
+
+    def _pieces(self, index: int, deltas: list[CallDelta]) -> list[dict[str, Any]]:
+        """Call pieces as OpenAI streams them: a call's first with its id, type and name, the
+        rest with more of its arguments."""
+        assert self.fmt is not None
+        pieces = []
+        for d in deltas:
+            if d.name is not None:
+                self.call_ids[index].append(self.fmt.call_id())
+                call = ToolCall(d.name, d.arguments)
+                pieces.append(call.as_openai(self.call_ids[index][d.index], d.index))
+            else:
+                pieces.append({"index": d.index, "function": {"arguments": d.arguments}})
+        return pieces
 
     def chunk(
         self,
@@ -121,14 +158,17 @@ class ChatAnswers:
         """A streamed chunk: a text piece, or the end (`finish`); None while held back."""
         delta: dict[str, Any] = {}
         if finish is not None and result is not None:
-            delta, calls = self.streams[index].finish()
+            delta, deltas, calls = self.streams[index].finish()
             if calls:
-                delta["tool_calls"] = self._calls(calls, indexed=True)
                 finish = "tool_calls"
         elif text:
-            delta = self.streams[index].feed(text)
-            if not delta:
+            delta, deltas = self.streams[index].feed(text)
+            if not delta and not deltas:
                 return None  # held back: a tag or a tool call may be forming
+        else:
+            deltas = []
+        if deltas:
+            delta["tool_calls"] = self._pieces(index, deltas)
         choice = {"index": index, "delta": delta, "finish_reason": finish}
         if finish is not None and result is not None:
             choice["stop_reason"] = result.stop_reason  # vLLM's: the stop string or token id

@@ -75,8 +75,9 @@ def _pending(text: str) -> int:
 
 def split_harmony(text: str, head: str = "assistant", final: bool = True) -> Split:
     """Reasoning, content and calls of the answer `text` after its `head` (`answer_head`);
-    unless `final`, only what cannot change as more text comes. An answer that never opens a
-    message body (a model that does not write harmony) is all content."""
+    unless `final`, only what cannot change as more text comes (a call's arguments so far). An
+    answer that never opens a message body (a model that does not write harmony) is all
+    content."""
     split = Split()
     messages = (head + text).split(START)
     for index, message in enumerate(messages):
@@ -87,12 +88,11 @@ def split_harmony(text: str, head: str = "assistant", final: bool = True) -> Spl
         done = bool(ends) or index + 1 < len(messages) or final
         body = body[: min(ends)] if ends else body
         recipient = _RECIPIENT.search(header)
-        if recipient is not None and recipient.group(1).startswith(FUNCTIONS):
-            if done:
-                split.calls.append((recipient.group(1).removeprefix(FUNCTIONS), body.strip()))
-            continue
         if not done:
             body = body[: len(body) - _pending(body)]
+        if recipient is not None and recipient.group(1).startswith(FUNCTIONS):
+            split.calls.append((recipient.group(1).removeprefix(FUNCTIONS), body.strip()))
+            continue
         channel = _CHANNEL.search(header)
         if recipient is not None or (channel is not None and channel.group(1) == "analysis"):
             split.reasoning += ("\n" if split.reasoning else "") + body

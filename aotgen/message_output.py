@@ -38,31 +38,31 @@ class MessageOutput:
         self.id, self.model, self.prompt_tokens = f"msg_{uuid.uuid4().hex}", model, prompt_tokens
         self.window = window
         self.content: list[dict[str, Any]] = []
-        self.open: str | None = None  # the kind of the last block while text streams into it
+        self.open: str | None = None  # the kind of the last block while its text streams
 
     def opening(self) -> list[Event]:
         usage = {"input_tokens": self.prompt_tokens, "output_tokens": 0}
         return [{"type": "message_start", "message": self.body(None, None, usage)}]
 
     def feed(self, delta: dict[str, Any]) -> list[Event]:
-        """Events for a chat delta's reasoning and text."""
+        """Events for a chat delta's reasoning, text and call pieces."""
         events: list[Event] = []
         if reasoning := delta.get("reasoning_content"):
             events += self._text("thinking", reasoning)
         if content := delta.get("content"):
             events += self._text("text", content)
+        for piece in delta.get("tool_calls") or []:
+            events += self._tool_use(piece)
         return events
 
     def finish(
         self, delta: dict[str, Any], result: GenerationResult
     ) -> tuple[list[Event], dict[str, Any]]:
-        """The last delta's events (its text, then a tool_use block per call), the closing
-        events and the Message object."""
+        """The last delta's events, the closing events and the Message object."""
         events = self.feed(delta) + self._close()
-        calls = delta.get("tool_calls") or []
-        for call in calls:
-            events += self._tool_use(call)
-        reason, sequence = anthropic_stop(result, bool(calls), self.window)
+        calls = any(block["type"] == "tool_use" for block in self.content)
+        calls = calls and result.finish_reason != "length"  # a call cut short: max_tokens
+        reason, sequence = anthropic_stop(result, calls, self.window)
         usage = {
             "input_tokens": result.prompt_tokens - result.cached_tokens,
             "cache_creation_input_tokens": 0,
@@ -96,20 +96,32 @@ class MessageOutput:
     def _close(self) -> list[Event]:
         if self.open is None:
             return []
+        if self.open == "tool_use":  # its input: the arguments read (none where they were cut)
+            block = self.content[-1]
+            try:
+                block["input"] = json.loads(block.pop("arguments"))
+            except json.JSONDecodeError:
+                block["input"] = {}
         self.open = None
         return [{"type": "content_block_stop", "index": len(self.content) - 1}]
 
-    def _tool_use(self, call: dict[str, Any]) -> list[Event]:
-        """A call as a tool_use block; its id is the chat API's (a Mistral template checks
-        the ids it is sent back)."""
-        function = call["function"]
-        block = {"type": "tool_use", "id": call["id"], "name": function["name"], "input": {}}
-        events = [self._start(block)]
-        block["input"] = json.loads(function["arguments"])
-        delta = {"type": "input_json_delta", "partial_json": function["arguments"]}
-        index = len(self.content) - 1
-        events.append({"type": "content_block_delta", "index": index, "delta": delta})
-        return events + [{"type": "content_block_stop", "index": index}]
+    def _tool_use(self, piece: dict[str, Any]) -> list[Event]:
+        """A call piece (chat_answer.py): a call's first starts a tool_use block (its id the
+        chat API's: a Mistral template checks the ids it is sent back), each piece's arguments
+        are an input_json_delta."""
+        events: list[Event] = []
+        function = piece["function"]
+        if "id" in piece:
+            events += self._close()
+            block = {"type": "tool_use", "id": piece["id"], "name": function["name"], "input": {}}
+            events.append(self._start(block))
+            self.content[-1]["arguments"], self.open = "", "tool_use"
+        if arguments := function["arguments"]:
+            self.content[-1]["arguments"] += arguments
+            delta = {"type": "input_json_delta", "partial_json": arguments}
+            index = len(self.content) - 1
+            events.append({"type": "content_block_delta", "index": index, "delta": delta})
+        return events
 
     def body(
         self, reason: str | None, sequence: str | None, usage: dict[str, Any]

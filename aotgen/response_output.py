@@ -29,7 +29,7 @@ class ResponseOutput:
         self.req, self.settings, self.model, self.tok = req, settings, model, tok
         self.id, self.created_at = _id("resp"), int(time.time())
         self.output: list[dict[str, Any]] = []  # finished items
-        self.open: dict[str, Any] | None = None  # the item text is streaming into
+        self.open: dict[str, Any] | None = None  # the item text or arguments stream into
         self.sequence = 0
 
     # ---- events ---------------------------------------------------------------------------
@@ -46,24 +46,23 @@ class ResponseOutput:
         ]
 
     def feed(self, delta: dict[str, Any]) -> list[Event]:
-        """Events for a chat delta's reasoning and text."""
+        """Events for a chat delta's reasoning, text and call pieces."""
         events: list[Event] = []
         if reasoning := delta.get("reasoning_content"):
             events += self._text("reasoning", reasoning)
         if content := delta.get("content"):
             events += self._text("message", content)
+        for piece in delta.get("tool_calls") or []:
+            events += self._call(piece)
         return events
 
     def finish(
         self, delta: dict[str, Any], result: GenerationResult
     ) -> tuple[list[Event], dict[str, Any]]:
-        """The last delta's events (its text, then each tool call), the closing event and
-        the Response object."""
+        """The last delta's events, the closing event and the Response object."""
         events = self.feed(delta) + self._close()
-        if not self.output and not delta.get("tool_calls"):
+        if not self.output:
             events += self._open("message") + self._close()  # an empty answer: an empty message
-        for call in delta.get("tool_calls") or []:
-            events += self._call(call)
         status = "incomplete" if result.finish_reason == "length" else "completed"
         body = self.body(status, self._usage(result))
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
@@ -106,6 +105,11 @@ class ResponseOutput:
         if self.open is None:
             return []
         item, self.open = self.open, None
+        if item["type"] == "function_call":
+            place = {"item_id": item["id"], "output_index": len(self.output)}
+            kind, arguments = "response.function_call_arguments.done", item["arguments"]
+            done = self._event(kind, **place, arguments=arguments)
+            return [done, self._add(item | {"status": "completed"})]
         text = item.pop("text")
         place = {"item_id": item["id"], "output_index": len(self.output), "content_index": 0}
         if item["type"] == "reasoning":
@@ -121,18 +125,26 @@ class ResponseOutput:
             self._add(item),
         ]
 
-    def _call(self, call: dict[str, Any]) -> list[Event]:
-        function = call["function"]
-        item = {"id": _id("fc"), "type": "function_call", "call_id": call["id"]}
-        item |= {"name": function["name"], "arguments": "", "status": "in_progress"}
-        arguments, index = function["arguments"], len(self.output)
-        place = {"item_id": item["id"], "output_index": index}
-        events = [
-            self._event("response.output_item.added", output_index=index, item=dict(item)),
-            self._event("response.function_call_arguments.delta", **place, delta=arguments),
-            self._event("response.function_call_arguments.done", **place, arguments=arguments),
-        ]
-        return events + [self._add(item | {"arguments": arguments, "status": "completed"})]
+    def _call(self, piece: dict[str, Any]) -> list[Event]:
+        """A call piece (chat_answer.py): a call's first opens its function_call item, each
+        piece's arguments are a delta."""
+        events: list[Event] = []
+        function = piece["function"]
+        if "id" in piece:
+            events += self._close()
+            item = {"id": _id("fc"), "type": "function_call", "call_id": piece["id"]}
+            item |= {"name": function["name"], "arguments": "", "status": "in_progress"}
+            self.open = item
+            added = self._event("response.output_item.added", output_index=len(self.output))
+            events.append(added | {"item": dict(item)})
+        item = self.open
+        assert item is not None and item["type"] == "function_call"
+        if arguments := function["arguments"]:
+            item["arguments"] += arguments
+            place = {"item_id": item["id"], "output_index": len(self.output)}
+            kind = "response.function_call_arguments.delta"
+            events.append(self._event(kind, **place, delta=arguments))
+        return events
 
     def _add(self, item: dict[str, Any]) -> Event:
         self.output.append(item)

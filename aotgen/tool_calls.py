@@ -17,8 +17,9 @@ which convention from the template (vLLM's `--tool-call-parser`, chosen per mode
 - `harmony` (gpt-oss): a message to `functions.NAME` whose body is the arguments, one call
   per answer (aotgen/harmony.py reads the answer's channels).
 
-Each format reads calls back from the answer's text (`parse`), says where a call may begin
-(`start`: text before it streams as content), and gives the grammar that makes the model
+Each format reads calls back from the answer's text (`parse`), reads them as the text arrives
+(`reader`: aotgen/tool_call_stream.py), says where a call may begin (`start`: text before it
+streams as content), and gives the grammar that makes the model
 write calls of the given tools (`grammar`: OpenAI's `tool_choice` "required" or a named
 function), so that a forced call is always well formed and its arguments match the schema.
 """
@@ -35,6 +36,7 @@ from typing import Any
 
 from aotgen import harmony
 from aotgen.runtime.grammar import Grammar
+from aotgen.tool_call_stream import CallReader, JsonCallReader, XmlCallReader
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,10 @@ class HermesFormat(_AfterText):
             return text, []
         return text[:at] or None, [c for c in calls if c is not None]
 
+    @staticmethod
+    def reader() -> CallReader:
+        return JsonCallReader("arguments")
+
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> Grammar:
         body = _json(_call_schema(tools, "arguments"))
         opening, closing = json.dumps(self.open + "\n"), json.dumps("\n" + self.close)
@@ -151,12 +157,23 @@ class Llama3JsonFormat:
         if self.start(text) is None:
             return text, []
         body = text.strip().removeprefix(self.python_tag).strip()
-        calls = [_decode_call(part, "parameters") for part in body.split("; ")]
+        calls, at, decoder = [], 0, json.JSONDecoder()
+        while at < len(body):  # objects one after another, `;` between (not split on "; ":
+            try:  # a string argument may hold one)
+                obj, at = decoder.raw_decode(body, at)
+            except json.JSONDecodeError:
+                return text, []
+            calls.append(_decode_call(obj, "parameters"))
+            at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
         if None in calls:
             return text, []
         return None, [c for c in calls if c is not None]
 
     call_id = staticmethod(_openai_id)
+
+    @staticmethod
+    def reader() -> CallReader:
+        return JsonCallReader("parameters")
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> Grammar:
         more = ' ("; " call)*' if parallel else ""
@@ -183,6 +200,10 @@ class MistralFormat(_AfterText):
         if not calls or None in calls:
             return text, []
         return text[:at] or None, [c for c in calls if c is not None]
+
+    @staticmethod
+    def reader() -> CallReader:
+        return JsonCallReader("arguments")
 
     @staticmethod
     def call_id() -> str:
@@ -239,6 +260,9 @@ class XmlFormat(_AfterText):
             calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
         return text[:at] or None, calls
 
+    def reader(self) -> CallReader:
+        return XmlCallReader(self.schemas, _typed, _is_text)
+
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> Grammar:
         """Each tool's required parameters in its schema's order, then its optional ones, each
         value as its schema says: JSON for non-strings, one of an enum's strings, or a line of
@@ -271,7 +295,7 @@ def _typed(value: str, spec: dict[str, Any]) -> Any:
     as written; integers, numbers, booleans and null from their text; objects and arrays as
     JSON; text that does not read as its type stays text."""
     kind = spec.get("type")
-    if kind == "string" or (kind is None and "enum" in spec):
+    if _is_text(spec):
         return value
     if value.strip().lower() in ("null", "none") and kind != "string":
         return None
@@ -286,9 +310,14 @@ def _typed(value: str, spec: dict[str, Any]) -> Any:
     return parsed
 
 
+def _is_text(spec: dict[str, Any]) -> bool:
+    """Whether a parameter's value is its text as it stands: a string (or a string enum)."""
+    return spec.get("type") == "string" or (spec.get("type") is None and "enum" in spec)
+
+
 def _value_rule(spec: dict[str, Any]) -> str:
     """The grammar of one parameter's value as the template writes it."""
-    if spec.get("type") == "string" or (spec.get("type") is None and "enum" in spec):
+    if _is_text(spec):
         if "enum" in spec:
             return " | ".join(json.dumps(str(v)) for v in spec["enum"])
         return "/[^<\\n]*/"
@@ -344,29 +373,3 @@ def tool_format(
     if '"parameters"' in chat_template or Llama3JsonFormat.python_tag in chat_template:
         return Llama3JsonFormat()
     return None
-
-
-class ToolCallStream:
-    """A streamed answer's text, split into content that may go out now and the rest, held
-    back because it is, or may become, a tool call (read whole at the end)."""
-
-    def __init__(self, fmt: ToolFormat):
-        self.fmt, self.text, self.sent = fmt, "", 0
-
-    def feed(self, piece: str) -> str:
-        self.text += piece
-        at = self.fmt.start(self.text)
-        if at is None:
-            at = len(self.text) - self.fmt.pending(self.text)
-        out, self.sent = self.text[self.sent : max(at, self.sent)], max(at, self.sent)
-        return out
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """The content not sent yet, and the calls."""
-        content, calls = self.fmt.parse(self.text)
-        if not calls:
-            rest, self.sent = self.text[self.sent :], len(self.text)
-            return rest, []
-        sent_content = (content or "")[self.sent :]
-        self.sent = len(self.text)
-        return sent_content, calls

@@ -21,13 +21,13 @@ from aotgen.reasoning import ReasoningStream, opens_reasoning, split_reasoning
 from aotgen.runtime.engine import Engine, GenerationConfig
 from aotgen.runtime.sampling import SamplingParams
 from aotgen.runtime.tokenizer import Tokenizer
+from aotgen.tool_call_stream import ToolCallStream
 from aotgen.tool_calls import (
     GraniteFormat,
     HermesFormat,
     Llama3JsonFormat,
     MistralFormat,
     ToolCall,
-    ToolCallStream,
     XmlFormat,
     tool_format,
 )
@@ -189,21 +189,149 @@ def test_parse(fmt, text, content, calls):
     assert fmt.parse(text) == (content, calls)
 
 
+def _stream_calls(fmt, pieces) -> tuple[str, list[ToolCall], bool, list[int]]:
+    """The content, the calls (their pieces joined) and whether the answer ended as calls, of
+    an answer streamed in `pieces`; and after which piece each call's name went out."""
+    stream, content, names, arguments, named = ToolCallStream(fmt), "", {}, {}, []
+    for i, piece in enumerate(pieces):
+        sent, deltas = stream.feed(piece)
+        content += sent
+        for d in deltas:
+            if d.name is not None:
+                names[d.index] = d.name
+                named.append(i)
+            arguments[d.index] = arguments.get(d.index, "") + d.arguments
+    rest, ended = stream.finish()
+    calls = [ToolCall(names[i], arguments[i]) for i in sorted(names)]
+    return content + rest, calls, ended, named
+
+
 @pytest.mark.parametrize(("fmt", "text"), [(f, text) for f, text, _, _ in FORMAT_CASES])
 def test_streamed_in_pieces_reads_as_whole(fmt, text):
     """Fed in pieces of every size, the content sent along the way plus what the end gives
-    equals the whole text's content, and the calls are the same; nothing of a call leaks out
-    as content before the end."""
+    equals the whole text's content, the calls' pieces add up to the same calls, and nothing
+    of a call leaks out as content."""
     content, calls = fmt.parse(text)
     for size in (1, 2, 3, 7, len(text)):
-        stream = ToolCallStream(fmt)
-        sent = "".join(stream.feed(text[i : i + size]) for i in range(0, len(text), size))
-        rest, got = stream.finish()
-        assert got == calls
-        assert sent + rest == (content or "" if calls else text)
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        sent, streamed, ended, _ = _stream_calls(fmt, pieces)
+        assert (streamed, ended) == (calls, bool(calls))
+        assert sent == (content or "" if calls else text)
         if calls:
             assert "<tool_call>" not in sent and "{" not in sent and "[TOOL" not in sent
             assert "<|tool" not in sent
+
+
+def _random_value(rng, depth=0):
+    kinds = ["str", "int", "float", "bool", "null"] + (["list", "dict"] if depth < 3 else [])
+    kind = rng.choice(kinds)
+    if kind == "str":
+        alphabet = 'ab "\\/\n\t\u00e9\u4e2d\U0001f600<>{}[],:;\x01'
+        return "".join(rng.choice(alphabet) for _ in range(rng.randrange(12)))
+    if kind == "int":
+        return rng.randrange(-(10**12), 10**12)
+    if kind == "float":
+        return rng.choice([0.5, -1.25, 1e-7, 3.0, 123456.789, 1e22])
+    if kind == "bool":
+        return rng.random() < 0.5
+    if kind == "null":
+        return None
+    if kind == "list":
+        return [_random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    return {f"k{i}": _random_value(rng, depth + 1) for i in range(rng.randrange(4))}
+
+
+def _written(rng, value) -> str:
+    """`value` as a model may write JSON: any spacing, escaped or not, numbers spelt apart."""
+    text = json.dumps(
+        value,
+        ensure_ascii=rng.random() < 0.5,
+        indent=rng.choice([None, 2]),
+        separators=rng.choice([(",", ":"), (", ", ": "), (" ,", " : ")]),
+    )
+    return re.sub(r"(?<=[\s:\[,])3\.0(?=[\s,\]}])", "3.00", text)  # read back 3.0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_streamed_arguments_equal_whole_on_random_json(seed):
+    """Random arguments (nested, escapes, surrogate pairs, numbers and literals), written in
+    every JSON spacing, in Hermes', Llama 3's, Mistral's and Granite's layouts, with "name"
+    before or after them, fed in random pieces: the pieces add up to the whole answer's
+    arguments, and a call's name goes out before its object ends."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(40):
+        calls = []
+        for _ in range(rng.randrange(1, 3)):
+            value = {f"p{i}": _random_value(rng) for i in range(rng.randrange(4))}
+            if rng.random() < 0.15:
+                value = json.dumps(value)  # arguments sent as a JSON string
+            calls.append(("f" + str(rng.randrange(9)), value))
+
+        def objects(key: str, calls=calls) -> list[str]:
+            out = []
+            for name, value in calls:
+                parts = [f'"name": "{name}"', f'"{key}": {_written(rng, value)}']
+                out.append("{" + ", ".join(parts[:: rng.choice([1, -1])]) + "}")
+            return out
+
+        texts = [
+            (
+                HermesFormat(),
+                "Sure. "
+                + "\n".join(f"<tool_call>\n{o}\n</tool_call>" for o in objects("arguments")),
+            ),
+            (Llama3JsonFormat(), "; ".join(objects("parameters"))),
+            (MistralFormat(), "[TOOL_CALLS][" + ", ".join(objects("arguments")) + "]"),
+            (GraniteFormat(), "<|tool_call|>[" + ", ".join(objects("arguments")) + "]"),
+        ]
+        for fmt, text in texts:
+            content, whole = fmt.parse(text)
+            assert [c.name for c in whole] == [name for name, _ in calls], text
+            cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(1, 30))))
+            pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+            sent, streamed, ended, _ = _stream_calls(fmt, pieces)
+            assert (sent, streamed, ended) == (content or "", whole, True), text
+
+
+def test_call_streams_before_it_ends():
+    """A call's name goes out once written and its arguments as they come: a long string
+    argument, fed a character at a time, arrives in many pieces before the call's end; a
+    Qwen3-Coder string parameter too, and an answer cut inside a call ends not as calls."""
+    body = "print('hello')\n" * 8
+    for fmt, text, name_at in [
+        (
+            HermesFormat(),
+            '<tool_call>\n{"name": "write", "arguments": {"code": ' + json.dumps(body) + "}}",
+            len('<tool_call>\n{"name": "write"'),
+        ),
+        (
+            XmlFormat(
+                [
+                    {
+                        "function": {
+                            "name": "write",
+                            "parameters": {"properties": {"code": {"type": "string"}}},
+                        }
+                    }
+                ]
+            ),
+            f"<tool_call>\n<function=write>\n<parameter=code>\n{body}\n</parameter>\n</function>",
+            len("<tool_call>\n<function=write>"),
+        ),
+    ]:
+        stream, pieces = ToolCallStream(fmt), []
+        for i, c in enumerate(text):
+            _, deltas = stream.feed(c)
+            pieces += [(i, d) for d in deltas]
+        assert pieces[0][0] == name_at - 1 and pieces[0][1].name == "write"
+        before_end = [d.arguments for i, d in pieces if i < len(text) - 20]
+        assert len(before_end) > 40, before_end
+        assert json.loads("".join(d.arguments for _, d in pieces)) == {"code": body}
+        cut = ToolCallStream(fmt)
+        cut.feed(text[: len(text) // 2])
+        assert cut.finish() == ("", False)
 
 
 def test_tool_format_of_real_templates():
@@ -500,6 +628,18 @@ def _as_calls(tool_calls) -> list[ToolCall]:
     return [ToolCall(c.function.name, c.function.arguments) for c in tool_calls]
 
 
+def _joined(pieces) -> tuple[list[ToolCall], list[str]]:
+    """Streamed call pieces joined by index as OpenAI's clients join them: the first names the
+    call and carries its id; and the ids."""
+    calls: dict[int, list[str]] = {}
+    for piece in pieces:
+        if piece.id is not None:
+            calls[piece.index] = [piece.id, piece.function.name, ""]
+        calls[piece.index][2] += piece.function.arguments or ""
+    joined = [calls[i] for i in sorted(calls)]
+    return [ToolCall(name, arguments) for _, name, arguments in joined], [i for i, _, _ in joined]
+
+
 def test_served_model_names(tools_server):
     """--served-model-name, two names (one given twice): /v1/models lists each once and
     /v1/models/NAME gives one, an answer carries the name its request gave, and a name the
@@ -537,13 +677,15 @@ def test_required_and_named_calls_whole_and_streamed(tools_server):
     assert len(calls) == 1 and matches_schema(calls[0])
     assert all(c.id.startswith("call_") and c.type == "function" for c in choice.message.tool_calls)
 
-    content, streamed, finish = "", [], None
+    content, pieces, finish = "", [], None
     for event in client.chat.completions.create(**ask, tool_choice="required", stream=True):
         for c in event.choices:
             content += c.delta.content or ""
-            streamed += _as_calls(c.delta.tool_calls or [])
+            pieces += c.delta.tool_calls or []
             finish = c.finish_reason or finish
+    streamed, ids = _joined(pieces)
     assert (content, streamed, finish) == ("", calls, "tool_calls")
+    assert ids[0].startswith("call_") and len(pieces) > 3  # the arguments came in pieces
 
     named = {"type": "function", "function": {"name": "add"}}
     answer = client.chat.completions.create(**ask, tool_choice=named).choices[0]

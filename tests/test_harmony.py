@@ -363,10 +363,18 @@ def test_chat_answer_of_a_call(text, reasoning, content, calls):
         assert got == expected and message.get("reasoning_content", "") == reasoning
         assert message["content"] == ((content or None) if expected else content)
         stream = HarmonyAnswerStream("assistant", fmt)
-        deltas = [stream.feed(text[i : i + 3]) for i in range(0, len(text), 3)]
-        last, streamed = stream.finish()
-        deltas.append(last)
-        assert streamed == expected
+        fed = [stream.feed(text[i : i + 3]) for i in range(0, len(text), 3)]
+        last, pieces, ended = stream.finish()
+        deltas = [d for d, _ in fed] + [last]
+        pieces = [p for _, ps in fed for p in ps] + pieces
+        streamed = [  # each call's pieces joined: the first names it
+            ToolCall(p.name, "".join(q.arguments for q in pieces if q.index == p.index))
+            for p in pieces
+            if p.name is not None
+        ]
+        assert (streamed, ended) == (expected, bool(expected))
+        if expected:  # the arguments came in pieces, not at the end
+            assert sum(1 for _, ps in fed for p in ps if p.arguments) > 2
         assert "".join(d.get("content", "") for d in deltas) == content
         assert "".join(d.get("reasoning_content", "") for d in deltas) == reasoning
 

@@ -152,7 +152,8 @@ def test_budget_tokens_close_the_thinking(client, engine):
 
 def test_a_forced_call_and_its_result_answer_as_the_chat_api(client, chat_client, engine):
     """tool_choice any (one call): a tool_use block with the call the chat API makes for the
-    same request, stop_reason tool_use, whole and streamed; its tool_result sent back answers
+    same request, stop_reason tool_use, whole and streamed (its input in input_json_delta
+    pieces as the model writes it); its tool_result sent back answers
     as the chat API answers the whole conversation, its earlier turns found in the KV cache."""
     ask = {"model": "m", "messages": QUESTION, "tools": MESSAGE_TOOLS, "max_tokens": 94}
     ask |= {"extra_body": GREEDY, "thinking": NO_THINKING}
@@ -172,10 +173,16 @@ def test_a_forced_call_and_its_result_answer_as_the_chat_api(client, chat_client
         call.input,
     )
     with client.messages.stream(**ask) as stream:
+        partial = [
+            e.delta.partial_json
+            for e in stream
+            if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+        ]
         streamed = stream.get_final_message()
     assert [(b.type, b.name, b.input) for b in streamed.content] == [
         ("tool_use", call.name, call.input)
     ]
+    assert len(partial) > 2 and json.loads("".join(partial)) == call.input  # input in pieces
 
     result = {"type": "tool_result", "tool_use_id": call.id, "content": "21 C"}
     turns = [{"role": "assistant", "content": first.content}, {"role": "user", "content": [result]}]

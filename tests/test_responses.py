@@ -93,8 +93,9 @@ def test_reasoning_is_an_output_item(client, engine):
 
 def test_a_forced_call_and_its_result_continue_the_stored_conversation(client, engine):
     """tool_choice "required": one function_call item, the call the chat API makes for the
-    same request; its output sent back by previous_response_id answers as the chat API
-    answers the whole conversation, the earlier turns found in the KV cache."""
+    same request, streamed as argument deltas as the model writes them; its output sent back
+    by previous_response_id answers as the chat API answers the whole conversation, the
+    earlier turns found in the KV cache."""
     ask = {"model": "m", "input": "Hi", "tools": RESPONSE_TOOLS, "tool_choice": "required"}
     ask |= {"parallel_tool_calls": False, "max_output_tokens": 94, "temperature": 0}
     first = client.responses.create(**ask, extra_body=OFF)
@@ -107,6 +108,11 @@ def test_a_forced_call_and_its_result_continue_the_stored_conversation(client, e
     )
     (chat_call,) = forced.choices[0].message.tool_calls
     assert (chat_call.function.name, chat_call.function.arguments) == (call.name, call.arguments)
+    events = list(client.responses.create(**ask, stream=True, store=False, extra_body=OFF))
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(deltas) > 2 and "".join(deltas) == done.arguments == call.arguments  # in pieces
+    assert events[-1].response.output[0].arguments == call.arguments
 
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "21 C"}
     second = client.responses.create(
