@@ -295,6 +295,41 @@ def test_streamed_arguments_equal_whole_on_random_json(seed):
             assert (sent, streamed, ended) == (content or "", whole, True), text
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_streamed_xml_calls_equal_whole_on_random_values(seed):
+    """Qwen3-Coder's calls with random values written as its template writes them (strings as
+    they are, with line breaks, `<`, quotes and a trailing newline; other types as JSON), fed
+    in random pieces: the pieces add up to the whole answer's arguments."""
+    import random
+
+    rng = random.Random(seed)
+    types = {"s": "string", "i": "integer", "n": "number", "b": "boolean", "o": "object"}
+    properties = {key: {"type": kind} for key, kind in types.items()}
+    fmt = XmlFormat([{"function": {"name": "f", "parameters": {"properties": properties}}}])
+    for _ in range(60):
+        blocks = []
+        for _ in range(rng.randrange(1, 3)):
+            params = []
+            for key in rng.sample(sorted(types), rng.randrange(len(types) + 1)):
+                value = {
+                    "s": "".join(
+                        rng.choice('ab <>"\\\n\u00e9{}/') for _ in range(rng.randrange(15))
+                    ),
+                    "i": str(rng.randrange(-99, 99)),
+                    "n": str(rng.choice([0.5, -2.25, 1e-3])),
+                    "b": rng.choice(["true", "false"]),
+                    "o": json.dumps(_random_value(rng, 2)),
+                }[key]
+                params.append(f"<parameter={key}>\n{value}\n</parameter>\n")
+            blocks.append(f"<tool_call>\n<function=f>\n{''.join(params)}</function>\n</tool_call>")
+        text = rng.choice(["", "Let me see.\n\n"]) + "\n".join(blocks)
+        content, whole = fmt.parse(text)
+        assert len(whole) == len(blocks), text
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randrange(1, 40)))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        assert _stream_calls(fmt, pieces)[:3] == (content or "", whole, True), text
+
+
 def test_call_streams_before_it_ends():
     """A call's name goes out once written and its arguments as they come: a long string
     argument, fed a character at a time, arrives in many pieces before the call's end; a
