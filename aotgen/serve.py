@@ -31,6 +31,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from aotgen.chat_answer import ChatAnswers
@@ -279,10 +280,12 @@ def create_app(
     api_key: str | None = None,
     lookup_cache: Path | None = None,
     lookup_cache_every_s: float = SAVE_EVERY_S,
+    allowed_origins: tuple[str, ...] = (),
 ) -> FastAPI:
     """The HTTP app; with `lookup_cache`, the engine's lookup cache is written there every
     `lookup_cache_every_s` seconds while it changes and when the app stops (uvicorn re-raises
-    SIGTERM / SIGINT after shutdown, so not after `run`)."""
+    SIGTERM / SIGINT after shutdown, so not after `run`); `allowed_origins`: the web origins
+    whose pages may call it from a browser (CORS)."""
     server = Server(engine, names, speculative, defaults or {})
 
     @asynccontextmanager
@@ -301,6 +304,14 @@ def create_app(
     _add_error_handlers(app)
     if api_key:
         _require_api_key(app, api_key)
+    if allowed_origins:  # added last, so outermost: a preflight carries no key to check
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["Retry-After"],
+        )
     app.include_router(info_routes(server))
     app.include_router(_generation_routes(server))
     app.include_router(responses_routes(server))
@@ -432,11 +443,19 @@ def serve(
     api_key: str | None = None,
     lookup_cache: Path | None = None,
     lookup_cache_every_s: float = SAVE_EVERY_S,
+    allowed_origins: tuple[str, ...] = (),
 ) -> None:
     """Serve on `listener`, a socket already bound (the command line binds it before loading)."""
     import uvicorn
 
     app = create_app(
-        engine, names, speculative, defaults, api_key, lookup_cache, lookup_cache_every_s
+        engine,
+        names,
+        speculative,
+        defaults,
+        api_key,
+        lookup_cache,
+        lookup_cache_every_s,
+        allowed_origins,
     )
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listener])

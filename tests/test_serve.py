@@ -571,6 +571,35 @@ def test_an_api_key_guards_every_endpoint_but_health_and_metrics(tiny_batch_pack
         server.close()
 
 
+def test_allowed_origins_let_a_browser_page_call_the_api(tiny_server, tiny_batch_package):
+    """`--allowed-origin`: a page of that origin passes the browser's preflight (which carries
+    no key, so it comes before `--api-key`) and reads the answers, a 401 included; another
+    origin's preflight is refused and its answers carry no CORS header; without the option no
+    answer carries one."""
+    page, other = "http://localhost:3000", "http://elsewhere.example"
+    preflight = {"Access-Control-Request-Method": "POST"}
+    preflight["Access-Control-Request-Headers"] = "authorization,content-type"
+    url, body = "/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": 0}
+    server = Server(tiny_batch_package, "--allowed-origin", page, "--api-key", "sekrit")
+    try:
+        r = httpx.options(f"{server.url}{url}", headers={"Origin": page, **preflight})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        key = {"Origin": page, "Authorization": "Bearer sekrit"}
+        r = httpx.post(f"{server.url}{url}", json=body, headers=key)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        r = httpx.post(f"{server.url}{url}", json=body, headers={"Origin": page})
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == page
+        r = httpx.options(f"{server.url}{url}", headers={"Origin": other, **preflight})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+        r = httpx.post(f"{server.url}{url}", json=body, headers={**key, "Origin": other})
+        assert "access-control-allow-origin" not in r.headers
+    finally:
+        server.close()
+    r = httpx.post(f"{tiny_server.url}{url}", json=body, headers={"Origin": page})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
 def test_full_queue_answers_429_with_retry_after(tiny_batch_package):
     server = Server(tiny_batch_package, "--max-queue", "1")
     # A request of 150 tokens takes ~40 ms on the tiny model: a burst of 32 from one shared

@@ -7,6 +7,7 @@ import functools
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -229,6 +230,20 @@ def check_lookup_cache_every(seconds: float | None, path: Path | None) -> None:
         raise CliError("--lookup-cache-every sets how often --lookup-cache is written: add it")
     if not (math.isfinite(seconds) and seconds >= 0):
         raise CliError(f"--lookup-cache-every must be a number of seconds >= 0, got {seconds}")
+
+
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s?#]+", re.IGNORECASE)
+
+
+def check_origin(origin: str) -> str:
+    """--allowed-origin: '*' or an origin as a browser sends it (no path, no trailing `/`:
+    one that has them would never match)."""
+    if origin != "*" and not _ORIGIN.fullmatch(origin):
+        raise CliError(
+            f"--allowed-origin {origin!r}: give an origin as browsers send it, "
+            "scheme://host[:port] with no path (e.g. http://localhost:3000), or '*' for any"
+        )
+    return origin
 
 
 def _version(value: bool) -> None:

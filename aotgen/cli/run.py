@@ -26,6 +26,7 @@ from aotgen.cli.common import (
     check_generation_config,
     check_lookup_cache,
     check_lookup_cache_every,
+    check_origin,
     check_reasoning_budget,
     console,
     print_json,
@@ -733,9 +734,18 @@ def serve(
     reasoning_budget_message: Annotated[
         str | None, typer.Option(help=REASONING_MESSAGE_HELP, show_default=False)
     ] = None,
+    allowed_origin: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="a web origin (scheme://host[:port]) whose pages may call the API from a "
+            "browser (CORS; repeat for more; '*': any). Default: none",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Serve a package over an OpenAI-compatible HTTP API (and Anthropic's Messages API), many
     requests at once."""
+    origins = tuple(check_origin(o) for o in allowed_origin or ())
     check_generation_config(generation_config)
     check_reasoning_budget(reasoning_budget, reasoning_budget_message)
     if lookup not in (None, "ngram"):
@@ -784,7 +794,7 @@ def serve(
     defaults = _sampling_defaults(engine, console) if generation_config == "auto" else {}
     defaults |= _budget_defaults(engine, reasoning_budget, reasoning_budget_message)
     every_s = SAVE_EVERY_S if lookup_cache_every is None else lookup_cache_every
-    serve_http(engine, names, listener, mode, defaults, api_key, lookup_cache, every_s)
+    serve_http(engine, names, listener, mode, defaults, api_key, lookup_cache, every_s, origins)
 
 
 def _budget_defaults(

@@ -319,6 +319,11 @@ ROWS = [
         "--api-key (or AOTGEN_API_KEY) is empty",
     ),
     Row(
+        "serve-allowed-origin-with-path",
+        ("serve", "{pkg}", "--allowed-origin", "http://localhost:3000/"),
+        "--allowed-origin 'http://localhost:3000/': give an origin as browsers send it",
+    ),
+    Row(
         "serve-model-name-empty",
         ("serve", "{pkg}", "--served-model-name", " "),
         "--served-model-name is empty",
