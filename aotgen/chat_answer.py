@@ -1,6 +1,6 @@
 """A chat answer in OpenAI's shape, whole or streamed: its reasoning apart
-(aotgen/reasoning.py; gpt-oss's channels, aotgen/harmony.py), its tool calls read back in the
-model's format (aotgen/tool_calls.py), logprobs (openai_api.py)."""
+(aotgen/runtime/reasoning.py; gpt-oss's channels, aotgen/runtime/harmony.py), its tool calls
+read back in the model's format (aotgen/tool_calls.py), logprobs (openai_api.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import time
 import uuid
 from typing import Any
 
-from aotgen.harmony import HarmonyStream, split_harmony
 from aotgen.openai_api import chat_logprobs, finish_reason
-from aotgen.reasoning import ReasoningStream, split_reasoning
 from aotgen.runtime.engine import GenerationResult
+from aotgen.runtime.harmony import HarmonyStream, split_harmony
+from aotgen.runtime.reasoning import ReasoningStream, split_reasoning
 from aotgen.runtime.tokenizer import Tokenizer
 from aotgen.tool_call_stream import CallDelta, ToolCallStream
 from aotgen.tool_calls import ToolCall, ToolFormat
@@ -86,7 +86,7 @@ def chat_message(
     text: str, thinking: bool | None, fmt: ToolFormat | None, head: str | None = None
 ) -> tuple[dict[str, Any], list[ToolCall]]:
     """A whole chat answer as OpenAI's message (reasoning apart) and the tool calls in it
-    (`head`: a harmony answer's, aotgen/harmony.py)."""
+    (`head`: a harmony answer's, aotgen/runtime/harmony.py)."""
     if head is not None:
         split = split_harmony(text, head)
         calls = [ToolCall(*c) for c in split.calls] if fmt else []
@@ -117,8 +117,8 @@ class ChatAnswers:
         fmt: ToolFormat | None,
         head: str | None = None,
     ):
-        """`thinking`: where a `<think>` answer starts (aotgen/reasoning.py); `head`: a harmony
-        answer's (aotgen/harmony.py)."""
+        """`thinking`: where a `<think>` answer starts (aotgen/runtime/reasoning.py); `head`: a
+        harmony answer's (aotgen/runtime/harmony.py)."""
         self.tok, self.thinking, self.fmt, self.answer_head = tok, thinking, fmt, head
         self.head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk"}
         self.head |= {"created": int(time.time()), "model": model}

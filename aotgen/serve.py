@@ -9,7 +9,7 @@ server-sent events ending in `data: [DONE]`, or whole), `GET /v1/models`, `GET /
 output: OpenAI's `response_format` (`json_object`, `json_schema`) or vLLM's
 `structured_outputs` (`json`, `regex`, `grammar`, `choice`). Tool
 calls: `tools`, `tool_choice`, in the format the chat template teaches (aotgen/tool_calls.py);
-reasoning apart (aotgen/reasoning.py). The engine steps in its own thread; each request is
+reasoning apart (aotgen/runtime/reasoning.py). The engine steps in its own thread; each request is
 handed its text through an asyncio queue. A client that goes away has its request cancelled,
 so its slot frees at the next step. Errors are OpenAI-shaped: `{"error": {"message", "type",
 "param", "code"}}` with a 4xx/5xx status; a full queue is 429 with `Retry-After`.
@@ -35,7 +35,6 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from aotgen.chat_answer import ChatAnswers
-from aotgen.harmony import final_answer, head_of
 from aotgen.messages_api import error_body
 from aotgen.metrics import ServeMetrics
 from aotgen.openai_api import (
@@ -47,11 +46,12 @@ from aotgen.openai_api import (
     finish_reason,
     usage_of,
 )
-from aotgen.reasoning import thinking_of
 from aotgen.responses_api import ResponseStore
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.engine import GenerationConfig, GenerationError, GenerationResult
+from aotgen.runtime.harmony import final_answer, head_of
 from aotgen.runtime.lookup_cache import SAVE_EVERY_S, PeriodicSave
+from aotgen.runtime.reasoning import thinking_of
 from aotgen.runtime.sampling import SEED_MAX, SamplingParams
 from aotgen.runtime.scheduler import QueueFull
 from aotgen.serve_info import info_routes

@@ -15,7 +15,7 @@ which convention from the template (vLLM's `--tool-call-parser`, chosen per mode
   VALUE\n</parameter>\n...</function>\n</tool_call>` after any text; each value is text, typed
   by the tool's schema (a string as written, other types as JSON, as the template writes them).
 - `harmony` (gpt-oss): a message to `functions.NAME` whose body is the arguments, one call
-  per answer (aotgen/harmony.py reads the answer's channels).
+  per answer (aotgen/runtime/harmony.py reads the answer's channels).
 
 Each format reads calls back from the answer's text (`parse`), reads them as the text arrives
 (`reader`: aotgen/tool_call_stream.py), says where a call may begin (`start`: text before it
@@ -34,7 +34,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from aotgen import harmony
+from aotgen.runtime import harmony
 from aotgen.runtime.grammar import Grammar
 from aotgen.tool_call_stream import CallReader, JsonCallReader, XmlCallReader
 

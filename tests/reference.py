@@ -108,8 +108,8 @@ def check_conversation(printed: list[dict], package: Path, lines: list[str], con
     `max_new_tokens` fit."""
     from dataclasses import replace
 
-    from aotgen.reasoning import split_reasoning, thinking_of
     from aotgen.runtime.engine import Engine
+    from aotgen.runtime.reasoning import split_reasoning, thinking_of
 
     engine, cold = Engine.load(package), Engine.load(package)
     messages: list[dict[str, str]] = []

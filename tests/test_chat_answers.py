@@ -2,7 +2,7 @@
 `tools` / `tool_choice`): each family's format read back from text as vLLM's parsers read it,
 streamed in pieces as read whole; chat templates rendered with tools as transformers renders
 them; a forced call always well formed, with arguments matching the tool's schema. Reasoning
-(aotgen/reasoning.py, `reasoning_content`): split as Qwen3's template splits its history,
+(aotgen/runtime/reasoning.py, `reasoning_content`): split as Qwen3's template splits its history,
 streamed as whole. `aotgen serve` answering the official `openai` client with both, whole and
 streamed."""
 
@@ -17,8 +17,8 @@ import pytest
 from reference import CHAT_TEMPLATES as TEMPLATES
 from reference import with_chat_template
 
-from aotgen.reasoning import ReasoningStream, opens_reasoning, split_reasoning
 from aotgen.runtime.engine import Engine, GenerationConfig
+from aotgen.runtime.reasoning import ReasoningStream, opens_reasoning, split_reasoning
 from aotgen.runtime.sampling import SamplingParams
 from aotgen.runtime.tokenizer import Tokenizer
 from aotgen.tool_call_stream import ToolCallStream

@@ -17,11 +17,11 @@ import pytest
 import torch
 from reference import r1_thinking_template, with_chat_template, with_generation_config
 
-from aotgen.harmony import split_harmony
-from aotgen.reasoning import split_reasoning
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.engine import Engine, GenerationConfig
+from aotgen.runtime.harmony import split_harmony
 from aotgen.runtime.lookup_cache import LookupCache
+from aotgen.runtime.reasoning import split_reasoning
 from aotgen.runtime.rules import Penalties
 from aotgen.runtime.sampling import SamplingParams
 

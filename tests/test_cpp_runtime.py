@@ -31,11 +31,11 @@ from reference import (
     with_generation_config,
 )
 
-from aotgen.harmony import head_of, split_harmony
 from aotgen.package.manifest import PackageError
-from aotgen.reasoning import split_reasoning, thinking_of
 from aotgen.runtime.engine import Engine, GenerationConfig
+from aotgen.runtime.harmony import head_of, split_harmony
 from aotgen.runtime.lookup_cache import LookupCache
+from aotgen.runtime.reasoning import split_reasoning, thinking_of
 from aotgen.runtime.rules import Penalties
 from aotgen.runtime.sampling import SamplingParams
 

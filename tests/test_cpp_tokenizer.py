@@ -658,11 +658,11 @@ REASONING_TEXTS = [
 
 
 def test_reasoning_split_equals_pythons(tokenize_bin: Path):
-    """reasoning.h against aotgen/reasoning.py on the same texts: the whole split, the deltas of
-    the text streamed a character at a time (ReasoningStream), and opens_reasoning."""
+    """reasoning.h against aotgen/runtime/reasoning.py on the same texts: the whole split, the
+    deltas of the text streamed a character at a time (ReasoningStream), and opens_reasoning."""
     from test_chat_answers import REASONING_CASES
 
-    from aotgen.reasoning import ReasoningStream, opens_reasoning, split_reasoning
+    from aotgen.runtime.reasoning import ReasoningStream, opens_reasoning, split_reasoning
 
     cases = [[text, thinking] for text, thinking, _, _ in REASONING_CASES]
     cases += [[text, thinking] for text in REASONING_TEXTS for thinking in (False, True)]
@@ -699,12 +699,12 @@ HARMONY_TEXTS = [
 
 
 def test_harmony_split_equals_pythons(tokenize_bin: Path):
-    """harmony.h against aotgen/harmony.py on the same answers and heads: the whole split, the
-    deltas and calls of the answer streamed a character at a time (HarmonyStream), and the
-    text read as a prompt (answer_head) and as a template (takes_harmony)."""
+    """harmony.h against aotgen/runtime/harmony.py on the same answers and heads: the whole
+    split, the deltas and calls of the answer streamed a character at a time (HarmonyStream),
+    and the text read as a prompt (answer_head) and as a template (takes_harmony)."""
     from test_harmony import CASES
 
-    from aotgen.harmony import HarmonyStream, answer_head, split_harmony, takes_harmony
+    from aotgen.runtime.harmony import HarmonyStream, answer_head, split_harmony, takes_harmony
 
     texts = [text for text, *_ in CASES] + HARMONY_TEXTS
     cases = [

@@ -1,4 +1,4 @@
-"""gpt-oss's harmony answers (aotgen/harmony.py): the analysis channel read apart as
+"""gpt-oss's harmony answers (aotgen/runtime/harmony.py): the analysis channel read apart as
 `reasoning_content`, the final channel as content, messages to `functions.NAME` as tool calls;
 streamed as read whole; the chat template's own rendering of a call read back as that call;
 grammars that keep the reasoning free and constrain the final message or force a call,
@@ -20,7 +20,9 @@ from reference import CHAT_TEMPLATES, with_chat_template
 from test_chat_answers import ADD, TOOLS, WEATHER, matches_schema
 from tiny import SPECIALS, make_tokenizer
 
-from aotgen.harmony import (
+from aotgen.runtime.engine import Engine, GenerationConfig
+from aotgen.runtime.grammar import Grammar, GrammarTokens
+from aotgen.runtime.harmony import (
     MARKERS,
     HarmonyStream,
     answer_head,
@@ -28,8 +30,6 @@ from aotgen.harmony import (
     split_harmony,
     takes_harmony,
 )
-from aotgen.runtime.engine import Engine, GenerationConfig
-from aotgen.runtime.grammar import Grammar, GrammarTokens
 from aotgen.runtime.tokenizer import Tokenizer
 from aotgen.tool_calls import HarmonyFormat, ToolCall, tool_format
 
@@ -214,7 +214,7 @@ def test_a_structured_answer_follows_free_reasoning(harmony_tok):
     """response_format on a harmony template: any analysis, then the final channel holding
     the answer the regex matches; a final message straight away is taken too, a bare answer
     is not."""
-    from aotgen.harmony import final_answer
+    from aotgen.runtime.harmony import final_answer
 
     tokens = GrammarTokens(harmony_tok, harmony_tok.vocab_size)
     grammar = final_answer(Grammar("regex", "[a-z]{1,8}"))
@@ -308,7 +308,7 @@ def test_serve_answers_harmony_apart(harmony_server, question):
     splits the engine's own (greedy) text under the same grammar. (Whether a random model
     reasons or answers is its choice: both ways are the grammar tests' and
     `test_chat_answer_of_a_call`'s.)"""
-    from aotgen.harmony import final_answer
+    from aotgen.runtime.harmony import final_answer
 
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{harmony_server.url}/v1", api_key="none")

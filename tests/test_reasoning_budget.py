@@ -20,10 +20,10 @@ from reference import (
 from test_cli_help import aotgen
 from test_structured import TREES
 
-from aotgen.reasoning import split_reasoning
 from aotgen.runtime.batch_engine import BatchEngine
 from aotgen.runtime.engine import Engine, GenerationConfig, GenerationError
 from aotgen.runtime.grammar import Grammar
+from aotgen.runtime.reasoning import split_reasoning
 from aotgen.runtime.reasoning_budget import (
     COUNTING,
     DONE,

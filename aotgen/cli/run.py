@@ -34,9 +34,9 @@ from aotgen.cli.common import (
     resolve_threads,
     user_errors_exit,
 )
-from aotgen.harmony import HarmonyStream, head_of, split_harmony
 from aotgen.package.manifest import read_manifest
-from aotgen.reasoning import ReasoningStream, SplitStream, split_reasoning, thinking_of
+from aotgen.runtime.harmony import HarmonyStream, head_of, split_harmony
+from aotgen.runtime.reasoning import ReasoningStream, SplitStream, split_reasoning, thinking_of
 
 if TYPE_CHECKING:
     from aotgen.runtime.batch_engine import BatchEngine
@@ -397,8 +397,8 @@ def _answer(
     engine: Engine, ids: list[int], cfg: GenerationConfig, as_json: bool, chat: bool
 ) -> str:
     """Generate from `ids`: the text streamed, then the stats (or one JSON object). A chat
-    answer's reasoning (`<think>`, aotgen/reasoning.py; gpt-oss's analysis channel,
-    aotgen/harmony.py) comes apart from the answer, on stderr and in the JSON. Returns the
+    answer's reasoning (`<think>`, aotgen/runtime/reasoning.py; gpt-oss's analysis channel,
+    aotgen/runtime/harmony.py) comes apart from the answer, on stderr and in the JSON. Returns the
     answer without it."""
     thinking = thinking_of(engine.tokenizer, ids) if chat else None
     head = head_of(engine.tokenizer, ids) if chat else None

@@ -39,7 +39,7 @@ KINDS = {
     "choice": "choice",
     "llguidance": "llguidance",
 }
-# Reasoning before the answer (aotgen/reasoning.py): any text up to the first </think> (a
+# Reasoning before the answer (aotgen/runtime/reasoning.py): any text up to the first </think> (a
 # lazy lexeme ends at the first match), then newlines.
 _REASONING = "think[lazy]: /(?s:.*)<\\/think>/\nsep: /\\n*/\n"
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from aotgen.harmony import CHANNEL, MESSAGE, START, head_of, takes_harmony
-from aotgen.reasoning import CLOSE, OPEN, takes_reasoning, thinking_of
+from aotgen.runtime.harmony import CHANNEL, MESSAGE, START, head_of, takes_harmony
+from aotgen.runtime.reasoning import CLOSE, OPEN, takes_reasoning, thinking_of
 
 if TYPE_CHECKING:
     from aotgen.runtime.tokenizer import Tokenizer

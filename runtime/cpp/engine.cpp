@@ -506,7 +506,7 @@ std::optional<bool> detail::thinking_of(const EngineState& e,
 std::optional<std::string> detail::harmony_head_of(const EngineState& e,
                                                    const std::vector<int64_t>& prompt_ids) {
   if (!e.chat_template || !e.chat_template->takes_harmony()) return std::nullopt;
-  // From the last message's start (a long one included), as aotgen/harmony.py head_of.
+  // From the last message's start (a long one included), as aotgen/runtime/harmony.py head_of.
   auto tail = prompt_ids.size() > 64 ? prompt_ids.end() - 64 : prompt_ids.begin();
   if (const auto start = e.tokenizer->token_id("<|start|>")) {
     const auto last = std::find(prompt_ids.rbegin(), prompt_ids.rend(), *start);

@@ -1,5 +1,6 @@
 // gpt-oss's answers in OpenAI's harmony format, read apart into reasoning, content and tool
-// calls as aotgen/harmony.py reads them: the same split, whole or streamed, for the same text.
+// calls as aotgen/runtime/harmony.py reads them: the same split, whole or streamed, for the
+// same text.
 //
 // A harmony answer is a run of messages, each `<|start|>assistant` (the generation prompt
 // ends with it), a header naming its channel and perhaps a recipient, `<|message|>`, the body,

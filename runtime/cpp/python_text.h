@@ -1,6 +1,6 @@
 // Python's idea of whitespace in UTF-8 text (str.isspace, what `\s` matches and str.strip()
 // drops), for the answer splits (reasoning.cpp, harmony.cpp) to part text exactly as
-// aotgen/reasoning.py and aotgen/harmony.py do.
+// aotgen/runtime/reasoning.py and aotgen/runtime/harmony.py do.
 #pragma once
 
 #include <algorithm>

@@ -1,6 +1,6 @@
 // Reasoning: what a model thinks before it answers (`<think> ... </think>`: Qwen3, QwQ,
-// DeepSeek-R1 and its distills), split from the answer as aotgen/reasoning.py splits it: the
-// same reasoning and content, whole or streamed, for the same text.
+// DeepSeek-R1 and its distills), split from the answer as aotgen/runtime/reasoning.py splits
+// it: the same reasoning and content, whole or streamed, for the same text.
 //
 // `thinking` says where an answer starts: true, inside its reasoning (the prompt opened it,
 // as DeepSeek-R1's generation prompt does); false, the model may open one itself (Qwen3's).

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from aotgen.reasoning import SplitStream
+from aotgen.runtime.reasoning import SplitStream
 
 if TYPE_CHECKING:
     from aotgen.runtime.grammar import Grammar
