@@ -345,9 +345,14 @@ class ChatRequest(RequestFields):
     def tool_dicts(self) -> list[dict[str, Any]]:
         return [t.model_dump(exclude_none=True) for t in self.tools or []]
 
-    def tool_calls(self, fmt: ToolFormat | None) -> tuple[ToolFormat | None, Grammar | None]:
-        """The format to read calls back in (None: no calls expected) and the grammar that
-        forces one (tool_choice "required" or a named function)."""
+    def tool_calls(
+        self, fmt: ToolFormat | None, specials: dict[str, int] | None = None
+    ) -> tuple[ToolFormat | None, Grammar | None]:
+        """The format to read calls back in (None: no calls expected) and the grammar of the
+        answer's calls: one that forces a call (tool_choice "required" or a named function),
+        or, for "auto" without a response format, one that leaves text free and makes a call
+        the model opens well formed (formats with `auto_grammar`). `specials`: the
+        vocabulary's special tokens (Tokenizer.special_tokens), which a marker may be."""
         choice = self.tool_choice or ("auto" if self.tools else "none")
         if choice != "none" and not self.tools:
             raise ApiError(400, "tool_choice needs tools", "tool_choice")
@@ -358,10 +363,12 @@ class ChatRequest(RequestFields):
         if choice == "none":
             return None, None
         assert fmt is not None
-        if choice == "auto":
-            return fmt, None
         tools = self.tool_dicts()
         parallel = self.parallel_tool_calls
+        if choice == "auto":
+            lazy = getattr(fmt, "auto_grammar", None)
+            free = lazy is None or self.grammar() is not None  # a response format wins
+            return fmt, None if free else lazy(tools, parallel, specials)
         if isinstance(choice, dict):
             wanted = (choice.get("function") or {}).get("name")
             tools = [t for t in tools if t["function"]["name"] == wanted]
@@ -375,7 +382,7 @@ class ChatRequest(RequestFields):
             parallel = False
         if self.grammar() is not None:
             raise ApiError(400, "a forced tool call takes no response_format", "tool_choice")
-        return fmt, fmt.grammar(tools, parallel)
+        return fmt, fmt.grammar(tools, parallel, specials)
 
 
 class TokenizeRequest(BaseModel):

@@ -150,15 +150,17 @@ class Server:
         answers' shape."""
         tok = self.engine.tokenizer
         name, req = self.model(req.model), req.with_defaults(self.defaults)
-        fmt, forced = req.tool_calls(tool_format(tok.chat_template, req.tool_dicts()))
+        fmt, calls = req.tool_calls(
+            tool_format(tok.chat_template, req.tool_dicts()), tok.special_tokens
+        )
         prompt = req.prompt_ids(tok)
         config = self.config(req, prompt, req.max_completion_tokens or req.max_tokens)
-        if forced is not None:
-            config = replace(config, grammar=forced)
+        if calls is not None:
+            config = replace(config, grammar=calls)
         thinking, head = thinking_of(tok, prompt), head_of(tok, prompt)
         if config.grammar is not None:  # the answer's, not the reasoning's
             if head is not None:  # a forced harmony call reasons first already
-                config = replace(config, grammar=forced or final_answer(config.grammar))
+                config = replace(config, grammar=calls or final_answer(config.grammar))
             elif thinking is not None:
                 config = replace(config, grammar=config.grammar.after_reasoning(opened=thinking))
         return req, prompt, config, ChatAnswers(tok, name, req.n, thinking, fmt, head)

@@ -131,12 +131,24 @@ class HermesFormat(_AfterText):
     def reader() -> CallReader:
         return JsonCallReader("arguments")
 
-    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> Grammar:
-        body = _json(_call_schema(tools, "arguments"))
-        opening, closing = json.dumps(self.open + "\n"), json.dumps("\n" + self.close)
-        more = ' ("\\n" call)*' if parallel else ""  # blocks one per line, as Qwen writes them
-        return Grammar(
-            "grammar", f"start: call{more}\ncall: {opening} body {closing}\nbody: {body}\n"
+    def grammar(
+        self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
+    ) -> Grammar:
+        return _forced(self.open, self._after_open(tools, parallel, specials or {}), specials)
+
+    def auto_grammar(
+        self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
+    ) -> Grammar:
+        return _lazy(self.open, self._after_open(tools, parallel, specials or {}), specials)
+
+    def _after_open(self, tools: list[dict[str, Any]], parallel: bool, specials: Specials) -> str:
+        """The rules of what follows the first `<tool_call>` (`first`): its call and, with
+        `parallel`, more blocks, one a line as Qwen writes them."""
+        more = ' ("\\n" call)*' if parallel else ""
+        opening, closing = _literal(self.open, specials), _literal(self.close, specials)
+        return (
+            f'first: block{more}\ncall: {opening} block\nblock: "\\n" body "\\n" {closing}\n'
+            f"body: {_json(_call_schema(tools, 'arguments'))}\n"
         )
 
 
@@ -175,7 +187,9 @@ class Llama3JsonFormat:
     def reader() -> CallReader:
         return JsonCallReader("parameters")
 
-    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> Grammar:
+    def grammar(
+        self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
+    ) -> Grammar:
         more = ' ("; " call)*' if parallel else ""
         return Grammar(
             "grammar", f"start: call{more}\ncall: {_json(_call_schema(tools, 'parameters'))}\n"
@@ -211,10 +225,12 @@ class MistralFormat(_AfterText):
         alphabet = string.ascii_letters + string.digits
         return "".join(secrets.choice(alphabet) for _ in range(9))
 
-    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> Grammar:
+    def grammar(
+        self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
+    ) -> Grammar:
         array = {"type": "array", "items": _call_schema(tools, "arguments"), "minItems": 1}
         array |= {} if parallel else {"maxItems": 1}
-        return Grammar("grammar", f"start: {json.dumps(self.open)} body\nbody: {_json(array)}\n")
+        return _forced(self.open, f"first: {_json(array)}\n", specials)
 
 
 class GraniteFormat(MistralFormat):
@@ -263,31 +279,82 @@ class XmlFormat(_AfterText):
     def reader(self) -> CallReader:
         return XmlCallReader(self.schemas, _typed, _is_text)
 
-    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> Grammar:
+    def grammar(
+        self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
+    ) -> Grammar:
         """Each tool's required parameters in its schema's order, then its optional ones, each
         value as its schema says: JSON for non-strings, one of an enum's strings, or a line of
         text (no `<`, no line break: a forced call's strings are single lines)."""
+        rules = self._after_open(tools, parallel, specials or {}, free_text=False)
+        return _forced(self.open, rules, specials)
+
+    def auto_grammar(
+        self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
+    ) -> Grammar:
+        """As `grammar`, but a string value is any text up to its `</parameter>` (a file a
+        `write_file` call carries, over many lines), once the model opened a call itself."""
+        rules = self._after_open(tools, parallel, specials or {}, free_text=True)
+        return _lazy(self.open, rules, specials)
+
+    def _after_open(
+        self, tools: list[dict[str, Any]], parallel: bool, specials: Specials, free_text: bool
+    ) -> str:
         more = ' ("\\n" call)*' if parallel else ""  # one block a line, as the template has
-        rules = [f"start: call{more}"]
-        rules.append(f"call: {' | '.join(f'call{i}' for i in range(len(tools)))}")
+        rules = [f"first: block{more}", f"call: {_literal(self.open, specials)} block"]
+        rules.append(f"block: {' | '.join(f'call{i}' for i in range(len(tools)))}")
+        closing, end = _literal(self.close, specials), json.dumps(VALUE_END)
         for i, tool in enumerate(tools):
             function = tool["function"]
             parameters = function.get("parameters") or {}
             properties = parameters.get("properties", {})
             required = set(parameters.get("required", ()))
-            head = json.dumps(f"{self.open}\n<function={function['name']}>\n")
+            head = json.dumps(f"\n<function={function['name']}>\n")
             parts = []
             for j, (key, spec) in enumerate(properties.items()):
-                name = f"p{i}_{j}"
-                rules.append(
-                    f"{name}: {json.dumps(f'<parameter={key}>' + chr(10))} v{i}_{j} "
-                    f"{json.dumps(chr(10) + '</parameter>' + chr(10))}"
-                )
-                rules.append(f"v{i}_{j}: {_value_rule(spec)}")
+                name, opening = f"p{i}_{j}", json.dumps(f"<parameter={key}>\n")
+                if free_text and _is_text(spec) and "enum" not in spec:
+                    rules.append(f"{name}: {opening} v{i}_{j}")  # the value's lexeme ends it
+                    rules.append(f"v{i}_{j}[lazy]: /(?s:.*){_regex(VALUE_END)}/")
+                else:
+                    rules.append(f"{name}: {opening} v{i}_{j} {end}")
+                    rules.append(f"v{i}_{j}: {_value_rule(spec)}")
                 parts.append(name if key in required else f"{name}?")
-            tail = json.dumps(f"</function>\n{self.close}")
-            rules.append(f"call{i}: {head} {' '.join(parts)} {tail}")
-        return Grammar("grammar", "\n".join(rules) + "\n")
+            rules.append(f'call{i}: {head} {" ".join(parts)} "</function>\\n" {closing}')
+        return "\n".join(rules) + "\n"
+
+
+Specials = dict[str, int]  # special tokens' text -> id (Tokenizer.special_tokens)
+VALUE_END = "\n</parameter>\n"  # after a Qwen3-Coder parameter's value
+
+
+def _literal(text: str, specials: Specials) -> str:
+    """Lark for a marker as a model may write it: its characters, or the special token it is
+    in this vocabulary (which no quoted string matches)."""
+    quoted = json.dumps(text)
+    return f"({quoted} | <[{specials[text]}]>)" if text in specials else quoted
+
+
+def _regex(text: str) -> str:
+    """`text` as a literal inside a Lark /regex/."""
+    return re.sub(r"([\\.^$|?*+()\[\]{}/])", r"\\\1", text).replace("\n", "\\n")
+
+
+def _forced(marker: str, after: str, specials: Specials | None) -> Grammar:
+    """A call at once: the marker, then `first` (the rules `after` define)."""
+    return Grammar("grammar", f"start: {_literal(marker, specials or {})} first\n{after}")
+
+
+def _lazy(marker: str, after: str, specials: Specials | None) -> Grammar:
+    """Free text, or free text up to the marker and then `first`: llama.cpp's lazy grammar
+    (triggered by the marker), so a call the model chooses to make is well formed while an
+    answer in text is left as the model writes it. The marker may be typed out or, where the
+    vocabulary has it, the special token."""
+    rx = _regex(marker)
+    start = "start: TEXT | lead first"
+    if marker in (specials or {}):
+        start += f" | TEXT <[{specials[marker]}]> first"
+    text = f"TEXT: /(?s:.*)/ & ~/(?s:.*{rx}.*)/\nlead[lazy]: /(?s:.*){rx}/\n"
+    return Grammar("grammar", f"{start}\n{text}{after}")
 
 
 def _typed(value: str, spec: dict[str, Any]) -> Any:
@@ -336,7 +403,9 @@ class HarmonyFormat:
         calls = [ToolCall(*call) for call in split.calls]
         return (split.content or None) if calls else split.content, calls
 
-    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> Grammar:
+    def grammar(
+        self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
+    ) -> Grammar:
         """A call after free reasoning: `parallel` or not, one (`<|call|>` ends the answer)."""
         rules = [f"start: {' | '.join(f'call{i}' for i in range(len(tools)))}"]
         for i, tool in enumerate(tools):

@@ -632,6 +632,143 @@ def test_forced_calls_parse_and_match_the_schema(tiny_package, fmt):
     assert [c.name for c in fmt.parse(result.text)[1]] == ["add"], result.text
 
 
+# ---- tool_choice "auto": free text, and a call the model opens well formed ------------------
+
+WRITE = {
+    "type": "function",
+    "function": {
+        "name": "write",
+        "parameters": {
+            "type": "object",
+            "properties": {"path": {"type": "string"}, "text": {"type": "string"}},
+            "required": ["path", "text"],
+        },
+    },
+}
+MARKERS = ["<tool_call>", "</tool_call>"]
+
+
+def _marker_tokenizer(out: Path) -> Tokenizer:
+    """The tiny tokenizer with `<tool_call>` and `</tool_call>` as special tokens (as some
+    vocabularies have them), so a model can write the marker as one token."""
+    from tiny import SPECIALS, make_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(out, specials=[*SPECIALS, *MARKERS])
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["chat_template"] = (TEMPLATES / "compact-tools-thinking.jinja").read_text()
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return Tokenizer.from_dir(out)
+
+
+def _plain_piece(tok: Tokenizer, token: int) -> bool:
+    """A token of whole UTF-8 characters, not a special one: what a grammar of text takes
+    (llguidance refuses bytes that cannot become UTF-8, and special tokens but eos)."""
+    try:
+        tok.token_bytes(token).decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return token not in tok.special_tokens.values()
+
+
+def _taken(tok: Tokenizer, grammar, ids: list[int]) -> tuple[bool, bool]:
+    """Whether the grammar takes every id, and whether it may end there (eos)."""
+    from aotgen.runtime.grammar import GrammarTokens
+
+    matcher = GrammarTokens(tok, 320).constraint(grammar).matcher
+    return all(matcher.consume_token(i) for i in ids), matcher.is_accepting()
+
+
+@pytest.mark.parametrize("special", [False, True], ids=["typed-marker", "special-marker"])
+@pytest.mark.parametrize("fmt", [HermesFormat(), XmlFormat([*TOOLS, WRITE])], ids=lambda f: f.name)
+def test_auto_grammar_leaves_text_free_and_makes_a_call_well_formed(
+    tiny_checkpoint, tmp_path, fmt, special
+):
+    """The grammar of tool_choice "auto" (llama.cpp's lazy grammar): any text that holds no
+    call marker, ending anywhere (a marker's first characters too); from the marker on, calls
+    of the tools only, with arguments their schemas take; the marker typed out or, where the
+    vocabulary has it, as its special token. A Qwen3-Coder string value may run over lines and
+    hold `<`, as a file does, where a forced call's is one line."""
+    tok = _marker_tokenizer(tmp_path / "tok") if special else Tokenizer.from_dir(tiny_checkpoint)
+    tools = [*TOOLS, WRITE]
+    grammar = fmt.auto_grammar(tools, False, tok.special_tokens)
+    assert (MARKERS[0] in tok.special_tokens) == special
+    for text in ["Paris is sunny.", "if a < b: tool_call(x) > y", "Hmm <tool_ca", ""]:
+        assert _taken(tok, grammar, tok.encode(text)) == (True, True), text
+    # Random answers of whole characters without a marker: the grammar takes every token.
+    import random
+
+    rng = random.Random(0)
+    plain = [i for i in range(tok.vocab_size) if _plain_piece(tok, i)]
+    for _ in range(100):
+        ids = [rng.choice(plain) for _ in range(rng.randrange(1, 40))]
+        if "<tool_call>" not in tok.decode(ids):
+            assert _taken(tok, grammar, ids) == (True, True), tok.decode(ids)
+    if isinstance(fmt, HermesFormat):
+        call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+        wrong = [call.replace('"add"', '"sub"'), call.replace('"b": 2', '"b": 20')]
+        long_text = call.replace('"add"', '"write"').replace(
+            '"a": 1, "b": 2', '"path": "a.py", "text": "x = 1\\nif x < 2: pass"'
+        )
+    else:
+        call = (
+            "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n"
+            "</parameter>\n</function>\n</tool_call>"
+        )
+        wrong = [call.replace("=add", "=sub"), call.replace("\n2\n", "\n20\n")]
+        long_text = (
+            "<tool_call>\n<function=write>\n<parameter=path>\na.py\n</parameter>\n"
+            "<parameter=text>\nx = 1\nif x < 2:\n    pass\n</parameter>\n</function>\n</tool_call>"
+        )
+        forced = fmt.grammar(tools, False, tok.special_tokens)
+        assert not _taken(tok, forced, tok.encode(long_text))[0]  # a forced string: one line
+    for answer in (call, "Let me check.\n" + call, long_text):
+        assert _taken(tok, grammar, tok.encode(answer)) == (True, True), answer
+        assert fmt.parse(answer)[1], answer
+    for answer in wrong:
+        assert not _taken(tok, grammar, tok.encode(answer))[0], answer
+    two = call + "\n" + call
+    assert not _taken(tok, grammar, tok.encode(two))[0]  # parallel_tool_calls false: one
+    assert _taken(tok, fmt.auto_grammar(tools, True, tok.special_tokens), tok.encode(two))[0]
+    if special:  # typed out, the marker opens a call as well
+        typed = tok.encode("Ok ") + tok.encode_text(call)
+        assert _taken(tok, grammar, typed) == (True, True)
+        assert not _taken(tok, grammar, tok.encode("Ok ") + tok.encode_text(wrong[0]))[0]
+
+
+@pytest.mark.parametrize("fmt", [HermesFormat(), XmlFormat(TOOLS)], ids=lambda f: f.name)
+def test_a_random_model_that_opens_a_call_under_auto_writes_it_well_formed(
+    tiny_package, tmp_path, fmt
+):
+    """A random model pushed to open a call (a logit bias on the marker's special token),
+    sampled with six seeds: under the auto grammar every answer is one call of the tools
+    whose arguments match the schemas; without it, its answers are not calls."""
+    from aotgen.package.manifest import read_manifest, write_manifest
+    from aotgen.runtime.rules import Penalties
+
+    package = Path(shutil.copytree(tiny_package, tmp_path / "pkg"))
+    _marker_tokenizer(tmp_path / "tok")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tmp_path / "tok" / name, package / "tokenizer" / name)
+    write_manifest(package, read_manifest(package))
+    engine = Engine.load(package)
+    tok = engine.tokenizer
+    prompt = tok.encode("What is the weather in Paris?")
+    push = Penalties(logit_bias=((tok.token_to_id(MARKERS[0]), 100.0),))
+    grammar = fmt.auto_grammar(TOOLS, False, tok.special_tokens)
+    free_calls = 0
+    for seed in range(6):
+        sampling = SamplingParams(temperature=1.0, seed=seed)
+        config = GenerationConfig(100, sampling=sampling, penalties=push, grammar=grammar)
+        result = engine.generate(prompt, config)
+        content, calls = fmt.parse(result.text)
+        assert result.finish_reason == "eos" and content is None, result.text
+        assert len(calls) == 1 and matches_schema(calls[0]), result.text
+        free = engine.generate(prompt, GenerationConfig(100, sampling=sampling, penalties=push))
+        free_calls += bool(fmt.parse(free.text)[1])
+    assert free_calls == 0
+
+
 # ---- aotgen serve: the openai client's tools ------------------------------------------------
 
 
@@ -728,13 +865,23 @@ def test_required_and_named_calls_whole_and_streamed(tools_server):
     assert matches_schema(_as_calls(answer.message.tool_calls)[0])
 
 
+def _auto(tok: Tokenizer, prompt: list[int], fmt, parallel: bool = True):
+    """The grammar serve gives a tool_choice "auto" answer: the format's, after reasoning."""
+    from aotgen.runtime.reasoning import thinking_of
+
+    grammar = fmt.auto_grammar(TOOLS, parallel, tok.special_tokens)
+    thinking = thinking_of(tok, prompt)
+    return grammar if thinking is None else grammar.after_reasoning(opened=thinking)
+
+
 def test_auto_answers_text_as_the_engine_does(tools_server):
-    """tool_choice "auto" with a model that answers in text: the text, unchanged, whole and
-    streamed, no calls; the prompt is the template's with the tools."""
+    """tool_choice "auto" with a model that answers in text: the engine's text under the auto
+    grammar, whole and streamed, no calls; the prompt is the template's with the tools."""
     client = _client(tools_server)
     engine = Engine.load(tools_server.package)
     prompt = engine.tokenizer.encode_chat(QUESTION, tools=TOOLS)
-    expected = engine.generate(prompt, GenerationConfig(12)).text
+    grammar = _auto(engine.tokenizer, prompt, HermesFormat())
+    expected = engine.generate(prompt, GenerationConfig(12, grammar=grammar)).text
     ask = {"model": "m", "messages": QUESTION, "tools": TOOLS, "max_tokens": 12, "temperature": 0}
     whole = client.chat.completions.create(**ask)
     assert whole.usage.prompt_tokens == len(prompt)
@@ -745,6 +892,53 @@ def test_auto_answers_text_as_the_engine_does(tools_server):
         for c in e.choices
     )
     assert streamed == expected
+
+
+def test_auto_calls_are_well_formed_through_the_openai_client(tiny_batch_package, tmp_path):
+    """tool_choice "auto" served (the vocabulary's special tokens passed to the grammar): a
+    random model pushed to open a call (logit_bias on the `<tool_call>` token) answers with
+    one call of the tools matching their schemas, finish_reason tool_calls, the same whole and
+    streamed, for three seeds; pushed away from it, its text is the engine's under the same
+    grammar."""
+    from test_serve import Server
+
+    from aotgen.package.manifest import read_manifest, write_manifest
+    from aotgen.runtime.rules import Penalties
+
+    package = Path(shutil.copytree(tiny_batch_package, tmp_path / "pkg"))
+    marker = _marker_tokenizer(tmp_path / "tok").token_to_id(MARKERS[0])
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tmp_path / "tok" / name, package / "tokenizer" / name)
+    write_manifest(package, read_manifest(package))
+    server = Server(package, "--served-model-name", "m")
+    try:
+        client = _client(server)
+        ask = {"model": "m", "messages": QUESTION, "tools": TOOLS, "max_tokens": 94}
+        ask |= {"parallel_tool_calls": False, "temperature": 1.0, "logit_bias": {marker: 100}}
+        ask["extra_body"] = {"chat_template_kwargs": {"enable_thinking": False}}
+        for seed in range(3):
+            choice = client.chat.completions.create(**ask, seed=seed).choices[0]
+            calls = _as_calls(choice.message.tool_calls or [])
+            assert choice.finish_reason == "tool_calls", choice.message
+            assert len(calls) == 1 and matches_schema(calls[0]), calls
+            pieces = []
+            for event in client.chat.completions.create(**ask, seed=seed, stream=True):
+                pieces += [p for c in event.choices for p in c.delta.tool_calls or []]
+            assert _joined(pieces)[0] == calls
+        engine = Engine.load(package)
+        prompt = engine.tokenizer.encode_chat(
+            QUESTION, tools=TOOLS, template_kwargs={"enable_thinking": False}
+        )
+        away = Penalties(logit_bias=((marker, -100.0),))
+        grammar = _auto(engine.tokenizer, prompt, HermesFormat(), parallel=False)
+        expected = engine.generate(prompt, GenerationConfig(12, penalties=away, grammar=grammar))
+        expected = expected.text
+        text = client.chat.completions.create(
+            **ask | {"temperature": 0, "max_tokens": 12, "logit_bias": {marker: -100}}
+        )
+        assert text.choices[0].message.content == expected
+    finally:
+        server.close()
 
 
 def test_a_conversation_with_calls_and_results(tools_server):

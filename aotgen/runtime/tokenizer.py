@@ -276,8 +276,13 @@ class Tokenizer:
         return _up_to_final_message(text) if continue_final else text
 
     @functools.cached_property
+    def special_tokens(self) -> dict[str, int]:
+        """Special tokens' text -> id (a grammar names them by id: no quoted text matches one)."""
+        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
+    @functools.cached_property
     def _special_ids(self) -> set[int]:
-        return {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        return set(self.special_tokens.values())
 
     @functools.cached_property
     def _text_tok(self) -> HFTokenizer:
