@@ -228,9 +228,18 @@ class MistralFormat(_AfterText):
     def grammar(
         self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
     ) -> Grammar:
+        return _forced(self.open, self._after_open(tools, parallel), specials)
+
+    def auto_grammar(
+        self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
+    ) -> Grammar:
+        return _lazy(self.open, self._after_open(tools, parallel), specials)
+
+    @staticmethod
+    def _after_open(tools: list[dict[str, Any]], parallel: bool) -> str:
         array = {"type": "array", "items": _call_schema(tools, "arguments"), "minItems": 1}
         array |= {} if parallel else {"maxItems": 1}
-        return _forced(self.open, f"first: {_json(array)}\n", specials)
+        return f"first: {_json(array)}\n"
 
 
 class GraniteFormat(MistralFormat):

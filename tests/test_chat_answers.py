@@ -645,12 +645,12 @@ WRITE = {
         },
     },
 }
-MARKERS = ["<tool_call>", "</tool_call>"]
+MARKERS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]"]
 
 
 def _marker_tokenizer(out: Path) -> Tokenizer:
-    """The tiny tokenizer with `<tool_call>` and `</tool_call>` as special tokens (as some
-    vocabularies have them), so a model can write the marker as one token."""
+    """The tiny tokenizer with `<tool_call>`, `</tool_call>` and `[TOOL_CALLS]` as special
+    tokens (as some vocabularies have them), so a model can write a marker as one token."""
     from tiny import SPECIALS, make_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
@@ -680,7 +680,9 @@ def _taken(tok: Tokenizer, grammar, ids: list[int]) -> tuple[bool, bool]:
 
 
 @pytest.mark.parametrize("special", [False, True], ids=["typed-marker", "special-marker"])
-@pytest.mark.parametrize("fmt", [HermesFormat(), XmlFormat([*TOOLS, WRITE])], ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    "fmt", [HermesFormat(), XmlFormat([*TOOLS, WRITE]), MistralFormat()], ids=lambda f: f.name
+)
 def test_auto_grammar_leaves_text_free_and_makes_a_call_well_formed(
     tiny_checkpoint, tmp_path, fmt, special
 ):
@@ -692,8 +694,8 @@ def test_auto_grammar_leaves_text_free_and_makes_a_call_well_formed(
     tok = _marker_tokenizer(tmp_path / "tok") if special else Tokenizer.from_dir(tiny_checkpoint)
     tools = [*TOOLS, WRITE]
     grammar = fmt.auto_grammar(tools, False, tok.special_tokens)
-    assert (MARKERS[0] in tok.special_tokens) == special
-    for text in ["Paris is sunny.", "if a < b: tool_call(x) > y", "Hmm <tool_ca", ""]:
+    assert (fmt.open in tok.special_tokens) == special
+    for text in ["Paris is sunny.", "if a < b: tool_call(x) > y", "Hmm <tool_ca [TOOL_", ""]:
         assert _taken(tok, grammar, tok.encode(text)) == (True, True), text
     # Random answers of whole characters without a marker: the grammar takes every token.
     import random
@@ -702,15 +704,29 @@ def test_auto_grammar_leaves_text_free_and_makes_a_call_well_formed(
     plain = [i for i in range(tok.vocab_size) if _plain_piece(tok, i)]
     for _ in range(100):
         ids = [rng.choice(plain) for _ in range(rng.randrange(1, 40))]
-        if "<tool_call>" not in tok.decode(ids):
+        if fmt.open not in tok.decode(ids):
             assert _taken(tok, grammar, ids) == (True, True), tok.decode(ids)
-    if isinstance(fmt, HermesFormat):
-        call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-        wrong = [call.replace('"add"', '"sub"'), call.replace('"b": 2', '"b": 20')]
-        long_text = call.replace('"add"', '"write"').replace(
-            '"a": 1, "b": 2', '"path": "a.py", "text": "x = 1\\nif x < 2: pass"'
-        )
-    else:
+    call, wrong, long_text, two = _auto_cases(fmt)
+    if isinstance(fmt, XmlFormat):
+        forced = fmt.grammar(tools, False, tok.special_tokens)
+        assert not _taken(tok, forced, tok.encode(long_text))[0]  # a forced string: one line
+    for answer in (call, "Let me check.\n" + call, long_text):
+        assert _taken(tok, grammar, tok.encode(answer)) == (True, True), answer
+        assert fmt.parse(answer)[1], answer
+    for answer in wrong:
+        assert not _taken(tok, grammar, tok.encode(answer))[0], answer
+    assert not _taken(tok, grammar, tok.encode(two))[0]  # parallel_tool_calls false: one
+    assert _taken(tok, fmt.auto_grammar(tools, True, tok.special_tokens), tok.encode(two))[0]
+    if special:  # typed out, the marker opens a call as well
+        typed = tok.encode("Ok ") + tok.encode_text(call)
+        assert _taken(tok, grammar, typed) == (True, True)
+        assert not _taken(tok, grammar, tok.encode("Ok ") + tok.encode_text(wrong[0]))[0]
+
+
+def _auto_cases(fmt) -> tuple[str, list[str], str, str]:
+    """A call of `add` in `fmt`, two calls its schema refuses, a `write` call whose text runs
+    over lines, and two calls of `add`."""
+    if isinstance(fmt, XmlFormat):
         call = (
             "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n"
             "</parameter>\n</function>\n</tool_call>"
@@ -720,23 +736,22 @@ def test_auto_grammar_leaves_text_free_and_makes_a_call_well_formed(
             "<tool_call>\n<function=write>\n<parameter=path>\na.py\n</parameter>\n"
             "<parameter=text>\nx = 1\nif x < 2:\n    pass\n</parameter>\n</function>\n</tool_call>"
         )
-        forced = fmt.grammar(tools, False, tok.special_tokens)
-        assert not _taken(tok, forced, tok.encode(long_text))[0]  # a forced string: one line
-    for answer in (call, "Let me check.\n" + call, long_text):
-        assert _taken(tok, grammar, tok.encode(answer)) == (True, True), answer
-        assert fmt.parse(answer)[1], answer
-    for answer in wrong:
-        assert not _taken(tok, grammar, tok.encode(answer))[0], answer
-    two = call + "\n" + call
-    assert not _taken(tok, grammar, tok.encode(two))[0]  # parallel_tool_calls false: one
-    assert _taken(tok, fmt.auto_grammar(tools, True, tok.special_tokens), tok.encode(two))[0]
-    if special:  # typed out, the marker opens a call as well
-        typed = tok.encode("Ok ") + tok.encode_text(call)
-        assert _taken(tok, grammar, typed) == (True, True)
-        assert not _taken(tok, grammar, tok.encode("Ok ") + tok.encode_text(wrong[0]))[0]
+        return call, wrong, long_text, call + "\n" + call
+    obj = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+    write = obj.replace('"add"', '"write"').replace(
+        '"a": 1, "b": 2', '"path": "a.py", "text": "x = 1\\nif x < 2: pass"'
+    )
+    wrong = [obj.replace('"add"', '"sub"'), obj.replace('"b": 2', '"b": 20')]
+    if isinstance(fmt, HermesFormat):
+        block = "<tool_call>\n{}\n</tool_call>".format
+        return block(obj), [block(w) for w in wrong], block(write), block(obj) + "\n" + block(obj)
+    array = "[TOOL_CALLS][{}]".format
+    return array(obj), [array(w) for w in wrong], array(write), array(f"{obj}, {obj}")
 
 
-@pytest.mark.parametrize("fmt", [HermesFormat(), XmlFormat(TOOLS)], ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    "fmt", [HermesFormat(), XmlFormat(TOOLS), MistralFormat()], ids=lambda f: f.name
+)
 def test_a_random_model_that_opens_a_call_under_auto_writes_it_well_formed(
     tiny_package, tmp_path, fmt
 ):
@@ -754,7 +769,7 @@ def test_a_random_model_that_opens_a_call_under_auto_writes_it_well_formed(
     engine = Engine.load(package)
     tok = engine.tokenizer
     prompt = tok.encode("What is the weather in Paris?")
-    push = Penalties(logit_bias=((tok.token_to_id(MARKERS[0]), 100.0),))
+    push = Penalties(logit_bias=((tok.token_to_id(fmt.open), 100.0),))
     grammar = fmt.auto_grammar(TOOLS, False, tok.special_tokens)
     free_calls = 0
     for seed in range(6):
