@@ -187,6 +187,20 @@ class Llama3JsonFormat:
     def reader() -> CallReader:
         return JsonCallReader("parameters")
 
+    def auto_grammar(
+        self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
+    ) -> Grammar:
+        """Text that does not begin as a call, or calls from the answer's start (after any
+        whitespace and `<|python_tag|>`, typed out or its special token)."""
+        more = ' ("; " call)*' if parallel else ""
+        tag, rx = _literal(self.python_tag, specials or {}), _regex(self.python_tag)
+        return Grammar(
+            "grammar",
+            f"start: TEXT | SPACE {tag}? call{more}\n"
+            f"TEXT: /(?s:.*)/ & ~/\\s*\\{{(?s:.*)/ & ~/\\s*{rx}(?s:.*)/\nSPACE: /\\s*/\n"
+            f"call: {_json(_call_schema(tools, 'parameters'))}\n",
+        )
+
     def grammar(
         self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
     ) -> Grammar:

@@ -645,12 +645,12 @@ WRITE = {
         },
     },
 }
-MARKERS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]"]
+MARKERS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>"]
 
 
 def _marker_tokenizer(out: Path) -> Tokenizer:
-    """The tiny tokenizer with `<tool_call>`, `</tool_call>` and `[TOOL_CALLS]` as special
-    tokens (as some vocabularies have them), so a model can write a marker as one token."""
+    """The tiny tokenizer with the call markers as special tokens (as some vocabularies have
+    them), so a model can write a marker as one token."""
     from tiny import SPECIALS, make_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
@@ -681,7 +681,9 @@ def _taken(tok: Tokenizer, grammar, ids: list[int]) -> tuple[bool, bool]:
 
 @pytest.mark.parametrize("special", [False, True], ids=["typed-marker", "special-marker"])
 @pytest.mark.parametrize(
-    "fmt", [HermesFormat(), XmlFormat([*TOOLS, WRITE]), MistralFormat()], ids=lambda f: f.name
+    "fmt",
+    [HermesFormat(), XmlFormat([*TOOLS, WRITE]), MistralFormat(), Llama3JsonFormat()],
+    ids=lambda f: f.name,
 )
 def test_auto_grammar_leaves_text_free_and_makes_a_call_well_formed(
     tiny_checkpoint, tmp_path, fmt, special
@@ -694,7 +696,8 @@ def test_auto_grammar_leaves_text_free_and_makes_a_call_well_formed(
     tok = _marker_tokenizer(tmp_path / "tok") if special else Tokenizer.from_dir(tiny_checkpoint)
     tools = [*TOOLS, WRITE]
     grammar = fmt.auto_grammar(tools, False, tok.special_tokens)
-    assert (fmt.open in tok.special_tokens) == special
+    marker = getattr(fmt, "open", Llama3JsonFormat.python_tag)
+    assert (marker in tok.special_tokens) == special
     for text in ["Paris is sunny.", "if a < b: tool_call(x) > y", "Hmm <tool_ca [TOOL_", ""]:
         assert _taken(tok, grammar, tok.encode(text)) == (True, True), text
     # Random answers of whole characters without a marker: the grammar takes every token.
@@ -704,20 +707,25 @@ def test_auto_grammar_leaves_text_free_and_makes_a_call_well_formed(
     plain = [i for i in range(tok.vocab_size) if _plain_piece(tok, i)]
     for _ in range(100):
         ids = [rng.choice(plain) for _ in range(rng.randrange(1, 40))]
-        if fmt.open not in tok.decode(ids):
+        if fmt.start(tok.decode(ids)) is None:
             assert _taken(tok, grammar, ids) == (True, True), tok.decode(ids)
     call, wrong, long_text, two = _auto_cases(fmt)
     if isinstance(fmt, XmlFormat):
         forced = fmt.grammar(tools, False, tok.special_tokens)
         assert not _taken(tok, forced, tok.encode(long_text))[0]  # a forced string: one line
-    for answer in (call, "Let me check.\n" + call, long_text):
+    text_first = " " if isinstance(fmt, Llama3JsonFormat) else "Let me check.\n"
+    for answer in (call, text_first + call, long_text):
         assert _taken(tok, grammar, tok.encode(answer)) == (True, True), answer
         assert fmt.parse(answer)[1], answer
     for answer in wrong:
         assert not _taken(tok, grammar, tok.encode(answer))[0], answer
     assert not _taken(tok, grammar, tok.encode(two))[0]  # parallel_tool_calls false: one
     assert _taken(tok, fmt.auto_grammar(tools, True, tok.special_tokens), tok.encode(two))[0]
-    if special:  # typed out, the marker opens a call as well
+    if isinstance(fmt, Llama3JsonFormat):  # led by <|python_tag|>, as token or typed out
+        for tag in (tok.encode(marker), tok.encode_text(marker)):
+            assert _taken(tok, grammar, tag + tok.encode(call)) == (True, True)
+            assert not _taken(tok, grammar, tag + tok.encode(wrong[0]))[0]
+    elif special:  # typed out, the marker opens a call as well
         typed = tok.encode("Ok ") + tok.encode_text(call)
         assert _taken(tok, grammar, typed) == (True, True)
         assert not _taken(tok, grammar, tok.encode("Ok ") + tok.encode_text(wrong[0]))[0]
@@ -737,7 +745,8 @@ def _auto_cases(fmt) -> tuple[str, list[str], str, str]:
             "<parameter=text>\nx = 1\nif x < 2:\n    pass\n</parameter>\n</function>\n</tool_call>"
         )
         return call, wrong, long_text, call + "\n" + call
-    obj = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+    key = "parameters" if isinstance(fmt, Llama3JsonFormat) else "arguments"
+    obj = json.dumps({"name": "add", key: {"a": 1, "b": 2}})
     write = obj.replace('"add"', '"write"').replace(
         '"a": 1, "b": 2', '"path": "a.py", "text": "x = 1\\nif x < 2: pass"'
     )
@@ -745,12 +754,16 @@ def _auto_cases(fmt) -> tuple[str, list[str], str, str]:
     if isinstance(fmt, HermesFormat):
         block = "<tool_call>\n{}\n</tool_call>".format
         return block(obj), [block(w) for w in wrong], block(write), block(obj) + "\n" + block(obj)
+    if isinstance(fmt, Llama3JsonFormat):
+        return obj, wrong, write, f"{obj}; {obj}"
     array = "[TOOL_CALLS][{}]".format
     return array(obj), [array(w) for w in wrong], array(write), array(f"{obj}, {obj}")
 
 
 @pytest.mark.parametrize(
-    "fmt", [HermesFormat(), XmlFormat(TOOLS), MistralFormat()], ids=lambda f: f.name
+    "fmt",
+    [HermesFormat(), XmlFormat(TOOLS), MistralFormat(), Llama3JsonFormat()],
+    ids=lambda f: f.name,
 )
 def test_a_random_model_that_opens_a_call_under_auto_writes_it_well_formed(
     tiny_package, tmp_path, fmt
@@ -769,7 +782,8 @@ def test_a_random_model_that_opens_a_call_under_auto_writes_it_well_formed(
     engine = Engine.load(package)
     tok = engine.tokenizer
     prompt = tok.encode("What is the weather in Paris?")
-    push = Penalties(logit_bias=((tok.token_to_id(fmt.open), 100.0),))
+    marker = getattr(fmt, "open", Llama3JsonFormat.python_tag)
+    push = Penalties(logit_bias=((tok.token_to_id(marker), 100.0),))
     grammar = fmt.auto_grammar(TOOLS, False, tok.special_tokens)
     free_calls = 0
     for seed in range(6):
