@@ -1,7 +1,10 @@
 """What a grammar costs per token: JSON-schema answers against the same prompts answered free.
 
 For each request (a chat prompt asking for JSON, and its schema), aotgen answers greedily with
-the schema and without it, in alternating order, `--runs` times; with `--spec PKG`, also the
+the schema and without it, and under the grammar of a tool_choice "auto" request with two
+tools (Hermes' calls: text free until `<tool_call>`) against the free answer that also ends
+at eos (`auto_tools`, `auto_free`; `auto_same`: whether the grammar left the answer as it
+was), in rotating order, `--runs` times; with `--spec PKG`, also the
 package's draft under the schema. With `--llama-cpp GGUF` (the same weights), llama.cpp's
 `llama-server` answers the same prompt ids with its `json_schema` field and without it. Decode
 rates are each engine's own (tokens after the first over the time after the first), medians
@@ -17,6 +20,7 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -25,6 +29,24 @@ from aotgen.bench_chat import llama_completion, llama_server  # noqa: E402
 from aotgen.cli.common import print_json, script_main  # noqa: E402
 from aotgen.runtime.engine import Engine, GenerationConfig  # noqa: E402
 from aotgen.runtime.grammar import Grammar  # noqa: E402
+from aotgen.tool_calls import HermesFormat  # noqa: E402
+
+# The tools of the auto rows: a template's tools (their calls never come: the prompts ask
+# for JSON, not for a tool).
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "parameters": {
+                "type": "object",
+                "properties": {key: {"type": "string"}},
+                "required": [key],
+            },
+        },
+    }
+    for name, key in (("get_weather", "city"), ("search", "query"))
+]
 
 REQUESTS = [
     (
@@ -73,24 +95,32 @@ REQUESTS = [
 
 
 def _aotgen(engine: Engine, ids: list[int], schema: dict, max_tokens: int, runs: int, mode):
-    """Median decode tok/s with the schema and free (as many tokens, in alternating order);
-    the constrained answer's tokens; whether it parsed as JSON."""
+    """Median decode tok/s with the schema, free and under the auto tool grammar (as many
+    tokens, in rotating order); the constrained answer's tokens; whether it parsed as JSON;
+    whether the auto grammar's answer was the free one."""
     constrained = GenerationConfig(
         max_new_tokens=max_tokens, grammar=Grammar.json_schema(schema), speculative=mode
     )
     first = engine.generate(ids, constrained)  # greedy: every run answers this
     n = len(first.token_ids)
     free = GenerationConfig(max_new_tokens=n, ignore_eos=True, speculative=mode)
-    rates: dict[str, list[float]] = {"schema": [], "free": []}
+    # The auto grammar ends at eos (a grammar refuses ignore_eos): against the free answer
+    # that ends there too, the same tokens where the grammar left it as it was.
+    tools = HermesFormat().auto_grammar(TOOLS, True, engine.tokenizer.special_tokens)
+    auto = GenerationConfig(max_new_tokens=max_tokens, grammar=tools, speculative=mode)
+    free_eos = replace(auto, grammar=None)
+    same = engine.generate(ids, auto).text == engine.generate(ids, free_eos).text
+    rates: dict[str, list[float]] = {"schema": [], "free": [], "auto": [], "free_eos": []}
+    order = [("schema", constrained), ("free", free), ("auto", auto), ("free_eos", free_eos)]
     for run in range(runs):
-        order = [("schema", constrained), ("free", free)]
-        for name, config in order if run % 2 == 0 else order[::-1]:
+        for name, config in order[run % 4 :] + order[: run % 4]:
             rates[name].append(engine.generate(ids, config).decode_tok_s)
     try:
         parsed = isinstance(json.loads(first.text), dict)
     except json.JSONDecodeError:
         parsed = False
-    return statistics.median(rates["schema"]), statistics.median(rates["free"]), n, parsed
+    median = {name: statistics.median(values) for name, values in rates.items()}
+    return median["schema"], median["free"], n, parsed, median["auto"], median["free_eos"], same
 
 
 def _llama(url: str, ids: list[int], schema: dict, max_tokens: int, runs: int):
@@ -123,13 +153,13 @@ def main() -> dict:
         engine.generate(ids, GenerationConfig(max_new_tokens=4))  # warm-up
         row = dict(
             zip(
-                ("schema", "free", "tokens", "json"),
+                ("schema", "free", "tokens", "json", "auto_tools", "auto_free", "auto_same"),
                 _aotgen(engine, ids, schema, args.max_tokens, args.runs, None),
                 strict=True,
             )
         )
         if spec is not None:
-            row["draft_schema"], row["draft_free"], _, _ = _aotgen(
+            row["draft_schema"], row["draft_free"], *_ = _aotgen(
                 spec, ids, schema, args.max_tokens, args.runs, "draft"
             )
         rows.append({"question": question, **row})
