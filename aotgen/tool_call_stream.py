@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from aotgen.tool_grammar import is_text
+
 if TYPE_CHECKING:
     from aotgen.tool_calls import ToolFormat
 
@@ -271,14 +273,10 @@ class XmlCallReader:
     `write_file` call carries); others, typed by the tool's schema, once their parameter ends."""
 
     def __init__(
-        self,
-        schemas: dict[str, dict[str, Any]],
-        typed: Callable[[str, dict[str, Any]], Any],
-        is_text: Callable[[dict[str, Any]], bool],
+        self, schemas: dict[str, dict[str, Any]], typed: Callable[[str, dict[str, Any]], Any]
     ):
-        """`schemas`: each tool's parameters; `typed`: a value's text as its schema types it;
-        `is_text`: whether a schema takes the text as it stands (a string)."""
-        self.schemas, self.typed, self.is_text = schemas, typed, is_text
+        """`schemas`: each tool's parameters; `typed`: a value's text as its schema types it."""
+        self.schemas, self.typed = schemas, typed
         self.text, self.at = "", 0
         self.state = "call"  # call, name, body, key, value
         self.all: list[_Call] = []
@@ -341,7 +339,7 @@ class XmlCallReader:
         return True
 
     def _string(self) -> bool:
-        return self.is_text(self.spec)
+        return is_text(self.spec)
 
     def _value(self, out: list[CallDelta]) -> bool:
         end = self._find("</parameter>")

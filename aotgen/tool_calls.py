@@ -19,9 +19,10 @@ which convention from the template (vLLM's `--tool-call-parser`, chosen per mode
 
 Each format reads calls back from the answer's text (`parse`), reads them as the text arrives
 (`reader`: aotgen/tool_call_stream.py), says where a call may begin (`start`: text before it
-streams as content), and gives the grammar that makes the model
-write calls of the given tools (`grammar`: OpenAI's `tool_choice` "required" or a named
-function), so that a forced call is always well formed and its arguments match the schema.
+streams as content), and gives the grammar that makes the model write calls of the given
+tools (`grammar`: OpenAI's `tool_choice` "required" or a named function), so that a forced
+call is always well formed and its arguments match the schema, and the one that leaves text
+free until the model opens a call (`auto_grammar`: "auto"; aotgen/tool_grammar.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,18 @@ from typing import Any
 from aotgen.runtime import harmony
 from aotgen.runtime.grammar import Grammar
 from aotgen.tool_call_stream import CallReader, JsonCallReader, XmlCallReader
+from aotgen.tool_grammar import (
+    VALUE_END,
+    Specials,
+    call_schema,
+    forced,
+    is_text,
+    json_rule,
+    lazy,
+    literal,
+    regex_literal,
+    value_rule,
+)
 
 
 @dataclass(frozen=True)
@@ -51,31 +64,6 @@ class ToolCall:
             "function": {"name": self.name, "arguments": self.arguments},
         }
         return call if index is None else {"index": index, **call}
-
-
-def _call_schema(tools: list[dict[str, Any]], arguments_key: str) -> dict[str, Any]:
-    """A JSON object calling one of `tools`: its name and arguments matching its parameters."""
-    options = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": tool["function"]["name"]},
-                arguments_key: tool["function"].get("parameters") or {"type": "object"},
-            },
-            "required": ["name", arguments_key],
-            "additionalProperties": False,
-        }
-        for tool in tools
-    ]
-    return options[0] if len(options) == 1 else {"anyOf": options}
-
-
-def _json(schema: dict[str, Any]) -> str:
-    """The grammar rule for JSON matching `schema`, laid out as the templates show it
-    ({"name": ..., "arguments": {...}}): no free whitespace, which a weak model may emit
-    without end."""
-    layout = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
-    return f"%json {json.dumps(schema | {'x-guidance': layout})}"
 
 
 def _openai_id() -> str:
@@ -134,21 +122,21 @@ class HermesFormat(_AfterText):
     def grammar(
         self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
     ) -> Grammar:
-        return _forced(self.open, self._after_open(tools, parallel, specials or {}), specials)
+        return forced(self.open, self._after_open(tools, parallel, specials or {}), specials)
 
     def auto_grammar(
         self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
     ) -> Grammar:
-        return _lazy(self.open, self._after_open(tools, parallel, specials or {}), specials)
+        return lazy(self.open, self._after_open(tools, parallel, specials or {}), specials)
 
     def _after_open(self, tools: list[dict[str, Any]], parallel: bool, specials: Specials) -> str:
         """The rules of what follows the first `<tool_call>` (`first`): its call and, with
         `parallel`, more blocks, one a line as Qwen writes them."""
         more = ' ("\\n" call)*' if parallel else ""
-        opening, closing = _literal(self.open, specials), _literal(self.close, specials)
+        opening, closing = literal(self.open, specials), literal(self.close, specials)
         return (
             f'first: block{more}\ncall: {opening} block\nblock: "\\n" body "\\n" {closing}\n'
-            f"body: {_json(_call_schema(tools, 'arguments'))}\n"
+            f"body: {json_rule(call_schema(tools, 'arguments'))}\n"
         )
 
 
@@ -193,12 +181,12 @@ class Llama3JsonFormat:
         """Text that does not begin as a call, or calls from the answer's start (after any
         whitespace and `<|python_tag|>`, typed out or its special token)."""
         more = ' ("; " call)*' if parallel else ""
-        tag, rx = _literal(self.python_tag, specials or {}), _regex(self.python_tag)
+        tag, rx = literal(self.python_tag, specials or {}), regex_literal(self.python_tag)
         return Grammar(
             "grammar",
             f"start: TEXT | SPACE {tag}? call{more}\n"
             f"TEXT: /(?s:.*)/ & ~/\\s*\\{{(?s:.*)/ & ~/\\s*{rx}(?s:.*)/\nSPACE: /\\s*/\n"
-            f"call: {_json(_call_schema(tools, 'parameters'))}\n",
+            f"call: {json_rule(call_schema(tools, 'parameters'))}\n",
         )
 
     def grammar(
@@ -206,7 +194,7 @@ class Llama3JsonFormat:
     ) -> Grammar:
         more = ' ("; " call)*' if parallel else ""
         return Grammar(
-            "grammar", f"start: call{more}\ncall: {_json(_call_schema(tools, 'parameters'))}\n"
+            "grammar", f"start: call{more}\ncall: {json_rule(call_schema(tools, 'parameters'))}\n"
         )
 
 
@@ -242,18 +230,18 @@ class MistralFormat(_AfterText):
     def grammar(
         self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
     ) -> Grammar:
-        return _forced(self.open, self._after_open(tools, parallel), specials)
+        return forced(self.open, self._after_open(tools, parallel), specials)
 
     def auto_grammar(
         self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
     ) -> Grammar:
-        return _lazy(self.open, self._after_open(tools, parallel), specials)
+        return lazy(self.open, self._after_open(tools, parallel), specials)
 
     @staticmethod
     def _after_open(tools: list[dict[str, Any]], parallel: bool) -> str:
-        array = {"type": "array", "items": _call_schema(tools, "arguments"), "minItems": 1}
+        array = {"type": "array", "items": call_schema(tools, "arguments"), "minItems": 1}
         array |= {} if parallel else {"maxItems": 1}
-        return f"first: {_json(array)}\n"
+        return f"first: {json_rule(array)}\n"
 
 
 class GraniteFormat(MistralFormat):
@@ -300,7 +288,7 @@ class XmlFormat(_AfterText):
         return text[:at] or None, calls
 
     def reader(self) -> CallReader:
-        return XmlCallReader(self.schemas, _typed, _is_text)
+        return XmlCallReader(self.schemas, _typed)
 
     def grammar(
         self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
@@ -309,7 +297,7 @@ class XmlFormat(_AfterText):
         value as its schema says: JSON for non-strings, one of an enum's strings, or a line of
         text (no `<`, no line break: a forced call's strings are single lines)."""
         rules = self._after_open(tools, parallel, specials or {}, free_text=False)
-        return _forced(self.open, rules, specials)
+        return forced(self.open, rules, specials)
 
     def auto_grammar(
         self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
@@ -317,15 +305,15 @@ class XmlFormat(_AfterText):
         """As `grammar`, but a string value is any text up to its `</parameter>` (a file a
         `write_file` call carries, over many lines), once the model opened a call itself."""
         rules = self._after_open(tools, parallel, specials or {}, free_text=True)
-        return _lazy(self.open, rules, specials)
+        return lazy(self.open, rules, specials)
 
     def _after_open(
         self, tools: list[dict[str, Any]], parallel: bool, specials: Specials, free_text: bool
     ) -> str:
         more = ' ("\\n" call)*' if parallel else ""  # one block a line, as the template has
-        rules = [f"first: block{more}", f"call: {_literal(self.open, specials)} block"]
+        rules = [f"first: block{more}", f"call: {literal(self.open, specials)} block"]
         rules.append(f"block: {' | '.join(f'call{i}' for i in range(len(tools)))}")
-        closing, end = _literal(self.close, specials), json.dumps(VALUE_END)
+        closing, end = literal(self.close, specials), json.dumps(VALUE_END)
         for i, tool in enumerate(tools):
             function = tool["function"]
             parameters = function.get("parameters") or {}
@@ -335,49 +323,15 @@ class XmlFormat(_AfterText):
             parts = []
             for j, (key, spec) in enumerate(properties.items()):
                 name, opening = f"p{i}_{j}", json.dumps(f"<parameter={key}>\n")
-                if free_text and _is_text(spec) and "enum" not in spec:
+                if free_text and is_text(spec) and "enum" not in spec:
                     rules.append(f"{name}: {opening} v{i}_{j}")  # the value's lexeme ends it
-                    rules.append(f"v{i}_{j}[lazy]: /(?s:.*){_regex(VALUE_END)}/")
+                    rules.append(f"v{i}_{j}[lazy]: /(?s:.*){regex_literal(VALUE_END)}/")
                 else:
                     rules.append(f"{name}: {opening} v{i}_{j} {end}")
-                    rules.append(f"v{i}_{j}: {_value_rule(spec)}")
+                    rules.append(f"v{i}_{j}: {value_rule(spec)}")
                 parts.append(name if key in required else f"{name}?")
             rules.append(f'call{i}: {head} {" ".join(parts)} "</function>\\n" {closing}')
         return "\n".join(rules) + "\n"
-
-
-Specials = dict[str, int]  # special tokens' text -> id (Tokenizer.special_tokens)
-VALUE_END = "\n</parameter>\n"  # after a Qwen3-Coder parameter's value
-
-
-def _literal(text: str, specials: Specials) -> str:
-    """Lark for a marker as a model may write it: its characters, or the special token it is
-    in this vocabulary (which no quoted string matches)."""
-    quoted = json.dumps(text)
-    return f"({quoted} | <[{specials[text]}]>)" if text in specials else quoted
-
-
-def _regex(text: str) -> str:
-    """`text` as a literal inside a Lark /regex/."""
-    return re.sub(r"([\\.^$|?*+()\[\]{}/])", r"\\\1", text).replace("\n", "\\n")
-
-
-def _forced(marker: str, after: str, specials: Specials | None) -> Grammar:
-    """A call at once: the marker, then `first` (the rules `after` define)."""
-    return Grammar("grammar", f"start: {_literal(marker, specials or {})} first\n{after}")
-
-
-def _lazy(marker: str, after: str, specials: Specials | None) -> Grammar:
-    """Free text, or free text up to the marker and then `first`: llama.cpp's lazy grammar
-    (triggered by the marker), so a call the model chooses to make is well formed while an
-    answer in text is left as the model writes it. The marker may be typed out or, where the
-    vocabulary has it, the special token."""
-    rx = _regex(marker)
-    start = "start: TEXT | lead first"
-    if marker in (specials or {}):
-        start += f" | TEXT <[{specials[marker]}]> first"
-    text = f"TEXT: /(?s:.*)/ & ~/(?s:.*{rx}.*)/\nlead[lazy]: /(?s:.*){rx}/\n"
-    return Grammar("grammar", f"{start}\n{text}{after}")
 
 
 def _typed(value: str, spec: dict[str, Any]) -> Any:
@@ -385,7 +339,7 @@ def _typed(value: str, spec: dict[str, Any]) -> Any:
     as written; integers, numbers, booleans and null from their text; objects and arrays as
     JSON; text that does not read as its type stays text."""
     kind = spec.get("type")
-    if _is_text(spec):
+    if is_text(spec):
         return value
     if value.strip().lower() in ("null", "none") and kind != "string":
         return None
@@ -398,20 +352,6 @@ def _typed(value: str, spec: dict[str, Any]) -> Any:
     if kind == "integer" and isinstance(parsed, float) and parsed.is_integer():
         return int(parsed)
     return parsed
-
-
-def _is_text(spec: dict[str, Any]) -> bool:
-    """Whether a parameter's value is its text as it stands: a string (or a string enum)."""
-    return spec.get("type") == "string" or (spec.get("type") is None and "enum" in spec)
-
-
-def _value_rule(spec: dict[str, Any]) -> str:
-    """The grammar of one parameter's value as the template writes it."""
-    if _is_text(spec):
-        if "enum" in spec:
-            return " | ".join(json.dumps(str(v)) for v in spec["enum"])
-        return "/[^<\\n]*/"
-    return _json(spec)
 
 
 class HarmonyFormat:
@@ -435,7 +375,7 @@ class HarmonyFormat:
             function = tool["function"]
             head = json.dumps(f"commentary to={harmony.FUNCTIONS}{function['name']} ")
             rules.append(f'call{i}: {head} {harmony.CONSTRAIN} "json" {harmony.MESSAGE} args{i}')
-            rules.append(f"args{i}: {_json(function.get('parameters') or {'type': 'object'})}")
+            rules.append(f"args{i}: {json_rule(function.get('parameters') or {'type': 'object'})}")
         calls = Grammar("grammar", "\n".join(rules) + "\n")
         return harmony.after_analysis(calls, harmony.CHANNEL)
 

@@ -788,12 +788,12 @@ def test_a_random_model_that_opens_a_call_under_auto_writes_it_well_formed(
     free_calls = 0
     for seed in range(6):
         sampling = SamplingParams(temperature=1.0, seed=seed)
-        config = GenerationConfig(100, sampling=sampling, penalties=push, grammar=grammar)
+        config = GenerationConfig(140, sampling=sampling, penalties=push, grammar=grammar)
         result = engine.generate(prompt, config)
         content, calls = fmt.parse(result.text)
         assert result.finish_reason == "eos" and content is None, result.text
         assert len(calls) == 1 and matches_schema(calls[0]), result.text
-        free = engine.generate(prompt, GenerationConfig(100, sampling=sampling, penalties=push))
+        free = engine.generate(prompt, GenerationConfig(140, sampling=sampling, penalties=push))
         free_calls += bool(fmt.parse(free.text)[1])
     assert free_calls == 0
 
