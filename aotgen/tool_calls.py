@@ -99,6 +99,23 @@ class _AfterText:
                 return size
         return 0
 
+    def grammar(
+        self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
+    ) -> Grammar:
+        return forced(self.open, self._after_open(tools, parallel, specials or {}, False), specials)
+
+    def auto_grammar(
+        self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
+    ) -> Grammar:
+        return lazy(self.open, self._after_open(tools, parallel, specials or {}, True), specials)
+
+    def _after_open(
+        self, tools: list[dict[str, Any]], parallel: bool, specials: Specials, auto: bool
+    ) -> str:
+        """The Lark rules of what follows the first marker (`first`); `auto`: for a call the
+        model opened itself."""
+        raise NotImplementedError
+
 
 class HermesFormat(_AfterText):
     name = "hermes"
@@ -119,19 +136,10 @@ class HermesFormat(_AfterText):
     def reader() -> CallReader:
         return JsonCallReader("arguments")
 
-    def grammar(
-        self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
-    ) -> Grammar:
-        return forced(self.open, self._after_open(tools, parallel, specials or {}), specials)
-
-    def auto_grammar(
-        self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
-    ) -> Grammar:
-        return lazy(self.open, self._after_open(tools, parallel, specials or {}), specials)
-
-    def _after_open(self, tools: list[dict[str, Any]], parallel: bool, specials: Specials) -> str:
-        """The rules of what follows the first `<tool_call>` (`first`): its call and, with
-        `parallel`, more blocks, one a line as Qwen writes them."""
+    def _after_open(
+        self, tools: list[dict[str, Any]], parallel: bool, specials: Specials, auto: bool
+    ) -> str:
+        """The first call's block and, with `parallel`, more, one a line as Qwen writes them."""
         more = ' ("\\n" call)*' if parallel else ""
         opening, closing = literal(self.open, specials), literal(self.close, specials)
         return (
@@ -227,18 +235,9 @@ class MistralFormat(_AfterText):
         alphabet = string.ascii_letters + string.digits
         return "".join(secrets.choice(alphabet) for _ in range(9))
 
-    def grammar(
-        self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
-    ) -> Grammar:
-        return forced(self.open, self._after_open(tools, parallel), specials)
-
-    def auto_grammar(
-        self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
-    ) -> Grammar:
-        return lazy(self.open, self._after_open(tools, parallel), specials)
-
-    @staticmethod
-    def _after_open(tools: list[dict[str, Any]], parallel: bool) -> str:
+    def _after_open(
+        self, tools: list[dict[str, Any]], parallel: bool, specials: Specials, auto: bool
+    ) -> str:
         array = {"type": "array", "items": call_schema(tools, "arguments"), "minItems": 1}
         array |= {} if parallel else {"maxItems": 1}
         return f"first: {json_rule(array)}\n"
@@ -290,26 +289,13 @@ class XmlFormat(_AfterText):
     def reader(self) -> CallReader:
         return XmlCallReader(self.schemas, _typed)
 
-    def grammar(
-        self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
-    ) -> Grammar:
-        """Each tool's required parameters in its schema's order, then its optional ones, each
-        value as its schema says: JSON for non-strings, one of an enum's strings, or a line of
-        text (no `<`, no line break: a forced call's strings are single lines)."""
-        rules = self._after_open(tools, parallel, specials or {}, free_text=False)
-        return forced(self.open, rules, specials)
-
-    def auto_grammar(
-        self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
-    ) -> Grammar:
-        """As `grammar`, but a string value is any text up to its `</parameter>` (a file a
-        `write_file` call carries, over many lines), once the model opened a call itself."""
-        rules = self._after_open(tools, parallel, specials or {}, free_text=True)
-        return lazy(self.open, rules, specials)
-
     def _after_open(
-        self, tools: list[dict[str, Any]], parallel: bool, specials: Specials, free_text: bool
+        self, tools: list[dict[str, Any]], parallel: bool, specials: Specials, auto: bool
     ) -> str:
+        """Each tool's required parameters in its schema's order, then its optional ones, each
+        value as its schema says: JSON for non-strings, one of an enum's strings, or text: a
+        line (no `<`, no line break) in a forced call, any text up to its `</parameter>` in
+        one the model opened itself (a file a `write_file` call carries, over many lines)."""
         more = ' ("\\n" call)*' if parallel else ""  # one block a line, as the template has
         rules = [f"first: block{more}", f"call: {literal(self.open, specials)} block"]
         rules.append(f"block: {' | '.join(f'call{i}' for i in range(len(tools)))}")
@@ -323,7 +309,7 @@ class XmlFormat(_AfterText):
             parts = []
             for j, (key, spec) in enumerate(properties.items()):
                 name, opening = f"p{i}_{j}", json.dumps(f"<parameter={key}>\n")
-                if free_text and is_text(spec) and "enum" not in spec:
+                if auto and is_text(spec) and "enum" not in spec:
                     rules.append(f"{name}: {opening} v{i}_{j}")  # the value's lexeme ends it
                     rules.append(f"v{i}_{j}[lazy]: /(?s:.*){regex_literal(VALUE_END)}/")
                 else:
