@@ -8,9 +8,10 @@ server-sent events ending in `data: [DONE]`, or whole), `GET /v1/models`, `GET /
 (aotgen/serve_info.py). Structured
 output: OpenAI's `response_format` (`json_object`, `json_schema`) or vLLM's
 `structured_outputs` (`json`, `regex`, `grammar`, `choice`). Tool
-calls: `tools`, `tool_choice`, in the format the chat template teaches (aotgen/tool_calls.py);
-reasoning apart (aotgen/runtime/reasoning.py). The engine steps in its own thread; each request is
-handed its text through an asyncio queue. A client that goes away has its request cancelled,
+calls: `tools`, `tool_choice`, in the format the chat template teaches (aotgen/tool_calls.py),
+streamed as they form (aotgen/tool_call_stream.py); reasoning apart
+(aotgen/runtime/reasoning.py). The engine steps in its own thread; each request is handed its
+text through an asyncio queue. A client that goes away has its request cancelled,
 so its slot frees at the next step. Errors are OpenAI-shaped: `{"error": {"message", "type",
 "param", "code"}}` with a 4xx/5xx status; a full queue is 429 with `Retry-After`.
 """
@@ -145,9 +146,9 @@ class Server:
     def chat(
         self, req: ChatRequest
     ) -> tuple[ChatRequest, list[int], GenerationConfig, ChatAnswers]:
-        """A chat request with the model's defaults, its prompt, its config (a forced tool
-        call's or a response format's grammar on the answer, not the reasoning) and the
-        answers' shape."""
+        """A chat request with the model's defaults, its prompt, its config (the tool calls'
+        grammar, forced or "auto", or a response format's, on the answer, not the reasoning)
+        and the answers' shape."""
         tok = self.engine.tokenizer
         name, req = self.model(req.model), req.with_defaults(self.defaults)
         fmt, calls = req.tool_calls(
