@@ -52,7 +52,7 @@ class HarmonyAnswerStream:
 
     def __init__(self, head: str, fmt: ToolFormat | None):
         self.split, self.fmt = HarmonyStream(head), fmt
-        self.sent: list[tuple[str, str]] = []  # each call's name and the arguments sent
+        self.sent: list[int] = []  # how much of each call's arguments went out
 
     def feed(self, piece: str) -> tuple[dict[str, Any], list[CallDelta]]:
         return _delta(*self.split.feed(piece)), self._calls()
@@ -69,11 +69,10 @@ class HarmonyAnswerStream:
         deltas = []
         for index, (name, arguments) in enumerate(self.split.calls):
             if index == len(self.sent):
-                self.sent.append((name, ""))
+                self.sent.append(0)
                 deltas.append(CallDelta(index, "", name))
-            piece = arguments[len(self.sent[index][1]) :]
-            if piece:
-                self.sent[index] = (name, arguments)
+            if piece := arguments[self.sent[index] :]:
+                self.sent[index] = len(arguments)
                 deltas.append(CallDelta(index, piece))
         return deltas
 

@@ -351,7 +351,7 @@ class ChatRequest(RequestFields):
         """The format to read calls back in (None: no calls expected) and the grammar of the
         answer's calls: one that forces a call (tool_choice "required" or a named function),
         or, for "auto" without a response format, one that leaves text free and makes a call
-        the model opens well formed (formats with `auto_grammar`). `specials`: the
+        the model opens well formed (`auto_grammar`; none for harmony). `specials`: the
         vocabulary's special tokens (Tokenizer.special_tokens), which a marker may be."""
         choice = self.tool_choice or ("auto" if self.tools else "none")
         if choice != "none" and not self.tools:
@@ -366,9 +366,9 @@ class ChatRequest(RequestFields):
         tools = self.tool_dicts()
         parallel = self.parallel_tool_calls
         if choice == "auto":
-            lazy = getattr(fmt, "auto_grammar", None)
-            free = lazy is None or self.grammar() is not None  # a response format wins
-            return fmt, None if free else lazy(tools, parallel, specials)
+            if self.grammar() is not None:  # a response format wins
+                return fmt, None
+            return fmt, fmt.auto_grammar(tools, parallel, specials)
         if isinstance(choice, dict):
             wanted = (choice.get("function") or {}).get("name")
             tools = [t for t in tools if t["function"]["name"] == wanted]

@@ -41,8 +41,8 @@ class CallReader(Protocol):
 
     def feed(self, text: str) -> list[CallDelta]: ...
 
-    def calls(self) -> tuple[int, bool]:
-        """How many calls have begun, and whether every one of them has ended."""
+    def ended(self) -> bool:
+        """Whether every call begun has ended."""
         ...
 
 
@@ -171,8 +171,8 @@ class JsonCallReader:
         self.value: _Value | None = None
         self.all: list[_Call] = []
 
-    def calls(self) -> tuple[int, bool]:
-        return len(self.all), all(c.ended for c in self.all)
+    def ended(self) -> bool:
+        return all(c.ended for c in self.all)
 
     def feed(self, text: str) -> list[CallDelta]:
         out: list[CallDelta] = []
@@ -285,8 +285,8 @@ class XmlCallReader:
         self.value_at = 0  # where the value begins (-1: its leading newline not seen yet)
         self.sent = 0  # how much of a string value went out
 
-    def calls(self) -> tuple[int, bool]:
-        return len(self.all), all(c.ended for c in self.all)
+    def ended(self) -> bool:
+        return all(c.ended for c in self.all)
 
     def feed(self, text: str) -> list[CallDelta]:
         self.text += text
@@ -393,4 +393,4 @@ class ToolCallStream:
             content, self.sent = self.text[self.sent :], len(self.text)
             return content, False
         assert self.reader is not None
-        return "", self.reader.calls()[1]
+        return "", self.reader.ended()

@@ -365,6 +365,12 @@ class HarmonyFormat:
         calls = Grammar("grammar", "\n".join(rules) + "\n")
         return harmony.after_analysis(calls, harmony.CHANNEL)
 
+    def auto_grammar(
+        self, tools: list[dict[str, Any]], parallel: bool, specials: Specials | None = None
+    ) -> Grammar | None:
+        """None: a call is a channel message here, read as the model writes it (vLLM's auto)."""
+        return None
+
 
 ToolFormat = (
     HermesFormat | Llama3JsonFormat | MistralFormat | GraniteFormat | XmlFormat | HarmonyFormat
